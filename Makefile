@@ -1,0 +1,32 @@
+# octoserve: every target creates or updates the local virtual environment (.venv) by itself.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+PROFILE ?= seed-000
+
+.PHONY: venv run test test-fast bench protos clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(VENV)/.stamp-base: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+venv: $(VENV)/.stamp-base
+
+## The main job: the simulated 8-GPU node under the seed-000 peak workload.
+run: venv
+	$(BIN)/octoserve simulate --profile $(PROFILE)
+
+## The whole test suite.
+test: venv
+	$(BIN)/python -m pytest -q
+
+## Tests that need neither vLLM nor the live services.
+test-fast: venv
+	$(BIN)/python -m pytest -q -m "not vllm and not slow"
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

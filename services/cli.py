@@ -1,0 +1,43 @@
+"""The `octoserve` command: one subcommand per module, imported only when it runs.
+
+Each subcommand module exposes `add_arguments(parser)` and `run(args) -> int`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> (module, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "simulate": ("services.sim.cli_simulate", "run the node in the discrete-event simulator and report SLO metrics"),
+    "plan": ("services.sim.cli_plan", "size the node for a workload: roofline bound, verdict, ranked placements"),
+    "up": ("services.launcher", "start the whole node as separate gRPC services on 127.0.0.1"),
+    "bench": ("services.loadgen", "drive a running router with an open-loop workload and report SLO metrics"),
+    "bench-suite": ("services.bench_suite", "run the policy-comparison matrix and write BENCHMARKS.md sections"),
+    "make-test-model": ("services.engine.test_model", "build a tiny random-weight Llama with a local tokenizer"),
+    "calibrate": ("services.calibrate", "measure step times and write a cost-model profile"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="octoserve", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module_name)
+        if name in sys.argv[1:2]:  # only the chosen subcommand's module is imported
+            importlib.import_module(module_name).add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    if argv is not None:
+        sys.argv = [sys.argv[0], *argv]
+    args = build_parser().parse_args()
+    return int(importlib.import_module(args._module).run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,184 @@
+"""Messages shared by every layer of octoserve: requests, step plans, step results, load snapshots.
+
+Invariants:
+- Every message here is a frozen, slotted dataclass: built once, never mutated. Mutable per-request state
+  lives in `services.core.batcher.Request`, owned by exactly one batcher.
+- Times are seconds on the caller's clock (`*_s`), durations carry their unit in the name.
+- Nothing here knows about protobuf, asyncio or a clock.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class Priority(enum.IntEnum):
+    """Service tier. Lower value is more urgent; the order is used directly by queue policies."""
+
+    INTERACTIVE = 0
+    STANDARD = 1
+    BATCH = 2
+
+
+class Role(str, enum.Enum):
+    """What an engine instance does with a request."""
+
+    COLOCATED = "colocated"  # prefill and decode on the same instance, chunked prefill mixed into decode steps
+    PREFILL = "prefill"  # computes the prompt, samples the first token, hands the KV off
+    DECODE = "decode"  # starts from received KV and generates the rest
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS or a stop string
+    LENGTH = "length"  # max_tokens or the context window reached
+    ABORT = "abort"  # cancelled by the client or the router
+    HANDOFF = "handoff"  # prefill role only: the prompt is done, KV is ready to move to a decode instance
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class RequestSpec:
+    """One admitted request as the engines see it."""
+
+    request_id: str
+    model: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    arrival_s: float  # when the router admitted it, on the caller's clock
+    priority: Priority = Priority.STANDARD
+    ttft_slo_ms: float | None = None  # per-request TTFT deadline; None: the model's default SLO
+    # Simulation only: how many tokens the "model" generates before EOS. Real engines ignore it.
+    sim_output_len: int | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.sampling.max_tokens
+
+    def ttft_deadline_s(self, default_ttft_slo_ms: float) -> float:
+        slo_ms = self.ttft_slo_ms if self.ttft_slo_ms is not None else default_ttft_slo_ms
+        return self.arrival_s + slo_ms / 1000.0
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledChunk:
+    """Work for one request in one engine step."""
+
+    request_id: str
+    num_new_tokens: int  # tokens computed this step: 1 for a decode, up to the budget for a prefill chunk
+    num_context_tokens: int  # tokens already in KV before this step (attention reads them)
+    samples: bool  # True when this step ends at the sequence's last known token, so a token is sampled
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """What one engine step runs. Produced by `Batcher.schedule(now)`, consumed by the executor."""
+
+    step_id: int
+    chunks: tuple[ScheduledChunk, ...]
+    preempted_ids: tuple[str, ...] = ()  # preempted this step (recompute or swapped out)
+    swap_out_blocks: int = 0  # blocks copied GPU -> host this step (PCIe time)
+    swap_in_blocks: int = 0  # blocks copied host -> GPU this step
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_new_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks and not self.swap_out_blocks and not self.swap_in_blocks
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """What the executor returns for a plan: the sampled token for every chunk whose `samples` is True."""
+
+    sampled_token_ids: dict[str, int]  # request_id -> the token sampled this step
+    step_time_s: float = 0.0  # measured (real engine) or modelled (sim engine)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """New tokens of one request after one step; `finish_reason` set on its last output."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache (or received KV)
+    num_output_tokens: int = 0  # total so far
+
+
+@dataclass(frozen=True, slots=True)
+class HandoffReady:
+    """Prefill role: the prompt KV of `request_id` sits in `block_ids` and waits to be sent."""
+
+    request_id: str
+    block_ids: tuple[int, ...]
+    num_prompt_tokens: int
+    first_token_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """A load snapshot of one engine instance, as the router and the scheduler see it."""
+
+    instance_id: str
+    model: str
+    role: Role
+    num_running: int
+    num_waiting: int
+    num_total_blocks: int
+    num_free_blocks: int  # free now, cached-but-evictable blocks included
+    block_size: int
+    queued_prefill_tokens: int  # prompt tokens admitted but not yet computed (waiting + partially prefilled)
+    prefill_tokens_per_s: float  # prefill throughput estimate of this instance
+    decode_step_time_s: float  # recent decode step time (ITL proxy)
+    healthy: bool = True
+    paused: bool = False
+
+    @property
+    def kv_usage(self) -> float:
+        if self.num_total_blocks == 0:
+            return 1.0
+        return 1.0 - self.num_free_blocks / self.num_total_blocks
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    """KV event: full blocks with these chained hashes are now cached on an instance."""
+
+    block_hashes: tuple[int, ...]
+    parent_hash: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    """KV event: cached blocks with these hashes were evicted."""
+
+    block_hashes: tuple[int, ...]
+
+
+KVEvent = BlockStored | BlockRemoved
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutputs:
+    """What `Batcher.update(plan, result)` returns."""
+
+    outputs: tuple[RequestOutput, ...] = ()
+    handoffs: tuple[HandoffReady, ...] = ()  # prefill role only
+    kv_events: tuple[KVEvent, ...] = field(default=())
