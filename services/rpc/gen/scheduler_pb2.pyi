@@ -1,0 +1,94 @@
+from . import worker_pb2 as _worker_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class InstancePlacement(_message.Message):
+    __slots__ = ("instance_id", "model", "role", "gpu_ids", "tensor_parallel", "address", "context_window")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    GPU_IDS_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    model: str
+    role: _worker_pb2.Role
+    gpu_ids: _containers.RepeatedScalarFieldContainer[int]
+    tensor_parallel: int
+    address: str
+    context_window: int
+    def __init__(self, instance_id: _Optional[str] = ..., model: _Optional[str] = ..., role: _Optional[_Union[_worker_pb2.Role, str]] = ..., gpu_ids: _Optional[_Iterable[int]] = ..., tensor_parallel: _Optional[int] = ..., address: _Optional[str] = ..., context_window: _Optional[int] = ...) -> None: ...
+
+class RegisterWorkerRequest(_message.Message):
+    __slots__ = ("instance_id", "address", "pid")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    address: str
+    pid: int
+    def __init__(self, instance_id: _Optional[str] = ..., address: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
+
+class RegisterWorkerReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetPlacementRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Placement(_message.Message):
+    __slots__ = ("instances", "complete", "node_config_json")
+    INSTANCES_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    NODE_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    instances: _containers.RepeatedCompositeFieldContainer[InstancePlacement]
+    complete: bool
+    node_config_json: str
+    def __init__(self, instances: _Optional[_Iterable[_Union[InstancePlacement, _Mapping]]] = ..., complete: _Optional[bool] = ..., node_config_json: _Optional[str] = ...) -> None: ...
+
+class GetLoadsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Loads(_message.Message):
+    __slots__ = ("loads",)
+    LOADS_FIELD_NUMBER: _ClassVar[int]
+    loads: _containers.RepeatedCompositeFieldContainer[_worker_pb2.LoadReport]
+    def __init__(self, loads: _Optional[_Iterable[_Union[_worker_pb2.LoadReport, _Mapping]]] = ...) -> None: ...
+
+class AcquireLeaseRequest(_message.Message):
+    __slots__ = ("holder", "instance_ids", "duration_ms")
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_IDS_FIELD_NUMBER: _ClassVar[int]
+    DURATION_MS_FIELD_NUMBER: _ClassVar[int]
+    holder: str
+    instance_ids: _containers.RepeatedScalarFieldContainer[str]
+    duration_ms: int
+    def __init__(self, holder: _Optional[str] = ..., instance_ids: _Optional[_Iterable[str]] = ..., duration_ms: _Optional[int] = ...) -> None: ...
+
+class Lease(_message.Message):
+    __slots__ = ("lease_id", "instance_ids", "expires_at_s")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_IDS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_S_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    instance_ids: _containers.RepeatedScalarFieldContainer[str]
+    expires_at_s: float
+    def __init__(self, lease_id: _Optional[str] = ..., instance_ids: _Optional[_Iterable[str]] = ..., expires_at_s: _Optional[float] = ...) -> None: ...
+
+class ReleaseLeaseRequest(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseLeaseReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
