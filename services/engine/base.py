@@ -30,6 +30,8 @@ class KVHandoff:
     first_token_id: int
     num_kv_bytes: int  # payload size across all TP ranks (transfer time, metrics)
     num_cached_prompt_tokens: int = 0  # prompt tokens the prefill side served from its prefix cache
+    # Non-empty ("stop" / "length") when the first token already ended the request: nothing to decode.
+    finish_reason: str = ""
     # Engine-specific connector parameters, e.g. vLLM's kv_transfer_params serialised as JSON.
     connector_params_json: str = ""
 
