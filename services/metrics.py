@@ -208,7 +208,9 @@ def group_stats(name: str, records: Sequence[RequestRecord], slo: SloSpec, durat
         request_throughput_rps=_ratio(len(done), duration_s),
         output_throughput_tps=_ratio(sum(r.num_output_tokens for r in done), duration_s),
         goodput_rps=_ratio(good, duration_s),
-        prefix_hit_fraction=_ratio(sum(r.num_cached_prompt_tokens for r in done), sum(r.num_prompt_tokens for r in done)),
+        prefix_hit_fraction=_ratio(
+            sum(r.num_cached_prompt_tokens for r in done), sum(r.num_prompt_tokens for r in done)
+        ),
         ttft=latency_stats([r.ttft_s for r in done]),
         tpot=latency_stats([t for r in done if (t := r.tpot_s) is not None]),
         itl=latency_stats(itl),

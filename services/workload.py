@@ -31,7 +31,7 @@ import itertools
 import json
 import math
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -376,14 +376,15 @@ def _lengths(d: _Draw, head_len: int, factor: float) -> tuple[int, int, int]:
     return tail, output, max_tokens
 
 
-def generate_trace(
+def iter_trace(
     profile: WorkloadProfile,
     seed: int | random.Random,
     *,
     rate_rps: float | None = None,
     duration_s: float | None = None,
-) -> list[TraceRequest]:
-    """The requests of one run, in arrival order; deterministic for (profile, seed, rate_rps, duration_s)."""
+) -> Iterator[TraceRequest]:
+    """The requests of one run, in arrival order, built lazily: a long seed-003 trace holds ~1 GB of token tuples,
+    so a consumer that replays as it goes can avoid holding them all. Same requests as `generate_trace`."""
     rng = seed if isinstance(seed, random.Random) else random.Random(seed)
     rate = profile.rate_rps if rate_rps is None else rate_rps
     duration = profile.duration_s if duration_s is None else duration_s
@@ -395,18 +396,27 @@ def generate_trace(
     # Prompt tails are slices of one random pool at random offsets: O(1) Python work per request, not per token.
     max_tail = max((d.traffic.max_context_len for d in draws), default=1)
     pool = tuple(rng.choices(range(lo, profile.token_id_max), k=max_tail + 4096))
-    trace = []
     for i, d in enumerate(draws):
         tail, output, max_tokens = _lengths(d, head_len, profile.max_tokens_factor)
         start = rng.randrange(len(pool) - tail + 1)
         prefix = prefixes[(d.traffic.model, d.prefix_group)] if d.prefix_group >= 0 else ()
         tokens = prefix + _head_tokens(i, head_len, lo, base) + pool[start : start + tail]
         slo_ms = d.tier.ttft_slo_ms if d.tier.ttft_slo_ms is not None else profile.slo.ttft_ms
-        trace.append(
-            TraceRequest(f"r{i:07d}", d.arrival_s, d.traffic.model, tokens, output, max_tokens, d.tier.priority, slo_ms,
-                         d.prefix_group)
+        yield TraceRequest(
+            f"r{i:07d}", d.arrival_s, d.traffic.model, tokens, output, max_tokens, d.tier.priority, slo_ms,
+            d.prefix_group,
         )
-    return trace
+
+
+def generate_trace(
+    profile: WorkloadProfile,
+    seed: int | random.Random,
+    *,
+    rate_rps: float | None = None,
+    duration_s: float | None = None,
+) -> list[TraceRequest]:
+    """The requests of one run, in arrival order; deterministic for (profile, seed, rate_rps, duration_s)."""
+    return list(iter_trace(profile, seed, rate_rps=rate_rps, duration_s=duration_s))
 
 
 def trace_to_jsonl(trace: Iterable[TraceRequest], path: str | Path) -> None:

@@ -16,6 +16,7 @@ from services.workload import (
     TierShare,
     WorkloadProfile,
     generate_trace,
+    iter_trace,
     scaled,
     trace_from_jsonl,
     trace_to_jsonl,
@@ -199,3 +200,10 @@ def test_jsonl_round_trip_and_request_spec(tmp_path):
     record = r.record(first_token_s=r.arrival_s + 0.1, refused=False)
     assert (record.request_id, record.model, record.num_prompt_tokens) == (r.request_id, r.model,
                                                                            len(r.prompt_token_ids))
+
+
+def test_iter_trace_yields_the_same_requests_lazily():
+    p = small_profile(duration_s=2.0)
+    it = iter_trace(p, 6)
+    first = next(it)
+    assert [first, *it] == generate_trace(p, 6)
