@@ -1,0 +1,507 @@
+"""Python SDK for octoserve's public API (`octoserve.v1.Generation`): `AsyncClient` and a blocking `Client`.
+
+    async with AsyncClient("127.0.0.1:50051", retry=RetryPolicy()) as client:
+        async for chunk in client.generate("llama-3-8b", "Hello", max_tokens=32):
+            print(chunk.text, end="")
+
+Invariants:
+- Only RESOURCE_EXHAUSTED and UNAVAILABLE are retried, and only before the first response message: once tokens
+  have streamed, a failure is raised, never replayed (the caller has seen tokens; a replay would repeat them).
+- A retry waits the server's delay (google.rpc.RetryInfo, else the `retry-after-ms` trailer, else exponential
+  backoff), stretched by a random factor in [1, 1 + jitter_fraction): never shorter than the server asked, and
+  spread so that clients refused together do not come back together.
+- No retry outlives the call's deadline, and none exceeds the client's retry budget: a token bucket shared by
+  all calls of one client (gRPC retry throttling, Finagle's RetryBudget). Every call deposits `budget_ratio`
+  tokens, every retry withdraws one, so retries <= budget_max_tokens + budget_ratio * calls and an overloaded
+  node is not hit by a multiple of its offered load.
+- Randomness comes from a `random.Random` the caller may seed, and the sleep is injectable, so tests check
+  retry delays exactly without waiting.
+- Every failure surfaces as an `OctoserveClientError` subclass chosen by gRPC status code; grpc types do not leak.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import grpc
+import grpc.aio
+from google.rpc import error_details_pb2, status_pb2
+
+from services.core.types import FinishReason, Priority
+from services.rpc.gen import generate_pb2 as pb
+from services.rpc.gen import generate_pb2_grpc as pb_grpc
+
+RETRY_AFTER_MS_KEY = "retry-after-ms"
+STATUS_DETAILS_KEY = "grpc-status-details-bin"
+
+# --- errors --------------------------------------------------------------------------------------------------
+
+
+class OctoserveClientError(Exception):
+    """A failed call. `code` is the gRPC status, `attempts` how many times the call was sent."""
+
+    def __init__(
+        self, message: str, *, code: grpc.StatusCode = grpc.StatusCode.UNKNOWN,
+        retry_after_ms: float | None = None, attempts: int = 1,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+        self.retry_after_ms = retry_after_ms  # the server's hint, when it sent one
+        self.attempts = attempts
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.code.name}: {self.message!r}, attempts={self.attempts})"
+
+
+class InvalidArgumentError(OctoserveClientError):
+    """The request is malformed or out of range; the message names the field to change."""
+
+
+class ModelNotFoundError(OctoserveClientError):
+    """The node does not serve the requested model; `list_models()` says which it does."""
+
+
+class OverloadedError(OctoserveClientError):
+    """Shed at admission (RESOURCE_EXHAUSTED); `retry_after_ms` says when the node expects room."""
+
+
+class DeadlineExceededError(OctoserveClientError):
+    """The call's deadline passed (on the client or the server)."""
+
+
+class UnavailableError(OctoserveClientError):
+    """The router is unreachable or draining."""
+
+
+_ERROR_TYPES: dict[grpc.StatusCode, type[OctoserveClientError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
+    grpc.StatusCode.NOT_FOUND: ModelNotFoundError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: OverloadedError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
+    grpc.StatusCode.UNAVAILABLE: UnavailableError,
+}
+
+
+def retry_after_ms_from_trailers(trailing_metadata: Sequence[tuple[str, str | bytes]] | None) -> float | None:
+    """The server's retry delay: google.rpc.RetryInfo in the status details first, else `retry-after-ms`."""
+    trailer_ms = None
+    for key, value in trailing_metadata or ():
+        if key == STATUS_DETAILS_KEY:
+            status = status_pb2.Status.FromString(value)
+            for detail in status.details:
+                if detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+                    info = error_details_pb2.RetryInfo()
+                    detail.Unpack(info)
+                    return info.retry_delay.seconds * 1000.0 + info.retry_delay.nanos / 1e6
+        elif key == RETRY_AFTER_MS_KEY:
+            try:
+                trailer_ms = float(value)
+            except ValueError:
+                pass  # a malformed hint is no hint: fall back to backoff
+    return trailer_ms
+
+
+def error_from_rpc(error: grpc.RpcError, attempts: int = 1) -> OctoserveClientError:
+    """Map a grpc failure (sync or aio) to the SDK's typed error."""
+    code = error.code()
+    error_type = _ERROR_TYPES.get(code, OctoserveClientError)
+    return error_type(
+        error.details() or code.name,
+        code=code,
+        retry_after_ms=retry_after_ms_from_trailers(error.trailing_metadata()),
+        attempts=attempts,
+    )
+
+
+# --- retries -------------------------------------------------------------------------------------------------
+
+RETRYABLE_CODES = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE})
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    max_attempts: int = 4  # sends per call, the first one included
+    initial_backoff_s: float = 0.1  # first retry's delay when the server gives none
+    backoff_multiplier: float = 2.0
+    max_backoff_s: float = 10.0  # a server delay above this is not waited for: the error is raised instead
+    jitter_fraction: float = 0.2  # delays are stretched by a factor drawn from [1, 1 + jitter_fraction)
+    budget_ratio: float = 0.1  # retry tokens each call deposits
+    budget_max_tokens: float = 10.0  # bucket size; the bucket starts full
+    retryable_codes: frozenset[grpc.StatusCode] = RETRYABLE_CODES
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        if self.initial_backoff_s < 0 or self.max_backoff_s < 0 or self.backoff_multiplier < 1:
+            raise ValueError("backoffs must be >= 0 and backoff_multiplier >= 1")
+        if self.jitter_fraction < 0 or self.budget_ratio < 0 or self.budget_max_tokens < 0:
+            raise ValueError("jitter_fraction, budget_ratio and budget_max_tokens must be >= 0")
+
+    def delay_s(self, retry_index: int, server_delay_s: float | None, rng: random.Random) -> float:
+        """Delay before retry number `retry_index` (0 = the first retry)."""
+        if server_delay_s is None:
+            base_s = min(self.initial_backoff_s * self.backoff_multiplier**retry_index, self.max_backoff_s)
+        else:
+            base_s = server_delay_s
+        return base_s * (1.0 + self.jitter_fraction * rng.random())
+
+
+class RetryBudget:
+    """Token bucket limiting retries to a ratio of calls; kept in integer milli-tokens so counts are exact."""
+
+    def __init__(self, ratio: float, max_tokens: float) -> None:
+        self._deposit_milli = round(ratio * 1000)
+        self._max_milli = round(max_tokens * 1000)
+        self._milli = self._max_milli
+
+    @property
+    def tokens(self) -> float:
+        return self._milli / 1000
+
+    def record_call(self) -> None:
+        self._milli = min(self._max_milli, self._milli + self._deposit_milli)
+
+    def try_withdraw(self) -> bool:
+        if self._milli < 1000:
+            return False
+        self._milli -= 1000
+        return True
+
+
+class _Attempts:
+    """One call's retry state: how many sends so far, and whether a failure earns another one."""
+
+    def __init__(
+        self, policy: RetryPolicy | None, budget: RetryBudget | None, rng: random.Random, deadline_s: float | None
+    ) -> None:
+        self.count = 0
+        self._policy, self._budget, self._rng, self._deadline_s = policy, budget, rng, deadline_s
+        if budget is not None:
+            budget.record_call()
+
+    def timeout_s(self, now_s: float) -> float | None:
+        """The per-send grpc timeout: what is left of the call's deadline."""
+        self.count += 1
+        if self._deadline_s is None:
+            return None
+        remaining_s = self._deadline_s - now_s
+        if remaining_s <= 0:
+            raise DeadlineExceededError("the call's deadline passed before it could be sent",
+                                        code=grpc.StatusCode.DEADLINE_EXCEEDED, attempts=self.count - 1)
+        return remaining_s
+
+    def retry_delay_s(self, error: OctoserveClientError, now_s: float) -> float | None:
+        """Seconds to wait before resending, or None when the error must be raised."""
+        p = self._policy
+        if p is None or error.code not in p.retryable_codes or self.count >= p.max_attempts:
+            return None
+        server_delay_s = None if error.retry_after_ms is None else error.retry_after_ms / 1000.0
+        if server_delay_s is not None and server_delay_s > p.max_backoff_s:
+            return None  # the server will not have room within what this caller is willing to wait
+        delay_s = p.delay_s(self.count - 1, server_delay_s, self._rng)
+        if self._deadline_s is not None and now_s + delay_s >= self._deadline_s:
+            return None
+        if self._budget is not None and not self._budget.try_withdraw():
+            return None
+        return delay_s
+
+
+# --- results -------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One streamed message: the tokens new since the previous one; finish_reason and usage on the last only."""
+
+    request_id: str  # the server's id for the request, repeated on every chunk
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """A whole generation, reassembled from its chunks."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: FinishReason | None
+    usage: Usage | None
+    num_chunks: int
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    name: str
+    context_window: int
+    state: str  # READY, LOADING, DRAINING, UNAVAILABLE
+    num_instances: int
+
+
+def assemble(chunks: Sequence[Chunk]) -> Completion:
+    """The completion a sequence of chunks adds up to."""
+    last = chunks[-1] if chunks else None
+    return Completion(
+        request_id=chunks[0].request_id if chunks else "",
+        token_ids=tuple(t for c in chunks for t in c.token_ids),
+        text="".join(c.text for c in chunks),
+        finish_reason=last.finish_reason if last else None,
+        usage=last.usage if last else None,
+        num_chunks=len(chunks),
+    )
+
+
+_FINISH_REASONS = {pb.STOP: FinishReason.STOP, pb.LENGTH: FinishReason.LENGTH, pb.ABORT: FinishReason.ABORT}
+
+
+def chunk_from_response(response: pb.GenerateResponse, request_id: str) -> Chunk:
+    usage = None
+    if response.HasField("usage"):
+        u = response.usage
+        usage = Usage(u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens)
+    return Chunk(
+        request_id=response.request_id or request_id,
+        token_ids=tuple(response.token_ids),
+        text=response.text,
+        finish_reason=_FINISH_REASONS.get(response.finish_reason),
+        usage=usage,
+    )
+
+
+def _priority_to_proto(priority: Priority | str | None) -> int:
+    if priority is None:
+        return pb.PRIORITY_UNSPECIFIED
+    if isinstance(priority, str):
+        priority = Priority[priority.upper()]
+    return pb.Priority.Value(Priority(priority).name)
+
+
+def build_request(
+    model: str,
+    prompt: str | Sequence[int],
+    *,
+    max_tokens: int = 16,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    stop: Sequence[str] = (),
+    ignore_eos: bool = False,
+    priority: Priority | str | None = None,
+    ttft_slo_ms: int | None = None,
+    request_id: str = "",
+) -> pb.GenerateRequest:
+    """The wire request. Range checks are the server's (one place, one message); only types are checked here."""
+    request = pb.GenerateRequest(
+        model=model, max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=list(stop),
+        ignore_eos=ignore_eos, priority=_priority_to_proto(priority), ttft_slo_ms=ttft_slo_ms or 0,
+        request_id=request_id,
+    )
+    if isinstance(prompt, str):
+        request.text = prompt
+    elif isinstance(prompt, (bytes, bytearray)):
+        raise TypeError("prompt must be a str or a sequence of token ids, not bytes")
+    else:
+        request.token_ids.SetInParent()  # an empty list still selects token_ids, so the server names the problem
+        request.token_ids.ids.extend(prompt)
+    if seed is not None:
+        request.seed = seed
+    return request
+
+
+def _model_info(m: pb.Model) -> ModelInfo:
+    return ModelInfo(m.name, m.context_window, pb.ModelState.Name(m.state), m.num_instances)
+
+
+# --- clients -------------------------------------------------------------------------------------------------
+
+
+class AsyncClient:
+    """asyncio client over one grpc.aio channel; safe to share among many concurrent tasks of one loop."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        retry: RetryPolicy | None = None,
+        default_timeout_s: float | None = None,
+        rng: random.Random | None = None,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        channel_options: Sequence[tuple[str, object]] = (),
+    ) -> None:
+        self._channel = grpc.aio.insecure_channel(target, options=list(channel_options))
+        self._stub = pb_grpc.GenerationStub(self._channel)
+        self._retry = retry
+        self._budget = None if retry is None else RetryBudget(retry.budget_ratio, retry.budget_max_tokens)
+        self._default_timeout_s = default_timeout_s
+        self._rng = rng if rng is not None else random.Random()
+        self._sleep = sleep
+
+    @property
+    def retry_budget(self) -> RetryBudget | None:
+        return self._budget
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def wait_ready(self, timeout_s: float) -> None:
+        """Block until the channel connects (raises UnavailableError after `timeout_s`)."""
+        try:
+            await asyncio.wait_for(self._channel.channel_ready(), timeout_s)
+        except asyncio.TimeoutError:
+            raise UnavailableError(f"no connection within {timeout_s} s", code=grpc.StatusCode.UNAVAILABLE) from None
+
+    def _attempts(self, timeout_s: float | None) -> _Attempts:
+        timeout_s = self._default_timeout_s if timeout_s is None else timeout_s
+        deadline_s = None if timeout_s is None else time.monotonic() + timeout_s
+        return _Attempts(self._retry, self._budget, self._rng, deadline_s)
+
+    async def generate(
+        self, model: str, prompt: str | Sequence[int], *, timeout_s: float | None = None,
+        metadata: Sequence[tuple[str, str]] = (), **params,
+    ) -> AsyncIterator[Chunk]:
+        """Stream the chunks of one generation. `params` are `build_request`'s keywords. Closing the iterator
+        early cancels the call, which frees the request's KV on the node."""
+        request = build_request(model, prompt, **params)
+        attempts = self._attempts(timeout_s)
+        while True:
+            call = self._stub.Generate(request, timeout=attempts.timeout_s(time.monotonic()),
+                                       metadata=tuple(metadata) or None)
+            received = False
+            try:
+                request_id = ""
+                async for response in call:
+                    received = True
+                    chunk = chunk_from_response(response, request_id)
+                    request_id = chunk.request_id
+                    yield chunk
+                return
+            except grpc.RpcError as rpc_error:
+                error = error_from_rpc(rpc_error, attempts.count)
+                delay_s = None if received else attempts.retry_delay_s(error, time.monotonic())
+                if delay_s is None:
+                    raise error from None
+            finally:
+                call.cancel()  # a no-op once the stream ended; otherwise the consumer left early
+            await self._sleep(delay_s)
+
+    async def complete(self, model: str, prompt: str | Sequence[int], **kwargs) -> Completion:
+        """The whole generation at once."""
+        return assemble([chunk async for chunk in self.generate(model, prompt, **kwargs)])
+
+    async def list_models(self, *, timeout_s: float | None = None) -> list[ModelInfo]:
+        attempts = self._attempts(timeout_s)
+        while True:
+            try:
+                response = await self._stub.ListModels(
+                    pb.ListModelsRequest(), timeout=attempts.timeout_s(time.monotonic()))
+                return [_model_info(m) for m in response.models]
+            except grpc.RpcError as rpc_error:
+                error = error_from_rpc(rpc_error, attempts.count)
+                delay_s = attempts.retry_delay_s(error, time.monotonic())
+                if delay_s is None:
+                    raise error from None
+            await self._sleep(delay_s)
+
+
+class Client:
+    """Blocking client with the same API and retry rules as `AsyncClient`, over a sync grpc channel."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        retry: RetryPolicy | None = None,
+        default_timeout_s: float | None = None,
+        rng: random.Random | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+        channel_options: Sequence[tuple[str, object]] = (),
+    ) -> None:
+        self._channel = grpc.insecure_channel(target, options=list(channel_options))
+        self._stub = pb_grpc.GenerationStub(self._channel)
+        self._retry = retry
+        self._budget = None if retry is None else RetryBudget(retry.budget_ratio, retry.budget_max_tokens)
+        self._default_timeout_s = default_timeout_s
+        self._rng = rng if rng is not None else random.Random()
+        self._sleep = sleep
+
+    @property
+    def retry_budget(self) -> RetryBudget | None:
+        return self._budget
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def _attempts(self, timeout_s: float | None) -> _Attempts:
+        timeout_s = self._default_timeout_s if timeout_s is None else timeout_s
+        deadline_s = None if timeout_s is None else time.monotonic() + timeout_s
+        return _Attempts(self._retry, self._budget, self._rng, deadline_s)
+
+    def generate(
+        self, model: str, prompt: str | Sequence[int], *, timeout_s: float | None = None,
+        metadata: Sequence[tuple[str, str]] = (), **params,
+    ) -> Iterator[Chunk]:
+        """Like `AsyncClient.generate`, as a blocking iterator."""
+        request = build_request(model, prompt, **params)
+        attempts = self._attempts(timeout_s)
+        while True:
+            call = self._stub.Generate(request, timeout=attempts.timeout_s(time.monotonic()),
+                                       metadata=tuple(metadata) or None)
+            received = False
+            try:
+                request_id = ""
+                for response in call:
+                    received = True
+                    chunk = chunk_from_response(response, request_id)
+                    request_id = chunk.request_id
+                    yield chunk
+                return
+            except grpc.RpcError as rpc_error:
+                error = error_from_rpc(rpc_error, attempts.count)
+                delay_s = None if received else attempts.retry_delay_s(error, time.monotonic())
+                if delay_s is None:
+                    raise error from None
+            finally:
+                call.cancel()
+            self._sleep(delay_s)
+
+    def complete(self, model: str, prompt: str | Sequence[int], **kwargs) -> Completion:
+        return assemble(list(self.generate(model, prompt, **kwargs)))
+
+    def list_models(self, *, timeout_s: float | None = None) -> list[ModelInfo]:
+        attempts = self._attempts(timeout_s)
+        while True:
+            try:
+                response = self._stub.ListModels(pb.ListModelsRequest(), timeout=attempts.timeout_s(time.monotonic()))
+                return [_model_info(m) for m in response.models]
+            except grpc.RpcError as rpc_error:
+                error = error_from_rpc(rpc_error, attempts.count)
+                delay_s = attempts.retry_delay_s(error, time.monotonic())
+                if delay_s is None:
+                    raise error from None
+            self._sleep(delay_s)
