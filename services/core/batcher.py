@@ -1,0 +1,499 @@
+"""The iteration-level batcher of one engine instance: `schedule(now) -> StepPlan`, `update(plan, result, now)`.
+
+One engine step is three calls, as in vLLM v1: `plan = batcher.schedule(now)`, `result = executor(plan)`,
+`outputs = batcher.update(plan, result, now)`. There is no prefill phase and decode phase: every request has
+`num_computed_tokens` catching up with `num_tokens`, so chunked prefill, prefix hits and recompute after preemption
+need no flags. `schedule` is three named steps in a fixed order:
+
+1. running requests, decodes first (they bound ITL), then unfinished prefill chunks, under the step token budget;
+   a request that needs a block the pool lacks preempts the least important running request (policy) until it fits
+   or is itself the victim;
+2. swapped-out requests come back when blocks are free (only in steps that preempted nothing);
+3. waiting requests are admitted in queue-policy order while the token budget, `max_num_seqs` and the reservation
+   policy allow; the head of the queue is never overtaken (no starvation of large requests).
+
+Invariants: a request is in exactly one of waiting / running / swapped / reserved / handoff; every token a plan
+schedules has a KV slot it holds (blocks come only from `KVCacheManager.allocate`, which returns None rather than
+over-allocate), so a step can never run out of memory; at most `max_num_seqs` requests run; at most
+`max_num_batched_tokens` tokens are scheduled per step.
+
+Roles: `colocated` runs requests to completion; `prefill` stops a request after its first sampled token and holds
+its KV for the hand-off (`release_handoff` frees it); `decode` reserves KV before prefill starts elsewhere
+(`reserve`) and starts from the received KV (`commit_handoff`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from services.core.kv_cache import KVCacheManager
+from services.core.preemption import PREEMPTION_MODES, VICTIM_POLICIES
+from services.core.queues import QUEUE_POLICIES, WaitingQueue
+from services.core.reservation import OutputLengthPredictor, ReservationContext, make_reservation_policy
+from services.core.types import (
+    EngineLoad,
+    FinishReason,
+    HandoffReady,
+    Priority,
+    RequestOutput,
+    RequestSpec,
+    Role,
+    ScheduledChunk,
+    StepOutputs,
+    StepPlan,
+    StepResult,
+)
+
+DEFAULT_TIER_TTFT_SLO_MS: Mapping[Priority, float] = {
+    Priority.INTERACTIVE: 200.0,
+    Priority.STANDARD: 250.0,
+    Priority.BATCH: 10_000.0,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class BatcherConfig:
+    role: Role = Role.COLOCATED
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 8192
+    queue_policy: str = "edf"
+    reservation_policy: str = "predicted"
+    victim_policy: str = "lowest-tier-latest"
+    preemption_mode: str = "recompute"
+    num_swap_blocks: int = 0  # host-memory blocks available for swap-out (0: swap degrades to recompute)
+    eos_token_id: int = 2
+    tier_ttft_slo_ms: Mapping[Priority, float] = field(default_factory=lambda: dict(DEFAULT_TIER_TTFT_SLO_MS))
+    predictor_quantile: float = 0.9
+    predictor_prior_tokens: int = 512
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        QUEUE_POLICIES.get(self.queue_policy)
+        VICTIM_POLICIES.get(self.victim_policy)
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    RESERVED = "reserved"  # decode role: KV held, waiting for the hand-off
+    HANDOFF = "handoff"  # prefill role: prompt done, KV held until sent
+    FINISHED = "finished"
+
+
+class Request:
+    """Mutable state of one request inside one batcher."""
+
+    __slots__ = (
+        "spec",
+        "request_id",
+        "token_ids",
+        "num_prompt_tokens",
+        "num_computed_tokens",
+        "num_cached_tokens",
+        "capacity_tokens",
+        "status",
+        "num_preemptions",
+        "num_swapped_blocks",
+        "queue_key",
+        "victim_key",
+    )
+
+    def __init__(self, spec: RequestSpec, queue_key: tuple, victim_key: tuple) -> None:
+        self.spec = spec
+        self.request_id = spec.request_id
+        self.token_ids: list[int] = list(spec.prompt_token_ids)
+        self.num_prompt_tokens = len(spec.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.capacity_tokens = 0  # tokens the held KV blocks can store
+        self.status = RequestStatus.WAITING
+        self.num_preemptions = 0
+        self.num_swapped_blocks = 0
+        self.queue_key = queue_key
+        self.victim_key = victim_key
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+
+class Batcher:
+    def __init__(self, config: BatcherConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.block_size = kv.block_size
+        self._queue_key = QUEUE_POLICIES.get(config.queue_policy)
+        self._victim_key = VICTIM_POLICIES.get(config.victim_policy)
+        self._reservation = make_reservation_policy(config.reservation_policy)
+        self.predictor = OutputLengthPredictor(config.predictor_quantile, prior_tokens=config.predictor_prior_tokens)
+        self._requests: dict[str, Request] = {}
+        self._waiting: WaitingQueue[Request] = WaitingQueue()
+        self._running: list[Request] = []  # sorted by victim key: most important first
+        self._swapped: list[Request] = []  # sorted by victim key
+        self._num_reserved = 0
+        self._num_swap_blocks_used = 0
+        self._step_id = 0
+        self.num_preemptions_total = 0
+
+    # ---- intake -------------------------------------------------------------------------------------------
+
+    def add_request(self, spec: RequestSpec, now: float) -> None:
+        if spec.request_id in self._requests:
+            raise ValueError(f"request id {spec.request_id!r} is already in this batcher")
+        req = self._new_request(spec)
+        self._requests[req.request_id] = req
+        self._waiting.push(req.queue_key, req)
+
+    def _new_request(self, spec: RequestSpec) -> Request:
+        return Request(spec, self._queue_key(spec, self.config.tier_ttft_slo_ms), self._victim_key(spec))
+
+    def request(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+    # ---- schedule ------------------------------------------------------------------------------------------
+
+    def schedule(self, now: float) -> StepPlan:
+        step = _StepBuilder(self.config.max_num_batched_tokens)
+        self._schedule_running(step)
+        if not step.preempted_ids:
+            self._schedule_swapped(step)
+        if not step.preempted_ids and not self._swapped:
+            self._schedule_waiting(step)
+        self._step_id += 1
+        return StepPlan(
+            step_id=self._step_id,
+            chunks=tuple(step.chunks),
+            preempted_ids=tuple(step.preempted_ids),
+            swap_out_blocks=step.swap_out_blocks,
+            swap_in_blocks=step.swap_in_blocks,
+        )
+
+    def _schedule_running(self, step: _StepBuilder) -> None:
+        decodes = [r for r in self._running if r.num_uncomputed_tokens == 1]
+        prefills = [r for r in self._running if r.num_uncomputed_tokens > 1]
+        for req in decodes + prefills:
+            if step.budget <= 0:
+                return
+            if req.status is not RequestStatus.RUNNING:  # preempted earlier in this step
+                continue
+            num_new = min(req.num_uncomputed_tokens, step.budget)
+            if self._make_room(req, req.num_computed_tokens + num_new, step):
+                step.add(req, num_new)
+
+    def _make_room(self, req: Request, num_tokens: int, step: _StepBuilder) -> bool:
+        """Ensure `req` holds KV for `num_tokens`, preempting less important running requests if needed."""
+        while not self._grow(req, num_tokens):
+            victim = self._pick_victim(step.scheduled_ids)
+            self._preempt(victim, step)
+            if victim is req:
+                return False
+        return True
+
+    def _grow(self, req: Request, num_tokens: int) -> bool:
+        if num_tokens <= req.capacity_tokens:
+            return True
+        if self.kv.allocate(req.request_id, req.token_ids, num_tokens) is None:
+            return False
+        req.capacity_tokens = len(self.kv.block_ids(req.request_id)) * self.block_size
+        return True
+
+    def _pick_victim(self, scheduled_ids: set[str]) -> Request:
+        for req in reversed(self._running):
+            if req.request_id not in scheduled_ids:
+                return req
+        # Every running request is already scheduled: the least important one gives way.
+        return self._running[-1]
+
+    def _schedule_swapped(self, step: _StepBuilder) -> None:
+        while self._swapped and len(self._running) < self.config.max_num_seqs:
+            req = self._swapped[0]
+            if self.kv.allocate(req.request_id, req.token_ids, req.num_computed_tokens + 1) is None:
+                return
+            self._swapped.pop(0)
+            self._num_swap_blocks_used -= req.num_swapped_blocks
+            step.swap_in_blocks += req.num_swapped_blocks
+            req.num_swapped_blocks = 0
+            req.capacity_tokens = len(self.kv.block_ids(req.request_id)) * self.block_size
+            self._set_running(req)
+
+    def _schedule_waiting(self, step: _StepBuilder) -> None:
+        while self._waiting and step.budget > 0 and self._num_active() < self.config.max_num_seqs:
+            req = self._waiting.peek()
+            if not self._admit(req):
+                return  # the head is never overtaken
+            self._waiting.pop()
+            self._set_running(req)
+            step.add(req, min(req.num_uncomputed_tokens, step.budget))
+
+    def _admit(self, req: Request) -> bool:
+        cached_tokens = self.kv.find_cached_prefix(req.token_ids) if req.num_computed_tokens == 0 else 0
+        ctx = self._reservation_context()
+        num_tokens = min(
+            self.config.max_model_len,
+            self._reservation.initial_tokens(req.spec, req.num_tokens, ctx),
+        )
+        num_new_blocks = -(-num_tokens // self.block_size) - cached_tokens // self.block_size
+        if not self._reservation.may_admit(num_new_blocks, ctx):
+            return False
+        if self.kv.allocate(req.request_id, req.token_ids, num_tokens) is None:
+            return False
+        req.capacity_tokens = len(self.kv.block_ids(req.request_id)) * self.block_size
+        if req.num_computed_tokens == 0:
+            req.num_cached_tokens = self.kv.num_cached_tokens(req.request_id)
+            req.num_computed_tokens = req.num_cached_tokens
+        return True
+
+    def _reservation_context(self) -> ReservationContext:
+        return ReservationContext(
+            num_free_blocks=self.kv.num_free_blocks,
+            num_total_blocks=self.kv.num_total_blocks,
+            block_size=self.block_size,
+            predicted_output_tokens=self.predictor.predict(),
+        )
+
+    # ---- preemption ---------------------------------------------------------------------------------------
+
+    def _preempt(self, req: Request, step: _StepBuilder) -> None:
+        self._running.remove(req)
+        step.unschedule(req.request_id)
+        req.num_preemptions += 1
+        self.num_preemptions_total += 1
+        step.preempted_ids.append(req.request_id)
+        num_blocks = len(self.kv.block_ids(req.request_id))
+        swap_room = self.config.num_swap_blocks - self._num_swap_blocks_used
+        self.kv.free(req.request_id)
+        req.capacity_tokens = 0
+        if self.config.preemption_mode == "swap" and num_blocks <= swap_room:
+            req.status = RequestStatus.SWAPPED
+            req.num_swapped_blocks = num_blocks
+            self._num_swap_blocks_used += num_blocks
+            step.swap_out_blocks += num_blocks
+            bisect.insort(self._swapped, req, key=_victim_order)
+            return
+        # Recompute: the KV is gone; the request re-enters the queue with its original key.
+        req.status = RequestStatus.WAITING
+        req.num_computed_tokens = 0
+        self._waiting.push(req.queue_key, req)
+
+    # ---- update ------------------------------------------------------------------------------------------
+
+    def update(self, plan: StepPlan, result: StepResult, now: float) -> StepOutputs:
+        outputs: list[RequestOutput] = []
+        handoffs: list[HandoffReady] = []
+        for chunk in plan.chunks:
+            req = self._requests.get(chunk.request_id)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue  # aborted or preempted while the step ran
+            self._advance(req, chunk.num_new_tokens)
+            if chunk.samples:
+                token_id = result.sampled_token_ids[req.request_id]
+                req.token_ids.append(token_id)
+                finish = self._stop_reason(req, token_id)
+                outputs.append(self._output(req, (token_id,), finish))
+                if finish is FinishReason.HANDOFF:
+                    handoffs.append(self._hold_for_handoff(req, token_id))
+                elif finish is not None:
+                    self._finish(req, observe=True)
+        return StepOutputs(tuple(outputs), tuple(handoffs), tuple(self.kv.drain_events()))
+
+    def _advance(self, req: Request, num_new_tokens: int) -> None:
+        before = req.num_computed_tokens
+        req.num_computed_tokens = before + num_new_tokens
+        if req.num_computed_tokens // self.block_size > before // self.block_size:
+            self.kv.cache_computed(req.request_id, req.token_ids, req.num_computed_tokens)
+
+    def _stop_reason(self, req: Request, token_id: int) -> FinishReason | None:
+        spec = req.spec
+        if token_id == self.config.eos_token_id and not spec.sampling.ignore_eos:
+            return FinishReason.STOP
+        if req.num_output_tokens >= spec.max_tokens or req.num_tokens >= self.config.max_model_len:
+            return FinishReason.LENGTH
+        if self.config.role is Role.PREFILL:
+            return FinishReason.HANDOFF
+        return None
+
+    def _output(self, req: Request, token_ids: tuple[int, ...], finish: FinishReason | None) -> RequestOutput:
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=token_ids,
+            finish_reason=finish,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_prompt_tokens=req.num_cached_tokens,
+            num_output_tokens=req.num_output_tokens,
+        )
+
+    def _hold_for_handoff(self, req: Request, first_token_id: int) -> HandoffReady:
+        self._running.remove(req)
+        req.status = RequestStatus.HANDOFF
+        return HandoffReady(req.request_id, self.kv.block_ids(req.request_id), req.num_prompt_tokens, first_token_id)
+
+    def _finish(self, req: Request, *, observe: bool) -> None:
+        if req.status is RequestStatus.RUNNING:
+            self._running.remove(req)
+        elif req.status is RequestStatus.WAITING:
+            self._waiting.remove(req)
+        elif req.status is RequestStatus.SWAPPED:
+            self._swapped.remove(req)
+            self._num_swap_blocks_used -= req.num_swapped_blocks
+        elif req.status is RequestStatus.RESERVED:
+            self._num_reserved -= 1
+        if observe:
+            self.predictor.observe(req.num_output_tokens)
+        req.status = RequestStatus.FINISHED
+        self.kv.free(req.request_id)
+        del self._requests[req.request_id]
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request wherever it is and free its KV. False if the batcher does not know it."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return False
+        self._finish(req, observe=False)
+        return True
+
+    # ---- disaggregation ----------------------------------------------------------------------------------
+
+    def release_handoff(self, request_id: str) -> bool:
+        """Prefill role: the KV was sent (or will never be); free the blocks (they stay prefix-cached)."""
+        req = self._requests.get(request_id)
+        if req is None or req.status is not RequestStatus.HANDOFF:
+            return False
+        self._finish(req, observe=True)
+        return True
+
+    def reserve(self, spec: RequestSpec, now: float) -> bool:
+        """Decode role: hold KV for the prompt (plus the reservation policy's output share) before prefill."""
+        if spec.request_id in self._requests or self._num_active() >= self.config.max_num_seqs:
+            return False
+        req = self._new_request(spec)
+        ctx = self._reservation_context()
+        num_tokens = min(self.config.max_model_len, self._reservation.initial_tokens(spec, req.num_tokens + 1, ctx))
+        if not self._reservation.may_admit(-(-num_tokens // self.block_size), ctx):
+            return False
+        if self.kv.allocate(req.request_id, req.token_ids, num_tokens) is None:
+            return False
+        req.capacity_tokens = len(self.kv.block_ids(req.request_id)) * self.block_size
+        req.num_cached_tokens = self.kv.num_cached_tokens(req.request_id)
+        req.status = RequestStatus.RESERVED
+        self._requests[req.request_id] = req
+        self._num_reserved += 1
+        return True
+
+    def commit_handoff(self, request_id: str, first_token_id: int, now: float) -> RequestOutput | None:
+        """Decode role: the prompt KV arrived; the request joins the running batch after its first token.
+
+        Returns a final (empty) output when the first token already ends the request, else None.
+        """
+        req = self._requests.get(request_id)
+        if req is None or req.status is not RequestStatus.RESERVED:
+            raise KeyError(f"no reservation for request {request_id!r}")
+        self._num_reserved -= 1
+        req.num_computed_tokens = req.num_prompt_tokens
+        req.token_ids.append(first_token_id)
+        self.kv.cache_computed(req.request_id, req.token_ids, req.num_computed_tokens)
+        self._set_running(req)
+        finish = self._stop_reason(req, first_token_id)
+        if finish is None:
+            return None
+        self._finish(req, observe=True)
+        return self._output(req, (), finish)
+
+    def release_reservation(self, request_id: str) -> bool:
+        req = self._requests.get(request_id)
+        if req is None or req.status is not RequestStatus.RESERVED:
+            return False
+        self._finish(req, observe=False)
+        return True
+
+    # ---- state ---------------------------------------------------------------------------------------------
+
+    def _set_running(self, req: Request) -> None:
+        req.status = RequestStatus.RUNNING
+        bisect.insort(self._running, req, key=_victim_order)
+
+    def _num_active(self) -> int:
+        return len(self._running) + self._num_reserved
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._running or self._waiting or self._swapped)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting) + len(self._swapped)
+
+    def queued_prefill_tokens(self) -> int:
+        waiting = sum(r.num_uncomputed_tokens for r in self._waiting)
+        partial = sum(r.num_uncomputed_tokens for r in self._running if r.num_uncomputed_tokens > 1)
+        return waiting + partial
+
+    def load(self, instance_id: str, model: str, prefill_tokens_per_s: float, decode_step_time_s: float) -> EngineLoad:
+        return EngineLoad(
+            instance_id=instance_id,
+            model=model,
+            role=self.config.role,
+            num_running=len(self._running),
+            num_waiting=self.num_waiting,
+            num_total_blocks=self.kv.num_total_blocks,
+            num_free_blocks=self.kv.num_free_blocks,
+            block_size=self.block_size,
+            queued_prefill_tokens=self.queued_prefill_tokens(),
+            prefill_tokens_per_s=prefill_tokens_per_s,
+            decode_step_time_s=decode_step_time_s,
+        )
+
+
+def _victim_order(req: Request) -> tuple:
+    return req.victim_key
+
+
+class _StepBuilder:
+    """Accumulates one step's plan while `schedule` walks the queues."""
+
+    __slots__ = ("budget", "chunks", "scheduled_ids", "preempted_ids", "swap_out_blocks", "swap_in_blocks")
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.chunks: list[ScheduledChunk] = []
+        self.scheduled_ids: set[str] = set()
+        self.preempted_ids: list[str] = []
+        self.swap_out_blocks = 0
+        self.swap_in_blocks = 0
+
+    def add(self, req: Request, num_new_tokens: int) -> None:
+        context = req.num_computed_tokens
+        samples = context + num_new_tokens == req.num_tokens
+        self.chunks.append(ScheduledChunk(req.request_id, num_new_tokens, context, samples))
+        self.scheduled_ids.add(req.request_id)
+        self.budget -= num_new_tokens
+
+    def unschedule(self, request_id: str) -> None:
+        """Take back a chunk of a request preempted later in the same step (its KV is gone)."""
+        if request_id not in self.scheduled_ids:
+            return
+        self.scheduled_ids.discard(request_id)
+        for i, chunk in enumerate(self.chunks):
+            if chunk.request_id == request_id:
+                self.budget += chunk.num_new_tokens
+                del self.chunks[i]
+                return

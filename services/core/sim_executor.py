@@ -1,0 +1,45 @@
+"""The simulated model: turns a StepPlan into a StepResult without running any model.
+
+It samples a deterministic pseudo-token for every chunk that samples, and EOS once a request has produced its
+`sim_output_len` tokens (the workload's true output length; `max_tokens` may be far larger). The step's duration
+comes from the cost model. Used by the live sim engine and by the discrete-event simulator alike, so both produce
+the same tokens and the same step times for the same plans.
+"""
+
+from __future__ import annotations
+
+from services.core.batcher import Batcher
+from services.core.cost_model import CostModel
+from services.core.types import StepPlan, StepResult
+
+SIM_TOKEN_LO = 1000  # sampled ids live in [SIM_TOKEN_LO, SIM_TOKEN_LO + SIM_TOKEN_SPAN): never EOS or a special
+SIM_TOKEN_SPAN = 29_000
+
+
+def sim_token_id(prompt_len: int, first_prompt_token: int, position: int) -> int:
+    """Deterministic token for output position `position` of a request (same on every instance)."""
+    return SIM_TOKEN_LO + (position * 7919 + prompt_len * 104_729 + first_prompt_token * 31) % SIM_TOKEN_SPAN
+
+
+class SimExecutor:
+    def __init__(self, cost_model: CostModel, block_size: int, eos_token_id: int = 2) -> None:
+        self.cost_model = cost_model
+        self.block_size = block_size
+        self.eos_token_id = eos_token_id
+
+    def execute(self, plan: StepPlan, batcher: Batcher) -> StepResult:
+        sampled: dict[str, int] = {}
+        for chunk in plan.chunks:
+            if not chunk.samples:
+                continue
+            req = batcher.request(chunk.request_id)
+            if req is None:
+                continue
+            position = req.num_output_tokens  # index of the token being sampled
+            true_len = req.spec.sim_output_len
+            if true_len is not None and position + 1 >= true_len:
+                sampled[chunk.request_id] = self.eos_token_id
+            else:
+                prompt = req.spec.prompt_token_ids
+                sampled[chunk.request_id] = sim_token_id(len(prompt), prompt[0] if prompt else 0, position)
+        return StepResult(sampled, self.cost_model.plan_time_s(plan, self.block_size))

@@ -1,0 +1,227 @@
+"""The sim engine: octoserve's own iteration-level engine over a virtual GPU, on the real clock.
+
+Each step runs the core batcher (`schedule` -> `SimExecutor.execute` -> `update`) and waits the step's modelled
+duration multiplied by `time_scale` (k). With k > 1 a 2-core machine runs the full 8-GPU node at 1/k speed, and
+the harness divides measured latencies by k. Step end times are absolute (start + duration * k), so the Python work
+of scheduling is hidden inside the modelled step rather than added to it.
+
+Invariants: one step loop task per engine; every batcher call happens on that loop (no locks needed); a caller that
+stops iterating `generate` or `decode` (cancellation) aborts its request, freeing its KV; `pause()` returns only at an
+iteration boundary, after which no step runs until `resume()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import replace
+from collections.abc import AsyncIterator
+
+from services.core.batcher import Batcher, BatcherConfig
+from services.core.cost_model import CostModel
+from services.core.kv_cache import KVCacheManager
+from services.core.sim_executor import SimExecutor
+from services.core.types import EngineLoad, FinishReason, RequestOutput, RequestSpec, Role
+from services.engine.base import CapacityError, HandoffError, KVHandoff
+
+_EMA = 0.2  # weight of the newest decode step time in the load report
+
+
+class SimEngine:
+    def __init__(
+        self,
+        instance_id: str,
+        model: str,
+        batcher_config: BatcherConfig,
+        kv: KVCacheManager,
+        cost_model: CostModel,
+        *,
+        time_scale: float = 1.0,
+    ) -> None:
+        if time_scale <= 0:
+            raise ValueError(f"time_scale must be > 0, got {time_scale}")
+        self.instance_id = instance_id
+        self.model = model
+        self.role = batcher_config.role
+        self.time_scale = time_scale
+        self.batcher = Batcher(batcher_config, kv)
+        self.cost_model = cost_model
+        self.executor = SimExecutor(cost_model, kv.block_size, batcher_config.eos_token_id)
+        self._prefill_tokens_per_s = cost_model.prefill_tokens_per_s(batcher_config.max_num_batched_tokens)
+        self._decode_step_time_s = cost_model.decode_step_time_s(1, 1024)
+        self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._handoffs: dict[str, asyncio.Future[KVHandoff]] = {}
+        self._wakeup = asyncio.Event()
+        self._running = asyncio.Event()  # set while not paused
+        self._running.set()
+        self._idle_at_boundary = asyncio.Event()
+        self._loop_task: asyncio.Task[None] | None = None
+        self.kv_events: list = []  # drained by the worker for the router's prefix index
+        self.num_steps = 0
+
+    # ---- lifecycle -----------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._loop_task is None:
+            self._loop_task = asyncio.create_task(self._step_loop(), name=f"step-loop-{self.instance_id}")
+
+    async def stop(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop_task
+            self._loop_task = None
+        for request_id in list(self._streams):
+            self.batcher.abort(request_id)
+            self._streams.pop(request_id).put_nowait(RequestOutput(request_id, (), FinishReason.ABORT))
+
+    async def pause(self) -> None:
+        """Stop at the next iteration boundary, keeping every request and its KV (gang-lease primitive)."""
+        self._idle_at_boundary.clear()
+        self._running.clear()
+        self._wakeup.set()
+        await self._idle_at_boundary.wait()
+
+    async def resume(self) -> None:
+        self._running.set()
+        self._wakeup.set()
+
+    @property
+    def paused(self) -> bool:
+        return not self._running.is_set()
+
+    # ---- the step loop -------------------------------------------------------------------------------------
+
+    async def _step_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self._running.is_set():
+                self._idle_at_boundary.set()
+                await self._running.wait()
+            if not self.batcher.has_work:
+                self._idle_at_boundary.set()
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            start = loop.time()
+            plan = self.batcher.schedule(start / self.time_scale)
+            if plan.is_empty:  # everything waits on KV held elsewhere; wait for a release
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            result = self.executor.execute(plan, self.batcher)
+            delay = start + result.step_time_s * self.time_scale - loop.time()
+            await asyncio.sleep(max(0.0, delay))
+            out = self.batcher.update(plan, result, loop.time() / self.time_scale)
+            self.num_steps += 1
+            self._note_step(plan, result.step_time_s)
+            self.kv_events.extend(out.kv_events)
+            for output in out.outputs:
+                self._deliver(output)
+
+    def _note_step(self, plan, step_time_s: float) -> None:
+        if plan.chunks and all(c.num_new_tokens == 1 for c in plan.chunks):
+            self._decode_step_time_s += _EMA * (step_time_s - self._decode_step_time_s)
+
+    def _deliver(self, output: RequestOutput) -> None:
+        if output.finish_reason is FinishReason.HANDOFF:
+            future = self._handoffs.pop(output.request_id, None)
+            if future is not None and not future.done():
+                future.set_result(self._handoff_of(output))
+            return
+        queue = self._streams.get(output.request_id)
+        if queue is not None:
+            queue.put_nowait(output)
+        if output.finish_reason is not None:
+            self._streams.pop(output.request_id, None)
+            future = self._handoffs.pop(output.request_id, None)  # prefill role: finished before any hand-off
+            if future is not None and not future.done():
+                future.set_result(self._handoff_of(output))
+
+    def _handoff_of(self, output: RequestOutput) -> KVHandoff:
+        kv_bytes = output.num_prompt_tokens * self.cost_model.model.kv_bytes_per_token
+        return KVHandoff(
+            request_id=output.request_id,
+            source_instance_id=self.instance_id,
+            num_prompt_tokens=output.num_prompt_tokens,
+            first_token_id=output.new_token_ids[0] if output.new_token_ids else -1,
+            num_kv_bytes=kv_bytes,
+            num_cached_prompt_tokens=output.num_cached_prompt_tokens,
+            finish_reason=output.finish_reason.value if output.finish_reason is not FinishReason.HANDOFF else "",
+        )
+
+    # ---- requests ------------------------------------------------------------------------------------------
+
+    async def generate(self, spec: RequestSpec) -> AsyncIterator[RequestOutput]:
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._streams[spec.request_id] = queue
+        self.batcher.add_request(spec, asyncio.get_running_loop().time() / self.time_scale)
+        self._wakeup.set()
+        async for output in self._drain(spec.request_id, queue):
+            yield output
+
+    async def _drain(self, request_id: str, queue: asyncio.Queue[RequestOutput]) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while not finished:
+                output = await queue.get()
+                finished = output.finish_reason is not None
+                yield output
+        finally:
+            if not finished:
+                await self.abort(request_id)
+
+    async def prefill(self, spec: RequestSpec) -> KVHandoff:
+        if self.role is not Role.PREFILL:
+            raise HandoffError(f"instance {self.instance_id} is {self.role.value}, not a prefill instance")
+        future: asyncio.Future[KVHandoff] = asyncio.get_running_loop().create_future()
+        self._handoffs[spec.request_id] = future
+        self.batcher.add_request(spec, asyncio.get_running_loop().time() / self.time_scale)
+        self._wakeup.set()
+        try:
+            return await future
+        except asyncio.CancelledError:
+            await self.abort(spec.request_id)
+            raise
+
+    async def reserve(self, spec: RequestSpec) -> bool:
+        if self.role is not Role.DECODE:
+            raise HandoffError(f"instance {self.instance_id} is {self.role.value}, not a decode instance")
+        return self.batcher.reserve(spec, asyncio.get_running_loop().time() / self.time_scale)
+
+    async def transfer_time_s(self, handoff: KVHandoff) -> float:
+        """Modelled wall time of moving the hand-off's KV over NVLink (already dilated by time_scale)."""
+        return self.cost_model.kv_transfer_time_s(handoff.num_prompt_tokens) * self.time_scale
+
+    async def decode(self, spec: RequestSpec, handoff: KVHandoff) -> AsyncIterator[RequestOutput]:
+        request = self.batcher.request(spec.request_id)
+        if request is None:
+            raise CapacityError(f"no KV reservation for {spec.request_id} on {self.instance_id}: call reserve first")
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._streams[spec.request_id] = queue
+        done = self.batcher.commit_handoff(
+            spec.request_id, handoff.first_token_id, asyncio.get_running_loop().time() / self.time_scale
+        )
+        if done is not None:
+            self._streams.pop(spec.request_id, None)
+            yield done
+            return
+        self._wakeup.set()
+        async for output in self._drain(spec.request_id, queue):
+            yield output
+
+    async def release(self, request_id: str) -> None:
+        if self.batcher.release_handoff(request_id) or self.batcher.release_reservation(request_id):
+            self._wakeup.set()
+
+    async def abort(self, request_id: str) -> None:
+        if self.batcher.abort(request_id):
+            self._wakeup.set()
+        self._streams.pop(request_id, None)
+        future = self._handoffs.pop(request_id, None)
+        if future is not None and not future.done():
+            future.cancel()
+
+    def load(self) -> EngineLoad:
+        load = self.batcher.load(self.instance_id, self.model, self._prefill_tokens_per_s, self._decode_step_time_s)
+        return replace(load, paused=True) if self.paused else load

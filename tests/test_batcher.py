@@ -1,0 +1,253 @@
+"""The iteration-level batcher, driven directly: exact plans, block ids, victims, roles, reservation policies."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.core.batcher import Batcher, BatcherConfig, RequestStatus
+from services.core.kv_cache import KVCacheManager
+from services.core.types import (
+    FinishReason,
+    Priority,
+    RequestSpec,
+    Role,
+    SamplingParams,
+    ScheduledChunk,
+    StepResult,
+)
+
+
+def make_batcher(num_blocks=64, block_size=4, **overrides) -> Batcher:
+    overrides.setdefault("reservation_policy", "watermark")
+    return Batcher(BatcherConfig(**overrides), KVCacheManager(num_blocks, block_size, extra_key="m"))
+
+
+def spec(rid, prompt_len=8, max_tokens=4, arrival=0.0, priority=Priority.STANDARD, first=100, **kw) -> RequestSpec:
+    return RequestSpec(
+        request_id=rid,
+        model="m",
+        prompt_token_ids=tuple(range(first, first + prompt_len)),
+        sampling=SamplingParams(max_tokens=max_tokens),
+        arrival_s=arrival,
+        priority=priority,
+        **kw,
+    )
+
+
+def step(b: Batcher, now: float = 0.0, token: int = 7, tokens: dict[str, int] | None = None):
+    plan = b.schedule(now)
+    sampled = {c.request_id: (tokens or {}).get(c.request_id, token) for c in plan.chunks if c.samples}
+    return plan, b.update(plan, StepResult(sampled), now)
+
+
+def test_chunked_prefill_then_decode_exact_plans():
+    b = make_batcher(max_num_batched_tokens=6)
+    b.add_request(spec("a", prompt_len=10, max_tokens=3), 0.0)
+    plan, out = step(b)
+    assert plan.chunks == (ScheduledChunk("a", 6, 0, False),)
+    assert out.outputs == ()
+    plan, out = step(b)
+    assert plan.chunks == (ScheduledChunk("a", 4, 6, True),)
+    assert [o.new_token_ids for o in out.outputs] == [(7,)]
+    plan, out = step(b)
+    assert plan.chunks == (ScheduledChunk("a", 1, 10, True),)
+    plan, out = step(b)
+    assert out.outputs[0].finish_reason is FinishReason.LENGTH
+    assert out.outputs[0].num_output_tokens == 3
+    assert not b.has_work
+    assert b.kv.num_free_blocks == 64
+
+
+def test_decodes_are_scheduled_before_new_prefills():
+    b = make_batcher(max_num_batched_tokens=8)
+    b.add_request(spec("a", prompt_len=4, max_tokens=10), 0.0)
+    step(b)  # a: prefill, samples its first token
+    b.add_request(spec("b", prompt_len=12, max_tokens=10, first=500), 0.0)
+    plan, _ = step(b)
+    assert plan.chunks == (ScheduledChunk("a", 1, 4, True), ScheduledChunk("b", 7, 0, False))
+
+
+def test_eos_stops_unless_ignore_eos():
+    b = make_batcher()
+    b.add_request(spec("a", max_tokens=10), 0.0)
+    _, out = step(b, token=2)
+    assert out.outputs[0].finish_reason is FinishReason.STOP
+    b.add_request(
+        RequestSpec("b", "m", (1, 2, 3), SamplingParams(max_tokens=2, ignore_eos=True), arrival_s=0.0), 0.0
+    )
+    _, out = step(b, token=2)
+    assert out.outputs[0].finish_reason is None
+
+
+def test_prefix_hit_skips_cached_blocks_and_reports_them():
+    b = make_batcher(block_size=4)
+    b.add_request(spec("a", prompt_len=10, max_tokens=1), 0.0)
+    step(b)  # a finishes after one token; its two full prompt blocks stay cached
+    b.add_request(spec("b", prompt_len=10, max_tokens=1), 0.0)
+    plan, out = step(b)
+    assert plan.chunks == (ScheduledChunk("b", 2, 8, True),)
+    assert out.outputs[0].num_cached_prompt_tokens == 8
+
+
+def test_max_num_seqs_bounds_running():
+    b = make_batcher(max_num_seqs=2)
+    for i in range(3):
+        b.add_request(spec(f"r{i}", first=100 * (i + 1)), 0.0)
+    plan, _ = step(b)
+    assert [c.request_id for c in plan.chunks] == ["r0", "r1"]
+    assert b.num_running == 2 and b.num_waiting == 1
+
+
+def test_edf_orders_by_tier_deadline_and_ages_batch_requests():
+    b = make_batcher(max_num_seqs=1, queue_policy="edf")
+    b.add_request(spec("batch-old", arrival=0.0, priority=Priority.BATCH, first=100), 0.0)
+    b.add_request(spec("std", arrival=1.0, priority=Priority.STANDARD, first=200), 1.0)
+    b.add_request(spec("inter", arrival=1.0, priority=Priority.INTERACTIVE, first=300), 1.0)
+    b.add_request(spec("inter-late", arrival=20.0, priority=Priority.INTERACTIVE, first=400), 20.0)
+    order = []
+    while b.has_work:
+        plan, out = step(b)
+        order += [o.request_id for o in out.outputs if o.finish_reason is not None]
+    # deadlines: inter 1.2, std 1.25, batch-old 10.0, inter-late 20.2
+    assert order == ["inter", "std", "batch-old", "inter-late"]
+
+
+def test_fcfs_and_priority_orders():
+    for policy, expected in (("fcfs", ["b1", "i1"]), ("priority", ["i1", "b1"])):
+        b = make_batcher(max_num_seqs=1, queue_policy=policy)
+        b.add_request(spec("b1", arrival=0.0, priority=Priority.BATCH, first=100), 0.0)
+        b.add_request(spec("i1", arrival=0.5, priority=Priority.INTERACTIVE, first=200), 0.5)
+        order = []
+        while b.has_work:
+            _, out = step(b)
+            order += [o.request_id for o in out.outputs if o.finish_reason is not None]
+        assert order == expected, policy
+
+
+def test_preemption_takes_lowest_tier_latest_and_recomputes():
+    # 6 blocks of 4 tokens. Three 8-token prompts take 2 blocks each; the first decode that crosses into a
+    # new block finds the pool dry and must preempt the least important running request.
+    b = make_batcher(num_blocks=6, block_size=4, max_num_batched_tokens=64, reservation_policy="watermark")
+    b.config  # frozen
+    b.add_request(spec("hi", arrival=0.0, priority=Priority.INTERACTIVE, max_tokens=8, first=100), 0.0)
+    b.add_request(spec("std", arrival=0.1, priority=Priority.STANDARD, max_tokens=8, first=200), 0.0)
+    b.add_request(spec("bat", arrival=0.05, priority=Priority.BATCH, max_tokens=8, first=300), 0.0)
+    # watermark 1% of 6 blocks: 0.06 -> admits while at least 1 block would remain... 3rd needs 2 of 2 left
+    plan, _ = step(b)
+    running = sorted(c.request_id for c in plan.chunks)
+    assert running == ["hi", "std"]  # bat would leave 0 free blocks < watermark 0.06 -> waits
+    assert b.kv.num_free_blocks == 2
+    plan, _ = step(b)  # both decode token 9 -> each needs a third block: 2 free, fits
+    assert b.kv.num_free_blocks == 0
+    for _ in range(3):
+        step(b)
+    plan, _ = step(b)  # token 13 needs a 4th block each: pool dry -> std (lower tier) is preempted
+    assert plan.preempted_ids == ("std",)
+    assert [c.request_id for c in plan.chunks] == ["hi"]
+    req = b.request("std")
+    assert req.status is RequestStatus.WAITING and req.num_computed_tokens == 0 and req.num_preemptions == 1
+
+
+def test_swap_preemption_moves_blocks_to_host_and_back():
+    b = make_batcher(
+        num_blocks=4, block_size=4, preemption_mode="swap", num_swap_blocks=8, reservation_policy="watermark"
+    )
+    b.add_request(spec("a", prompt_len=4, arrival=0.0, max_tokens=8, first=100), 0.0)
+    b.add_request(spec("b", prompt_len=4, arrival=1.0, max_tokens=8, first=200), 0.0)
+    step(b)  # a, b: 1 block each, token 5 sampled
+    step(b)  # decode token 5 -> 2 blocks each, pool dry
+    for _ in range(3):
+        step(b)
+    plan, _ = step(b)  # token 9 needs a third block: b (latest) swapped out
+    assert plan.preempted_ids == ("b",) and plan.swap_out_blocks == 2
+    assert b.request("b").status is RequestStatus.SWAPPED
+    while b.request("a") is not None:
+        step(b)
+    plan, _ = step(b)
+    assert plan.swap_in_blocks == 2
+    assert b.request("b").status is RequestStatus.RUNNING
+    # b resumes where it stopped: its next chunk is a single decode token, not a recompute.
+    plan, _ = step(b)
+    assert plan.chunks == (ScheduledChunk("b", 1, 8, True),)
+
+
+def test_full_reservation_never_preempts_and_holds_prompt_plus_max_tokens():
+    b = make_batcher(num_blocks=8, block_size=4, reservation_policy="full")
+    b.add_request(spec("a", prompt_len=4, max_tokens=12), 0.0)  # 16 tokens = 4 blocks
+    b.add_request(spec("b", prompt_len=4, max_tokens=12, first=200), 0.0)
+    b.add_request(spec("c", prompt_len=4, max_tokens=12, first=300), 0.0)
+    plan, _ = step(b)
+    assert [c.request_id for c in plan.chunks] == ["a", "b"]
+    assert b.kv.block_ids("a") == (0, 1, 2, 3) and b.kv.block_ids("b") == (4, 5, 6, 7)
+    while b.request("a") is not None:
+        plan, _ = step(b)
+        assert plan.preempted_ids == ()
+
+
+def test_predicted_reservation_uses_observed_output_lengths():
+    b = make_batcher(num_blocks=256, block_size=4, reservation_policy="predicted", predictor_prior_tokens=8)
+    b.add_request(spec("a", prompt_len=4, max_tokens=100), 0.0)
+    step(b)
+    assert len(b.kv.block_ids("a")) == 3  # 4 prompt + 8 predicted = 12 tokens
+    b.abort("a")
+    for i in range(16):
+        b.predictor.observe(20)
+    b.add_request(spec("b", prompt_len=4, max_tokens=100, first=300), 0.0)
+    step(b)
+    assert len(b.kv.block_ids("b")) == 6  # 4 + 20 = 24 tokens
+
+
+def test_prefill_role_hands_off_after_first_token_and_holds_kv():
+    b = make_batcher(role=Role.PREFILL)
+    b.add_request(spec("a", prompt_len=8, max_tokens=50), 0.0)
+    _, out = step(b, token=42)
+    assert out.outputs[0].finish_reason is FinishReason.HANDOFF
+    assert out.handoffs[0].block_ids == (0, 1) and out.handoffs[0].first_token_id == 42
+    assert b.kv.num_free_blocks == 62 and not b.has_work
+    assert b.release_handoff("a")
+    assert b.kv.num_free_blocks == 64
+
+
+def test_decode_role_reserve_commit_and_continue():
+    b = make_batcher(role=Role.DECODE)
+    s = spec("a", prompt_len=8, max_tokens=3)
+    assert b.reserve(s, 0.0)
+    held = b.kv.block_ids("a")
+    assert len(held) == 3  # 8 prompt + 1 first token -> 9 tokens -> 3 blocks
+    assert b.commit_handoff("a", 42, 0.0) is None
+    plan, out = step(b, token=43)
+    assert plan.chunks == (ScheduledChunk("a", 1, 8, True),)
+    assert out.outputs[0].new_token_ids == (43,) and out.outputs[0].num_output_tokens == 2
+    _, out = step(b, token=44)
+    assert out.outputs[0].finish_reason is FinishReason.LENGTH
+    assert b.kv.num_free_blocks == 64
+
+
+def test_decode_role_release_reservation_frees_kv():
+    b = make_batcher(role=Role.DECODE)
+    assert b.reserve(spec("a"), 0.0)
+    assert b.kv.num_free_blocks < 64
+    assert b.release_reservation("a")
+    assert b.kv.num_free_blocks == 64
+
+
+def test_abort_frees_kv_everywhere():
+    b = make_batcher()
+    b.add_request(spec("run"), 0.0)
+    step(b)
+    b.add_request(spec("wait", first=900), 0.0)
+    assert b.abort("run") and b.abort("wait") and not b.abort("nope")
+    assert b.kv.num_free_blocks == 64 and not b.has_work
+
+
+def test_token_budget_is_never_exceeded_and_config_is_validated():
+    b = make_batcher(max_num_batched_tokens=5)
+    for i in range(4):
+        b.add_request(spec(f"r{i}", prompt_len=7, first=100 * (i + 1)), 0.0)
+    for _ in range(10):
+        plan, _ = step(b)
+        assert plan.num_batched_tokens <= 5
+    with pytest.raises(KeyError, match="unknown queue policy"):
+        BatcherConfig(queue_policy="lifo")
+    with pytest.raises(ValueError, match="preemption_mode"):
+        BatcherConfig(preemption_mode="drop")
