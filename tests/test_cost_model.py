@@ -36,7 +36,9 @@ def test_decode_step_is_the_sum_of_its_terms_by_hand():
     # 70B TP=8, batch 1, context 1,399 (1,400 KV tokens after this step's token).
     weights_s = L70.streamed_weight_bytes / 8 / (3.35e12 * 0.85)
     act_bytes = 80 * 2 * (8 * 8192 + (64 + 16) * 128 // 8 + 64 * 128 // 8 + 6 * 28672 // 8)
-    linear_s = weights_s + act_bytes / (3.35e12 * 0.85)
+    memory_s = weights_s + act_bytes / (3.35e12 * 0.85)
+    compute_s = (L70.linear_flops_per_token + L70.lm_head_flops_per_token) / 8 / (989e12 * 0.6)
+    linear_s = memory_s + 0.9 * compute_s  # memory-bound; 90 % of the compute time is not hidden
     kv_s = 1400 * 40_960 / (3.35e12 * 0.85)  # memory-bound: 1400 pairs x 4 x 8 heads x 128 x 80 FLOPs is tiny
     allreduce_s = 160 * (10e-6 + 2 * 7 / 8 * 8192 * 2 / (450e9 * 0.8))
     expected = 0.5e-3 + linear_s + kv_s + allreduce_s
@@ -117,9 +119,14 @@ def test_plan_time_matches_step_time_and_charges_lm_head_only_for_samplers():
 
 
 def test_prefill_of_1000_tokens_on_8b_is_compute_bound():
-    linear_s = (1000 * L8.linear_flops_per_token + L8.lm_head_flops_per_token) / (989e12 * 0.6)
+    compute_s = (1000 * L8.linear_flops_per_token + L8.lm_head_flops_per_token) / (989e12 * 0.6)  # 23.5 ms
+    act_bytes = 32 * 2 * (8 * 4096 + (32 + 16) * 128 + 32 * 128 + 6 * 14336)
+    memory_s = (L8.streamed_weight_bytes + 1000 * act_bytes) / (3.35e12 * 0.85)  # 8.5 ms
     attn_s = 32 * 128 * 32 * 4 * (1000 * 1001 // 2) / (989e12 * 0.5)
-    assert SMALL.prefill_time_s(1000) == pytest.approx(0.5e-3 + linear_s + attn_s, rel=1e-12)
+    expected = 0.5e-3 + compute_s + 0.9 * memory_s + attn_s
+    assert SMALL.prefill_time_s(1000) == pytest.approx(expected, rel=1e-12)
+    ideal = CostModel(L8, H100, 1, dataclasses.replace(C, linear_overlap_loss=0.0))
+    assert ideal.prefill_time_s(1000) == pytest.approx(0.5e-3 + compute_s + attn_s, rel=1e-12)
     assert SMALL.prefill_tokens_per_s(1000) == pytest.approx(1000 / SMALL.prefill_time_s(1000))
 
 
@@ -153,6 +160,9 @@ def test_constants_are_validated():
     assert e.value.field == "linear_eff" and "<= 1" in str(e.value)
     with pytest.raises(SpecError):
         CostConstants(step_overhead_s=0)
+    with pytest.raises(SpecError):
+        CostConstants(linear_overlap_loss=-0.1)
+    assert CostConstants(linear_overlap_loss=0.0).linear_overlap_loss == 0.0  # the ideal roofline is allowed
 
 
 def test_bad_tp_rejected():
