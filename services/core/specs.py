@@ -296,7 +296,7 @@ def activation_reserve_bytes(model: ModelSpec, tp: int, max_num_batched_tokens: 
     """Peak transient memory per GPU of one step with `max_num_batched_tokens` tokens:
 
     tokens x dtype x (ACTIVATION_HIDDEN_BUFFERS x hidden + ACTIVATION_INTERMEDIATE_BUFFERS x intermediate / TP)
-    + tokens x vocab x 4 B of FP32 logits. 8B at 8,192 tokens: 1.5 GB + 4.2 GB."""
+    + tokens x vocab x 4 B of FP32 logits. 8B at 8,192 tokens: 1.24 GB + 4.2 GB."""
     _check_positive_int("engine", "max_num_batched_tokens", max_num_batched_tokens)
     model.check_tp(tp)
     per_token_buffers = (
