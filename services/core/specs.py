@@ -153,7 +153,7 @@ class ModelSpec:
 
 @dataclass(frozen=True, slots=True)
 class GpuSpec:
-    """One accelerator: capacity and peak rates from the vendor datasheet (achieved fractions live in the cost model)."""
+    """One accelerator: capacity and datasheet peak rates (achieved fractions live in the cost model)."""
 
     name: str
     memory_bytes: int
