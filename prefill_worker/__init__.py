@@ -1,0 +1,1 @@
+"""The prefill worker: hosts one PREFILL engine instance; computes prompts and holds their KV for the hand-off."""

@@ -1,0 +1,220 @@
+"""Worker RPCs of the colocated and decode roles: Attach sessions, Generate, Reserve, Decode (transfer + commit).
+
+Streaming: each router holds one Attach stream (a `Session`). A request task pushes every engine output of its
+request into its session; the session coalesces all outputs pushed in one event-loop pass into one `StepBatch`
+(the sim engine wakes every request of a step in the same pass, so a batch is one engine step), which keeps the
+per-token cost at one repeated-field append on both ends.
+
+Hand-off: `Reserve` holds KV and arms a TTL timer; `Decode` cancels the timer, runs the engine's decode (which
+takes the KV in: the sim engine waits the modelled NVLink time) up to its first output, which marks the commit,
+and replies; the rest streams on the session. A failed or timed-out transfer releases the reservation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from services.core.types import RequestOutput, Role
+from services.engine.base import EngineError, HandoffError
+from services.rpc import convert
+from services.rpc import status as rpc_status
+from services.rpc.gen import generate_pb2 as gen_pb
+from services.rpc.gen import worker_pb2 as w_pb
+from services.rpc.worker_base import WorkerBase
+
+log = logging.getLogger("octoserve.decode_worker")
+
+DEFAULT_RESERVE_TTL_MS = 10_000  # a reservation nobody decodes into is returned after this long
+DEFAULT_TRANSFER_TIMEOUT_S = 5.0
+
+
+class Session:
+    """One router's Attach stream: outputs pushed in one loop pass leave as one StepBatch."""
+
+    def __init__(self, session_id: str) -> None:
+        self.session_id = session_id
+        self.batches: asyncio.Queue[w_pb.StepBatch | None] = asyncio.Queue()
+        self._pending: list[w_pb.TokenDelta] = []
+        self._seq = 0
+        self.request_ids: set[str] = set()
+        self.closed = False
+
+    def push(self, delta: w_pb.TokenDelta) -> None:
+        if self.closed:
+            return
+        if not self._pending:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._pending.append(delta)
+
+    def _flush(self) -> None:
+        if not self._pending or self.closed:
+            return
+        self._seq += 1
+        self.batches.put_nowait(w_pb.StepBatch(seq=self._seq, deltas=self._pending))
+        self._pending = []
+
+    def close(self) -> None:
+        self.closed = True
+        self.batches.put_nowait(None)
+
+
+class DecodeWorkerServicer(WorkerBase):
+    role_name = "decode_worker"
+
+    def __init__(self, engine, *, reserve_ttl_ms: int = DEFAULT_RESERVE_TTL_MS,
+                 transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S) -> None:
+        super().__init__(engine)
+        self.sessions: dict[str, Session] = {}
+        self.tasks: dict[str, asyncio.Task] = {}  # request_id -> the task streaming it
+        self.reservations: dict[str, asyncio.TimerHandle] = {}  # request_id -> TTL timer
+        self.reserve_ttl_ms = reserve_ttl_ms
+        self.transfer_timeout_s = transfer_timeout_s
+
+    # ---- sessions ---------------------------------------------------------------------------------------------
+
+    async def Attach(self, request, context) -> AsyncIterator[w_pb.StepBatch]:
+        session = Session(request.session_id)
+        old = self.sessions.pop(request.session_id, None)
+        if old is not None:
+            old.close()
+        self.sessions[request.session_id] = session
+        try:
+            while (batch := await session.batches.get()) is not None:
+                yield batch
+        finally:
+            await self._detach(session)
+
+    async def _detach(self, session: Session) -> None:
+        """The router went away: nobody will read these requests' tokens, so free their KV now."""
+        session.close()
+        if self.sessions.get(session.session_id) is session:
+            del self.sessions[session.session_id]
+        for request_id in list(session.request_ids):
+            await self.abort_request(request_id)
+
+    async def _session(self, session_id: str, context) -> Session:
+        session = self.sessions.get(session_id)
+        if session is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"no Attach stream for session {session_id!r} on {self.engine.instance_id}; call Attach first",
+            )
+        return session
+
+    # ---- colocated --------------------------------------------------------------------------------------------
+
+    async def Generate(self, request, context):
+        if self.engine.role is not Role.COLOCATED:
+            await self._wrong_role(context, "Generate", "colocated")
+        await self._refuse_if_draining(context)
+        session = await self._session(request.session_id, context)
+        spec = convert.spec_from_pb(request.spec)
+        self._start_stream(session, spec.request_id, self.engine.generate(spec))
+        return w_pb.SubmitReply()
+
+    def _start_stream(self, session: Session, request_id: str, outputs: AsyncIterator[RequestOutput],
+                      first: RequestOutput | None = None) -> None:
+        session.request_ids.add(request_id)
+        self._begin()
+        self.tasks[request_id] = asyncio.create_task(self._stream(session, request_id, outputs, first))
+
+    async def _stream(self, session: Session, request_id: str, outputs: AsyncIterator[RequestOutput],
+                      first: RequestOutput | None) -> None:
+        outcome = "finished"
+        try:
+            if first is not None:
+                self._push(session, first)
+            async for out in outputs:
+                self._push(session, out)
+        except asyncio.CancelledError:
+            outcome = "aborted"
+        except EngineError as e:
+            outcome = "engine_error"
+            st = rpc_status.status_for(e)
+            session.push(w_pb.TokenDelta(request_id=request_id, finish_reason=gen_pb.ABORT,
+                                         error_code=st.code.value[0], error_message=st.message))
+        except Exception:
+            outcome = "internal_error"
+            log.exception("request stream failed", extra={"fields": {"request_id": request_id}})
+            session.push(w_pb.TokenDelta(request_id=request_id, finish_reason=gen_pb.ABORT,
+                                         error_code=grpc.StatusCode.INTERNAL.value[0],
+                                         error_message=f"worker {self.engine.instance_id} failed the request"))
+        finally:
+            self.tasks.pop(request_id, None)
+            session.request_ids.discard(request_id)
+            self.metrics.outcome(outcome)
+            self._end()
+
+    def _push(self, session: Session, out: RequestOutput) -> None:
+        session.push(convert.output_to_delta(out))
+        self.metrics.tokens.inc(len(out.new_token_ids))
+
+    # ---- decode: reserve -> (prefill elsewhere) -> transfer + commit -> stream ---------------------------------
+
+    async def Reserve(self, request, context):
+        if self.engine.role is not Role.DECODE:
+            await self._wrong_role(context, "Reserve", "decode")
+        await self._refuse_if_draining(context)
+        spec = convert.spec_from_pb(request.spec)
+        if not await self.engine.reserve(spec):
+            return w_pb.ReserveReply(reserved=False)
+        ttl_s = (request.ttl_ms or self.reserve_ttl_ms) / 1000.0
+        loop = asyncio.get_running_loop()
+        self.reservations[spec.request_id] = loop.call_later(ttl_s, self._expire, spec.request_id)
+        return w_pb.ReserveReply(reserved=True)
+
+    def _expire(self, request_id: str) -> None:
+        if self.reservations.pop(request_id, None) is not None:
+            log.warning("reservation expired unused", extra={"fields": {"request_id": request_id}})
+            asyncio.get_running_loop().create_task(self.engine.release(request_id))
+
+    async def Decode(self, request, context):
+        if self.engine.role is not Role.DECODE:
+            await self._wrong_role(context, "Decode", "decode")
+        session = await self._session(request.session_id, context)
+        spec = convert.spec_from_pb(request.spec)
+        timer = self.reservations.pop(spec.request_id, None)
+        if timer is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"no live reservation for {spec.request_id} on {self.engine.instance_id}; "
+                                "Reserve first and Decode within its ttl_ms")
+        timer.cancel()
+        handoff = convert.handoff_from_pb(request.handoff)
+        outputs = aiter(self.engine.decode(spec, handoff))
+        t0 = time.monotonic()
+        try:
+            first = await asyncio.wait_for(self._transfer_and_commit(handoff, outputs), self.transfer_timeout_s)
+        except (TimeoutError, EngineError, StopAsyncIteration) as e:
+            await self.engine.release(spec.request_id)
+            await self.engine.abort(spec.request_id)
+            err = e if isinstance(e, EngineError) else HandoffError(
+                f"KV transfer of {spec.request_id} into {self.engine.instance_id} did not commit within "
+                f"{self.transfer_timeout_s:g} s; retry the request")
+            await rpc_status.abort(context, err)
+        self.metrics.handoff_s.observe(time.monotonic() - t0)
+        self._start_stream(session, spec.request_id, outputs, first)
+        return w_pb.SubmitReply()
+
+    async def _transfer_and_commit(self, handoff, outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
+        """Moves the KV in, then commits it: the engine's first decode output proves the request joined the batch."""
+        modelled = getattr(self.engine, "transfer_time_s", None)  # sim engines model the NVLink copy
+        if modelled is not None:
+            await asyncio.sleep(await modelled(handoff))
+        return await anext(outputs)
+
+    # ---- abort -----------------------------------------------------------------------------------------------
+
+    async def abort_request(self, request_id: str) -> None:
+        timer = self.reservations.pop(request_id, None)
+        if timer is not None:
+            timer.cancel()
+            await self.engine.release(request_id)
+        task = self.tasks.pop(request_id, None)
+        await self.engine.abort(request_id)
+        if task is not None:
+            task.cancel()

@@ -1,0 +1,69 @@
+"""Builds the engine of one instance of a node config: `make_engine(node_cfg, instance_id, engine=...)`.
+
+Engines are imported only when chosen, so a sim-only install never imports vLLM. Besides "sim" and "vllm", a
+`package.module:callable` name builds an engine from any callable with make_engine's signature (tests, plug-ins).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from services.engine.base import Engine
+
+ENGINE_NAMES = ("sim", "vllm")
+
+
+def make_engine(
+    node_cfg: Any,
+    instance_id: str,
+    *,
+    engine: str = "sim",
+    time_scale: float = 1.0,
+    model_path: str | None = None,
+    seed: int = 0,
+) -> Engine:
+    """The Engine for `instance_id` of `node_cfg` (a services.core.placement.NodeConfig)."""
+    try:
+        instance = node_cfg.instance(instance_id)
+    except KeyError:
+        known = ", ".join(i.id for i in node_cfg.instances)
+        raise ValueError(f"instance {instance_id!r} is not in the node config; choose one of: {known}") from None
+    if engine == "sim":
+        return make_sim_engine(node_cfg, instance, time_scale=time_scale)
+    if engine == "vllm":
+        if not model_path:
+            raise ValueError("the vllm engine needs --model DIR (a local model directory)")
+        from services.engine.vllm_engine import VllmEngine
+
+        return VllmEngine(instance, node_cfg, model_path=model_path)
+    if ":" in engine:
+        module_name, _, attr = engine.partition(":")
+        factory = getattr(importlib.import_module(module_name), attr)
+        return factory(node_cfg, instance_id, time_scale=time_scale, model_path=model_path, seed=seed)
+    raise ValueError(f"unknown engine {engine!r}; choose one of: {', '.join(ENGINE_NAMES)} (or module:callable)")
+
+
+def make_sim_engine(node_cfg: Any, instance: Any, *, time_scale: float = 1.0) -> Engine:
+    """A SimEngine sized exactly as the node config says: KV pool from GPU memory, policies from `policies`."""
+    from services.core.batcher import BatcherConfig
+    from services.core.cost_model import CostModel
+    from services.core.kv_cache import KVCacheManager
+    from services.engine.sim_engine import SimEngine
+
+    model = node_cfg.models[instance.model]
+    batcher_config = BatcherConfig(
+        role=instance.role,
+        max_num_seqs=instance.max_num_seqs,
+        max_num_batched_tokens=instance.max_num_batched_tokens,
+        max_model_len=model.max_context_len,
+        queue_policy=node_cfg.policies.queue,
+        reservation_policy=node_cfg.policies.reservation,
+        preemption_mode=node_cfg.policies.preemption,
+        tier_ttft_slo_ms=dict(node_cfg.slo.tier_ttft_ms),
+    )
+    kv = KVCacheManager(
+        node_cfg.num_kv_blocks_for(instance), instance.block_size, instance.enable_prefix_caching, extra_key=instance.model
+    )
+    cost_model = CostModel(model, node_cfg.gpu, instance.tp)
+    return SimEngine(instance.id, instance.model, batcher_config, kv, cost_model, time_scale=time_scale)

@@ -1,0 +1,187 @@
+"""What every octoserve service process does around its servicers: one gRPC server on 127.0.0.1 with standard
+health and reflection, Prometheus metrics on an HTTP port, JSON-lines logs, and SIGTERM drain.
+
+Lifecycle (the same for every service):
+  start -> bind 127.0.0.1:port (0 = any free port) -> metrics HTTP -> health SERVING -> write the ready file
+  SIGTERM/SIGINT -> health NOT_SERVING -> `drain(grace_s)` (the service refuses new work with UNAVAILABLE and
+  finishes in-flight work) -> server.stop(remaining grace) -> `close()` -> exit 0.
+The ready file (JSON: pid, port, metrics_port) is how a launcher learns the ports without racing for them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+import prometheus_client
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+HOST = "127.0.0.1"
+
+# Tokens are small but prompts can be long (32k ids ~ 160 KiB); keep the default 4 MiB and say so explicitly.
+GRPC_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.max_receive_message_length", 16 * 1024 * 1024),
+    ("grpc.max_send_message_length", 16 * 1024 * 1024),
+    ("grpc.so_reuseport", 0),  # a port is owned by exactly one process
+)
+
+
+class JsonLineFormatter(logging.Formatter):
+    """One JSON object per line: ts, level, service, msg, and any `extra={"fields": {...}}`."""
+
+    def __init__(self, service: str) -> None:
+        super().__init__()
+        self.service = service
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {
+            "ts": round(record.created, 6),
+            "level": record.levelname.lower(),
+            "service": self.service,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        entry.update(getattr(record, "fields", {}) or {})
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry, default=str)
+
+
+def setup_logging(service: str, level: str = "INFO") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonLineFormatter(service))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+
+
+def log_fields(**fields) -> dict:
+    """`logger.info("msg", extra=log_fields(request_id=...))`."""
+    return {"fields": fields}
+
+
+@dataclass
+class ServiceSpec:
+    """How to build one service; the callables are the service's own."""
+
+    name: str  # e.g. "router", "worker:llama-8b-0"
+    port: int = 0
+    metrics_port: int | None = 0  # None: no metrics HTTP server
+    grace_s: float = 10.0
+    ready_file: str | None = None
+    service_names: Sequence[str] = ()  # full gRPC service names for reflection and health
+    add_servicers: Callable[[grpc.aio.Server], None] = lambda server: None
+    start: Callable[[], Awaitable[None]] | None = None  # after bind, before SERVING
+    drain: Callable[[float], Awaitable[None]] | None = None  # refuse new work, finish in-flight within the grace
+    close: Callable[[], Awaitable[None]] | None = None  # after the server stopped
+    on_serving: Callable[["RunningService"], Awaitable[None]] | None = None  # after SERVING, before the ready file
+    registry: prometheus_client.CollectorRegistry = field(default_factory=lambda: prometheus_client.REGISTRY)
+
+
+@dataclass
+class RunningService:
+    spec: ServiceSpec
+    server: grpc.aio.Server
+    health: health.aio.HealthServicer
+    port: int
+    metrics_port: int | None
+    _metrics_server: object = None
+    _stopped: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def address(self) -> str:
+        return f"{HOST}:{self.port}"
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", *self.spec.service_names):
+            await self.health.set(name, status)
+
+    async def shutdown(self) -> None:
+        """The drain sequence; idempotent."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        log = logging.getLogger("octoserve.server")
+        t0 = time.monotonic()
+        log.info("draining", extra=log_fields(grace_s=self.spec.grace_s))
+        await self.set_serving(False)
+        if self.spec.drain is not None:
+            try:
+                await asyncio.wait_for(self.spec.drain(self.spec.grace_s), timeout=self.spec.grace_s)
+            except TimeoutError:
+                log.warning("grace period over with work in flight; cancelling it")
+        remaining = max(0.0, self.spec.grace_s - (time.monotonic() - t0))
+        await self.server.stop(min(remaining, 1.0))
+        if self.spec.close is not None:
+            await self.spec.close()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+        log.info("stopped", extra=log_fields(drain_s=round(time.monotonic() - t0, 3)))
+
+
+async def start_service(spec: ServiceSpec) -> RunningService:
+    server = grpc.aio.server(options=GRPC_OPTIONS)
+    spec.add_servicers(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = (*spec.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(names, server)
+    port = server.add_insecure_port(f"{HOST}:{spec.port}")
+    if port == 0:
+        raise OSError(f"{spec.name}: cannot bind {HOST}:{spec.port}; choose a free port or 0")
+    await server.start()
+    metrics_server, metrics_port = None, None
+    if spec.metrics_port is not None:
+        metrics_server, _ = prometheus_client.start_http_server(spec.metrics_port, addr=HOST, registry=spec.registry)
+        metrics_port = metrics_server.server_port
+    running = RunningService(spec, server, health_servicer, port, metrics_port, metrics_server)
+    if spec.start is not None:
+        await spec.start()
+    await running.set_serving(True)
+    if spec.on_serving is not None:
+        await spec.on_serving(running)
+    if spec.ready_file:
+        _write_ready_file(spec.ready_file, {"pid": os.getpid(), "port": port, "metrics_port": metrics_port})
+    logging.getLogger("octoserve.server").info(
+        "serving", extra=log_fields(address=running.address, metrics_port=metrics_port)
+    )
+    return running
+
+
+def _write_ready_file(path: str, content: dict) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(content, f)
+    os.replace(tmp, path)  # atomic: a reader never sees a half-written file
+
+
+async def serve_until_signal(spec: ServiceSpec) -> int:
+    """Runs the service until SIGTERM/SIGINT, drains it, returns the exit code (0 on a clean drain)."""
+    running = await start_service(spec)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await running.shutdown()
+    return 0
+
+
+def run_main(spec: ServiceSpec) -> int:
+    """Entry point of a service process: uvloop + `serve_until_signal`."""
+    try:
+        import uvloop
+
+        return uvloop.run(serve_until_signal(spec))
+    except ImportError:  # uvloop is a dependency; the fallback only keeps odd platforms working
+        return asyncio.run(serve_until_signal(spec))

@@ -1,0 +1,82 @@
+"""The one mapping from octoserve's typed errors to gRPC statuses (and back, for the SDK).
+
+- InvalidArgument -> INVALID_ARGUMENT, UnknownModel -> NOT_FOUND, DeadlineExceeded -> DEADLINE_EXCEEDED,
+  Draining -> UNAVAILABLE, Overloaded -> RESOURCE_EXHAUSTED with a `google.rpc.RetryInfo` detail
+  (`grpc-status-details-bin`) and a plain `retry-after-ms` trailer for clients that do not parse rich status.
+- Engine errors reaching the edge: CapacityError -> RESOURCE_EXHAUSTED, HandoffError -> UNAVAILABLE.
+The message is always the error's own sentence saying what to change; nothing else rewrites it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+from google.protobuf import duration_pb2
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+from services.core.errors import DeadlineExceeded, Draining, InvalidArgument, OctoserveError, Overloaded, UnknownModel
+from services.engine.base import CapacityError, EngineError, HandoffError
+
+RETRY_AFTER_MS_KEY = "retry-after-ms"
+
+_CODES: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
+    (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
+    (UnknownModel, grpc.StatusCode.NOT_FOUND),
+    (Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (Draining, grpc.StatusCode.UNAVAILABLE),
+    (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (HandoffError, grpc.StatusCode.UNAVAILABLE),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class RpcStatus:
+    code: grpc.StatusCode
+    message: str
+    trailing_metadata: tuple[tuple[str, str | bytes], ...] = ()
+
+
+def status_for(error: Exception) -> RpcStatus:
+    """The status an error becomes at the edge; unknown exceptions are INTERNAL (a bug, not the user's doing)."""
+    code = next((c for t, c in _CODES if isinstance(error, t)), grpc.StatusCode.INTERNAL)
+    message = error.message if isinstance(error, OctoserveError) else (str(error) or type(error).__name__)
+    if isinstance(error, Overloaded):
+        return RpcStatus(code, message, retry_trailers(code, message, error.retry_after_ms))
+    return RpcStatus(code, message)
+
+
+def retry_trailers(code: grpc.StatusCode, message: str, retry_after_ms: int) -> tuple[tuple[str, str | bytes], ...]:
+    """Rich status (RetryInfo) plus the plain `retry-after-ms` trailer."""
+    delay = duration_pb2.Duration()
+    delay.FromMilliseconds(int(retry_after_ms))
+    detail = error_details_pb2.RetryInfo(retry_delay=delay)
+    status = status_pb2.Status(code=code.value[0], message=message)
+    status.details.add().Pack(detail)
+    rich = rpc_status.to_status(status)
+    return (*rich.trailing_metadata, (RETRY_AFTER_MS_KEY, str(int(retry_after_ms))))
+
+
+async def abort(context: grpc.aio.ServicerContext, error: Exception):
+    """Ends the RPC with the error's status; never returns (grpc raises AbortError)."""
+    st = status_for(error)
+    await context.abort(st.code, st.message, trailing_metadata=st.trailing_metadata)
+
+
+def retry_after_ms_from(error: grpc.aio.AioRpcError) -> int | None:
+    """The retry hint of a RESOURCE_EXHAUSTED status: RetryInfo first, the plain trailer as fallback."""
+    status = rpc_status.from_call(error)
+    if status is not None:
+        for detail in status.details:
+            if detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+                info = error_details_pb2.RetryInfo()
+                detail.Unpack(info)
+                return info.retry_delay.ToMilliseconds()
+    for key, value in error.trailing_metadata() or ():
+        if key == RETRY_AFTER_MS_KEY:
+            return int(value)
+    return None
+
+

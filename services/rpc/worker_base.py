@@ -1,0 +1,197 @@
+"""The part of a worker servicer every role shares: load reports (polled and pushed, with KV events), Abort,
+Release, Pause/Resume, drain, and the worker's Prometheus metrics.
+
+A worker process hosts exactly one `Engine` instance. Role-specific RPCs live in `decode_worker/` (colocated and
+decode: they stream tokens) and `prefill_worker/` (prefill: returns a hand-off). RPCs a role does not serve answer
+FAILED_PRECONDITION naming the role that does.
+
+Invariants: after `drain()` starts, every RPC that would start work answers UNAVAILABLE; `in_flight` counts work the
+drain waits for (running request tasks, prefills, held hand-offs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+import prometheus_client as prom
+
+from services.core.errors import Draining
+from services.core.types import EngineLoad, KVEvent
+from services.engine.base import Engine
+from services.rpc import convert
+from services.rpc import status as rpc_status
+from services.rpc.gen import worker_pb2 as w_pb
+from services.rpc.gen import worker_pb2_grpc as w_grpc
+
+log = logging.getLogger("octoserve.worker")
+
+DEFAULT_LOAD_INTERVAL_MS = 20  # ~ one decode step of the 70B at TP=4: the router's view is at most a step old
+MIN_LOAD_INTERVAL_MS = 5
+
+# Latency buckets in seconds (modelled time x time_scale on the live clock), from 1 ms to 20 s.
+LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0)
+
+
+class WorkerMetrics:
+    """One registry per worker so several servicers can live in one test process."""
+
+    def __init__(self, instance_id: str) -> None:
+        self.registry = prom.CollectorRegistry()
+        labels = {"instance": instance_id}
+        r = self.registry
+        self.num_running = prom.Gauge("octoserve_worker_running_requests", "requests in the running batch", ["instance"], registry=r).labels(**labels)
+        self.num_waiting = prom.Gauge("octoserve_worker_waiting_requests", "requests queued", ["instance"], registry=r).labels(**labels)
+        self.free_blocks = prom.Gauge("octoserve_worker_kv_free_blocks", "free KV blocks", ["instance"], registry=r).labels(**labels)
+        self.kv_usage = prom.Gauge("octoserve_worker_kv_usage_ratio", "used / total KV blocks", ["instance"], registry=r).labels(**labels)
+        self.queued_prefill = prom.Gauge("octoserve_worker_queued_prefill_tokens", "prompt tokens not yet computed", ["instance"], registry=r).labels(**labels)
+        self.requests = prom.Counter("octoserve_worker_requests", "requests by outcome", ["instance", "outcome"], registry=r)
+        self.tokens = prom.Counter("octoserve_worker_output_tokens", "tokens streamed", ["instance"], registry=r).labels(**labels)
+        self.step_batch = prom.Histogram(
+            "octoserve_worker_step_batch_requests", "requests per streamed step batch", ["instance"],
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r,
+        ).labels(**labels)
+        self.prefill_s = prom.Histogram(
+            "octoserve_worker_prefill_seconds", "Prefill RPC time", ["instance"], buckets=LATENCY_BUCKETS_S, registry=r
+        ).labels(**labels)
+        self.handoff_s = prom.Histogram(
+            "octoserve_worker_kv_transfer_seconds", "KV transfer + commit time", ["instance"], buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        ).labels(**labels)
+        self.preemptions = prom.Gauge("octoserve_worker_preemptions", "preemptions so far (engine counter)", ["instance"], registry=r).labels(**labels)
+        self.instance_id = instance_id
+
+    def observe_load(self, load: EngineLoad, num_preemptions: int | None) -> None:
+        self.num_running.set(load.num_running)
+        self.num_waiting.set(load.num_waiting)
+        self.free_blocks.set(load.num_free_blocks)
+        self.kv_usage.set(load.kv_usage)
+        self.queued_prefill.set(load.queued_prefill_tokens)
+        if num_preemptions is not None:
+            self.preemptions.set(num_preemptions)
+
+    def outcome(self, outcome: str) -> None:
+        self.requests.labels(self.instance_id, outcome).inc()
+
+
+class KVEventFanout:
+    """Engine KV events copied to every WatchLoad subscriber; drained from the engine once per report tick."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self._subscribers: list[list[KVEvent]] = []
+
+    def subscribe(self) -> list[KVEvent]:
+        buf: list[KVEvent] = []
+        self._subscribers.append(buf)
+        return buf
+
+    def unsubscribe(self, buf: list[KVEvent]) -> None:
+        self._subscribers.remove(buf)
+
+    def _take(self) -> list[KVEvent]:
+        # Optional engine capability (not in the Engine protocol): the sim engine appends to `kv_events`.
+        events = getattr(self._engine, "kv_events", None)
+        if not events:
+            return []
+        taken = events[:]
+        events.clear()
+        return taken
+
+    def pump(self) -> None:
+        events = self._take()
+        if events and self._subscribers:
+            for buf in self._subscribers:
+                buf.extend(events)
+
+
+class WorkerBase(w_grpc.WorkerServicer):
+    role_name = "worker"
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.metrics = WorkerMetrics(engine.instance_id)
+        self.kv_events = KVEventFanout(engine)
+        self.draining = False
+        self.in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._seq = 0
+
+    # ---- lifecycle --------------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.engine.start()
+
+    async def drain(self, grace_s: float) -> None:
+        """Refuse new work, then wait (the caller bounds the wait by the grace) until in-flight work finished."""
+        self.draining = True
+        log.info("worker draining", extra={"fields": {"in_flight": self.in_flight}})
+        await self._idle.wait()
+
+    async def close(self) -> None:
+        await self.engine.stop()
+
+    def _begin(self) -> None:
+        self.in_flight += 1
+        self._idle.clear()
+
+    def _end(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self._idle.set()
+
+    async def _refuse_if_draining(self, context: grpc.aio.ServicerContext) -> None:
+        if self.draining:
+            await rpc_status.abort(context, Draining(f"worker {self.engine.instance_id} is draining; route elsewhere"))
+
+    async def _wrong_role(self, context: grpc.aio.ServicerContext, rpc: str, roles: str) -> None:
+        await context.abort(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"{rpc} is served by {roles} instances; {self.engine.instance_id} is a {self.engine.role.value} instance",
+        )
+
+    # ---- shared RPCs ------------------------------------------------------------------------------------------
+
+    def _report(self, events=()) -> w_pb.LoadReport:
+        load = self.engine.load()
+        self.metrics.observe_load(load, getattr(self.engine, "num_preemptions", None))
+        self._seq += 1
+        return convert.load_to_pb(load, seq=self._seq, kv_events=events)
+
+    async def GetLoad(self, request, context):
+        return self._report()
+
+    async def WatchLoad(self, request, context) -> AsyncIterator[w_pb.LoadReport]:
+        interval_s = max(request.interval_ms or DEFAULT_LOAD_INTERVAL_MS, MIN_LOAD_INTERVAL_MS) / 1000.0
+        buf = self.kv_events.subscribe()
+        try:
+            while True:
+                self.kv_events.pump()
+                events = buf[:]
+                buf.clear()
+                yield self._report(events)
+                await asyncio.sleep(interval_s)
+        finally:
+            self.kv_events.unsubscribe(buf)
+
+    async def Abort(self, request, context):
+        await self.abort_request(request.request_id)
+        return w_pb.AbortReply()
+
+    async def abort_request(self, request_id: str) -> None:
+        await self.engine.abort(request_id)
+
+    async def Release(self, request, context):
+        await self.engine.release(request.request_id)
+        return w_pb.ReleaseReply()
+
+    async def Pause(self, request, context):
+        await self.engine.pause()
+        return w_pb.PauseReply()
+
+    async def Resume(self, request, context):
+        await self.engine.resume()
+        return w_pb.ResumeReply()

@@ -1,0 +1,101 @@
+"""The process entry point shared by prefill_worker and decode_worker: one engine instance, one gRPC server.
+
+`python -m decode_worker --instance llama-3-8b-0 [--config node.yaml] [--engine sim] [--time-scale K]
+ [--scheduler 127.0.0.1:P] [--port 0] [--metrics-port 0] [--ready-file F] [--grace-s 10]`
+After it serves, the worker registers its address with the scheduler (when given), so the router finds it there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+from collections.abc import Callable
+
+import grpc
+
+from services.rpc.gen import scheduler_pb2 as s_pb
+from services.rpc.gen import scheduler_pb2_grpc as s_grpc
+from services.rpc.gen import worker_pb2 as w_pb
+from services.rpc.gen import worker_pb2_grpc as w_grpc
+from services.rpc.server import RunningService, ServiceSpec, setup_logging
+from services.rpc.worker_base import WorkerBase
+
+WORKER_SERVICE = w_pb.DESCRIPTOR.services_by_name["Worker"].full_name
+REGISTER_TIMEOUT_S = 10.0
+
+
+def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--instance", required=True, help="instance id from the node config")
+    parser.add_argument("--config", default=None, help="node config YAML (default: the embedded placement)")
+    parser.add_argument("--engine", default="sim", help="sim | vllm | module:callable")
+    parser.add_argument("--model", default=None, help="model directory (vllm engine)")
+    parser.add_argument("--time-scale", type=float, default=1.0, help="dilate modelled time by this factor")
+    parser.add_argument("--scheduler", default="", help="scheduler host:port to register with")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--metrics-port", type=int, default=0)
+    parser.add_argument("--ready-file", default=None)
+    parser.add_argument("--grace-s", type=float, default=10.0)
+    parser.add_argument("--log-level", default="INFO")
+
+
+async def register(scheduler: str, instance_id: str, address: str) -> None:
+    """Tell the scheduler where this instance serves; retried (bounded) while the scheduler starts."""
+    async with grpc.aio.insecure_channel(scheduler) as channel:
+        stub = s_grpc.SchedulerStub(channel)
+        request = s_pb.RegisterWorkerRequest(instance_id=instance_id, address=address, pid=os.getpid())
+        await stub.RegisterWorker(request, timeout=REGISTER_TIMEOUT_S, wait_for_ready=True)
+
+
+def worker_spec(args: argparse.Namespace, make_servicer: Callable[..., WorkerBase]) -> ServiceSpec:
+    from services.config import load_node_config
+    from services.engine.factory import make_engine
+
+    node_cfg = load_node_config(args.config)
+    engine = make_engine(node_cfg, args.instance, engine=args.engine, time_scale=args.time_scale, model_path=args.model)
+    servicer = make_servicer(engine)
+
+    async def on_serving(running: RunningService) -> None:
+        if args.scheduler:
+            await register(args.scheduler, args.instance, running.address)
+
+    return ServiceSpec(
+        name=f"worker:{args.instance}",
+        port=args.port,
+        metrics_port=args.metrics_port,
+        grace_s=args.grace_s,
+        ready_file=args.ready_file,
+        service_names=(WORKER_SERVICE,),
+        add_servicers=lambda server: w_grpc.add_WorkerServicer_to_server(servicer, server),
+        start=servicer.start,
+        drain=servicer.drain,
+        close=servicer.close,
+        on_serving=on_serving,
+        registry=servicer.metrics.registry,
+    )
+
+
+def worker_main(argv: list[str] | None, make_servicer: Callable[..., WorkerBase], prog: str) -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    add_worker_arguments(parser)
+    args = parser.parse_args(argv)
+    setup_logging(f"{prog}:{args.instance}", args.log_level)
+    logging.getLogger("octoserve.worker").info("starting", extra={"fields": {"engine": args.engine}})
+    return run_main_with(args, make_servicer)
+
+
+def run_main_with(args: argparse.Namespace, make_servicer: Callable[..., WorkerBase]) -> int:
+    async def build_and_serve() -> int:
+        from services.rpc.server import serve_until_signal
+
+        return await serve_until_signal(worker_spec(args, make_servicer))
+
+    try:
+        import uvloop
+
+        return uvloop.run(build_and_serve())
+    except ImportError:
+        return asyncio.run(build_and_serve())
+
+
