@@ -1,0 +1,235 @@
+"""The live load harness, `octoserve bench`: replays a workload trace against a running router, open loop.
+
+The trace comes from the same `services.workload.generate_trace` as `octoserve simulate`, and the report from
+the same `services.metrics` / `services.plots`, so a live run and a virtual run of one (profile, seed) compare
+number for number.
+
+Invariants:
+- Open loop: request i is sent at t0 + arrival_s(i) * time_scale on the real clock whatever the node is doing;
+  each request is one task on one asyncio loop, sharing `num_channels` channels.
+- Every dispatched request yields exactly one `RequestRecord`, in trace order: completed, refused (with the
+  retry hint it carried), failed (`error` says how), or cut off at the drain timeout (`error` = DRAIN_TIMEOUT).
+- Times are measured on `time.monotonic` from t0 and divided by `time_scale`, so records are on the modelled
+  clock of the simulator. A record's arrival is when its request was actually sent: harness lag is not
+  charged to the node.
+- No retries by default: a refusal is an outcome to count, not to hide. `--retry` turns on the SDK's policy.
+- The run is bounded: by the trace (duration, `max_requests`) and by `drain_timeout_s` after the last send.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.client import AsyncClient, OctoserveClientError, OverloadedError, RetryPolicy
+from services.metrics import RequestRecord, format_summary, scale_record_times, summarize, summary_to_dict
+from services.workload import PROFILES, TraceRequest, generate_trace, scaled
+
+# The workload's true output length, for the sim engine (the public API has no field for it: a real model
+# decides by itself when to stop). The router copies it into RequestSpec.sim_output_len.
+SIM_OUTPUT_LEN_KEY = "x-octoserve-sim-output-len"
+DRAIN_TIMEOUT = "DRAIN_TIMEOUT: unfinished when the drain timeout expired"
+OUTPUT_LEN_MODES = ("hint", "max-tokens")
+_SEPARATE_CONNECTIONS = (("grpc.use_local_subchannel_pool", 1),)  # each channel gets its own HTTP/2 connection
+
+
+@dataclass(frozen=True, slots=True)
+class BenchOptions:
+    time_scale: float = 1.0  # real seconds per modelled second
+    drain_timeout_s: float = 30.0  # real seconds to wait for streams after the last send
+    num_channels: int = 1
+    retry: RetryPolicy | None = None
+    request_timeout_s: float | None = None  # real seconds, per request
+    # "hint": max_tokens as the trace says, true length in SIM_OUTPUT_LEN_KEY (sim engines);
+    # "max-tokens": max_tokens = true length and ignore_eos (real engines, like `vllm bench serve`).
+    output_len_mode: str = "hint"
+
+    def __post_init__(self) -> None:
+        if self.time_scale <= 0 or self.drain_timeout_s < 0 or self.num_channels < 1:
+            raise ValueError("need time_scale > 0, drain_timeout_s >= 0 and num_channels >= 1")
+        if self.output_len_mode not in OUTPUT_LEN_MODES:
+            raise ValueError(f"output_len_mode must be one of {OUTPUT_LEN_MODES}, got {self.output_len_mode!r}")
+
+
+class _Stream:
+    """What one request's stream has shown so far, on the real clock relative to t0."""
+
+    __slots__ = ("sent_s", "token_times_s", "num_cached_prompt_tokens", "num_prompt_tokens", "finish_s")
+
+    def __init__(self, sent_s: float, num_prompt_tokens: int) -> None:
+        self.sent_s = sent_s
+        self.token_times_s: list[float] = []
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_cached_prompt_tokens = 0
+        self.finish_s: float | None = None
+
+    def record(self, req: TraceRequest, time_scale: float, **outcome) -> RequestRecord:
+        times = tuple(self.token_times_s)
+        live = req.record(
+            arrival_s=self.sent_s, num_prompt_tokens=self.num_prompt_tokens,
+            num_cached_prompt_tokens=self.num_cached_prompt_tokens, num_output_tokens=len(times),
+            first_token_s=times[0] if times else None, token_times_s=times, finish_s=self.finish_s, **outcome,
+        )
+        return scale_record_times(live, time_scale)
+
+
+def _request_kwargs(req: TraceRequest, options: BenchOptions) -> dict:
+    kwargs = dict(priority=req.priority, ttft_slo_ms=round(req.ttft_slo_ms), request_id=req.request_id,
+                  timeout_s=options.request_timeout_s)
+    if options.output_len_mode == "hint":
+        return kwargs | dict(max_tokens=req.max_tokens, metadata=((SIM_OUTPUT_LEN_KEY, str(req.output_len)),))
+    return kwargs | dict(max_tokens=req.output_len, ignore_eos=True)
+
+
+async def _send(client: AsyncClient, req: TraceRequest, t0: float, options: BenchOptions,
+                out: list, index: int) -> None:
+    """Run one request and put its record at `out[index]`, also when the drain timeout cancels it."""
+    stream = _Stream(time.monotonic() - t0, len(req.prompt_token_ids))
+    try:
+        async for chunk in client.generate(req.model, req.prompt_token_ids, **_request_kwargs(req, options)):
+            now_s = time.monotonic() - t0
+            stream.token_times_s.extend([now_s] * len(chunk.token_ids))
+            if chunk.usage is not None:
+                stream.num_prompt_tokens = chunk.usage.prompt_tokens
+                stream.num_cached_prompt_tokens = chunk.usage.cached_prompt_tokens
+        stream.finish_s = time.monotonic() - t0
+        out[index] = stream.record(req, options.time_scale)
+    except OverloadedError as e:
+        out[index] = stream.record(req, options.time_scale, refused=True, retry_after_ms=e.retry_after_ms)
+    except OctoserveClientError as e:
+        out[index] = stream.record(req, options.time_scale, error=f"{e.code.name}: {e.message}")
+    except asyncio.CancelledError:
+        out[index] = stream.record(req, options.time_scale, error=DRAIN_TIMEOUT)
+        raise
+    except Exception as e:  # a harness bug must not lose the request from the counts
+        out[index] = stream.record(req, options.time_scale, error=f"{type(e).__name__}: {e}")
+
+
+async def run_bench(
+    target: str,
+    trace: Sequence[TraceRequest],
+    *,
+    time_scale: float = 1.0,
+    options: BenchOptions | None = None,
+    progress=None,
+) -> list[RequestRecord]:
+    """Replay `trace` against the router at `target`; one record per request, in trace order, modelled clock.
+
+    `options.time_scale` is replaced by `time_scale`. `progress` (a `services.progress.Progress`) is advanced as
+    requests finish."""
+    options = dataclasses.replace(options or BenchOptions(), time_scale=time_scale)
+    clients = [AsyncClient(target, retry=options.retry, channel_options=_SEPARATE_CONNECTIONS)
+               for _ in range(options.num_channels)]
+    records: list = [None] * len(trace)
+    try:
+        tasks = await _dispatch(clients, trace, options, records, progress)
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=options.drain_timeout_s)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+    finally:
+        await asyncio.gather(*(c.close() for c in clients))
+    return records
+
+
+async def _dispatch(clients, trace, options: BenchOptions, records: list, progress) -> list[asyncio.Task]:
+    """Send every request at its (dilated) arrival time; returns the request tasks."""
+    loop = asyncio.get_running_loop()
+    t0 = time.monotonic()
+    tasks = []
+    for i, req in enumerate(trace):
+        delay_s = t0 + req.arrival_s * options.time_scale - time.monotonic()
+        if delay_s > 0:
+            await asyncio.sleep(delay_s)
+        task = loop.create_task(_send(clients[i % len(clients)], req, t0, options, records, i))
+        if progress is not None:
+            task.add_done_callback(lambda _t: progress.update(1))
+        tasks.append(task)
+    return tasks
+
+
+# --- the command ---------------------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", required=True, help="router address, e.g. 127.0.0.1:50051")
+    parser.add_argument("--profile", default="seed-000", choices=sorted(PROFILES))
+    parser.add_argument("--rate", type=float, default=None, help="modelled req/s (default: the profile's)")
+    parser.add_argument("--duration", type=float, default=None, help="modelled seconds of arrivals")
+    parser.add_argument("--burstiness", type=float, default=None, help="gamma shape: <1 burstier than Poisson")
+    parser.add_argument("--time-scale", type=float, default=1.0,
+                        help="real seconds per modelled second; use the node's --time-scale")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-requests", type=int, default=None, help="send at most the trace's first N")
+    parser.add_argument("--drain-timeout", type=float, default=30.0, help="real seconds after the last send")
+    parser.add_argument("--channels", type=int, default=1)
+    parser.add_argument("--request-timeout", type=float, default=None, help="real seconds per request")
+    parser.add_argument("--retry", action="store_true", help="let the SDK retry refusals (default: count them)")
+    parser.add_argument("--output-len-mode", choices=OUTPUT_LEN_MODES, default="hint")
+    parser.add_argument("--json", type=Path, default=None, help="write the summary as JSON here")
+    parser.add_argument("--plots", type=Path, default=None, help="write PNG plots into this directory")
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def build_trace(args: argparse.Namespace) -> tuple[list[TraceRequest], float, object]:
+    """(trace, modelled duration of the arrival window, profile) from the command's arguments."""
+    profile = scaled(PROFILES[args.profile], rate_rps=args.rate, duration_s=args.duration,
+                     burstiness=args.burstiness)
+    trace = generate_trace(profile, args.seed)
+    if args.max_requests is not None:
+        trace = trace[: args.max_requests]
+    return trace, profile.duration_s, profile
+
+
+def run(args: argparse.Namespace) -> int:
+    trace, duration_s, profile = build_trace(args)
+    options = BenchOptions(
+        time_scale=args.time_scale, drain_timeout_s=args.drain_timeout, num_channels=args.channels,
+        retry=RetryPolicy() if args.retry else None, request_timeout_s=args.request_timeout,
+        output_len_mode=args.output_len_mode,
+    )
+    progress = None
+    if not args.no_progress:
+        from services.progress import Progress
+
+        progress = Progress(len(trace), f"bench {args.profile}")
+    records = _run_loop(run_bench(args.target, trace, time_scale=args.time_scale, options=options,
+                                  progress=progress))
+    if progress is not None:
+        progress.close()
+    if trace and args.max_requests is not None:
+        duration_s = min(duration_s, trace[-1].arrival_s)  # a cut trace offers load only until its last arrival
+    summary = summarize(records, profile.slo, duration_s)
+    print(format_summary(summary))
+    _write_outputs(args, records, summary, profile)
+    return 0
+
+
+def _run_loop(coro):
+    try:
+        import uvloop
+    except ImportError:  # uvloop is a dependency; this only keeps the harness usable where it will not build
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+def _write_outputs(args: argparse.Namespace, records, summary, profile) -> None:
+    if args.json is not None:
+        doc = {"target": args.target, "profile": args.profile, "seed": args.seed, "time_scale": args.time_scale,
+               "num_requests": len(records), "summary": summary_to_dict(summary)}
+        args.json.write_text(json.dumps(doc, indent=2))
+    if args.plots is not None:
+        from services.plots import plot_attainment_over_time, plot_latency_cdfs
+
+        args.plots.mkdir(parents=True, exist_ok=True)
+        plot_latency_cdfs(records, args.plots / "latency_cdfs.png", profile.slo)
+        plot_attainment_over_time(records, profile.slo, args.plots / "attainment_over_time.png")
+        print(f"plots in {args.plots}", file=sys.stderr)

@@ -1,0 +1,184 @@
+"""`octoserve bench` against a real grpc.aio server on 127.0.0.1.
+
+`TokenServer` is a deterministic Generation peer: it streams exactly the requested output length in messages
+of up to `chunk_tokens` tokens, refuses BATCH-tier requests and one model with RESOURCE_EXHAUSTED + RetryInfo,
+fails another model with INTERNAL, and holds chosen request ids open forever (to exercise the drain timeout).
+So every record's outcome and token count is known in advance and asserted exactly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+from dataclasses import dataclass, field
+
+import grpc
+import grpc.aio
+import pytest
+from google.protobuf import duration_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+
+from services.core.types import Priority
+from services.loadgen import DRAIN_TIMEOUT, SIM_OUTPUT_LEN_KEY, BenchOptions, add_arguments, run, run_bench
+from services.metrics import SloSpec, summarize
+from services.rpc.gen import generate_pb2 as pb
+from services.rpc.gen import generate_pb2_grpc as pb_grpc
+from services.workload import PROFILES, TraceRequest, generate_trace, scaled
+
+REFUSE_MS = 400
+CACHED_TOKENS = 16
+
+
+def _refusal_trailers() -> tuple:
+    status = status_pb2.Status(code=code_pb2.RESOURCE_EXHAUSTED, message="shed")
+    status.details.add().Pack(error_details_pb2.RetryInfo(retry_delay=duration_pb2.Duration(nanos=REFUSE_MS * 10**6)))
+    return (("grpc-status-details-bin", status.SerializeToString()),)
+
+
+@dataclass
+class TokenServer(pb_grpc.GenerationServicer):
+    refuse_model: str = "llama-3-70b-refused"
+    broken_model: str = "broken"
+    hang_ids: frozenset = frozenset()
+    chunk_tokens: int = 2
+    requests: list = field(default_factory=list)  # (request, metadata dict, peer)
+    cancelled: list = field(default_factory=list)
+    any_cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def Generate(self, request, context):
+        metadata = dict(context.invocation_metadata())
+        self.requests.append((request, metadata, context.peer()))
+        if request.priority == pb.BATCH or request.model == self.refuse_model:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "shed", trailing_metadata=_refusal_trailers())
+        if request.model == self.broken_model:
+            await context.abort(grpc.StatusCode.INTERNAL, "worker lost")
+        if request.request_id in self.hang_ids:
+            yield pb.GenerateResponse(token_ids=[1], request_id=request.request_id)
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                self.cancelled.append(request.request_id)
+                self.any_cancelled.set()
+                raise
+        n = int(metadata.get(SIM_OUTPUT_LEN_KEY, request.max_tokens))
+        for start in range(0, n, self.chunk_tokens):
+            yield pb.GenerateResponse(token_ids=range(start, min(n, start + self.chunk_tokens)),
+                                      request_id=request.request_id if start == 0 else "")
+        yield pb.GenerateResponse(finish_reason=pb.STOP, usage=pb.Usage(
+            prompt_tokens=len(request.token_ids.ids), completion_tokens=n, cached_prompt_tokens=CACHED_TOKENS))
+
+
+@contextlib.asynccontextmanager
+async def serve(servicer):
+    server = grpc.aio.server()
+    pb_grpc.add_GenerationServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        await server.stop(grace=None)
+
+
+def trace_req(i: int, arrival_s: float, model="llama-3-8b", output_len=5, priority=Priority.STANDARD) -> TraceRequest:
+    return TraceRequest(f"r{i:07d}", arrival_s, model, tuple(range(1000, 1000 + 20 + i)), output_len,
+                        4 * output_len, priority, 250.0)
+
+
+HAND_TRACE = [
+    trace_req(0, 0.000, output_len=5),
+    trace_req(1, 0.002, model="llama-3-70b", output_len=3),
+    trace_req(2, 0.004, priority=Priority.BATCH),
+    trace_req(3, 0.006, output_len=1, priority=Priority.INTERACTIVE),
+    trace_req(4, 0.008, priority=Priority.BATCH),
+    trace_req(5, 0.010, model="broken"),
+]
+
+
+async def test_records_one_per_request_with_exact_outcomes():
+    server = TokenServer()
+    async with serve(server) as target:
+        records = await run_bench(target, HAND_TRACE, time_scale=2.0)
+    assert [r.request_id for r in records] == [t.request_id for t in HAND_TRACE]
+    assert [r.refused for r in records] == [False, False, True, False, True, False]
+    assert [r.num_output_tokens for r in records] == [5, 3, 0, 1, 0, 0]
+    assert [r.retry_after_ms for r in records] == [None, None, REFUSE_MS / 2.0, None, REFUSE_MS / 2.0, None]
+    assert records[5].error == "INTERNAL: worker lost" and all(not r.error for r in records[:5])
+    done = records[0]
+    # 5 tokens in messages of 2: times come in equal pairs, then a single
+    assert done.token_times_s[0] == done.token_times_s[1] and done.token_times_s[2] == done.token_times_s[3]
+    assert done.first_token_s == done.token_times_s[0] <= done.finish_s
+    assert (done.num_prompt_tokens, done.num_cached_prompt_tokens) == (20, CACHED_TOKENS)
+    for record, req in zip(records, HAND_TRACE):
+        assert record.arrival_s >= req.arrival_s  # never sent early (modelled clock)
+        assert (record.model, record.priority, record.ttft_slo_ms) == (req.model, req.priority, req.ttft_slo_ms)
+    summary = summarize(records, SloSpec(), duration_s=0.01)
+    o = summary.overall
+    assert (o.num_offered, o.num_refused, o.num_completed, o.num_errors) == (6, 2, 3, 1)
+
+
+async def test_wire_requests_carry_the_trace():
+    server = TokenServer()
+    async with serve(server) as target:
+        await run_bench(target, HAND_TRACE[:2], time_scale=1.0)
+        await run_bench(target, HAND_TRACE[:1], time_scale=1.0, options=BenchOptions(output_len_mode="max-tokens"))
+    (first, meta, _), (second, _, _), (exact, exact_meta, _) = server.requests
+    assert list(first.token_ids.ids) == list(HAND_TRACE[0].prompt_token_ids)
+    assert (first.request_id, first.max_tokens, first.ttft_slo_ms, first.priority) == ("r0000000", 20, 250, pb.STANDARD)
+    assert meta[SIM_OUTPUT_LEN_KEY] == "5" and second.model == "llama-3-70b"
+    assert (exact.max_tokens, exact.ignore_eos, SIM_OUTPUT_LEN_KEY in exact_meta) == (5, True, False)
+
+
+async def test_generated_trace_counts_refusals_exactly():
+    trace = generate_trace(scaled(PROFILES["seed-000"], rate_rps=400.0, duration_s=0.1), seed=5)
+    server = TokenServer(refuse_model="llama-3-70b", chunk_tokens=64)
+    async with serve(server) as target:
+        records = await run_bench(target, trace, time_scale=1.0, options=BenchOptions(num_channels=3))
+    num_large = sum(t.model == "llama-3-70b" for t in trace)
+    assert len(records) == len(trace) > 10 and 0 < num_large < len(trace)
+    assert sum(r.refused for r in records) == num_large
+    assert all(r.retry_after_ms == REFUSE_MS for r in records if r.refused)
+    assert [r.num_output_tokens for r in records if not r.refused] == [
+        t.output_len for t in trace if t.model != "llama-3-70b"]
+    assert len({peer for _, _, peer in server.requests}) == 3  # one connection per channel
+
+
+async def test_drain_timeout_cuts_off_unfinished_streams():
+    server = TokenServer(hang_ids=frozenset({"r0000001"}))
+    async with serve(server) as target:
+        records = await run_bench(target, HAND_TRACE[:3], time_scale=1.0,
+                                  options=BenchOptions(drain_timeout_s=0.3))
+        await asyncio.wait_for(server.any_cancelled.wait(), 5.0)
+    assert [r.error for r in records] == ["", DRAIN_TIMEOUT, ""]
+    assert records[1].num_output_tokens == 1 and records[1].finish_s is None
+    assert server.cancelled == ["r0000001"]
+
+
+async def test_bench_command_writes_summary_and_plots(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    server = TokenServer(refuse_model="llama-3-70b", chunk_tokens=64)
+    async with serve(server) as target:
+        args = parser.parse_args([
+            "--target", target, "--profile", "seed-000", "--rate", "300", "--duration", "1", "--seed", "2",
+            "--max-requests", "8", "--time-scale", "1", "--json", str(tmp_path / "s.json"),
+            "--plots", str(tmp_path / "plots"), "--no-progress",
+        ])
+        # the command runs its own (uv)loop, so it runs in a thread while this loop serves
+        assert await asyncio.to_thread(run, args) == 0
+    doc = json.loads((tmp_path / "s.json").read_text())
+    trace = generate_trace(scaled(PROFILES["seed-000"], rate_rps=300.0, duration_s=1.0), 2)[:8]
+    assert doc["num_requests"] == 8 and len(server.requests) == 8
+    assert doc["summary"]["overall"]["num_offered"] == 8
+    assert doc["summary"]["overall"]["num_refused"] == sum(t.model == "llama-3-70b" for t in trace)
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == ["attainment_over_time.png", "latency_cdfs.png"]
+    assert "by model" in capsys.readouterr().out
+
+
+def test_options_are_validated():
+    with pytest.raises(ValueError):
+        BenchOptions(time_scale=0)
+    with pytest.raises(ValueError):
+        BenchOptions(output_len_mode="guess")
