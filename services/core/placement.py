@@ -1,0 +1,453 @@
+"""The node configuration: which model instances run on which GPUs, the SLOs and the policies, as frozen values.
+
+`node_config_from_dict(d)` builds a `NodeConfig` from a plain dict (YAML is read outside the core, in
+`services/config.py`) and validates it as a whole: every problem is collected and raised together as one
+`PlacementError`, each line saying what to change.
+
+Invariants of a `NodeConfig` that passed validation:
+- every instance serves a model in `models`, has `len(gpu_ids) == tp`, GPU ids in [0, num_gpus), no GPU shared
+  between instances, weights that fit its GPUs at its TP and at least one KV block left;
+- every model with a PREFILL instance has a DECODE instance and vice versa; every model has an instance;
+- policy names are ones the batcher and the router know.
+`SloConfig` tier defaults: INTERACTIVE 200 ms (seed 003's latency tier), STANDARD 250 ms (seed 000's SLO), BATCH
+10,000 ms (seed 003's background tier: it queues rather than being shed). A request's own `ttft_slo_ms` wins.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.core.specs import (
+    GPU_PRESETS,
+    MODEL_PRESETS,
+    GpuSpec,
+    ModelSpec,
+    SpecError,
+    gpu_spec_from_dict,
+    model_spec_from_dict,
+    num_kv_blocks,
+)
+from services.core.types import Priority, RequestSpec, Role
+
+# Names the batcher (queues.py, reservation.py, preemption.py) and the router (routing.py) register.
+QUEUE_POLICIES = ("edf", "fcfs", "priority")
+RESERVATION_POLICIES = ("full", "predicted", "watermark")
+PREEMPTION_POLICIES = ("recompute", "swap")
+ROUTING_FILTERS = ("healthy", "kv_headroom", "model")
+ROUTING_SCORERS = ("kv_headroom", "queue", "ttft")
+
+GIB = 1 << 30
+
+
+class PlacementError(ValueError):
+    """A node config that cannot run; `problems` lists every problem, each saying what to change."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = tuple(problems)
+        super().__init__("invalid node config:\n" + "\n".join(f"  - {p}" for p in self.problems))
+
+
+def _default_tier_ttft_ms() -> dict[Priority, float]:
+    return {Priority.INTERACTIVE: 200.0, Priority.STANDARD: 250.0, Priority.BATCH: 10_000.0}
+
+
+def _default_tier_queue_bound() -> dict[Priority, int]:
+    # Outstanding (admitted, no first token yet) requests per model and tier: a backstop behind the TTFT check,
+    # sized well above what a 250 ms TTFT allows at seed 000's peak (~20 for the 70B, ~60 for the 8B).
+    return {Priority.INTERACTIVE: 128, Priority.STANDARD: 256, Priority.BATCH: 2048}
+
+
+def _default_scorer_weights() -> dict[str, float]:
+    return {"ttft": 1.0, "kv_headroom": 0.2, "queue": 0.1}
+
+
+@dataclass(frozen=True, slots=True)
+class SloConfig:
+    ttft_ms: float = 250.0  # default TTFT SLO (P95) when neither the request nor its tier says otherwise
+    itl_ms: float = 30.0  # ITL SLO (P95); decode steps are sized against it
+    tier_ttft_ms: Mapping[Priority, float] = field(default_factory=_default_tier_ttft_ms)  # tier -> TTFT SLO
+
+    def ttft_ms_for(self, tier: Priority) -> float:
+        return self.tier_ttft_ms.get(tier, self.ttft_ms)
+
+    def ttft_ms_for_request(self, spec: RequestSpec) -> float:
+        return spec.ttft_slo_ms if spec.ttft_slo_ms is not None else self.ttft_ms_for(spec.priority)
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyConfig:
+    queue: str = "edf"  # batcher waiting-queue order
+    reservation: str = "predicted"  # how much KV a request reserves for its output
+    preemption: str = "recompute"  # what happens to a preempted request's KV
+    admission: bool = True  # False: route everything, shed nothing (for comparisons)
+    tier_queue_bound: Mapping[Priority, int] = field(default_factory=_default_tier_queue_bound)
+    ttft_slack: float = 1.0  # refuse when predicted TTFT > tier SLO x slack
+    predicted_output_tokens: int = 512  # admission's KV reservation under "predicted" (capped by max_tokens)
+    kv_watermark: float = 0.01  # fraction of an instance's blocks kept free under "watermark"
+    min_retry_after_ms: int = 50  # floor of every retry hint: retrying sooner cannot help
+    routing_filters: tuple[str, ...] = ("model", "healthy", "kv_headroom")
+    scorer_weights: Mapping[str, float] = field(default_factory=_default_scorer_weights)  # scorer -> weight
+    swap_space_bytes: int = 16 * GIB  # host memory per instance for swapped-out KV
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceConfig:
+    id: str
+    model: str  # a key of NodeConfig.models
+    role: Role
+    tp: int
+    gpu_ids: tuple[int, ...]
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048  # default 8192 for PREFILL instances (see _instance_from_dict)
+    gpu_memory_utilization: float = 0.9
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class NodeConfig:
+    gpu: GpuSpec
+    num_gpus: int
+    models: Mapping[str, ModelSpec]  # served name -> spec (name and max_context_len already applied)
+    instances: tuple[InstanceConfig, ...]
+    slo: SloConfig = SloConfig()
+    policies: PolicyConfig = PolicyConfig()
+
+    def instances_of(self, model: str, roles: tuple[Role, ...] = tuple(Role)) -> tuple[InstanceConfig, ...]:
+        return tuple(i for i in self.instances if i.model == model and i.role in roles)
+
+    def instance(self, instance_id: str) -> InstanceConfig:
+        for inst in self.instances:
+            if inst.id == instance_id:
+                return inst
+        raise KeyError(instance_id)
+
+    def model_spec(self, instance: InstanceConfig) -> ModelSpec:
+        return self.models[instance.model]
+
+    def max_context_len(self, model: str) -> int:
+        return self.models[model].max_context_len
+
+    def is_disaggregated(self, model: str) -> bool:
+        return bool(self.instances_of(model, (Role.PREFILL,)))
+
+    def num_kv_blocks_for(self, instance: InstanceConfig) -> int:
+        return num_kv_blocks_for(self, instance)
+
+
+def num_kv_blocks_for(config: NodeConfig, instance: InstanceConfig) -> int:
+    """KV blocks of `instance` on `config.gpu` (the batcher's pool size)."""
+    return num_kv_blocks(
+        config.models[instance.model],
+        config.gpu,
+        instance.tp,
+        instance.gpu_memory_utilization,
+        instance.max_num_batched_tokens,
+        instance.block_size,
+    )
+
+
+def instances_of(config: NodeConfig, model: str) -> tuple[InstanceConfig, ...]:
+    return config.instances_of(model)
+
+
+# --- building from a dict ----------------------------------------------------------------------------------------
+
+_TOP_KEYS = ("gpu", "num_gpus", "models", "instances", "slo", "policies")
+_INSTANCE_KEYS = tuple(f.name for f in dataclasses.fields(InstanceConfig))
+_SLO_KEYS = ("ttft_ms", "itl_ms", "tier_ttft_ms")
+_POLICY_KEYS = tuple(f.name for f in dataclasses.fields(PolicyConfig))
+
+
+def node_config_from_dict(d: Mapping[str, Any]) -> NodeConfig:
+    """Build and validate a NodeConfig; raise one `PlacementError` listing every problem found."""
+    problems: list[str] = []
+    _unknown_keys(d, _TOP_KEYS, "the node config", problems)
+    gpu = _gpu(d.get("gpu", "h100-sxm-80gb"), problems)
+    num_gpus = _int(d.get("num_gpus", 8), "num_gpus", problems, minimum=1)
+    models = _models(d.get("models"), problems)
+    instances = tuple(
+        inst for i, raw in enumerate(d.get("instances") or ()) if (inst := _instance(i, raw, problems)) is not None
+    )
+    slo = _slo(d.get("slo") or {}, problems)
+    policies = _policies(d.get("policies") or {}, problems)
+    if problems:
+        raise PlacementError(problems)
+    config = NodeConfig(gpu, num_gpus, models, instances, slo, policies)
+    problems += check_placement(config)
+    if problems:
+        raise PlacementError(problems)
+    return config
+
+
+def check_placement(config: NodeConfig) -> list[str]:
+    """Every problem of an already-typed NodeConfig (used by the planner for the configs it builds, too)."""
+    problems: list[str] = []
+    if not config.instances:
+        problems.append("no instances: add at least one entry under `instances`")
+    _check_ids(config, problems)
+    _check_gpus(config, problems)
+    for inst in config.instances:
+        if inst.model not in config.models:
+            known = ", ".join(sorted(config.models)) or "(none)"
+            problems.append(f"instance {inst.id}: model {inst.model!r} is not under `models`; use one of: {known}")
+            continue
+        _check_fit(config, inst, problems)
+    _check_roles(config, problems)
+    return problems
+
+
+def _unknown_keys(d: Mapping[str, Any], known: tuple[str, ...], where: str, problems: list[str]) -> None:
+    for key in d:
+        if key not in known:
+            problems.append(f"unknown key {key!r} in {where}; known keys: {', '.join(known)}")
+
+
+def _int(value: Any, where: str, problems: list[str], minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        problems.append(f"{where} is {value!r}; set it to an integer >= {minimum}")
+        return minimum
+    return value
+
+
+def _gpu(raw: Any, problems: list[str]) -> GpuSpec:
+    if isinstance(raw, str):
+        if raw in GPU_PRESETS:
+            return GPU_PRESETS[raw]
+        problems.append(f"gpu: unknown preset {raw!r}; choose one of: {', '.join(sorted(GPU_PRESETS))}")
+    elif isinstance(raw, Mapping):
+        try:
+            return gpu_spec_from_dict(dict(raw))
+        except (TypeError, ValueError) as e:
+            problems.append(f"gpu: {e}")
+    else:
+        problems.append(f"gpu is {raw!r}; give a preset name or a full GPU spec mapping")
+    return next(iter(GPU_PRESETS.values()))
+
+
+def _models(raw: Any, problems: list[str]) -> dict[str, ModelSpec]:
+    if isinstance(raw, (list, tuple)):
+        raw = {name: name for name in raw}
+    if not isinstance(raw, Mapping) or not raw:
+        problems.append("models is missing or empty; list the served models, e.g. `models: {llama-3-70b: llama-3-70b}`")
+        return {}
+    models: dict[str, ModelSpec] = {}
+    for name, value in raw.items():
+        spec = _model(str(name), value, problems)
+        if spec is not None:
+            models[str(name)] = spec
+    return models
+
+
+def _model(name: str, value: Any, problems: list[str]) -> ModelSpec | None:
+    """A preset name, `{preset: P, max_context_len: N}`, or `{spec: {...full ModelSpec...}, max_context_len: N}`."""
+    if value is None or isinstance(value, str):
+        value = {"preset": value or name}
+    if not isinstance(value, Mapping):
+        problems.append(f"models.{name} is {value!r}; give a preset name or a mapping with `preset` or `spec`")
+        return None
+    _unknown_keys(value, ("preset", "spec", "max_context_len"), f"models.{name}", problems)
+    if "spec" in value:
+        try:
+            spec = model_spec_from_dict(dict(value["spec"]))
+        except (TypeError, ValueError) as e:
+            problems.append(f"models.{name}.spec: {e}")
+            return None
+    else:
+        preset = value.get("preset", name)
+        if preset not in MODEL_PRESETS:
+            problems.append(f"models.{name}: unknown preset {preset!r}; choose one of: {', '.join(sorted(MODEL_PRESETS))}")
+            return None
+        spec = MODEL_PRESETS[preset]
+    context = value.get("max_context_len", spec.max_context_len)
+    context = _int(context, f"models.{name}.max_context_len", problems, minimum=2)
+    return dataclasses.replace(spec, name=name, max_context_len=context)
+
+
+def _instance(index: int, raw: Any, problems: list[str]) -> InstanceConfig | None:
+    where = f"instances[{index}]"
+    if not isinstance(raw, Mapping):
+        problems.append(f"{where} is {raw!r}; give a mapping with id, model, role, tp, gpu_ids")
+        return None
+    where = f"instance {raw.get('id', where)}"
+    _unknown_keys(raw, _INSTANCE_KEYS, where, problems)
+    missing = [k for k in ("id", "model", "gpu_ids") if k not in raw]
+    if missing:
+        problems.append(f"{where}: missing {', '.join(missing)}; every instance needs id, model and gpu_ids")
+        return None
+    role = _role(raw.get("role", "colocated"), where, problems)
+    gpu_ids = raw["gpu_ids"]
+    if not isinstance(gpu_ids, (list, tuple)) or not all(isinstance(g, int) for g in gpu_ids):
+        problems.append(f"{where}: gpu_ids is {gpu_ids!r}; give a list of GPU indices, e.g. [0, 1, 2, 3]")
+        gpu_ids = ()
+    default_tokens = 8192 if role is Role.PREFILL else 2048
+    util = raw.get("gpu_memory_utilization", 0.9)
+    if not isinstance(util, (int, float)) or not 0 < util <= 1:
+        problems.append(f"{where}: gpu_memory_utilization is {util!r}; set it in (0, 1], e.g. 0.9")
+        util = 0.9
+    return InstanceConfig(
+        id=str(raw["id"]),
+        model=str(raw["model"]),
+        role=role,
+        tp=_int(raw.get("tp", len(gpu_ids) or 1), f"{where}: tp", problems, minimum=1),
+        gpu_ids=tuple(gpu_ids),
+        max_num_seqs=_int(raw.get("max_num_seqs", 256), f"{where}: max_num_seqs", problems, minimum=1),
+        max_num_batched_tokens=_int(
+            raw.get("max_num_batched_tokens", default_tokens), f"{where}: max_num_batched_tokens", problems, minimum=1
+        ),
+        gpu_memory_utilization=float(util),
+        block_size=_int(raw.get("block_size", 16), f"{where}: block_size", problems, minimum=1),
+        enable_prefix_caching=bool(raw.get("enable_prefix_caching", True)),
+    )
+
+
+def _role(raw: Any, where: str, problems: list[str]) -> Role:
+    try:
+        return Role(raw)
+    except ValueError:
+        problems.append(f"{where}: unknown role {raw!r}; choose one of: {', '.join(r.value for r in Role)}")
+        return Role.COLOCATED
+
+
+def _tier(raw: Any, where: str, problems: list[str]) -> Priority | None:
+    if isinstance(raw, Priority):
+        return raw
+    try:
+        return Priority[str(raw).upper()]
+    except KeyError:
+        names = ", ".join(p.name.lower() for p in Priority)
+        problems.append(f"{where}: unknown tier {raw!r}; choose one of: {names}")
+        return None
+
+
+def _tier_map(raw: Any, where: str, problems: list[str], base: dict[Priority, Any], cast: type) -> dict[Priority, Any]:
+    if not isinstance(raw, Mapping):
+        problems.append(f"{where} is {raw!r}; give a mapping of tier -> value, e.g. {{interactive: 200}}")
+        return base
+    out = dict(base)
+    for key, value in raw.items():
+        tier = _tier(key, where, problems)
+        if tier is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            problems.append(f"{where}.{tier.name.lower()} is {value!r}; set a positive number")
+            continue
+        out[tier] = cast(value)
+    return out
+
+
+def _slo(raw: Mapping[str, Any], problems: list[str]) -> SloConfig:
+    _unknown_keys(raw, _SLO_KEYS, "slo", problems)
+    values = {}
+    for key in ("ttft_ms", "itl_ms"):
+        value = raw.get(key, {"ttft_ms": 250.0, "itl_ms": 30.0}[key])
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            problems.append(f"slo.{key} is {value!r}; set a positive number of milliseconds")
+            value = 1.0
+        values[key] = float(value)
+    tiers = _tier_map(raw.get("tier_ttft_ms", {}), "slo.tier_ttft_ms", problems, _default_tier_ttft_ms(), float)
+    return SloConfig(values["ttft_ms"], values["itl_ms"], tiers)
+
+
+def _policies(raw: Mapping[str, Any], problems: list[str]) -> PolicyConfig:
+    _unknown_keys(raw, _POLICY_KEYS, "policies", problems)
+    base = PolicyConfig()
+    for key, known in (("queue", QUEUE_POLICIES), ("reservation", RESERVATION_POLICIES), ("preemption", PREEMPTION_POLICIES)):
+        if key in raw and raw[key] not in known:
+            problems.append(f"policies.{key}: unknown policy {raw[key]!r}; choose one of: {', '.join(known)}")
+    filters = tuple(raw.get("routing_filters", base.routing_filters))
+    for name in filters:
+        if name not in ROUTING_FILTERS:
+            problems.append(f"policies.routing_filters: unknown filter {name!r}; choose from: {', '.join(ROUTING_FILTERS)}")
+    weights = dict(raw.get("scorer_weights", base.scorer_weights))
+    for name, w in weights.items():
+        if name not in ROUTING_SCORERS:
+            problems.append(f"policies.scorer_weights: unknown scorer {name!r}; choose from: {', '.join(ROUTING_SCORERS)}")
+        elif isinstance(w, bool) or not isinstance(w, (int, float)) or w < 0:
+            problems.append(f"policies.scorer_weights.{name} is {w!r}; set a weight >= 0")
+    bounds = _tier_map(raw.get("tier_queue_bound", {}), "policies.tier_queue_bound", problems, _default_tier_queue_bound(), int)
+    scalars = {k: raw[k] for k in ("ttft_slack", "predicted_output_tokens", "kv_watermark", "min_retry_after_ms", "swap_space_bytes") if k in raw}
+    for key, value in scalars.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            problems.append(f"policies.{key} is {value!r}; set a number >= 0")
+    return PolicyConfig(
+        queue=raw.get("queue", base.queue),
+        reservation=raw.get("reservation", base.reservation),
+        preemption=raw.get("preemption", base.preemption),
+        admission=bool(raw.get("admission", base.admission)),
+        tier_queue_bound=bounds,
+        routing_filters=filters,
+        scorer_weights={k: float(v) for k, v in weights.items() if isinstance(v, (int, float))},
+        **scalars,
+    )
+
+
+# --- whole-config checks -------------------------------------------------------------------------------------------
+
+
+def _check_ids(config: NodeConfig, problems: list[str]) -> None:
+    seen: set[str] = set()
+    for inst in config.instances:
+        if inst.id in seen:
+            problems.append(f"instance id {inst.id!r} is used twice; give every instance its own id")
+        seen.add(inst.id)
+
+
+def _check_gpus(config: NodeConfig, problems: list[str]) -> None:
+    owner: dict[int, str] = {}
+    for inst in config.instances:
+        if len(inst.gpu_ids) != inst.tp:
+            problems.append(
+                f"instance {inst.id}: tp={inst.tp} but {len(inst.gpu_ids)} gpu_ids {list(inst.gpu_ids)}; "
+                f"give exactly {inst.tp} GPU ids or set tp={len(inst.gpu_ids)}"
+            )
+        if len(set(inst.gpu_ids)) != len(inst.gpu_ids):
+            problems.append(f"instance {inst.id}: gpu_ids {list(inst.gpu_ids)} lists a GPU twice; list each GPU once")
+        outside = [g for g in sorted(set(inst.gpu_ids)) if not 0 <= g < config.num_gpus]
+        if outside:
+            problems.append(
+                f"instance {inst.id}: gpu ids {outside} are out of range; this node has GPUs 0..{config.num_gpus - 1}"
+            )
+        for g in sorted(set(inst.gpu_ids) - set(outside)):
+            if g in owner:
+                problems.append(f"GPU {g} is given to both {owner[g]} and {inst.id}; give each GPU to one instance")
+            else:
+                owner[g] = inst.id
+
+
+def _check_fit(config: NodeConfig, inst: InstanceConfig, problems: list[str]) -> None:
+    model = config.models[inst.model]
+    try:
+        model.check_tp(inst.tp)
+    except SpecError as e:
+        detail = str(e).removeprefix(f"{e.field}: ")
+        problems.append(f"instance {inst.id}: {detail}; use a tp that splits the heads evenly (1, 2, 4 or 8)")
+        return
+    usable = config.gpu.memory_bytes * inst.gpu_memory_utilization
+    weights = model.weight_bytes_per_gpu(inst.tp)
+    if weights >= usable:
+        problems.append(
+            f"instance {inst.id}: {inst.model} weights need {weights / 1e9:.1f} GB per GPU at TP={inst.tp} but "
+            f"{config.gpu.name} x {inst.gpu_memory_utilization:g} leaves {usable / 1e9:.1f} GB; raise tp or "
+            f"gpu_memory_utilization"
+        )
+    elif num_kv_blocks_for(config, inst) <= 0:
+        problems.append(
+            f"instance {inst.id}: no room for KV cache: {inst.model} weights take {weights / 1e9:.1f} of "
+            f"{usable / 1e9:.1f} GB per GPU at TP={inst.tp} and the activations of {inst.max_num_batched_tokens} "
+            f"batched tokens take the rest; raise tp or lower max_num_batched_tokens"
+        )
+
+
+def _check_roles(config: NodeConfig, problems: list[str]) -> None:
+    for model in config.models:
+        roles = {i.role for i in config.instances_of(model)}
+        if not roles:
+            problems.append(f"model {model} has no instance; add one or remove it from `models`")
+        if Role.PREFILL in roles and Role.DECODE not in roles:
+            problems.append(f"model {model} has prefill instances but no decode instance; add a role: decode instance")
+        if Role.DECODE in roles and Role.PREFILL not in roles:
+            problems.append(f"model {model} has decode instances but no prefill instance; add a role: prefill instance")
