@@ -1,0 +1,113 @@
+"""`octoserve simulate`: run a workload profile on a node config in the discrete-event simulator and report.
+
+Prints the summary table (the same metric definitions as `octoserve bench` and `vllm bench serve`), per-instance
+busy fractions and preemptions, and the simulator's own speed; optionally writes JSON and PNG plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from services.config import load_node_config
+from services.metrics import SloSpec, summary_to_dict
+from services.progress import Progress
+from services.sim.driver import SimResult, run_simulation
+from services.workload import PROFILES, generate_trace, scaled
+
+
+def parse_duration_s(text: str) -> float:
+    """'60', '60s', '2m' -> seconds."""
+    text = text.strip().lower()
+    factor = 60.0 if text.endswith("m") else 1.0
+    try:
+        return float(text.rstrip("sm")) * factor
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"duration {text!r}: use seconds like 60, 60s or 2m") from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="node config YAML (default: the embedded default placement)")
+    parser.add_argument("--profile", default="seed-000", choices=sorted(PROFILES), help="workload profile")
+    parser.add_argument("--rate", type=float, help="arrival rate in req/s (default: the profile's)")
+    parser.add_argument("--duration", type=parse_duration_s, help="arrival window, e.g. 60s (default: profile's)")
+    parser.add_argument("--burstiness", type=float, help="gamma shape of inter-arrivals (<1 burstier)")
+    parser.add_argument("--seed", type=int, default=0, help="trace and tie-break seed")
+    parser.add_argument("--json", dest="json_path", help="write the summary and per-request records here")
+    parser.add_argument("--plots", help="directory for PNG plots")
+
+
+def run(args: argparse.Namespace) -> int:
+    node = load_node_config(args.config)
+    profile = scaled(PROFILES[args.profile], rate_rps=args.rate, duration_s=args.duration, burstiness=args.burstiness)
+    trace = generate_trace(profile, args.seed)
+    print(f"simulating {len(trace)} requests of {profile.name} at {profile.rate_rps:g} req/s "
+          f"for {profile.duration_s:g} s on {len(node.instances)} instances", file=sys.stderr)
+    result = simulate_with_progress(node, trace, profile.duration_s, seed=args.seed)
+    print(format_result(result))
+    if args.json_path:
+        write_json(result, args.json_path)
+    if args.plots:
+        write_plots(result, args.plots, SloSpec(node.slo.ttft_ms, node.slo.itl_ms))
+    return 0
+
+
+def simulate_with_progress(node, trace, duration_s: float, *, seed: int = 0, label: str = "virtual s") -> SimResult:
+    bar = Progress(total=int(duration_s), label=label)
+    done = [0]
+
+    def advance(t: float) -> None:
+        step = min(int(t), int(duration_s)) - done[0]
+        if step > 0:
+            bar.update(step)
+            done[0] += step
+
+    try:
+        return run_simulation(node, trace, seed=seed, progress=advance)
+    finally:
+        bar.close()
+
+
+def format_result(result: SimResult) -> str:
+    from services.metrics import format_summary
+
+    lines = [format_summary(result.summary), "", "instance            model          role       steps   busy  preempt"]
+    for s in result.instances:
+        lines.append(
+            f"{s.instance_id:<19} {s.model:<14} {s.role:<10} {s.num_steps:>6} {s.busy_fraction:>6.1%} "
+            f"{s.num_preemptions:>8}"
+        )
+    lines.append(
+        f"\nsimulator speed: {result.virtual_s:.1f} virtual s in {result.wall_s:.1f} wall s = {result.speed:.2f}x"
+    )
+    return "\n".join(lines)
+
+
+def write_json(result: SimResult, path: str) -> None:
+    from dataclasses import asdict
+
+    payload = {
+        "summary": summary_to_dict(result.summary),
+        "instances": [asdict(s) for s in result.instances],
+        "virtual_s": result.virtual_s,
+        "wall_s": result.wall_s,
+        "records": [asdict(r) for r in result.records],
+    }
+    Path(path).write_text(json.dumps(payload, default=str))
+
+
+def write_plots(result: SimResult, directory: str, slo: SloSpec) -> list[Path]:
+    from services.plots import plot_attainment_over_time, plot_latency_cdfs, plot_timeseries
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    kv = {k.removeprefix("kv:"): v for k, v in result.timeseries.items() if k.startswith("kv:")}
+    busy = {k.removeprefix("busy:"): v for k, v in result.timeseries.items() if k.startswith("busy:")}
+    return [
+        plot_latency_cdfs(result.records, out / "latency_cdfs.png", slo),
+        plot_attainment_over_time(result.records, slo, out / "attainment_over_time.png"),
+        plot_timeseries(kv, out / "kv_utilisation.png", "KV cache utilisation"),
+        plot_timeseries(busy, out / "gpu_busy.png", "GPU busy fraction"),
+    ]

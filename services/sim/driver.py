@@ -1,0 +1,318 @@
+"""The discrete-event simulator of the whole node: the same core objects as the live services, on a virtual clock.
+
+Pop an event, set the time, let the event produce new events (as in Vidur). Entities:
+- the router policy (`services.core.routing.RouterPolicy`): admission and routing on fresh load snapshots;
+- one `_Instance` per engine instance: a core `Batcher`, a `SimExecutor` and the instance's cost model; an instance
+  is either idle or running exactly one step, whose end is an event;
+- KV hand-offs between prefill and decode instances, each an event after its modelled NVLink time.
+
+Invariants: virtual time never goes backwards; a request is refused, or admitted to exactly one (colocated or
+prefill) instance, with its decode KV reserved before its prefill starts when the model is disaggregated; every
+admitted request ends finished or is reported unfinished when the run stops. Nothing here reads the wall clock except
+to report how fast the simulation ran.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from services.core.batcher import Batcher
+from services.core.instance import instance_parts
+from services.core.placement import InstanceConfig, NodeConfig
+from services.core.sim_executor import SimExecutor
+from services.core.types import FinishReason, HandoffReady, RequestOutput, StepPlan, StepResult
+from services.metrics import RequestRecord, SloSpec, Summary, summarize
+from services.workload import TraceRequest
+
+_ARRIVAL, _STEP_DONE, _TRANSFER_DONE, _SAMPLE = range(4)
+_EMA = 0.2  # weight of the newest decode step in an instance's reported decode step time
+
+
+class _Instance:
+    __slots__ = ("cfg", "batcher", "executor", "cost", "busy", "busy_s", "steps", "decode_step_s", "prefill_tps")
+
+    def __init__(self, node: NodeConfig, cfg: InstanceConfig) -> None:
+        parts = instance_parts(node, cfg)
+        self.cfg = cfg
+        self.batcher = Batcher(parts.batcher_config, parts.new_kv(cfg))
+        self.cost = parts.cost_model
+        self.executor = SimExecutor(self.cost, cfg.block_size, parts.batcher_config.eos_token_id)
+        self.busy = False
+        self.busy_s = 0.0  # modelled GPU-busy seconds so far
+        self.steps = 0
+        self.decode_step_s = self.cost.decode_step_time_s(1, 1024)
+        self.prefill_tps = self.cost.prefill_tokens_per_s(cfg.max_num_batched_tokens)
+
+    def load(self):
+        return self.batcher.load(self.cfg.id, self.cfg.model, self.prefill_tps, self.decode_step_s)
+
+
+class _Tracker:
+    """What the simulator learns about one request as it runs."""
+
+    __slots__ = ("trace", "route", "first_token_s", "token_times_s", "finish_s", "num_cached", "num_output",
+                 "preemptions", "refused", "retry_after_ms", "error", "committed")
+
+    def __init__(self, trace: TraceRequest) -> None:
+        self.trace = trace
+        self.route = None
+        self.first_token_s: float | None = None
+        self.token_times_s: list[float] = []
+        self.finish_s: float | None = None
+        self.num_cached = 0
+        self.num_output = 0
+        self.preemptions = 0
+        self.refused = False
+        self.retry_after_ms: float | None = None
+        self.error = ""
+        self.committed = False  # decode side has taken the KV
+
+    def record(self) -> RequestRecord:
+        return self.trace.record(
+            num_cached_prompt_tokens=self.num_cached,
+            num_output_tokens=self.num_output,
+            first_token_s=self.first_token_s,
+            token_times_s=tuple(self.token_times_s),
+            finish_s=self.finish_s,
+            refused=self.refused,
+            retry_after_ms=self.retry_after_ms,
+            error=self.error,
+            num_preemptions=self.preemptions,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceStats:
+    instance_id: str
+    model: str
+    role: str
+    num_steps: int
+    busy_fraction: float
+    num_preemptions: int
+
+
+@dataclass(frozen=True, slots=True)
+class SimResult:
+    records: tuple[RequestRecord, ...]
+    summary: Summary
+    instances: tuple[InstanceStats, ...]
+    # series name -> [(virtual time s, value)], e.g. "kv:<instance>" utilisation, "busy:<instance>" fraction
+    timeseries: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+    virtual_s: float = 0.0
+    wall_s: float = 0.0
+
+    @property
+    def speed(self) -> float:
+        """Virtual seconds simulated per wall second."""
+        return self.virtual_s / self.wall_s if self.wall_s > 0 else float("inf")
+
+
+class NodeSimulator:
+    def __init__(self, config: NodeConfig, *, seed: int = 0, sample_interval_s: float = 1.0, router=None) -> None:
+        from services.core.routing import RouterPolicy
+
+        self.config = config
+        self.instances = {cfg.id: _Instance(config, cfg) for cfg in config.instances}
+        cost_models = {iid: inst.cost for iid, inst in self.instances.items()}
+        self.router = router or RouterPolicy(config, cost_models, random.Random(seed))
+        self.sample_interval_s = sample_interval_s
+        self._events: list = []
+        self._seq = itertools.count()
+        self._trackers: dict[str, _Tracker] = {}
+        self._series: dict[str, list[tuple[float, float]]] = {}
+        self._last_busy: dict[str, float] = {iid: 0.0 for iid in self.instances}
+        self.now = 0.0
+
+    # ---- the loop -----------------------------------------------------------------------------------------
+
+    def run(
+        self,
+        trace: Sequence[TraceRequest],
+        *,
+        drain_s: float = 120.0,
+        progress: Callable[[float], None] | None = None,
+    ) -> SimResult:
+        wall_start = time.perf_counter()
+        for req in trace:
+            self._push(req.arrival_s, _ARRIVAL, req)
+        last_arrival = trace[-1].arrival_s if trace else 0.0
+        end_s = last_arrival + drain_s
+        self._push(0.0, _SAMPLE, None)
+        handlers = {
+            _ARRIVAL: self._on_arrival,
+            _STEP_DONE: self._on_step_done,
+            _TRANSFER_DONE: self._on_transfer_done,
+            _SAMPLE: self._on_sample,
+        }
+        next_progress = 0.0
+        while self._events:
+            t, _, kind, payload = heapq.heappop(self._events)
+            if t > end_s:
+                break
+            self.now = t
+            handlers[kind](payload)
+            if progress is not None and t >= next_progress:
+                progress(t)
+                next_progress = t + 1.0
+            if kind == _SAMPLE and not self._work_left():
+                break
+        return self._result(trace, last_arrival, time.perf_counter() - wall_start)
+
+    def _push(self, t: float, kind: int, payload) -> None:
+        heapq.heappush(self._events, (t, next(self._seq), kind, payload))
+
+    def _work_left(self) -> bool:
+        return any(k != _SAMPLE for _, _, k, _ in self._events) or any(
+            i.batcher.has_work for i in self.instances.values()
+        )
+
+    # ---- arrivals and routing ------------------------------------------------------------------------------
+
+    def _on_arrival(self, req: TraceRequest) -> None:
+        from services.core.routing import Refuse
+
+        tracker = _Tracker(req)
+        self._trackers[req.request_id] = tracker
+        spec = req.to_request_spec()
+        loads = {iid: inst.load() for iid, inst in self.instances.items() if inst.cfg.model == req.model}
+        decision = self.router.route(spec, loads, self.now)
+        if isinstance(decision, Refuse):
+            tracker.refused = True
+            tracker.retry_after_ms = decision.retry_after_ms
+            return
+        if decision.decode_instance_id is not None:
+            decode = self.instances[decision.decode_instance_id]
+            if not decode.batcher.reserve(spec, self.now):
+                tracker.refused = True
+                tracker.retry_after_ms = 100.0
+                return
+        tracker.route = decision
+        self.router.on_dispatched(req.request_id, decision, spec)
+        instance = self.instances[decision.instance_id]
+        instance.batcher.add_request(spec, self.now)
+        self._wake(instance)
+
+    def _wake(self, inst: _Instance) -> None:
+        if not inst.busy:
+            self._start_step(inst)
+
+    # ---- steps -------------------------------------------------------------------------------------------
+
+    def _start_step(self, inst: _Instance) -> None:
+        plan = inst.batcher.schedule(self.now)
+        if plan.is_empty:
+            inst.busy = False
+            return
+        result = inst.executor.execute(plan, inst.batcher)
+        inst.busy = True
+        inst.busy_s += result.step_time_s
+        self._push(self.now + result.step_time_s, _STEP_DONE, (inst, plan, result))
+
+    def _on_step_done(self, payload: tuple[_Instance, StepPlan, StepResult]) -> None:
+        inst, plan, result = payload
+        out = inst.batcher.update(plan, result, self.now)
+        inst.steps += 1
+        if plan.chunks and plan.num_batched_tokens == len(plan.chunks):
+            inst.decode_step_s += _EMA * (result.step_time_s - inst.decode_step_s)
+        for request_id in plan.preempted_ids:
+            self._trackers[request_id].preemptions += 1
+        for output in out.outputs:
+            self._on_output(output)
+        for handoff in out.handoffs:
+            self._start_transfer(inst, handoff)
+        if out.kv_events:
+            self.router.on_kv_events(inst.cfg.id, out.kv_events)
+        self._start_step(inst)
+
+    def _on_output(self, output: RequestOutput) -> None:
+        tracker = self._trackers[output.request_id]
+        if output.new_token_ids:
+            if tracker.first_token_s is None:
+                tracker.first_token_s = self.now
+                tracker.num_cached = output.num_cached_prompt_tokens
+                self.router.on_first_token(output.request_id)
+            tracker.token_times_s.extend([self.now] * len(output.new_token_ids))
+            tracker.num_output += len(output.new_token_ids)
+        if output.finish_reason not in (None, FinishReason.HANDOFF):
+            self._finish(tracker)
+
+    def _finish(self, tracker: _Tracker) -> None:
+        tracker.finish_s = self.now
+        route = tracker.route
+        if route is not None and route.decode_instance_id is not None and not tracker.committed:
+            # The first token ended the request on the prefill side: the decode reservation is not needed.
+            self.instances[route.decode_instance_id].batcher.release_reservation(tracker.trace.request_id)
+        self.router.on_finished(tracker.trace.request_id)
+
+    # ---- KV hand-off ---------------------------------------------------------------------------------------
+
+    def _start_transfer(self, source: _Instance, handoff: HandoffReady) -> None:
+        transfer_s = source.cost.kv_transfer_time_s(handoff.num_prompt_tokens)
+        self._push(self.now + transfer_s, _TRANSFER_DONE, (source, handoff))
+
+    def _on_transfer_done(self, payload: tuple[_Instance, HandoffReady]) -> None:
+        source, handoff = payload
+        tracker = self._trackers[handoff.request_id]
+        source.batcher.release_handoff(handoff.request_id)
+        self._wake(source)  # freed blocks may unblock its queue
+        decode = self.instances[tracker.route.decode_instance_id]
+        tracker.committed = True
+        done = decode.batcher.commit_handoff(handoff.request_id, handoff.first_token_id, self.now)
+        if done is not None:
+            self._finish(tracker)
+            return
+        self._wake(decode)
+
+    # ---- sampling and results -----------------------------------------------------------------------------
+
+    def _on_sample(self, _payload) -> None:
+        dt = self.sample_interval_s
+        for iid, inst in self.instances.items():
+            self._series.setdefault(f"kv:{iid}", []).append((self.now, inst.batcher.kv.usage))
+            busy = min(1.0, (inst.busy_s - self._last_busy[iid]) / dt) if self.now > 0 else 0.0
+            self._series.setdefault(f"busy:{iid}", []).append((self.now, busy))
+            self._last_busy[iid] = inst.busy_s
+        self._push(self.now + dt, _SAMPLE, None)
+
+    def _result(self, trace: Sequence[TraceRequest], last_arrival: float, wall_s: float) -> SimResult:
+        records = []
+        for req in trace:
+            tracker = self._trackers.get(req.request_id)
+            if tracker is None:
+                tracker = _Tracker(req)
+                tracker.error = "not reached: the simulation stopped first"
+            elif not tracker.refused and tracker.finish_s is None:
+                tracker.error = "unfinished when the simulation stopped"
+            records.append(tracker.record())
+        duration_s = max(last_arrival, 1e-9)
+        slo = SloSpec(ttft_ms=self.config.slo.ttft_ms, itl_ms=self.config.slo.itl_ms)
+        virtual_s = max(self.now, last_arrival)
+        stats = tuple(
+            InstanceStats(
+                instance_id=iid,
+                model=inst.cfg.model,
+                role=inst.cfg.role.value,
+                num_steps=inst.steps,
+                busy_fraction=min(1.0, inst.busy_s / virtual_s) if virtual_s > 0 else 0.0,
+                num_preemptions=inst.batcher.num_preemptions_total,
+            )
+            for iid, inst in self.instances.items()
+        )
+        return SimResult(tuple(records), summarize(records, slo, duration_s), stats, self._series, virtual_s, wall_s)
+
+
+def run_simulation(
+    config: NodeConfig,
+    trace: Sequence[TraceRequest],
+    *,
+    seed: int = 0,
+    progress: Callable[[float], None] | None = None,
+    drain_s: float = 120.0,
+) -> SimResult:
+    """Simulate `trace` on the node `config`; the one entry point for `simulate`, `plan` and the benchmarks."""
+    return NodeSimulator(config, seed=seed).run(trace, drain_s=drain_s, progress=progress)
