@@ -1,0 +1,357 @@
+"""The router policy: admit or refuse, then pick an instance (llm-d style filter -> scorers -> picker).
+
+The same `RouterPolicy` object runs in the simulator (virtual clock) and in the live router: it takes load
+snapshots and `now` as arguments and owns no clock, no I/O and no unseeded randomness.
+
+route(spec, loads, now):
+1. unknown model -> Refuse(UnknownModel).
+2. per-tier queue bound (outstanding no-first-token requests of this model and tier) -> Refuse(Overloaded).
+3. candidates = the model's colocated / prefill instances; the configured filters drop those that cannot take it
+   ("model", "healthy": healthy, not paused, has a snapshot; "kv_headroom": prompt + reservation fits).
+4. disaggregated models: the decode instance with the most KV headroom (then fewest running, then id) that can
+   reserve prompt + reservation; none -> Refuse.
+5. TTFT feasibility: predicted TTFT = (prefill queue ahead of this tier) / (instance prefill throughput) + own
+   uncached prefill time; candidates over the tier's SLO x slack are dropped; none left -> Refuse with
+   retry_after_ms = how long until the best candidate would become feasible. BATCH (10 s SLO) queues instead.
+   A prompt whose own prefill alone exceeds the SLO may wait as long as its own prefill (it cannot meet the
+   SLO anyway, and refusing it on every try would starve long prompts).
+6. scorers (each a pure function of the candidate set, returning [0, 1], 0 = best) are weighted from config and
+   summed into a cost; the picker takes the lowest cost, ties broken by one seeded `rng.random()` per candidate.
+
+Warm busy vs cold idle (seed 003 follow-up): with prompt N, a warm instance caching h·N of it and a queue of W
+seconds ahead, versus a cold idle instance, waiting for the warm one is faster exactly when
+    W + prefill_time(N − hN | hN cached) < prefill_time(N),
+i.e. when the queue ahead drains in less time than the cache saves. With linear prefill cost and h = 0.8 that is
+W < 0.8 · N / throughput: a busy warm GPU wins while its backlog is under 80 % of one prompt's prefill. The TTFT
+scorer makes exactly this comparison, because it ranks by predicted TTFT, which includes both terms
+(`warm_beats_cold` states the rule on its own, for the planner and the tests).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from services.core import admission as adm
+from services.core.errors import Overloaded, UnknownModel
+from services.core.placement import InstanceConfig, NodeConfig
+from services.core.registry import Registry
+from services.core.types import EngineLoad, KVEvent, RequestSpec, Role
+
+
+class CostModelLike(Protocol):
+    def prefill_time_s(self, num_tokens: int, num_context_tokens: int = 0) -> float: ...
+
+    def prefill_tokens_per_s(self, chunk_tokens: int) -> float: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    instance_id: str  # prefill or colocated instance
+    decode_instance_id: str | None  # None for colocated
+    predicted_ttft_ms: float
+    expected_cached_tokens: int  # prompt tokens the prefix cache should serve on instance_id
+
+
+@dataclass(frozen=True, slots=True)
+class Refuse:
+    error: Overloaded | UnknownModel
+    retry_after_ms: int  # 0 for UnknownModel: retrying will not help
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One instance as the filters and scorers see it for one request."""
+
+    instance: InstanceConfig
+    load: EngineLoad
+    headroom_blocks: int  # free blocks once work sent since the snapshot lands
+    required_blocks: int  # blocks this request takes here
+    queue_ahead_tokens: float  # prefill tokens that run before it
+    num_queued: int  # waiting in the snapshot + dispatched since
+    cached_tokens: int  # expected prefix-cache hit
+    wait_s: float  # queue_ahead_tokens / prefill throughput
+    own_prefill_s: float  # its own uncached prefill
+    model: str  # the requested model
+
+    @property
+    def predicted_ttft_s(self) -> float:
+        return self.wait_s + self.own_prefill_s
+
+
+Filter = Callable[[Candidate], bool]
+Scorer = Callable[[Sequence[Candidate]], dict[str, float]]
+
+FILTERS: Registry[Filter] = Registry("routing filter")
+SCORERS: Registry[Scorer] = Registry("routing scorer")
+ENTRY_ROLES = (Role.COLOCATED, Role.PREFILL)
+
+
+@FILTERS.register("model")
+def filter_model(c: Candidate) -> bool:
+    return c.instance.model == c.model and c.instance.role in ENTRY_ROLES
+
+
+@FILTERS.register("healthy")
+def filter_healthy(c: Candidate) -> bool:
+    return c.load.healthy and not c.load.paused
+
+
+@FILTERS.register("kv_headroom")
+def filter_kv_headroom(c: Candidate) -> bool:
+    return c.required_blocks <= c.headroom_blocks
+
+
+def _relative(values: Mapping[str, float]) -> dict[str, float]:
+    """Divide by the largest value so the worst candidate scores 1 and an empty one 0."""
+    top = max(values.values(), default=0.0)
+    return {k: (v / top if top > 0 else 0.0) for k, v in values.items()}
+
+
+@SCORERS.register("ttft")
+def score_ttft(cands: Sequence[Candidate]) -> dict[str, float]:
+    """Predicted TTFT relative to the slowest candidate: queue wait and prefix-cache savings in one number."""
+    return _relative({c.instance.id: c.predicted_ttft_s for c in cands})
+
+
+@SCORERS.register("kv_headroom")
+def score_kv_headroom(cands: Sequence[Candidate]) -> dict[str, float]:
+    """KV usage after taking this request: fuller instances cost more (they preempt sooner)."""
+    out = {}
+    for c in cands:
+        total = c.load.num_total_blocks
+        left = c.headroom_blocks - c.required_blocks
+        out[c.instance.id] = 1.0 if total <= 0 else min(1.0, max(0.0, 1.0 - left / total))
+    return out
+
+
+@SCORERS.register("queue")
+def score_queue(cands: Sequence[Candidate]) -> dict[str, float]:
+    """Waiting requests relative to the longest queue."""
+    return _relative({c.instance.id: float(c.num_queued) for c in cands})
+
+
+def pick(costs: Mapping[str, float], rng: Any) -> str:
+    """Lowest cost; one rng.random() per candidate, drawn in id order, breaks exact ties reproducibly."""
+    draws = {iid: rng.random() for iid in sorted(costs)}
+    return min(sorted(costs), key=lambda iid: (round(costs[iid], 12), draws[iid]))
+
+
+def warm_beats_cold(
+    cost: CostModelLike, num_prompt_tokens: int, cached_tokens: int, warm_wait_s: float, cold_wait_s: float = 0.0
+) -> bool:
+    """True when queueing `warm_wait_s` behind a warm instance gives an earlier first token than a cold one."""
+    warm = warm_wait_s + cost.prefill_time_s(num_prompt_tokens - cached_tokens, cached_tokens)
+    cold = cold_wait_s + cost.prefill_time_s(num_prompt_tokens)
+    return warm < cold
+
+
+class RouterPolicy:
+    """Admission + routing for every model of one node; see the module docstring.
+
+    cost_models: instance id -> CostModel (a model name is accepted as a fallback key), for own-prefill times and
+    a throughput fallback when a snapshot reports none. prefix_index / block_hasher default to
+    services.core.kv_cache's PrefixIndex and prefix_block_hashes; `extra_key` must equal the engines'
+    KVCacheManager extra_key so hashes match.
+    """
+
+    def __init__(
+        self,
+        config: NodeConfig,
+        cost_models: Mapping[str, CostModelLike],
+        rng: Any,
+        *,
+        prefix_index: Any = None,
+        block_hasher: Callable[[Sequence[int], int, str], list[int]] | None = None,
+        extra_key: str = "",
+    ) -> None:
+        self.config = config
+        self.cost_models = cost_models
+        self.rng = rng
+        if prefix_index is None or block_hasher is None:
+            from services.core import kv_cache  # noqa: PLC0415 - keeps tests with fakes independent of it
+
+            prefix_index = prefix_index if prefix_index is not None else kv_cache.PrefixIndex()
+            block_hasher = block_hasher or kv_cache.prefix_block_hashes
+        self.prefix_index = prefix_index
+        self.block_hasher = block_hasher
+        self.extra_key = extra_key
+        self.ledger = adm.InFlightLedger()
+        self._filters = [FILTERS.get(n) for n in config.policies.routing_filters]
+        self._scorers = [(SCORERS.get(n), w) for n, w in sorted(config.policies.scorer_weights.items()) if w > 0]
+
+    # --- hooks --------------------------------------------------------------------------------------------------
+
+    def on_kv_events(self, instance_id: str, events: Sequence[KVEvent]) -> None:
+        for event in events:
+            self.prefix_index.apply(instance_id, event)
+
+    def on_dispatched(self, request_id: str, route: Route, spec: RequestSpec) -> None:
+        cfg = self.config
+        entry = cfg.instance(route.instance_id)
+        colocated = route.decode_instance_id is None
+        decode = None if colocated else cfg.instance(route.decode_instance_id)
+        self.ledger.on_dispatched(
+            adm.Dispatched(
+                request_id=request_id,
+                model=spec.model,
+                tier=spec.priority,
+                instance_id=entry.id,
+                decode_instance_id=route.decode_instance_id,
+                uncached_prefill_tokens=spec.num_prompt_tokens - route.expected_cached_tokens,
+                entry_blocks=adm.kv_blocks_required(spec, entry, cfg.policies, with_output=colocated),
+                decode_blocks=0 if decode is None else adm.kv_blocks_required(spec, decode, cfg.policies, with_output=True),
+            )
+        )
+
+    def on_first_token(self, request_id: str) -> None:
+        self.ledger.on_first_token(request_id)
+
+    def on_finished(self, request_id: str) -> None:
+        self.ledger.on_finished(request_id)
+
+    # --- the decision ---------------------------------------------------------------------------------------------
+
+    def route(self, spec: RequestSpec, loads: Mapping[str, EngineLoad] | Sequence[EngineLoad], now: float) -> Route | Refuse:
+        """Admit and place `spec`, or refuse it. `now` is unused today: snapshots carry the state; kept so
+        deadline-aware policies need no signature change."""
+        if not isinstance(loads, Mapping):
+            loads = {load.instance_id: load for load in loads}
+        for load in loads.values():
+            self.ledger.observe_load(load)
+        if spec.model not in self.config.models:
+            return Refuse(UnknownModel(spec.model, self.config.models), 0)
+        admit = self.config.policies.admission
+        if admit and (refusal := self._tier_bound(spec, loads)) is not None:
+            return refusal
+        cands = self._candidates(spec, loads)
+        kept = [c for c in cands if all(f(c) for f in self._filters)] if admit else [c for c in cands if filter_model(c) and filter_healthy(c)]
+        if not kept:
+            return self._refuse_no_instance(spec, cands)
+        decode_id = None
+        if self.config.is_disaggregated(spec.model):
+            decode_id = self._pick_decode(spec, loads, require_fit=admit)
+            if decode_id is None:
+                return self._refuse(spec, kept, "no decode instance has KV headroom for prompt + reservation")
+        if admit:
+            slo_ms = self.config.slo.ttft_ms_for_request(spec)
+            slack = self.config.policies.ttft_slack
+            feasible = [c for c in kept if adm.ttft_excess_s(c.predicted_ttft_s, c.own_prefill_s, slo_ms, slack) <= 0]
+            if not feasible:
+                return self._refuse_ttft(spec, kept, slo_ms)
+            kept = feasible
+        chosen = self._pick(kept)
+        return Route(chosen.instance.id, decode_id, chosen.predicted_ttft_s * 1000.0, chosen.cached_tokens)
+
+    def _candidates(self, spec: RequestSpec, loads: Mapping[str, EngineLoad]) -> list[Candidate]:
+        overlaps: dict[int, dict[str, int]] = {}
+        out = []
+        for inst in self.config.instances_of(spec.model, ENTRY_ROLES):
+            load = loads.get(inst.id)
+            if load is None:
+                continue  # no snapshot yet: the instance is not known to be up
+            if inst.block_size not in overlaps:
+                hashes = self.block_hasher(spec.prompt_token_ids, inst.block_size, self.extra_key)
+                overlaps[inst.block_size] = self.prefix_index.overlap_blocks(hashes)
+            out.append(self._candidate(spec, inst, load, overlaps[inst.block_size].get(inst.id, 0)))
+        return out
+
+    def _candidate(self, spec: RequestSpec, inst: InstanceConfig, load: EngineLoad, overlap_blocks: int) -> Candidate:
+        policies = self.config.policies
+        cached = self._cached_tokens(spec, inst, overlap_blocks)
+        ahead = adm.queue_ahead_tokens(load, self.ledger, spec.priority, policies.queue)
+        cost = self._cost_model(inst)
+        throughput = load.prefill_tokens_per_s or cost.prefill_tokens_per_s(inst.max_num_batched_tokens)
+        return Candidate(
+            instance=inst,
+            load=load,
+            headroom_blocks=adm.kv_headroom_blocks(load, self.ledger, policies),
+            required_blocks=adm.kv_blocks_required(spec, inst, policies, with_output=inst.role is Role.COLOCATED),
+            queue_ahead_tokens=ahead,
+            num_queued=load.num_waiting + self.ledger.num_pending(inst.id),
+            cached_tokens=cached,
+            wait_s=adm.prefill_wait_s(ahead, throughput),
+            own_prefill_s=cost.prefill_time_s(spec.num_prompt_tokens - cached, cached),
+            model=spec.model,
+        )
+
+    def _cached_tokens(self, spec: RequestSpec, inst: InstanceConfig, overlap_blocks: int) -> int:
+        """Whole cached blocks, and never the whole prompt: the last token is always computed (to sample)."""
+        if not inst.enable_prefix_caching:
+            return 0
+        bs = inst.block_size
+        return min(overlap_blocks * bs, (spec.num_prompt_tokens - 1) // bs * bs)
+
+    def _cost_model(self, inst: InstanceConfig) -> CostModelLike:
+        return self.cost_models[inst.id] if inst.id in self.cost_models else self.cost_models[inst.model]
+
+    def _pick(self, cands: Sequence[Candidate]) -> Candidate:
+        costs = {c.instance.id: 0.0 for c in cands}
+        for scorer, weight in self._scorers:
+            for iid, s in scorer(cands).items():
+                costs[iid] += weight * s
+        chosen = pick(costs, self.rng)
+        return next(c for c in cands if c.instance.id == chosen)
+
+    def _pick_decode(self, spec: RequestSpec, loads: Mapping[str, EngineLoad], require_fit: bool) -> str | None:
+        """Most KV headroom, then fewest running, then id: decode capacity is reserved before prefill starts."""
+        best: tuple[int, int, str] | None = None
+        for inst in self.config.instances_of(spec.model, (Role.DECODE,)):
+            load = loads.get(inst.id)
+            if load is None or not load.healthy or load.paused:
+                continue
+            headroom = adm.kv_headroom_blocks(load, self.ledger, self.config.policies)
+            need = adm.kv_blocks_required(spec, inst, self.config.policies, with_output=True)
+            if require_fit and need > headroom:
+                continue
+            key = (-(headroom - need), load.num_running, inst.id)
+            best = key if best is None or key < best else best
+        return None if best is None else best[2]
+
+    # --- refusals ------------------------------------------------------------------------------------------------
+
+    def _overloaded(self, spec: RequestSpec, wait_s: float, reason: str) -> Refuse:
+        retry = adm.retry_after_ms(wait_s, self.config.policies)
+        return Refuse(Overloaded(spec.model, spec.priority, retry, reason), retry)
+
+    def _tier_bound(self, spec: RequestSpec, loads: Mapping[str, EngineLoad]) -> Refuse | None:
+        count = adm.tier_bound_reached(self.ledger, spec, self.config.policies.tier_queue_bound)
+        if count is None:
+            return None
+        # A slot frees when the first outstanding request of this tier gets its first token: the shortest
+        # tier queue-ahead drain among the instances that hold one.
+        holding = {r.instance_id for r in self.ledger.outstanding.values() if r.model == spec.model and r.tier == spec.priority}
+        cands = [c for c in self._candidates(spec, loads) if filter_healthy(c) and c.instance.id in holding]
+        wait_s = min((c.wait_s for c in cands), default=0.0)
+        return self._overloaded(spec, wait_s, f"{count} {spec.priority.name} requests already wait for a first token")
+
+    def _refuse(self, spec: RequestSpec, cands: Sequence[Candidate], reason: str) -> Refuse:
+        wait_s = min((c.wait_s for c in cands), default=math.inf)
+        return self._overloaded(spec, wait_s, reason)
+
+    def _refuse_no_instance(self, spec: RequestSpec, cands: Sequence[Candidate]) -> Refuse:
+        healthy = [c for c in cands if filter_healthy(c)]
+        if not healthy:
+            return self._overloaded(spec, math.inf, "no healthy instance serves it right now")
+        return self._refuse(spec, healthy, "no instance has KV headroom for prompt + reservation")
+
+    def _refuse_ttft(self, spec: RequestSpec, cands: Sequence[Candidate], slo_ms: float) -> Refuse:
+        """Retry once the best candidate's queue has drained by the amount its TTFT exceeds the SLO."""
+        slack = self.config.policies.ttft_slack
+        best = min(cands, key=lambda c: (c.predicted_ttft_s, c.instance.id))
+        excess_s = adm.ttft_excess_s(best.predicted_ttft_s, best.own_prefill_s, slo_ms, slack)
+        reason = (
+            f"predicted TTFT {best.predicted_ttft_s * 1000:.0f} ms exceeds the {slo_ms * slack:.0f} ms "
+            f"{spec.priority.name} SLO"
+        )
+        return self._overloaded(spec, excess_s, reason)
+
+
+def build_cost_models(config: NodeConfig) -> dict[str, Any]:
+    """instance id -> CostModel for every instance of `config` (the default the simulator and router use)."""
+    from services.core.cost_model import CostModel  # noqa: PLC0415
+
+    return {i.id: CostModel(config.models[i.model], config.gpu, i.tp) for i in config.instances}
+

@@ -1,0 +1,169 @@
+"""Admission decisions on hand-built loads: admit, refuse by KV, by TTFT (exact retry hints), by tier bound."""
+
+import dataclasses
+
+from router_fixtures import LM, SM, colocated_config, disagg_config, load, policy, request
+
+from services.core import admission as adm
+from services.core.errors import Overloaded, UnknownModel
+from services.core.placement import PolicyConfig
+from services.core.routing import Refuse, Route
+from services.core.types import Priority, Role
+
+IDLE = {"lm-0": load("lm-0", LM), "sm-0": load("sm-0"), "sm-1": load("sm-1"), "sm-2": load("sm-2")}
+
+
+def with_loads(**changes):
+    return {**IDLE, **changes}
+
+
+def test_admits_on_an_idle_node_with_the_predicted_ttft():
+    r = policy(colocated_config(), rng=None).route(request(), IDLE, 0.0)
+    assert isinstance(r, Route) and r.decode_instance_id is None
+    assert r.predicted_ttft_ms == 100.0 and r.expected_cached_tokens == 0  # 1000 tokens at 10k tokens/s
+
+
+def test_unknown_model_is_refused_without_retry():
+    r = policy(colocated_config()).route(request(model="gpt-4"), IDLE, 0.0)
+    assert r == Refuse(UnknownModel("gpt-4", [LM, SM]), 0)
+
+
+def test_kv_requirement_by_reservation_policy():
+    spec = request(prompt=1000, max_tokens=2000)
+    inst = colocated_config().instance("sm-0")
+    for name, blocks in (("full", 188), ("predicted", 95), ("watermark", 63)):  # 3000, 1512, 1000 tokens / 16
+        assert adm.kv_blocks_required(spec, inst, PolicyConfig(reservation=name), with_output=True) == blocks
+    assert adm.kv_blocks_required(spec, inst, PolicyConfig(), with_output=False) == 63
+
+
+def test_refused_when_no_instance_has_kv_headroom():
+    # 1000 prompt + 100 reserved = 1100 tokens = 69 blocks; every 8B instance has 68 free.
+    loads = with_loads(**{f"sm-{i}": load(f"sm-{i}", free=68) for i in range(3)})
+    r = policy(colocated_config()).route(request(), loads, 0.0)
+    reason = "no instance has KV headroom for prompt + reservation"
+    assert r == Refuse(Overloaded(SM, Priority.STANDARD, 50, reason), 50)  # queues empty: the 50 ms floor
+    loads["sm-2"] = load("sm-2", free=69)
+    assert policy(colocated_config()).route(request(), loads, 0.0).instance_id == "sm-2"
+
+
+def test_watermark_keeps_a_fraction_free():
+    loads = with_loads(**{f"sm-{i}": load(f"sm-{i}", free=70) for i in range(3)})
+    # 1000 prompt tokens = 63 blocks; 1 % of 1000 blocks = 10 kept free; 70 - 10 = 60 < 63.
+    assert isinstance(policy(colocated_config(reservation="watermark")).route(request(), loads, 0.0), Refuse)
+    loads["sm-1"] = load("sm-1", free=73)
+    assert policy(colocated_config(reservation="watermark")).route(request(), loads, 0.0).instance_id == "sm-1"
+
+
+def test_ttft_infeasible_is_refused_with_the_exact_retry_after():
+    # Best instance: 3000 queued tokens = 0.3 s wait + 0.1 s own prefill = 400 ms; STANDARD allows 250 ms.
+    loads = with_loads(**{"sm-0": load("sm-0", queued=3000), "sm-1": load("sm-1", queued=4000),
+                          "sm-2": load("sm-2", queued=5000)})
+    r = policy(colocated_config()).route(request(), loads, 0.0)
+    assert r == Refuse(Overloaded(SM, Priority.STANDARD, 150, "predicted TTFT 400 ms exceeds the 250 ms STANDARD SLO"), 150)
+    r = policy(colocated_config()).route(request(tier=Priority.INTERACTIVE), loads, 0.0)
+    assert r.retry_after_ms == 200 and r.error.reason == "predicted TTFT 400 ms exceeds the 200 ms INTERACTIVE SLO"
+    # BATCH has a 10 s SLO: it queues on the instance with the lowest predicted TTFT.
+    r = policy(colocated_config()).route(request(tier=Priority.BATCH), loads, 0.0)
+    assert isinstance(r, Route) and r.instance_id == "sm-0" and r.predicted_ttft_ms == 400.0
+
+
+def test_slack_and_request_deadline_move_the_limit():
+    loads = with_loads(**{f"sm-{i}": load(f"sm-{i}", queued=3000) for i in range(3)})
+    assert isinstance(policy(colocated_config(ttft_slack=1.6)).route(request(), loads, 0.0), Route)  # 400 <= 400
+    r = policy(colocated_config(min_retry_after_ms=10)).route(request(ttft_slo_ms=380.0), loads, 0.0)
+    assert r.retry_after_ms == 20
+
+
+def test_a_prompt_slower_than_the_slo_may_wait_its_own_prefill():
+    # 3000-token prompt: 300 ms own prefill > 250 ms SLO, so it may wait up to 2 x 300 = 600 ms in all.
+    loads = with_loads(**{f"sm-{i}": load(f"sm-{i}", queued=3000) for i in range(3)})
+    assert isinstance(policy(colocated_config()).route(request(prompt=3000), loads, 0.0), Route)  # 600 ms
+    loads = with_loads(**{f"sm-{i}": load(f"sm-{i}", queued=3100) for i in range(3)})
+    assert policy(colocated_config()).route(request(prompt=3000), loads, 0.0).retry_after_ms == 50  # 10 ms, floor
+
+
+def test_tier_bound_counts_outstanding_requests_until_their_first_token():
+    p = policy(colocated_config(tier_queue_bound={"interactive": 2}))
+    for rid in ("a", "b"):
+        route = p.route(request(rid, tier=Priority.INTERACTIVE), IDLE, 0.0)
+        p.on_dispatched(rid, route, request(rid, tier=Priority.INTERACTIVE))
+    assert isinstance(p.route(request("s"), IDLE, 0.0), Route)  # STANDARD has its own bound
+    r = p.route(request("c", tier=Priority.INTERACTIVE), IDLE, 0.0)
+    reason = "2 INTERACTIVE requests already wait for a first token"
+    # "a" and "b" sit on sm-0 and sm-1 with 1000 tokens each: the first INTERACTIVE slot frees in 0.1 s
+    # (sm-2 is idle but holds none of them, so it frees nothing).
+    assert r == Refuse(Overloaded(SM, Priority.INTERACTIVE, 100, reason), 100)
+    p.on_first_token("a")
+    assert isinstance(p.route(request("c", tier=Priority.INTERACTIVE), IDLE, 0.0), Route)
+
+
+def test_work_sent_since_the_snapshot_counts_until_a_new_snapshot():
+    p = policy(colocated_config())
+    loads = {"sm-0": load("sm-0")}
+    for rid in ("a", "b"):
+        p.on_dispatched(rid, p.route(request(rid), loads, 0.0), request(rid))
+    # Same snapshot: 2000 tokens sent since -> 0.2 s + 0.1 s = 300 ms > 250 ms.
+    assert p.route(request("c"), loads, 0.0).retry_after_ms == 50
+    assert p.ledger.pending_blocks("sm-0") == 138
+    # A newer snapshot already holds them (here: drained), so nothing is added twice.
+    r = p.route(request("c"), {"sm-0": load("sm-0", free=900, running=2)}, 0.0)
+    assert isinstance(r, Route) and r.predicted_ttft_ms == 100.0
+
+
+def test_first_token_removes_prefill_work_and_finish_removes_blocks():
+    p = policy(colocated_config())
+    loads = {"sm-0": load("sm-0")}
+    p.on_dispatched("a", p.route(request("a"), loads, 0.0), request("a"))
+    assert (adm.queued_prefill_tokens(loads["sm-0"], p.ledger), p.ledger.pending_blocks("sm-0")) == (1000, 69)
+    p.on_first_token("a")
+    assert (adm.queued_prefill_tokens(loads["sm-0"], p.ledger), p.ledger.pending_blocks("sm-0")) == (0, 69)
+    p.on_finished("a")
+    assert p.ledger.pending_blocks("sm-0") == 0 and p.ledger.dispatched == {}
+
+
+def test_queue_ahead_by_tier_under_edf_and_fcfs():
+    loads = {"sm-0": load("sm-0")}
+    for queue, expected in (("edf", Route), ("fcfs", Refuse)):
+        p = policy(colocated_config(queue=queue))
+        batch = request("b", prompt=3000, tier=Priority.BATCH)
+        p.on_dispatched("b", p.route(batch, loads, 0.0), batch)
+        # EDF: the BATCH work queues behind an INTERACTIVE request; FCFS: 0.3 s + 0.1 s > 200 ms.
+        assert type(p.route(request("i", tier=Priority.INTERACTIVE), loads, 0.0)) is expected
+
+
+def test_queue_ahead_scales_the_snapshot_by_the_ledger_tier_mix():
+    ledger = adm.InFlightLedger()
+    snap = load("sm-0", queued=4000)
+    ledger.observe_load(snap)
+    for rid, tier, tokens in (("a", Priority.INTERACTIVE, 1000), ("b", Priority.BATCH, 3000)):
+        ledger.on_dispatched(adm.Dispatched(rid, SM, tier, "sm-0", None, tokens, 1, 0))
+    ledger.observe_load(dataclasses.replace(snap, queued_prefill_tokens=2000))  # newer: holds a and b, half done
+    assert adm.queue_ahead_tokens(ledger.snapshots["sm-0"], ledger, Priority.INTERACTIVE, "edf") == 500.0
+    assert adm.queue_ahead_tokens(ledger.snapshots["sm-0"], ledger, Priority.BATCH, "priority") == 2000.0
+    assert adm.queue_ahead_tokens(ledger.snapshots["sm-0"], ledger, Priority.INTERACTIVE, "fcfs") == 2000.0
+
+
+def test_admission_off_routes_what_it_would_refuse():
+    loads = with_loads(**{f"sm-{i}": load(f"sm-{i}", queued=9000, free=0) for i in range(3)})
+    r = policy(colocated_config(admission=False)).route(request(), loads, 0.0)
+    assert isinstance(r, Route) and r.predicted_ttft_ms == 1000.0
+
+
+def test_unhealthy_everywhere_is_refused_with_a_long_retry():
+    loads = with_loads(**{f"sm-{i}": load(f"sm-{i}", healthy=False) for i in range(3)})
+    r = policy(colocated_config()).route(request(), loads, 0.0)
+    assert r == Refuse(Overloaded(SM, Priority.STANDARD, 1000, "no healthy instance serves it right now"), 1000)
+
+
+def test_disaggregated_refused_when_no_decode_instance_can_reserve():
+    loads = {"p-0": load("p-0", LM, Role.PREFILL), "d-0": load("d-0", LM, Role.DECODE, free=68),
+             "d-1": load("d-1", LM, Role.DECODE, free=10)}
+    r = policy(disagg_config()).route(request(model=LM), loads, 0.0)
+    reason = "no decode instance has KV headroom for prompt + reservation"
+    assert r == Refuse(Overloaded(LM, Priority.STANDARD, 50, reason), 50)
+
+
+def test_retry_after_rounding_and_floor():
+    p = PolicyConfig(min_retry_after_ms=50)
+    assert [adm.retry_after_ms(s, p) for s in (0.0, 0.0491, 0.15000000000000002, 0.1504)] == [50, 50, 150, 151]
+    assert adm.retry_after_ms(float("inf"), p) == 1000
