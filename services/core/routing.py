@@ -51,7 +51,7 @@ class CostModelLike(Protocol):
 class Route:
     instance_id: str  # prefill or colocated instance
     decode_instance_id: str | None  # None for colocated
-    predicted_ttft_ms: float
+    predicted_ttft_ms: float  # rounded to 0.001 ms
     expected_cached_tokens: int  # prompt tokens the prefix cache should serve on instance_id
 
 
@@ -243,7 +243,8 @@ class RouterPolicy:
                 return self._refuse_ttft(spec, kept, slo_ms)
             kept = feasible
         chosen = self._pick(kept)
-        return Route(chosen.instance.id, decode_id, chosen.predicted_ttft_s * 1000.0, chosen.cached_tokens)
+        # Rounded to the microsecond: sub-microsecond float noise is not a prediction.
+        return Route(chosen.instance.id, decode_id, round(chosen.predicted_ttft_s * 1000.0, 3), chosen.cached_tokens)
 
     def _candidates(self, spec: RequestSpec, loads: Mapping[str, EngineLoad]) -> list[Candidate]:
         overlaps: dict[int, dict[str, int]] = {}
