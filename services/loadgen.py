@@ -30,7 +30,7 @@ from pathlib import Path
 
 from services.client import AsyncClient, OctoserveClientError, OverloadedError, RetryPolicy
 from services.metrics import RequestRecord, format_summary, scale_record_times, summarize, summary_to_dict
-from services.workload import PROFILES, TraceRequest, generate_trace, scaled
+from services.workload import PROFILES, TraceRequest, WorkloadProfile, generate_trace, scaled
 
 # The workload's true output length, for the sim engine (the public API has no field for it: a real model
 # decides by itself when to stop). The router copies it into RequestSpec.sim_output_len.
@@ -146,8 +146,8 @@ async def _dispatch(clients, trace, options: BenchOptions, records: list, progre
     t0 = time.monotonic()
     tasks = []
     for i, req in enumerate(trace):
-        delay_s = t0 + req.arrival_s * options.time_scale - time.monotonic()
-        if delay_s > 0:
+        send_at_s = t0 + req.arrival_s * options.time_scale
+        while (delay_s := send_at_s - time.monotonic()) > 0:  # loop: asyncio timers may fire a tick early
             await asyncio.sleep(delay_s)
         task = loop.create_task(_send(clients[i % len(clients)], req, t0, options, records, i))
         if progress is not None:
@@ -179,18 +179,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true")
 
 
-def build_trace(args: argparse.Namespace) -> tuple[list[TraceRequest], float, object]:
-    """(trace, modelled duration of the arrival window, profile) from the command's arguments."""
+def build_trace(args: argparse.Namespace) -> tuple[list[TraceRequest], WorkloadProfile]:
+    """The trace `octoserve simulate` would replay for the same arguments, cut to `--max-requests`."""
     profile = scaled(PROFILES[args.profile], rate_rps=args.rate, duration_s=args.duration,
                      burstiness=args.burstiness)
     trace = generate_trace(profile, args.seed)
     if args.max_requests is not None:
         trace = trace[: args.max_requests]
-    return trace, profile.duration_s, profile
+    return trace, profile
+
+
+def measurement_window_s(trace: Sequence[TraceRequest]) -> float:
+    """What throughputs divide by: the arrival window, as the simulator measures it (up to the last arrival)."""
+    return max(trace[-1].arrival_s if trace else 0.0, 1e-9)
 
 
 def run(args: argparse.Namespace) -> int:
-    trace, duration_s, profile = build_trace(args)
+    trace, profile = build_trace(args)
     options = BenchOptions(
         time_scale=args.time_scale, drain_timeout_s=args.drain_timeout, num_channels=args.channels,
         retry=RetryPolicy() if args.retry else None, request_timeout_s=args.request_timeout,
@@ -205,9 +210,7 @@ def run(args: argparse.Namespace) -> int:
                                   progress=progress))
     if progress is not None:
         progress.close()
-    if trace and args.max_requests is not None:
-        duration_s = min(duration_s, trace[-1].arrival_s)  # a cut trace offers load only until its last arrival
-    summary = summarize(records, profile.slo, duration_s)
+    summary = summarize(records, profile.slo, measurement_window_s(trace))
     print(format_summary(summary))
     _write_outputs(args, records, summary, profile)
     return 0
@@ -224,8 +227,9 @@ def _run_loop(coro):
 def _write_outputs(args: argparse.Namespace, records, summary, profile) -> None:
     if args.json is not None:
         doc = {"target": args.target, "profile": args.profile, "seed": args.seed, "time_scale": args.time_scale,
-               "num_requests": len(records), "summary": summary_to_dict(summary)}
-        args.json.write_text(json.dumps(doc, indent=2))
+               "num_requests": len(records), "summary": summary_to_dict(summary),
+               "records": [dataclasses.asdict(r) for r in records]}
+        args.json.write_text(json.dumps(doc, default=str))
     if args.plots is not None:
         from services.plots import plot_attainment_over_time, plot_latency_cdfs
 

@@ -124,7 +124,9 @@ async def test_wire_requests_carry_the_trace():
     async with serve(server) as target:
         await run_bench(target, HAND_TRACE[:2], time_scale=1.0)
         await run_bench(target, HAND_TRACE[:1], time_scale=1.0, options=BenchOptions(output_len_mode="max-tokens"))
-    (first, meta, _), (second, _, _), (exact, exact_meta, _) = server.requests
+    (exact, exact_meta, _) = server.requests[-1]
+    by_id = {request.request_id: (request, meta) for request, meta, _ in server.requests[:2]}
+    (first, meta), (second, _) = by_id["r0000000"], by_id["r0000001"]
     assert list(first.token_ids.ids) == list(HAND_TRACE[0].prompt_token_ids)
     assert (first.request_id, first.max_tokens, first.ttft_slo_ms, first.priority) == ("r0000000", 20, 250, pb.STANDARD)
     assert meta[SIM_OUTPUT_LEN_KEY] == "5" and second.model == "llama-3-70b"
