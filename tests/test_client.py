@@ -386,3 +386,14 @@ def test_backoff_is_capped_and_policy_validated():
         RetryPolicy(max_attempts=0)
     with pytest.raises(ValueError):
         RetryPolicy(jitter_fraction=-0.1)
+
+
+async def test_unreachable_router_is_unavailable_after_the_retries():
+    async with serve(ScriptedGeneration([OK_STREAM])) as target:
+        pass  # the server is gone: nothing listens on `target` any more
+    sleep = SleepLog()
+    policy = RetryPolicy(max_attempts=3, initial_backoff_s=0.05, jitter_fraction=0.0)
+    async with AsyncClient(target, retry=policy, sleep=sleep) as c:
+        with pytest.raises(UnavailableError) as caught:
+            await c.complete("llama-3-8b", "hi", timeout_s=10.0)
+    assert caught.value.attempts == 3 and sleep.delays_s == [0.05, 0.1]
