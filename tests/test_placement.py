@@ -183,3 +183,19 @@ def test_error_message_lists_every_problem():
         "  - instance a: llama-3-70b weights need 141.1 GB per GPU at TP=1 but h100-sxm-80gb x 0.9 leaves 77.3 GB; "
         "raise tp or gpu_memory_utilization"
     )
+
+
+def test_embedded_default_and_disaggregated_example_load(tmp_path):
+    from services.config import load_node_config
+
+    cfg = load_node_config(None)
+    assert [(i.id, i.tp, i.gpu_ids) for i in cfg.instances] == [
+        ("lm-0", 4, (0, 1, 2, 3)), ("sm-0", 1, (4,)), ("sm-1", 1, (5,)), ("sm-2", 1, (6,)), ("sm-3", 1, (7,))
+    ]
+    disagg = load_node_config("services/configs/node-disagg.yaml")
+    assert disagg.is_disaggregated(LM) and not disagg.is_disaggregated(SM)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- just\n- a list\n")
+    with pytest.raises(PlacementError) as info:
+        load_node_config(bad)
+    assert info.value.problems == (f"{bad} must hold a YAML mapping with gpu, models, instances, slo, policies",)

@@ -154,7 +154,7 @@ class RouterPolicy:
     cost_models: instance id -> CostModel (a model name is accepted as a fallback key), for own-prefill times and
     a throughput fallback when a snapshot reports none. prefix_index / block_hasher default to
     services.core.kv_cache's PrefixIndex and prefix_block_hashes; `extra_key` must equal the engines'
-    KVCacheManager extra_key so hashes match.
+    KVCacheManager extra_key so hashes match: None (default) uses the model name, as services.core.instance does.
     """
 
     def __init__(
@@ -165,7 +165,7 @@ class RouterPolicy:
         *,
         prefix_index: Any = None,
         block_hasher: Callable[[Sequence[int], int, str], list[int]] | None = None,
-        extra_key: str = "",
+        extra_key: str | None = None,
     ) -> None:
         self.config = config
         self.cost_models = cost_models
@@ -254,7 +254,8 @@ class RouterPolicy:
             if load is None:
                 continue  # no snapshot yet: the instance is not known to be up
             if inst.block_size not in overlaps:
-                hashes = self.block_hasher(spec.prompt_token_ids, inst.block_size, self.extra_key)
+                key = spec.model if self.extra_key is None else self.extra_key
+                hashes = self.block_hasher(spec.prompt_token_ids, inst.block_size, key)
                 overlaps[inst.block_size] = self.prefix_index.overlap_blocks(hashes)
             out.append(self._candidate(spec, inst, load, overlaps[inst.block_size].get(inst.id, 0)))
         return out

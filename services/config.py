@@ -1,0 +1,37 @@
+"""Load the node config (placement, SLOs, policies) from YAML; the only place octoserve reads it from disk.
+
+`load_node_config(None)` returns the embedded default, `services/configs/node-default.yaml`, shipped as package
+data; a path loads that file instead. Validation is `services.core.placement.node_config_from_dict`, which raises
+one `PlacementError` listing every problem; a file that is not a YAML mapping raises it too.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+import yaml
+
+from services.core.placement import NodeConfig, PlacementError, node_config_from_dict
+
+DEFAULT_CONFIG = "node-default.yaml"
+
+
+def default_config_text(name: str = DEFAULT_CONFIG) -> str:
+    """The text of an embedded config under services/configs/."""
+    return resources.files("services").joinpath("configs", name).read_text(encoding="utf-8")
+
+
+def load_node_config(path: str | Path | None = None) -> NodeConfig:
+    text = default_config_text() if path is None else Path(path).read_text(encoding="utf-8")
+    return node_config_from_text(text, source=str(path or DEFAULT_CONFIG))
+
+
+def node_config_from_text(text: str, source: str = "<text>") -> NodeConfig:
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise PlacementError([f"{source} is not valid YAML: {e}"]) from None
+    if not isinstance(data, dict):
+        raise PlacementError([f"{source} must hold a YAML mapping with gpu, models, instances, slo, policies"])
+    return node_config_from_dict(data)
