@@ -329,6 +329,22 @@ def _model_info(m: pb.Model) -> ModelInfo:
 # --- clients -------------------------------------------------------------------------------------------------
 
 
+class _RetryCore:
+    """What both clients share: the retry policy, the budget shared by all their calls, the rng and the default
+    deadline."""
+
+    def __init__(self, retry: RetryPolicy | None, default_timeout_s: float | None, rng: random.Random | None) -> None:
+        self.retry = retry
+        self.budget = None if retry is None else RetryBudget(retry.budget_ratio, retry.budget_max_tokens)
+        self.default_timeout_s = default_timeout_s
+        self.rng = rng if rng is not None else random.Random()
+
+    def attempts(self, timeout_s: float | None) -> _Attempts:
+        timeout_s = self.default_timeout_s if timeout_s is None else timeout_s
+        deadline_s = None if timeout_s is None else time.monotonic() + timeout_s
+        return _Attempts(self.retry, self.budget, self.rng, deadline_s)
+
+
 class AsyncClient:
     """asyncio client over one grpc.aio channel; safe to share among many concurrent tasks of one loop."""
 
@@ -344,15 +360,12 @@ class AsyncClient:
     ) -> None:
         self._channel = grpc.aio.insecure_channel(target, options=list(channel_options))
         self._stub = pb_grpc.GenerationStub(self._channel)
-        self._retry = retry
-        self._budget = None if retry is None else RetryBudget(retry.budget_ratio, retry.budget_max_tokens)
-        self._default_timeout_s = default_timeout_s
-        self._rng = rng if rng is not None else random.Random()
+        self._core = _RetryCore(retry, default_timeout_s, rng)
         self._sleep = sleep
 
     @property
     def retry_budget(self) -> RetryBudget | None:
-        return self._budget
+        return self._core.budget
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -370,11 +383,6 @@ class AsyncClient:
         except asyncio.TimeoutError:
             raise UnavailableError(f"no connection within {timeout_s} s", code=grpc.StatusCode.UNAVAILABLE) from None
 
-    def _attempts(self, timeout_s: float | None) -> _Attempts:
-        timeout_s = self._default_timeout_s if timeout_s is None else timeout_s
-        deadline_s = None if timeout_s is None else time.monotonic() + timeout_s
-        return _Attempts(self._retry, self._budget, self._rng, deadline_s)
-
     async def generate(
         self, model: str, prompt: str | Sequence[int], *, timeout_s: float | None = None,
         metadata: Sequence[tuple[str, str]] = (), **params,
@@ -382,7 +390,7 @@ class AsyncClient:
         """Stream the chunks of one generation. `params` are `build_request`'s keywords. Closing the iterator
         early cancels the call, which frees the request's KV on the node."""
         request = build_request(model, prompt, **params)
-        attempts = self._attempts(timeout_s)
+        attempts = self._core.attempts(timeout_s)
         while True:
             call = self._stub.Generate(request, timeout=attempts.timeout_s(time.monotonic()),
                                        metadata=tuple(metadata) or None)
@@ -409,7 +417,7 @@ class AsyncClient:
         return assemble([chunk async for chunk in self.generate(model, prompt, **kwargs)])
 
     async def list_models(self, *, timeout_s: float | None = None) -> list[ModelInfo]:
-        attempts = self._attempts(timeout_s)
+        attempts = self._core.attempts(timeout_s)
         while True:
             try:
                 response = await self._stub.ListModels(
@@ -438,15 +446,12 @@ class Client:
     ) -> None:
         self._channel = grpc.insecure_channel(target, options=list(channel_options))
         self._stub = pb_grpc.GenerationStub(self._channel)
-        self._retry = retry
-        self._budget = None if retry is None else RetryBudget(retry.budget_ratio, retry.budget_max_tokens)
-        self._default_timeout_s = default_timeout_s
-        self._rng = rng if rng is not None else random.Random()
+        self._core = _RetryCore(retry, default_timeout_s, rng)
         self._sleep = sleep
 
     @property
     def retry_budget(self) -> RetryBudget | None:
-        return self._budget
+        return self._core.budget
 
     def __enter__(self) -> Client:
         return self
@@ -457,18 +462,13 @@ class Client:
     def close(self) -> None:
         self._channel.close()
 
-    def _attempts(self, timeout_s: float | None) -> _Attempts:
-        timeout_s = self._default_timeout_s if timeout_s is None else timeout_s
-        deadline_s = None if timeout_s is None else time.monotonic() + timeout_s
-        return _Attempts(self._retry, self._budget, self._rng, deadline_s)
-
     def generate(
         self, model: str, prompt: str | Sequence[int], *, timeout_s: float | None = None,
         metadata: Sequence[tuple[str, str]] = (), **params,
     ) -> Iterator[Chunk]:
         """Like `AsyncClient.generate`, as a blocking iterator."""
         request = build_request(model, prompt, **params)
-        attempts = self._attempts(timeout_s)
+        attempts = self._core.attempts(timeout_s)
         while True:
             call = self._stub.Generate(request, timeout=attempts.timeout_s(time.monotonic()),
                                        metadata=tuple(metadata) or None)
@@ -494,7 +494,7 @@ class Client:
         return assemble(list(self.generate(model, prompt, **kwargs)))
 
     def list_models(self, *, timeout_s: float | None = None) -> list[ModelInfo]:
-        attempts = self._attempts(timeout_s)
+        attempts = self._core.attempts(timeout_s)
         while True:
             try:
                 response = self._stub.ListModels(pb.ListModelsRequest(), timeout=attempts.timeout_s(time.monotonic()))
