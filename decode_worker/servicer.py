@@ -84,6 +84,7 @@ class DecodeWorkerServicer(WorkerBase):
             old.close()
         self.sessions[request.session_id] = session
         try:
+            yield w_pb.StepBatch(seq=0)  # confirms the session: the router may submit requests from now on
             while (batch := await session.batches.get()) is not None:
                 yield batch
         finally:

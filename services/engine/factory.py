@@ -45,25 +45,12 @@ def make_engine(
 
 
 def make_sim_engine(node_cfg: Any, instance: Any, *, time_scale: float = 1.0) -> Engine:
-    """A SimEngine sized exactly as the node config says: KV pool from GPU memory, policies from `policies`."""
-    from services.core.batcher import BatcherConfig
-    from services.core.cost_model import CostModel
-    from services.core.kv_cache import KVCacheManager
+    """A SimEngine built from the same parts the discrete-event simulator uses (services.core.instance)."""
+    from services.core.instance import instance_parts
     from services.engine.sim_engine import SimEngine
 
-    model = node_cfg.models[instance.model]
-    batcher_config = BatcherConfig(
-        role=instance.role,
-        max_num_seqs=instance.max_num_seqs,
-        max_num_batched_tokens=instance.max_num_batched_tokens,
-        max_model_len=model.max_context_len,
-        queue_policy=node_cfg.policies.queue,
-        reservation_policy=node_cfg.policies.reservation,
-        preemption_mode=node_cfg.policies.preemption,
-        tier_ttft_slo_ms=dict(node_cfg.slo.tier_ttft_ms),
+    parts = instance_parts(node_cfg, instance)
+    return SimEngine(
+        instance.id, instance.model, parts.batcher_config, parts.new_kv(instance), parts.cost_model,
+        time_scale=time_scale,
     )
-    kv = KVCacheManager(
-        node_cfg.num_kv_blocks_for(instance), instance.block_size, instance.enable_prefix_caching, extra_key=instance.model
-    )
-    cost_model = CostModel(model, node_cfg.gpu, instance.tp)
-    return SimEngine(instance.id, instance.model, batcher_config, kv, cost_model, time_scale=time_scale)

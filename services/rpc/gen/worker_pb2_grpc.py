@@ -95,7 +95,8 @@ class WorkerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Attach(self, request, context):
-        """One per router: per-step batches of token deltas for the requests submitted with this session_id.
+        """One per router: per-step batches of token deltas for the requests submitted with this session_id. The first
+        message (seq 0, no deltas) confirms the session; closing the stream aborts every request of the session.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,147 @@
+"""Builds and runs the router process: placement from the scheduler, worker sessions, the Generation service.
+
+`python -m router [--config node.yaml] --scheduler 127.0.0.1:P [--time-scale K] [--port 50051] ...`
+Startup is bounded: the router reports SERVING only after every worker of the placement confirmed its token
+session and sent a load snapshot, and gives up (exit 1) after `--startup-timeout-s`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import random
+import uuid
+from collections.abc import Awaitable, Callable, Mapping
+
+import grpc
+
+from router.metrics import RouterMetrics
+from router.pool import WorkerClient, WorkerEndpoint, WorkerPool
+from router.servicer import GenerationServicer, RouterSettings
+from services.core.placement import NodeConfig
+from services.core.routing import RouterPolicy, build_cost_models
+from services.core.types import Role
+from services.rpc.gen import generate_pb2 as gen_pb
+from services.rpc.gen import generate_pb2_grpc as gen_grpc
+from services.rpc.gen import scheduler_pb2 as s_pb
+from services.rpc.gen import scheduler_pb2_grpc as s_grpc
+from services.rpc.server import ServiceSpec, setup_logging
+
+log = logging.getLogger("octoserve.router")
+
+GENERATION_SERVICE = gen_pb.DESCRIPTOR.services_by_name["Generation"].full_name
+DEFAULT_STARTUP_TIMEOUT_S = 60.0
+POLL_S = 0.05
+
+
+async def placement_from_scheduler(address: str, timeout_s: float) -> dict[str, str]:
+    """instance id -> worker address, once every configured instance registered (bounded by timeout_s)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = s_grpc.SchedulerStub(channel)
+        while True:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise TimeoutError(f"the scheduler at {address} did not report a complete placement in {timeout_s:g} s")
+            placement = await stub.GetPlacement(s_pb.GetPlacementRequest(), timeout=remaining, wait_for_ready=True)
+            if placement.complete:
+                return {p.instance_id: p.address for p in placement.instances}
+            await asyncio.sleep(POLL_S)
+
+
+def router_spec(
+    config: NodeConfig,
+    endpoints: Callable[[], Awaitable[Mapping[str, str]]],
+    *,
+    settings: RouterSettings = RouterSettings(),
+    port: int = 0,
+    metrics_port: int | None = 0,
+    ready_file: str | None = None,
+    grace_s: float = 10.0,
+    startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+    seed: int = 0,
+) -> tuple[ServiceSpec, GenerationServicer]:
+    metrics = RouterMetrics()
+    policy = RouterPolicy(config, build_cost_models(config), random.Random(seed))
+    pool = WorkerPool({})
+    servicer = GenerationServicer(config, policy, pool, uuid.uuid4().hex, settings, metrics)
+
+    async def start() -> None:
+        for instance_id, address in (await endpoints()).items():
+            pool.clients[instance_id] = WorkerClient(
+                WorkerEndpoint(instance_id, address, config.instance(instance_id).role is not Role.PREFILL),
+                servicer.session_id, servicer.on_delta,
+                servicer.on_worker_down, policy.on_kv_events,
+            )
+        pool.start()
+        await _wait_ready(pool, startup_timeout_s)
+
+    async def close() -> None:
+        await servicer.close()
+        await pool.close()
+
+    spec = ServiceSpec(
+        name="router",
+        port=port,
+        metrics_port=metrics_port,
+        grace_s=grace_s,
+        ready_file=ready_file,
+        service_names=(GENERATION_SERVICE,),
+        add_servicers=lambda server: gen_grpc.add_GenerationServicer_to_server(servicer, server),
+        start=start,
+        drain=servicer.drain,
+        close=close,
+        registry=metrics.registry,
+    )
+    return spec, servicer
+
+
+async def _wait_ready(pool: WorkerPool, timeout_s: float) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not pool.ready():
+        if loop.time() > deadline:
+            missing = sorted(iid for iid, c in pool.clients.items() if not c.ready())
+            raise TimeoutError(f"workers not ready after {timeout_s:g} s: {', '.join(missing)}")
+        await asyncio.sleep(POLL_S)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default=None, help="node config YAML (default: the embedded placement)")
+    parser.add_argument("--scheduler", required=True, help="scheduler host:port (placement source)")
+    parser.add_argument("--time-scale", type=float, default=1.0)
+    parser.add_argument("--port", type=int, default=50051)
+    parser.add_argument("--metrics-port", type=int, default=0)
+    parser.add_argument("--ready-file", default=None)
+    parser.add_argument("--grace-s", type=float, default=10.0)
+    parser.add_argument("--startup-timeout-s", type=float, default=DEFAULT_STARTUP_TIMEOUT_S)
+    parser.add_argument("--max-pending-deltas", type=int, default=RouterSettings.max_pending_deltas)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--log-level", default="INFO")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="router", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    setup_logging("router", args.log_level)
+
+    async def serve() -> int:
+        from services.config import load_node_config
+        from services.rpc.server import serve_until_signal
+
+        config = load_node_config(args.config)
+        spec, _ = router_spec(
+            config,
+            lambda: placement_from_scheduler(args.scheduler, args.startup_timeout_s),
+            settings=RouterSettings(time_scale=args.time_scale, max_pending_deltas=args.max_pending_deltas),
+            port=args.port, metrics_port=args.metrics_port, ready_file=args.ready_file, grace_s=args.grace_s,
+            startup_timeout_s=args.startup_timeout_s, seed=args.seed,
+        )
+        return await serve_until_signal(spec)
+
+    import uvloop
+
+    return uvloop.run(serve())

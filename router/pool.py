@@ -1,0 +1,135 @@
+"""The router's connections to the workers: one channel, one Attach session and one WatchLoad stream per worker.
+
+- Attach: the worker's per-step token batches for every request this router submitted there; each delta is handed
+  to `on_delta` (a dict lookup and a list append in the router). A broken session fails that worker's requests
+  (`on_down`) and is re-opened with bounded backoff.
+- WatchLoad: pushed `EngineLoad` snapshots (and KV events for the prefix index) kept in `loads`; while the stream
+  is down the worker's snapshot is marked unhealthy, so routing skips it.
+Invariant: `ready()` only once every worker confirmed its session and sent a first load snapshot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from services.core.types import EngineLoad, KVEvent
+from services.rpc import convert
+from services.rpc.gen import worker_pb2 as w_pb
+from services.rpc.gen import worker_pb2_grpc as w_grpc
+
+log = logging.getLogger("octoserve.router.pool")
+
+CHANNEL_OPTIONS = (
+    ("grpc.max_receive_message_length", 16 * 1024 * 1024),
+    ("grpc.max_send_message_length", 16 * 1024 * 1024),
+)
+RECONNECT_BACKOFF_S = (0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
+LOAD_INTERVAL_MS = 10
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerEndpoint:
+    instance_id: str
+    address: str
+    streams_tokens: bool  # colocated / decode: it has an Attach session; prefill workers only answer unary calls
+
+
+class WorkerClient:
+    """One worker as the router sees it."""
+
+    def __init__(
+        self,
+        endpoint: WorkerEndpoint,
+        session_id: str,
+        on_delta: Callable[[w_pb.TokenDelta], None],
+        on_down: Callable[[str, str], None],
+        on_kv_events: Callable[[str, Sequence[KVEvent]], None],
+    ) -> None:
+        self.instance_id = endpoint.instance_id
+        self.address = endpoint.address
+        self.streams_tokens = endpoint.streams_tokens
+        self.session_id = session_id
+        self.channel = grpc.aio.insecure_channel(endpoint.address, options=CHANNEL_OPTIONS)
+        self.stub = w_grpc.WorkerStub(self.channel)
+        self.load: EngineLoad | None = None
+        self.attached = asyncio.Event()
+        self._on_delta = on_delta
+        self._on_down = on_down
+        self._on_kv_events = on_kv_events
+        self._tasks: list[asyncio.Task] = []
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._load_loop(), name=f"load-{self.instance_id}")]
+        if self.streams_tokens:
+            self._tasks.append(asyncio.create_task(self._attach_loop(), name=f"attach-{self.instance_id}"))
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.channel.close()
+
+    async def _attach_loop(self) -> None:
+        attempt = 0
+        while True:
+            try:
+                async for batch in self.stub.Attach(w_pb.AttachRequest(session_id=self.session_id)):
+                    if batch.seq == 0:
+                        self.attached.set()
+                        attempt = 0
+                    for delta in batch.deltas:
+                        self._on_delta(delta)
+                reason = "the worker closed the token stream"
+            except grpc.aio.AioRpcError as e:
+                reason = f"token stream from {self.instance_id} failed: {e.code().name} {e.details()}"
+            self.attached.clear()
+            self._on_down(self.instance_id, reason)
+            await asyncio.sleep(RECONNECT_BACKOFF_S[min(attempt, len(RECONNECT_BACKOFF_S) - 1)])
+            attempt += 1
+
+    async def _load_loop(self) -> None:
+        attempt = 0
+        while True:
+            try:
+                async for report in self.stub.WatchLoad(w_pb.WatchLoadRequest(interval_ms=LOAD_INTERVAL_MS)):
+                    self.load = convert.load_from_pb(report)
+                    attempt = 0
+                    if report.kv_events:
+                        self._on_kv_events(self.instance_id, convert.kv_events_from_pb(report.kv_events))
+            except grpc.aio.AioRpcError as e:
+                log.warning("load stream down", extra={"fields": {"instance": self.instance_id, "code": e.code().name}})
+            if self.load is not None:
+                self.load = dataclasses.replace(self.load, healthy=False)
+            await asyncio.sleep(RECONNECT_BACKOFF_S[min(attempt, len(RECONNECT_BACKOFF_S) - 1)])
+            attempt += 1
+
+    def ready(self) -> bool:
+        attached = self.attached.is_set() or not self.streams_tokens
+        return attached and self.load is not None and self.load.healthy
+
+
+class WorkerPool:
+    def __init__(self, clients: dict[str, WorkerClient]) -> None:
+        self.clients = clients
+
+    def start(self) -> None:
+        for client in self.clients.values():
+            client.start()
+
+    async def close(self) -> None:
+        await asyncio.gather(*(c.close() for c in self.clients.values()))
+
+    def loads(self) -> dict[str, EngineLoad]:
+        return {iid: c.load for iid, c in self.clients.items() if c.load is not None}
+
+    def ready(self) -> bool:
+        return all(c.ready() for c in self.clients.values())
+
+    def __getitem__(self, instance_id: str) -> WorkerClient:
+        return self.clients[instance_id]

@@ -1,0 +1,349 @@
+"""octoserve.v1.Generation: validate -> admit/route (RouterPolicy) -> dispatch to workers -> stream tokens back.
+
+Per request the router holds a `RequestState`: deltas arriving on the worker sessions are appended to it (the hot
+path: one dict lookup, one list append, one event set), and the client's handler drains everything pending into one
+GenerateResponse per write, so a slow reader gets fewer, larger messages instead of a backlog.
+
+Dispatch: colocated -> worker Generate; disaggregated -> decode Reserve, prefill Prefill (the first token goes to
+the client at once), decode Decode (transfer + commit), prefill Release. Every way a handler ends without a
+finished stream (client cancel, deadline, cut-off, error) aborts the request on every worker it touched, which
+frees its KV there.
+
+Bounds: at most `max_pending_deltas` undelivered deltas per request. A client that stops reading fills that
+bound, is cut off with ABORTED (after the messages already written), and its request is aborted on the workers,
+so its worker never waits for it.
+
+Clocks: `arrival_s` and the policy's `now` are on the modelled clock (monotonic / time_scale), matching the sim
+engine's batcher; retry hints and deadline checks are on the wall clock (modelled x time_scale).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+import grpc
+
+from services.core.errors import DeadlineExceeded, Draining, InvalidArgument, OctoserveError, Overloaded, UnknownModel
+from services.core.placement import NodeConfig
+from services.core.validation import validate_request
+from services.rpc import convert
+from services.rpc import status as rpc_status
+from services.rpc.gen import generate_pb2 as gen_pb
+from services.rpc.gen import generate_pb2_grpc as gen_grpc
+from services.rpc.gen import worker_pb2 as w_pb
+from router.metrics import RouterMetrics
+from router.pool import WorkerPool
+
+log = logging.getLogger("octoserve.router")
+
+DEFAULT_MAX_PENDING_DELTAS = 1024
+RESERVE_TTL_MS = 10_000
+_CODE_BY_VALUE = {c.value[0]: c for c in grpc.StatusCode}
+
+
+class RequestState:
+    """One in-flight request at the router."""
+
+    __slots__ = (
+        "spec", "pending", "wakeup", "num_sent", "num_prompt_tokens", "num_cached_tokens", "finish_reason",
+        "error", "instance_ids", "max_pending", "closed", "first_token_s", "last_token_s", "wall_start_s",
+    )
+
+    def __init__(self, spec, instance_ids: tuple[str, ...], max_pending: int, wall_start_s: float) -> None:
+        self.spec = spec
+        self.wall_start_s = wall_start_s
+        self.pending: list[w_pb.TokenDelta] = []
+        self.wakeup = asyncio.Event()
+        self.num_sent = 0
+        self.num_prompt_tokens = spec.num_prompt_tokens
+        self.num_cached_tokens = 0
+        self.finish_reason = gen_pb.FINISH_REASON_UNSPECIFIED
+        self.error: rpc_status.RpcStatus | None = None
+        self.instance_ids = instance_ids
+        self.max_pending = max_pending
+        self.closed = False  # no more deltas accepted (finished, failed or cut off)
+        self.first_token_s: float | None = None
+        self.last_token_s = 0.0
+
+    def deliver(self, delta: w_pb.TokenDelta) -> bool:
+        """Returns False when this delta overflowed the bound (the caller cuts the client off)."""
+        if self.closed:
+            return True
+        self.pending.append(delta)
+        self.wakeup.set()
+        return len(self.pending) <= self.max_pending
+
+    def fail(self, status: rpc_status.RpcStatus) -> None:
+        if self.error is None and not self.closed:
+            self.error = status
+            self.closed = True
+            self.wakeup.set()
+
+
+@dataclass(frozen=True, slots=True)
+class RouterSettings:
+    time_scale: float = 1.0
+    max_pending_deltas: int = DEFAULT_MAX_PENDING_DELTAS
+
+
+class GenerationServicer(gen_grpc.GenerationServicer):
+    def __init__(self, config: NodeConfig, policy, pool: WorkerPool, session_id: str, settings: RouterSettings,
+                 metrics: RouterMetrics) -> None:
+        self.config = config
+        self.policy = policy
+        self.pool = pool
+        self.session_id = session_id
+        self.settings = settings
+        self.metrics = metrics
+        self.requests: dict[str, RequestState] = {}
+        self.draining = False
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._background: set[asyncio.Task] = set()
+
+    # ---- worker session callbacks (hot path) ------------------------------------------------------------------
+
+    def on_delta(self, delta: w_pb.TokenDelta) -> None:
+        st = self.requests.get(delta.request_id)
+        if st is not None and not st.deliver(delta):
+            self._cut_off(st)
+
+    def on_worker_down(self, instance_id: str, reason: str) -> None:
+        for st in list(self.requests.values()):
+            if instance_id in st.instance_ids:
+                st.fail(rpc_status.RpcStatus(grpc.StatusCode.UNAVAILABLE, f"{reason}; retry the request"))
+
+    def _cut_off(self, st: RequestState) -> None:
+        self.metrics.cutoffs.inc()
+        st.fail(rpc_status.RpcStatus(
+            grpc.StatusCode.ABORTED,
+            f"the client fell more than {st.max_pending} token messages behind and was cut off; read the stream "
+            "continuously (or lower max_tokens) and retry",
+        ))
+        self._abort_on_workers(st)
+
+    # ---- Generate ---------------------------------------------------------------------------------------------
+
+    async def Generate(self, request, context):
+        wall_start_s = time.monotonic()
+        try:
+            spec, route = self._admit(request, context, wall_start_s)
+        except OctoserveError as e:
+            self.metrics.refused(request.model, e)
+            await rpc_status.abort(context, e)
+        instance_ids = (route.instance_id,) + ((route.decode_instance_id,) if route.decode_instance_id else ())
+        st = RequestState(spec, instance_ids, self.settings.max_pending_deltas, wall_start_s)
+        self._track(st)
+        self.policy.on_dispatched(spec.request_id, route, spec)
+        dispatch = asyncio.create_task(self._dispatch(st, route, context.time_remaining()))
+        try:
+            async for response in self._responses(st):
+                yield response
+            if st.error is not None:
+                await context.abort(st.error.code, st.error.message, trailing_metadata=st.error.trailing_metadata)
+        finally:
+            self._untrack(st, dispatch)
+
+    def _admit(self, request: gen_pb.GenerateRequest, context, wall_now_s: float):
+        """Validation, then the policy's admission and routing; raises the typed error to send back."""
+        if self.draining:
+            raise Draining()
+        request_id = request.request_id or uuid.uuid4().hex
+        if request_id in self.requests:
+            raise InvalidArgument("request_id", f"request_id {request_id!r} is already in flight; use a unique id or leave it empty")
+        spec = convert.spec_from_public(request, request_id, wall_now_s / self.settings.time_scale)
+        model = self.config.models.get(spec.model)
+        if model is None:
+            raise UnknownModel(spec.model, self.config.models)
+        validate_request(spec, model)
+        decision = self.policy.route(spec, self.pool.loads(), spec.arrival_s)
+        if not hasattr(decision, "instance_id"):  # a Refuse
+            raise self._wall_clock_error(decision.error)
+        remaining_s = context.time_remaining()
+        predicted_s = decision.predicted_ttft_ms / 1000.0 * self.settings.time_scale
+        if remaining_s is not None and predicted_s > remaining_s:
+            raise DeadlineExceeded(
+                f"the first token is predicted in {predicted_s * 1000:.0f} ms but the deadline is in "
+                f"{remaining_s * 1000:.0f} ms; raise the deadline or retry later"
+            )
+        return spec, decision
+
+    def _wall_clock_error(self, error: OctoserveError) -> OctoserveError:
+        if isinstance(error, Overloaded) and self.settings.time_scale != 1.0:
+            wall_ms = int(round(error.retry_after_ms * self.settings.time_scale))
+            return Overloaded(error.model, error.tier, wall_ms, error.reason)
+        return error
+
+    def _track(self, st: RequestState) -> None:
+        self.requests[st.spec.request_id] = st
+        self._idle.clear()
+        self.metrics.in_flight.inc()
+
+    def _untrack(self, st: RequestState, dispatch: asyncio.Task) -> None:
+        if not dispatch.done():
+            dispatch.cancel()
+        if st.finish_reason == gen_pb.FINISH_REASON_UNSPECIFIED:
+            st.closed = True
+            self._abort_on_workers(st)
+        self.requests.pop(st.spec.request_id, None)
+        self.policy.on_finished(st.spec.request_id)
+        self.metrics.finished(st)
+        if not self.requests:
+            self._idle.set()
+
+    def _abort_on_workers(self, st: RequestState) -> None:
+        for instance_id in st.instance_ids:
+            stub = self.pool[instance_id].stub
+            self._spawn(stub.Abort(w_pb.AbortRequest(request_id=st.spec.request_id), timeout=5.0))
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(_swallow_rpc_errors(coro))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # ---- streaming back ----------------------------------------------------------------------------------------
+
+    async def _responses(self, st: RequestState):
+        while True:
+            await st.wakeup.wait()
+            st.wakeup.clear()
+            if st.pending:
+                response = self._merge(st)
+                if response is not None:
+                    self._observe(st, response)
+                    yield response
+            if st.error is not None or st.finish_reason != gen_pb.FINISH_REASON_UNSPECIFIED:
+                return
+
+    def _merge(self, st: RequestState) -> gen_pb.GenerateResponse | None:
+        """Everything pending as one message; tokens the client already has (the hand-off's first) are skipped."""
+        deltas, st.pending = st.pending, []
+        tokens: list[int] = []
+        for d in deltas:
+            if d.error_code:
+                st.fail(rpc_status.RpcStatus(_CODE_BY_VALUE.get(d.error_code, grpc.StatusCode.INTERNAL), d.error_message))
+                break
+            total = d.num_output_tokens or st.num_sent + len(d.token_ids)
+            num_new = min(total - st.num_sent, len(d.token_ids))
+            if num_new > 0:
+                tokens.extend(d.token_ids[len(d.token_ids) - num_new:])
+                st.num_sent += num_new
+            if d.num_prompt_tokens:
+                st.num_prompt_tokens, st.num_cached_tokens = d.num_prompt_tokens, d.num_cached_prompt_tokens
+            if d.finish_reason:
+                st.finish_reason = d.finish_reason
+                st.closed = True
+                break
+        finished = st.finish_reason != gen_pb.FINISH_REASON_UNSPECIFIED
+        if not tokens and not finished:
+            return None
+        response = gen_pb.GenerateResponse(token_ids=tokens)
+        if st.first_token_s is None:
+            response.request_id = st.spec.request_id
+        if finished:
+            response.finish_reason = st.finish_reason
+            response.usage.prompt_tokens = st.num_prompt_tokens
+            response.usage.completion_tokens = st.num_sent
+            response.usage.cached_prompt_tokens = st.num_cached_tokens
+        return response
+
+    def _observe(self, st: RequestState, response: gen_pb.GenerateResponse) -> None:
+        now = time.monotonic()
+        n = len(response.token_ids)
+        if st.first_token_s is None:
+            st.first_token_s = now
+            self.policy.on_first_token(st.spec.request_id)
+            self.metrics.ttft(st.spec.model, now - st.wall_start_s)
+        elif n:
+            self.metrics.itl(st.spec.model, (now - st.last_token_s) / n, n)
+        if n:
+            st.last_token_s = now
+
+    # ---- dispatch ----------------------------------------------------------------------------------------------
+
+    async def _dispatch(self, st: RequestState, route, timeout_s: float | None) -> None:
+        try:
+            if route.decode_instance_id is None:
+                await self._colocated(st, route, timeout_s)
+            else:
+                await self._disaggregated(st, route, timeout_s)
+        except grpc.aio.AioRpcError as e:
+            st.fail(self._worker_status(st, e))
+        except OctoserveError as e:
+            st.fail(rpc_status.status_for(e))
+
+    async def _colocated(self, st: RequestState, route, timeout_s: float | None) -> None:
+        request = w_pb.WorkerGenerateRequest(session_id=self.session_id, spec=convert.spec_to_pb(st.spec))
+        await self.pool[route.instance_id].stub.Generate(request, timeout=timeout_s)
+
+    async def _disaggregated(self, st: RequestState, route, timeout_s: float | None) -> None:
+        spec_pb = convert.spec_to_pb(st.spec)
+        prefill, decode = self.pool[route.instance_id], self.pool[route.decode_instance_id]
+        reply = await decode.stub.Reserve(w_pb.ReserveRequest(spec=spec_pb, ttl_ms=RESERVE_TTL_MS), timeout=timeout_s)
+        if not reply.reserved:
+            raise self._wall_clock_error(Overloaded(
+                st.spec.model, st.spec.priority, self.config.policies.min_retry_after_ms,
+                f"decode instance {route.decode_instance_id} has no KV left to reserve",
+            ))
+        handoff = (await prefill.stub.Prefill(w_pb.PrefillRequest(spec=spec_pb), timeout=timeout_s)).handoff
+        try:
+            self._deliver_first_token(st, handoff)
+            if handoff.finish_reason:  # the first token ended it: nothing to decode
+                await decode.stub.Release(w_pb.ReleaseRequest(request_id=st.spec.request_id), timeout=5.0)
+                return
+            decode_request = w_pb.DecodeRequest(
+                session_id=self.session_id, spec=spec_pb, handoff=handoff, source_address=prefill.address
+            )
+            await decode.stub.Decode(decode_request, timeout=timeout_s)
+        finally:
+            self._spawn(prefill.stub.Release(w_pb.ReleaseRequest(request_id=st.spec.request_id), timeout=5.0))
+
+    def _deliver_first_token(self, st: RequestState, handoff) -> None:
+        finish = {"stop": gen_pb.STOP, "length": gen_pb.LENGTH}.get(handoff.finish_reason, gen_pb.FINISH_REASON_UNSPECIFIED)
+        st.deliver(w_pb.TokenDelta(
+            request_id=st.spec.request_id, token_ids=[handoff.first_token_id], finish_reason=finish,
+            num_prompt_tokens=handoff.num_prompt_tokens, num_cached_prompt_tokens=handoff.num_cached_prompt_tokens,
+            num_output_tokens=1,
+        ))
+
+    def _worker_status(self, st: RequestState, e: grpc.aio.AioRpcError) -> rpc_status.RpcStatus:
+        if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # engine capacity: a shed, with the usual retry hint
+            return rpc_status.status_for(self._wall_clock_error(Overloaded(
+                st.spec.model, st.spec.priority, self.config.policies.min_retry_after_ms, e.details() or "no capacity")))
+        return rpc_status.RpcStatus(e.code(), e.details() or e.code().name)
+
+    # ---- ListModels / drain ------------------------------------------------------------------------------------
+
+    async def ListModels(self, request, context):
+        loads = self.pool.loads()
+        models = []
+        for name, spec in sorted(self.config.models.items()):
+            instances = self.config.instances_of(name)
+            up = all(loads.get(i.id) is not None and loads[i.id].healthy for i in instances)
+            state = gen_pb.DRAINING if self.draining else (gen_pb.READY if up else gen_pb.UNAVAILABLE)
+            models.append(gen_pb.Model(name=name, context_window=spec.max_context_len, state=state,
+                                       num_instances=len(instances)))
+        return gen_pb.ListModelsResponse(models=models)
+
+    async def drain(self, grace_s: float) -> None:
+        self.draining = True
+        log.info("router draining", extra={"fields": {"in_flight": len(self.requests)}})
+        await self._idle.wait()
+
+    async def close(self) -> None:
+        for task in list(self._background):
+            task.cancel()
+
+
+async def _swallow_rpc_errors(coro) -> None:
+    """Best-effort cleanup RPCs (Abort, Release): the worker's TTLs cover the case where they fail."""
+    try:
+        await coro
+    except grpc.aio.AioRpcError as e:
+        log.warning("cleanup RPC failed", extra={"fields": {"code": e.code().name, "details": e.details()}})
+
+

@@ -1,0 +1,251 @@
+"""`octoserve up`: the whole node as separate processes on 127.0.0.1 — scheduler, one worker per instance, router.
+
+Start order: scheduler -> workers (each registers with the scheduler) -> router (reads the placement from the
+scheduler, opens a token session to every worker). Each process writes a ready file (pid and ports) once it
+serves, so no ports are guessed; then every service must answer grpc.health.v1 SERVING, all within a bounded time.
+Stop order (Ctrl-C / SIGTERM / `Node.stop()`): router first (it drains client streams), then workers, then the
+scheduler; each gets SIGTERM and its grace period, then SIGKILL. Only processes this launcher started are signalled,
+by PID.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.core.types import Role
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+POLL_S = 0.05
+DEFAULT_STARTUP_TIMEOUT_S = 60.0
+DEFAULT_GRACE_S = 10.0
+WORKER_MODULES = {Role.COLOCATED: "decode_worker", Role.DECODE: "decode_worker", Role.PREFILL: "prefill_worker"}
+
+
+class LaunchError(RuntimeError):
+    """A service did not come up; the message names it and points at its log."""
+
+
+@dataclass
+class ServiceProcess:
+    name: str
+    proc: subprocess.Popen
+    ready_file: Path
+    log_file: Path
+    port: int = 0
+    metrics_port: int | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+
+@dataclass
+class Node:
+    """A running node. `stop()` drains and stops every process; returns name -> exit code."""
+
+    router: ServiceProcess
+    scheduler: ServiceProcess
+    workers: dict[str, ServiceProcess]
+    run_dir: Path
+    grace_s: float = DEFAULT_GRACE_S
+    exit_codes: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def router_address(self) -> str:
+        return self.router.address
+
+    @property
+    def processes(self) -> list[ServiceProcess]:
+        return [self.router, *self.workers.values(), self.scheduler]
+
+    def stop(self) -> dict[str, int]:
+        for group in ([self.router], list(self.workers.values()), [self.scheduler]):
+            self.exit_codes.update(_stop_group(group, self.grace_s))
+        return self.exit_codes
+
+    def __enter__(self) -> Node:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _stop_group(group: list[ServiceProcess], grace_s: float) -> dict[str, int]:
+    for sp in group:
+        if sp.proc.poll() is None:
+            sp.proc.send_signal(signal.SIGTERM)
+    codes = {}
+    for sp in group:
+        try:
+            codes[sp.name] = sp.proc.wait(timeout=grace_s + 5.0)
+        except subprocess.TimeoutExpired:
+            sp.proc.kill()  # this process only, by its PID
+            codes[sp.name] = sp.proc.wait()
+    return codes
+
+
+def _spawn(name: str, module: str, args: list[str], run_dir: Path, env: dict[str, str]) -> ServiceProcess:
+    safe = name.replace(":", "-").replace("/", "-")
+    ready = run_dir / f"{safe}.ready.json"
+    log = run_dir / f"{safe}.log"
+    cmd = [sys.executable, "-m", module, *args, "--ready-file", str(ready)]
+    with open(log, "ab") as log_f:
+        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=log_f, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # Ctrl-C in a terminal reaches the launcher only
+    return ServiceProcess(name, proc, ready, log)
+
+
+def _wait_ready(sp: ServiceProcess, deadline: float) -> None:
+    while not sp.ready_file.exists():
+        if sp.proc.poll() is not None:
+            raise LaunchError(f"{sp.name} exited with code {sp.proc.returncode} while starting; see {sp.log_file}")
+        if time.monotonic() > deadline:
+            raise LaunchError(f"{sp.name} did not become ready in time; see {sp.log_file}")
+        time.sleep(POLL_S)
+    info = json.loads(sp.ready_file.read_text())
+    sp.port, sp.metrics_port = info["port"], info["metrics_port"]
+
+
+def wait_healthy(address: str, deadline: float, service: str = "") -> None:
+    """Polls grpc.health.v1 Check until SERVING or the deadline (raises LaunchError)."""
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise LaunchError(f"{address} is not SERVING after the startup timeout")
+            time.sleep(POLL_S)
+
+
+def _config_path(config, run_dir: Path) -> str | None:
+    """A path for the children: None (embedded default), a path, or a dict written out as YAML."""
+    if config is None or isinstance(config, (str, Path)):
+        return None if config is None else str(config)
+    import yaml
+
+    path = run_dir / "node.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+def start_node(
+    config=None,
+    time_scale: float = 1.0,
+    *,
+    engine: str = "sim",
+    model_path: str | None = None,
+    port: int = 0,
+    run_dir: str | Path | None = None,
+    startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+    grace_s: float = DEFAULT_GRACE_S,
+    router_args: tuple[str, ...] = (),
+) -> Node:
+    """Starts every process of the node and returns once all are SERVING (or stops them and raises LaunchError).
+
+    config: None (embedded default placement), a YAML path, or a config dict.
+    """
+    from services.config import load_node_config
+
+    run_dir = Path(run_dir or tempfile.mkdtemp(prefix="octoserve-"))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg_path = _config_path(config, run_dir)
+    node_cfg = load_node_config(cfg_path)  # fail here, in one place, on a bad config
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    common = ([] if cfg_path is None else ["--config", cfg_path]) + ["--grace-s", str(grace_s)]
+    deadline = time.monotonic() + startup_timeout_s
+    started: list[ServiceProcess] = []
+    try:
+        scheduler = _spawn("scheduler", "services.scheduler", common, run_dir, env)
+        started.append(scheduler)
+        _wait_ready(scheduler, deadline)
+        workers = {}
+        for inst in node_cfg.instances:
+            args = [*common, "--instance", inst.id, "--engine", engine, "--time-scale", str(time_scale),
+                    "--scheduler", scheduler.address, *(["--model", model_path] if model_path else [])]
+            workers[inst.id] = _spawn(f"worker:{inst.id}", WORKER_MODULES[inst.role], args, run_dir, env)
+            started.append(workers[inst.id])
+        router = _spawn("router", "router", [*common, "--scheduler", scheduler.address, "--time-scale",
+                                             str(time_scale), "--port", str(port), *router_args], run_dir, env)
+        started.append(router)
+        for sp in started:
+            _wait_ready(sp, deadline)
+            wait_healthy(sp.address, deadline)
+    except BaseException:
+        _stop_group(list(reversed(started)), grace_s=1.0)
+        raise
+    return Node(router, scheduler, workers, run_dir, grace_s)
+
+
+# ---- the `octoserve up` subcommand ----------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default=None, help="node config YAML (default: the embedded placement)")
+    parser.add_argument("--time-scale", type=float, default=1.0, help="dilate modelled time by K (sim engine)")
+    parser.add_argument("--engine", choices=("sim", "vllm"), default="sim")
+    parser.add_argument("--model", default=None, help="model directory (vllm engine)")
+    parser.add_argument("--port", type=int, default=50051, help="router port on 127.0.0.1")
+    parser.add_argument("--run-dir", default=None, help="where logs and ready files go (default: a temp dir)")
+    parser.add_argument("--startup-timeout-s", type=float, default=DEFAULT_STARTUP_TIMEOUT_S)
+    parser.add_argument("--grace-s", type=float, default=DEFAULT_GRACE_S)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        node = start_node(args.config, args.time_scale, engine=args.engine, model_path=args.model, port=args.port,
+                          run_dir=args.run_dir, startup_timeout_s=args.startup_timeout_s, grace_s=args.grace_s)
+    except LaunchError as e:
+        print(f"octoserve up: {e}", file=sys.stderr)
+        return 1
+    print(describe(node), flush=True)
+    stop = _wait_for_signal_or_exit(node)
+    codes = node.stop()
+    bad = {name: code for name, code in codes.items() if code != 0}
+    print(f"stopped ({stop}); exit codes: " + (", ".join(f"{n}={c}" for n, c in bad.items()) or "all 0"), flush=True)
+    return 0 if not bad and stop == "signal" else 1
+
+
+def describe(node: Node) -> str:
+    lines = [f"router     {node.router.address}  (octoserve.v1.Generation)  metrics :{node.router.metrics_port}",
+             f"scheduler  {node.scheduler.address}  metrics :{node.scheduler.metrics_port}"]
+    lines += [f"worker     {sp.address}  {iid}  metrics :{sp.metrics_port}" for iid, sp in node.workers.items()]
+    lines.append(f"logs       {node.run_dir}  (JSON lines)")
+    return "\n".join(lines)
+
+
+def _wait_for_signal_or_exit(node: Node) -> str:
+    """Blocks until SIGINT/SIGTERM ("signal") or until a service exits on its own (its name)."""
+    received = []
+    handler = lambda signum, frame: received.append(signum)  # noqa: E731
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while not received:
+            for sp in node.processes:
+                if sp.proc.poll() is not None:
+                    return sp.name
+            time.sleep(0.2)
+        return "signal"
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)

@@ -1,0 +1,203 @@
+"""The central scheduler service: worker registration, the placement the router reads, load collection, and gang
+leases (pause a set of instances for a TP-wide job until released or expired).
+
+Load collection: one WatchLoad stream per registered worker keeps `loads` current; a broken stream marks the
+instance unhealthy until it reconnects. Pool balancing and model reallocation will read `loads`; they are not
+here yet.
+Invariants: `GetPlacement.complete` only when every configured instance has registered; a lease pauses each of
+its instances exactly once and resumes them exactly once (on release or at expiry).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+import grpc
+import prometheus_client as prom
+
+from services.core.placement import NodeConfig
+from services.core.types import EngineLoad
+from services.rpc import convert
+from services.rpc.gen import scheduler_pb2 as s_pb
+from services.rpc.gen import scheduler_pb2_grpc as s_grpc
+from services.rpc.gen import worker_pb2 as w_pb
+from services.rpc.gen import worker_pb2_grpc as w_grpc
+from services.rpc.server import ServiceSpec, setup_logging
+
+log = logging.getLogger("octoserve.scheduler")
+
+SCHEDULER_SERVICE = s_pb.DESCRIPTOR.services_by_name["Scheduler"].full_name
+LOAD_INTERVAL_MS = 100  # the scheduler balances pools on a seconds scale; the router gets its own faster stream
+RECONNECT_S = 0.2
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseRecord:
+    lease_id: str
+    holder: str
+    instance_ids: tuple[str, ...]
+    expires_at_s: float
+
+
+class SchedulerServicer(s_grpc.SchedulerServicer):
+    def __init__(self, config: NodeConfig) -> None:
+        self.config = config
+        self.addresses: dict[str, str] = {}
+        self.loads: dict[str, EngineLoad] = {}
+        self.leases: dict[str, LeaseRecord] = {}
+        self._lease_timers: dict[str, asyncio.TimerHandle] = {}
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._watchers: dict[str, asyncio.Task] = {}
+        self.registry = prom.CollectorRegistry()
+        self._registered = prom.Gauge("octoserve_scheduler_registered_workers", "workers registered",
+                                      registry=self.registry)
+        self._kv_usage = prom.Gauge("octoserve_scheduler_kv_usage_ratio", "KV usage per instance", ["instance"],
+                                    registry=self.registry)
+        self._queue = prom.Gauge("octoserve_scheduler_waiting_requests", "waiting requests per instance",
+                                 ["instance"], registry=self.registry)
+
+    # ---- registration and placement ----------------------------------------------------------------------------
+
+    async def RegisterWorker(self, request, context):
+        try:
+            self.config.instance(request.instance_id)
+        except KeyError:
+            known = ", ".join(i.id for i in self.config.instances)
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"instance {request.instance_id!r} is not in the node config; known: {known}")
+        self.addresses[request.instance_id] = request.address
+        self._registered.set(len(self.addresses))
+        self._watch(request.instance_id, request.address)
+        log.info("worker registered", extra={"fields": {"instance": request.instance_id, "address": request.address}})
+        return s_pb.RegisterWorkerReply()
+
+    async def GetPlacement(self, request, context):
+        instances = [
+            s_pb.InstancePlacement(
+                instance_id=i.id, model=i.model, role=convert.ROLE_TO_PB[i.role], gpu_ids=i.gpu_ids,
+                tensor_parallel=i.tp, address=self.addresses.get(i.id, ""),
+                context_window=self.config.models[i.model].max_context_len,
+            )
+            for i in self.config.instances
+        ]
+        return s_pb.Placement(instances=instances, complete=all(p.address for p in instances))
+
+    async def GetLoads(self, request, context):
+        return s_pb.Loads(loads=[convert.load_to_pb(load) for _, load in sorted(self.loads.items())])
+
+    # ---- load collection ----------------------------------------------------------------------------------------
+
+    def _stub(self, instance_id: str) -> w_grpc.WorkerStub:
+        return w_grpc.WorkerStub(self._channels[instance_id])
+
+    def _watch(self, instance_id: str, address: str) -> None:
+        old = self._watchers.pop(instance_id, None)
+        if old is not None:
+            old.cancel()
+        channel = self._channels.pop(instance_id, None)
+        if channel is not None:
+            asyncio.get_running_loop().create_task(channel.close())
+        self._channels[instance_id] = grpc.aio.insecure_channel(address)
+        self._watchers[instance_id] = asyncio.create_task(self._watch_loop(instance_id))
+
+    async def _watch_loop(self, instance_id: str) -> None:
+        while True:
+            try:
+                async for report in self._stub(instance_id).WatchLoad(w_pb.WatchLoadRequest(interval_ms=LOAD_INTERVAL_MS)):
+                    load = convert.load_from_pb(report)
+                    self.loads[instance_id] = load
+                    self._kv_usage.labels(instance_id).set(load.kv_usage)
+                    self._queue.labels(instance_id).set(load.num_waiting)
+            except grpc.aio.AioRpcError:
+                pass
+            if instance_id in self.loads:
+                self.loads[instance_id] = dataclasses.replace(self.loads[instance_id], healthy=False)
+            await asyncio.sleep(RECONNECT_S)
+
+    # ---- gang leases --------------------------------------------------------------------------------------------
+
+    async def AcquireLease(self, request, context):
+        ids = tuple(request.instance_ids)
+        missing = [i for i in ids if i not in self.addresses]
+        if not ids or missing:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"cannot lease {', '.join(missing) or '(no instances)'}: name registered instances")
+        held = {i for lease in self.leases.values() for i in lease.instance_ids}
+        if busy := sorted(held.intersection(ids)):
+            await context.abort(grpc.StatusCode.ABORTED,
+                                f"instances {', '.join(busy)} are already leased; retry after that lease ends")
+        duration_s = (request.duration_ms or 1000) / 1000.0
+        lease = LeaseRecord(uuid.uuid4().hex, request.holder, ids, time.monotonic() + duration_s)
+        await asyncio.gather(*(self._stub(i).Pause(w_pb.PauseRequest(), timeout=10.0) for i in ids))
+        self.leases[lease.lease_id] = lease
+        loop = asyncio.get_running_loop()
+        self._lease_timers[lease.lease_id] = loop.call_later(
+            duration_s, lambda: loop.create_task(self._end_lease(lease.lease_id)))
+        return s_pb.Lease(lease_id=lease.lease_id, instance_ids=ids, expires_at_s=lease.expires_at_s)
+
+    async def ReleaseLease(self, request, context):
+        if not await self._end_lease(request.lease_id):
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no lease {request.lease_id!r}; it expired or was released")
+        return s_pb.ReleaseLeaseReply()
+
+    async def _end_lease(self, lease_id: str) -> bool:
+        lease = self.leases.pop(lease_id, None)
+        timer = self._lease_timers.pop(lease_id, None)
+        if timer is not None:
+            timer.cancel()
+        if lease is None:
+            return False
+        await asyncio.gather(*(self._stub(i).Resume(w_pb.ResumeRequest(), timeout=10.0) for i in lease.instance_ids),
+                             return_exceptions=True)
+        return True
+
+    async def close(self) -> None:
+        for lease_id in list(self.leases):
+            await self._end_lease(lease_id)
+        for task in self._watchers.values():
+            task.cancel()
+        await asyncio.gather(*self._watchers.values(), return_exceptions=True)
+        for channel in self._channels.values():
+            await channel.close()
+
+
+def scheduler_spec(config: NodeConfig, *, port: int = 0, metrics_port: int | None = 0,
+                   ready_file: str | None = None, grace_s: float = 5.0) -> tuple[ServiceSpec, SchedulerServicer]:
+    servicer = SchedulerServicer(config)
+    spec = ServiceSpec(
+        name="scheduler", port=port, metrics_port=metrics_port, grace_s=grace_s, ready_file=ready_file,
+        service_names=(SCHEDULER_SERVICE,),
+        add_servicers=lambda server: s_grpc.add_SchedulerServicer_to_server(servicer, server),
+        close=servicer.close, registry=servicer.registry,
+    )
+    return spec, servicer
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="scheduler", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=None)
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--metrics-port", type=int, default=0)
+    parser.add_argument("--ready-file", default=None)
+    parser.add_argument("--grace-s", type=float, default=5.0)
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    setup_logging("scheduler", args.log_level)
+
+    async def serve() -> int:
+        from services.config import load_node_config
+        from services.rpc.server import serve_until_signal
+
+        spec, _ = scheduler_spec(load_node_config(args.config), port=args.port, metrics_port=args.metrics_port,
+                                 ready_file=args.ready_file, grace_s=args.grace_s)
+        return await serve_until_signal(spec)
+
+    import uvloop
+
+    return uvloop.run(serve())
