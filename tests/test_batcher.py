@@ -251,3 +251,22 @@ def test_token_budget_is_never_exceeded_and_config_is_validated():
         BatcherConfig(queue_policy="lifo")
     with pytest.raises(ValueError, match="preemption_mode"):
         BatcherConfig(preemption_mode="drop")
+
+
+def test_a_sequence_the_pool_cannot_hold_stops_with_length_instead_of_thrashing():
+    b = make_batcher(num_blocks=3, block_size=4, reservation_policy="watermark")
+    b.add_request(spec("a", prompt_len=8, max_tokens=50), 0.0)
+    outs = []
+    for _ in range(10):
+        plan, out = step(b)
+        outs += out.outputs
+        if not b.has_work:
+            break
+    assert outs[-1].finish_reason is FinishReason.LENGTH and outs[-1].num_output_tokens == 5  # 12 tokens = 3 blocks
+    assert b.num_preemptions_total == 0 and b.kv.num_free_blocks == 3
+
+
+def test_a_request_that_can_never_be_admitted_is_rejected_at_once():
+    b = make_batcher(num_blocks=3, block_size=4, reservation_policy="full")
+    with pytest.raises(ValueError, match="needs 4 KV blocks at admission"):
+        b.add_request(spec("a", prompt_len=8, max_tokens=8), 0.0)

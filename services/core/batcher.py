@@ -147,6 +147,7 @@ class Batcher:
         self._running: list[Request] = []  # sorted by victim key: most important first
         self._swapped: list[Request] = []  # sorted by victim key
         self._num_reserved = 0
+        self._truncated: list[Request] = []  # out of KV while alone in the batch: finished at the next update
         self._num_swap_blocks_used = 0
         self._step_id = 0
         self.num_preemptions_total = 0
@@ -154,11 +155,23 @@ class Batcher:
     # ---- intake -------------------------------------------------------------------------------------------
 
     def add_request(self, spec: RequestSpec, now: float) -> None:
+        """Queue a request. Raises ValueError for a duplicate id or a request this instance can never hold."""
         if spec.request_id in self._requests:
             raise ValueError(f"request id {spec.request_id!r} is already in this batcher")
+        self._check_fits(spec)
         req = self._new_request(spec)
         self._requests[req.request_id] = req
         self._waiting.push(req.queue_key, req)
+
+    def _check_fits(self, spec: RequestSpec) -> None:
+        ctx = self._reservation_context()
+        num_tokens = min(self.config.max_model_len, self._reservation.initial_tokens(spec, spec.num_prompt_tokens + 1, ctx))
+        num_blocks = -(-num_tokens // self.block_size)
+        if num_blocks > self.kv.num_total_blocks:
+            raise ValueError(
+                f"request {spec.request_id} needs {num_blocks} KV blocks at admission ({num_tokens} tokens) but the "
+                f"instance has {self.kv.num_total_blocks}; shorten the prompt or lower max_tokens"
+            )
 
     def _new_request(self, spec: RequestSpec) -> Request:
         return Request(spec, self._queue_key(spec, self.config.tier_ttft_slo_ms), self._victim_key(spec))
@@ -199,6 +212,12 @@ class Batcher:
     def _make_room(self, req: Request, num_tokens: int, step: _StepBuilder) -> bool:
         """Ensure `req` holds KV for `num_tokens`, preempting less important running requests if needed."""
         while not self._grow(req, num_tokens):
+            if len(self._running) == 1:
+                # Alone and still out of KV: the pool cannot hold this sequence. Stop it at its current length
+                # rather than preempt it forever.
+                self._truncated.append(req)
+                self._running.remove(req)
+                return False
             victim = self._pick_victim(step.scheduled_ids)
             self._preempt(victim, step)
             if victim is req:
@@ -249,7 +268,9 @@ class Batcher:
             self._reservation.initial_tokens(req.spec, req.num_tokens, ctx),
         )
         num_new_blocks = -(-num_tokens // self.block_size) - cached_tokens // self.block_size
-        if not self._reservation.may_admit(num_new_blocks, ctx):
+        # An empty batch admits its head whatever the policy says: else a request larger than the watermark
+        # allows would wait forever.
+        if self._num_active() > 0 and not self._reservation.may_admit(num_new_blocks, ctx):
             return False
         if self.kv.allocate(req.request_id, req.token_ids, num_tokens) is None:
             return False
@@ -296,6 +317,12 @@ class Batcher:
     def update(self, plan: StepPlan, result: StepResult, now: float) -> StepOutputs:
         outputs: list[RequestOutput] = []
         handoffs: list[HandoffReady] = []
+        while self._truncated:
+            req = self._truncated.pop()
+            req.status = RequestStatus.RUNNING  # _finish expects it off every queue; it was taken off running
+            self._running.append(req)
+            outputs.append(self._output(req, (), FinishReason.LENGTH))
+            self._finish(req, observe=True)
         for chunk in plan.chunks:
             req = self._requests.get(chunk.request_id)
             if req is None or req.status is not RequestStatus.RUNNING:
@@ -432,7 +459,12 @@ class Batcher:
 
     @property
     def has_work(self) -> bool:
-        return bool(self._running or self._waiting or self._swapped)
+        return bool(self._running or self._waiting or self._swapped or self._truncated)
+
+    @property
+    def has_pending_outputs(self) -> bool:
+        """Outputs that the next `update` emits even for an empty plan (requests stopped for lack of KV)."""
+        return bool(self._truncated)
 
     @property
     def num_running(self) -> int:

@@ -105,7 +105,7 @@ class SimEngine:
                 continue
             start = loop.time()
             plan = self.batcher.schedule(start / self.time_scale)
-            if plan.is_empty:  # everything waits on KV held elsewhere; wait for a release
+            if plan.is_empty and not self.batcher.has_pending_outputs:  # all wait on KV held elsewhere
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue

@@ -205,7 +205,7 @@ class NodeSimulator:
 
     def _start_step(self, inst: _Instance) -> None:
         plan = inst.batcher.schedule(self.now)
-        if plan.is_empty:
+        if plan.is_empty and not inst.batcher.has_pending_outputs:
             inst.busy = False
             return
         result = inst.executor.execute(plan, inst.batcher)
