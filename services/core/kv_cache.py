@@ -108,6 +108,9 @@ class KVCacheManager:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # head = next to evict
         self._requests: dict[str, _RequestBlocks] = {}
         self._events: list[KVEvent] = []
+        # The chain hashes of the last looked-up token bytes: the batcher looks a prompt up, then allocates it.
+        self._lookup_bytes = b""
+        self._lookup_hashes: list[int] = []
 
     # ----- sizes -----
 
@@ -151,12 +154,17 @@ class KVCacheManager:
         # Only blocks that end strictly before the last token: the last token's logits must be computed.
         max_blocks = max(0, len(token_ids) - 1) // self.block_size
         data = _token_bytes(token_ids[: max_blocks * self.block_size])
+        if data != self._lookup_bytes:
+            self._lookup_bytes, self._lookup_hashes = data, []
+        chain = self._lookup_hashes  # hashes depend on the tokens only, so a repeated lookup reuses them
         step = self.block_size * _TOKEN_BYTES
         hashes: list[int] = []
         blocks: list[int] = []
         parent: int | None = None
-        for offset in range(0, len(data), step):
-            parent = _digest(parent, self._extra, data[offset : offset + step])
+        for index, offset in enumerate(range(0, len(data), step)):
+            if index == len(chain):
+                chain.append(_digest(parent, self._extra, data[offset : offset + step]))
+            parent = chain[index]
             block = self._hash_to_block.get(parent)
             if block is None:
                 break  # hash lazily: a miss ends the prefix, so later blocks are never hashed
