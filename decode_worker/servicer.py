@@ -208,6 +208,13 @@ class DecodeWorkerServicer(WorkerBase):
             await asyncio.sleep(await modelled(handoff))
         return await anext(outputs)
 
+    async def Release(self, request, context):
+        timer = self.reservations.pop(request.request_id, None)
+        if timer is not None:
+            timer.cancel()
+        await self.engine.release(request.request_id)
+        return w_pb.ReleaseReply()
+
     # ---- abort -----------------------------------------------------------------------------------------------
 
     async def abort_request(self, request_id: str) -> None:

@@ -291,9 +291,10 @@ class GenerationServicer(gen_grpc.GenerationServicer):
             ))
         handoff = (await prefill.stub.Prefill(w_pb.PrefillRequest(spec=spec_pb), timeout=timeout_s)).handoff
         try:
+            if handoff.finish_reason:  # the first token ended it: nothing to decode, return the reservation
+                self._spawn(decode.stub.Release(w_pb.ReleaseRequest(request_id=st.spec.request_id), timeout=5.0))
             self._deliver_first_token(st, handoff)
-            if handoff.finish_reason:  # the first token ended it: nothing to decode
-                await decode.stub.Release(w_pb.ReleaseRequest(request_id=st.spec.request_id), timeout=5.0)
+            if handoff.finish_reason:
                 return
             decode_request = w_pb.DecodeRequest(
                 session_id=self.session_id, spec=spec_pb, handoff=handoff, source_address=prefill.address

@@ -1,0 +1,209 @@
+"""Router + workers over real gRPC on 127.0.0.1 with the real SimEngine: streaming, errors, cancellation, drain.
+
+One in-process node per module (workers, router; time_scale 1, so an 8B decode step is ~5 ms of real time).
+Every test leaves the node idle: tests that start work wait until every worker reports all KV blocks free.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+import pytest_asyncio
+from google.rpc import error_details_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from grpc_status import rpc_status
+
+from router.servicer import RouterSettings
+from services.rpc.gen import generate_pb2 as gen_pb
+from tests.service_fixtures import (
+    COLOCATED_MODEL, DISAGG_MODEL, MAX_CONTEXT, NUM_KV_BLOCKS, collect, request, start_inprocess_node,
+)
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+SLOW_READER_OPTIONS = (("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0))  # tiny flow window
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def node():
+    n = await start_inprocess_node(settings=RouterSettings(max_pending_deltas=4))
+    yield n
+    await n.stop()
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def idle(node):
+    yield node
+    await node.wait_all_free()
+
+
+def tokens(responses) -> list[int]:
+    return [t for r in responses for t in r.token_ids]
+
+
+@pytest.mark.parametrize("model", [COLOCATED_MODEL, DISAGG_MODEL])
+async def test_streams_exactly_max_tokens_and_finishes_with_length(idle, model):
+    responses = await collect(idle.generation().Generate(request(model, max_tokens=12), timeout=10))
+    assert len(tokens(responses)) == 12
+    assert all(len(r.token_ids) >= 1 for r in responses)
+    assert responses[0].request_id != "" and all(r.request_id == "" for r in responses[1:])
+    assert [r.finish_reason for r in responses[:-1]] == [gen_pb.FINISH_REASON_UNSPECIFIED] * (len(responses) - 1)
+    assert responses[-1].finish_reason == gen_pb.LENGTH
+    assert (responses[-1].usage.prompt_tokens, responses[-1].usage.completion_tokens) == (32, 12)
+
+
+async def test_disaggregated_output_equals_colocated_output(idle):
+    stub = idle.generation()
+    colocated = await collect(stub.Generate(request(COLOCATED_MODEL, max_tokens=16), timeout=10))
+    disaggregated = await collect(stub.Generate(request(DISAGG_MODEL, max_tokens=16), timeout=10))
+    assert tokens(disaggregated) == tokens(colocated)
+
+
+async def test_disaggregated_request_of_one_token_finishes_at_the_prefill(idle):
+    responses = await collect(idle.generation().Generate(request(DISAGG_MODEL, max_tokens=1), timeout=10))
+    assert len(tokens(responses)) == 1 and responses[-1].finish_reason == gen_pb.LENGTH
+
+
+async def test_client_request_id_is_echoed(idle):
+    responses = await collect(idle.generation().Generate(request(request_id="mine-1"), timeout=10))
+    assert responses[0].request_id == "mine-1"
+
+
+async def _error(call) -> grpc.aio.AioRpcError:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await collect(call)
+    return info.value
+
+
+async def test_empty_prompt_is_invalid_argument(node):
+    err = await _error(node.generation().Generate(request(num_prompt_tokens=0), timeout=5))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.details() == "the prompt is empty; send at least one prompt token"
+
+
+async def test_over_long_prompt_is_invalid_argument_saying_the_limit(node):
+    err = await _error(node.generation().Generate(request(num_prompt_tokens=MAX_CONTEXT), timeout=5))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"shorten it to at most {MAX_CONTEXT - 1} tokens" in err.details()
+
+
+async def test_max_tokens_beyond_the_window_is_invalid_argument(node):
+    err = await _error(node.generation().Generate(request(max_tokens=MAX_CONTEXT), timeout=5))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"lower max_tokens to at most {MAX_CONTEXT - 32}" in err.details()
+
+
+async def test_unknown_model_is_not_found_listing_the_served_models(node):
+    err = await _error(node.generation().Generate(request("gpt-5"), timeout=5))
+    assert err.code() == grpc.StatusCode.NOT_FOUND
+    assert err.details() == f"unknown model 'gpt-5'; this node serves: {COLOCATED_MODEL}, {DISAGG_MODEL}"
+
+
+async def test_shed_request_is_resource_exhausted_with_retry_info_and_trailer(node):
+    # 12,000 prompt tokens need 750 blocks; every instance has 703: admission sheds it before any GPU work.
+    err = await _error(node.generation().Generate(request(num_prompt_tokens=12_000, max_tokens=4), timeout=5))
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "no instance has KV headroom" in err.details() and "retry after" in err.details()
+    status = rpc_status.from_call(err)
+    info = error_details_pb2.RetryInfo()
+    assert status.details[0].Unpack(info)
+    trailer = dict(err.trailing_metadata())["retry-after-ms"]
+    assert int(trailer) == info.retry_delay.ToMilliseconds() >= node.config.policies.min_retry_after_ms
+    assert (await node.load("c0")).num_free_blocks == NUM_KV_BLOCKS
+
+
+async def test_deadline_shorter_than_predicted_ttft_is_refused_as_deadline_exceeded(node):
+    call = node.generation().Generate(request(num_prompt_tokens=10_000, max_tokens=4), timeout=0.05)
+    err = await _error(call)
+    assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert err.details().startswith("the first token is predicted in ")
+    assert err.details().endswith("ms; raise the deadline or retry later")
+
+
+async def test_deadline_mid_stream_is_deadline_exceeded_and_frees_kv(idle):
+    call = idle.generation().Generate(request(max_tokens=4000), timeout=0.3)
+    err = await _error(call)
+    assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    # `idle` asserts every worker frees every block afterwards.
+
+
+async def _read_some_then_cancel(node, model: str, busy_ids: tuple[str, ...]) -> None:
+    call = node.generation().Generate(request(model, max_tokens=4000), timeout=30)
+    stream = call.__aiter__()
+    for _ in range(3):
+        await stream.__anext__()
+    loads = {iid: await node.load(iid) for iid in busy_ids}
+    assert all(load.num_free_blocks < NUM_KV_BLOCKS for load in loads.values()), loads
+    call.cancel()
+    assert await node.wait_all_free() == {iid: NUM_KV_BLOCKS for iid in node.workers}
+
+
+async def test_cancelled_colocated_stream_frees_kv_on_the_worker(node):
+    await _read_some_then_cancel(node, COLOCATED_MODEL, ("c0",))
+
+
+async def test_cancelled_disaggregated_stream_frees_kv_on_every_worker(node):
+    await _read_some_then_cancel(node, DISAGG_MODEL, ("d0",))
+
+
+async def test_client_that_stops_reading_is_cut_off_without_stalling_its_worker(node):
+    call = node.generation(options=SLOW_READER_OPTIONS).Generate(request(max_tokens=4000), timeout=30)
+    stream = call.__aiter__()
+    await stream.__anext__()
+    # Not reading: the router's 4-message bound fills, the request is aborted on the worker.
+    assert await node.wait_all_free() == {iid: NUM_KV_BLOCKS for iid in node.workers}
+    received = 1
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        async for response in stream:
+            received += len(response.token_ids)
+    assert info.value.code() == grpc.StatusCode.ABORTED
+    assert "fell more than 4 token messages behind" in info.value.details()
+    assert received < 4000
+
+
+async def test_list_models(node):
+    reply = await node.generation().ListModels(gen_pb.ListModelsRequest(), timeout=5)
+    assert [(m.name, m.context_window, m.state, m.num_instances) for m in reply.models] == [
+        (COLOCATED_MODEL, MAX_CONTEXT, gen_pb.READY, 1),
+        (DISAGG_MODEL, MAX_CONTEXT, gen_pb.READY, 2),
+    ]
+
+
+async def test_health_and_reflection(node):
+    channel = node.channel()
+    health = health_pb2_grpc.HealthStub(channel)
+    for service in ("", "octoserve.v1.Generation"):
+        reply = await health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+    replies = [r async for r in reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))]
+    names = {s.name for s in replies[0].list_services_response.service}
+    assert names == {"octoserve.v1.Generation", "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"}
+
+
+async def test_router_metrics_count_ttft_and_outcomes(node):
+    await collect(node.generation().Generate(request(max_tokens=3), timeout=10))
+    registry = node.router_servicer.metrics.registry
+    assert registry.get_sample_value("octoserve_router_ttft_seconds_count", {"model": COLOCATED_MODEL}) >= 1
+    assert registry.get_sample_value("octoserve_router_requests_total", {"model": COLOCATED_MODEL, "outcome": "ok"}) >= 1
+
+
+# Last: it drains the module's router.
+async def test_draining_router_refuses_new_requests_and_finishes_in_flight_ones(node):
+    call = node.generation().Generate(request(max_tokens=60), timeout=30)
+    stream = call.__aiter__()
+    first = await stream.__anext__()
+    shutdown = asyncio.create_task(node.router.shutdown())
+    for _ in range(200):  # bounded: the drain flag is set within a few loop iterations
+        if node.router_servicer.draining:
+            break
+        await asyncio.sleep(0.005)
+    err = await _error(node.generation().Generate(request(max_tokens=4), timeout=5))
+    assert err.code() == grpc.StatusCode.UNAVAILABLE
+    assert "draining" in err.details()
+    rest = [r async for r in stream]
+    assert len(first.token_ids) + len(tokens(rest)) == 60 and rest[-1].finish_reason == gen_pb.LENGTH
+    await shutdown
