@@ -182,26 +182,23 @@ def prefill_capacity_rps(cost: CostModel, chunk_tokens: int, load: ModelLoad, tt
 def colocated_capacity_rps(
     cost: CostModel, kv_tokens: int, load: ModelLoad, slo: SloConfig, max_num_seqs: int, token_budget: int
 ) -> float:
-    """Decodes plus a balancing prefill chunk in every step, the step within the ITL SLO (see the module doc)."""
+    """Decodes plus a prefill chunk in every step, the step within the ITL SLO and a mean prompt's chunks within
+    the TTFT SLO (see the module doc). For each batch B the chunk is the balanced one, B x uncached / output, or
+    the prompt split into n equal chunks for every n whose steps fit the TTFT; the best rate over both wins."""
     itl_s, ttft_s = slo.itl_ms / 1000.0, slo.ttft_ms / 1000.0
     uncached, out = max(1.0, load.uncached_prompt_tokens), max(1.0, load.mean_output_tokens)
     ctx = int(load.mean_prompt_tokens + out / 2)
     best = 0.0
     for b in range(1, min(max_num_seqs, int(kv_tokens // load.mean_sequence_tokens)) + 1):
-        chunk = min(math.ceil(b * uncached / out), token_budget - b)
-        if chunk < 1:
+        decodes = [(1, ctx)] * b
+        floor_s = cost.step_time_s([*decodes, (1, 0)])
+        if floor_s > itl_s:
             break
-        step_s = cost.step_time_s([(1, ctx)] * b + [(chunk, 0)])
-        if step_s > itl_s:
-            break
-        if math.ceil(uncached / chunk) * step_s > ttft_s:
-            # Decode-bound at this batch, so spend spare step time on bigger chunks until a mean prompt makes
-            # its TTFT; give up on this batch if that overruns the ITL.
-            chunk = min(math.ceil(uncached / max(1, int(ttft_s / step_s))), token_budget - b)
-            step_s = cost.step_time_s([(1, ctx)] * b + [(chunk, 0)])
-            if step_s > itl_s or math.ceil(uncached / chunk) * step_s > ttft_s:
-                continue
-        best = max(best, min(b / (step_s * out), chunk / (step_s * uncached)))
+        chunks = {math.ceil(b * uncached / out)} | {math.ceil(uncached / n) for n in range(1, int(ttft_s / floor_s) + 1)}
+        for chunk in sorted(c for c in chunks if 1 <= c <= token_budget - b):
+            step_s = cost.step_time_s([*decodes, (chunk, 0)])
+            if step_s <= itl_s and math.ceil(uncached / chunk) * step_s <= ttft_s:
+                best = max(best, min(b / (step_s * out), chunk / (step_s * uncached)))
     return best
 
 
