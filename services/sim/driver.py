@@ -123,6 +123,7 @@ class NodeSimulator:
         self.sample_interval_s = sample_interval_s
         self._events: list = []
         self._seq = itertools.count()
+        self._num_pending = 0  # events other than samples still in the heap
         self._trackers: dict[str, _Tracker] = {}
         self._series: dict[str, list[tuple[float, float]]] = {}
         self._last_busy: dict[str, float] = {iid: 0.0 for iid in self.instances}
@@ -154,6 +155,8 @@ class NodeSimulator:
             t, _, kind, payload = heapq.heappop(self._events)
             if t > end_s:
                 break
+            if kind != _SAMPLE:
+                self._num_pending -= 1
             self.now = t
             handlers[kind](payload)
             if progress is not None and t >= next_progress:
@@ -165,11 +168,11 @@ class NodeSimulator:
 
     def _push(self, t: float, kind: int, payload) -> None:
         heapq.heappush(self._events, (t, next(self._seq), kind, payload))
+        if kind != _SAMPLE:
+            self._num_pending += 1
 
     def _work_left(self) -> bool:
-        return any(k != _SAMPLE for _, _, k, _ in self._events) or any(
-            i.batcher.has_work for i in self.instances.values()
-        )
+        return self._num_pending > 0 or any(i.batcher.has_work for i in self.instances.values())
 
     # ---- arrivals and routing ------------------------------------------------------------------------------
 

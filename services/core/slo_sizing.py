@@ -1,0 +1,78 @@
+"""SLO sizing: the step token budget and batch size of an instance, derived from its cost model and the ITL SLO.
+
+Every token of a running request waits for one whole step, so the step time IS the inter-token latency. A
+colocated instance that mixes a 2,048-token prefill chunk into a decode batch stretches that step to ~60 ms on an
+8B and ~170 ms on a 70B at TP=4: the default budget of a throughput-tuned engine breaks a 30 ms ITL SLO by
+construction. Sarathi-Serve's answer is a budget sized so that a mixed step stays under the SLO; octoserve sizes
+the decode batch the same way, because past some batch size even a pure decode step is too slow.
+
+Per role, with `target_s = itl_slo × headroom` (headroom < 1 leaves room for the P95 tail and the cost model's error):
+- decode: `max_num_seqs` = the largest batch whose decode step (at the typical context) fits `target_s`; the budget
+  is that batch (decodes only).
+- colocated: decodes get `decode_share` of the target (the rest is for prefill chunks): `max_num_seqs` = the
+  largest batch whose decode step fits `decode_share × target_s`; the budget = that batch + the largest prefill
+  chunk that still fits the full target next to it.
+- prefill: no ITL to protect; keep the configured budget (large chunks are the most efficient prefill).
+Never larger than what the config asked for: sizing only tightens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.core.cost_model import CostModel
+from services.core.types import Role
+
+CHUNK_QUANTUM = 16  # budgets are multiples of a block
+
+
+@dataclass(frozen=True, slots=True)
+class SloSizing:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    step_target_s: float
+
+
+def _largest(ok, lo: int, hi: int) -> int:
+    """Largest n in [lo, hi] with ok(n), assuming ok is monotone (True then False); lo - 1 if none."""
+    if hi < lo or not ok(lo):
+        return lo - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def size_for_slo(
+    cost: CostModel,
+    role: Role,
+    *,
+    itl_slo_ms: float,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    context_tokens: int = 1200,
+    headroom: float = 0.85,
+    decode_share: float = 0.7,
+) -> SloSizing:
+    target_s = itl_slo_ms / 1000.0 * headroom
+    if role is Role.PREFILL:
+        return SloSizing(max_num_seqs, max_num_batched_tokens, target_s)
+
+    def decode_fits(budget_s: float):
+        return lambda b: cost.step_time_s([(1, context_tokens)] * b) <= budget_s
+
+    share = 1.0 if role is Role.DECODE else decode_share
+    batch = max(1, _largest(decode_fits(target_s * share), 1, max_num_seqs))
+    if role is Role.DECODE:
+        return SloSizing(batch, min(max_num_batched_tokens, batch), target_s)
+
+    decodes = [(1, context_tokens)] * batch
+
+    def chunk_fits(n: int) -> bool:
+        return cost.step_time_s([(n * CHUNK_QUANTUM, 0), *decodes]) <= target_s
+
+    chunk = max(1, _largest(chunk_fits, 1, max(1, max_num_batched_tokens // CHUNK_QUANTUM))) * CHUNK_QUANTUM
+    return SloSizing(batch, min(max_num_batched_tokens, batch + chunk), target_s)
