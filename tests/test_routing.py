@@ -192,3 +192,21 @@ def test_warm_beats_cold_with_the_real_cost_model():
     assert saved_s > 0
     assert warm_beats_cold(cost, 2000, 1600, saved_s * 0.99)
     assert not warm_beats_cold(cost, 2000, 1600, saved_s * 1.01)
+
+
+def test_real_prefix_index_sees_blocks_an_engine_cached():
+    from services.core.kv_cache import KVCacheManager
+
+    kv = KVCacheManager(100, 16, True, extra_key=SM)  # what services.core.instance builds for an 8B instance
+    prompt = tuple(range(1000, 1100))  # 6 full blocks + 4 tokens
+    kv.allocate("old", prompt, len(prompt))
+    kv.cache_computed("old", prompt, len(prompt))
+    ttft_only = colocated_config(scorer_weights={"ttft": 1.0})
+    from services.core.routing import RouterPolicy
+
+    p = RouterPolicy(ttft_only, {i.id: LinearCost() for i in ttft_only.instances}, FixedRng(0.5, 0.5, 0.5))
+    p.on_kv_events("sm-2", kv.drain_events())
+    spec = request(prompt=120)
+    spec = type(spec)(spec.request_id, SM, prompt + tuple(range(5000, 5020)), spec.sampling, 0.0)
+    loads = {f"sm-{i}": load(f"sm-{i}") for i in range(3)}
+    assert p.route(spec, loads, 0.0) == Route("sm-2", None, 2.4, 96)  # 24 uncached tokens at 10k tokens/s
