@@ -1,0 +1,49 @@
+"""SLO sizing: the sized batch and budget keep a step under the ITL target, and are the largest that do."""
+
+import pytest
+
+from services.core.cost_model import CostModel
+from services.core.slo_sizing import CHUNK_QUANTUM, size_for_slo
+from services.core.specs import GPU_PRESETS, MODEL_PRESETS
+from services.core.types import Role
+
+H100 = GPU_PRESETS["h100-sxm-80gb"]
+CTX = 1200
+
+
+@pytest.mark.parametrize("model,tp", [("llama-3-8b", 1), ("llama-3-70b", 4), ("llama-3-70b", 8)])
+def test_decode_batch_is_the_largest_that_fits_the_target(model, tp):
+    cost = CostModel(MODEL_PRESETS[model], H100, tp)
+    s = size_for_slo(cost, Role.DECODE, itl_slo_ms=30, max_num_seqs=1024, max_num_batched_tokens=8192)
+    assert s.step_target_s == pytest.approx(0.0255)
+    assert cost.step_time_s([(1, CTX)] * s.max_num_seqs) <= s.step_target_s
+    assert cost.step_time_s([(1, CTX)] * (s.max_num_seqs + 1)) > s.step_target_s
+    assert s.max_num_batched_tokens == s.max_num_seqs
+
+
+@pytest.mark.parametrize("model,tp", [("llama-3-8b", 1), ("llama-3-70b", 4), ("llama-3-70b", 8)])
+def test_colocated_mixed_step_fits_and_one_more_chunk_quantum_does_not(model, tp):
+    cost = CostModel(MODEL_PRESETS[model], H100, tp)
+    s = size_for_slo(cost, Role.COLOCATED, itl_slo_ms=30, max_num_seqs=1024, max_num_batched_tokens=8192)
+    decodes = [(1, CTX)] * s.max_num_seqs
+    chunk = s.max_num_batched_tokens - s.max_num_seqs
+    assert chunk % CHUNK_QUANTUM == 0 and chunk > 0
+    assert cost.step_time_s([(chunk, 0), *decodes]) <= s.step_target_s
+    assert cost.step_time_s([(chunk + CHUNK_QUANTUM, 0), *decodes]) > s.step_target_s
+    # decodes alone use at most the decode share (0.7) of the target
+    assert cost.step_time_s(decodes) <= 0.7 * s.step_target_s
+
+
+def test_sizing_only_tightens_and_leaves_prefill_alone():
+    cost = CostModel(MODEL_PRESETS["llama-3-8b"], H100, 1)
+    small = size_for_slo(cost, Role.COLOCATED, itl_slo_ms=30, max_num_seqs=8, max_num_batched_tokens=64)
+    assert small.max_num_seqs == 8 and small.max_num_batched_tokens == 64
+    p = size_for_slo(cost, Role.PREFILL, itl_slo_ms=30, max_num_seqs=256, max_num_batched_tokens=8192)
+    assert (p.max_num_seqs, p.max_num_batched_tokens) == (256, 8192)
+
+
+def test_a_looser_slo_allows_bigger_batches():
+    cost = CostModel(MODEL_PRESETS["llama-3-70b"], H100, 4)
+    tight = size_for_slo(cost, Role.COLOCATED, itl_slo_ms=30, max_num_seqs=1024, max_num_batched_tokens=8192)
+    loose = size_for_slo(cost, Role.COLOCATED, itl_slo_ms=60, max_num_seqs=1024, max_num_batched_tokens=8192)
+    assert loose.max_num_seqs > tight.max_num_seqs and loose.max_num_batched_tokens > tight.max_num_batched_tokens
