@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from services.config import load_node_config
 from services.core import planner
@@ -122,14 +122,20 @@ def _recommend(ranked, simulated) -> str:
             f"(limited by {sb.limiting_model}); not yet checked by simulation")
 
 
+def _with_profile_slo(config: NodeConfig, profile) -> NodeConfig:
+    """Size against the workload's own SLO (seed 003: TTFT 200 ms), keeping the config's tier overrides."""
+    slo = replace(config.slo, ttft_ms=profile.slo.ttft_ms, itl_ms=profile.slo.itl_ms)
+    return replace(config, slo=slo)
+
+
 def run(args: argparse.Namespace) -> int:
     from services.workload import PROFILES
 
     if args.profile not in PROFILES:
         print(f"unknown profile {args.profile!r}; choose one of: {', '.join(sorted(PROFILES))}")
         return 2
-    config: NodeConfig = load_node_config(args.config)
     profile = PROFILES[args.profile]
+    config: NodeConfig = _with_profile_slo(load_node_config(args.config), profile)
     mix = mix_from_profile(profile, args.rate)
     rows = planner.sizing_table(config.models, config.gpu, mix)
     bound = planner.roofline_bound(config.models, config.gpu, config.num_gpus, mix)
