@@ -14,6 +14,8 @@ Why the containers look the way they do:
   passed as --port/--metrics-port) and shown as labels.
 - `ipc: host` + unlimited memlock: NCCL and CUDA IPC hand KV blocks between the prefill and decode containers
   through shared memory and pinned host buffers; Docker's default 64 MB /dev/shm is far too small.
+- GPUs are pinned by the reservation alone: inside a worker's container its GPUs are the only visible ones
+  (renumbered from 0), so the engine uses all it sees and needs no CUDA_VISIBLE_DEVICES from the placement.
 - Health checks use the standard grpc.health.v1 service every octoserve process serves, via the image's Python,
   so no grpc_health_probe binary is needed. Workers get a long start period: loading 70B weights takes minutes.
 
@@ -63,7 +65,8 @@ class ComposeSettings:
     first_worker_port: int = 50100  # worker i (placement order) listens on first_worker_port + i
     first_metrics_port: int = 9400  # scheduler, router, then workers in placement order
     worker_start_period_s: int = 900  # weights load before a worker reports SERVING
-    stop_grace_period_s: int = 30  # SIGTERM drain: finish in-flight streams before exit
+    drain_grace_s: int = 25  # --grace-s: each service drains in-flight streams this long after SIGTERM
+    stop_grace_period_s: int = 30  # Docker's SIGKILL comes later than the drain, so the drain is never cut short
 
 
 def service_name(instance: InstanceConfig) -> str:
@@ -84,7 +87,7 @@ def _healthcheck(port: int, start_period_s: int) -> dict[str, Any]:
 def _base_service(s: ComposeSettings, command: list[str], port: int, metrics_port: int, start_s: int) -> dict:
     return {
         "image": s.image,
-        "command": command,
+        "command": [*command, "--grace-s", str(s.drain_grace_s)],
         "network_mode": "host",
         "volumes": [f"{s.config_source}:{s.config_target}:ro"],
         "healthcheck": _healthcheck(port, start_s),
