@@ -311,3 +311,23 @@ class TestDisaggregated:
             await decode.release(rid)
         assert await decode.reserve(spec("all", [5] * 200, max_tokens=NUM_USABLE_BLOCKS * BLOCK_SIZE - 200))
         await decode.release("all")
+
+
+def test_make_vllm_engine_from_an_instance_config(tmp_path, monkeypatch):
+    from services.core.placement import InstanceConfig
+    from services.engine.vllm_engine import make_vllm_engine
+
+    (tmp_path / "config.json").write_text('{"max_position_embeddings": 2048}')
+    monkeypatch.setenv("OCTOSERVE_KV_DIR", str(tmp_path / "kv"))
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    inst = InstanceConfig(id="sm-d0", model="llama-3-8b", role=Role.DECODE, tp=1, gpu_ids=(0,), max_num_seqs=32,
+                          max_num_batched_tokens=512)
+    engine = make_vllm_engine(inst, str(tmp_path))
+    assert (engine.instance_id, engine.model, engine.role) == ("sm-d0", "llama-3-8b", Role.DECODE)
+    assert engine._engine_kwargs == dict(
+        tensor_parallel_size=1, max_model_len=2048, max_num_seqs=32, max_num_batched_tokens=512,
+        enable_prefix_caching=True, kv_cache_memory_bytes=1 << 30, dtype="auto", seed=0)
+    assert engine._kv == KvTransfer(storage_path=str(tmp_path / "kv"))
+    with pytest.raises(ValueError, match="max_num_batched_tokens >= max_model_len"):
+        make_vllm_engine({**{"id": "p", "model": "m", "role": "prefill"}, "max_num_batched_tokens": 512},
+                         str(tmp_path))

@@ -167,6 +167,11 @@ class VllmEngine:
     ) -> None:
         if role is not Role.COLOCATED and kv_transfer is None:
             raise ValueError(f"role {role.value} needs kv_transfer (a KV connector to hand the prompt KV over)")
+        if role is Role.PREFILL and kv_transfer.connector == vllm_kv.EXAMPLE and max_num_batched_tokens < max_model_len:
+            # The example connector saves a prompt's KV in the step that first schedules it: a chunked prompt
+            # would be saved half-computed.
+            raise ValueError("a prefill instance with the example connector needs max_num_batched_tokens >= "
+                             f"max_model_len ({max_num_batched_tokens} < {max_model_len}): prompts must not be chunked")
         self.instance_id = instance_id
         self.model = model_name
         self.role = role
