@@ -18,7 +18,7 @@ import grpc
 
 from router.metrics import RouterMetrics
 from router.pool import WorkerClient, WorkerEndpoint, WorkerPool
-from router.servicer import GenerationServicer, RouterSettings
+from router.servicer import DEFAULT_MAX_PENDING_DELTAS, GenerationServicer, RouterSettings
 from services.core.placement import NodeConfig
 from services.core.routing import RouterPolicy, build_cost_models
 from services.core.types import Role
@@ -117,7 +117,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ready-file", default=None)
     parser.add_argument("--grace-s", type=float, default=10.0)
     parser.add_argument("--startup-timeout-s", type=float, default=DEFAULT_STARTUP_TIMEOUT_S)
-    parser.add_argument("--max-pending-deltas", type=int, default=RouterSettings.max_pending_deltas)
+    parser.add_argument("--max-pending-deltas", type=int, default=DEFAULT_MAX_PENDING_DELTAS)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-level", default="INFO")
 

@@ -88,6 +88,9 @@ class WorkerClient:
                 reason = "the worker closed the token stream"
             except grpc.aio.AioRpcError as e:
                 reason = f"token stream from {self.instance_id} failed: {e.code().name} {e.details()}"
+            except Exception:  # a bug in delta handling must not silently end the session for every request
+                log.exception("token session handling failed", extra={"fields": {"instance": self.instance_id}})
+                reason = f"the router failed handling tokens from {self.instance_id}"
             self.attached.clear()
             self._on_down(self.instance_id, reason)
             await asyncio.sleep(RECONNECT_BACKOFF_S[min(attempt, len(RECONNECT_BACKOFF_S) - 1)])

@@ -168,7 +168,7 @@ class WorkerBase(w_grpc.WorkerServicer):
         interval_s = max(request.interval_ms or DEFAULT_LOAD_INTERVAL_MS, MIN_LOAD_INTERVAL_MS) / 1000.0
         buf = self.kv_events.subscribe()
         try:
-            while True:
+            while not (self.draining and self.in_flight == 0):  # a drained worker ends its streams: stop is quick
                 self.kv_events.pump()
                 events = buf[:]
                 buf.clear()
