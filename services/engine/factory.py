@@ -34,9 +34,9 @@ def make_engine(
     if engine == "vllm":
         if not model_path:
             raise ValueError("the vllm engine needs --model DIR (a local model directory)")
-        from services.engine.vllm_engine import VllmEngine
+        from services.engine.vllm_engine import make_vllm_engine
 
-        return VllmEngine(instance, node_cfg, model_path=model_path)
+        return make_vllm_engine(instance, model_path, node_cfg=node_cfg)
     if ":" in engine:
         module_name, _, attr = engine.partition(":")
         factory = getattr(importlib.import_module(module_name), attr)

@@ -153,6 +153,23 @@ class WorkerBase(w_grpc.WorkerServicer):
             f"{rpc} is served by {roles} instances; {self.engine.instance_id} is a {self.engine.role.value} instance",
         )
 
+    # ---- role-specific RPCs: a role that serves one overrides it -----------------------------------------------
+
+    async def Attach(self, request, context):
+        await self._wrong_role(context, "Attach", "colocated or decode")
+
+    async def Generate(self, request, context):
+        await self._wrong_role(context, "Generate", "colocated")
+
+    async def Prefill(self, request, context):
+        await self._wrong_role(context, "Prefill", "prefill")
+
+    async def Reserve(self, request, context):
+        await self._wrong_role(context, "Reserve", "decode")
+
+    async def Decode(self, request, context):
+        await self._wrong_role(context, "Decode", "decode")
+
     # ---- shared RPCs ------------------------------------------------------------------------------------------
 
     def _report(self, events=()) -> w_pb.LoadReport:
