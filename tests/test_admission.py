@@ -74,11 +74,12 @@ def test_slack_and_request_deadline_move_the_limit():
     assert r.retry_after_ms == 20
 
 
-def test_a_prompt_slower_than_the_slo_may_wait_its_own_prefill():
-    # 3000-token prompt: 300 ms own prefill > 250 ms SLO, so it may wait up to 2 x 300 = 600 ms in all.
-    loads = with_loads(**{f"sm-{i}": load(f"sm-{i}", queued=3000) for i in range(3)})
-    assert isinstance(policy(colocated_config()).route(request(prompt=3000), loads, 0.0), Route)  # 600 ms
-    loads = with_loads(**{f"sm-{i}": load(f"sm-{i}", queued=3100) for i in range(3)})
+def test_a_prompt_slower_than_the_slo_is_served_only_when_it_would_start_at_once():
+    # 3000-token prompt: 300 ms own prefill > 250 ms SLO, so it may take up to 1.25 x 300 = 375 ms in all,
+    # i.e. at most 75 ms (750 tokens) of queue ahead of it.
+    loads = with_loads(**{f"sm-{i}": load(f"sm-{i}", queued=750) for i in range(3)})
+    assert isinstance(policy(colocated_config()).route(request(prompt=3000), loads, 0.0), Route)  # 375 ms
+    loads = with_loads(**{f"sm-{i}": load(f"sm-{i}", queued=850) for i in range(3)})
     assert policy(colocated_config()).route(request(prompt=3000), loads, 0.0).retry_after_ms == 50  # 10 ms, floor
 
 

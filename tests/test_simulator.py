@@ -40,7 +40,7 @@ def one_request(prompt_len=1000, output_len=4, max_tokens=16) -> TraceRequest:
 
 
 def test_single_request_token_times_are_the_cost_models_step_times():
-    config = node([COLOCATED_8B])
+    config = node([COLOCATED_8B], slo_sizing=False)  # one whole-prompt chunk: the unsized 2,048-token budget
     req = one_request()
     result = run_simulation(config, [req])
     rec = result.records[0]
@@ -61,7 +61,7 @@ def test_single_request_token_times_are_the_cost_models_step_times():
 
 
 def test_disaggregated_request_pays_prefill_transfer_then_decode():
-    config = node(DISAGG_8B)
+    config = node(DISAGG_8B, slo_sizing=False)
     result = run_simulation(config, [one_request(output_len=3)])
     rec = result.records[0]
     from services.sim.driver import NodeSimulator
@@ -105,3 +105,16 @@ def test_overload_is_refused_early_with_a_retry_hint_and_never_runs_out_of_kv():
 def test_sim_tokens_are_deterministic_and_never_eos():
     assert sim_token_id(1000, 5, 0) == sim_token_id(1000, 5, 0)
     assert all(sim_token_id(n, f, p) >= 1000 for n in (1, 999) for f in (0, 7) for p in range(50))
+
+
+def test_slo_sizing_chunks_a_long_prompt_so_no_step_exceeds_the_itl_target():
+    config = node([COLOCATED_8B])
+    from services.sim.driver import NodeSimulator
+
+    sim = NodeSimulator(config)
+    budget = sim.instances["sm-0"].batcher.config.max_num_batched_tokens
+    assert budget < 1000  # the 8B's ITL-sized budget (437 on H100 at a 30 ms SLO)
+    rec = sim.run([one_request(prompt_len=1000, output_len=2)]).records[0]
+    steps = -(-1000 // budget)
+    assert rec.num_output_tokens == 2
+    assert rec.first_token_s - 0.5 <= steps * 0.030  # every prefill chunk fits the ITL SLO

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from services.core.placement import InstanceConfig, PolicyConfig
-from services.core.types import EngineLoad, Priority, RequestSpec
+from services.core.types import EngineLoad, Priority, RequestSpec, Role
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +147,32 @@ def queue_ahead_tokens(load: EngineLoad, ledger: InFlightLedger, tier: Priority,
     return total * ahead / known
 
 
+def slot_wait_s(load: EngineLoad, ledger: InFlightLedger) -> float:
+    """How long a new request waits for a decode slot on an instance whose batch is full.
+
+    An instance sized for the ITL SLO runs at most `max_num_seqs` sequences; past that, requests queue for a slot
+    however idle its prefill is. Slots free at the rate the batch completes: `max_num_seqs` sequences every
+    `mean_output_tokens` decode steps. A request with k requests ahead of it past the limit waits k of those
+    intervals. 0 when the snapshot reports no limit (a real engine that does not say) or the role has no decode.
+    """
+    if load.max_num_seqs <= 0 or load.role is Role.PREFILL:
+        return 0.0
+    occupied = load.num_running + load.num_waiting + ledger.num_pending(load.instance_id)
+    excess = occupied - load.max_num_seqs + 1
+    if excess <= 0:
+        return 0.0
+    seconds_per_sequence = max(load.mean_output_tokens, 1.0) * load.decode_step_time_s
+    return excess * seconds_per_sequence / load.max_num_seqs
+
+
+def decode_slot_free(load: EngineLoad, ledger: InFlightLedger) -> bool:
+    """A decode instance can take one more reservation without exceeding its batch limit."""
+    if load.max_num_seqs <= 0:
+        return True
+    pending = sum(1 for r in ledger.pending.get(load.instance_id, {}).values() if r.decode_instance_id == load.instance_id)
+    return load.num_running + load.num_waiting + pending < load.max_num_seqs
+
+
 def prefill_wait_s(ahead_tokens: float, prefill_tokens_per_s: float) -> float:
     return ahead_tokens / prefill_tokens_per_s if prefill_tokens_per_s > 0 else math.inf
 
@@ -167,7 +193,11 @@ def tier_bound_reached(ledger: InFlightLedger, spec: RequestSpec, bounds: Mappin
 def ttft_excess_s(predicted_ttft_s: float, own_prefill_s: float, slo_ms: float, slack: float) -> float:
     """How much later than allowed the first token would come (<= 0: feasible).
 
-    Allowed = the tier's SLO x slack, or twice the request's own prefill when that is longer: a prompt that
-    cannot meet the SLO even on an idle instance may still wait as long as its own prefill, instead of being
-    refused on every try."""
-    return predicted_ttft_s - max(slo_ms * slack / 1000.0, 2.0 * own_prefill_s)
+    Allowed = the tier's SLO x slack, or LONG_PROMPT_WAIT x the request's own prefill when that is longer: a
+    prompt that cannot meet the SLO even on an idle instance is still served, but only when it would start at
+    once; it is never allowed to queue behind others (its queueing would push every short prompt behind it over
+    the SLO), and it is not refused forever either."""
+    return predicted_ttft_s - max(slo_ms * slack / 1000.0, LONG_PROMPT_WAIT * own_prefill_s)
+
+
+LONG_PROMPT_WAIT = 1.25

@@ -69,6 +69,8 @@ class BatcherConfig:
     tier_ttft_slo_ms: Mapping[Priority, float] = field(default_factory=lambda: dict(DEFAULT_TIER_TTFT_SLO_MS))
     predictor_quantile: float = 0.9
     predictor_prior_tokens: int = 512
+    # Optional: number of decodes in a step -> token budget of that step (SLO sizing); () = always the budget above.
+    budget_by_num_decodes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
@@ -182,7 +184,7 @@ class Batcher:
     # ---- schedule ------------------------------------------------------------------------------------------
 
     def schedule(self, now: float) -> StepPlan:
-        step = _StepBuilder(self.config.max_num_batched_tokens)
+        step = _StepBuilder(self.step_budget(self._num_decodes()))
         self._schedule_running(step)
         if not step.preempted_ids:
             self._schedule_swapped(step)
@@ -196,6 +198,15 @@ class Batcher:
             swap_out_blocks=step.swap_out_blocks,
             swap_in_blocks=step.swap_in_blocks,
         )
+
+    def step_budget(self, num_decodes: int) -> int:
+        table = self.config.budget_by_num_decodes
+        if not table:
+            return self.config.max_num_batched_tokens
+        return table[min(num_decodes, len(table) - 1)]
+
+    def _num_decodes(self) -> int:
+        return sum(1 for r in self._running if r.num_uncomputed_tokens == 1)
 
     def _schedule_running(self, step: _StepBuilder) -> None:
         decodes = [r for r in self._running if r.num_uncomputed_tokens == 1]
@@ -492,6 +503,8 @@ class Batcher:
             queued_prefill_tokens=self.queued_prefill_tokens(),
             prefill_tokens_per_s=prefill_tokens_per_s,
             decode_step_time_s=decode_step_time_s,
+            max_num_seqs=self.config.max_num_seqs,
+            mean_output_tokens=self.predictor.mean(),
         )
 
 

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.core.batcher import BatcherConfig
+from services.core.batcher import Batcher, BatcherConfig
 from services.core.cost_model import CostModel
 from services.core.kv_cache import KVCacheManager
 from services.core.placement import InstanceConfig, NodeConfig, num_kv_blocks_for
+from services.core.slo_sizing import CHUNK_QUANTUM, size_for_slo
+from services.core.types import EngineLoad, StepPlan
 
 EOS_TOKEN_ID = 2
 
@@ -32,11 +34,19 @@ class InstanceParts:
 def instance_parts(node: NodeConfig, instance: InstanceConfig, cost_model: CostModel | None = None) -> InstanceParts:
     model = node.models[instance.model]
     policies = node.policies
+    cost_model = cost_model or CostModel(model, node.gpu, instance.tp)
+    max_num_seqs, budget, table = instance.max_num_seqs, instance.max_num_batched_tokens, ()
+    if policies.slo_sizing:
+        sized = size_for_slo(
+            cost_model, instance.role, itl_slo_ms=node.slo.itl_ms, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=budget,
+        )
+        max_num_seqs, budget, table = sized.max_num_seqs, sized.max_num_batched_tokens, sized.budget_by_num_decodes
     swap_block_bytes = instance.block_size * model.kv_bytes_per_token
     batcher_config = BatcherConfig(
         role=instance.role,
-        max_num_seqs=instance.max_num_seqs,
-        max_num_batched_tokens=instance.max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
         max_model_len=model.max_context_len,
         queue_policy=policies.queue,
         reservation_policy=policies.reservation,
@@ -45,9 +55,47 @@ def instance_parts(node: NodeConfig, instance: InstanceConfig, cost_model: CostM
         eos_token_id=EOS_TOKEN_ID,
         tier_ttft_slo_ms=dict(node.slo.tier_ttft_ms),
         predictor_prior_tokens=policies.predicted_output_tokens,
+        budget_by_num_decodes=table,
     )
     return InstanceParts(
         batcher_config=batcher_config,
         num_kv_blocks=num_kv_blocks_for(node, instance),
-        cost_model=cost_model or CostModel(model, node.gpu, instance.tp),
+        cost_model=cost_model,
     )
+
+
+class LoadReporter:
+    """EngineLoad snapshots of one sim instance: the batcher's state plus rates from the cost model.
+
+    The prefill rate it reports is what the NEXT steps can give a new prompt: the budget left after this step's
+    decodes, at the step time that mix costs (memoised by batch size), so admission sees a busy colocated instance
+    prefill slower than an idle one. The decode step time is an exponential average of recent decode-only steps.
+    """
+
+    EMA = 0.2  # weight of the newest decode step
+    CONTEXT_TOKENS = 1200  # typical decode context for the rate estimate
+
+    def __init__(self, instance_id: str, model: str, batcher: Batcher, cost: CostModel) -> None:
+        self.instance_id = instance_id
+        self.model = model
+        self.batcher = batcher
+        self.cost = cost
+        self.decode_step_time_s = cost.decode_step_time_s(1, self.CONTEXT_TOKENS)
+        self._prefill_rate: dict[int, float] = {}
+
+    def note_step(self, plan: StepPlan, step_time_s: float) -> None:
+        if plan.chunks and plan.num_batched_tokens == len(plan.chunks):
+            self.decode_step_time_s += self.EMA * (step_time_s - self.decode_step_time_s)
+
+    def prefill_tokens_per_s(self, num_running: int) -> float:
+        rate = self._prefill_rate.get(num_running)
+        if rate is None:
+            budget = self.batcher.step_budget(num_running)
+            chunk = max(CHUNK_QUANTUM, budget - num_running)
+            step_s = self.cost.step_time_s([(chunk, 0)] + [(1, self.CONTEXT_TOKENS)] * num_running)
+            rate = self._prefill_rate[num_running] = chunk / step_s
+        return rate
+
+    def load(self) -> EngineLoad:
+        b = self.batcher
+        return b.load(self.instance_id, self.model, self.prefill_tokens_per_s(b.num_running), self.decode_step_time_s)

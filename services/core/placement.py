@@ -91,6 +91,9 @@ class PolicyConfig:
     routing_filters: tuple[str, ...] = ("model", "healthy", "kv_headroom")
     scorer_weights: Mapping[str, float] = field(default_factory=_default_scorer_weights)  # scorer -> weight
     swap_space_bytes: int = 16 * GIB  # host memory per instance for swapped-out KV
+    # Size each instance's step budget and decode batch from its cost model so a step fits the ITL SLO
+    # (services/core/slo_sizing.py); only ever tightens the configured max_num_seqs / max_num_batched_tokens.
+    slo_sizing: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -378,6 +381,7 @@ def _policies(raw: Mapping[str, Any], problems: list[str]) -> PolicyConfig:
         reservation=raw.get("reservation", base.reservation),
         preemption=raw.get("preemption", base.preemption),
         admission=bool(raw.get("admission", base.admission)),
+        slo_sizing=bool(raw.get("slo_sizing", base.slo_sizing)),
         tier_queue_bound=bounds,
         routing_filters=filters,
         scorer_weights={k: float(v) for k, v in weights.items() if isinstance(v, (int, float))},

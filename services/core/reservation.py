@@ -43,6 +43,12 @@ class OutputLengthPredictor:
         self._recent.append(num_output_tokens)
         self._cached = None
 
+    def mean(self) -> float:
+        """Mean of the recent completions (the prior until enough are seen): slot turnover for admission."""
+        if len(self._recent) < self.min_samples:
+            return float(self.prior_tokens)
+        return sum(self._recent) / len(self._recent)
+
     def predict(self) -> int:
         if len(self._recent) < self.min_samples:
             return self.prior_tokens

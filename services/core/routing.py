@@ -75,10 +75,12 @@ class Candidate:
     wait_s: float  # queue_ahead_tokens / prefill throughput
     own_prefill_s: float  # its own uncached prefill
     model: str  # the requested model
+    slot_wait_s: float = 0.0  # wait for a decode slot when the instance's batch is full (colocated)
 
     @property
     def predicted_ttft_s(self) -> float:
-        return self.wait_s + self.own_prefill_s
+        # The prefill queue and the slot queue drain in parallel; the longer one decides when the prefill starts.
+        return max(self.wait_s, self.slot_wait_s) + self.own_prefill_s
 
 
 Filter = Callable[[Candidate], bool]
@@ -277,6 +279,7 @@ class RouterPolicy:
             wait_s=adm.prefill_wait_s(ahead, throughput),
             own_prefill_s=cost.prefill_time_s(spec.num_prompt_tokens - cached, cached),
             model=spec.model,
+            slot_wait_s=adm.slot_wait_s(load, self.ledger),
         )
 
     def _cached_tokens(self, spec: RequestSpec, inst: InstanceConfig, overlap_blocks: int) -> int:
@@ -306,7 +309,7 @@ class RouterPolicy:
                 continue
             headroom = adm.kv_headroom_blocks(load, self.ledger, self.config.policies)
             need = adm.kv_blocks_required(spec, inst, self.config.policies, with_output=True)
-            if require_fit and need > headroom:
+            if require_fit and (need > headroom or not adm.decode_slot_free(load, self.ledger)):
                 continue
             key = (-(headroom - need), load.num_running, inst.id)
             best = key if best is None or key < best else best

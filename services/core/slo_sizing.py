@@ -11,7 +11,8 @@ Per role, with `target_s = itl_slo × headroom` (headroom < 1 leaves room for th
   is that batch (decodes only).
 - colocated: decodes get `decode_share` of the target (the rest is for prefill chunks): `max_num_seqs` = the
   largest batch whose decode step fits `decode_share × target_s`; the budget = that batch + the largest prefill
-  chunk that still fits the full target next to it.
+  chunk that still fits the full target next to it. The budget is also tabulated per number of decodes in the
+  step (`budget_by_num_decodes`), so an instance with few decodes prefills in bigger chunks at the same ITL.
 - prefill: no ITL to protect; keep the configured budget (large chunks are the most efficient prefill).
 Never larger than what the config asked for: sizing only tightens.
 """
@@ -31,6 +32,9 @@ class SloSizing:
     max_num_seqs: int
     max_num_batched_tokens: int
     step_target_s: float
+    # Colocated only: index d = number of decodes in the step -> token budget (decodes included) that keeps the
+    # step under the target. A lightly loaded instance prefills in large chunks, a full one in small ones.
+    budget_by_num_decodes: tuple[int, ...] = ()
 
 
 def _largest(ok, lo: int, hi: int) -> int:
@@ -69,10 +73,16 @@ def size_for_slo(
     if role is Role.DECODE:
         return SloSizing(batch, min(max_num_batched_tokens, batch), target_s)
 
-    decodes = [(1, context_tokens)] * batch
+    max_quanta = max(1, max_num_batched_tokens // CHUNK_QUANTUM)
 
-    def chunk_fits(n: int) -> bool:
-        return cost.step_time_s([(n * CHUNK_QUANTUM, 0), *decodes]) <= target_s
+    def budget_with(num_decodes: int) -> int:
+        decodes = [(1, context_tokens)] * num_decodes
 
-    chunk = max(1, _largest(chunk_fits, 1, max(1, max_num_batched_tokens // CHUNK_QUANTUM))) * CHUNK_QUANTUM
-    return SloSizing(batch, min(max_num_batched_tokens, batch + chunk), target_s)
+        def chunk_fits(n: int) -> bool:
+            return cost.step_time_s([(n * CHUNK_QUANTUM, 0), *decodes]) <= target_s
+
+        chunk = max(1, _largest(chunk_fits, 1, max_quanta)) * CHUNK_QUANTUM
+        return min(max_num_batched_tokens, num_decodes + chunk)
+
+    table = tuple(budget_with(d) for d in range(batch + 1))
+    return SloSizing(batch, table[-1], target_s, table)

@@ -149,6 +149,8 @@ class EngineLoad:
     decode_step_time_s: float  # recent decode step time (ITL proxy)
     healthy: bool = True
     paused: bool = False
+    max_num_seqs: int = 0  # decode slots of the instance (0: unknown, no slot limit assumed)
+    mean_output_tokens: float = 0.0  # recent mean completion length (0: unknown)
 
     @property
     def kv_usage(self) -> float:

@@ -19,13 +19,11 @@ from collections.abc import AsyncIterator
 
 from services.core.batcher import Batcher, BatcherConfig
 from services.core.cost_model import CostModel
+from services.core.instance import LoadReporter
 from services.core.kv_cache import KVCacheManager
 from services.core.sim_executor import SimExecutor
 from services.core.types import EngineLoad, FinishReason, RequestOutput, RequestSpec, Role
 from services.engine.base import CapacityError, HandoffError, KVHandoff
-
-_EMA = 0.2  # weight of the newest decode step time in the load report
-
 
 class SimEngine:
     def __init__(
@@ -47,8 +45,7 @@ class SimEngine:
         self.batcher = Batcher(batcher_config, kv)
         self.cost_model = cost_model
         self.executor = SimExecutor(cost_model, kv.block_size, batcher_config.eos_token_id)
-        self._prefill_tokens_per_s = cost_model.prefill_tokens_per_s(batcher_config.max_num_batched_tokens)
-        self._decode_step_time_s = cost_model.decode_step_time_s(1, 1024)
+        self.reporter = LoadReporter(instance_id, model, self.batcher, cost_model)
         self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
         self._handoffs: dict[str, asyncio.Future[KVHandoff]] = {}
         self._wakeup = asyncio.Event()
@@ -114,14 +111,10 @@ class SimEngine:
             await asyncio.sleep(max(0.0, delay))
             out = self.batcher.update(plan, result, loop.time() / self.time_scale)
             self.num_steps += 1
-            self._note_step(plan, result.step_time_s)
+            self.reporter.note_step(plan, result.step_time_s)
             self.kv_events.extend(out.kv_events)
             for output in out.outputs:
                 self._deliver(output)
-
-    def _note_step(self, plan, step_time_s: float) -> None:
-        if plan.chunks and all(c.num_new_tokens == 1 for c in plan.chunks):
-            self._decode_step_time_s += _EMA * (step_time_s - self._decode_step_time_s)
 
     def _deliver(self, output: RequestOutput) -> None:
         if output.finish_reason is FinishReason.HANDOFF:
@@ -223,5 +216,5 @@ class SimEngine:
             future.cancel()
 
     def load(self) -> EngineLoad:
-        load = self.batcher.load(self.instance_id, self.model, self._prefill_tokens_per_s, self._decode_step_time_s)
+        load = self.reporter.load()
         return replace(load, paused=True) if self.paused else load

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from services.core.batcher import Batcher
-from services.core.instance import instance_parts
+from services.core.instance import LoadReporter, instance_parts
 from services.core.placement import InstanceConfig, NodeConfig
 from services.core.sim_executor import SimExecutor
 from services.core.types import FinishReason, HandoffReady, RequestOutput, StepPlan, StepResult
@@ -30,11 +30,10 @@ from services.metrics import RequestRecord, SloSpec, Summary, summarize
 from services.workload import TraceRequest
 
 _ARRIVAL, _STEP_DONE, _TRANSFER_DONE, _SAMPLE = range(4)
-_EMA = 0.2  # weight of the newest decode step in an instance's reported decode step time
 
 
 class _Instance:
-    __slots__ = ("cfg", "batcher", "executor", "cost", "busy", "busy_s", "steps", "decode_step_s", "prefill_tps")
+    __slots__ = ("cfg", "batcher", "executor", "cost", "reporter", "busy", "busy_s", "steps")
 
     def __init__(self, node: NodeConfig, cfg: InstanceConfig) -> None:
         parts = instance_parts(node, cfg)
@@ -42,14 +41,13 @@ class _Instance:
         self.batcher = Batcher(parts.batcher_config, parts.new_kv(cfg))
         self.cost = parts.cost_model
         self.executor = SimExecutor(self.cost, cfg.block_size, parts.batcher_config.eos_token_id)
+        self.reporter = LoadReporter(cfg.id, cfg.model, self.batcher, self.cost)
         self.busy = False
         self.busy_s = 0.0  # modelled GPU-busy seconds so far
         self.steps = 0
-        self.decode_step_s = self.cost.decode_step_time_s(1, 1024)
-        self.prefill_tps = self.cost.prefill_tokens_per_s(cfg.max_num_batched_tokens)
 
     def load(self):
-        return self.batcher.load(self.cfg.id, self.cfg.model, self.prefill_tps, self.decode_step_s)
+        return self.reporter.load()
 
 
 class _Tracker:
@@ -220,8 +218,7 @@ class NodeSimulator:
         inst, plan, result = payload
         out = inst.batcher.update(plan, result, self.now)
         inst.steps += 1
-        if plan.chunks and plan.num_batched_tokens == len(plan.chunks):
-            inst.decode_step_s += _EMA * (result.step_time_s - inst.decode_step_s)
+        inst.reporter.note_step(plan, result.step_time_s)
         for request_id in plan.preempted_ids:
             self._trackers[request_id].preemptions += 1
         for output in out.outputs:
