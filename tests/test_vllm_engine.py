@@ -196,6 +196,21 @@ class TestColocated:
         load = colocated.load()
         assert (load.num_running, load.num_waiting, load.queued_prefill_tokens, load.kv_usage) == (0, 0, 0, 0.0)
 
+    async def test_cancelled_stream_frees_kv(self, colocated):
+        seen: list[int] = []
+
+        async def run():
+            async for out in colocated.generate(spec("cancel-me", PROMPTS[2], max_tokens=600)):
+                seen.extend(out.new_token_ids)
+
+        task = asyncio.create_task(run())
+        assert await wait_until(lambda: len(seen) >= 2)
+        task.cancel()  # what a worker does when the client goes away
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert await wait_until(lambda: colocated.load().num_free_blocks == NUM_USABLE_BLOCKS)
+        assert colocated.load().num_running == 0
+
     async def test_load_geometry_and_measured_timings(self, colocated):
         load = colocated.load()
         assert (load.instance_id, load.model, load.role) == ("c0", MODEL_NAME, Role.COLOCATED)

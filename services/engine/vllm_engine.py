@@ -214,8 +214,10 @@ class VllmEngine:
         with _without_env("VLLM_CPU_KVCACHE_SPACE"):
             config = args.create_engine_config()
         # log_stats=False with a custom logger: vLLM records stats for our tracker only, no periodic log lines.
-        self._llm = AsyncLLM(
-            config, executor_class=Executor.get_class(config), log_stats=False,
+        # The constructor blocks until the engine core process is up (~20 s on CPU): a thread keeps the event
+        # loop (and a second engine's start) going; AsyncLLM starts its output task on the first request.
+        self._llm = await asyncio.to_thread(
+            AsyncLLM, config, executor_class=Executor.get_class(config), log_stats=False,
             stat_loggers=[_stat_logger_factory(self._tracker)], log_requests=False,
         )
         self._read_geometry(config)
