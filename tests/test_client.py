@@ -34,6 +34,7 @@ from services.client import (
     RetryPolicy,
     UnavailableError,
     Usage,
+    assemble,
 )
 from services.core.types import FinishReason, Priority
 from services.rpc.gen import generate_pb2 as pb
@@ -397,3 +398,55 @@ async def test_unreachable_router_is_unavailable_after_the_retries():
         with pytest.raises(UnavailableError) as caught:
             await c.complete("llama-3-8b", "hi", timeout_s=10.0)
     assert caught.value.attempts == 3 and sleep.delays_s == [0.05, 0.1]
+
+
+# --- against the real node (launcher: scheduler, workers and router as processes on 127.0.0.1) ------------------
+
+
+@pytest.fixture(scope="module")
+def node():
+    from services.launcher import start_node
+
+    running = start_node(None, 10.0)  # the default placement, sim engine, modelled time x10
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+async def test_real_node_streams_the_sim_engines_tokens(node):
+    from services.core.sim_executor import sim_token_id
+
+    prompt = list(range(1000, 1100))
+    async with AsyncClient(node.router_address, default_timeout_s=30.0) as c:
+        models = await c.list_models()
+        chunks = [chunk async for chunk in c.generate("llama-3-8b", prompt, max_tokens=5)]
+    assert models == [ModelInfo("llama-3-70b", 8192, "READY", 1), ModelInfo("llama-3-8b", 8192, "READY", 4)]
+    completion = assemble(chunks)
+    assert completion.token_ids == tuple(sim_token_id(100, 1000, i) for i in range(5))
+    assert completion.finish_reason == FinishReason.LENGTH
+    assert (completion.usage.prompt_tokens, completion.usage.completion_tokens) == (100, 5)
+    assert completion.request_id and all(c.request_id == completion.request_id for c in chunks)
+
+
+@pytest.mark.parametrize(
+    "model, prompt, max_tokens, error_type",
+    [
+        ("llama-3-9b", [1000], 4, ModelNotFoundError),
+        ("llama-3-8b", [], 4, InvalidArgumentError),
+        ("llama-3-8b", [1000] * 8000, 1000, InvalidArgumentError),  # beyond the 8,192-token context
+    ],
+)
+async def test_real_node_errors_map_to_types(node, model, prompt, max_tokens, error_type):
+    async with AsyncClient(node.router_address, retry=RetryPolicy(), default_timeout_s=30.0) as c:
+        with pytest.raises(OctoserveClientError) as caught:
+            await c.complete(model, prompt, max_tokens=max_tokens)
+    assert type(caught.value) is error_type and caught.value.attempts == 1 and caught.value.message
+
+
+def test_real_node_with_the_blocking_client(node):
+    with Client(node.router_address, default_timeout_s=30.0) as c:
+        completion = c.complete("llama-3-70b", [1000, 1001, 1002], max_tokens=3, priority="interactive")
+        with pytest.raises(ModelNotFoundError):
+            c.complete("nope", "hi")
+    assert len(completion.token_ids) == 3 and completion.usage.prompt_tokens == 3

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 from dataclasses import dataclass, field
 
@@ -184,3 +185,58 @@ def test_options_are_validated():
         BenchOptions(time_scale=0)
     with pytest.raises(ValueError):
         BenchOptions(output_len_mode="guess")
+
+
+# --- against the real node ------------------------------------------------------------------------------------
+
+
+def one_small_instance(tier_queue_bound: int) -> dict:
+    return {
+        "models": {"llama-3-8b": "llama-3-8b"},
+        "instances": [{"id": "sm-0", "model": "llama-3-8b", "role": "colocated", "tp": 1, "gpu_ids": [0]}],
+        "policies": {"tier_queue_bound": {"interactive": tier_queue_bound, "standard": tier_queue_bound,
+                                          "batch": tier_queue_bound}},
+    }
+
+
+@contextlib.contextmanager
+def real_node(config, time_scale: float):
+    from services.launcher import start_node
+
+    node = start_node(config, time_scale)
+    try:
+        yield node
+    finally:
+        node.stop()
+
+
+async def test_bench_against_the_real_node_records_every_request():
+    trace = generate_trace(scaled(PROFILES["seed-000"], rate_rps=30.0, duration_s=0.5), 3)
+    # short outputs keep the run to seconds; exact lengths via max_tokens + ignore_eos (no sim-length hint needed)
+    trace = [dataclasses.replace(t, output_len=min(t.output_len, 16), max_tokens=min(t.max_tokens, 64)) for t in trace]
+    with real_node(None, 5.0) as node:
+        records = await run_bench(node.router_address, trace, time_scale=5.0,
+                                  options=BenchOptions(drain_timeout_s=60.0, output_len_mode="max-tokens"))
+    assert [r.request_id for r in records] == [t.request_id for t in trace] and len(records) > 8
+    # the one 70B instance sheds a 70B request that arrives during another's ~170 ms prefill: a real outcome
+    assert all(r.completed or r.refused for r in records), [r.error for r in records if r.error]
+    done = [(r, t) for r, t in zip(records, trace) if r.completed]
+    assert len(done) >= len(records) // 2 and all(t.model == "llama-3-70b" for r, t in zip(records, trace) if r.refused)
+    assert [r.num_output_tokens for r, _ in done] == [t.output_len for _, t in done]
+    assert [r.num_prompt_tokens for r, _ in done] == [len(t.prompt_token_ids) for _, t in done]
+    assert all(0 < r.ttft_s < 5.0 and r.finish_s >= r.token_times_s[-1] for r, _ in done)
+    assert all(r.retry_after_ms > 0 for r in records if r.refused)
+
+
+async def test_real_node_refusals_are_counted_not_retried():
+    # One outstanding request per tier: of a simultaneous burst, the first is admitted and the rest are shed
+    # while its prefill runs (40x dilated: hundreds of ms, against a few ms to send the burst).
+    burst = [dataclasses.replace(trace_req(i, 0.0, output_len=2), prompt_token_ids=tuple(range(2000, 3000 + i)))
+             for i in range(5)]
+    with real_node(one_small_instance(1), 40.0) as node:
+        records = await run_bench(node.router_address, burst, time_scale=40.0,
+                                  options=BenchOptions(drain_timeout_s=60.0, output_len_mode="max-tokens"))
+    assert sum(r.refused for r in records) == 4 and sum(r.completed for r in records) == 1
+    assert all(r.retry_after_ms is not None and r.retry_after_ms > 0 for r in records if r.refused)
+    summary = summarize(records, SloSpec(), duration_s=1.0)
+    assert (summary.overall.num_offered, summary.overall.num_refused, summary.overall.num_errors) == (5, 4, 0)
