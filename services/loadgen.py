@@ -212,8 +212,16 @@ def run(args: argparse.Namespace) -> int:
         progress.close()
     summary = summarize(records, profile.slo, measurement_window_s(trace))
     print(format_summary(summary))
+    if options.output_len_mode == "hint" and (overrun := count_ignored_hints(trace, records)):
+        print(f"warning: {overrun} requests generated more tokens than their {SIM_OUTPUT_LEN_KEY} hint: the node "
+              "ignores it, so outputs run to max_tokens; use --output-len-mode max-tokens", file=sys.stderr)
     _write_outputs(args, records, summary, profile)
     return 0
+
+
+def count_ignored_hints(trace: Sequence[TraceRequest], records: Sequence[RequestRecord]) -> int:
+    """Requests that streamed past their true output length: the node did not apply the sim-length hint."""
+    return sum(r.num_output_tokens > t.output_len for r, t in zip(records, trace))
 
 
 def _run_loop(coro):

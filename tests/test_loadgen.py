@@ -22,7 +22,15 @@ from google.protobuf import duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
 from services.core.types import Priority
-from services.loadgen import DRAIN_TIMEOUT, SIM_OUTPUT_LEN_KEY, BenchOptions, add_arguments, run, run_bench
+from services.loadgen import (
+    DRAIN_TIMEOUT,
+    SIM_OUTPUT_LEN_KEY,
+    BenchOptions,
+    add_arguments,
+    count_ignored_hints,
+    run,
+    run_bench,
+)
 from services.metrics import SloSpec, summarize
 from services.rpc.gen import generate_pb2 as pb
 from services.rpc.gen import generate_pb2_grpc as pb_grpc
@@ -240,3 +248,9 @@ async def test_real_node_refusals_are_counted_not_retried():
     assert all(r.retry_after_ms is not None and r.retry_after_ms > 0 for r in records if r.refused)
     summary = summarize(records, SloSpec(), duration_s=1.0)
     assert (summary.overall.num_offered, summary.overall.num_refused, summary.overall.num_errors) == (5, 4, 0)
+
+
+def test_ignored_sim_length_hints_are_counted():
+    trace = HAND_TRACE[:3]
+    records = [trace[0].record(num_output_tokens=5), trace[1].record(num_output_tokens=12), trace[2].record()]
+    assert count_ignored_hints(trace, records) == 1
