@@ -384,12 +384,29 @@ class AsyncClient:
             raise UnavailableError(f"no connection within {timeout_s} s", code=grpc.StatusCode.UNAVAILABLE) from None
 
     async def generate(
-        self, model: str, prompt: str | Sequence[int], *, timeout_s: float | None = None,
-        metadata: Sequence[tuple[str, str]] = (), **params,
+        self,
+        model: str,
+        prompt: str | Sequence[int],
+        *,
+        max_tokens: int = 16,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: Sequence[str] = (),
+        ignore_eos: bool = False,
+        priority: Priority | str | None = None,
+        ttft_slo_ms: int | None = None,
+        request_id: str = "",
+        timeout_s: float | None = None,
+        metadata: Sequence[tuple[str, str]] = (),
     ) -> AsyncIterator[Chunk]:
-        """Stream the chunks of one generation. `params` are `build_request`'s keywords. Closing the iterator
-        early cancels the call, which frees the request's KV on the node."""
-        request = build_request(model, prompt, **params)
+        """Stream the chunks of one generation. `timeout_s` bounds the whole call, retries included (default:
+        the client's `default_timeout_s`). Closing the iterator early cancels the call, which frees the request's
+        KV on the node. `metadata` is sent as gRPC request metadata."""
+        request = build_request(
+            model, prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop,
+            ignore_eos=ignore_eos, priority=priority, ttft_slo_ms=ttft_slo_ms, request_id=request_id,
+        )
         attempts = self._core.attempts(timeout_s)
         while True:
             call = self._stub.Generate(request, timeout=attempts.timeout_s(time.monotonic()),
@@ -463,11 +480,27 @@ class Client:
         self._channel.close()
 
     def generate(
-        self, model: str, prompt: str | Sequence[int], *, timeout_s: float | None = None,
-        metadata: Sequence[tuple[str, str]] = (), **params,
+        self,
+        model: str,
+        prompt: str | Sequence[int],
+        *,
+        max_tokens: int = 16,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: Sequence[str] = (),
+        ignore_eos: bool = False,
+        priority: Priority | str | None = None,
+        ttft_slo_ms: int | None = None,
+        request_id: str = "",
+        timeout_s: float | None = None,
+        metadata: Sequence[tuple[str, str]] = (),
     ) -> Iterator[Chunk]:
         """Like `AsyncClient.generate`, as a blocking iterator."""
-        request = build_request(model, prompt, **params)
+        request = build_request(
+            model, prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop,
+            ignore_eos=ignore_eos, priority=priority, ttft_slo_ms=ttft_slo_ms, request_id=request_id,
+        )
         attempts = self._core.attempts(timeout_s)
         while True:
             call = self._stub.Generate(request, timeout=attempts.timeout_s(time.monotonic()),
