@@ -205,16 +205,17 @@ def _shared(services: Mapping[str, Any], values, what: str) -> list[str]:
 # --- command ------------------------------------------------------------------------------------------------
 
 
-def main(argv: list[str] | None = None) -> int:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default=DEFAULT_CONFIG_PATH, help="node config YAML")
+    parser.add_argument("--out", default=DEFAULT_OUT_PATH, help="where to write the compose file; '-' for stdout")
+    parser.add_argument("--check", action="store_true", help="exit 1 when --out differs from the generated file")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Write (or, with --check, compare) the compose file for the placement in --config."""
     from services.config import load_node_config
 
-    parser = argparse.ArgumentParser(prog="python -m services.compose", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default=DEFAULT_CONFIG_PATH)
-    parser.add_argument("--out", default=DEFAULT_OUT_PATH, help="'-' for stdout")
-    parser.add_argument("--check", action="store_true", help="exit 1 when --out differs from the generated file")
-    args = parser.parse_args(argv)
-    config = load_node_config(args.config)
-    text = render(compose_dict(config))
+    text = render(compose_dict(load_node_config(args.config)))
     if args.check:
         same = Path(args.out).exists() and Path(args.out).read_text() == text
         print(f"{args.out}: {'up to date' if same else 'differs from the generator; regenerate it'}", file=sys.stderr)
@@ -224,6 +225,12 @@ def main(argv: list[str] | None = None) -> int:
     else:
         Path(args.out).write_text(text)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m services.compose", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -118,3 +118,15 @@ def test_committed_compose_file_is_the_generated_one_for_the_default_placement()
     doc = yaml.safe_load(text)
     assert validate_compose(doc, config) == []
     assert {service_name(i) for i in config.instances} <= set(doc["services"])
+
+
+def test_check_mode_detects_a_stale_file(tmp_path):
+    from services.compose import main
+
+    out = tmp_path / "docker-compose.yml"
+    config = str(REPO / DEFAULT_CONFIG_PATH)
+    assert main(["--config", config, "--out", str(out), "--check"]) == 1  # missing
+    assert main(["--config", config, "--out", str(out)]) == 0
+    assert main(["--config", config, "--out", str(out), "--check"]) == 0
+    out.write_text(out.read_text().replace("ipc: host", "ipc: private", 1))
+    assert main(["--config", config, "--out", str(out), "--check"]) == 1
