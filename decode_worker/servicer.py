@@ -86,6 +86,7 @@ class DecodeWorkerServicer(WorkerBase):
         try:
             yield w_pb.StepBatch(seq=0)  # confirms the session: the router may submit requests from now on
             while (batch := await session.batches.get()) is not None:
+                self.metrics.step_batch.observe(len(batch.deltas))
                 yield batch
         finally:
             await self._detach(session)

@@ -40,28 +40,29 @@ class WorkerMetrics:
 
     def __init__(self, instance_id: str) -> None:
         self.registry = prom.CollectorRegistry()
-        labels = {"instance": instance_id}
-        r = self.registry
-        self.num_running = prom.Gauge("octoserve_worker_running_requests", "requests in the running batch", ["instance"], registry=r).labels(**labels)
-        self.num_waiting = prom.Gauge("octoserve_worker_waiting_requests", "requests queued", ["instance"], registry=r).labels(**labels)
-        self.free_blocks = prom.Gauge("octoserve_worker_kv_free_blocks", "free KV blocks", ["instance"], registry=r).labels(**labels)
-        self.kv_usage = prom.Gauge("octoserve_worker_kv_usage_ratio", "used / total KV blocks", ["instance"], registry=r).labels(**labels)
-        self.queued_prefill = prom.Gauge("octoserve_worker_queued_prefill_tokens", "prompt tokens not yet computed", ["instance"], registry=r).labels(**labels)
-        self.requests = prom.Counter("octoserve_worker_requests", "requests by outcome", ["instance", "outcome"], registry=r)
-        self.tokens = prom.Counter("octoserve_worker_output_tokens", "tokens streamed", ["instance"], registry=r).labels(**labels)
-        self.step_batch = prom.Histogram(
-            "octoserve_worker_step_batch_requests", "requests per streamed step batch", ["instance"],
-            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r,
-        ).labels(**labels)
-        self.prefill_s = prom.Histogram(
-            "octoserve_worker_prefill_seconds", "Prefill RPC time", ["instance"], buckets=LATENCY_BUCKETS_S, registry=r
-        ).labels(**labels)
-        self.handoff_s = prom.Histogram(
-            "octoserve_worker_kv_transfer_seconds", "KV transfer + commit time", ["instance"], buckets=LATENCY_BUCKETS_S,
-            registry=r,
-        ).labels(**labels)
-        self.preemptions = prom.Gauge("octoserve_worker_preemptions", "preemptions so far (engine counter)", ["instance"], registry=r).labels(**labels)
         self.instance_id = instance_id
+        self.num_running = self._gauge("running_requests", "requests in the running batch")
+        self.num_waiting = self._gauge("waiting_requests", "requests queued (waiting or swapped out)")
+        self.free_blocks = self._gauge("kv_free_blocks", "free KV blocks (cached-evictable included)")
+        self.kv_usage = self._gauge("kv_usage_ratio", "used / total KV blocks")
+        self.queued_prefill = self._gauge("queued_prefill_tokens", "prompt tokens admitted, not yet computed")
+        self.preemptions = self._gauge("preemptions", "preemptions so far (engine counter, when it has one)")
+        self.requests = prom.Counter("octoserve_worker_requests", "requests by outcome", ["instance", "outcome"],
+                                     registry=self.registry)
+        self.tokens = prom.Counter("octoserve_worker_output_tokens", "tokens streamed", ["instance"],
+                                   registry=self.registry).labels(instance_id)
+        self.step_batch = self._histogram("step_batch_requests", "requests per streamed step batch",
+                                          (1, 2, 4, 8, 16, 32, 64, 128, 256))
+        self.prefill_s = self._histogram("prefill_seconds", "Prefill RPC time", LATENCY_BUCKETS_S)
+        self.handoff_s = self._histogram("kv_transfer_seconds", "KV transfer + commit time", LATENCY_BUCKETS_S)
+
+    def _gauge(self, name: str, help_text: str):
+        return prom.Gauge(f"octoserve_worker_{name}", help_text, ["instance"], registry=self.registry).labels(
+            self.instance_id)
+
+    def _histogram(self, name: str, help_text: str, buckets):
+        return prom.Histogram(f"octoserve_worker_{name}", help_text, ["instance"], buckets=buckets,
+                              registry=self.registry).labels(self.instance_id)
 
     def observe_load(self, load: EngineLoad, num_preemptions: int | None) -> None:
         self.num_running.set(load.num_running)
