@@ -87,9 +87,13 @@ def test_kv_transfer_configs():
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
+def vllm_importable():
     if (reason := import_vllm_or_reason()) is not None:
         pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def model_dir(vllm_importable, tmp_path_factory):
     from services.engine.test_model import build_test_model
 
     return build_test_model(tmp_path_factory.mktemp("tiny-llama"))
@@ -221,7 +225,7 @@ class TestColocated:
         assert 50.0 < load.prefill_tokens_per_s < 1e6
         assert 1e-4 < load.decode_step_time_s < 1.0
 
-    async def test_sampling_params_mapping(self):
+    async def test_sampling_params_mapping(self, vllm_importable):
         from vllm.sampling_params import RequestOutputKind
 
         from services.engine.vllm_engine import vllm_sampling_params
@@ -347,3 +351,23 @@ def test_make_vllm_engine_from_an_instance_config(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="max_num_batched_tokens >= max_model_len"):
         make_vllm_engine({**{"id": "p", "model": "m", "role": "prefill"}, "max_num_batched_tokens": 512},
                          str(tmp_path))
+
+
+@pytest.mark.slow  # ~10 s of torch + transformers imports
+def test_test_model_is_deterministic_and_fully_decodable(tmp_path):
+    pytest.importorskip("transformers")
+    pytest.importorskip("tokenizers")
+    from tokenizers import Tokenizer
+
+    from services.engine.test_model import EOS_TOKEN, build_test_model
+
+    small = dict(hidden=64, layers=1, heads=2, kv_heads=1, vocab=600, max_position=256)
+    a, b = build_test_model(tmp_path / "a", seed=1, **small), build_test_model(tmp_path / "b", seed=1, **small)
+    c = build_test_model(tmp_path / "c", seed=2, **small)
+    for name in ("model.safetensors", "tokenizer.json", "config.json"):
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    assert (a / "model.safetensors").read_bytes() != (c / "model.safetensors").read_bytes()
+    tok = Tokenizer.from_file(str(a / "tokenizer.json"))
+    assert tok.get_vocab_size() == 600 and tok.token_to_id(EOS_TOKEN) == 1
+    assert tok.encode("The scheduler admits").ids[0] == 0  # BOS first
+    assert all(tok.id_to_token(i) is not None for i in range(600))
