@@ -199,3 +199,13 @@ def test_embedded_default_and_disaggregated_example_load(tmp_path):
     with pytest.raises(PlacementError) as info:
         load_node_config(bad)
     assert info.value.problems == (f"{bad} must hold a YAML mapping with gpu, models, instances, slo, policies",)
+
+
+def test_picker_and_prefix_aware_routing_options():
+    cfg = node_config_from_dict({**one_instance(tp=4, gpu_ids=[0, 1, 2, 3]),
+                                 "policies": {"picker": "round_robin", "prefix_aware_routing": False}})
+    assert (cfg.policies.picker, cfg.policies.prefix_aware_routing) == ("round_robin", False)
+    assert (PolicyConfig().picker, PolicyConfig().prefix_aware_routing) == ("lowest_cost", True)
+    assert problems_of({**one_instance(tp=4, gpu_ids=[0, 1, 2, 3]), "policies": {"picker": "random"}}) == [
+        "policies.picker: unknown picker 'random'; choose one of: lowest_cost, round_robin"
+    ]

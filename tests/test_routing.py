@@ -210,3 +210,32 @@ def test_real_prefix_index_sees_blocks_an_engine_cached():
     spec = type(spec)(spec.request_id, SM, prompt + tuple(range(5000, 5020)), spec.sampling, 0.0)
     loads = {f"sm-{i}": load(f"sm-{i}") for i in range(3)}
     assert p.route(spec, loads, 0.0) == Route("sm-2", None, 2.4, 96)  # 24 uncached tokens at 10k tokens/s
+
+
+# --- baseline options: round-robin picker, cache-blind routing ---------------------------------------------------
+
+
+def test_round_robin_takes_instances_in_id_order_and_skips_filtered_ones():
+    p = policy(colocated_config(picker="round_robin"))
+    loads = {f"sm-{i}": load(f"sm-{i}", queued=100 * i) for i in range(3)}
+    picks = [p.route(request(f"r{k}"), loads, 0.0).instance_id for k in range(4)]
+    assert picks == ["sm-0", "sm-1", "sm-2", "sm-0"]  # queue lengths ignored
+    loads["sm-1"] = load("sm-1", free=0)  # the kv_headroom filter drops it: its turn goes to the next one
+    assert [p.route(request(f"s{k}"), loads, 0.0).instance_id for k in range(3)] == ["sm-2", "sm-0", "sm-2"]
+
+
+def test_round_robin_keeps_one_turn_per_model():
+    p = policy(colocated_config(picker="round_robin"))
+    loads = {"lm-0": load("lm-0", LM), **{f"sm-{i}": load(f"sm-{i}") for i in range(3)}}
+    assert p.route(request("a"), loads, 0.0).instance_id == "sm-0"
+    assert p.route(request("b", model=LM), loads, 0.0).instance_id == "lm-0"
+    assert p.route(request("c"), loads, 0.0).instance_id == "sm-1"
+
+
+def test_cache_blind_routing_predicts_no_hit():
+    loads = {f"sm-{i}": load(f"sm-{i}") for i in range(3)}
+    aware = policy(CFG, overlaps={"sm-1": 10}).route(request(prompt=1000), loads, 0.0)
+    blind = policy(colocated_config(prefix_aware_routing=False), overlaps={"sm-1": 10}, rng=FixedRng(0.3, 0.2, 0.1))
+    r = blind.route(request(prompt=1000), loads, 0.0)
+    assert aware == Route("sm-1", None, 84.0, 160)
+    assert r == Route("sm-2", None, 100.0, 0)  # equal costs: the smallest tie-break draw (sm-2's 0.1) wins

@@ -38,6 +38,7 @@ RESERVATION_POLICIES = ("full", "predicted", "watermark")
 PREEMPTION_POLICIES = ("recompute", "swap")
 ROUTING_FILTERS = ("healthy", "kv_headroom", "model")
 ROUTING_SCORERS = ("kv_headroom", "queue", "ttft")
+ROUTING_PICKERS = ("lowest_cost", "round_robin")
 
 GIB = 1 << 30
 
@@ -89,6 +90,11 @@ class PolicyConfig:
     kv_watermark: float = 0.01  # fraction of an instance's blocks kept free under "watermark"
     min_retry_after_ms: int = 50  # floor of every retry hint: retrying sooner cannot help
     routing_filters: tuple[str, ...] = ("model", "healthy", "kv_headroom")
+    # "lowest_cost": the weighted scorers decide; "round_robin": each model's entry instances in turn, skipping
+    # those the filters drop (vLLM's and most gateways' default, kept for comparisons).
+    picker: str = "lowest_cost"
+    # False: the router ignores its prefix index (predicts no cache hit anywhere); the engines still cache.
+    prefix_aware_routing: bool = True
     scorer_weights: Mapping[str, float] = field(default_factory=_default_scorer_weights)  # scorer -> weight
     swap_space_bytes: int = 16 * GIB  # host memory per instance for swapped-out KV
     # Size each instance's step budget and decode batch from its cost model so a step fits the ITL SLO
@@ -371,6 +377,9 @@ def _policies(raw: Mapping[str, Any], problems: list[str]) -> PolicyConfig:
             problems.append(f"policies.scorer_weights: unknown scorer {name!r}; choose from: {', '.join(ROUTING_SCORERS)}")
         elif isinstance(w, bool) or not isinstance(w, (int, float)) or w < 0:
             problems.append(f"policies.scorer_weights.{name} is {w!r}; set a weight >= 0")
+    picker = raw.get("picker", base.picker)
+    if picker not in ROUTING_PICKERS:
+        problems.append(f"policies.picker: unknown picker {picker!r}; choose one of: {', '.join(ROUTING_PICKERS)}")
     bounds = _tier_map(raw.get("tier_queue_bound", {}), "policies.tier_queue_bound", problems, _default_tier_queue_bound(), int)
     scalars = {k: raw[k] for k in ("ttft_slack", "predicted_output_tokens", "kv_watermark", "min_retry_after_ms", "swap_space_bytes") if k in raw}
     for key, value in scalars.items():
@@ -382,6 +391,8 @@ def _policies(raw: Mapping[str, Any], problems: list[str]) -> PolicyConfig:
         preemption=raw.get("preemption", base.preemption),
         admission=bool(raw.get("admission", base.admission)),
         slo_sizing=bool(raw.get("slo_sizing", base.slo_sizing)),
+        picker=picker,
+        prefix_aware_routing=bool(raw.get("prefix_aware_routing", base.prefix_aware_routing)),
         tier_queue_bound=bounds,
         routing_filters=filters,
         scorer_weights={k: float(v) for k, v in weights.items() if isinstance(v, (int, float))},

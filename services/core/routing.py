@@ -17,6 +17,9 @@ route(spec, loads, now):
    SLO anyway, and refusing it on every try would starve long prompts).
 6. scorers (each a pure function of the candidate set, returning [0, 1], 0 = best) are weighted from config and
    summed into a cost; the picker takes the lowest cost, ties broken by one seeded `rng.random()` per candidate.
+   `policies.picker: round_robin` instead takes the model's entry instances in turn (id order), skipping those
+   the filters dropped: the baseline that ignores load and cache. `policies.prefix_aware_routing: false` makes
+   every candidate's expected cache hit 0 (the router ignores its prefix index; engines still cache).
 
 Warm busy vs cold idle (seed 003 follow-up): with prompt N, a warm instance caching h·N of it and a queue of W
 seconds ahead, versus a cold idle instance, waiting for the warm one is faster exactly when
@@ -183,6 +186,7 @@ class RouterPolicy:
         self.ledger = adm.InFlightLedger()
         self._filters = [FILTERS.get(n) for n in config.policies.routing_filters]
         self._scorers = [(SCORERS.get(n), w) for n, w in sorted(config.policies.scorer_weights.items()) if w > 0]
+        self._next_turn: dict[str, int] = {}  # model -> round-robin position among its entry instances
 
     # --- hooks --------------------------------------------------------------------------------------------------
 
@@ -255,6 +259,8 @@ class RouterPolicy:
             load = loads.get(inst.id)
             if load is None:
                 continue  # no snapshot yet: the instance is not known to be up
+            if not self.config.policies.prefix_aware_routing:
+                overlaps.setdefault(inst.block_size, {})
             if inst.block_size not in overlaps:
                 key = spec.model if self.extra_key is None else self.extra_key
                 hashes = self.block_hasher(spec.prompt_token_ids, inst.block_size, key)
@@ -293,12 +299,27 @@ class RouterPolicy:
         return self.cost_models[inst.id] if inst.id in self.cost_models else self.cost_models[inst.model]
 
     def _pick(self, cands: Sequence[Candidate]) -> Candidate:
+        if self.config.policies.picker == "round_robin":
+            return self._pick_round_robin(cands)
         costs = {c.instance.id: 0.0 for c in cands}
         for scorer, weight in self._scorers:
             for iid, s in scorer(cands).items():
                 costs[iid] += weight * s
         chosen = pick(costs, self.rng)
         return next(c for c in cands if c.instance.id == chosen)
+
+    def _pick_round_robin(self, cands: Sequence[Candidate]) -> Candidate:
+        """The next entry instance of the model in id order that survived the filters; the turn then moves past it."""
+        model = cands[0].model
+        order = sorted(i.id for i in self.config.instances_of(model, ENTRY_ROLES))
+        by_id = {c.instance.id: c for c in cands}
+        start = self._next_turn.get(model, 0)
+        for k in range(len(order)):
+            pos = (start + k) % len(order)
+            if order[pos] in by_id:
+                self._next_turn[model] = pos + 1
+                return by_id[order[pos]]
+        raise ValueError("round-robin pick over no candidates")  # route() never calls with none
 
     def _pick_decode(self, spec: RequestSpec, loads: Mapping[str, EngineLoad], require_fit: bool) -> str | None:
         """Most KV headroom, then fewest running, then id: decode capacity is reserved before prefill starts."""

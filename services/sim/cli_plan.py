@@ -48,6 +48,36 @@ def mix_from_profile(profile, rate_rps: float | None = None) -> planner.Workload
     return planner.WorkloadMix(rate_rps or profile.rate_rps, tuple(loads))
 
 
+def length_samples(profile, num_requests: int = 4000, seed: int = 0) -> dict[str, planner.LengthSample]:
+    """Per model, `num_requests` draws of (uncached prompt, output, TTFT SLO ms) from the profile's distributions,
+    for `planner.slo_upper_bound`: a request with a group prefix has the prefix cached (whole blocks, never the
+    whole prompt); the first request of each group missing is ignored, which only loosens the bound."""
+    import random
+
+    rng = random.Random(seed)
+    out = {}
+    for t in profile.traffic:
+        tiers = [(x.share, x.ttft_slo_ms or profile.slo.ttft_ms) for x in t.tiers]
+        total = sum(s for s, _ in tiers)
+        reqs = []
+        for _ in range(num_requests):
+            prompt, output = t.prompt_len.sample(rng), t.output_len.sample(rng)
+            prompt = min(prompt, t.max_context_len - 1)
+            output = max(1, min(output, t.max_context_len - prompt))
+            cached = 0
+            if t.prefix_hit_rate > 0 and rng.random() < t.prefix_hit_rate and prompt > t.prefix_len_tokens:
+                cached = min(t.prefix_len_tokens, prompt - 1) // 16 * 16
+            pick, ttft_ms = rng.random() * total, tiers[-1][1]
+            for share, slo in tiers:
+                if pick < share:
+                    ttft_ms = slo
+                    break
+                pick -= share
+            reqs.append((prompt - cached, output, float(ttft_ms)))
+        out[t.model] = planner.LengthSample(t.model, tuple(reqs))
+    return out
+
+
 def _gb(n: float) -> str:
     return f"{n / 1e9:.1f} GB"
 
@@ -144,6 +174,9 @@ def run(args: argparse.Namespace) -> int:
     current = planner.slo_bound(config, mix)
     print(f"\nConfigured placement: goodput <= {current.goodput_rps:.1f} req/s, mix rate <= {current.node_rps:.1f} "
           f"(limited by {current.limiting_model}); {planner.verdict(mix.rate_rps, current.node_rps, 'the SLOs')}")
+    upper = planner.slo_upper_bound(config, mix, length_samples(profile))
+    print(f"SLO-aware upper bound of the configured placement (any scheduler, cheapest requests kept): goodput <= "
+          f"{upper.goodput_rps:.1f} req/s at {mix.rate_rps:g} req/s offered")
     candidates = planner.candidate_placements(config.gpu, config.models, config.num_gpus, slo=config.slo,
                                               policies=config.policies)
     ranked = planner.rank_placements(candidates, mix)
