@@ -30,6 +30,7 @@ from vllm_fixtures import (
 
 from services.core.types import FinishReason, Priority, RequestSpec, Role, SamplingParams
 from services.engine import vllm_kv
+from services.engine.base import EngineError
 from services.engine.vllm_engine import VllmEngine, vllm_priority
 from services.engine.vllm_kv import KvTransfer
 
@@ -214,6 +215,11 @@ class TestColocated:
             await task
         assert await wait_until(lambda: colocated.load().num_free_blocks == NUM_USABLE_BLOCKS)
         assert colocated.load().num_running == 0
+
+    async def test_invalid_request_is_an_engine_error(self, colocated):
+        with pytest.raises(EngineError, match="vLLM rejected too-long"):
+            await collect(colocated.generate(spec("too-long", [5] * (ENGINE_KWARGS["max_model_len"] + 1))))
+        assert colocated.load().queued_prefill_tokens == 0
 
     async def test_load_geometry_and_measured_timings(self, colocated):
         load = colocated.load()

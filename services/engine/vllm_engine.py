@@ -420,7 +420,9 @@ class VllmEngine:
             raise EngineError(f"engine {self.instance_id} has role {self.role.value}, not {role.value}")
 
     async def _raw_stream(self, spec: RequestSpec, prompt: tuple[int, ...], params: Any) -> AsyncIterator[Any]:
-        """vLLM's RequestOutputs for one request, with the bookkeeping `load()` needs."""
+        """vLLM's RequestOutputs for one request, with the bookkeeping `load()` needs; vLLM errors -> EngineError."""
+        from vllm.exceptions import VLLMError
+
         self._unprefilled[spec.request_id] = len(prompt)
         try:
             async for out in self._llm.generate(
@@ -428,8 +430,8 @@ class VllmEngine:
             ):
                 self._unprefilled.pop(spec.request_id, None)
                 yield out
-        except ValueError as e:  # vLLM's validation errors (prompt too long, bad params) subclass ValueError
-            raise EngineError(f"vLLM rejected {spec.request_id}: {e}") from e
+        except (ValueError, VLLMError) as e:  # validation (prompt too long, bad params) or a dead engine core
+            raise EngineError(f"vLLM rejected {spec.request_id}: {type(e).__name__}: {e}") from e
         finally:
             self._unprefilled.pop(spec.request_id, None)
 
