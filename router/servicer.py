@@ -155,7 +155,10 @@ class GenerationServicer(gen_grpc.GenerationServicer):
         request_id = request.request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise InvalidArgument("request_id", f"request_id {request_id!r} is already in flight; use a unique id or leave it empty")
-        spec = convert.spec_from_public(request, request_id, wall_now_s / self.settings.time_scale)
+        spec = convert.spec_from_public(
+            request, request_id, wall_now_s / self.settings.time_scale,
+            convert.sim_output_len_from_metadata(context.invocation_metadata()),
+        )
         model = self.config.models.get(spec.model)
         if model is None:
             raise UnknownModel(spec.model, self.config.models)

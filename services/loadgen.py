@@ -29,12 +29,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.client import AsyncClient, OctoserveClientError, OverloadedError, RetryPolicy
+from services.rpc.convert import SIM_OUTPUT_LEN_KEY  # one definition, shared with the router
 from services.metrics import RequestRecord, format_summary, scale_record_times, summarize, summary_to_dict
 from services.workload import PROFILES, TraceRequest, WorkloadProfile, generate_trace, scaled
 
 # The workload's true output length, for the sim engine (the public API has no field for it: a real model
 # decides by itself when to stop). The router copies it into RequestSpec.sim_output_len.
-SIM_OUTPUT_LEN_KEY = "x-octoserve-sim-output-len"
 DRAIN_TIMEOUT = "DRAIN_TIMEOUT: unfinished when the drain timeout expired"
 OUTPUT_LEN_MODES = ("hint", "max-tokens")
 _SEPARATE_CONNECTIONS = (("grpc.use_local_subchannel_pool", 1),)  # each channel gets its own HTTP/2 connection

@@ -57,7 +57,8 @@ def small_config() -> NodeConfig:
 def request(model: str = COLOCATED_MODEL, *, num_prompt_tokens: int = 32, max_tokens: int = 8, **kw):
     """A GenerateRequest with a deterministic token prompt; ignore_eos so max_tokens is exact."""
     prompt = gen_pb.TokenIds(ids=[100 + i for i in range(num_prompt_tokens)])
-    return gen_pb.GenerateRequest(model=model, token_ids=prompt, max_tokens=max_tokens, ignore_eos=True, **kw)
+    kw.setdefault("ignore_eos", True)
+    return gen_pb.GenerateRequest(model=model, token_ids=prompt, max_tokens=max_tokens, **kw)
 
 
 @dataclass

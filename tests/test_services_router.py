@@ -67,6 +67,17 @@ async def test_disaggregated_request_of_one_token_finishes_at_the_prefill(idle):
     assert len(tokens(responses)) == 1 and responses[-1].finish_reason == gen_pb.LENGTH
 
 
+@pytest.mark.parametrize("model", [COLOCATED_MODEL, DISAGG_MODEL])
+async def test_sim_output_length_hint_stops_the_simulated_model_with_stop(idle, model):
+    from services.rpc.convert import SIM_OUTPUT_LEN_KEY
+
+    req = request(model, max_tokens=40, ignore_eos=False)
+    call = idle.generation().Generate(req, timeout=10, metadata=((SIM_OUTPUT_LEN_KEY, "7"),))
+    responses = await collect(call)
+    assert len(tokens(responses)) == 7 and tokens(responses)[-1] == 2  # the 7th token is EOS
+    assert responses[-1].finish_reason == gen_pb.STOP
+
+
 async def test_client_request_id_is_echoed(idle):
     responses = await collect(idle.generation().Generate(request(request_id="mine-1"), timeout=10))
     assert responses[0].request_id == "mine-1"

@@ -59,7 +59,24 @@ def text_to_token_ids(text: str) -> tuple[int, ...]:
     return tuple(text.encode("utf-8"))
 
 
-def spec_from_public(req: gen_pb.GenerateRequest, request_id: str, arrival_s: float) -> RequestSpec:
+# Request metadata a load harness may send to a sim-engine node: the true output length of a trace request (the
+# simulated model emits EOS after that many tokens). Real engines ignore it.
+SIM_OUTPUT_LEN_KEY = "x-octoserve-sim-output-len"
+
+
+def sim_output_len_from_metadata(metadata) -> int | None:
+    for key, value in metadata or ():
+        if key == SIM_OUTPUT_LEN_KEY:
+            try:
+                return max(1, int(value))
+            except ValueError:
+                return None
+    return None
+
+
+def spec_from_public(
+    req: gen_pb.GenerateRequest, request_id: str, arrival_s: float, sim_output_len: int | None = None
+) -> RequestSpec:
     """The router's view of a client request; validation happens afterwards on the dataclass."""
     if req.WhichOneof("prompt") == "token_ids":
         prompt = tuple(req.token_ids.ids)
@@ -81,6 +98,7 @@ def spec_from_public(req: gen_pb.GenerateRequest, request_id: str, arrival_s: fl
         arrival_s=arrival_s,
         priority=PRIORITY_FROM_PB.get(req.priority, Priority.STANDARD),
         ttft_slo_ms=float(req.ttft_slo_ms) if req.ttft_slo_ms else None,
+        sim_output_len=sim_output_len,
     )
 
 

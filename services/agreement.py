@@ -1,0 +1,121 @@
+"""Live matches virtual: the same node config and the same trace, run by the live services (dilated by a time
+scale K) and by the discrete-event simulator, must give the same SLO picture.
+
+`compare(config, trace, time_scale)` starts the node (`services.launcher.start_node`), replays the trace with the
+load harness (`services.loadgen.run_bench`, latencies divided by K), simulates the same trace
+(`services.sim.driver.run_simulation`), and returns both summaries side by side with their relative differences on
+goodput and TTFT / ITL P95. `octoserve`'s tests and BENCHMARKS.md use it; the tolerance is ±15 %.
+
+Where the two differ, it is the live system's own overheads (Python scheduling time that the K-dilation does not
+fully hide, gRPC hops, load reports that lag the engines) against the simulator's instantaneous view.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from dataclasses import dataclass, replace
+
+from services.metrics import GroupStats, SloSpec, Summary, summarize
+from services.workload import PROFILES, TraceRequest, generate_trace, scaled
+
+TOLERANCE = 0.15
+
+
+@dataclass(frozen=True, slots=True)
+class Agreement:
+    live: Summary
+    virtual: Summary
+
+    def relative_differences(self) -> dict[str, float]:
+        live, virt = self.live.overall, self.virtual.overall
+        return {
+            "goodput": _rel(live.goodput_rps, virt.goodput_rps),
+            "ttft_p95": _rel(live.ttft.p95_ms, virt.ttft.p95_ms),
+            "itl_p95": _rel(live.itl.p95_ms, virt.itl.p95_ms),
+        }
+
+    def within(self, tolerance: float = TOLERANCE) -> bool:
+        return all(abs(d) <= tolerance for d in self.relative_differences().values())
+
+    def table(self) -> str:
+        rows = [("goodput req/s", _g(self.live.overall), _g(self.virtual.overall))]
+        rows.append(("TTFT P95 ms", self.live.overall.ttft.p95_ms, self.virtual.overall.ttft.p95_ms))
+        rows.append(("ITL P95 ms", self.live.overall.itl.p95_ms, self.virtual.overall.itl.p95_ms))
+        rows.append(("refused %", 100 * self.live.overall.refused_fraction, 100 * self.virtual.overall.refused_fraction))
+        diffs = self.relative_differences()
+        keys = ["goodput", "ttft_p95", "itl_p95", None]
+        lines = ["metric            live (dilated)   virtual   difference"]
+        for (name, live, virt), key in zip(rows, keys):
+            diff = f"{diffs[key]:+.1%}" if key else ""
+            lines.append(f"{name:<16} {live:>15.2f} {virt:>9.2f}   {diff}")
+        return "\n".join(lines)
+
+
+def _g(g: GroupStats) -> float:
+    return g.goodput_rps
+
+
+def _rel(live: float, virtual: float) -> float:
+    if virtual == 0:
+        return 0.0 if live == 0 else float("inf")
+    return (live - virtual) / virtual
+
+
+def cap_outputs(trace: list[TraceRequest], max_output_tokens: int) -> list[TraceRequest]:
+    """The same trace with every true output length capped, so a dilated live run finishes in minutes."""
+    return [
+        replace(t, output_len=min(t.output_len, max_output_tokens), max_tokens=min(t.max_tokens, 4 * max_output_tokens))
+        for t in trace
+    ]
+
+
+def compare(config_path: str | None, trace: list[TraceRequest], time_scale: float, *, duration_s: float,
+            slo: SloSpec) -> Agreement:
+    """Simulate `trace`, then replay it live on a node started from the same config file (None: the default)."""
+    from services.config import load_node_config
+    from services.launcher import start_node
+    from services.loadgen import BenchOptions, run_bench
+    from services.sim.driver import run_simulation
+
+    virtual = run_simulation(load_node_config(config_path), trace)
+    # Wait for the slowest stream the simulator saw to finish, dilated, with room for the live overheads.
+    last_finish_s = max((r.finish_s for r in virtual.records if r.finish_s is not None), default=duration_s)
+    drain_s = (last_finish_s - duration_s) * time_scale * 2.0 + 60.0
+    node = start_node(config_path, time_scale)
+    try:
+        records = asyncio.run(
+            run_bench(node.router_address, trace, time_scale=time_scale, options=BenchOptions(drain_timeout_s=drain_s))
+        )
+    finally:
+        node.stop()
+    return Agreement(summarize(records, slo, duration_s), virtual.summary)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", help="node config YAML (default: the embedded default)")
+    parser.add_argument("--profile", default="seed-000", choices=sorted(PROFILES))
+    parser.add_argument("--rate", type=float, default=30.0)
+    parser.add_argument("--duration", type=float, default=10.0)
+    parser.add_argument("--time-scale", type=float, default=10.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-output", type=int, default=96, help="cap on true output lengths (wall time)")
+    parser.add_argument("--json", dest="json_path")
+    args = parser.parse_args(argv)
+    profile = scaled(PROFILES[args.profile], rate_rps=args.rate, duration_s=args.duration)
+    trace = cap_outputs(generate_trace(profile, args.seed), args.max_output)
+    result = compare(args.config, trace, args.time_scale, duration_s=args.duration, slo=profile.slo)
+    print(result.table())
+    ok = result.within()
+    print(f"agreement within ±{TOLERANCE:.0%}: {'yes' if ok else 'NO'}")
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump({"differences": result.relative_differences(), "within": ok}, f)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
