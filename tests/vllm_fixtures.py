@@ -38,8 +38,9 @@ ENGINE_KWARGS = dict(
 
 # Token-id prompts (no tokenizer round trip to blur the comparison). Lengths are past one 128-token block so the
 # example connector has KV to move, and none is a multiple of 128 (that case recomputes by design, see vllm_kv).
-# 0-3: colocated and disaggregated equality; 4, 5: failed transfers; 6: corrupted KV.
-PROMPT_LENGTHS = (200, 263, 300, 390, 230, 250, 330)
+# 0-3: colocated and disaggregated equality; 4, 5: failed transfers; 6: corrupted KV; 7: shorter than a block
+# (nothing to transfer: the decode side computes it, by plan).
+PROMPT_LENGTHS = (200, 263, 300, 390, 230, 250, 330, 100)
 PROMPTS: tuple[tuple[int, ...], ...] = tuple(
     tuple((i * (31 + 6 * k) + 17 * k + 5) % 4000 + 3 for i in range(n)) for k, n in enumerate(PROMPT_LENGTHS)
 )

@@ -34,6 +34,7 @@ import math
 import os
 import tempfile
 import threading
+import zlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -251,7 +252,10 @@ class VllmEngine:
     async def _run_warmup(self) -> None:
         """One short prefill + a few decode steps so `load()` has measured timings before the first request."""
         n = min(256, self._engine_kwargs["max_model_len"] - 8)
-        prompt = tuple((i * 7919 + 13) % 997 + 3 for i in range(n))
+        # Per-instance tokens: a prefill and a decode engine warming up at once on one shared example-connector
+        # folder must not find each other's half-written KV.
+        salt = zlib.crc32(self.instance_id.encode()) % 991
+        prompt = tuple((i * 7919 + 13 + salt) % 997 + 3 for i in range(n))
         params = vllm_sampling_params(SamplingParams(max_tokens=4, ignore_eos=True))
         async for _ in self._llm.generate(_tokens(prompt), params, f"{self.instance_id}-warmup", priority=0):
             pass
@@ -351,6 +355,8 @@ class VllmEngine:
         if self._kv.connector == vllm_kv.EXAMPLE:
             # The consumer looks KV up by its own prompt (prompt + first token); check before vLLM opens files.
             folder = vllm_kv.example_kv_folder(self._kv.storage_path, prompt, self._block_size)
+            if folder is None:
+                return None  # under one block + 1 token: nothing was moved, computing it here is the plan
             if not vllm_kv.example_kv_complete(folder, self._shape.num_layers):
                 vllm_kv.remove_example_kv(folder)  # a partial folder would crash the loader mid-step
                 self.num_handoff_fallbacks += 1
