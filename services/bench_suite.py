@@ -552,13 +552,19 @@ def policy_section(results: SuiteResults, settings: Settings) -> str:
     if "octoserve" in h["capacity_rps"] and "vllm-default" in h["capacity_rps"]:
         lines.append(_target_line("SLO capacity, octoserve / vllm-default", h["octoserve_over_vllm"], 2.0, "{:.2f}x"))
     if h["best_other"]:
-        lines.append(_target_line(f"SLO capacity, octoserve / best other baseline ({h['best_other']})",
-                                  h["octoserve_over_best_other"], 1.3, "{:.2f}x"))
+        name = f"SLO capacity, octoserve / best other baseline ({h['best_other']})"
+        if math.isinf(h["octoserve_over_best_other"]):
+            lines.append(f"| {name} | n/a: {h['best_other']} stays under 90 % at every probed rate | >= 1.30x | "
+                         f"{'met' if h['capacity_rps'].get('octoserve', 0) > 0 else '**missed**'} |")
+        else:
+            lines.append(_target_line(name, h["octoserve_over_best_other"], 1.3, "{:.2f}x"))
     if not math.isnan(h["peak_over_capacity"]):
         lines.append(_target_line("goodput at 300 req/s / octoserve's SLO capacity", h["peak_over_capacity"], 0.9,
                                   "{:.2f}"))
         lines.append(_target_line("admitted requests meeting both SLOs at 300 req/s", h["peak_admitted_attainment"],
                                   0.95, "{:.3f}"))
+    lines += ["", "SLO capacities: " + ", ".join(f"{p} {c:.1f} req/s" for p, c in h["capacity_rps"].items())
+              + f". Peak (300 req/s) goodput of octoserve: {h['peak_goodput_rps']:.1f} req/s.", "", DISCUSSION]
     lines += ["", "### SLO capacity (>= 90 % of offered requests meet TTFT and ITL SLOs; refused = miss)", "",
               "| policy | placement | SLO capacity req/s | first failing rate | probes (rate: attained offered %) |",
               "|---|---|---:|---:|---|"]
@@ -577,6 +583,37 @@ def policy_section(results: SuiteResults, settings: Settings) -> str:
               "- TTFT / ITL CDFs at the 300 req/s peak: `docs/bench/cdf_peak_<policy>.png`",
               "- SLO attainment over time, bursty run: `docs/bench/attainment_bursty_<policy>.png`", ""]
     return "\n".join(lines)
+
+
+DISCUSSION = """\
+Reading the headline (the numbers above are this run's; the mechanisms below are why):
+- **Every policy's SLO capacity is a small fraction of the roofline**, because the 70B (25 % of requests, prompts
+  lognormal around 1,000 tokens with a long tail) runs at TP=4 beside four 8B replicas. Each 70B step pays ~14.5 ms
+  of weight streaming, all-reduce latency and overhead before any token, so a step that keeps the 30 ms ITL carries
+  a prefill chunk of only ~130 tokens: ~5.5k prefill tokens/s instead of ~11k at full speed. Long 70B prompts then
+  miss the 250 ms TTFT however idle the node is, and from ~4 req/s of 70B traffic octoserve refuses 70B requests to
+  keep the ones it admits inside both SLOs. Refused requests count as misses in the capacity definition.
+- **vllm-default wins at low load under DistServe's definition** (per-request mean TPOT, not per-token ITL): its
+  8,192-token steps prefill the 70B at full speed, and at low load the occasional 100-200 ms mixed step is
+  amortised over a request's ~400 tokens, so mean TPOT stays under 30 ms. Its pooled ITL P95 breaks the 30 ms SLO
+  from ~1x roofline on (see the table), and at the peak it collapses (goodput ~0: every request queues).
+  octoserve's ITL-sized steps (services/core/slo_sizing.py) protect every token instead, which costs the 70B its
+  prefill rate. That is the main reason the 2x target is missed.
+- **Overload is where octoserve's policies pay off**: at 1.5x roofline and at the 300 req/s peak its goodput stays
+  ~100 req/s with >= 95 % of admitted requests meeting both SLOs and ITL P95 under 30 ms, while every policy
+  without early refusal (vllm-default, sarathi, distserve, octoserve-no-refusal) collapses to a few req/s.
+- **sarathi** is limited by the same arithmetic as octoserve's sizing but without refusal: its ITL-safe budget
+  (96 tokens on the 70B) makes prefill so slow that queues grow from the lowest loads. **distserve** on this node
+  has to put the 70B at TP=2 (a TP=4 prefill + TP=4 decode pair leaves no GPUs for the 8B), whose decode step
+  is ~27 ms at batch 1: almost no ITL headroom, and a 4,096-token prefill instance with little KV.
+- Ablations: no refusal is the one that matters (capacity and peak goodput collapse); cache-blind routing and full
+  reservation change little on seed-000 (10 % prefix reuse; KV is far from full at the 70B's refused-down load).
+- What would lift the SLO capacity: a TPOT-budgeted chunk size (large chunks while running requests' mean TPOT
+  has slack) instead of a per-step ITL cap; the 70B at TP=8 under gang leases time-shared with the 8B; or a
+  disaggregated 70B with prefill at TP=4, none of which this placement space offers today.
+- Probes are 10 s windows (~35 70B requests at 15 req/s): each capacity is +- one bisection step and a few
+  percent of attainment; the bracket column shows the first failing rate.
+"""
 
 
 def write_plots(results: SuiteResults, directory: Path) -> list[Path]:
@@ -613,4 +650,86 @@ def write_report(results: SuiteResults, settings: Settings, markdown: Path, plot
     write_plots(results, plots)
     (plots / "results.json").write_text(json.dumps(results_json(results), indent=1, default=str) + "\n")
     text = markdown.read_text(encoding="utf-8") if markdown.exists() else "# octoserve benchmarks\n"
-    markdown.write_text(replace_section(text, SECTION_POLICY, policy_section(results, settings)), encoding="utf-8")
+    text = replace_section(text, SECTION_POLICY, policy_section(results, settings))
+    markdown.write_text(replace_section(text, SECTION_CALIBRATION, calibration_section()), encoding="utf-8")
+
+
+# --- cost model calibration section --------------------------------------------------------------------------------
+
+# Published end-to-end throughput the cost model is checked against: TensorRT-LLM v0.14 "perf-overview" table
+# (trtllm-bench, infinite request rate, ISL/OSL 1000/1000, H100 SXM 80 GB, FP16 = BF16's tensor-core rate and bytes),
+# LLaMA v3 70B, total output tokens/s by TP.
+PUBLISHED_70B_1000_1000_TOK_S = {2: 777.0, 4: 3730.2, 8: 5963.1}
+
+
+def steady_state_output_tok_s(cost, kv_tokens: int, isl: int, osl: int, max_batch: int = 2048) -> tuple[int, float]:
+    """(batch, output tokens/s) of an engine kept full at infinite rate: B sequences (as many as the KV holds at
+    isl + osl tokens) decode at mean context isl + osl / 2, and every request's prefill runs once per osl steps."""
+    batch = max(1, min(max_batch, kv_tokens // (isl + osl)))
+    cycle_s = osl * cost.decode_step_time_s(batch, isl + osl // 2) + batch * cost.prefill_time_s(isl)
+    return batch, batch * osl / cycle_s
+
+
+def calibration_section() -> str:
+    from services.core.cost_model import DEFAULT_CONSTANTS, CostModel
+    from services.core.specs import GPU_PRESETS, MODEL_PRESETS, num_kv_blocks
+
+    gpu, lm, sm = GPU_PRESETS["h100-sxm-80gb"], MODEL_PRESETS["llama-3-70b"], MODEL_PRESETS["llama-3-8b"]
+    c = DEFAULT_CONSTANTS
+    lines = [
+        "Generated by `make bench`; sources of every constant in `docs/COST_MODEL.md` (table \"Constants\"), method in",
+        "`docs/BENCHMARKS_METHOD.md`. Current constants: " + ", ".join(
+            f"`{k}` {getattr(c, k):g}" for k in ("linear_eff", "attn_eff", "hbm_eff", "nvlink_eff", "allreduce_latency_s",
+                                                 "step_overhead_s", "linear_overlap_loss")) + ".",
+        "",
+        "| constant | source | status |",
+        "|---|---|---|",
+        "| `linear_eff` 0.6 | cuBLAS BF16 GEMMs reach 60-75 % of H100 dense peak; whole prefill steps lower | literature range |",
+        "| `attn_eff` 0.5 | FlashAttention-2 ~35 %, FlashAttention-3 up to ~75 % of H100 peak (Shah et al. 2024) | midpoint |",
+        "| `hbm_eff` 0.85 | decode GEMV / paged-attention reach 80-90 % of datasheet HBM bandwidth (MBU studies) | estimate |",
+        "| `nvlink_eff` 0.8, `allreduce_latency_s` 10 us | NCCL / vLLM custom all-reduce on one NVLink node | estimate |",
+        "| `step_overhead_s` 0.5 ms | host scheduling and launch not hidden behind the GPU (vLLM v0.6 perf post) | estimate |",
+        "| `linear_overlap_loss` 0.9 | fitted to two TensorRT-LLM A100 batch-1 TTFT points (128-token prompts) | fitted |",
+        "",
+        "### Against published end-to-end numbers (Llama-3 70B shape, H100, 16-bit)",
+        "",
+        "TensorRT-LLM v0.14 performance overview, `trtllm-bench` at an infinite request rate, ISL/OSL 1000/1000, FP16.",
+        "Prediction: the engine kept full, B = sequences of 2,000 tokens the KV holds (gpu_memory_utilization 0.9,",
+        "activation reserve for an 8,192-token step), a cycle of 1,000 decode steps at context 1,500 plus B prefills.",
+        "",
+        "| TP | KV tokens | batch B | predicted out tok/s | published out tok/s | predicted / published |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for tp, published in PUBLISHED_70B_1000_1000_TOK_S.items():
+        cost = CostModel(lm, gpu, tp)
+        kv = num_kv_blocks(lm, gpu, tp, 0.9, 8192, 16) * 16
+        batch, tok_s = steady_state_output_tok_s(cost, kv, 1000, 1000)
+        lines.append(f"| {tp} | {kv:,} | {batch} | {tok_s:,.0f} | {published:,.0f} | {tok_s / published:.2f} |")
+    sm_cost, lm4, lm8 = CostModel(sm, gpu, 1), CostModel(lm, gpu, 4), CostModel(lm, gpu, 8)
+    lines += [
+        "",
+        "Reading it: TP=4, the shape octoserve places the 70B at, is predicted within a few percent. TP=8 is",
+        "over-predicted by ~25 %: at B ~ 660 the model's single `linear_eff` and all-reduce terms are optimistic for",
+        "skinny TP=8 shards, and the published engine may cap its batch below what the KV holds. TP=2 is far under:",
+        "with an 8,192-token activation reserve the model leaves a TP=2 70B only ~4.7k tokens of KV (two sequences),",
+        "while TensorRT-LLM sizes KV from the memory free after its own, smaller, activation buffers: a memory-model",
+        "difference, not a timing one.",
+        "",
+        f"Llama-3 8B shape: no BF16/FP16 H100 end-to-end figure with a stated batch could be pinned down (published H100",
+        f"8B tables are FP8, which halves weight bytes). Checked against the floors of DESIGN.md section 1 instead:",
+        f"predicted decode steps at context 1,400 are {sm_cost.decode_step_time_s(1, 1400) * 1e3:.2f} ms (8B, batch 1;",
+        f"floor 4.8 ms), {lm4.decode_step_time_s(1, 1400) * 1e3:.2f} ms (70B TP=4; floor 10.5 ms) and",
+        f"{lm8.decode_step_time_s(1, 1400) * 1e3:.2f} ms (70B TP=8; floor 5.3 ms). The A100 TensorRT-LLM latency points",
+        "(Llama-2 7B/70B, 0.99-1.23x) are in `docs/COST_MODEL.md` (`scripts/cost_model_check.py`).",
+        "",
+        "### `octoserve calibrate`",
+        "",
+        "With torch on a CUDA device it times the per-GPU shards of a model's QKV, output, gate/up and down GEMMs at",
+        "1-4,096 tokens and attention at prefill 512-4,096 and decode batch x context up to 64 x 4,096, prints predicted",
+        "vs measured per operation, fits `linear_eff`, `hbm_eff` and `attn_eff`, and writes a profile JSON that",
+        "`CostModel.from_profile` reads. On a CPU it does the same for the tiny test model's shapes against a measured",
+        "CPU roofline and, with `--e2e`, times the vLLM engine on the tiny model end to end to fit `step_overhead_s`.",
+        "No GPU was lent to this task, so no H100 profile is included; CPU timings on this shared 2-core machine are",
+        "dominated by scheduler noise (10 ms slices) and are not reported as calibration.",
+    ]
+    return "\n".join(lines)
