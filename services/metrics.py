@@ -95,9 +95,10 @@ def scale_record_times(record: RequestRecord, divide_by: float) -> RequestRecord
 
 def itl_gaps_s(token_times_s: Sequence[float]) -> list[float]:
     """Inter-token gaps of one stream; a k-token message splits its gap into k equal gaps (see module doc)."""
-    gaps: list[float] = []
-    if not token_times_s:
-        return gaps
+    gaps: list[float] = [b - a for a, b in zip(token_times_s, token_times_s[1:])]
+    if 0.0 not in gaps:
+        return gaps  # one token per message (the common case): the plain differences
+    gaps = []
     prev_t = token_times_s[0]
     i = 1
     while i < len(token_times_s) and token_times_s[i] == prev_t:

@@ -35,12 +35,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--duration", type=parse_duration_s, help="arrival window, e.g. 60s (default: profile's)")
     parser.add_argument("--burstiness", type=float, help="gamma shape of inter-arrivals (<1 burstier)")
     parser.add_argument("--seed", type=int, default=0, help="trace and tie-break seed")
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="policies.KEY=VALUE",
+        help="override a config value, e.g. --set policies.reservation=full (repeatable; VALUE is YAML)",
+    )
     parser.add_argument("--json", dest="json_path", help="write the summary and per-request records here")
     parser.add_argument("--plots", help="directory for PNG plots")
 
 
 def run(args: argparse.Namespace) -> int:
-    node = load_node_config(args.config)
+    node = load_with_overrides(args.config, args.overrides)
     profile = scaled(PROFILES[args.profile], rate_rps=args.rate, duration_s=args.duration, burstiness=args.burstiness)
     trace = generate_trace(profile, args.seed)
     print(f"simulating {len(trace)} requests of {profile.name} at {profile.rate_rps:g} req/s "
@@ -52,6 +56,25 @@ def run(args: argparse.Namespace) -> int:
     if args.plots:
         write_plots(result, args.plots, SloSpec(node.slo.ttft_ms, node.slo.itl_ms))
     return 0
+
+
+def load_with_overrides(path: str | None, overrides: list[str]):
+    """The node config with `section.key=value` overrides applied before validation."""
+    import yaml
+
+    from services.config import default_config_text
+    from services.core.placement import node_config_from_dict
+
+    if not overrides:
+        return load_node_config(path)
+    raw = yaml.safe_load(default_config_text() if path is None else Path(path).read_text(encoding="utf-8"))
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        section, dot, name = key.partition(".")
+        if not sep or not dot or section not in ("policies", "slo"):
+            raise SystemExit(f"--set {item!r}: use policies.KEY=VALUE or slo.KEY=VALUE")
+        raw.setdefault(section, {})[name] = yaml.safe_load(value)
+    return node_config_from_dict(raw)
 
 
 def simulate_with_progress(node, trace, duration_s: float, *, seed: int = 0, label: str = "virtual s") -> SimResult:
@@ -73,11 +96,13 @@ def simulate_with_progress(node, trace, duration_s: float, *, seed: int = 0, lab
 def format_result(result: SimResult) -> str:
     from services.metrics import format_summary
 
-    lines = [format_summary(result.summary), "", "instance            model          role       steps   busy  preempt"]
+    lines = [format_summary(result.summary), "",
+             "instance            model          role       steps   busy  preempt  kv_mean  kv_max"]
     for s in result.instances:
+        kv = [v for _, v in result.timeseries.get(f"kv:{s.instance_id}", [])] or [0.0]
         lines.append(
             f"{s.instance_id:<19} {s.model:<14} {s.role:<10} {s.num_steps:>6} {s.busy_fraction:>6.1%} "
-            f"{s.num_preemptions:>8}"
+            f"{s.num_preemptions:>8} {sum(kv) / len(kv):>8.1%} {max(kv):>7.1%}"
         )
     lines.append(
         f"\nsimulator speed: {result.virtual_s:.1f} virtual s in {result.wall_s:.1f} wall s = {result.speed:.2f}x"
