@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from services.core.types import Role
 REPO_ROOT = Path(__file__).resolve().parents[1]
 POLL_S = 0.05
 DEFAULT_STARTUP_TIMEOUT_S = 60.0
+VLLM_STARTUP_TIMEOUT_S = 300.0  # a vLLM engine starts in 20-110 s on a busy CPU machine, minutes for 70B on GPUs
 DEFAULT_GRACE_S = 10.0
 WORKER_MODULES = {Role.COLOCATED: "decode_worker", Role.DECODE: "decode_worker", Role.PREFILL: "prefill_worker"}
 
@@ -160,10 +162,12 @@ def start_node(
     startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
     grace_s: float = DEFAULT_GRACE_S,
     router_args: tuple[str, ...] = (),
+    extra_env: Mapping[str, str] | None = None,
 ) -> Node:
     """Starts every process of the node and returns once all are SERVING (or stops them and raises LaunchError).
 
-    config: None (embedded default placement), a YAML path, or a config dict.
+    config: None (embedded default placement), a YAML path, or a config dict. extra_env: variables added to every
+    child's environment (e.g. OCTOSERVE_VLLM_DTYPE for the vllm engine).
     """
     from services.config import load_node_config
 
@@ -171,7 +175,8 @@ def start_node(
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg_path = _config_path(config, run_dir)
     node_cfg = load_node_config(cfg_path)  # fail here, in one place, on a bad config
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, **(extra_env or {}),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
     common = ([] if cfg_path is None else ["--config", cfg_path]) + ["--grace-s", str(grace_s)]
     deadline = time.monotonic() + startup_timeout_s
     started: list[ServiceProcess] = []
@@ -185,8 +190,11 @@ def start_node(
                     "--scheduler", scheduler.address, *(["--model", model_path] if model_path else [])]
             workers[inst.id] = _spawn(f"worker:{inst.id}", WORKER_MODULES[inst.role], args, run_dir, env)
             started.append(workers[inst.id])
+        # The router waits for a complete placement and every worker's session: give it the whole startup budget
+        # (vLLM workers take 20-110 s to start on a CPU machine, past the router's own 60 s default).
         router = _spawn("router", "router", [*common, "--scheduler", scheduler.address, "--time-scale",
-                                             str(time_scale), "--port", str(port), *router_args], run_dir, env)
+                                             str(time_scale), "--port", str(port),
+                                             "--startup-timeout-s", str(startup_timeout_s), *router_args], run_dir, env)
         started.append(router)
         for sp in started:
             _wait_ready(sp, deadline)
@@ -207,14 +215,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model directory (vllm engine)")
     parser.add_argument("--port", type=int, default=50051, help="router port on 127.0.0.1")
     parser.add_argument("--run-dir", default=None, help="where logs and ready files go (default: a temp dir)")
-    parser.add_argument("--startup-timeout-s", type=float, default=DEFAULT_STARTUP_TIMEOUT_S)
+    parser.add_argument("--startup-timeout-s", type=float, default=None,
+                        help=f"default {DEFAULT_STARTUP_TIMEOUT_S:g} s, {VLLM_STARTUP_TIMEOUT_S:g} s with --engine vllm")
     parser.add_argument("--grace-s", type=float, default=DEFAULT_GRACE_S)
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         node = start_node(args.config, args.time_scale, engine=args.engine, model_path=args.model, port=args.port,
-                          run_dir=args.run_dir, startup_timeout_s=args.startup_timeout_s, grace_s=args.grace_s)
+                          run_dir=args.run_dir, startup_timeout_s=startup_timeout_s(args), grace_s=args.grace_s)
     except LaunchError as e:
         print(f"octoserve up: {e}", file=sys.stderr)
         return 1
@@ -224,6 +233,12 @@ def run(args: argparse.Namespace) -> int:
     bad = {name: code for name, code in codes.items() if code != 0}
     print(f"stopped ({stop}); exit codes: " + (", ".join(f"{n}={c}" for n, c in bad.items()) or "all 0"), flush=True)
     return 0 if not bad and stop == "signal" else 1
+
+
+def startup_timeout_s(args: argparse.Namespace) -> float:
+    if args.startup_timeout_s is not None:
+        return args.startup_timeout_s
+    return VLLM_STARTUP_TIMEOUT_S if args.engine == "vllm" else DEFAULT_STARTUP_TIMEOUT_S
 
 
 def describe(node: Node) -> str:

@@ -474,8 +474,9 @@ def make_vllm_engine(
     Read from the instance: id (or instance_id), model, role, tp, max_num_seqs, max_num_batched_tokens,
     enable_prefix_caching. `max_model_len` is the node's context length for the model (when `node_cfg` is given)
     capped at the checkpoint's `max_position_embeddings`. KV space: `kv_cache_space_gib` (default: the
-    VLLM_CPU_KVCACHE_SPACE variable, else 1 GiB). Disaggregated roles without `kv_transfer` use the example
-    connector under $OCTOSERVE_KV_DIR (default <tmp>/octoserve-kv), which every instance on the machine shares.
+    VLLM_CPU_KVCACHE_SPACE variable, else 1 GiB); dtype: the OCTOSERVE_VLLM_DTYPE variable, else "auto".
+    Disaggregated roles without `kv_transfer` use the example connector under $OCTOSERVE_KV_DIR (default
+    <tmp>/octoserve-kv), which every instance on the machine shares.
     `overrides` are VllmEngine keyword arguments and win over all of the above.
     """
     def get(key: str, default: Any = None) -> Any:
@@ -494,6 +495,8 @@ def make_vllm_engine(
         max_num_seqs=get("max_num_seqs", 64), max_num_batched_tokens=get("max_num_batched_tokens", 2048),
         enable_prefix_caching=get("enable_prefix_caching", True),
         kv_cache_space_gib=float(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or 1.0),
+        # "auto" runs a float32 checkpoint as bfloat16 on CPU; float32 makes greedy outputs batch-independent.
+        dtype=os.environ.get("OCTOSERVE_VLLM_DTYPE") or "auto",
     )
     if node_cfg is not None and hasattr(node_cfg, "slo"):
         tier_slo = dict(getattr(node_cfg.slo, "tier_ttft_ms", {}) or {})
