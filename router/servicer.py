@@ -230,10 +230,12 @@ class GenerationServicer(gen_grpc.GenerationServicer):
             if d.error_code:
                 st.fail(rpc_status.RpcStatus(_CODE_BY_VALUE.get(d.error_code, grpc.StatusCode.INTERNAL), d.error_message))
                 break
-            total = d.num_output_tokens or st.num_sent + len(d.token_ids)
-            num_new = min(total - st.num_sent, len(d.token_ids))
+            ids = d.token_ids  # one upb container lookup: field access is the cost on this path
+            num_ids = len(ids)
+            total = d.num_output_tokens or st.num_sent + num_ids
+            num_new = min(total - st.num_sent, num_ids)
             if num_new > 0:
-                tokens.extend(d.token_ids[len(d.token_ids) - num_new:])
+                tokens.extend(ids if num_new == num_ids else ids[num_ids - num_new:])
                 st.num_sent += num_new
             if d.num_prompt_tokens:
                 st.num_prompt_tokens, st.num_cached_tokens = d.num_prompt_tokens, d.num_cached_prompt_tokens

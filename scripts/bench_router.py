@@ -1,0 +1,520 @@
+"""Router overhead (GitHub issue 3): added TTFT against a worker called directly, and the streaming capacity of
+one router process, on 127.0.0.1 with real gRPC servers in separate processes.
+
+    .venv/bin/python scripts/bench_router.py [--time-scale 0.01] [--levels 1,8,32,128,256] [--profile py-spy]
+
+What it runs: `start_node` with `scripts/bench_router_node.yaml` (scheduler, one 8B colocated worker on an H200
+spec, router), the sim engine at a tiny time scale so the engine's modelled step is not the limit.
+1. TTFT: N sequential requests, alternating (a) straight to the worker through its internal RPCs, the way the
+   router calls it (one Attach session, `Generate` with the session id, first token on the session) and (b) through
+   the router with the SDK. Alternating puts both paths under the same machine load; the difference is the
+   router's added TTFT.
+2. Capacity: for each level C, a separate load process holds C concurrent SDK streams through the router (each
+   stream asks for `--max-tokens` tokens, a finished stream is replaced at once) while this process sends the same
+   alternating TTFT probes; streamed tokens/s are counted by the load process, the router's CPU from /proc.
+   "Added TTFT" at a level is probe P50 through the router minus probe P50 direct, both against the same loaded
+   worker.
+3. Profile: py-spy (or cProfile when py-spy cannot attach) on the router process under the top level's load.
+The figures go to stdout and `docs/bench/router.md`. Ratios are reported side by side from one run; nothing here
+asserts a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+import grpc  # noqa: E402
+
+from services.client import AsyncClient, build_request  # noqa: E402
+from services.launcher import start_node  # noqa: E402
+from services.rpc import convert  # noqa: E402
+from services.rpc.gen import worker_pb2 as w_pb  # noqa: E402
+from services.rpc.gen import worker_pb2_grpc as w_grpc  # noqa: E402
+
+NODE_YAML = REPO_ROOT / "scripts" / "bench_router_node.yaml"
+MODEL = "llama-3-8b"
+INSTANCE = "sm-0"
+PROMPT = [100 + i for i in range(32)]
+PROBE_MAX_TOKENS = 4
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+TARGET_ADDED_P50_MS = 2.0
+TARGET_TOKENS_PER_S = 50_000
+SEPARATE_CONNECTIONS = (("grpc.use_local_subchannel_pool", 1),)
+
+
+def cpu_s(pid: int) -> float:
+    """utime + stime of a process (all its threads), in seconds."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, round(q / 100.0 * (len(s) - 1))))]
+
+
+# ---- the two probe paths ---------------------------------------------------------------------------------------
+
+
+class DirectWorker:
+    """The worker called the way the router calls it: one Attach session, Generate carrying the session id."""
+
+    def __init__(self, address: str, time_scale: float) -> None:
+        self.channel = grpc.aio.insecure_channel(address)
+        self.stub = w_grpc.WorkerStub(self.channel)
+        self.session_id = uuid.uuid4().hex
+        self.time_scale = time_scale
+        self.first_s: dict[str, float] = {}
+        self.done: dict[str, asyncio.Event] = {}
+        self.attached = asyncio.Event()
+        self.task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self.task = asyncio.create_task(self._attach())
+        await asyncio.wait_for(self.attached.wait(), 10.0)
+
+    async def _attach(self) -> None:
+        async for batch in self.stub.Attach(w_pb.AttachRequest(session_id=self.session_id)):
+            now = time.perf_counter()
+            if batch.seq == 0:
+                self.attached.set()
+            for d in batch.deltas:
+                if d.token_ids and d.request_id not in self.first_s:
+                    self.first_s[d.request_id] = now
+                if d.finish_reason and d.request_id in self.done:
+                    self.done[d.request_id].set()
+
+    async def ttft_s(self) -> float:
+        request_id = uuid.uuid4().hex
+        public = build_request(MODEL, PROMPT, max_tokens=PROBE_MAX_TOKENS, ignore_eos=True)
+        self.done[request_id] = asyncio.Event()
+        t0 = time.perf_counter()
+        spec = convert.spec_from_public(public, request_id, time.monotonic() / self.time_scale)
+        await self.stub.Generate(
+            w_pb.WorkerGenerateRequest(session_id=self.session_id, spec=convert.spec_to_pb(spec)), timeout=30.0)
+        try:
+            await asyncio.wait_for(self.done[request_id].wait(), 30.0)
+        finally:
+            del self.done[request_id]
+        return self.first_s.pop(request_id) - t0
+
+    async def close(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+        await self.channel.close()
+
+
+async def router_ttft_s(client: AsyncClient) -> float:
+    t0 = time.perf_counter()
+    first = None
+    async for chunk in client.generate(MODEL, PROMPT, max_tokens=PROBE_MAX_TOKENS, ignore_eos=True, timeout_s=30.0):
+        if first is None and chunk.token_ids:
+            first = time.perf_counter()
+    return first - t0
+
+
+async def probe_pairs(direct: DirectWorker, client: AsyncClient, n: int, deadline: float | None = None,
+                      gap_s: float = 0.0) -> tuple[list[float], list[float]]:
+    """n alternating (direct, router) TTFTs in seconds; stops early at `deadline` (perf_counter)."""
+    d, r = [], []
+    for i in range(n):
+        if deadline is not None and time.perf_counter() > deadline:
+            break
+        if i % 2 == 0:
+            d.append(await direct.ttft_s())
+            r.append(await router_ttft_s(client))
+        else:
+            r.append(await router_ttft_s(client))
+            d.append(await direct.ttft_s())
+        if gap_s:
+            await asyncio.sleep(gap_s)
+    return d, r
+
+
+# ---- the load process ------------------------------------------------------------------------------------------
+
+
+async def load_main(args: argparse.Namespace) -> dict:
+    """C concurrent streams through the router; counts tokens received in [warmup, warmup + duration]."""
+    clients = [AsyncClient(args.router, channel_options=SEPARATE_CONNECTIONS) for _ in range(args.channels)]
+    t0 = time.perf_counter()
+    start, end = t0 + args.warmup_s, t0 + args.warmup_s + args.duration_s
+    counts = {"tokens": 0, "messages": 0, "finished": 0, "errors": 0}
+    error_samples: list[str] = []
+
+    async def stream(i: int) -> None:
+        client = clients[i % len(clients)]
+        while time.perf_counter() < end:
+            try:
+                async for chunk in client.generate(MODEL, PROMPT, max_tokens=args.max_tokens, ignore_eos=True):
+                    now = time.perf_counter()
+                    if start <= now <= end:
+                        counts["tokens"] += len(chunk.token_ids)
+                        counts["messages"] += 1
+                    if now > end:
+                        break
+                    if chunk.finish_reason is not None and start <= now:
+                        counts["finished"] += 1
+            except Exception as e:  # counted and reported: an error is a figure, not a crash of the bench
+                counts["errors"] += 1
+                if len(error_samples) < 3:
+                    error_samples.append(repr(e))
+                await asyncio.sleep(0.01)
+
+    # The parent starts its CPU window at "started" + warmup: tell it when the streams began.
+    print(json.dumps({"started": True}), flush=True)
+    await asyncio.gather(*(stream(i) for i in range(args.concurrency)))
+    for c in clients:
+        await c.close()
+    return {**counts, "duration_s": args.duration_s, "error_samples": error_samples}
+
+
+# ---- the capacity ramp -----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Level:
+    concurrency: int
+    tokens_per_s: float
+    messages_per_s: float
+    tokens_per_message: float
+    router_cpu: float  # cores
+    worker_cpu: float
+    load_cpu: float
+    direct_p50_ms: float
+    router_p50_ms: float
+    direct_p99_ms: float
+    router_p99_ms: float
+    num_probes: int
+    errors: int
+
+    @property
+    def added_p50_ms(self) -> float:
+        return self.router_p50_ms - self.direct_p50_ms
+
+    @property
+    def tokens_per_router_cpu_s(self) -> float:
+        return self.tokens_per_s / self.router_cpu if self.router_cpu > 0 else float("nan")
+
+
+def spawn_load(router: str, concurrency: int, args: argparse.Namespace) -> subprocess.Popen:
+    cmd = [sys.executable, __file__, "--load-child", "--router", router, "--concurrency", str(concurrency),
+           "--max-tokens", str(args.max_tokens), "--warmup-s", str(args.warmup_s),
+           "--duration-s", str(args.level_s), "--channels", str(min(concurrency, args.channels))]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT)
+
+
+def finish_child(proc: subprocess.Popen, timeout_s: float) -> dict:
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()  # this child only, by its PID
+        proc.communicate()
+        raise RuntimeError("the load process did not finish in time")
+    return json.loads(out.strip().splitlines()[-1])
+
+
+async def run_level(node, direct: DirectWorker, client: AsyncClient, concurrency: int, args: argparse.Namespace,
+                    profile_dir: Path | None) -> tuple[Level, dict | None]:
+    proc = spawn_load(node.router_address, concurrency, args)
+    await asyncio.get_running_loop().run_in_executor(None, proc.stdout.readline)  # {"started": true}
+    await asyncio.sleep(args.warmup_s)
+    pids = {"router": node.router.pid, "worker": node.workers[INSTANCE].pid, "load": proc.pid}
+    cpu0 = {k: cpu_s(p) for k, p in pids.items()}
+    t0 = time.perf_counter()
+    profiler = start_profile(node.router.pid, args, profile_dir) if profile_dir is not None else None
+    d, r = await probe_pairs(direct, client, 10_000, deadline=t0 + args.level_s - 0.2, gap_s=args.probe_gap_s)
+    elapsed = time.perf_counter() - t0
+    cpu1 = {k: cpu_s(p) for k, p in pids.items()}
+    profile = finish_profile(profiler) if profiler is not None else None
+    result = await asyncio.get_running_loop().run_in_executor(None, finish_child, proc, args.level_s + 60.0)
+    cpu = {k: (cpu1[k] - cpu0[k]) / elapsed for k in pids}
+    tps = result["tokens"] / result["duration_s"]
+    mps = result["messages"] / result["duration_s"]
+    level = Level(concurrency, tps, mps, result["tokens"] / max(1, result["messages"]), cpu["router"],
+                  cpu["worker"], cpu["load"], pct(d, 50) * 1e3, pct(r, 50) * 1e3, pct(d, 99) * 1e3,
+                  pct(r, 99) * 1e3, len(d), result["errors"])
+    if result["errors"]:
+        print(f"  level {concurrency}: {result['errors']} stream errors, e.g. {result['error_samples']}", flush=True)
+    return level, profile
+
+
+# ---- profiling -------------------------------------------------------------------------------------------------
+
+
+def start_profile(pid: int, args: argparse.Namespace, out_dir: Path):
+    py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    raw = out_dir / "router.pyspy.txt"
+    cmd = [py_spy, "record", "--pid", str(pid), "--duration", str(max(1, int(args.level_s - 1))), "--rate", "200",
+           "--format", "raw", "--output", str(raw), "--nonblocking", "--gil"]
+    log = open(out_dir / "py-spy.log", "w")
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), raw, log
+
+
+def finish_profile(profiler) -> dict:
+    proc, raw, log = profiler
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    log.close()
+    if proc.returncode != 0 or not raw.exists():
+        return {"ok": False, "error": Path(log.name).read_text()[-2000:]}
+    return {"ok": True, **summarise_collapsed(raw.read_text())}
+
+
+def _short(frame: str) -> str:
+    """'func (path/to/mod.py:123)' -> 'func (path/to/mod.py)' (repo- or site-packages-relative), so lines of one
+    function add up."""
+    name, _, where = frame.partition(" (")
+    file = where.rsplit(":", 1)[0].rstrip(")")
+    parts = Path(file).parts
+    if "site-packages" in parts:
+        file = "/".join(parts[parts.index("site-packages") + 1:])
+    elif file.startswith(str(REPO_ROOT) + "/"):
+        file = file[len(str(REPO_ROOT)) + 1:]
+    elif file.startswith("/"):
+        file = "/".join(parts[-2:])
+    return f"{name} ({file})"
+
+
+C_LEVEL = "grpc.aio + uvloop C code (the event loop with no Python frame on top: gRPC sends/receives, completions)"
+# Buckets for "where the time goes": the first matching frame (innermost first) of a stack names its bucket.
+BUCKETS = (
+    ("router: merge deltas into a response", ("_merge (router/servicer.py)",)),
+    ("router: per-message metrics (TTFT/ITL histograms)", ("_observe (router/servicer.py)", "itl (router/metrics.py)",
+                                                           "ttft (router/metrics.py)", "finished (router/metrics.py)")),
+    ("router: worker session, deltas in (on_delta)", ("on_delta (router/servicer.py)", "deliver (router/servicer.py)")),
+    ("router: admission + routing (policy)", ("_admit (router/servicer.py)",)),
+    ("router: dispatch to the worker (Generate RPC)", ("_dispatch (router/servicer.py)",
+                                                       "_colocated (router/servicer.py)")),
+    ("router: request set-up / tear-down", ("_untrack (router/servicer.py)", "_track (router/servicer.py)",
+                                            "_abort_on_workers (router/servicer.py)")),
+    ("router: Generate handler (stream loop, wakeups)", ("_responses (router/servicer.py)",
+                                                         "Generate (router/servicer.py)")),
+    ("router: worker session receive (Attach stream)", ("_attach_loop (router/pool.py)",)),
+    ("router: load reports (WatchLoad)", ("_load_loop (router/pool.py)",)),
+    ("grpc.aio Python layer (calls, streams)", ("grpc/aio/", "grpc/_")),
+    ("prometheus_client", ("prometheus_client/",)),
+    ("asyncio (Python)", ("asyncio/",)),
+)
+
+
+def summarise_collapsed(text: str) -> dict:
+    self_counts: collections.Counter[str] = collections.Counter()
+    incl_counts: collections.Counter[str] = collections.Counter()
+    bucket_counts: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in text.splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not stack or not n.isdigit():
+            continue
+        n = int(n)
+        total += n
+        frames = [_short(f) for f in stack.split(";") if f and not f.startswith("process ") and
+                  not f.startswith("thread ")]
+        if not frames:
+            continue
+        self_counts[frames[-1]] += n
+        for f in set(frames):
+            incl_counts[f] += n
+        if frames[-1].startswith(("Runner.run ", "run (uvloop")):
+            bucket_counts[C_LEVEL] += n
+            continue
+        for label, keys in BUCKETS:
+            if any(k in f for f in reversed(frames) for k in keys):
+                bucket_counts[label] += n
+                break
+        else:
+            bucket_counts["other"] += n
+    return {
+        "samples": total,
+        "self": [(f, c / total) for f, c in self_counts.most_common(15)],
+        "inclusive": [(f, c / total) for f, c in incl_counts.most_common(25)],
+        "buckets": [(b, c / total) for b, c in bucket_counts.most_common()],
+    }
+
+
+# ---- report ----------------------------------------------------------------------------------------------------
+
+
+def table(ttft: dict, levels: list[Level]) -> str:
+    lines = [
+        "| path | TTFT P50 ms | TTFT P99 ms | n |",
+        "|---|---:|---:|---:|",
+        f"| worker direct (Attach + Generate) | {ttft['direct_p50_ms']:.3f} | {ttft['direct_p99_ms']:.3f} | {ttft['n']} |",
+        f"| through the router (SDK) | {ttft['router_p50_ms']:.3f} | {ttft['router_p99_ms']:.3f} | {ttft['n']} |",
+        f"| **added by the router** | **{ttft['added_p50_ms']:.3f}** | **{ttft['added_p99_ms']:.3f}** | |",
+        "",
+        "| streams | tokens/s | msgs/s | tok/msg | router CPU (cores) | tokens per router CPU-s | worker CPU | "
+        "load CPU | probe TTFT P50 direct / router ms | added P50 ms | added P99 ms | errors |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for lv in levels:
+        lines.append(
+            f"| {lv.concurrency} | {lv.tokens_per_s:,.0f} | {lv.messages_per_s:,.0f} | {lv.tokens_per_message:.1f} | "
+            f"{lv.router_cpu:.2f} | {lv.tokens_per_router_cpu_s:,.0f} | {lv.worker_cpu:.2f} | {lv.load_cpu:.2f} | "
+            f"{lv.direct_p50_ms:.2f} / {lv.router_p50_ms:.2f} | {lv.added_p50_ms:.2f} | "
+            f"{lv.router_p99_ms - lv.direct_p99_ms:.2f} | {lv.errors} |")
+    return "\n".join(lines)
+
+
+def profile_text(profile: dict | None, concurrency: int) -> str:
+    if profile is None:
+        return "(no profile taken)"
+    if not profile["ok"]:
+        return f"py-spy could not record the router:\n\n```\n{profile['error']}\n```"
+    lines = [f"py-spy --gil, {profile['samples']} samples of the router at {concurrency} streams: only samples "
+             "where a thread held the GIL, so shares are of the router's busy Python/C-extension time (the gRPC "
+             "core's own threads are not in it).", "",
+             "Where the time goes (each stack counted once, in the first bucket its innermost frames match):", "",
+             "| bucket | share |", "|---|---:|"]
+    lines += [f"| {b} | {s:.1%} |" for b, s in profile["buckets"]]
+    lines += ["", "Top self time (innermost frame):", "", "| function | self |", "|---|---:|"]
+    lines += [f"| `{f}` | {s:.1%} |" for f, s in profile["self"]]
+    lines += ["", "Top inclusive time:", "", "| function | inclusive |", "|---|---:|"]
+    lines += [f"| `{f}` | {s:.1%} |" for f, s in profile["inclusive"]]
+    return "\n".join(lines)
+
+
+# ---- main ------------------------------------------------------------------------------------------------------
+
+
+async def bench(args: argparse.Namespace) -> None:
+    run_dir = Path(tempfile.mkdtemp(prefix="octoserve-bench-router-"))
+    node = start_node(str(args.config), args.time_scale, run_dir=run_dir, startup_timeout_s=60.0, grace_s=5.0)
+    try:
+        worker_address = node.workers[INSTANCE].address
+        direct = DirectWorker(worker_address, args.time_scale)
+        await direct.start()
+        client = AsyncClient(node.router_address)
+        await probe_pairs(direct, client, 20)  # warm both paths (channels, first-call costs)
+        d, r = await probe_pairs(direct, client, args.requests)
+        ttft = {"n": len(d), "direct_p50_ms": pct(d, 50) * 1e3, "direct_p99_ms": pct(d, 99) * 1e3,
+                "router_p50_ms": pct(r, 50) * 1e3, "router_p99_ms": pct(r, 99) * 1e3,
+                "direct_mean_ms": statistics.fmean(d) * 1e3, "router_mean_ms": statistics.fmean(r) * 1e3}
+        ttft["added_p50_ms"] = ttft["router_p50_ms"] - ttft["direct_p50_ms"]
+        ttft["added_p99_ms"] = ttft["router_p99_ms"] - ttft["direct_p99_ms"]
+        print(f"idle TTFT: direct P50 {ttft['direct_p50_ms']:.3f} ms, router P50 {ttft['router_p50_ms']:.3f} ms, "
+              f"added {ttft['added_p50_ms']:.3f} ms (P99 added {ttft['added_p99_ms']:.3f})", flush=True)
+        levels: list[Level] = []
+        profile = None
+        profile_dir = run_dir if args.profile == "py-spy" else None
+        top = max(args.levels)
+        for c in args.levels:
+            level, prof = await run_level(node, direct, client, c, args, profile_dir if c == top else None)
+            profile = prof or profile
+            levels.append(level)
+            print(f"  {c:4d} streams: {level.tokens_per_s:9,.0f} tok/s  router CPU {level.router_cpu:.2f}  "
+                  f"added P50 {level.added_p50_ms:.2f} ms  ({level.num_probes} probe pairs)", flush=True)
+        await client.close()
+        await direct.close()
+    finally:
+        codes = node.stop()
+    report = table(ttft, levels)
+    print("\n" + report)
+    print("\n" + profile_text(profile, top))
+    print(f"\nnode exit codes: {codes}; logs in {run_dir}")
+    if args.out:
+        write_doc(Path(args.out), args, ttft, levels, profile, top)
+        print(f"wrote {args.out}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"ttft": ttft, "levels": [lv.__dict__ for lv in levels],
+                                               "profile": profile}, indent=1, default=str))
+
+
+def write_doc(path: Path, args, ttft, levels, profile, top) -> None:
+    best = max(levels, key=lambda lv: lv.tokens_per_s)
+    cmd = " ".join(["python scripts/bench_router.py", *args.argv])
+    text = f"""# Router overhead and streaming capacity (issue 3)
+
+Generated by `scripts/bench_router.py` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; machine:
+{os.cpu_count()} CPU cores shared with other jobs (load average at the end: {os.getloadavg()[0]:.1f}), no GPU.
+
+Command: `{cmd.strip()}`
+
+Setup: `start_node` with `scripts/bench_router_node.yaml` (scheduler, one colocated llama-3-8b worker on an H200
+spec, router; each its own process, real gRPC on 127.0.0.1), sim engine at time scale {args.time_scale:g}
+(every modelled step x {args.time_scale:g}), so the worker's modelled GPU time is not the limit. Probes: a
+{len(PROMPT)}-token prompt, {PROBE_MAX_TOKENS} output tokens; "direct" is the worker's internal API used the way
+the router uses it (one Attach session, Generate with its session id, first token on the session), "router" is the
+SDK (`AsyncClient.generate`) through the router. The two alternate request by request, so both see the same load.
+Capacity: a separate load process holds C concurrent SDK streams of {args.max_tokens} tokens each (a finished
+stream is replaced at once); tokens/s are counted over {args.level_s:g} s after {args.warmup_s:g} s of warm-up;
+CPU is utime+stime from /proc over the same window.
+
+Targets: added TTFT P50 <= {TARGET_ADDED_P50_MS:g} ms; >= {TARGET_TOKENS_PER_S:,} streamed tokens/s per router process.
+
+## Figures
+
+{table(ttft, levels)}
+
+Best level: {best.concurrency} streams, {best.tokens_per_s:,.0f} tokens/s with the router at {best.router_cpu:.2f}
+cores ({best.tokens_per_router_cpu_s:,.0f} tokens per router CPU-second).
+
+## Profile of the router at {top} streams
+
+{profile_text(profile, top)}
+"""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default=str(NODE_YAML))
+    p.add_argument("--time-scale", type=float, default=0.01)
+    p.add_argument("--requests", type=int, default=200, help="sequential TTFT requests per path")
+    p.add_argument("--levels", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32, 128, 256])
+    p.add_argument("--level-s", type=float, default=6.0)
+    p.add_argument("--warmup-s", type=float, default=1.5)
+    p.add_argument("--max-tokens", type=int, default=1000)
+    p.add_argument("--channels", type=int, default=4, help="connections the load process spreads streams over")
+    p.add_argument("--probe-gap-s", type=float, default=0.02)
+    p.add_argument("--profile", choices=("py-spy", "none"), default="py-spy")
+    p.add_argument("--out", default=str(REPO_ROOT / "docs" / "bench" / "router.md"))
+    p.add_argument("--json", default=None)
+    # the load child
+    p.add_argument("--load-child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--router", default="", help=argparse.SUPPRESS)
+    p.add_argument("--concurrency", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--duration-s", type=float, default=5.0, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.argv = [a for a in (argv if argv is not None else sys.argv[1:])]
+    return args
+
+
+def main() -> int:
+    args = parse_args()
+    import uvloop
+
+    if args.load_child:
+        result = uvloop.run(load_main(args))
+        print(json.dumps(result), flush=True)
+        return 0
+    uvloop.run(bench(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
