@@ -298,14 +298,19 @@ def _cpu_e2e(model: ModelSpec, gpu: GpuSpec, profile: dict) -> dict:
         print(f"--e2e skipped: vLLM is not importable ({e})")
         return {}
     folder = build_test_model(Path(tempfile.mkdtemp()) / "tiny")
-    llm = LLM(model=str(folder), dtype="float32", max_model_len=1024, enforce_eager=True)
-    prompt = {"prompt_token_ids": list(range(10, 10 + 512))}
-    llm.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+    # On the CPU backend gpu_memory_utilization is a fraction of host memory: reserve little, and size the KV
+    # cache explicitly (1 GiB) as services/engine/vllm_engine.py does.
+    llm = LLM(model=str(folder), dtype="float32", max_model_len=1024, enforce_eager=True, max_num_seqs=4,
+              gpu_memory_utilization=0.1, kv_cache_memory_bytes=1 << 30)
+    def prompt(first_id: int) -> dict:  # distinct prompts: a repeated one would be a prefix-cache hit
+        return {"prompt_token_ids": list(range(first_id, first_id + 512))}
+
+    llm.generate([prompt(10)], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
     t0 = time.perf_counter()
-    llm.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True))
+    llm.generate([prompt(1000)], SamplingParams(max_tokens=1, ignore_eos=True))
     prefill_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    llm.generate([prompt], SamplingParams(max_tokens=65, ignore_eos=True))
+    llm.generate([prompt(2000)], SamplingParams(max_tokens=65, ignore_eos=True))
     decode_step_s = (time.perf_counter() - t0 - prefill_s) / 64
     cost = CostModel(model, gpu, 1, replace(DEFAULT_CONSTANTS, **profile, step_overhead_s=1e-6))
     gpu_decode_s = cost.decode_step_time_s(1, 512 + 32)
