@@ -25,9 +25,16 @@ from services.rpc.gen import worker_pb2_grpc as w_grpc
 
 log = logging.getLogger("octoserve.router.pool")
 
+# The token session's HTTP/2 window is bounded (no BDP probing, 64 KiB per stream, a few steps of StepBatches):
+# grpc.aio hands the router one message per event-loop cycle, so when the router is behind, an open window lets the
+# worker park seconds of steps in this process's gRPC buffers, invisible to Python, where every new request's first
+# token queues behind them (scripts/bench_router.py measured ~1 s added TTFT at 128 streams). A bounded window
+# keeps that backlog on the worker, where it can be sent as fewer, larger messages, and router latency bounded.
 CHANNEL_OPTIONS = (
     ("grpc.max_receive_message_length", 16 * 1024 * 1024),
     ("grpc.max_send_message_length", 16 * 1024 * 1024),
+    ("grpc.http2.bdp_probe", 0),
+    ("grpc.http2.lookahead_bytes", 64 * 1024),
 )
 RECONNECT_BACKOFF_S = (0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
 LOAD_INTERVAL_MS = 10

@@ -188,12 +188,55 @@ async def load_main(args: argparse.Namespace) -> dict:
     return {**counts, "duration_s": args.duration_s, "error_samples": error_samples}
 
 
+# ---- the gRPC floor: a bare grpc.aio server streaming one-token messages, no router logic ----------------------
+
+
+async def floor_main() -> None:
+    """What one streamed message costs grpc.aio itself on this machine: the router's per-token floor."""
+    from services.rpc.gen import generate_pb2 as gen_pb
+    from services.rpc.gen import generate_pb2_grpc as gen_grpc
+
+    class Bare(gen_grpc.GenerationServicer):
+        async def Generate(self, request, context):
+            for i in range(request.max_tokens):
+                yield gen_pb.GenerateResponse(token_ids=[i])
+
+    server = grpc.aio.server()
+    gen_grpc.add_GenerationServicer_to_server(Bare(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    print(port, flush=True)
+    await server.wait_for_termination()
+
+
+async def run_floor(concurrency: int, args: argparse.Namespace) -> dict:
+    server = subprocess.Popen([sys.executable, __file__, "--floor-child"], stdout=subprocess.PIPE, text=True,
+                              cwd=REPO_ROOT)
+    try:
+        port = int(await asyncio.get_running_loop().run_in_executor(None, server.stdout.readline))
+        proc = spawn_load(f"127.0.0.1:{port}", concurrency, args)
+        await asyncio.get_running_loop().run_in_executor(None, proc.stdout.readline)
+        await asyncio.sleep(args.warmup_s)
+        c0, t0 = cpu_s(server.pid), time.perf_counter()
+        await asyncio.sleep(args.level_s - 0.2)
+        cpu = (cpu_s(server.pid) - c0) / (time.perf_counter() - t0)
+        result = await asyncio.get_running_loop().run_in_executor(None, finish_child, proc, args.level_s + 60.0)
+    finally:
+        server.kill()  # this child only, by its PID
+        server.wait()
+    mps = result["messages"] / result["duration_s"]
+    return {"concurrency": concurrency, "messages_per_s": mps, "cpu": cpu,
+            "us_per_message": cpu / mps * 1e6 if mps else float("nan"),
+            "messages_per_cpu_s": mps / cpu if cpu else float("nan")}
+
+
 # ---- the capacity ramp -----------------------------------------------------------------------------------------
 
 
 @dataclass
 class Level:
     concurrency: int
+    offered_tokens_per_s: float  # what the worker's modelled steps would emit: C / (step time x time scale)
     tokens_per_s: float
     messages_per_s: float
     tokens_per_message: float
@@ -250,7 +293,8 @@ async def run_level(node, direct: DirectWorker, client: AsyncClient, concurrency
     cpu = {k: (cpu1[k] - cpu0[k]) / elapsed for k in pids}
     tps = result["tokens"] / result["duration_s"]
     mps = result["messages"] / result["duration_s"]
-    level = Level(concurrency, tps, mps, result["tokens"] / max(1, result["messages"]), cpu["router"],
+    offered = concurrency / (args.step_time_s(concurrency) * args.time_scale)
+    level = Level(concurrency, offered, tps, mps, result["tokens"] / max(1, result["messages"]), cpu["router"],
                   cpu["worker"], cpu["load"], pct(d, 50) * 1e3, pct(r, 50) * 1e3, pct(d, 99) * 1e3,
                   pct(r, 99) * 1e3, len(d), result["errors"])
     if result["errors"]:
@@ -358,7 +402,7 @@ def summarise_collapsed(text: str) -> dict:
 # ---- report ----------------------------------------------------------------------------------------------------
 
 
-def table(ttft: dict, levels: list[Level]) -> str:
+def table(ttft: dict, levels: list[Level], floor: dict) -> str:
     lines = [
         "| path | TTFT P50 ms | TTFT P99 ms | n |",
         "|---|---:|---:|---:|",
@@ -366,16 +410,28 @@ def table(ttft: dict, levels: list[Level]) -> str:
         f"| through the router (SDK) | {ttft['router_p50_ms']:.3f} | {ttft['router_p99_ms']:.3f} | {ttft['n']} |",
         f"| **added by the router** | **{ttft['added_p50_ms']:.3f}** | **{ttft['added_p99_ms']:.3f}** | |",
         "",
-        "| streams | tokens/s | msgs/s | tok/msg | router CPU (cores) | tokens per router CPU-s | worker CPU | "
+        "| streams | offered tok/s | tokens/s | msgs/s | tok/msg | router CPU (cores) | tokens per router CPU-s | worker CPU | "
         "load CPU | probe TTFT P50 direct / router ms | added P50 ms | added P99 ms | errors |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for lv in levels:
         lines.append(
-            f"| {lv.concurrency} | {lv.tokens_per_s:,.0f} | {lv.messages_per_s:,.0f} | {lv.tokens_per_message:.1f} | "
+            f"| {lv.concurrency} | {lv.offered_tokens_per_s:,.0f} | {lv.tokens_per_s:,.0f} | {lv.messages_per_s:,.0f} | {lv.tokens_per_message:.1f} | "
             f"{lv.router_cpu:.2f} | {lv.tokens_per_router_cpu_s:,.0f} | {lv.worker_cpu:.2f} | {lv.load_cpu:.2f} | "
             f"{lv.direct_p50_ms:.2f} / {lv.router_p50_ms:.2f} | {lv.added_p50_ms:.2f} | "
             f"{lv.router_p99_ms - lv.direct_p99_ms:.2f} | {lv.errors} |")
+    lines += [
+        "",
+        "| one streamed message, server CPU | us per message | messages per server CPU-s |",
+        "|---|---:|---:|",
+        f"| bare grpc.aio server (no router logic), {floor['concurrency']} streams | {floor['us_per_message']:.1f} | "
+        f"{floor['messages_per_cpu_s']:,.0f} |",
+    ]
+    for lv in levels:
+        if lv.tokens_per_s:
+            us = lv.router_cpu / lv.messages_per_s * 1e6 if lv.messages_per_s else float("nan")
+            lines.append(f"| router at {lv.concurrency} streams (Attach read + merge + write) | {us:.1f} | "
+                         f"{lv.messages_per_s / lv.router_cpu if lv.router_cpu else float('nan'):,.0f} |")
     return "\n".join(lines)
 
 
@@ -402,6 +458,10 @@ def profile_text(profile: dict | None, concurrency: int) -> str:
 
 async def bench(args: argparse.Namespace) -> None:
     run_dir = Path(tempfile.mkdtemp(prefix="octoserve-bench-router-"))
+    if args.worker_coalesce:  # the experiment: patch the worker's Attach (see scripts/bench_router_coalesce/)
+        os.environ["OCTOSERVE_BENCH_COALESCE"] = "1"
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT / "scripts" / "bench_router_coalesce"),
+                                                                 os.environ.get("PYTHONPATH")]))
     node = start_node(str(args.config), args.time_scale, run_dir=run_dir, startup_timeout_s=60.0, grace_s=5.0)
     try:
         worker_address = node.workers[INSTANCE].address
@@ -431,20 +491,52 @@ async def bench(args: argparse.Namespace) -> None:
         await direct.close()
     finally:
         codes = node.stop()
-    report = table(ttft, levels)
+    floor = await run_floor(args.floor_streams, args)
+    print(f"bare grpc.aio floor at {floor['concurrency']} streams: {floor['messages_per_s']:,.0f} msg/s at "
+          f"{floor['cpu']:.2f} cores = {floor['us_per_message']:.1f} us per message", flush=True)
+    report = table(ttft, levels, floor)
     print("\n" + report)
     print("\n" + profile_text(profile, top))
     print(f"\nnode exit codes: {codes}; logs in {run_dir}")
     if args.out:
-        write_doc(Path(args.out), args, ttft, levels, profile, top)
+        write_doc(Path(args.out), args, ttft, levels, profile, top, floor)
         print(f"wrote {args.out}")
     if args.json:
         Path(args.json).write_text(json.dumps({"ttft": ttft, "levels": [lv.__dict__ for lv in levels],
-                                               "profile": profile}, indent=1, default=str))
+                                               "profile": profile, "floor": floor}, indent=1, default=str))
 
 
-def write_doc(path: Path, args, ttft, levels, profile, top) -> None:
+def summary(ttft: dict, levels: list[Level], floor: dict) -> str:
+    """The verdict against the targets, from the figures of this run."""
+    efficient = max(levels, key=lambda lv: lv.tokens_per_router_cpu_s)
+    knee = next((lv for lv in levels if lv.added_p50_ms > 10 * max(1.0, ttft["added_p50_ms"])), None)
+    below = [lv for lv in levels if knee is None or lv.concurrency < knee.concurrency]
+    ttft_ok = "meets" if ttft["added_p50_ms"] <= TARGET_ADDED_P50_MS else "misses"
+    cap_ok = "meets" if efficient.tokens_per_router_cpu_s >= TARGET_TOKENS_PER_S else "misses"
+    lines = [
+        "## Verdict",
+        "",
+        f"- Added TTFT (idle node): P50 {ttft['added_p50_ms']:.2f} ms, P99 {ttft['added_p99_ms']:.2f} ms: "
+        f"{ttft_ok} the <= {TARGET_ADDED_P50_MS:g} ms P50 target.",
+        f"- Streaming: at most {max(lv.tokens_per_s for lv in levels):,.0f} tokens/s measured through the router on "
+        f"this shared machine; {efficient.tokens_per_router_cpu_s:,.0f} tokens per router CPU-second at "
+        f"{efficient.concurrency} streams ({efficient.tokens_per_message:.1f} tokens/message): {cap_ok} the "
+        f"{TARGET_TOKENS_PER_S:,} tokens/s per router process target. The bare grpc.aio ceiling is "
+        f"{floor['messages_per_cpu_s']:,.0f} one-token messages per CPU-second.",
+    ]
+    if knee is not None:
+        lines.append(
+            f"- The router's own latency rises at {knee.concurrency} streams (offered "
+            f"{knee.offered_tokens_per_s:,.0f} tok/s, served {knee.tokens_per_s:,.0f}): added TTFT P50 "
+            f"{knee.added_p50_ms:,.0f} ms. Up to {below[-1].concurrency if below else 0} streams it stays within "
+            "10x of the idle figure.")
+    return "\n".join(lines)
+
+
+def write_doc(path: Path, args, ttft, levels, profile, top, floor) -> None:
     best = max(levels, key=lambda lv: lv.tokens_per_s)
+    efficient = max(levels, key=lambda lv: lv.tokens_per_router_cpu_s)
+    notes = summary(ttft, levels, floor)
     cmd = " ".join(["python scripts/bench_router.py", *args.argv])
     text = f"""# Router overhead and streaming capacity (issue 3)
 
@@ -453,9 +545,14 @@ Generated by `scripts/bench_router.py` on {time.strftime('%Y-%m-%d %H:%M UTC', t
 
 Command: `{cmd.strip()}`
 
+{notes}
+
+Worker: {"patched by `scripts/bench_router_coalesce/` (Attach sends the StepBatches queued behind one as one message; an experiment, not the shipped worker)" if args.worker_coalesce else "as shipped"}.
+
 Setup: `start_node` with `scripts/bench_router_node.yaml` (scheduler, one colocated llama-3-8b worker on an H200
 spec, router; each its own process, real gRPC on 127.0.0.1), sim engine at time scale {args.time_scale:g}
-(every modelled step x {args.time_scale:g}), so the worker's modelled GPU time is not the limit. Probes: a
+(every modelled step x {args.time_scale:g}): "offered tok/s" is what the worker's modelled steps would emit at C
+streams (C / (decode step time x time scale)), so the ramp crosses the machine's capacity. Probes: a
 {len(PROMPT)}-token prompt, {PROBE_MAX_TOKENS} output tokens; "direct" is the worker's internal API used the way
 the router uses it (one Attach session, Generate with its session id, first token on the session), "router" is the
 SDK (`AsyncClient.generate`) through the router. The two alternate request by request, so both see the same load.
@@ -467,10 +564,14 @@ Targets: added TTFT P50 <= {TARGET_ADDED_P50_MS:g} ms; >= {TARGET_TOKENS_PER_S:,
 
 ## Figures
 
-{table(ttft, levels)}
+{table(ttft, levels, floor)}
 
-Best level: {best.concurrency} streams, {best.tokens_per_s:,.0f} tokens/s with the router at {best.router_cpu:.2f}
-cores ({best.tokens_per_router_cpu_s:,.0f} tokens per router CPU-second).
+Highest throughput: {best.concurrency} streams, {best.tokens_per_s:,.0f} tokens/s with the router at
+{best.router_cpu:.2f} cores. Most efficient: {efficient.concurrency} streams, {efficient.tokens_per_router_cpu_s:,.0f}
+tokens per router CPU-second, which is what one router process would stream given a whole core at
+{efficient.tokens_per_message:.1f} tokens per message. A bare grpc.aio server streams
+{floor['messages_per_cpu_s']:,.0f} one-token messages per CPU-second on this machine: that is the ceiling of any
+Python grpc.aio router at one token per message, before any router logic.
 
 ## Profile of the router at {top} streams
 
@@ -483,7 +584,9 @@ cores ({best.tokens_per_router_cpu_s:,.0f} tokens per router CPU-second).
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default=str(NODE_YAML))
-    p.add_argument("--time-scale", type=float, default=0.01)
+    p.add_argument("--time-scale", type=float, default=0.25,
+                   help="modelled step x K: 0.25 offers ~1k tok/s at 1 stream and ~69k at 256 (8B on H200)")
+    p.add_argument("--floor-streams", type=int, default=32)
     p.add_argument("--requests", type=int, default=200, help="sequential TTFT requests per path")
     p.add_argument("--levels", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32, 128, 256])
     p.add_argument("--level-s", type=float, default=6.0)
@@ -492,22 +595,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--channels", type=int, default=4, help="connections the load process spreads streams over")
     p.add_argument("--probe-gap-s", type=float, default=0.02)
     p.add_argument("--profile", choices=("py-spy", "none"), default="py-spy")
+    p.add_argument("--worker-coalesce", action="store_true",
+                   help="experiment: the worker sends the StepBatches queued behind one as one message")
     p.add_argument("--out", default=str(REPO_ROOT / "docs" / "bench" / "router.md"))
     p.add_argument("--json", default=None)
     # the load child
     p.add_argument("--load-child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--floor-child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--router", default="", help=argparse.SUPPRESS)
     p.add_argument("--concurrency", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--duration-s", type=float, default=5.0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.argv = [a for a in (argv if argv is not None else sys.argv[1:])]
+    args.step_time_s = _step_time_fn(args.config)
     return args
+
+
+def _step_time_fn(config_path: str):
+    """C -> the modelled decode step time of the bench worker at C running requests (context ~ half the output)."""
+    from services.config import load_node_config
+    from services.core.routing import build_cost_models
+
+    config = load_node_config(config_path)
+    cost = build_cost_models(config)[INSTANCE]
+    return lambda c: cost.decode_step_time_s(c, len(PROMPT) + 500)
 
 
 def main() -> int:
     args = parse_args()
     import uvloop
 
+    if args.floor_child:
+        uvloop.run(floor_main())
+        return 0
     if args.load_child:
         result = uvloop.run(load_main(args))
         print(json.dumps(result), flush=True)
