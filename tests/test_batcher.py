@@ -270,3 +270,31 @@ def test_a_request_that_can_never_be_admitted_is_rejected_at_once():
     b = make_batcher(num_blocks=3, block_size=4, reservation_policy="full")
     with pytest.raises(ValueError, match="needs 4 KV blocks at admission"):
         b.add_request(spec("a", prompt_len=8, max_tokens=8), 0.0)
+
+
+def test_slack_budget_lets_a_step_run_long_only_while_every_decode_keeps_its_mean_on_target():
+    # Linear step model: d decodes alone take 10 ms + 1 ms each; every prefill token adds 0.1 ms.
+    b = make_batcher(
+        num_blocks=1024,
+        max_num_batched_tokens=1000,
+        budget_by_num_decodes=(64, 64, 64),
+        tpot_target_s=0.020,
+        max_step_s=0.060,
+        decode_step_s_by_num_decodes=(0.010, 0.011, 0.012),
+        prefill_s_per_token=0.0001,
+    )
+    b.add_request(spec("a", prompt_len=4, max_tokens=100), 0.0)
+    step(b, now=0.0)  # a's first token at t=0.0
+    b.add_request(spec("big", prompt_len=2000, max_tokens=4, first=500), 0.0)
+    # At t=0.005, a has 0 tokens after its first: the step must end by 0.0 + 1 x 20 ms -> 15 ms left
+    # -> (0.015 - 0.011) / 0.0001 = 40 extra tokens; the sized floor (64) is larger, so 64.
+    plan, _ = step(b, now=0.005)
+    assert plan.num_batched_tokens == 64
+    # a has now banked slack: 1 token after its first, at t=0.005 -> next token due by 0.040; at t=0.006 the
+    # step may take 34 ms -> (0.034 - 0.011) / 0.0001 = 230 extra tokens, +1 decode = 231.
+    plan, _ = step(b, now=0.006)
+    assert plan.num_batched_tokens == 231
+    # No decodes at all: only max_step_s bounds it -> (0.060 - 0.010) / 0.0001 = 500 tokens.
+    b.abort("a")
+    plan, _ = step(b, now=1.0)
+    assert plan.num_batched_tokens == 500

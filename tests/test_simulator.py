@@ -108,7 +108,7 @@ def test_sim_tokens_are_deterministic_and_never_eos():
 
 
 def test_slo_sizing_chunks_a_long_prompt_so_no_step_exceeds_the_itl_target():
-    config = node([COLOCATED_8B])
+    config = node([COLOCATED_8B], slack_chunking=False)
     from services.sim.driver import NodeSimulator
 
     sim = NodeSimulator(config)
@@ -118,3 +118,15 @@ def test_slo_sizing_chunks_a_long_prompt_so_no_step_exceeds_the_itl_target():
     steps = -(-1000 // budget)
     assert rec.num_output_tokens == 2
     assert rec.first_token_s - 0.5 <= steps * 0.030  # every prefill chunk fits the ITL SLO
+
+
+def test_slack_chunking_prefills_a_lone_prompt_in_one_step_no_decode_waits_on():
+    config = node([COLOCATED_8B])
+    from services.sim.driver import NodeSimulator
+
+    sim = NodeSimulator(config)
+    cost = sim.instances["sm-0"].cost
+    rec = sim.run([one_request(prompt_len=1000, output_len=2)]).records[0]
+    one_step = cost.plan_time_s(StepPlan(1, (ScheduledChunk("r", 1000, 0, True),)), 16)
+    assert one_step < 3 * 0.0255  # within max_step_factor x the ITL target
+    assert rec.first_token_s == pytest.approx(0.5 + one_step, abs=1e-12)

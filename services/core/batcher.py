@@ -71,6 +71,12 @@ class BatcherConfig:
     predictor_prior_tokens: int = 512
     # Optional: number of decodes in a step -> token budget of that step (SLO sizing); () = always the budget above.
     budget_by_num_decodes: tuple[int, ...] = ()
+    # Slack-aware chunking (0 = off): a step may exceed the per-step budget above, up to `max_num_batched_tokens`
+    # and `max_step_s`, when every running decode keeps its mean time per output token under `tpot_target_s`.
+    tpot_target_s: float = 0.0
+    max_step_s: float = 0.0
+    decode_step_s_by_num_decodes: tuple[float, ...] = ()  # d -> step time of d decodes alone
+    prefill_s_per_token: float = 0.0  # marginal step time of one more prefill token
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
@@ -106,6 +112,7 @@ class Request:
         "num_swapped_blocks",
         "queue_key",
         "victim_key",
+        "first_token_s",
     )
 
     def __init__(self, spec: RequestSpec, queue_key: tuple, victim_key: tuple) -> None:
@@ -121,6 +128,7 @@ class Request:
         self.num_swapped_blocks = 0
         self.queue_key = queue_key
         self.victim_key = victim_key
+        self.first_token_s: float | None = None  # when its first output token was produced here (slack accounting)
 
     @property
     def num_tokens(self) -> int:
@@ -185,7 +193,10 @@ class Batcher:
 
     def schedule(self, now: float) -> StepPlan:
         decodes, prefills = self._split_running()
-        step = _StepBuilder(self.step_budget(len(decodes)))
+        budget = self.step_budget(len(decodes))
+        if self.config.tpot_target_s > 0 and (prefills or self._waiting):
+            budget = max(budget, self._slack_budget(decodes, now))
+        step = _StepBuilder(budget)
         self._schedule_running(step, decodes + prefills)
         if not step.preempted_ids:
             self._schedule_swapped(step)
@@ -205,6 +216,26 @@ class Batcher:
         if not table:
             return self.config.max_num_batched_tokens
         return table[min(num_decodes, len(table) - 1)]
+
+    def _slack_budget(self, decodes: list[Request], now: float) -> int:
+        """The largest budget whose step keeps every running decode's mean time per output token on target.
+
+        A decode that has produced k tokens after its first at `first_token_s` meets the TPOT target after this
+        step if the step ends by first_token_s + (k + 1) x target. The tightest request bounds the step; with no
+        decodes only `max_step_s` does (nobody waits on this step but the prompts in it).
+        """
+        cfg = self.config
+        allowed_s = cfg.max_step_s
+        for r in decodes:
+            if r.first_token_s is not None:
+                k = len(r.token_ids) - r.num_prompt_tokens - 1
+                allowed_s = min(allowed_s, r.first_token_s + (k + 1) * cfg.tpot_target_s - now)
+        table = cfg.decode_step_s_by_num_decodes
+        if not table or cfg.prefill_s_per_token <= 0:
+            return 0
+        base_s = table[min(len(decodes), len(table) - 1)]
+        extra_tokens = int((allowed_s - base_s) / cfg.prefill_s_per_token + 1e-9)  # no float round-down
+        return min(cfg.max_num_batched_tokens, len(decodes) + max(0, extra_tokens))
 
     def _split_running(self) -> tuple[list[Request], list[Request]]:
         """Running requests as (decodes, unfinished prefills), each in importance order. The hot path of a step:
@@ -347,6 +378,8 @@ class Batcher:
             if chunk.samples:
                 token_id = result.sampled_token_ids[req.request_id]
                 req.token_ids.append(token_id)
+                if req.first_token_s is None:
+                    req.first_token_s = now
                 finish = self._stop_reason(req, token_id)
                 outputs.append(self._output(req, (token_id,), finish))
                 if finish is FinishReason.HANDOFF:
@@ -449,6 +482,7 @@ class Batcher:
         self._num_reserved -= 1
         req.num_computed_tokens = req.num_prompt_tokens
         req.token_ids.append(first_token_id)
+        req.first_token_s = now
         self.kv.cache_computed(req.request_id, req.token_ids, req.num_computed_tokens)
         self._set_running(req)
         finish = self._stop_reason(req, first_token_id)

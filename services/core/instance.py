@@ -35,18 +35,10 @@ def instance_parts(node: NodeConfig, instance: InstanceConfig, cost_model: CostM
     model = node.models[instance.model]
     policies = node.policies
     cost_model = cost_model or CostModel(model, node.gpu, instance.tp)
-    max_num_seqs, budget, table = instance.max_num_seqs, instance.max_num_batched_tokens, ()
-    if policies.slo_sizing:
-        sized = size_for_slo(
-            cost_model, instance.role, itl_slo_ms=node.slo.itl_ms, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=budget,
-        )
-        max_num_seqs, budget, table = sized.max_num_seqs, sized.max_num_batched_tokens, sized.budget_by_num_decodes
+    sizing = _sizing_fields(node, instance, cost_model)
     swap_block_bytes = instance.block_size * model.kv_bytes_per_token
     batcher_config = BatcherConfig(
         role=instance.role,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=budget,
         max_model_len=model.max_context_len,
         queue_policy=policies.queue,
         reservation_policy=policies.reservation,
@@ -55,13 +47,38 @@ def instance_parts(node: NodeConfig, instance: InstanceConfig, cost_model: CostM
         eos_token_id=EOS_TOKEN_ID,
         tier_ttft_slo_ms=dict(node.slo.tier_ttft_ms),
         predictor_prior_tokens=policies.predicted_output_tokens,
-        budget_by_num_decodes=table,
+        **sizing,
     )
     return InstanceParts(
         batcher_config=batcher_config,
         num_kv_blocks=num_kv_blocks_for(node, instance),
         cost_model=cost_model,
     )
+
+
+def _sizing_fields(node: NodeConfig, instance: InstanceConfig, cost_model: CostModel) -> dict:
+    """The batcher's batch and budget fields: as configured, or SLO-sized (and slack-aware) per the policies."""
+    policies = node.policies
+    fields = dict(max_num_seqs=instance.max_num_seqs, max_num_batched_tokens=instance.max_num_batched_tokens)
+    if not policies.slo_sizing:
+        return fields
+    sized = size_for_slo(
+        cost_model, instance.role, itl_slo_ms=node.slo.itl_ms, max_num_seqs=instance.max_num_seqs,
+        max_num_batched_tokens=instance.max_num_batched_tokens,
+    )
+    fields.update(max_num_seqs=sized.max_num_seqs, max_num_batched_tokens=sized.max_num_batched_tokens)
+    if sized.budget_by_num_decodes:
+        fields["budget_by_num_decodes"] = sized.budget_by_num_decodes
+    if policies.slack_chunking and sized.decode_step_s_by_num_decodes:
+        fields.update(
+            # The configured budget stays the ceiling; the sized table is the floor of every step's budget.
+            max_num_batched_tokens=instance.max_num_batched_tokens,
+            tpot_target_s=sized.step_target_s,
+            max_step_s=sized.step_target_s * policies.max_step_factor,
+            decode_step_s_by_num_decodes=sized.decode_step_s_by_num_decodes,
+            prefill_s_per_token=sized.prefill_s_per_token,
+        )
+    return fields
 
 
 class LoadReporter:

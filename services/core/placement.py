@@ -100,6 +100,10 @@ class PolicyConfig:
     # Size each instance's step budget and decode batch from its cost model so a step fits the ITL SLO
     # (services/core/slo_sizing.py); only ever tightens the configured max_num_seqs / max_num_batched_tokens.
     slo_sizing: bool = True
+    # With slo_sizing: a step may run longer than the ITL target (up to max_step_factor x it) while every running
+    # decode keeps its mean time per output token on target (services/core/batcher.py, _slack_budget).
+    slack_chunking: bool = True
+    max_step_factor: float = 3.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -381,7 +385,7 @@ def _policies(raw: Mapping[str, Any], problems: list[str]) -> PolicyConfig:
     if picker not in ROUTING_PICKERS:
         problems.append(f"policies.picker: unknown picker {picker!r}; choose one of: {', '.join(ROUTING_PICKERS)}")
     bounds = _tier_map(raw.get("tier_queue_bound", {}), "policies.tier_queue_bound", problems, _default_tier_queue_bound(), int)
-    scalars = {k: raw[k] for k in ("ttft_slack", "predicted_output_tokens", "kv_watermark", "min_retry_after_ms", "swap_space_bytes") if k in raw}
+    scalars = {k: raw[k] for k in ("ttft_slack", "predicted_output_tokens", "kv_watermark", "min_retry_after_ms", "swap_space_bytes", "max_step_factor") if k in raw}
     for key, value in scalars.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
             problems.append(f"policies.{key} is {value!r}; set a number >= 0")
@@ -391,6 +395,7 @@ def _policies(raw: Mapping[str, Any], problems: list[str]) -> PolicyConfig:
         preemption=raw.get("preemption", base.preemption),
         admission=bool(raw.get("admission", base.admission)),
         slo_sizing=bool(raw.get("slo_sizing", base.slo_sizing)),
+        slack_chunking=bool(raw.get("slack_chunking", base.slack_chunking)),
         picker=picker,
         prefix_aware_routing=bool(raw.get("prefix_aware_routing", base.prefix_aware_routing)),
         tier_queue_bound=bounds,

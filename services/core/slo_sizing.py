@@ -15,6 +15,11 @@ Per role, with `target_s = itl_slo × headroom` (headroom < 1 leaves room for th
   step (`budget_by_num_decodes`), so an instance with few decodes prefills in bigger chunks at the same ITL.
 - prefill: no ITL to protect; keep the configured budget (large chunks are the most efficient prefill).
 Never larger than what the config asked for: sizing only tightens.
+
+The per-step cap is what pooled ITL needs; the per-request SLO (TPOT, as DistServe and `vllm bench serve` judge
+goodput) is an average, so the batcher may run a longer step when every running decode has banked enough slack
+(its steps so far were faster than the target): see `Batcher._slack_budget`. The linear step model below
+(`decode_step_s_by_num_decodes` + tokens x `prefill_s_per_token`) sizes those longer steps.
 """
 
 from __future__ import annotations
@@ -35,6 +40,10 @@ class SloSizing:
     # Colocated only: index d = number of decodes in the step -> token budget (decodes included) that keeps the
     # step under the target. A lightly loaded instance prefills in large chunks, a full one in small ones.
     budget_by_num_decodes: tuple[int, ...] = ()
+    # Colocated only, for slack-aware chunking (see Batcher): index d -> time of a step of d decodes alone, and
+    # the marginal time of one more prefill token; a linear model of longer steps.
+    decode_step_s_by_num_decodes: tuple[float, ...] = ()
+    prefill_s_per_token: float = 0.0
 
 
 def _largest(ok, lo: int, hi: int) -> int:
@@ -85,4 +94,8 @@ def size_for_slo(
         return min(max_num_batched_tokens, num_decodes + chunk)
 
     table = tuple(budget_with(d) for d in range(batch + 1))
-    return SloSizing(batch, table[-1], target_s, table)
+    base = tuple(cost.step_time_s([(1, context_tokens)] * d) for d in range(batch + 1))
+    # Marginal cost of prefill tokens measured between two large chunks: compute-bound, so close to linear.
+    big = max(CHUNK_QUANTUM * 2, max_num_batched_tokens)
+    per_token = (cost.step_time_s([(big, 0)]) - cost.step_time_s([(big // 2, 0)])) / (big - big // 2)
+    return SloSizing(batch, table[-1], target_s, table, base, per_token)
