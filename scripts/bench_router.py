@@ -411,13 +411,13 @@ def table(ttft: dict, levels: list[Level], floor: dict) -> str:
         f"| **added by the router** | **{ttft['added_p50_ms']:.3f}** | **{ttft['added_p99_ms']:.3f}** | |",
         "",
         "| streams | offered tok/s | tokens/s | msgs/s | tok/msg | router CPU (cores) | tokens per router CPU-s | worker CPU | "
-        "load CPU | probe TTFT P50 direct / router ms | added P50 ms | added P99 ms | errors |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "load CPU | probe pairs | probe TTFT P50 direct / router ms | added P50 ms | added P99 ms | errors |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for lv in levels:
         lines.append(
             f"| {lv.concurrency} | {lv.offered_tokens_per_s:,.0f} | {lv.tokens_per_s:,.0f} | {lv.messages_per_s:,.0f} | {lv.tokens_per_message:.1f} | "
-            f"{lv.router_cpu:.2f} | {lv.tokens_per_router_cpu_s:,.0f} | {lv.worker_cpu:.2f} | {lv.load_cpu:.2f} | "
+            f"{lv.router_cpu:.2f} | {lv.tokens_per_router_cpu_s:,.0f} | {lv.worker_cpu:.2f} | {lv.load_cpu:.2f} | {lv.num_probes} | "
             f"{lv.direct_p50_ms:.2f} / {lv.router_p50_ms:.2f} | {lv.added_p50_ms:.2f} | "
             f"{lv.router_p99_ms - lv.direct_p99_ms:.2f} | {lv.errors} |")
     lines += [
@@ -506,6 +506,30 @@ async def bench(args: argparse.Namespace) -> None:
                                                "profile": profile, "floor": floor}, indent=1, default=str))
 
 
+MECHANISM = """## How to read it
+
+- One streamed message costs a bare grpc.aio server ~30-40 us of CPU here (the floor row), so a Python grpc.aio
+  router at one token per message tops out near 25-35k tokens per CPU-second before any router logic. The router
+  adds reading the worker's StepBatch, `on_delta`, `_merge` and the ITL metric: the profile shows ~80 % of its busy
+  time in grpc.aio/uvloop C code and ~20 % in router Python. 50k tokens/s per process therefore needs more than one
+  token per client message under load, or more than one router process.
+- grpc.aio gives the router one worker message per event-loop cycle, and each cycle also writes one message per
+  stream, so at one token per message the router's cycle rate caps the steps/s it can forward. Before the bounded
+  HTTP/2 window in `router/pool.py`, a worker faster than that parked its StepBatches in the router's own gRPC
+  buffers (BDP-grown windows, invisible to Python), and every new request's first token queued behind them: seconds
+  of added TTFT once offered tokens/s exceeded what the router could forward.
+- With the bounded window the backlog stays on the worker. The shipped worker still sends one StepBatch per step,
+  so the router's per-token cost and the latency knee barely move; with `--worker-coalesce` (the worker sends the
+  StepBatches queued behind one as one message, `scripts/bench_router_coalesce/`), the router's `_merge` turns the
+  backlog into multi-token messages: tokens per message rises with load, tokens per router CPU-second rises with it,
+  and the added TTFT past the knee stays in the hundreds of ms instead of seconds. That worker change (~15 lines in
+  decode_worker/servicer.py `Attach`) is the recommended next step; it is not made here (not this task's files).
+- The machine: 2 cores shared with other engineers' jobs, so absolute tokens/s depend on what else runs; the
+  per-CPU-second columns and the side-by-side direct/router probes are the comparable figures. Probe counts at the
+  top levels are small (each probe takes as long as the backlog), so their P50/P99 are indicative only.
+"""
+
+
 def summary(ttft: dict, levels: list[Level], floor: dict) -> str:
     """The verdict against the targets, from the figures of this run."""
     efficient = max(levels, key=lambda lv: lv.tokens_per_router_cpu_s)
@@ -572,6 +596,8 @@ tokens per router CPU-second, which is what one router process would stream give
 {efficient.tokens_per_message:.1f} tokens per message. A bare grpc.aio server streams
 {floor['messages_per_cpu_s']:,.0f} one-token messages per CPU-second on this machine: that is the ceiling of any
 Python grpc.aio router at one token per message, before any router logic.
+
+{MECHANISM}
 
 ## Profile of the router at {top} streams
 
