@@ -298,3 +298,14 @@ def test_slack_budget_lets_a_step_run_long_only_while_every_decode_keeps_its_mea
     b.abort("a")
     plan, _ = step(b, now=1.0)
     assert plan.num_batched_tokens == 500
+
+
+def test_edf_demotes_a_request_whose_own_prefill_already_misses_its_deadline():
+    # 0.1 ms per prompt token: a 3,000-token prompt needs 300 ms > its 250 ms STANDARD SLO -> BATCH deadline.
+    b = make_batcher(num_blocks=2048, max_num_seqs=1, max_num_batched_tokens=4096, prefill_s_per_token=0.0001)
+    b.add_request(spec("long", prompt_len=3000, arrival=0.0, max_tokens=1, first=100), 0.0)
+    b.add_request(spec("short", prompt_len=100, arrival=0.1, max_tokens=1, first=5000), 0.1)
+    assert b.request("long").queue_key == (10.0, int(Priority.BATCH))
+    assert b.request("short").queue_key == (0.35, int(Priority.STANDARD))
+    plan, _ = step(b, now=0.1)
+    assert [c.request_id for c in plan.chunks] == ["short"]

@@ -184,7 +184,8 @@ class Batcher:
             )
 
     def _new_request(self, spec: RequestSpec) -> Request:
-        return Request(spec, self._queue_key(spec, self.config.tier_ttft_slo_ms), self._victim_key(spec))
+        prefill_s = spec.num_prompt_tokens * self.config.prefill_s_per_token  # 0 when no cost estimate is given
+        return Request(spec, self._queue_key(spec, self.config.tier_ttft_slo_ms, prefill_s), self._victim_key(spec))
 
     def request(self, request_id: str) -> Request | None:
         return self._requests.get(request_id)

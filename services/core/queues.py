@@ -8,7 +8,9 @@ no clock. A request preempted by recompute re-enters with its original key, so i
   starve BATCH: use it only where that is wanted.
 - `edf`: earliest TTFT deadline first, deadline = arrival + the tier's TTFT SLO. This is priority with aging built
   in: a BATCH request (SLO e.g. 10 s) waiting since t0 precedes an INTERACTIVE request (200 ms) that arrives after
-  t0 + 9.8 s, so no tier starves, and within a tier it is FCFS.
+  t0 + 9.8 s, so no tier starves, and within a tier it is FCFS. A request whose own prefill alone already
+  exceeds its SLO cannot meet its deadline whatever the order; serving it first would only make the requests
+  behind it miss theirs too, so it is demoted to the BATCH tier's deadline (still served, never starved).
 """
 
 from __future__ import annotations
@@ -20,24 +22,27 @@ from typing import Generic, TypeVar
 from services.core.registry import Registry
 from services.core.types import Priority, RequestSpec
 
-# (spec, default TTFT SLO per tier in ms) -> sort key; smaller keys are served first.
-QueueKey = Callable[[RequestSpec, Mapping[Priority, float]], tuple]
+# (spec, default TTFT SLO per tier in ms, estimated own prefill time in s) -> sort key; smaller keys first.
+QueueKey = Callable[[RequestSpec, Mapping[Priority, float], float], tuple]
 
 QUEUE_POLICIES: Registry[QueueKey] = Registry("queue policy")
 
 
 @QUEUE_POLICIES.register("fcfs")
-def fcfs_key(spec: RequestSpec, tier_ttft_slo_ms: Mapping[Priority, float]) -> tuple:
+def fcfs_key(spec: RequestSpec, tier_ttft_slo_ms: Mapping[Priority, float], prefill_s: float = 0.0) -> tuple:
     return (spec.arrival_s,)
 
 
 @QUEUE_POLICIES.register("priority")
-def priority_key(spec: RequestSpec, tier_ttft_slo_ms: Mapping[Priority, float]) -> tuple:
+def priority_key(spec: RequestSpec, tier_ttft_slo_ms: Mapping[Priority, float], prefill_s: float = 0.0) -> tuple:
     return (int(spec.priority), spec.arrival_s)
 
 
 @QUEUE_POLICIES.register("edf")
-def edf_key(spec: RequestSpec, tier_ttft_slo_ms: Mapping[Priority, float]) -> tuple:
+def edf_key(spec: RequestSpec, tier_ttft_slo_ms: Mapping[Priority, float], prefill_s: float = 0.0) -> tuple:
+    slo_ms = spec.ttft_slo_ms if spec.ttft_slo_ms is not None else tier_ttft_slo_ms[spec.priority]
+    if prefill_s * 1000.0 > slo_ms:  # infeasible: demoted to background
+        return (spec.arrival_s + tier_ttft_slo_ms[Priority.BATCH] / 1000.0, int(Priority.BATCH))
     return (spec.ttft_deadline_s(tier_ttft_slo_ms[spec.priority]), int(spec.priority))
 
 
