@@ -86,8 +86,11 @@ class DecodeWorkerServicer(WorkerBase):
         try:
             yield w_pb.StepBatch(seq=0)  # confirms the session: the router may submit requests from now on
             while (batch := await session.batches.get()) is not None:
+                batch, closed = _coalesce(batch, session.batches)
                 self.metrics.step_batch.observe(len(batch.deltas))
                 yield batch
+                if closed:
+                    break
         finally:
             await self._detach(session)
 
@@ -227,3 +230,18 @@ class DecodeWorkerServicer(WorkerBase):
         await self.engine.abort(request_id)
         if task is not None:
             task.cancel()
+
+
+def _coalesce(batch: w_pb.StepBatch, queue: asyncio.Queue) -> tuple[w_pb.StepBatch, bool]:
+    """Fold the step batches already queued behind `batch` into it: when the router reads slower than the engine
+    steps, it then gets several steps' tokens per message instead of a growing backlog of one-step messages
+    (gRPC's per-message cost, not the tokens, is what bounds a router). Deltas keep their order; the merged
+    batch carries the newest seq. Returns (batch, whether the session was closed behind it)."""
+    while not queue.empty():
+        more = queue.get_nowait()
+        if more is None:
+            return batch, True
+        batch.deltas.extend(more.deltas)
+        batch.seq = more.seq
+    return batch, False
+
