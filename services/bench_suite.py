@@ -590,27 +590,29 @@ Reading the headline (the numbers above are this run's; the mechanisms below are
 - **Every policy's SLO capacity is a small fraction of the roofline**, because the 70B (25 % of requests, prompts
   lognormal around 1,000 tokens with a long tail) runs at TP=4 beside four 8B replicas. Each 70B step pays ~14.5 ms
   of weight streaming, all-reduce latency and overhead before any token, so a step that keeps the 30 ms ITL carries
-  a prefill chunk of only ~130 tokens: ~5.5k prefill tokens/s instead of ~11k at full speed. Long 70B prompts then
-  miss the 250 ms TTFT however idle the node is, and from ~4 req/s of 70B traffic octoserve refuses 70B requests to
-  keep the ones it admits inside both SLOs. Refused requests count as misses in the capacity definition.
-- **vllm-default wins at low load under DistServe's definition** (per-request mean TPOT, not per-token ITL): its
-  8,192-token steps prefill the 70B at full speed, and at low load the occasional 100-200 ms mixed step is
-  amortised over a request's ~400 tokens, so mean TPOT stays under 30 ms. Its pooled ITL P95 breaks the 30 ms SLO
-  from ~1x roofline on (see the table), and at the peak it collapses (goodput ~0: every request queues).
-  octoserve's ITL-sized steps (services/core/slo_sizing.py) protect every token instead, which costs the 70B its
-  prefill rate. That is the main reason the 2x target is missed.
+  a prefill chunk of only ~130 tokens. octoserve's slack-aware chunking (services/core/batcher.py `_slack_budget`)
+  runs longer steps, up to 3x the ITL target, whenever every running decode's mean time per token has banked
+  the slack; that restores most of the 70B's prefill rate at low load while keeping ITL P95 under 30 ms. Long 70B
+  prompts still miss the 250 ms TTFT however idle the node is (EDF demotes them to the background deadline), and
+  from ~3-4 req/s of 70B traffic octoserve refuses 70B requests to keep the ones it admits inside both SLOs.
+  Refused requests count as misses in the capacity definition, so the 70B's share caps every policy's capacity.
+- **vllm-default holds up at low load under DistServe's definition** (per-request mean TPOT, not per-token ITL):
+  its 8,192-token steps prefill the 70B at full speed, and the occasional 100-200 ms mixed step is amortised over a
+  request's ~400 tokens. Its pooled ITL P95 breaks the 30 ms SLO from ~1x roofline on (see the table), and at the
+  peak it collapses (goodput ~0: every request queues). octoserve matches it at low load and is the only policy
+  that does not collapse under overload, which is why the 2x capacity target is missed while the overload targets
+  are met: at low load there is nothing to shed, and the 70B's TTFT arithmetic is the same for both.
 - **Overload is where octoserve's policies pay off**: at 1.5x roofline and at the 300 req/s peak its goodput stays
   ~100 req/s with >= 95 % of admitted requests meeting both SLOs and ITL P95 under 30 ms, while every policy
   without early refusal (vllm-default, sarathi, distserve, octoserve-no-refusal) collapses to a few req/s.
-- **sarathi** is limited by the same arithmetic as octoserve's sizing but without refusal: its ITL-safe budget
-  (96 tokens on the 70B) makes prefill so slow that queues grow from the lowest loads. **distserve** on this node
-  has to put the 70B at TP=2 (a TP=4 prefill + TP=4 decode pair leaves no GPUs for the 8B), whose decode step
-  is ~27 ms at batch 1: almost no ITL headroom, and a 4,096-token prefill instance with little KV.
+- **sarathi** is limited by a fixed ITL-safe budget (96 tokens on the 70B) without refusal: prefill is so slow
+  that queues grow from the lowest loads. **distserve** on this node has to put the 70B at TP=2 (a TP=4 prefill +
+  TP=4 decode pair leaves no GPUs for the 8B), whose decode step is ~27 ms at batch 1: almost no ITL headroom,
+  and a 4,096-token prefill instance with little KV.
 - Ablations: no refusal is the one that matters (capacity and peak goodput collapse); cache-blind routing and full
-  reservation change little on seed-000 (10 % prefix reuse; KV is far from full at the 70B's refused-down load).
-- What would lift the SLO capacity: a TPOT-budgeted chunk size (large chunks while running requests' mean TPOT
-  has slack) instead of a per-step ITL cap; the 70B at TP=8 under gang leases time-shared with the 8B; or a
-  disaggregated 70B with prefill at TP=4, none of which this placement space offers today.
+  reservation change little on seed-000 (10 % prefix reuse; with ITL-sized batches KV is far from full).
+- What would lift the SLO capacity further: the 70B at TP=8 under gang leases time-shared with the 8B, or a
+  disaggregated 70B with prefill at TP=4, neither of which this placement space offers today.
 - Probes are 10 s windows (~35 70B requests at 15 req/s): each capacity is +- one bisection step and a few
   percent of attainment; the bracket column shows the first failing rate.
 """
