@@ -1,17 +1,23 @@
-"""Baseline for the vLLM-vs-octoserve comparison: vLLM's own OpenAI server under an open-loop load, same model.
+"""vLLM alone vs octoserve (router -> vllm worker) on the same tiny model, same open-loop traces, side by side.
 
-Job: start `python -m vllm.entrypoints.openai.api_server` on 127.0.0.1 with the tiny test model (built if the
-folder is missing), send `--num-requests` streaming greedy completions (token-id prompts, `ignore_eos`, so every
-request produces exactly `--max-tokens` tokens) at Poisson arrivals of `--rate` req/s, and report TTFT, ITL and
-output throughput. The server is stopped by its PID at the end, whatever happens.
+Job: for each rate, one seeded trace (Poisson arrivals, random token-id prompts, output lengths) is replayed
+(a) against `python -m vllm.entrypoints.openai.api_server` (streaming /v1/completions, greedy, `ignore_eos`,
+    `max_tokens` = the trace's output length), then, after that server is stopped,
+(b) against `octoserve up --engine vllm` with `services/configs/tiny-vllm.yaml` (scheduler, one colocated vLLM
+    worker with the same engine settings, router), through `services.loadgen.run_bench` in `max-tokens` mode,
+and reports throughput, TTFT and ITL P50/P95, goodput and the octoserve/vLLM ratios as a markdown table.
+Each side runs `--sessions` times (server start, every rate, stop), alternated vLLM, octoserve, octoserve, vLLM, ...
+so that load from other tenants of a shared machine lands on both; a rate's numbers pool its sessions.
 
-The octoserve half runs against the same model folder with octoserve's own tools:
-`octoserve up --engine vllm --model DIR --config NODE.yaml` then
-`octoserve bench --target 127.0.0.1:50051 --output-len-mode max-tokens --json octoserve.json`;
-compare the two JSON summaries (both use `vllm bench serve` metric definitions).
+Metric definitions (one function for both sides, as `vllm bench serve` defines them): TTFT from the moment the
+request was sent to its first token; ITL = gaps between successive streamed messages; TPOT = (E2E - TTFT) /
+(tokens - 1) per request; output throughput = tokens of completed requests / (last finish - first send).
+Goodput = requests that completed with TTFT <= --ttft-slo-ms and TPOT <= --tpot-slo-ms, per second of the
+arrival window. Refused requests (octoserve's early RESOURCE_EXHAUSTED) count against goodput like late ones.
 
-Invariants: loopback only; bounded (request count, per-request timeout, server start timeout); seeded arrivals
-and prompts, so two runs send the same trace.
+Invariants: loopback only; the two servers never run at once (memory); every process this script starts is
+stopped by its PID; bounded (request count, per-request timeout, start timeouts); seeded, so two runs send the
+same traces.
 """
 
 from __future__ import annotations
@@ -24,35 +30,139 @@ import random
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+MODEL_NAME = "tiny-llama"  # the served name in tiny-vllm.yaml; vLLM's server gets the same one
+TINY_CONFIG = REPO_ROOT / "services" / "configs" / "tiny-vllm.yaml"
+# Engine settings both sides share (tiny-vllm.yaml's instance: max_num_seqs 16, 1024 batched tokens, prefix cache).
+ISOLATED_GAP_S = 0.5
+COALESCE_S = 1e-3  # well under one decode step (~5 ms here)
+MAX_MODEL_LEN = 1024
+MAX_NUM_SEQS = 16
+MAX_NUM_BATCHED_TOKENS = 1024
+KV_CACHE_GIB = 1.0
 
 
 @dataclass(frozen=True, slots=True)
-class Record:
-    ttft_s: float
-    itl_s: tuple[float, ...]
+class Req:
+    request_id: str
+    arrival_s: float
+    prompt: tuple[int, ...]
+    output_len: int
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """One request as the client saw it; times in seconds from the run's start on the client's clock."""
+
+    sent_s: float
+    token_times_s: tuple[float, ...]  # arrival of each token; tokens read in one message share a time
     num_output_tokens: int
-    e2e_s: float
+    finish_s: float | None
+    refused: bool = False
+    error: str = ""
+
+    @property
+    def completed(self) -> bool:
+        return not self.refused and not self.error and bool(self.token_times_s)
 
 
-def start_server(model_dir: Path, port: int, args: argparse.Namespace) -> subprocess.Popen:
+def make_trace(rate: float, num_requests: int, prompt_len: int, mean_output_len: int, seed: int) -> list[Req]:
+    """Poisson arrivals at `rate`; rate 0 is the isolated probe: one request every ISOLATED_GAP_S, 16 tokens each,
+    so no two overlap and the latencies are the path's own."""
+    rng = random.Random(seed)
+    at, trace = 0.0, []
+    for i in range(num_requests):
+        at += rng.expovariate(rate) if rate > 0 else ISOLATED_GAP_S
+        prompt = tuple(rng.randrange(3, 4000) for _ in range(prompt_len))
+        out = rng.randint(mean_output_len // 2, mean_output_len * 3 // 2) if rate > 0 else 16
+        trace.append(Req(f"r{seed}-{i}", at, prompt, out))
+    return trace
+
+
+def label(rate: float) -> str:
+    return f"{rate:g}" if rate > 0 else "isolated"
+
+
+# ---- metrics -----------------------------------------------------------------------------------------------------
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def coalesce(o: Outcome) -> Outcome:
+    """Tokens read within COALESCE_S of the previous one were one delivery (a burst the client read from its buffer):
+    they get the burst's first time, on both sides alike. Without it, gRPC's per-message reads of a burst look like
+    0.1 ms ITLs while the HTTP side's one read per burst looks like one long gap split k ways."""
+    times = list(o.token_times_s)
+    for i in range(1, len(times)):
+        if times[i] - times[i - 1] < COALESCE_S:
+            times[i] = times[i - 1]
+    return Outcome(o.sent_s, tuple(times), o.num_output_tokens, o.finish_s, o.refused, o.error)
+
+
+def summarize(sessions: list[list[Outcome]], trace: list[Req], ttft_slo_s: float, tpot_slo_s: float) -> dict:
+    """One rate's outcomes from every session of one side (each session replayed the same `trace`), pooled:
+    percentiles over all requests, throughput = all tokens / all sessions' spans, goodput per arrival window."""
+    from services.metrics import itl_gaps_s  # the project's ITL: a k-token message splits its gap k ways
+
+    outcomes = [coalesce(o) for outs in sessions for o in outs]
+    done = [o for o in outcomes if o.completed]
+    ttft = [o.token_times_s[0] - o.sent_s for o in done]
+    itl = [g for o in done for g in itl_gaps_s(o.token_times_s)]
+    tpot_of = lambda o: (o.token_times_s[-1] - o.token_times_s[0]) / (len(o.token_times_s) - 1)  # noqa: E731
+    tpot = [tpot_of(o) for o in done if len(o.token_times_s) > 1]
+    good = sum(1 for o in done if o.token_times_s[0] - o.sent_s <= ttft_slo_s
+               and (len(o.token_times_s) <= 1 or tpot_of(o) <= tpot_slo_s))
+    span_s = sum(max((o.finish_s or o.sent_s for o in outs), default=0.0) - min((o.sent_s for o in outs), default=0.0)
+                 for outs in sessions)
+    window_s = max(trace[-1].arrival_s, 1e-9) * len(sessions)
+    out_tokens = sum(o.num_output_tokens for o in done)
+    ms = lambda x: None if x is None else round(x * 1000.0, 1)  # noqa: E731
+    return {
+        "num_requests": len(outcomes), "completed": len(done), "refused": sum(o.refused for o in outcomes),
+        "failed": sum(bool(o.error) for o in outcomes), "short": sum(
+            o.num_output_tokens != r.output_len for outs in sessions for o, r in zip(outs, trace) if o.completed),
+        "output_tokens_per_s": round(out_tokens / max(span_s, 1e-9), 1),
+        "requests_per_s": round(len(done) / max(span_s, 1e-9), 2),
+        "ttft_p50_ms": ms(_pct(ttft, 0.5)), "ttft_p95_ms": ms(_pct(ttft, 0.95)),
+        "itl_p50_ms": ms(_pct(itl, 0.5)), "itl_p95_ms": ms(_pct(itl, 0.95)),
+        "tpot_p50_ms": ms(_pct(tpot, 0.5)), "mean_ttft_ms": ms(statistics.mean(ttft)) if ttft else None,
+        "good": good, "goodput_rps": round(good / window_s, 2), "attainment": round(good / len(outcomes), 3),
+        "errors": sorted({o.error[:120] for o in outcomes if o.error})[:3],
+    }
+
+
+# ---- (a) vLLM's own OpenAI server --------------------------------------------------------------------------------
+
+
+def start_vllm_server(model_dir: Path, port: int, log_path: Path) -> subprocess.Popen:
     cmd = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-        "--served-model-name", "tiny-llama", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-        "--enforce-eager", "--max-model-len", str(args.max_model_len),
-        "--kv-cache-memory-bytes", str(int(args.kv_cache_gib * (1 << 30))), "--scheduling-policy", "priority",
-        "--max-num-seqs", str(args.max_num_seqs), "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning",
+        "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+        "--enforce-eager", "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS),
+        "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS), "--enable-prefix-caching",
+        "--kv-cache-memory-bytes", str(int(KV_CACHE_GIB * (1 << 30))), "--seed", "0",
+        "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning",
     ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override --kv-cache-memory-bytes
-    log = open(Path(args.log), "w")
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    with open(log_path, "w") as log:
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
-def wait_healthy(proc: subprocess.Popen, port: int, timeout_s: float) -> None:
+def wait_http_healthy(proc: subprocess.Popen, port: int, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -63,110 +173,208 @@ def wait_healthy(proc: subprocess.Popen, port: int, timeout_s: float) -> None:
                     return
         except OSError:
             pass
-        time.sleep(1.0)
+        time.sleep(0.5)
     raise TimeoutError(f"vLLM server not healthy after {timeout_s:g} s")
 
 
-async def one_request(session, port: int, prompt: list[int], max_tokens: int, timeout_s: float) -> Record:
+def stop_process(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
+    if proc.poll() is None:
+        proc.terminate()  # this process only, by its PID; vLLM's server stops its engine core itself
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+async def _vllm_one(session, port: int, req: Req, t0: float, timeout_s: float) -> Outcome:
     import aiohttp
 
-    body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-            "ignore_eos": True, "stream": True}
-    t0 = time.monotonic()
+    body = {"model": MODEL_NAME, "prompt": list(req.prompt), "max_tokens": req.output_len, "temperature": 0.0,
+            "ignore_eos": True, "stream": True, "return_token_ids": True}
+    sent = time.monotonic() - t0
     times: list[float] = []
-    timeout = aiohttp.ClientTimeout(total=timeout_s)
-    async with session.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=timeout) as resp:
-        resp.raise_for_status()
-        async for raw in resp.content:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("choices") and chunk["choices"][0].get("text") is not None:
-                times.append(time.monotonic())
-    if not times:
-        raise RuntimeError("stream ended without tokens")
-    itl = tuple(b - a for a, b in zip(times, times[1:]))
-    return Record(times[0] - t0, itl, len(times), times[-1] - t0)
+    buf = b""
+    try:
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        async with session.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=timeout) as resp:
+            if resp.status != 200:
+                return Outcome(sent, (), 0, None, refused=resp.status == 429, error=f"HTTP {resp.status}")
+            # One time per network read, shared by every event in it: the same rule as a gRPC message that
+            # carries several tokens on the octoserve side.
+            async for data in resp.content.iter_any():
+                now = time.monotonic() - t0
+                buf += data
+                *lines, buf = buf.split(b"\n")
+                for raw in lines:
+                    line = raw.decode().strip()
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    # Token ids, not text: a token that completes no character streams an empty text delta.
+                    ids = chunk["choices"][0].get("token_ids") if chunk.get("choices") else None
+                    times.extend([now] * len(ids or ()))
+    except (asyncio.TimeoutError, aiohttp.ClientError) as e:
+        return Outcome(sent, tuple(times), len(times), None, error=f"{type(e).__name__}: {e}")
+    return Outcome(sent, tuple(times), len(times), time.monotonic() - t0)
 
 
-async def drive(port: int, args: argparse.Namespace) -> tuple[list[Record], float]:
+async def drive_vllm(port: int, trace: list[Req], timeout_s: float) -> list[Outcome]:
     import aiohttp
 
-    rng = random.Random(args.seed)
-    prompts = [[rng.randrange(3, 4000) for _ in range(args.prompt_len)] for _ in range(args.num_requests)]
-    gaps = [rng.expovariate(args.rate) for _ in range(args.num_requests)]
-    async with aiohttp.ClientSession() as session:
+    connector = aiohttp.TCPConnector(limit=0)  # open loop: no client-side cap on concurrent requests
+    async with aiohttp.ClientSession(connector=connector) as session:
         t0 = time.monotonic()
-        tasks, at = [], 0.0
-        for prompt, gap in zip(prompts, gaps):
-            at += gap
-            await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))
-            tasks.append(asyncio.create_task(one_request(session, port, prompt, args.max_tokens, args.timeout)))
-        records = await asyncio.gather(*tasks)
-        return list(records), time.monotonic() - t0
+        tasks = []
+        for req in trace:
+            while (delay := t0 + req.arrival_s - time.monotonic()) > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(_vllm_one(session, port, req, t0, timeout_s)))
+        return list(await asyncio.gather(*tasks))
 
 
-def summarize(records: list[Record], wall_s: float) -> dict:
-    def pct(xs: list[float], q: float) -> float:
-        xs = sorted(xs)
-        return xs[min(len(xs) - 1, int(q * len(xs)))] * 1000.0
+# ---- (b) octoserve: router -> vllm worker ----------------------------------------------------------------------------
 
-    ttft = [r.ttft_s for r in records]
-    itl = [x for r in records for x in r.itl_s]
-    out_tokens = sum(r.num_output_tokens for r in records)
-    return {
-        "num_requests": len(records), "wall_s": round(wall_s, 2),
-        "output_tokens_per_s": round(out_tokens / wall_s, 1),
-        "ttft_ms": {"mean": round(statistics.mean(ttft) * 1000, 1), "p50": round(pct(ttft, 0.5), 1),
-                    "p95": round(pct(ttft, 0.95), 1)},
-        "itl_ms": {"mean": round(statistics.mean(itl) * 1000, 2) if itl else 0.0,
-                   "p50": round(pct(itl, 0.5), 2) if itl else 0.0, "p95": round(pct(itl, 0.95), 2) if itl else 0.0},
-    }
+
+def drive_octoserve(address: str, trace: list[Req], ttft_slo_ms: float, timeout_s: float) -> list[Outcome]:
+    from services.core.types import Priority
+    from services.loadgen import BenchOptions, _run_loop, run_bench
+    from services.workload import TraceRequest
+
+    treq = [TraceRequest(r.request_id, r.arrival_s, MODEL_NAME, r.prompt, r.output_len, r.output_len,
+                         Priority.STANDARD, ttft_slo_ms) for r in trace]
+    options = BenchOptions(drain_timeout_s=timeout_s, output_len_mode="max-tokens", request_timeout_s=timeout_s)
+    records = _run_loop(run_bench(address, treq, options=options))
+    out = []
+    for rec in records:
+        out.append(Outcome(rec.arrival_s, tuple(rec.token_times_s), rec.num_output_tokens, rec.finish_s, rec.refused,
+                           rec.error))
+    return out
+
+
+# ---- the run -----------------------------------------------------------------------------------------------------
+
+
+def warmup_trace(prompt_len: int) -> list[Req]:
+    rng = random.Random(12345)
+    return [Req(f"warm-{i}", 0.05 * i, tuple(rng.randrange(3, 4000) for _ in range(prompt_len)), 16)
+            for i in range(4)]
+
+
+def run_vllm_side(args, traces: dict[float, list[Req]]) -> dict[float, list[Outcome]]:
+    proc = start_vllm_server(args.model, args.port, args.out_dir / "vllm-server.log")
+    try:
+        t = time.monotonic()
+        wait_http_healthy(proc, args.port, args.start_timeout)
+        print(f"vLLM server up in {time.monotonic() - t:.0f} s", file=sys.stderr)
+        asyncio.run(drive_vllm(args.port, warmup_trace(args.prompt_len), args.timeout))
+        results = {}
+        for rate, trace in traces.items():
+            results[rate] = asyncio.run(drive_vllm(args.port, trace, args.timeout))
+            print(f"vllm rate {label(rate)}: done ({os.getloadavg()[0]:.1f} load)", file=sys.stderr)
+            time.sleep(args.pause_s)
+        return results
+    finally:
+        stop_process(proc)
+
+
+def run_octoserve_side(args, traces: dict[float, list[Req]]) -> dict[float, list[Outcome]]:
+    from services.launcher import start_node
+
+    t = time.monotonic()
+    node = start_node(str(args.config), engine="vllm", model_path=str(args.model), run_dir=tempfile.mkdtemp(prefix="node-", dir=args.out_dir),
+                      startup_timeout_s=args.start_timeout,
+                      extra_env={"OCTOSERVE_VLLM_DTYPE": "float32", "HF_HUB_OFFLINE": "1",
+                                 "VLLM_CPU_KVCACHE_SPACE": str(int(KV_CACHE_GIB))})
+    try:
+        print(f"octoserve node up in {time.monotonic() - t:.0f} s", file=sys.stderr)
+        drive_octoserve(node.router_address, warmup_trace(args.prompt_len), args.ttft_slo_ms, args.timeout)
+        results = {}
+        for rate, trace in traces.items():
+            results[rate] = drive_octoserve(node.router_address, trace, args.ttft_slo_ms, args.timeout)
+            print(f"octoserve rate {label(rate)}: done ({os.getloadavg()[0]:.1f} load)", file=sys.stderr)
+            time.sleep(args.pause_s)
+        return results
+    finally:
+        node.stop()
+
+
+def _ratio(o, v) -> str:
+    return "-" if o is None or v in (None, 0) else f"{o / v:.2f}"
+
+
+def table(rows: list[tuple[float, dict, dict]]) -> str:
+    cols = [("output tok/s", "output_tokens_per_s"), ("TTFT P50 ms", "ttft_p50_ms"), ("TTFT P95 ms", "ttft_p95_ms"),
+            ("ITL P50 ms", "itl_p50_ms"), ("ITL P95 ms", "itl_p95_ms"), ("goodput req/s", "goodput_rps")]
+    head = "| rate req/s | metric | vLLM alone | octoserve | octoserve / vLLM |\n|---|---|---|---|---|\n"
+    lines = []
+    for rate, v, o in rows:
+        for name, key in cols:
+            lines.append(f"| {label(rate)} | {name} | {v[key]} | {o[key]} | {_ratio(o[key], v[key])} |")
+        lines.append(f"| {label(rate)} | completed / refused / failed of {v['num_requests']} | "
+                     f"{v['completed']} / {v['refused']} / {v['failed']} | {o['completed']} / {o['refused']} / "
+                     f"{o['failed']} | |")
+    return head + "\n".join(lines)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", type=Path, default=Path("/tmp/octoserve-tiny-llama"), help="model folder")
-    p.add_argument("--port", type=int, default=8011)
-    p.add_argument("--num-requests", type=int, default=32)
-    p.add_argument("--rate", type=float, default=4.0, help="Poisson arrivals, requests per second")
+    p.add_argument("--model", type=Path, default=Path("/tmp/octoserve-tiny-llama"), help="model folder (built if missing)")
+    p.add_argument("--config", type=Path, default=TINY_CONFIG, help="octoserve node config for the model")
+    p.add_argument("--port", type=int, default=8011, help="vLLM server port")
+    p.add_argument("--rates", default="0,2,4,8,24",
+                   help="req/s, comma-separated; 0 = the isolated probe (one request at a time); the last overloads")
+    p.add_argument("--num-requests", type=int, default=48, help="per rate")
     p.add_argument("--prompt-len", type=int, default=256)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--max-model-len", type=int, default=1024)
-    p.add_argument("--max-num-seqs", type=int, default=16)
-    p.add_argument("--kv-cache-gib", type=float, default=0.25)
+    p.add_argument("--output-len", type=int, default=64, help="mean; each request draws from [0.5x, 1.5x]")
+    p.add_argument("--ttft-slo-ms", type=float, default=250.0)
+    p.add_argument("--tpot-slo-ms", type=float, default=50.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
+    p.add_argument("--pause-s", type=float, default=2.0, help="idle seconds between rates")
     p.add_argument("--start-timeout", type=float, default=300.0)
-    p.add_argument("--log", default="/tmp/bench-vllm-server.log")
-    p.add_argument("--json", type=Path, default=None, help="write the summary here")
+    p.add_argument("--only", choices=("vllm", "octoserve"), default=None, help="run one side only")
+    p.add_argument("--sessions", type=int, default=2, help="server sessions per side, alternated ABBA")
+    p.add_argument("--report-only", action="store_true", help="re-summarize the outcomes saved in --out-dir")
+    p.add_argument("--out-dir", type=Path, default=Path("/tmp/bench-vllm-vs-octoserve"))
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
     if not (args.model / "config.json").exists():
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
         from services.engine.test_model import build_test_model
 
         build_test_model(args.model)
-    proc = start_server(args.model, args.port, args)
-    try:
-        wait_healthy(proc, args.port, args.start_timeout)
-        records, wall_s = asyncio.run(drive(args.port, args))
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    summary = {"target": "vllm-openai-server", **summarize(records, wall_s), "args": {
-        k: str(v) for k, v in vars(args).items()}}
-    print(json.dumps(summary, indent=2))
-    if args.json:
-        args.json.write_text(json.dumps(summary, indent=2))
+    rates = [float(r) for r in args.rates.split(",")]
+    traces = {rate: make_trace(rate, args.num_requests, args.prompt_len, args.output_len, args.seed + i)
+              for i, rate in enumerate(rates)}
+    slo = (args.ttft_slo_ms / 1000.0, args.tpot_slo_ms / 1000.0)
+    runners = {"vllm": run_vllm_side, "octoserve": run_octoserve_side}
+    names = [n for n in runners if args.only in (None, n)]
+    # ABBA...: vLLM, octoserve, octoserve, vLLM, ... so load from other tenants drifting over minutes hits both alike.
+    order = [n for i in range(args.sessions) for n in (names if i % 2 == 0 else names[::-1])]
+    runs: dict[str, list[dict[float, list[Outcome]]]] = {n: [] for n in names}
+    loads: dict[str, list[float]] = {n: [] for n in names}
+    for name in ([] if args.report_only else order):
+        runs[name].append(runners[name](args, traces))
+        loads[name].append(round(os.getloadavg()[1], 1))  # 5-minute load average after the session
+    if args.report_only:  # re-summarize the outcomes a run saved (same trace arguments)
+        for name in names:
+            saved = json.loads((args.out_dir / f"{name}.json").read_text())
+            loads[name] = saved["load_avg_5min"]
+            runs[name] = [{float(r): [Outcome(**{**o, "token_times_s": tuple(o["token_times_s"])}) for o in outs]
+                           for r, outs in run.items()} for run in saved["outcomes"]]
+    sides = {n: {rate: summarize([r[rate] for r in runs[n]], traces[rate], *slo) for rate in rates} for n in names}
+    for name in names:
+        (args.out_dir / f"{name}.json").write_text(json.dumps(
+            {"summary": {str(r): s for r, s in sides[name].items()}, "load_avg_5min": loads[name],
+             "outcomes": [{str(r): [asdict(o) for o in outs] for r, outs in run.items()} for run in runs[name]]}))
+    print(f"session order: {' '.join(order)}; 5-min load averages after each: {loads}")
+    if len(sides) == 2:
+        print(table([(rate, sides["vllm"][rate], sides["octoserve"][rate]) for rate in rates]))
+    print(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "summary": sides, "loads": loads}, indent=1))
     return 0
 
 
