@@ -109,8 +109,19 @@ def _spawn(name: str, module: str, args: list[str], run_dir: Path, env: dict[str
     cmd = [sys.executable, "-m", module, *args, "--ready-file", str(ready)]
     with open(log, "ab") as log_f:
         proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=log_f, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # Ctrl-C in a terminal reaches the launcher only
+                                start_new_session=True,  # Ctrl-C in a terminal reaches the launcher only
+                                preexec_fn=_die_with_parent if sys.platform == "linux" else None)
     return ServiceProcess(name, proc, ready, log)
+
+
+def _die_with_parent() -> None:
+    """Runs in each service process before exec: the kernel sends it SIGTERM (a graceful drain) if the launcher
+    dies, even by SIGKILL, so no service outlives the node that started it."""
+    import ctypes
+    import signal
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _wait_ready(sp: ServiceProcess, deadline: float) -> None:

@@ -91,3 +91,53 @@ def test_octoserve_up_prints_endpoints_and_exits_0_on_sigterm(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_services_stop_when_the_launcher_is_killed(tmp_path):
+    """SIGKILL of `octoserve up` leaves no orphaned service: each one is told to drain when its parent dies."""
+    import os
+    import signal
+    import time
+
+    import yaml
+
+    config = tmp_path / "node.yaml"
+    config.write_text(yaml.safe_dump(small_config_dict()))
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "services.cli", "up", "--config", str(config), "--port", "0",
+           "--run-dir", str(run_dir), "--grace-s", "2"]
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    pids = []
+    try:
+        lines = []
+        while not any(line.startswith("logs") for line in lines):
+            line = proc.stdout.readline()
+            assert line, f"octoserve up exited early: {''.join(lines)}"
+            lines.append(line)
+        import json
+
+        pids = [json.loads(p.read_text())["pid"] for p in run_dir.glob("*.ready.json")]
+        assert len(pids) >= 3
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 30
+        alive = pids
+        while alive and time.monotonic() < deadline:
+            alive = [pid for pid in alive if _alive(pid)]
+            time.sleep(0.2)
+        assert alive == [], f"services outlived the launcher: {alive}"
+    finally:
+        for pid in pids:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
