@@ -130,3 +130,19 @@ def test_slack_chunking_prefills_a_lone_prompt_in_one_step_no_decode_waits_on():
     one_step = cost.plan_time_s(StepPlan(1, (ScheduledChunk("r", 1000, 0, True),)), 16)
     assert one_step < 3 * 0.0255  # within max_step_factor x the ITL target
     assert rec.first_token_s == pytest.approx(0.5 + one_step, abs=1e-12)
+
+
+def test_a_request_larger_than_every_kv_pool_is_an_error_record_not_a_crash():
+    # With admission off nothing stops a request whose full reservation (prompt + max_tokens) exceeds the
+    # instance's whole KV pool from being routed there: it must end as an error record, not kill the run.
+    config = node(
+        [{**COLOCATED_8B, "gpu_memory_utilization": 0.2, "max_num_batched_tokens": 256}], admission=False, reservation="full", slo_sizing=False
+    )
+    from services.sim.driver import NodeSimulator
+
+    pool_tokens = NodeSimulator(config).instances["sm-0"].batcher.kv.num_total_blocks * 16
+    assert pool_tokens < 8000  # smaller than the context window, so a full reservation can outgrow it
+    huge = one_request(prompt_len=1000, output_len=8, max_tokens=7000)
+    rec = run_simulation(config, [huge]).records[0]
+    assert not rec.refused and rec.finish_s is None
+    assert "KV blocks at admission" in rec.error

@@ -147,11 +147,17 @@ class SimEngine:
 
     async def generate(self, spec: RequestSpec) -> AsyncIterator[RequestOutput]:
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._add(spec)
         self._streams[spec.request_id] = queue
-        self.batcher.add_request(spec, asyncio.get_running_loop().time() / self.time_scale)
         self._wakeup.set()
         async for output in self._drain(spec.request_id, queue):
             yield output
+
+    def _add(self, spec: RequestSpec) -> None:
+        try:
+            self.batcher.add_request(spec, asyncio.get_running_loop().time() / self.time_scale)
+        except ValueError as e:  # a duplicate id, or a request larger than this instance's whole KV pool
+            raise CapacityError(str(e)) from None
 
     async def _drain(self, request_id: str, queue: asyncio.Queue[RequestOutput]) -> AsyncIterator[RequestOutput]:
         finished = False
@@ -168,8 +174,8 @@ class SimEngine:
         if self.role is not Role.PREFILL:
             raise HandoffError(f"instance {self.instance_id} is {self.role.value}, not a prefill instance")
         future: asyncio.Future[KVHandoff] = asyncio.get_running_loop().create_future()
+        self._add(spec)
         self._handoffs[spec.request_id] = future
-        self.batcher.add_request(spec, asyncio.get_running_loop().time() / self.time_scale)
         self._wakeup.set()
         try:
             return await future

@@ -193,9 +193,15 @@ class NodeSimulator:
                 tracker.retry_after_ms = 100.0
                 return
         tracker.route = decision
-        self.router.on_dispatched(req.request_id, decision, spec)
         instance = self.instances[decision.instance_id]
-        instance.batcher.add_request(spec, self.now)
+        try:
+            instance.batcher.add_request(spec, self.now)
+        except ValueError as e:  # larger than the instance's whole KV pool (only reachable with admission off)
+            tracker.error = str(e)
+            if decision.decode_instance_id is not None:
+                self.instances[decision.decode_instance_id].batcher.release_reservation(req.request_id)
+            return
+        self.router.on_dispatched(req.request_id, decision, spec)
         self._wake(instance)
 
     def _wake(self, inst: _Instance) -> None:
@@ -286,7 +292,7 @@ class NodeSimulator:
             if tracker is None:
                 tracker = _Tracker(req)
                 tracker.error = "not reached: the simulation stopped first"
-            elif not tracker.refused and tracker.finish_s is None:
+            elif not tracker.refused and tracker.finish_s is None and not tracker.error:
                 tracker.error = "unfinished when the simulation stopped"
             records.append(tracker.record())
         duration_s = max(last_arrival, 1e-9)
