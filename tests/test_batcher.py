@@ -309,3 +309,51 @@ def test_edf_demotes_a_request_whose_own_prefill_already_misses_its_deadline():
     assert b.request("short").queue_key == (0.35, int(Priority.STANDARD))
     plan, _ = step(b, now=0.1)
     assert [c.request_id for c in plan.chunks] == ["short"]
+
+
+def test_slack_extended_steps_are_capped_to_a_share_of_recent_steps():
+    # Same linear model as above; 1 % of a 200-step window = 2 long steps, then back to the sized budget (64).
+    b = make_batcher(
+        num_blocks=4096,
+        max_num_batched_tokens=1000,
+        budget_by_num_decodes=(64, 64, 64),
+        tpot_target_s=0.020,
+        max_step_s=0.060,
+        decode_step_s_by_num_decodes=(0.010, 0.011, 0.012),
+        prefill_s_per_token=0.0001,
+        max_long_step_fraction=0.01,
+    )
+    b.add_request(spec("a", prompt_len=4, max_tokens=500), 0.0)
+    for i in range(21):  # first token at t=0, then 20 fast decodes 1 ms apart: ~0.38 s of banked slack
+        step(b, now=0.001 * i)
+    b.add_request(spec("big", prompt_len=6000, max_tokens=4, first=500), 0.021)
+    budgets = [step(b, now=0.021 + 0.001 * i)[0].num_batched_tokens for i in range(4)]
+    # long: 1 decode + (max_step 0.060 - 0.011 base) / 0.0001 = 491; after 2 long steps in the window, 64
+    assert budgets == [491, 491, 64, 64]
+
+
+def test_long_decode_contexts_take_their_kv_read_time_out_of_the_prefill_chunk():
+    b = make_batcher(
+        num_blocks=4096,
+        max_num_batched_tokens=64,
+        budget_by_num_decodes=(64, 64),
+        prefill_s_per_token=0.0001,
+        sized_context_tokens=100,
+        kv_s_per_context_token=0.000005,
+    )
+    b.add_request(spec("a", prompt_len=600, max_tokens=50), 0.0)
+    while b.request("a").num_output_tokens == 0:
+        step(b)
+    b.add_request(spec("p", prompt_len=500, max_tokens=4, first=5000), 0.0)
+    plan, _ = step(b)
+    # a decodes with 601 tokens of context: 501 beyond the sized 100 -> 2.505 ms -> 25 prefill tokens fewer
+    assert [(c.request_id, c.num_new_tokens) for c in plan.chunks] == [("a", 1), ("p", 38)]
+    # Longer still: the cut stops at a floor of 16 prefill tokens so prompts keep moving.
+    b2 = make_batcher(num_blocks=4096, max_num_batched_tokens=64, budget_by_num_decodes=(64, 64),
+                      prefill_s_per_token=0.0001, sized_context_tokens=100, kv_s_per_context_token=0.0001)
+    b2.add_request(spec("a", prompt_len=600, max_tokens=50), 0.0)
+    while b2.request("a").num_output_tokens == 0:
+        step(b2)
+    b2.add_request(spec("p", prompt_len=500, max_tokens=4, first=5000), 0.0)
+    plan, _ = step(b2)
+    assert [(c.request_id, c.num_new_tokens) for c in plan.chunks] == [("a", 1), ("p", 16)]

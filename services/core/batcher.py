@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 import enum
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -46,6 +47,9 @@ from services.core.types import (
     StepPlan,
     StepResult,
 )
+
+CHUNK_FLOOR_TOKENS = 16  # prefill tokens a step keeps however long its decodes' contexts are
+LONG_STEP_WINDOW = 200  # steps over which the share of slack-extended steps is counted
 
 DEFAULT_TIER_TTFT_SLO_MS: Mapping[Priority, float] = {
     Priority.INTERACTIVE: 200.0,
@@ -75,8 +79,15 @@ class BatcherConfig:
     # and `max_step_s`, when every running decode keeps its mean time per output token under `tpot_target_s`.
     tpot_target_s: float = 0.0
     max_step_s: float = 0.0
+    # ...and only while at most this fraction of the last LONG_STEP_WINDOW steps with decodes ran long: a long
+    # step delays every decode in it, and pooled ITL P95 tolerates no more than 5 % of such gaps.
+    max_long_step_fraction: float = 0.045
     decode_step_s_by_num_decodes: tuple[float, ...] = ()  # d -> step time of d decodes alone
     prefill_s_per_token: float = 0.0  # marginal step time of one more prefill token
+    # Context-aware budgets (0 = off): the tables above assume decodes of `sized_context_tokens`; every token of
+    # context beyond that adds `kv_s_per_context_token` of KV reading to a step, taken out of its prefill chunk.
+    sized_context_tokens: int = 0
+    kv_s_per_context_token: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
@@ -158,6 +169,8 @@ class Batcher:
         self._swapped: list[Request] = []  # sorted by victim key
         self._num_reserved = 0
         self._truncated: list[Request] = []  # out of KV while alone in the batch: finished at the next update
+        self._recent_long: deque[bool] = deque()  # for steps with decodes: did it exceed the sized budget?
+        self._num_long_steps = 0
         self._num_swap_blocks_used = 0
         self._step_id = 0
         self.num_preemptions_total = 0
@@ -194,15 +207,18 @@ class Batcher:
 
     def schedule(self, now: float) -> StepPlan:
         decodes, prefills = self._split_running()
-        budget = self.step_budget(len(decodes))
-        if self.config.tpot_target_s > 0 and (prefills or self._waiting):
-            budget = max(budget, self._slack_budget(decodes, now))
+        extra_kv_s = self._extra_kv_read_s(decodes)
+        budget = self._shrunk(self.step_budget(len(decodes)), len(decodes), extra_kv_s)
+        if self.config.tpot_target_s > 0 and (prefills or self._waiting) and self._may_run_long(decodes):
+            budget = max(budget, self._slack_budget(decodes, now, extra_kv_s))
         step = _StepBuilder(budget)
         self._schedule_running(step, decodes + prefills)
         if not step.preempted_ids:
             self._schedule_swapped(step)
         if not step.preempted_ids and not self._swapped:
             self._schedule_waiting(step)
+        if decodes:
+            self._note_long_step(step.used > self.step_budget(len(decodes)))
         self._step_id += 1
         return StepPlan(
             step_id=self._step_id,
@@ -218,7 +234,32 @@ class Batcher:
             return self.config.max_num_batched_tokens
         return table[min(num_decodes, len(table) - 1)]
 
-    def _slack_budget(self, decodes: list[Request], now: float) -> int:
+    def _may_run_long(self, decodes: list[Request]) -> bool:
+        return not decodes or self._num_long_steps < self.config.max_long_step_fraction * LONG_STEP_WINDOW
+
+    def _note_long_step(self, long: bool) -> None:
+        if len(self._recent_long) == LONG_STEP_WINDOW:
+            self._num_long_steps -= self._recent_long.popleft()
+        self._recent_long.append(long)
+        self._num_long_steps += long
+
+    def _extra_kv_read_s(self, decodes: list[Request]) -> float:
+        """Step time the decodes' context beyond the sized one adds (0 when shorter or when off)."""
+        cfg = self.config
+        if cfg.kv_s_per_context_token <= 0 or not decodes:
+            return 0.0
+        excess = sum(len(r.token_ids) for r in decodes) - len(decodes) * cfg.sized_context_tokens
+        return max(0.0, excess * cfg.kv_s_per_context_token)
+
+    def _shrunk(self, budget: int, num_decodes: int, extra_kv_s: float) -> int:
+        """The budget less the prefill tokens whose time long contexts already take; every step keeps a block of
+        prefill so prompts still progress."""
+        if extra_kv_s <= 0 or self.config.prefill_s_per_token <= 0:
+            return budget
+        cut = int(extra_kv_s / self.config.prefill_s_per_token)
+        return max(min(budget, num_decodes + CHUNK_FLOOR_TOKENS), budget - cut)
+
+    def _slack_budget(self, decodes: list[Request], now: float, extra_kv_s: float = 0.0) -> int:
         """The largest budget whose step keeps every running decode's mean time per output token on target.
 
         A decode that has produced k tokens after its first at `first_token_s` meets the TPOT target after this
@@ -234,7 +275,7 @@ class Batcher:
         table = cfg.decode_step_s_by_num_decodes
         if not table or cfg.prefill_s_per_token <= 0:
             return 0
-        base_s = table[min(len(decodes), len(table) - 1)]
+        base_s = table[min(len(decodes), len(table) - 1)] + extra_kv_s
         extra_tokens = int((allowed_s - base_s) / cfg.prefill_s_per_token + 1e-9)  # no float round-down
         return min(cfg.max_num_batched_tokens, len(decodes) + max(0, extra_tokens))
 
@@ -555,10 +596,12 @@ def _victim_order(req: Request) -> tuple:
 class _StepBuilder:
     """Accumulates one step's plan while `schedule` walks the queues."""
 
-    __slots__ = ("budget", "chunks", "scheduled_ids", "preempted_ids", "swap_out_blocks", "swap_in_blocks")
+    __slots__ = ("budget", "initial_budget", "chunks", "scheduled_ids", "preempted_ids", "swap_out_blocks",
+                 "swap_in_blocks")
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
+        self.initial_budget = budget
         self.chunks: list[ScheduledChunk] = []
         self.scheduled_ids: set[str] = set()
         self.preempted_ids: list[str] = []
@@ -571,6 +614,10 @@ class _StepBuilder:
         self.chunks.append(ScheduledChunk(req.request_id, num_new_tokens, context, samples))
         self.scheduled_ids.add(req.request_id)
         self.budget -= num_new_tokens
+
+    @property
+    def used(self) -> int:
+        return self.initial_budget - self.budget
 
     def unschedule(self, request_id: str) -> None:
         """Take back a chunk of a request preempted later in the same step (its KV is gone)."""

@@ -77,6 +77,8 @@ def _sizing_fields(node: NodeConfig, instance: InstanceConfig, cost_model: CostM
             max_step_s=sized.step_target_s * policies.max_step_factor,
             decode_step_s_by_num_decodes=sized.decode_step_s_by_num_decodes,
             prefill_s_per_token=sized.prefill_s_per_token,
+            sized_context_tokens=sized.context_tokens,
+            kv_s_per_context_token=sized.kv_s_per_context_token,
         )
     return fields
 

@@ -44,6 +44,8 @@ class SloSizing:
     # the marginal time of one more prefill token; a linear model of longer steps.
     decode_step_s_by_num_decodes: tuple[float, ...] = ()
     prefill_s_per_token: float = 0.0
+    context_tokens: int = 0  # the decode context the tables assume
+    kv_s_per_context_token: float = 0.0  # step time one more token of decode context adds (KV read)
 
 
 def _largest(ok, lo: int, hi: int) -> int:
@@ -98,4 +100,8 @@ def size_for_slo(
     # Marginal cost of prefill tokens measured between two large chunks: compute-bound, so close to linear.
     big = max(CHUNK_QUANTUM * 2, max_num_batched_tokens)
     per_token = (cost.step_time_s([(big, 0)]) - cost.step_time_s([(big // 2, 0)])) / (big - big // 2)
-    return SloSizing(batch, table[-1], target_s, table, base, per_token)
+    # KV read per context token, measured on the full batch between the sized context and twice it.
+    kv_per_token = (
+        cost.step_time_s([(1, 2 * context_tokens)] * batch) - cost.step_time_s([(1, context_tokens)] * batch)
+    ) / (batch * context_tokens)
+    return SloSizing(batch, table[-1], target_s, table, base, per_token, context_tokens, kv_per_token)
