@@ -1,0 +1,47 @@
+"""Stage timestamps inside the decode_worker process, for scripts/ttft_layers.py (put this folder first on PYTHONPATH).
+
+  TTFT_LAYERS_STAGE_LOG=/tmp/stagelog/client.txt PYTHONPATH=scripts/ttft_layers_probe \\
+      .venv/bin/python scripts/ttft_layers.py --phase node --n 24
+Writes /tmp/stagelog/worker.txt (request_id stage monotonic_s): Generate received, engine call, first engine output,
+Session flush, Attach yield. A diagnostic patch, never loaded by octoserve itself.
+"""
+import time
+try:
+    _cmd = open("/proc/self/cmdline", "rb").read().split(b"\0")
+except OSError:
+    _cmd = []
+if any(c.endswith(b"decode_worker") for c in _cmd):
+    _f = __import__("os").makedirs("/tmp/stagelog", exist_ok=True) or open("/tmp/stagelog/worker.txt", "a", buffering=1)
+    import decode_worker.servicer as ds
+    import services.engine.vllm_engine as ve
+    _gen = ds.DecodeWorkerServicer.Generate
+    async def Generate(self, request, context):
+        _f.write(f"{request.spec.request_id} recv {time.monotonic():.6f}\n")
+        return await _gen(self, request, context)
+    ds.DecodeWorkerServicer.Generate = Generate
+    _raw = ve.VllmEngine._raw_stream
+    async def _raw_stream(self, spec, prompt, params):
+        _f.write(f"{spec.request_id} engine_call {time.monotonic():.6f}\n")
+        first = True
+        async for out in _raw(self, spec, prompt, params):
+            if first:
+                _f.write(f"{spec.request_id} engine_first {time.monotonic():.6f}\n")
+                first = False
+            yield out
+    ve.VllmEngine._raw_stream = _raw_stream
+    _flush = ds.Session._flush
+    def _flush2(self):
+        for d in self._pending:
+            if d.token_ids and d.num_output_tokens == len(d.token_ids):
+                _f.write(f"{d.request_id} flush {time.monotonic():.6f}\n")
+        return _flush(self)
+    ds.Session._flush = _flush2
+    _att = ds.DecodeWorkerServicer.Attach
+    async def Attach(self, request, context):
+        async for b in _att(self, request, context):
+            t = time.monotonic()
+            for d in b.deltas:
+                if d.token_ids and d.num_output_tokens == len(d.token_ids):
+                    _f.write(f"{d.request_id} attach_yield {t:.6f}\n")
+            yield b
+    ds.DecodeWorkerServicer.Attach = Attach
