@@ -592,7 +592,8 @@ Reading the headline (the numbers above are this run's; the mechanisms below are
   of weight streaming, all-reduce latency and overhead before any token, so a step that keeps the 30 ms ITL carries
   a prefill chunk of only ~130 tokens. octoserve's slack-aware chunking (services/core/batcher.py `_slack_budget`)
   runs longer steps, up to 3x the ITL target, whenever every running decode's mean time per token has banked
-  the slack; that restores most of the 70B's prefill rate at low load while keeping ITL P95 under 30 ms. Long 70B
+  the slack, in at most 4.5 % of recent steps; that restores much of the 70B's prefill rate at low load while
+  keeping pooled ITL P95 under 30 ms. Long 70B
   prompts still miss the 250 ms TTFT however idle the node is (EDF demotes them to the background deadline), and
   from ~3-4 req/s of 70B traffic octoserve refuses 70B requests to keep the ones it admits inside both SLOs.
   Refused requests count as misses in the capacity definition, so the 70B's share caps every policy's capacity.
