@@ -18,7 +18,7 @@ import json
 import sys
 from dataclasses import dataclass, replace
 
-from services.metrics import GroupStats, SloSpec, Summary, summarize
+from services.metrics import SloSpec, Summary, summarize
 from services.workload import PROFILES, TraceRequest, generate_trace, scaled
 
 TOLERANCE = 0.15
@@ -41,7 +41,7 @@ class Agreement:
         return all(abs(d) <= tolerance for d in self.relative_differences().values())
 
     def table(self) -> str:
-        rows = [("goodput req/s", _g(self.live.overall), _g(self.virtual.overall))]
+        rows = [("goodput req/s", self.live.overall.goodput_rps, self.virtual.overall.goodput_rps)]
         rows.append(("TTFT P95 ms", self.live.overall.ttft.p95_ms, self.virtual.overall.ttft.p95_ms))
         rows.append(("ITL P95 ms", self.live.overall.itl.p95_ms, self.virtual.overall.itl.p95_ms))
         rows.append(("refused %", 100 * self.live.overall.refused_fraction, 100 * self.virtual.overall.refused_fraction))
@@ -52,10 +52,6 @@ class Agreement:
             diff = f"{diffs[key]:+.1%}" if key else ""
             lines.append(f"{name:<16} {live:>15.2f} {virt:>9.2f}   {diff}")
         return "\n".join(lines)
-
-
-def _g(g: GroupStats) -> float:
-    return g.goodput_rps
 
 
 def _rel(live: float, virtual: float) -> float:

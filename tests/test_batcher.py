@@ -128,11 +128,10 @@ def test_preemption_takes_lowest_tier_latest_and_recomputes():
     # 6 blocks of 4 tokens. Three 8-token prompts take 2 blocks each; the first decode that crosses into a
     # new block finds the pool dry and must preempt the least important running request.
     b = make_batcher(num_blocks=6, block_size=4, max_num_batched_tokens=64, reservation_policy="watermark")
-    b.config  # frozen
     b.add_request(spec("hi", arrival=0.0, priority=Priority.INTERACTIVE, max_tokens=8, first=100), 0.0)
     b.add_request(spec("std", arrival=0.1, priority=Priority.STANDARD, max_tokens=8, first=200), 0.0)
     b.add_request(spec("bat", arrival=0.05, priority=Priority.BATCH, max_tokens=8, first=300), 0.0)
-    # watermark 1% of 6 blocks: 0.06 -> admits while at least 1 block would remain... 3rd needs 2 of 2 left
+    # The watermark keeps 1 % of 6 blocks (0.06) free: a third request would take the last 2 blocks, so it waits.
     plan, _ = step(b)
     running = sorted(c.request_id for c in plan.chunks)
     assert running == ["hi", "std"]  # bat would leave 0 free blocks < watermark 0.06 -> waits

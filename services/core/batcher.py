@@ -208,7 +208,8 @@ class Batcher:
     def schedule(self, now: float) -> StepPlan:
         decodes, prefills = self._split_running()
         extra_kv_s = self._extra_kv_read_s(decodes)
-        budget = self._shrunk(self.step_budget(len(decodes)), len(decodes), extra_kv_s)
+        sized_budget = self.step_budget(len(decodes))
+        budget = self._shrunk(sized_budget, len(decodes), extra_kv_s)
         if self.config.tpot_target_s > 0 and (prefills or self._waiting) and self._may_run_long(decodes):
             budget = max(budget, self._slack_budget(decodes, now, extra_kv_s))
         step = _StepBuilder(budget)
@@ -218,7 +219,7 @@ class Batcher:
         if not step.preempted_ids and not self._swapped:
             self._schedule_waiting(step)
         if decodes:
-            self._note_long_step(step.used > self.step_budget(len(decodes)))
+            self._note_long_step(step.used > sized_budget)
         self._step_id += 1
         return StepPlan(
             step_id=self._step_id,
