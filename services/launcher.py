@@ -11,6 +11,7 @@ by PID.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -26,6 +27,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.core.types import Role
+from services.rpc.server import LAUNCHER_PID_ENV
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 POLL_S = 0.05
@@ -109,19 +111,8 @@ def _spawn(name: str, module: str, args: list[str], run_dir: Path, env: dict[str
     cmd = [sys.executable, "-m", module, *args, "--ready-file", str(ready)]
     with open(log, "ab") as log_f:
         proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=log_f, stderr=subprocess.STDOUT,
-                                start_new_session=True,  # Ctrl-C in a terminal reaches the launcher only
-                                preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+                                start_new_session=True)  # Ctrl-C in a terminal reaches the launcher only
     return ServiceProcess(name, proc, ready, log)
-
-
-def _die_with_parent() -> None:
-    """Runs in each service process before exec: the kernel sends it SIGTERM (a graceful drain) if the launcher
-    dies, even by SIGKILL, so no service outlives the node that started it."""
-    import ctypes
-    import signal
-
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _wait_ready(sp: ServiceProcess, deadline: float) -> None:
@@ -187,7 +178,8 @@ def start_node(
     cfg_path = _config_path(config, run_dir)
     node_cfg = load_node_config(cfg_path)  # fail here, in one place, on a bad config
     env = {**os.environ, **(extra_env or {}),
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+           LAUNCHER_PID_ENV: str(os.getpid())}  # each service stops when this process dies (services/rpc/server.py)
     common = ([] if cfg_path is None else ["--config", cfg_path]) + ["--grace-s", str(grace_s)]
     deadline = time.monotonic() + startup_timeout_s
     started: list[ServiceProcess] = []
@@ -238,8 +230,9 @@ def run(args: argparse.Namespace) -> int:
     except LaunchError as e:
         print(f"octoserve up: {e}", file=sys.stderr)
         return 1
-    print(describe(node), flush=True)
-    stop = _wait_for_signal_or_exit(node)
+    with _recorded_signals() as received:  # before the endpoints are printed: whoever reads them may signal at once
+        print(describe(node), flush=True)
+        stop = _wait_for_signal_or_exit(node, received)
     codes = node.stop()
     bad = {name: code for name, code in codes.items() if code != 0}
     print(f"stopped ({stop}); exit codes: " + (", ".join(f"{n}={c}" for n, c in bad.items()) or "all 0"), flush=True)
@@ -260,18 +253,24 @@ def describe(node: Node) -> str:
     return "\n".join(lines)
 
 
-def _wait_for_signal_or_exit(node: Node) -> str:
-    """Blocks until SIGINT/SIGTERM ("signal") or until a service exits on its own (its name)."""
-    received = []
-    handler = lambda signum, frame: received.append(signum)  # noqa: E731
-    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+@contextlib.contextmanager
+def _recorded_signals():
+    """SIGINT/SIGTERM are appended to the yielded list instead of ending the process."""
+    received: list[int] = []
+    previous = {s: signal.signal(s, lambda signum, frame: received.append(signum))
+                for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        while not received:
-            for sp in node.processes:
-                if sp.proc.poll() is not None:
-                    return sp.name
-            time.sleep(0.2)
-        return "signal"
+        yield received
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
+
+
+def _wait_for_signal_or_exit(node: Node, received: list[int]) -> str:
+    """Blocks until a signal is recorded ("signal") or until a service exits on its own (its name)."""
+    while not received:
+        for sp in node.processes:
+            if sp.proc.poll() is not None:
+                return sp.name
+        time.sleep(0.2)
+    return "signal"

@@ -165,8 +165,30 @@ def _write_ready_file(path: str, content: dict) -> None:
     os.replace(tmp, path)  # atomic: a reader never sees a half-written file
 
 
+# Set by `services.launcher` to its own pid: a service it started stops (drains) when the launcher dies.
+LAUNCHER_PID_ENV = "OCTOSERVE_LAUNCHER_PID"
+
+
+def stop_with_launcher() -> None:
+    """Ask the kernel for SIGTERM when the launcher dies, even by SIGKILL, so no service outlives its node.
+
+    Done here, in the service itself, rather than in a `preexec_fn` of the launcher's Popen: forking a process
+    that runs gRPC threads and then running Python in the child is unsafe. The parent check after prctl closes
+    the race with a launcher that died before it."""
+    launcher_pid = os.environ.get(LAUNCHER_PID_ENV)
+    if not launcher_pid or sys.platform != "linux":
+        return
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != int(launcher_pid):
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 async def serve_until_signal(spec: ServiceSpec) -> int:
     """Runs the service until SIGTERM/SIGINT, drains it, returns the exit code (0 on a clean drain)."""
+    stop_with_launcher()
     running = await start_service(spec)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
