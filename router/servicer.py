@@ -261,7 +261,7 @@ class GenerationServicer(gen_grpc.GenerationServicer):
         n = len(response.token_ids)
         if st.first_token_s is None:
             st.first_token_s = now
-            self.policy.on_first_token(st.spec.request_id)
+            self.policy.on_first_token(st.spec.request_id, now / self.settings.time_scale)
             self.metrics.ttft(st.spec.model, now - st.wall_start_s)
         elif n:
             self.metrics.itl(st.spec.model, (now - st.last_token_s) / n, n)

@@ -70,6 +70,11 @@ class OverloadedError(OctoserveClientError):
     """Shed at admission (RESOURCE_EXHAUSTED); `retry_after_ms` says when the node expects room."""
 
 
+class SloInfeasibleError(OctoserveClientError):
+    """FAILED_PRECONDITION: the request's own prefill exceeds its TTFT SLO even on an idle node; retrying cannot
+    help. The message gives the numbers and what to change (shorter prompt, BATCH tier or a larger ttft_slo_ms)."""
+
+
 class DeadlineExceededError(OctoserveClientError):
     """The call's deadline passed (on the client or the server)."""
 
@@ -83,6 +88,7 @@ _ERROR_TYPES: dict[grpc.StatusCode, type[OctoserveClientError]] = {
     grpc.StatusCode.NOT_FOUND: ModelNotFoundError,
     grpc.StatusCode.RESOURCE_EXHAUSTED: OverloadedError,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
+    grpc.StatusCode.FAILED_PRECONDITION: SloInfeasibleError,
     grpc.StatusCode.UNAVAILABLE: UnavailableError,
 }
 

@@ -5,7 +5,7 @@ import dataclasses
 from router_fixtures import LM, SM, colocated_config, disagg_config, load, policy, request
 
 from services.core import admission as adm
-from services.core.errors import Overloaded, UnknownModel
+from services.core.errors import Overloaded, SloInfeasible, UnknownModel
 from services.core.placement import PolicyConfig
 from services.core.routing import Refuse, Route
 from services.core.types import Priority, Role
@@ -59,9 +59,9 @@ def test_ttft_infeasible_is_refused_with_the_exact_retry_after():
     loads = with_loads(**{"sm-0": load("sm-0", queued=3000), "sm-1": load("sm-1", queued=4000),
                           "sm-2": load("sm-2", queued=5000)})
     r = policy(colocated_config()).route(request(), loads, 0.0)
-    assert r == Refuse(Overloaded(SM, Priority.STANDARD, 150, "predicted TTFT 400 ms exceeds the 250 ms STANDARD SLO"), 150)
+    assert r == Refuse(Overloaded(SM, Priority.STANDARD, 150, "predicted TTFT 400 ms + 0 ms calibrated margin exceeds the 250 ms STANDARD SLO"), 150)
     r = policy(colocated_config()).route(request(tier=Priority.INTERACTIVE), loads, 0.0)
-    assert r.retry_after_ms == 200 and r.error.reason == "predicted TTFT 400 ms exceeds the 200 ms INTERACTIVE SLO"
+    assert r.retry_after_ms == 200 and r.error.reason == "predicted TTFT 400 ms + 0 ms calibrated margin exceeds the 200 ms INTERACTIVE SLO"
     # BATCH has a 10 s SLO: it queues on the instance with the lowest predicted TTFT.
     r = policy(colocated_config()).route(request(tier=Priority.BATCH), loads, 0.0)
     assert isinstance(r, Route) and r.instance_id == "sm-0" and r.predicted_ttft_ms == 400.0
@@ -74,13 +74,26 @@ def test_slack_and_request_deadline_move_the_limit():
     assert r.retry_after_ms == 20
 
 
-def test_a_prompt_slower_than_the_slo_is_served_only_when_it_would_start_at_once():
-    # 3000-token prompt: 300 ms own prefill > 250 ms SLO, so it may take up to 1.25 x 300 = 375 ms in all,
-    # i.e. at most 75 ms (750 tokens) of queue ahead of it.
-    loads = with_loads(**{f"sm-{i}": load(f"sm-{i}", queued=750) for i in range(3)})
-    assert isinstance(policy(colocated_config()).route(request(prompt=3000), loads, 0.0), Route)  # 375 ms
-    loads = with_loads(**{f"sm-{i}": load(f"sm-{i}", queued=850) for i in range(3)})
-    assert policy(colocated_config()).route(request(prompt=3000), loads, 0.0).retry_after_ms == 50  # 10 ms, floor
+def test_a_prompt_slower_than_the_slo_even_idle_is_refused_at_once_with_the_numbers():
+    # 3000-token prompt at 10k tokens/s: 300 ms of own prefill > the 250 ms STANDARD SLO on every (idle) instance.
+    r = policy(colocated_config()).route(request(prompt=3000), IDLE, 0.0)
+    assert r == Refuse(SloInfeasible(SM, Priority.STANDARD, 3000, 300.0, 250.0, 2500), 0)
+    assert r.error.message == (
+        "the 3000-token prompt alone takes 300 ms to prefill on llama-3-8b as placed (uncached, on an idle instance), "
+        "over its 250 ms STANDARD TTFT SLO; shorten it to at most 2500 tokens, send it as BATCH or with a larger "
+        "ttft_slo_ms, or place llama-3-8b at a higher tensor parallelism"
+    )
+    # The same prompt as BATCH (10 s SLO) or with its own 400 ms SLO is admitted; so is a 2500-token prompt.
+    assert isinstance(policy(colocated_config()).route(request(prompt=3000, tier=Priority.BATCH), IDLE, 0.0), Route)
+    assert isinstance(policy(colocated_config(ttft_slack=1.0)).route(request(prompt=3000, ttft_slo_ms=400.0), IDLE, 0.0), Route)
+    assert isinstance(policy(colocated_config(ttft_slack=1.0)).route(request(prompt=2500), IDLE, 0.0), Route)
+
+
+def test_the_infeasible_rule_counts_the_prefix_cache_and_is_off_without_admission():
+    # 1024 of the 3000 tokens cached on sm-1: 197.6 ms of prefill there, feasible, and routed to it.
+    r = policy(colocated_config(ttft_slack=1.0), overlaps={"sm-1": 64}).route(request(prompt=3000), IDLE, 0.0)
+    assert isinstance(r, Route) and r.instance_id == "sm-1" and r.expected_cached_tokens == 1024
+    assert isinstance(policy(colocated_config(admission=False)).route(request(prompt=3000), IDLE, 0.0), Route)
 
 
 def test_tier_bound_counts_outstanding_requests_until_their_first_token():

@@ -114,8 +114,10 @@ async def test_unknown_model_is_not_found_listing_the_served_models(node):
 
 
 async def test_shed_request_is_resource_exhausted_with_retry_info_and_trailer(node):
-    # 12,000 prompt tokens need 750 blocks; every instance has 703: admission sheds it before any GPU work.
-    err = await _error(node.generation().Generate(request(num_prompt_tokens=12_000, max_tokens=4), timeout=5))
+    # 12,000 prompt tokens need 750 blocks; every instance has 703: admission sheds it before any GPU work. BATCH, so
+    # its 10 s SLO leaves room for its prefill (as STANDARD it would be refused as SLO-infeasible first).
+    err = await _error(node.generation().Generate(
+        request(num_prompt_tokens=12_000, max_tokens=4, priority=gen_pb.BATCH), timeout=5))
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "no instance has KV headroom" in err.details() and "retry after" in err.details()
     status = rpc_status.from_call(err)
@@ -126,8 +128,23 @@ async def test_shed_request_is_resource_exhausted_with_retry_info_and_trailer(no
     assert (await node.load("c0")).num_free_blocks == NUM_KV_BLOCKS
 
 
+async def test_prompt_slower_than_its_slo_even_idle_is_failed_precondition_with_the_numbers(node):
+    # 9,000 tokens of 8B prefill take ~285 ms on an idle H100 by the cost model, over the 250 ms STANDARD SLO.
+    err = await _error(node.generation().Generate(request(num_prompt_tokens=9_000, max_tokens=4), timeout=5))
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert err.details().startswith("the 9000-token prompt alone takes ")
+    assert "over its 250 ms STANDARD TTFT SLO; shorten it to at most " in err.details()
+    assert dict(err.trailing_metadata() or ()).get("retry-after-ms") is None  # retrying cannot help
+    assert (await node.load("c0")).num_free_blocks == NUM_KV_BLOCKS
+    # The same prompt with a 1 s SLO of its own is served.
+    responses = [r async for r in node.generation().Generate(
+        request(num_prompt_tokens=9_000, max_tokens=4, ttft_slo_ms=1000), timeout=30)]
+    assert sum(len(r.token_ids) for r in responses) == 4
+
+
 async def test_deadline_shorter_than_predicted_ttft_is_refused_as_deadline_exceeded(node):
-    call = node.generation().Generate(request(num_prompt_tokens=10_000, max_tokens=4), timeout=0.05)
+    # BATCH: a 10,000-token prompt (~320 ms of prefill) is within its SLO, but not within a 50 ms deadline.
+    call = node.generation().Generate(request(num_prompt_tokens=10_000, max_tokens=4, priority=gen_pb.BATCH), timeout=0.05)
     err = await _error(call)
     assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert err.details().startswith("the first token is predicted in ")

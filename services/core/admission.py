@@ -11,6 +11,19 @@ is not in that snapshot, so without it a burst would be admitted against a stale
 - `outstanding` (per request): dispatched, no first token yet. Exact at the router, so the per-tier queue bounds
   and the tier mix of the queue ahead come from it, not from the snapshot.
 
+TTFT calibration: the prediction below is a mean-field estimate; its error depends on the load and the model.
+`TtftCalibrator` keeps, per (model, tier), the last `window` errors (observed TTFT - predicted TTFT, seconds) and
+admits a request only while predicted + correction <= its SLO, where the correction is the `quantile` of those
+errors. Until `min_samples` errors are in, the correction is the prior (1 - ttft_slack) x SLO, which is exactly
+the older rule "predicted <= SLO x slack". With the 0.95 quantile, an admitted request whose prediction sits right
+at the threshold meets its TTFT 95 % of the time, and every request predicted lower does better.
+
+Tiers: a request of tier T never waits behind lower tiers (larger Priority values) except BATCH's protected floor:
+the batcher preempts lower-tier work at iteration boundaries for it (services/core/batcher.py), so only
+occupancy of tiers at least as urgent as T, plus `batch_min_share` of the slots, counts in its decode-slot wait.
+And while a model's more urgent tiers are being shed (`TierPressure`), BATCH is admitted to an instance only
+below its minimum share of the slots there: the latency tier gets the capacity first, background keeps its share.
+
 Retry hints: the drain time of the queue ahead of this tier on the best instance (queued prefill tokens / prefill
 throughput), i.e. when a retry would find enough of today's queue gone, floored at `min_retry_after_ms`.
 
@@ -20,7 +33,9 @@ through the `on_*` hooks and `observe_load`.
 
 from __future__ import annotations
 
+import bisect
 import math
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -40,6 +55,8 @@ class Dispatched:
     uncached_prefill_tokens: int  # prefill work queued on instance_id until the first token
     entry_blocks: int  # KV blocks the request takes on instance_id
     decode_blocks: int  # KV blocks reserved on decode_instance_id (0 when colocated)
+    arrival_s: float = 0.0  # on the clock `now` is on, for the TTFT calibration
+    predicted_ttft_s: float = 0.0
 
 
 @dataclass
@@ -64,8 +81,9 @@ class InFlightLedger:
             if iid is not None:
                 self.pending.setdefault(iid, {})[record.request_id] = record
 
-    def on_first_token(self, request_id: str) -> None:
-        self.outstanding.pop(request_id, None)
+    def on_first_token(self, request_id: str) -> Dispatched | None:
+        """The request's record the first time its first token is seen, else None."""
+        return self.outstanding.pop(request_id, None)
 
     def on_finished(self, request_id: str) -> None:
         record = self.dispatched.pop(request_id, None)
@@ -88,6 +106,14 @@ class InFlightLedger:
 
     def outstanding_count(self, model: str, tier: Priority) -> int:
         return sum(1 for r in self.outstanding.values() if r.model == model and r.tier == tier)
+
+    def num_dispatched_by_tier(self, instance_id: str) -> dict[Priority, int]:
+        """Requests admitted to the instance (entry or decode side) and not finished, per tier."""
+        out = {t: 0 for t in Priority}
+        for r in self.dispatched.values():
+            if r.instance_id == instance_id or r.decode_instance_id == instance_id:
+                out[r.tier] += 1
+        return out
 
     def outstanding_tokens_by_tier(self, instance_id: str) -> dict[Priority, int]:
         out = {t: 0 for t in Priority}
@@ -147,7 +173,18 @@ def queue_ahead_tokens(load: EngineLoad, ledger: InFlightLedger, tier: Priority,
     return total * ahead / known
 
 
-def slot_wait_s(load: EngineLoad, ledger: InFlightLedger) -> float:
+def preemptible_slots(load: EngineLoad, ledger: InFlightLedger, tier: Priority, batch_min_share: float) -> int:
+    """Slots held by tiers less urgent than `tier` that the batcher would preempt for it: all of them but BATCH's
+    protected floor of `batch_min_share` x max_num_seqs. 0 with tier preemption off (share >= 1)."""
+    if batch_min_share >= 1.0 or load.max_num_seqs <= 0:
+        return 0
+    by_tier = ledger.num_dispatched_by_tier(load.instance_id)
+    lower = sum(n for t, n in by_tier.items() if t > tier)
+    floor = math.floor(batch_min_share * load.max_num_seqs) if tier < Priority.BATCH else 0
+    return max(0, lower - min(floor, by_tier[Priority.BATCH]))
+
+
+def slot_wait_s(load: EngineLoad, ledger: InFlightLedger, preemptible: int = 0) -> float:
     """How long a new request waits for a decode slot on an instance whose batch is full.
 
     An instance sized for the ITL SLO runs at most `max_num_seqs` sequences; past that, requests queue for a slot
@@ -157,7 +194,7 @@ def slot_wait_s(load: EngineLoad, ledger: InFlightLedger) -> float:
     """
     if load.max_num_seqs <= 0 or load.role is Role.PREFILL:
         return 0.0
-    occupied = load.num_running + load.num_waiting + ledger.num_pending(load.instance_id)
+    occupied = load.num_running + load.num_waiting + ledger.num_pending(load.instance_id) - preemptible
     excess = occupied - load.max_num_seqs + 1
     if excess <= 0:
         return 0.0
@@ -190,14 +227,68 @@ def tier_bound_reached(ledger: InFlightLedger, spec: RequestSpec, bounds: Mappin
     return count if count >= bounds.get(spec.priority, math.inf) else None
 
 
-def ttft_excess_s(predicted_ttft_s: float, own_prefill_s: float, slo_ms: float, slack: float) -> float:
-    """How much later than allowed the first token would come (<= 0: feasible).
-
-    Allowed = the tier's SLO x slack, or LONG_PROMPT_WAIT x the request's own prefill when that is longer: a
-    prompt that cannot meet the SLO even on an idle instance is still served, but only when it would start at
-    once; it is never allowed to queue behind others (its queueing would push every short prompt behind it over
-    the SLO), and it is not refused forever either."""
-    return predicted_ttft_s - max(slo_ms * slack / 1000.0, LONG_PROMPT_WAIT * own_prefill_s)
+def ttft_excess_s(predicted_ttft_s: float, correction_s: float, slo_ms: float) -> float:
+    """How much later than its SLO the first token would come once the prediction is corrected (<= 0: feasible)."""
+    return predicted_ttft_s + correction_s - slo_ms / 1000.0
 
 
-LONG_PROMPT_WAIT = 1.25
+class TtftCalibrator:
+    """Online error of the TTFT prediction per (model, tier); see the module docstring.
+
+    `observe` takes one observed - predicted error in seconds; `correction_s` is the `quantile` (nearest rank) of
+    the last `window` errors of that key, or `prior_s` until `min_samples` are in. Exact and clock-free: the
+    window is a count of first tokens, not a time span.
+    """
+
+    def __init__(self, quantile: float, window: int, min_samples: int) -> None:
+        if not 0.0 < quantile <= 1.0 or window < 1 or not 1 <= min_samples <= window:
+            raise ValueError("need 0 < quantile <= 1 and 1 <= min_samples <= window")
+        self.quantile = quantile
+        self.window = window
+        self.min_samples = min_samples
+        self._recent: dict[tuple[str, Priority], deque[float]] = {}
+        self._sorted: dict[tuple[str, Priority], list[float]] = {}
+
+    def observe(self, model: str, tier: Priority, error_s: float) -> None:
+        key = (model, tier)
+        recent = self._recent.setdefault(key, deque())
+        ordered = self._sorted.setdefault(key, [])
+        recent.append(error_s)
+        bisect.insort(ordered, error_s)
+        if len(recent) > self.window:
+            del ordered[bisect.bisect_left(ordered, recent.popleft())]
+
+    def num_samples(self, model: str, tier: Priority) -> int:
+        return len(self._sorted.get((model, tier), ()))
+
+    def correction_s(self, model: str, tier: Priority, prior_s: float, cap_s: float = math.inf) -> float:
+        """The correction, at most `cap_s`: a correction at or over the SLO would refuse every request, so no new
+        error would ever be observed and the correction could never come down again."""
+        ordered = self._sorted.get((model, tier), ())
+        if len(ordered) < self.min_samples:
+            return min(prior_s, cap_s)
+        rank = max(1, math.ceil(self.quantile * len(ordered)))
+        return min(ordered[rank - 1], cap_s)
+
+
+class TierPressure:
+    """Whether a model's more urgent tiers are being shed: of the last `window` admission decisions for its
+    INTERACTIVE and STANDARD requests, at least `threshold` were overload refusals. Counted in decisions, not
+    seconds, so it needs no clock. While it holds, BATCH is held to its minimum share (routing.py)."""
+
+    def __init__(self, window: int = 64, threshold: float = 0.1) -> None:
+        self.window = window
+        self.threshold = threshold
+        self._recent: dict[str, deque[bool]] = {}
+        self._num_refused: dict[str, int] = {}
+
+    def observe(self, model: str, refused: bool) -> None:
+        recent = self._recent.setdefault(model, deque())
+        recent.append(refused)
+        self._num_refused[model] = self._num_refused.get(model, 0) + refused
+        if len(recent) > self.window:
+            self._num_refused[model] -= recent.popleft()
+
+    def under_pressure(self, model: str) -> bool:
+        recent = self._recent.get(model)
+        return bool(recent) and self._num_refused[model] >= self.threshold * len(recent)

@@ -7,10 +7,15 @@ need no flags. `schedule` is three named steps in a fixed order:
 
 1. running requests, decodes first (they bound ITL), then unfinished prefill chunks, under the step token budget;
    a request that needs a block the pool lacks preempts the least important running request (policy) until it fits
-   or is itself the victim;
+   or is itself the victim; with tier preemption on, the prefill chunks of less urgent tiers queued after the
+   waiting head run after step 3, not before;
 2. swapped-out requests come back when blocks are free (only in steps that preempted nothing);
 3. waiting requests are admitted in queue-policy order while the token budget, `max_num_seqs` and the reservation
-   policy allow; the head of the queue is never overtaken (no starvation of large requests).
+   policy allow; the head of the queue is never overtaken (no starvation of large requests). A head that finds
+   no slot or no KV preempts running requests of strictly less urgent tiers (tier preemption, on when
+   `batch_min_share` < 1), least urgent and least advanced first, but never below BATCH's floor of
+   `batch_min_share` x `max_num_seqs` running BATCH requests: the latency tier gets the capacity first, and
+   background work keeps a minimum share (and its EDF deadline ages it to the head, so it is never starved).
 
 Invariants: a request is in exactly one of waiting / running / swapped / reserved / handoff; every token a plan
 schedules has a KV slot it holds (blocks come only from `KVCacheManager.allocate`, which returns None rather than
@@ -82,6 +87,8 @@ class BatcherConfig:
     # ...and only while at most this fraction of the last LONG_STEP_WINDOW steps with decodes ran long: a long
     # step delays every decode in it, and pooled ITL P95 tolerates no more than 5 % of such gaps.
     max_long_step_fraction: float = 0.045
+    # Tier preemption (1.0 = off): BATCH keeps at least this share of max_num_seqs when more urgent work waits.
+    batch_min_share: float = 1.0
     decode_step_s_by_num_decodes: tuple[float, ...] = ()  # d -> step time of d decodes alone
     prefill_s_per_token: float = 0.0  # marginal step time of one more prefill token
     # Context-aware budgets (0 = off): the tables above assume decodes of `sized_context_tokens`; every token of
@@ -213,11 +220,14 @@ class Batcher:
         if self.config.tpot_target_s > 0 and (prefills or self._waiting) and self._may_run_long(decodes):
             budget = max(budget, self._slack_budget(decodes, now, extra_kv_s))
         step = _StepBuilder(budget)
-        self._schedule_running(step, decodes + prefills)
+        first, deferred = self._prefills_before_waiting(prefills)
+        self._schedule_running(step, decodes + first)
         if not step.preempted_ids:
             self._schedule_swapped(step)
         if not step.preempted_ids and not self._swapped:
             self._schedule_waiting(step)
+        if deferred:
+            self._schedule_running(step, deferred)
         if decodes:
             self._note_long_step(step.used > sized_budget)
         self._step_id += 1
@@ -228,6 +238,19 @@ class Batcher:
             swap_out_blocks=step.swap_out_blocks,
             swap_in_blocks=step.swap_in_blocks,
         )
+
+    def _prefills_before_waiting(self, prefills: list[Request]) -> tuple[list[Request], list[Request]]:
+        """(prefill chunks that go before waiting admissions, those that go after): a running prefill of a less
+        urgent tier whose queue key is later than the waiting head's gives its budget to the head first, so a long
+        BATCH prompt mid-prefill cannot hold an INTERACTIVE request at the door (only with tier preemption on)."""
+        if self.config.batch_min_share >= 1.0 or not self._waiting or not prefills:
+            return prefills, []
+        head = self._waiting.peek()
+        tier = head.spec.priority
+        first = [r for r in prefills if r.spec.priority <= tier or r.queue_key <= head.queue_key]
+        if len(first) == len(prefills):
+            return prefills, []
+        return first, [r for r in prefills if not (r.spec.priority <= tier or r.queue_key <= head.queue_key)]
 
     def step_budget(self, num_decodes: int) -> int:
         table = self.config.budget_by_num_decodes
@@ -342,13 +365,37 @@ class Batcher:
             self._set_running(req)
 
     def _schedule_waiting(self, step: _StepBuilder) -> None:
-        while self._waiting and step.budget > 0 and self._num_active() < self.config.max_num_seqs:
+        while self._waiting and step.budget > 0:
             req = self._waiting.peek()
-            if not self._admit(req):
-                return  # the head is never overtaken
+            if self._num_active() >= self.config.max_num_seqs or not self._admit(req):
+                victim = self._tier_victim(req)
+                if victim is None:
+                    return  # the head is never overtaken
+                self._preempt(victim, step)
+                continue
             self._waiting.pop()
             self._set_running(req)
             step.add(req, min(req.num_uncomputed_tokens, step.budget))
+
+    def _tier_victim(self, head: Request) -> Request | None:
+        """The running request `head` may preempt: a strictly less urgent tier that the queue order puts after the
+        head (so a recomputed victim re-enters behind it and cannot bounce back: EDF-aged BATCH work is safe), the
+        least urgent first, within it one still in prefill (no stream stalls), then the latest arrival; None when
+        there is none or BATCH's floor forbids it."""
+        if self.config.batch_min_share >= 1.0:
+            return None
+        tier = head.spec.priority
+        floor = int(self.config.batch_min_share * self.config.max_num_seqs)
+        num_batch = sum(1 for r in self._running if r.spec.priority is Priority.BATCH)
+        best: Request | None = None
+        for r in self._running:
+            p = r.spec.priority
+            if p <= tier or r.queue_key <= head.queue_key or (p is Priority.BATCH and num_batch <= floor):
+                continue
+            key = (p, r.num_output_tokens == 0, r.spec.arrival_s)
+            if best is None or key > (best.spec.priority, best.num_output_tokens == 0, best.spec.arrival_s):
+                best = r
+        return best
 
     def _admit(self, req: Request) -> bool:
         cached_tokens = self.kv.find_cached_prefix(req.token_ids) if req.num_computed_tokens == 0 else 0

@@ -4,7 +4,7 @@ Invariants:
 - Every error carries `message`, a sentence that says what to change (or, for overload, when to retry).
 - The core never imports grpc: the edge maps `InvalidArgument` -> INVALID_ARGUMENT, `UnknownModel` -> NOT_FOUND,
   `Overloaded` -> RESOURCE_EXHAUSTED (+ RetryInfo / `retry-after-ms` from `retry_after_ms`),
-  `DeadlineExceeded` -> DEADLINE_EXCEEDED, `Draining` -> UNAVAILABLE.
+  `SloInfeasible` -> FAILED_PRECONDITION, `DeadlineExceeded` -> DEADLINE_EXCEEDED, `Draining` -> UNAVAILABLE.
 - Errors are plain values (compare equal by fields) so tests and `Refuse` can hold and compare them.
 """
 
@@ -72,6 +72,30 @@ class Overloaded(OctoserveError):
 
     def _fields(self) -> tuple:
         return (self.model, self.tier, self.retry_after_ms, self.reason)
+
+
+class SloInfeasible(OctoserveError):
+    """Refused at once: the request's own prefill takes longer than its TTFT SLO on every instance of the model
+    even when idle, so no amount of waiting helps. Carries the numbers and what to change."""
+
+    def __init__(self, model: str, tier: Priority, num_prompt_tokens: int, prefill_ms: float, slo_ms: float,
+                 max_prompt_tokens: int) -> None:
+        self.model = model
+        self.tier = tier
+        self.num_prompt_tokens = num_prompt_tokens
+        self.prefill_ms = prefill_ms
+        self.slo_ms = slo_ms
+        self.max_prompt_tokens = max_prompt_tokens
+        super().__init__(
+            f"the {num_prompt_tokens}-token prompt alone takes {prefill_ms:.0f} ms to prefill on {model} as placed "
+            f"(uncached, on an idle instance), over its {slo_ms:.0f} ms {tier.name} TTFT SLO; shorten it to at most "
+            f"{max_prompt_tokens} tokens, send it as BATCH or with a larger ttft_slo_ms, or place {model} at a "
+            "higher tensor parallelism"
+        )
+
+    def _fields(self) -> tuple:
+        return (self.model, self.tier, self.num_prompt_tokens, round(self.prefill_ms, 3), self.slo_ms,
+                self.max_prompt_tokens)
 
 
 class DeadlineExceeded(OctoserveError):

@@ -47,6 +47,7 @@ def instance_parts(node: NodeConfig, instance: InstanceConfig, cost_model: CostM
         eos_token_id=EOS_TOKEN_ID,
         tier_ttft_slo_ms=dict(node.slo.tier_ttft_ms),
         predictor_prior_tokens=policies.predicted_output_tokens,
+        batch_min_share=policies.batch_min_share,
         **sizing,
     )
     return InstanceParts(

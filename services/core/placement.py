@@ -85,7 +85,15 @@ class PolicyConfig:
     preemption: str = "recompute"  # what happens to a preempted request's KV
     admission: bool = True  # False: route everything, shed nothing (for comparisons)
     tier_queue_bound: Mapping[Priority, int] = field(default_factory=_default_tier_queue_bound)
-    ttft_slack: float = 1.0  # refuse when predicted TTFT > tier SLO x slack
+    ttft_slack: float = 1.0  # the TTFT prior: refuse when predicted TTFT > tier SLO x slack, until calibrated
+    # Online TTFT calibration (services/core/admission.py TtftCalibrator): admit while predicted + the
+    # `ttft_quantile` of the last `ttft_window` prediction errors of the model and tier <= the SLO.
+    ttft_quantile: float = 0.95
+    ttft_window: int = 256
+    ttft_min_samples: int = 32
+    # Tiers under saturation: a waiting request preempts running requests of less urgent tiers at iteration
+    # boundaries, but BATCH keeps at least this share of an instance's decode slots (1.0: no tier preemption).
+    batch_min_share: float = 0.1
     predicted_output_tokens: int = 512  # admission's KV reservation under "predicted" (capped by max_tokens)
     kv_watermark: float = 0.01  # fraction of an instance's blocks kept free under "watermark"
     min_retry_after_ms: int = 50  # floor of every retry hint: retrying sooner cannot help
@@ -385,10 +393,22 @@ def _policies(raw: Mapping[str, Any], problems: list[str]) -> PolicyConfig:
     if picker not in ROUTING_PICKERS:
         problems.append(f"policies.picker: unknown picker {picker!r}; choose one of: {', '.join(ROUTING_PICKERS)}")
     bounds = _tier_map(raw.get("tier_queue_bound", {}), "policies.tier_queue_bound", problems, _default_tier_queue_bound(), int)
-    scalars = {k: raw[k] for k in ("ttft_slack", "predicted_output_tokens", "kv_watermark", "min_retry_after_ms", "swap_space_bytes", "max_step_factor") if k in raw}
+    scalars = {k: raw[k] for k in ("ttft_slack", "predicted_output_tokens", "kv_watermark", "min_retry_after_ms",
+                                   "swap_space_bytes", "max_step_factor", "ttft_quantile", "ttft_window",
+                                   "ttft_min_samples", "batch_min_share") if k in raw}
     for key, value in scalars.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
             problems.append(f"policies.{key} is {value!r}; set a number >= 0")
+    for key in ("ttft_quantile", "batch_min_share"):
+        value = scalars.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and not 0 < value <= 1:
+            problems.append(f"policies.{key} is {value!r}; set a fraction in (0, 1]")
+    window, min_samples = scalars.get("ttft_window", base.ttft_window), scalars.get("ttft_min_samples", base.ttft_min_samples)
+    if isinstance(window, (int, float)) and isinstance(min_samples, (int, float)) and not 1 <= min_samples <= window:
+        problems.append(f"policies.ttft_min_samples is {min_samples!r}; set it between 1 and ttft_window ({window!r})")
+    for key in ("ttft_window", "ttft_min_samples"):
+        if isinstance(scalars.get(key), float):
+            scalars[key] = int(scalars[key])
     return PolicyConfig(
         queue=raw.get("queue", base.queue),
         reservation=raw.get("reservation", base.reservation),

@@ -5,21 +5,25 @@ snapshots and `now` as arguments and owns no clock, no I/O and no unseeded rando
 
 route(spec, loads, now):
 1. unknown model -> Refuse(UnknownModel).
-2. per-tier queue bound (outstanding no-first-token requests of this model and tier) -> Refuse(Overloaded).
-3. candidates = the model's colocated / prefill instances; the configured filters drop those that cannot take it
+2. a prompt whose own uncached prefill exceeds its TTFT SLO on every instance of the model, even idle ->
+   Refuse(SloInfeasible) at once, with the numbers and what to change (retrying cannot help; BATCH's 10 s SLO
+   or a larger ttft_slo_ms can).
+3. per-tier queue bound (outstanding no-first-token requests of this model and tier) -> Refuse(Overloaded).
+4. candidates = the model's colocated / prefill instances; the configured filters drop those that cannot take it
    ("model", "healthy": healthy, not paused, has a snapshot; "kv_headroom": prompt + reservation fits).
-4. disaggregated models: the decode instance with the most KV headroom (then fewest running, then id) that can
+5. disaggregated models: the decode instance with the most KV headroom (then fewest running, then id) that can
    reserve prompt + reservation; none -> Refuse.
-5. TTFT feasibility: predicted TTFT = (prefill queue ahead of this tier) / (instance prefill throughput) + own
-   uncached prefill time; candidates over the tier's SLO x slack are dropped; none left -> Refuse with
-   retry_after_ms = how long until the best candidate would become feasible. BATCH (10 s SLO) queues instead.
-   A prompt whose own prefill alone exceeds the SLO may wait as long as its own prefill (it cannot meet the
-   SLO anyway, and refusing it on every try would starve long prompts).
-6. scorers (each a pure function of the candidate set, returning [0, 1], 0 = best) are weighted from config and
+6. TTFT feasibility: predicted TTFT = max(prefill queue ahead of this tier / instance prefill throughput, wait
+   for a decode slot not counting lower tiers the batcher would preempt) + own uncached prefill time; a candidate
+   is kept while predicted + the calibrated correction of the model and tier (admission.TtftCalibrator) is within
+   the SLO; none left -> Refuse with retry_after_ms = how long until the best candidate would become feasible.
+7. scorers (each a pure function of the candidate set, returning [0, 1], 0 = best) are weighted from config and
    summed into a cost; the picker takes the lowest cost, ties broken by one seeded `rng.random()` per candidate.
    `policies.picker: round_robin` instead takes the model's entry instances in turn (id order), skipping those
    the filters dropped: the baseline that ignores load and cache. `policies.prefix_aware_routing: false` makes
    every candidate's expected cache hit 0 (the router ignores its prefix index; engines still cache).
+With `policies.admission: false` only steps 1, 4 (model and health filters) and 7 run: the baseline that sheds
+nothing.
 
 Warm busy vs cold idle (seed 003 follow-up): with prompt N, a warm instance caching h·N of it and a queue of W
 seconds ahead, versus a cold idle instance, waiting for the warm one is faster exactly when
@@ -38,10 +42,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from services.core import admission as adm
-from services.core.errors import Overloaded, UnknownModel
+from services.core.errors import Overloaded, SloInfeasible, UnknownModel
 from services.core.placement import InstanceConfig, NodeConfig
 from services.core.registry import Registry
-from services.core.types import EngineLoad, KVEvent, RequestSpec, Role
+from services.core.types import EngineLoad, KVEvent, Priority, RequestSpec, Role
 
 
 class CostModelLike(Protocol):
@@ -60,8 +64,8 @@ class Route:
 
 @dataclass(frozen=True, slots=True)
 class Refuse:
-    error: Overloaded | UnknownModel
-    retry_after_ms: int  # 0 for UnknownModel: retrying will not help
+    error: Overloaded | UnknownModel | SloInfeasible
+    retry_after_ms: int  # 0 for UnknownModel and SloInfeasible: retrying will not help
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,6 +188,9 @@ class RouterPolicy:
         self.block_hasher = block_hasher
         self.extra_key = extra_key
         self.ledger = adm.InFlightLedger()
+        p = config.policies
+        self.calibrator = adm.TtftCalibrator(p.ttft_quantile, p.ttft_window, p.ttft_min_samples)
+        self.pressure = adm.TierPressure()
         self._filters = [FILTERS.get(n) for n in config.policies.routing_filters]
         self._scorers = [(SCORERS.get(n), w) for n, w in sorted(config.policies.scorer_weights.items()) if w > 0]
         self._next_turn: dict[str, int] = {}  # model -> round-robin position among its entry instances
@@ -209,11 +216,21 @@ class RouterPolicy:
                 uncached_prefill_tokens=spec.num_prompt_tokens - route.expected_cached_tokens,
                 entry_blocks=adm.kv_blocks_required(spec, entry, cfg.policies, with_output=colocated),
                 decode_blocks=0 if decode is None else adm.kv_blocks_required(spec, decode, cfg.policies, with_output=True),
+                arrival_s=spec.arrival_s,
+                predicted_ttft_s=route.predicted_ttft_ms / 1000.0,
             )
         )
 
-    def on_first_token(self, request_id: str) -> None:
-        self.ledger.on_first_token(request_id)
+    def on_first_token(self, request_id: str, now: float | None = None) -> None:
+        """`now` (the clock arrivals are on) feeds the TTFT calibration; None only clears the ledger entry."""
+        record = self.ledger.on_first_token(request_id)
+        if record is not None and now is not None:
+            self.calibrator.observe(record.model, record.tier, (now - record.arrival_s) - record.predicted_ttft_s)
+
+    def ttft_correction_s(self, model: str, tier, slo_ms: float) -> float:
+        """Seconds added to a prediction before it is compared with the SLO (the prior until calibrated)."""
+        prior_s = (1.0 - self.config.policies.ttft_slack) * slo_ms / 1000.0
+        return self.calibrator.correction_s(model, tier, prior_s, MAX_CORRECTION * slo_ms / 1000.0)
 
     def on_finished(self, request_id: str) -> None:
         self.ledger.on_finished(request_id)
@@ -223,6 +240,12 @@ class RouterPolicy:
     def route(self, spec: RequestSpec, loads: Mapping[str, EngineLoad] | Sequence[EngineLoad], now: float) -> Route | Refuse:
         """Admit and place `spec`, or refuse it. `now` is unused today: snapshots carry the state; kept so
         deadline-aware policies need no signature change."""
+        decision = self._route(spec, loads)
+        if spec.priority < Priority.BATCH and self.config.policies.admission:
+            self.pressure.observe(spec.model, isinstance(decision, Refuse) and isinstance(decision.error, Overloaded))
+        return decision
+
+    def _route(self, spec: RequestSpec, loads: Mapping[str, EngineLoad] | Sequence[EngineLoad]) -> Route | Refuse:
         if not isinstance(loads, Mapping):
             loads = {load.instance_id: load for load in loads}
         for load in loads.values():
@@ -230,23 +253,30 @@ class RouterPolicy:
         if spec.model not in self.config.models:
             return Refuse(UnknownModel(spec.model, self.config.models), 0)
         admit = self.config.policies.admission
-        if admit and (refusal := self._tier_bound(spec, loads)) is not None:
-            return refusal
         cands = self._candidates(spec, loads)
+        slo_ms = self.config.slo.ttft_ms_for_request(spec)
+        if admit and (refusal := self._infeasible(spec, cands, slo_ms)) is not None:
+            return refusal
+        if admit and (refusal := self._tier_bound(spec, cands)) is not None:
+            return refusal
         kept = [c for c in cands if all(f(c) for f in self._filters)] if admit else [c for c in cands if filter_model(c) and filter_healthy(c)]
         if not kept:
             return self._refuse_no_instance(spec, cands)
+        if admit and spec.priority is Priority.BATCH and self.pressure.under_pressure(spec.model):
+            kept = [c for c in kept if self._below_batch_share(c)]
+            if not kept:
+                return self._refuse(spec, cands, "more urgent requests of this model are being shed and BATCH "
+                                    "holds its minimum share of every instance")
         decode_id = None
         if self.config.is_disaggregated(spec.model):
             decode_id = self._pick_decode(spec, loads, require_fit=admit)
             if decode_id is None:
                 return self._refuse(spec, kept, "no decode instance has KV headroom for prompt + reservation")
         if admit:
-            slo_ms = self.config.slo.ttft_ms_for_request(spec)
-            slack = self.config.policies.ttft_slack
-            feasible = [c for c in kept if adm.ttft_excess_s(c.predicted_ttft_s, c.own_prefill_s, slo_ms, slack) <= 0]
+            correction_s = self.ttft_correction_s(spec.model, spec.priority, slo_ms)
+            feasible = [c for c in kept if adm.ttft_excess_s(c.predicted_ttft_s, correction_s, slo_ms) <= 0]
             if not feasible:
-                return self._refuse_ttft(spec, kept, slo_ms)
+                return self._refuse_ttft(spec, kept, slo_ms, correction_s)
             kept = feasible
         chosen = self._pick(kept)
         # Rounded to the microsecond: sub-microsecond float noise is not a prediction.
@@ -285,7 +315,9 @@ class RouterPolicy:
             wait_s=adm.prefill_wait_s(ahead, throughput),
             own_prefill_s=cost.prefill_time_s(spec.num_prompt_tokens - cached, cached),
             model=spec.model,
-            slot_wait_s=adm.slot_wait_s(load, self.ledger),
+            slot_wait_s=adm.slot_wait_s(
+                load, self.ledger, adm.preemptible_slots(load, self.ledger, spec.priority, policies.batch_min_share)
+            ),
         )
 
     def _cached_tokens(self, spec: RequestSpec, inst: InstanceConfig, overlap_blocks: int) -> int:
@@ -342,15 +374,35 @@ class RouterPolicy:
         retry = adm.retry_after_ms(wait_s, self.config.policies)
         return Refuse(Overloaded(spec.model, spec.priority, retry, reason), retry)
 
-    def _tier_bound(self, spec: RequestSpec, loads: Mapping[str, EngineLoad]) -> Refuse | None:
+    def _below_batch_share(self, c: Candidate) -> bool:
+        slots = c.load.max_num_seqs or c.instance.max_num_seqs
+        floor = max(1, math.floor(self.config.policies.batch_min_share * slots))
+        return self.ledger.num_dispatched_by_tier(c.instance.id)[Priority.BATCH] < floor
+
+    def _infeasible(self, spec: RequestSpec, cands: Sequence[Candidate], slo_ms: float) -> Refuse | None:
+        """SloInfeasible when the fastest instance's own prefill of the prompt, idle, is over the SLO."""
+        if not cands:
+            return None
+        best = min(cands, key=lambda c: (c.own_prefill_s, c.instance.id))
+        if best.own_prefill_s * 1000.0 <= slo_ms:
+            return None
+        cost = self._cost_model(best.instance)
+        lo, hi = 1, spec.num_prompt_tokens  # the longest uncached prompt that fits: prefill time grows with length
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if cost.prefill_time_s(mid) * 1000.0 <= slo_ms else (lo, mid - 1)
+        error = SloInfeasible(spec.model, spec.priority, spec.num_prompt_tokens, best.own_prefill_s * 1000.0, slo_ms,
+                              lo + best.cached_tokens)
+        return Refuse(error, 0)
+
+    def _tier_bound(self, spec: RequestSpec, cands: Sequence[Candidate]) -> Refuse | None:
         count = adm.tier_bound_reached(self.ledger, spec, self.config.policies.tier_queue_bound)
         if count is None:
             return None
         # A slot frees when the first outstanding request of this tier gets its first token: the shortest
         # tier queue-ahead drain among the instances that hold one.
         holding = {r.instance_id for r in self.ledger.outstanding.values() if r.model == spec.model and r.tier == spec.priority}
-        cands = [c for c in self._candidates(spec, loads) if filter_healthy(c) and c.instance.id in holding]
-        wait_s = min((c.wait_s for c in cands), default=0.0)
+        wait_s = min((c.wait_s for c in cands if filter_healthy(c) and c.instance.id in holding), default=0.0)
         return self._overloaded(spec, wait_s, f"{count} {spec.priority.name} requests already wait for a first token")
 
     def _refuse(self, spec: RequestSpec, cands: Sequence[Candidate], reason: str) -> Refuse:
@@ -363,16 +415,20 @@ class RouterPolicy:
             return self._overloaded(spec, math.inf, "no healthy instance serves it right now")
         return self._refuse(spec, healthy, "no instance has KV headroom for prompt + reservation")
 
-    def _refuse_ttft(self, spec: RequestSpec, cands: Sequence[Candidate], slo_ms: float) -> Refuse:
-        """Retry once the best candidate's queue has drained by the amount its TTFT exceeds the SLO."""
-        slack = self.config.policies.ttft_slack
+    def _refuse_ttft(self, spec: RequestSpec, cands: Sequence[Candidate], slo_ms: float, correction_s: float) -> Refuse:
+        """Retry once the best candidate's queue has drained by the amount its corrected TTFT exceeds the SLO."""
         best = min(cands, key=lambda c: (c.predicted_ttft_s, c.instance.id))
-        excess_s = adm.ttft_excess_s(best.predicted_ttft_s, best.own_prefill_s, slo_ms, slack)
+        excess_s = adm.ttft_excess_s(best.predicted_ttft_s, correction_s, slo_ms)
         reason = (
-            f"predicted TTFT {best.predicted_ttft_s * 1000:.0f} ms exceeds the {slo_ms * slack:.0f} ms "
-            f"{spec.priority.name} SLO"
+            f"predicted TTFT {best.predicted_ttft_s * 1000:.0f} ms + {correction_s * 1000:.0f} ms calibrated margin "
+            f"exceeds the {slo_ms:.0f} ms {spec.priority.name} SLO"
         )
         return self._overloaded(spec, excess_s, reason)
+
+
+# The calibrated TTFT correction never exceeds this fraction of the SLO: requests predicted under the rest still
+# get in, so errors keep being observed and the correction can come down when the load does.
+MAX_CORRECTION = 0.8
 
 
 def build_cost_models(config: NodeConfig) -> dict[str, Any]:

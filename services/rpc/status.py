@@ -1,6 +1,7 @@
 """The one mapping from octoserve's typed errors to gRPC statuses (and back, for the SDK).
 
-- InvalidArgument -> INVALID_ARGUMENT, UnknownModel -> NOT_FOUND, DeadlineExceeded -> DEADLINE_EXCEEDED,
+- InvalidArgument -> INVALID_ARGUMENT, UnknownModel -> NOT_FOUND, SloInfeasible -> FAILED_PRECONDITION,
+  DeadlineExceeded -> DEADLINE_EXCEEDED,
   Draining -> UNAVAILABLE, Overloaded -> RESOURCE_EXHAUSTED with a `google.rpc.RetryInfo` detail
   (`grpc-status-details-bin`) and a plain `retry-after-ms` trailer for clients that do not parse rich status.
 - Engine errors reaching the edge: CapacityError -> RESOURCE_EXHAUSTED, HandoffError -> UNAVAILABLE.
@@ -16,7 +17,15 @@ from google.protobuf import duration_pb2
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from services.core.errors import DeadlineExceeded, Draining, InvalidArgument, OctoserveError, Overloaded, UnknownModel
+from services.core.errors import (
+    DeadlineExceeded,
+    Draining,
+    InvalidArgument,
+    OctoserveError,
+    Overloaded,
+    SloInfeasible,
+    UnknownModel,
+)
 from services.engine.base import CapacityError, EngineError, HandoffError
 
 RETRY_AFTER_MS_KEY = "retry-after-ms"
@@ -25,6 +34,7 @@ _CODES: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
     (UnknownModel, grpc.StatusCode.NOT_FOUND),
     (Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (SloInfeasible, grpc.StatusCode.FAILED_PRECONDITION),
     (DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
     (Draining, grpc.StatusCode.UNAVAILABLE),
     (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),

@@ -241,7 +241,7 @@ class NodeSimulator:
             if tracker.first_token_s is None:
                 tracker.first_token_s = self.now
                 tracker.num_cached = output.num_cached_prompt_tokens
-                self.router.on_first_token(output.request_id)
+                self.router.on_first_token(output.request_id, self.now)
             tracker.token_times_s.extend([self.now] * len(output.new_token_ids))
             tracker.num_output += len(output.new_token_ids)
         if output.finish_reason not in (None, FinishReason.HANDOFF):
