@@ -87,7 +87,8 @@ def compare(config_path: str | None, trace: list[TraceRequest], time_scale: floa
         )
     finally:
         node.stop()
-    return Agreement(summarize(records, slo, duration_s), virtual.summary)
+    # The live records over the simulator's measurement window: the same warm-up left out on both sides.
+    return Agreement(summarize(records, slo, duration_s, warmup_s=virtual.window.start_s), virtual.summary)
 
 
 def main(argv: list[str] | None = None) -> int:

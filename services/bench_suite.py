@@ -99,8 +99,8 @@ class Row:
     itl_p95_ms: float
     refused_fraction: float
     num_preemptions: int
-    kv_utilisation: float  # mean over instances and samples in the arrival window
-    gpu_busy: float  # GPU-weighted mean busy fraction in the arrival window
+    kv_utilisation: float  # mean over instances and samples in the measurement window (after the warm-up)
+    gpu_busy: float  # GPU-weighted mean busy fraction in the measurement window
     num_errors: int  # admitted but unfinished when the run stopped
 
     @property
@@ -131,16 +131,10 @@ def _trace(profile_name: str, rate_rps: float, duration_s: float, burstiness: fl
     return tuple(generate_trace(profile, seed))
 
 
-def _window_mean(series: dict, prefix: str, end_s: float, weights: dict[str, int]) -> float:
-    total, weight = 0.0, 0
-    for name, points in series.items():
-        if not name.startswith(prefix):
-            continue
-        iid = name[len(prefix):]
-        inside = [v for t, v in points if 0 < t <= end_s] or [v for _, v in points]
-        if inside:
-            total += weights.get(iid, 1) * sum(inside) / len(inside)
-            weight += weights.get(iid, 1)
+def _gpu_weighted(instances, field: str, weights: dict[str, int]) -> float:
+    """A per-instance figure of the measurement window (`InstanceStats`), averaged with GPU-count weights."""
+    total = sum(weights.get(s.instance_id, 1) * getattr(s, field) for s in instances)
+    weight = sum(weights.get(s.instance_id, 1) for s in instances)
     return total / weight if weight else math.nan
 
 
@@ -155,12 +149,12 @@ def run_job(job: Job) -> JobResult:
     gpus = {i.id: i.tp for i in job.config.instances}
     window_s = max(res.summary.duration_s, 1.0)
     row = Row(
-        policy=job.policy, workload=w.label, offered_rps=len(trace) / window_s, goodput_rps=o.goodput_rps,
+        policy=job.policy, workload=w.label, offered_rps=o.num_offered / window_s, goodput_rps=o.goodput_rps,
         roofline_rps=math.nan, slo_bound_rps=math.nan, attainment_admitted=o.attainment_admitted,
         attainment_offered=o.attainment_offered, ttft_p95_ms=o.ttft.p95_ms, itl_p95_ms=o.itl.p95_ms,
         refused_fraction=o.refused_fraction, num_preemptions=o.num_preemptions,
-        kv_utilisation=_window_mean(res.timeseries, "kv:", window_s, gpus),
-        gpu_busy=_window_mean(res.timeseries, "busy:", window_s, gpus), num_errors=o.num_errors,
+        kv_utilisation=_gpu_weighted(res.instances, "kv_mean", gpus),
+        gpu_busy=_gpu_weighted(res.instances, "busy_fraction", gpus), num_errors=o.num_errors,
     )
     return JobResult((job.policy, w.label), row, res.records if w.keep_records else (), res.wall_s)
 

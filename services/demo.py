@@ -53,8 +53,8 @@ def run(args: argparse.Namespace) -> int:
             bar.close()
     finally:
         codes = node.stop()
-    live = summarize(records, profile.slo, profile.duration_s)
     virtual = run_simulation(config, trace).summary
+    live = summarize(records, profile.slo, profile.duration_s, warmup_s=virtual.window.start_s)  # the same window
     print("== live node (latencies in modelled time) ==")
     print(format_summary(live))
     print("\n== the same trace in the simulator ==")

@@ -14,6 +14,9 @@ Invariants:
   charged to the node.
 - No retries by default: a refusal is an outcome to count, not to hide. `--retry` turns on the SDK's policy.
 - The run is bounded: by the trace (duration, `max_requests`) and by `drain_timeout_s` after the last send.
+- Steady state: the harness samples its own in-flight count (requests sent and not yet answered in full) every
+  modelled second; `metrics.detect_window` finds the warm-up on it (or `--warmup` states it), and the report covers
+  arrivals after the warm-up only, as `octoserve simulate` does.
 """
 
 from __future__ import annotations
@@ -30,7 +33,14 @@ from pathlib import Path
 
 from services.client import AsyncClient, OctoserveClientError, OverloadedError, RetryPolicy
 from services.rpc.convert import SIM_OUTPUT_LEN_KEY  # one definition, shared with the router
-from services.metrics import RequestRecord, format_summary, scale_record_times, summarize, summary_to_dict
+from services.metrics import (
+    RequestRecord,
+    detect_window,
+    format_summary,
+    scale_record_times,
+    summarize,
+    summary_to_dict,
+)
 from services.workload import PROFILES, TraceRequest, WorkloadProfile, generate_trace, scaled
 
 # The workload's true output length, for the sim engine (the public API has no field for it: a real model
@@ -112,6 +122,12 @@ async def _send(client: AsyncClient, req: TraceRequest, t0: float, options: Benc
         out[index] = stream.record(req, options.time_scale, error=f"{type(e).__name__}: {e}")
 
 
+@dataclass(frozen=True, slots=True)
+class BenchRun:
+    records: list[RequestRecord]  # one per request, in trace order, modelled clock
+    occupancy: list[tuple[float, float]]  # (modelled s, requests sent and not yet answered in full), each second
+
+
 async def run_bench(
     target: str,
     trace: Sequence[TraceRequest],
@@ -124,27 +140,54 @@ async def run_bench(
 
     `options.time_scale` is replaced by `time_scale`. `progress` (a `services.progress.Progress`) is advanced as
     requests finish."""
+    return (await run_bench_series(target, trace, time_scale=time_scale, options=options, progress=progress)).records
+
+
+async def run_bench_series(
+    target: str,
+    trace: Sequence[TraceRequest],
+    *,
+    time_scale: float = 1.0,
+    options: BenchOptions | None = None,
+    progress=None,
+) -> BenchRun:
+    """`run_bench`, with the harness's in-flight series for warm-up detection (`metrics.detect_window`)."""
     options = dataclasses.replace(options or BenchOptions(), time_scale=time_scale)
     clients = [AsyncClient(target, retry=options.retry, channel_options=_SEPARATE_CONNECTIONS)
                for _ in range(options.num_channels)]
     records: list = [None] * len(trace)
+    tasks: list[asyncio.Task] = []
+    occupancy: list[tuple[float, float]] = []
+    t0 = time.monotonic()
+    sampler = asyncio.get_running_loop().create_task(_sample_in_flight(tasks, t0, time_scale, occupancy))
     try:
-        tasks = await _dispatch(clients, trace, options, records, progress)
+        await _dispatch(clients, trace, options, records, progress, t0, tasks)
         if tasks:
             _, pending = await asyncio.wait(tasks, timeout=options.drain_timeout_s)
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
     finally:
+        sampler.cancel()
+        await asyncio.gather(sampler, return_exceptions=True)
         await asyncio.gather(*(c.close() for c in clients))
-    return records
+    return BenchRun(records, occupancy)
 
 
-async def _dispatch(clients, trace, options: BenchOptions, records: list, progress) -> list[asyncio.Task]:
-    """Send every request at its (dilated) arrival time; returns the request tasks."""
+async def _sample_in_flight(tasks: list[asyncio.Task], t0: float, time_scale: float, out: list) -> None:
+    """Every modelled second from t0 (absolute targets, so no drift): how many request tasks are still running."""
+    k = 0
+    while True:
+        while (delay_s := t0 + k * time_scale - time.monotonic()) > 0:
+            await asyncio.sleep(delay_s)
+        out.append((float(k), float(sum(not t.done() for t in tasks))))
+        k += 1
+
+
+async def _dispatch(clients, trace, options: BenchOptions, records: list, progress, t0: float,
+                    tasks: list[asyncio.Task]) -> None:
+    """Send every request at its (dilated) arrival time, appending its task to `tasks` as it goes."""
     loop = asyncio.get_running_loop()
-    t0 = time.monotonic()
-    tasks = []
     for i, req in enumerate(trace):
         send_at_s = t0 + req.arrival_s * options.time_scale
         while (delay_s := send_at_s - time.monotonic()) > 0:  # loop: asyncio timers may fire a tick early
@@ -153,7 +196,6 @@ async def _dispatch(clients, trace, options: BenchOptions, records: list, progre
         if progress is not None:
             task.add_done_callback(lambda _t: progress.update(1))
         tasks.append(task)
-    return tasks
 
 
 # --- the command ---------------------------------------------------------------------------------------------
@@ -170,6 +212,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-requests", type=int, default=None, help="send at most the trace's first N")
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="real seconds after the last send")
+    parser.add_argument("--warmup", type=_parse_duration_s, default=None,
+                        help="modelled warm-up to leave out of every metric, e.g. 10s "
+                             "(default: detected on the harness's in-flight count, MSER-5, >= 5 s)")
     parser.add_argument("--channels", type=int, default=1)
     parser.add_argument("--request-timeout", type=float, default=None, help="real seconds per request")
     parser.add_argument("--retry", action="store_true", help="let the SDK retry refusals (default: count them)")
@@ -189,8 +234,15 @@ def build_trace(args: argparse.Namespace) -> tuple[list[TraceRequest], WorkloadP
     return trace, profile
 
 
+def _parse_duration_s(text: str) -> float:
+    from services.sim.cli_simulate import parse_duration_s
+
+    return parse_duration_s(text)
+
+
 def measurement_window_s(trace: Sequence[TraceRequest]) -> float:
-    """What throughputs divide by: the arrival window, as the simulator measures it (up to the last arrival)."""
+    """The end of the arrival window, as the simulator measures it (the last arrival); the measurement window
+    runs from the warm-up's end to here."""
     return max(trace[-1].arrival_s if trace else 0.0, 1e-9)
 
 
@@ -206,16 +258,18 @@ def run(args: argparse.Namespace) -> int:
         from services.progress import Progress
 
         progress = Progress(len(trace), f"bench {args.profile}")
-    records = _run_loop(run_bench(args.target, trace, time_scale=args.time_scale, options=options,
-                                  progress=progress))
+    bench = _run_loop(run_bench_series(args.target, trace, time_scale=args.time_scale, options=options,
+                                       progress=progress))
+    records = bench.records
     if progress is not None:
         progress.close()
-    summary = summarize(records, profile.slo, measurement_window_s(trace))
+    window = detect_window(bench.occupancy, measurement_window_s(trace), warmup_s=args.warmup)
+    summary = summarize(records, profile.slo, window)
     print(format_summary(summary))
     if options.output_len_mode == "hint" and (overrun := count_ignored_hints(trace, records)):
         print(f"warning: {overrun} requests generated more tokens than their {SIM_OUTPUT_LEN_KEY} hint: the node "
               "ignores it, so outputs run to max_tokens; use --output-len-mode max-tokens", file=sys.stderr)
-    _write_outputs(args, records, summary, profile)
+    _write_outputs(args, records, summary, profile, bench.occupancy)
     return 0
 
 
@@ -232,10 +286,10 @@ def _run_loop(coro):
     return uvloop.run(coro)
 
 
-def _write_outputs(args: argparse.Namespace, records, summary, profile) -> None:
+def _write_outputs(args: argparse.Namespace, records, summary, profile, occupancy=()) -> None:
     if args.json is not None:
         doc = {"target": args.target, "profile": args.profile, "seed": args.seed, "time_scale": args.time_scale,
-               "num_requests": len(records), "summary": summary_to_dict(summary),
+               "num_requests": len(records), "summary": summary_to_dict(summary), "occupancy": list(occupancy),
                "records": [dataclasses.asdict(r) for r in records]}
         args.json.write_text(json.dumps(doc, default=str))
     if args.plots is not None:

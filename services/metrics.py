@@ -13,9 +13,22 @@ Definitions follow `vllm bench serve`, so numbers compare directly:
   good requests / duration. The pooled ITL P95 is reported next to it, since the seed's SLO is stated on ITL.
 - Attainment "of admitted" = good / admitted; "of offered" = good / offered, where a refused request is a miss.
 - Latency distributions cover completed requests only: admitted, no error, a first token seen.
+- Fleet SLO (the seed's literal one), per group: TTFT P95 < its SLO over *admitted* requests, an admitted request
+  that never produced a first token counting as an infinite TTFT; requests with different TTFT SLOs (tiers) are
+  compared tier by tier and the group passes only if every tier passes. And ITL P95 < `SloSpec.itl_ms` over every
+  token streamed to an admitted request (errors and cut-off streams included). Both comparisons are strict (<),
+  as the seed states them; a group that admitted nothing fails. `passes_capacity` combines it with goodput.
+
+Steady state (a run's first seconds are a transient: the running batch is still filling):
+- A run is measured over a `Window`: arrivals in [warm-up end, arrival window end]. Requests that arrived during
+  the warm-up are left out of every metric; throughputs and goodput divide by the window's length, not the run's.
+- `detect_window` finds the warm-up on the run's occupancy series (requests admitted and not yet finished,
+  sampled each second) with MSER-5 (`mser_truncation`), never shorter than a floor, and states how it was chosen;
+  it also says whether occupancy still grows over the window (`steady`), i.e. whether the window is too short.
 
 Invariants: records are seconds on one clock (the live harness divides by its time scale first); nothing here
-reads a clock or mutates a record; empty groups report NaN latencies (None in `summary_to_dict`).
+reads a clock or mutates a record; empty groups report NaN latencies (None in `summary_to_dict`, as is an
+infinite P95).
 """
 
 from __future__ import annotations
@@ -93,6 +106,108 @@ def scale_record_times(record: RequestRecord, divide_by: float) -> RequestRecord
     )
 
 
+# --- the measurement window ------------------------------------------------------------------------------------
+
+MIN_WARMUP_S = 5.0  # the warm-up floor: no run is measured from its first seconds
+MSER_BATCH = 5  # MSER-5: White's batch size
+STEADY_GROWTH = 0.10  # occupancy growing more than this (relative, last third vs middle third) is not steady
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """Which requests a summary measures: those arriving in [start_s, end_s], on the run's clock.
+
+    `start_s` is the end of the warm-up and `end_s` the end of the arrival window (the last arrival); throughputs
+    divide by `duration_s` = end_s − start_s. The other fields say how the warm-up was chosen and whether the
+    system was steady over the window; `detect_window` fills them, a plain `Window(start_s, end_s)` leaves them
+    unknown."""
+
+    start_s: float
+    end_s: float
+    warmup_rule: str = "stated"  # "none" (start 0), "stated" (given by the caller), "floor" or "MSER-5" (detected)
+    mser_s: float = math.nan  # where MSER-5 put the warm-up end, before the floor (NaN: not detected)
+    growth: float = math.nan  # occupancy growth over the window, relative (see `steadiness`); NaN: not measured
+    steady: bool | None = None  # growth <= STEADY_GROWTH; None: not measured
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.start_s <= self.end_s:
+            raise ValueError(f"need 0 <= warm-up end <= arrival window end, got {self.start_s} and {self.end_s}")
+
+    @property
+    def duration_s(self) -> float:
+        return max(self.end_s - self.start_s, 1e-9)
+
+    def contains(self, record: RequestRecord) -> bool:
+        """Measured: arrived after the warm-up. Late arrivals (harness lag past the last send) stay in."""
+        return record.arrival_s >= self.start_s
+
+
+def mser_truncation(series: Sequence[float], batch_size: int = MSER_BATCH) -> int:
+    """MSER-m (White 1997): how many leading samples of `series` to delete as warm-up.
+
+    The series is cut into k = len // m batches of m samples (a trailing partial batch is dropped) with means
+    Z_1..Z_k. For d = 0 .. k // 2 (only the first half is searched: deleting more leaves too little to judge),
+    MSER(d) = Σ_{j>d} (Z_j − mean(Z_{d+1..k}))² / (k − d)², the squared standard error of the mean of the batches
+    kept. Returns m · d for the d minimising it (the smallest such d on ties); 0 for fewer than two batches."""
+    k = len(series) // batch_size
+    if k < 2:
+        return 0
+    z = np.asarray(series[: k * batch_size], dtype=float).reshape(k, batch_size).mean(axis=1)
+    best_d, best = 0, math.inf
+    for d in range(k // 2 + 1):
+        kept = z[d:]
+        value = float(((kept - kept.mean()) ** 2).sum()) / len(kept) ** 2
+        if value < best:
+            best_d, best = d, value
+    return best_d * batch_size
+
+
+def steadiness(values: Sequence[float]) -> float:
+    """Relative growth of a series over a window: (mean of its last third − mean of its middle third) / its mean.
+
+    The first third is left out so that what remains of a ramp at the window's start does not count twice. 0 for an
+    empty system (mean 0); NaN for fewer than 3 samples (too short to judge)."""
+    n = len(values)
+    if n < 3:
+        return math.nan
+    v = np.asarray(values, dtype=float)
+    mean = float(v.mean())
+    if mean == 0.0:
+        return 0.0
+    return (float(v[2 * n // 3:].mean()) - float(v[n // 3: 2 * n // 3].mean())) / mean
+
+
+def detect_window(
+    occupancy: Sequence[tuple[float, float]],
+    arrival_end_s: float,
+    *,
+    warmup_s: float | None = None,
+    min_warmup_s: float = MIN_WARMUP_S,
+    growth_tolerance: float = STEADY_GROWTH,
+) -> Window:
+    """The measurement window of a run from its occupancy series [(t_s, requests in flight)], sampled regularly.
+
+    Warm-up rule, when `warmup_s` is None: MSER-5 on the samples with t <= `arrival_end_s` gives d leading samples
+    to delete; the warm-up ends at the time of sample d, or at the floor `min_warmup_s` if that is later. The floor
+    is cut to half the arrival window for runs shorter than twice it, so a window always remains (MSER searches
+    the first half only, so the warm-up never exceeds half the arrival window). A stated `warmup_s` is used as
+    given. Steadiness: `steadiness` of the samples inside the window; steady when it is <= `growth_tolerance`."""
+    inside_run = [(t, v) for t, v in occupancy if t <= arrival_end_s]
+    mser_s = math.nan
+    if warmup_s is not None:
+        start_s, rule = warmup_s, ("stated" if warmup_s > 0 else "none")
+    else:
+        d = mser_truncation([v for _, v in inside_run])
+        mser_s = inside_run[d][0] if d < len(inside_run) else 0.0
+        floor_s = min(min_warmup_s, arrival_end_s / 2)
+        start_s, rule = (mser_s, "MSER-5") if mser_s > floor_s else (floor_s, "floor")
+    if start_s > arrival_end_s:
+        raise ValueError(f"warm-up {start_s:g} s is not shorter than the {arrival_end_s:g} s arrival window")
+    growth = steadiness([v for t, v in inside_run if t >= start_s])
+    steady = None if math.isnan(growth) else growth <= growth_tolerance
+    return Window(start_s, arrival_end_s, rule, mser_s, growth, steady)
+
+
 def itl_gaps_s(token_times_s: Sequence[float]) -> list[float]:
     """Inter-token gaps of one stream; a k-token message splits its gap into k equal gaps (see module doc)."""
     gaps: list[float] = [b - a for a, b in zip(token_times_s, token_times_s[1:])]
@@ -144,6 +259,41 @@ def latency_stats(values_s: Sequence[float]) -> LatencyStats:
     return LatencyStats(len(ms), float(ms.mean()), float(p50), float(p95), float(p99), float(ms.max()))
 
 
+def percentile_inf(values: Sequence[float], q: float) -> float:
+    """numpy's linear-interpolation percentile, where +inf samples (never answered) make any percentile they
+    touch infinite instead of NaN. NaN for no samples."""
+    if len(values) == 0:
+        return math.nan
+    xs = sorted(values)
+    pos = q / 100.0 * (len(xs) - 1)
+    lo = int(math.floor(pos))
+    frac = pos - lo
+    if frac == 0.0:
+        return xs[lo]
+    hi = xs[lo + 1]
+    return math.inf if math.isinf(hi) else xs[lo] + (hi - xs[lo]) * frac
+
+
+def _ttft_slo_ms(record: RequestRecord, slo: SloSpec) -> float:
+    return record.ttft_slo_ms if record.ttft_slo_ms is not None else slo.ttft_ms
+
+
+def fleet_ttft_p95_ms(records: Iterable[RequestRecord], slo: SloSpec) -> tuple[tuple[float, float], ...]:
+    """(TTFT SLO ms, TTFT P95 ms) for each TTFT SLO among the admitted requests, ascending by SLO; a request
+    admitted but never given a first token counts as an infinite TTFT."""
+    by_slo: dict[float, list[float]] = {}
+    for r in records:
+        if not r.refused:
+            by_slo.setdefault(_ttft_slo_ms(r, slo), []).append(math.inf if r.ttft_s is None else r.ttft_s * 1000.0)
+    return tuple((slo_ms, percentile_inf(v, 95)) for slo_ms, v in sorted(by_slo.items()))
+
+
+def fleet_itl_p95_ms(records: Iterable[RequestRecord]) -> float:
+    """ITL P95 over every token streamed to an admitted request (pooled); NaN when no gap was streamed."""
+    gaps = [g for r in records if not r.refused for g in itl_gaps_s(r.token_times_s)]
+    return float(np.percentile(np.asarray(gaps) * 1000.0, 95)) if gaps else math.nan
+
+
 @dataclass(frozen=True, slots=True)
 class GroupStats:
     """Metrics of one slice of the requests: all of them, one model, or one tier."""
@@ -169,15 +319,31 @@ class GroupStats:
     tpot: LatencyStats
     itl: LatencyStats  # pooled across the group's streams
     e2e: LatencyStats
+    num_unfinished: int = 0  # admitted but never finished: cut off by the drain or failed mid-stream (misses)
+    # The seed's literal fleet SLO (module doc): (TTFT SLO ms, TTFT P95 ms over admitted) per SLO, pooled ITL P95
+    fleet_ttft_p95_ms: tuple[tuple[float, float], ...] = ()
+    fleet_itl_p95_ms: float = math.nan
+    fleet_ttft_ok: bool = False  # every TTFT SLO's P95 < that SLO; False when nothing was admitted
+    fleet_itl_ok: bool = False  # pooled ITL P95 < SloSpec.itl_ms; True when no token gap was streamed
+    fleet_slo_met: bool = False  # both
+
+
+def passes_capacity(group: GroupStats, threshold: float = 0.9) -> bool:
+    """The SLO-capacity test of one run: at least `threshold` of the *offered* requests are good under the
+    DistServe definition (refused = miss: `attainment_offered`), AND the fleet SLO (TTFT P95 and ITL P95, module
+    doc) holds as well. The capacity is the highest rate at which this is true."""
+    return group.attainment_offered >= threshold and group.fleet_slo_met
 
 
 @dataclass(frozen=True, slots=True)
 class Summary:
-    duration_s: float
+    duration_s: float  # the measurement window's length: what throughputs divide by
     slo: SloSpec
     overall: GroupStats
     per_model: tuple[GroupStats, ...]  # sorted by model name
     per_tier: tuple[GroupStats, ...]  # by Priority order, tiers present only
+    window: Window | None = None  # None only for summaries built by hand; `summarize` always sets it
+    num_warmup: int = 0  # requests left out because they arrived during the warm-up
 
 
 def _ratio(num: float, den: float) -> float:
@@ -188,10 +354,14 @@ def group_stats(name: str, records: Sequence[RequestRecord], slo: SloSpec, durat
     done = [r for r in records if r.completed]
     admitted = sum(not r.refused for r in records)
     good = sum(meets_slo(r, slo) for r in done)
-    ttft_ok = sum(r.ttft_s * 1000.0 <= (r.ttft_slo_ms if r.ttft_slo_ms is not None else slo.ttft_ms) for r in done)
+    ttft_ok = sum(r.ttft_s * 1000.0 <= _ttft_slo_ms(r, slo) for r in done)
     itl: list[float] = []
     for r in done:
         itl.extend(itl_gaps_s(r.token_times_s))
+    fleet_ttft = fleet_ttft_p95_ms(records, slo)
+    fleet_itl = fleet_itl_p95_ms(records)
+    fleet_ttft_ok = bool(fleet_ttft) and all(p95 < slo_ms for slo_ms, p95 in fleet_ttft)
+    fleet_itl_ok = math.isnan(fleet_itl) or fleet_itl < slo.itl_ms
     return GroupStats(
         name=name,
         num_offered=len(records),
@@ -216,12 +386,32 @@ def group_stats(name: str, records: Sequence[RequestRecord], slo: SloSpec, durat
         tpot=latency_stats([t for r in done if (t := r.tpot_s) is not None]),
         itl=latency_stats(itl),
         e2e=latency_stats([r.e2e_s for r in done if r.e2e_s is not None]),
+        num_unfinished=sum(not r.refused and r.finish_s is None for r in records),
+        fleet_ttft_p95_ms=fleet_ttft,
+        fleet_itl_p95_ms=fleet_itl,
+        fleet_ttft_ok=fleet_ttft_ok,
+        fleet_itl_ok=fleet_itl_ok,
+        fleet_slo_met=fleet_ttft_ok and fleet_itl_ok,
     )
 
 
-def summarize(records: Iterable[RequestRecord], slo: SloSpec, duration_s: float) -> Summary:
-    """All metrics for one run. `duration_s` is the measurement window that throughputs divide by."""
-    records = list(records)
+def summarize(
+    records: Iterable[RequestRecord], slo: SloSpec, duration_s: float | Window, *, warmup_s: float = 0.0
+) -> Summary:
+    """All metrics for one run, over its measurement window.
+
+    `duration_s` is the end of the arrival window (a float: the window is [`warmup_s`, `duration_s`]) or a
+    `Window` (from `detect_window`; then `warmup_s` must be left at 0). Requests arriving before the window's
+    start are left out of every metric; throughputs divide by the window's length."""
+    if isinstance(duration_s, Window):
+        if warmup_s:
+            raise ValueError("pass the warm-up inside the Window, not as warmup_s as well")
+        window = duration_s
+    else:
+        window = Window(warmup_s, duration_s, "stated" if warmup_s > 0 else "none")
+    all_records = list(records)
+    records = [r for r in all_records if window.contains(r)]
+    duration_s = window.duration_s
     models = sorted({r.model for r in records})
     tiers = sorted({r.priority for r in records})
     return Summary(
@@ -232,6 +422,8 @@ def summarize(records: Iterable[RequestRecord], slo: SloSpec, duration_s: float)
         per_tier=tuple(
             group_stats(Priority(p).name, [r for r in records if r.priority == p], slo, duration_s) for p in tiers
         ),
+        window=window,
+        num_warmup=len(all_records) - len(records),
     )
 
 
@@ -269,8 +461,8 @@ def attainment_over_time(records: Iterable[RequestRecord], slo: SloSpec, bin_s: 
 
 
 def _jsonable(value):
-    if isinstance(value, float) and math.isnan(value):
-        return None  # JSON has no NaN
+    if isinstance(value, float) and not math.isfinite(value):
+        return None  # JSON has no NaN or infinity
     if isinstance(value, dict):
         return {k: _jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -290,7 +482,7 @@ def _fmt(value: float, digits: int = 1) -> str:
 _COLUMNS = (
     ("group", 12), ("offered", 8), ("refused%", 9), ("done", 7), ("good", 7), ("att_adm%", 9), ("att_off%", 9),
     ("goodput/s", 10), ("ttft_p50", 9), ("ttft_p95", 9), ("ttft_p99", 9), ("tpot_p95", 9), ("itl_p95", 8),
-    ("e2e_p95", 9), ("preempt", 8),
+    ("e2e_p95", 9), ("preempt", 8), ("p95ok", 6),
 )  # (header, width); latencies in ms
 
 
@@ -299,22 +491,43 @@ def _row(g: GroupStats) -> str:
         g.name[:12], str(g.num_offered), _fmt(100 * g.refused_fraction), str(g.num_completed), str(g.num_good),
         _fmt(100 * g.attainment_admitted), _fmt(100 * g.attainment_offered), _fmt(g.goodput_rps),
         _fmt(g.ttft.p50_ms), _fmt(g.ttft.p95_ms), _fmt(g.ttft.p99_ms), _fmt(g.tpot.p95_ms), _fmt(g.itl.p95_ms),
-        _fmt(g.e2e.p95_ms), str(g.num_preempted),
+        _fmt(g.e2e.p95_ms), str(g.num_preempted), "yes" if g.fleet_slo_met else "no",
     )
     return " ".join(c.rjust(w) if i else c.ljust(w) for i, (c, (_, w)) in enumerate(zip(cells, _COLUMNS)))
+
+
+def format_window(window: Window, num_warmup: int = 0) -> str:
+    """One line: the arrival window, the warm-up and how it was chosen, the measurement window, steadiness."""
+    how = window.warmup_rule
+    if window.warmup_rule == "floor" and not math.isnan(window.mser_s):
+        how = f"floor; MSER-5 found {window.mser_s:.1f} s"
+    if window.steady is None:
+        steady = "steady ? (window too short to judge)"
+    else:
+        steady = (f"steady {'yes' if window.steady else 'NO'} (occupancy {100 * window.growth:+.1f} % "
+                  f"last third vs middle third{'' if window.steady else ': the window is too short'})")
+    return (
+        f"arrivals 0.0-{window.end_s:.1f} s | warm-up {window.start_s:.1f} s ({how}; {num_warmup} requests left out)"
+        f" | window {window.start_s:.1f}-{window.end_s:.1f} s ({window.duration_s:.1f} s) | {steady}"
+    )
 
 
 def format_summary(summary: Summary) -> str:
     """A fixed-width table: one row for all requests, then one per model and one per tier."""
     o = summary.overall
+    window = summary.window or Window(0.0, summary.duration_s, "none")
+    unfinished = f" | unfinished {o.num_unfinished}" + (" (drain too short: counted as misses)"
+                                                         if o.num_unfinished else "")
     head = (
-        f"duration {summary.duration_s:.1f} s | SLO TTFT {summary.slo.ttft_ms:g} ms, ITL/TPOT {summary.slo.itl_ms:g} ms"
+        f"window {summary.duration_s:.1f} s | SLO TTFT {summary.slo.ttft_ms:g} ms, ITL/TPOT {summary.slo.itl_ms:g} ms"
         f" | throughput {_fmt(o.request_throughput_rps, 2)} req/s, {_fmt(o.output_throughput_tps, 0)} tok/s"
-        f" | goodput {_fmt(o.goodput_rps, 2)} req/s | errors {o.num_errors}"
+        f" | goodput {_fmt(o.goodput_rps, 2)} req/s | errors {o.num_errors}{unfinished}"
         f" | prefix hit {_fmt(100 * o.prefix_hit_fraction)} %"
     )
+    legend = ("latencies in ms; good = TTFT <= its SLO and TPOT <= ITL SLO (DistServe); p95ok = TTFT P95 < SLO "
+              "per tier over admitted (unstarted = inf) and ITL P95 < SLO over all streamed tokens")
     header = " ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(_COLUMNS))
-    lines = [head, "latencies in ms; good = TTFT <= its SLO and TPOT <= ITL SLO (DistServe)", header, "-" * len(header)]
+    lines = [format_window(window, summary.num_warmup), head, legend, header, "-" * len(header)]
     lines.append(_row(o))
     lines += ["  by model"] + [_row(g) for g in summary.per_model]
     lines += ["  by tier"] + [_row(g) for g in summary.per_tier]

@@ -153,10 +153,13 @@ def test_headline_ratios():
     assert h["peak_over_capacity"] == 0.8 and h["peak_admitted_attainment"] == 0.97
 
 
-def test_window_mean_weights_instances_by_gpus_and_ignores_the_drain():
-    series = {"busy:a": [(0.0, 0.0), (1.0, 1.0), (2.0, 0.5), (3.0, 0.0)], "busy:b": [(1.0, 0.2), (2.0, 0.2)],
-              "kv:a": [(1.0, 0.9)]}
-    assert bs._window_mean(series, "busy:", 2.0, {"a": 4, "b": 1}) == pytest.approx((4 * 0.75 + 0.2) / 5)
+def test_gpu_weighted_averages_the_windowed_instance_figures_by_gpus():
+    from services.sim.driver import InstanceStats
+
+    stats = [InstanceStats("a", "m", "colocated", 10, 0.75, 0, kv_mean=0.5),
+             InstanceStats("b", "m", "colocated", 10, 0.2, 0)]
+    assert bs._gpu_weighted(stats, "busy_fraction", {"a": 4, "b": 1}) == pytest.approx((4 * 0.75 + 0.2) / 5)
+    assert bs._gpu_weighted(stats, "kv_mean", {"a": 4, "b": 1}) == pytest.approx(4 * 0.5 / 5)
 
 
 # --- one tiny run through the job path -------------------------------------------------------------------------

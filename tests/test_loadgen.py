@@ -175,7 +175,7 @@ async def test_bench_command_writes_summary_and_plots(tmp_path, capsys):
         args = parser.parse_args([
             "--target", target, "--profile", "seed-000", "--rate", "300", "--duration", "1", "--seed", "2",
             "--max-requests", "8", "--time-scale", "1", "--json", str(tmp_path / "s.json"),
-            "--plots", str(tmp_path / "plots"), "--no-progress",
+            "--plots", str(tmp_path / "plots"), "--no-progress", "--warmup", "0s",  # 8 requests: measure them all
         ])
         # the command runs its own (uv)loop, so it runs in a thread while this loop serves
         assert await asyncio.to_thread(run, args) == 0
@@ -183,6 +183,8 @@ async def test_bench_command_writes_summary_and_plots(tmp_path, capsys):
     trace = generate_trace(scaled(PROFILES["seed-000"], rate_rps=300.0, duration_s=1.0), 2)[:8]
     assert doc["num_requests"] == 8 and len(server.requests) == 8
     assert doc["summary"]["overall"]["num_offered"] == 8
+    assert doc["summary"]["window"]["start_s"] == 0.0 and doc["summary"]["window"]["warmup_rule"] == "none"
+    assert doc["occupancy"][0][0] == 0.0  # the harness's in-flight series, sampled each second from t0
     assert doc["summary"]["overall"]["num_refused"] == sum(t.model == "llama-3-70b" for t in trace)
     assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == ["attainment_over_time.png", "latency_cdfs.png"]
     assert "by model" in capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""Exact metric values on hand-built records; PNG plots; the progress bar."""
+"""Exact metric values on hand-built records and series (warm-up, window, both SLOs); PNG plots; the progress bar."""
 
 import io
 import json
@@ -10,12 +10,18 @@ from services.core.types import Priority
 from services.metrics import (
     RequestRecord,
     SloSpec,
+    Window,
     attainment_over_time,
+    detect_window,
     format_summary,
     itl_gaps_s,
     latency_stats,
     meets_slo,
+    mser_truncation,
+    passes_capacity,
+    percentile_inf,
     scale_record_times,
+    steadiness,
     summarize,
     summary_to_dict,
 )
@@ -147,10 +153,150 @@ def test_format_summary_has_a_row_per_group():
     records = [rec("a", 0.0, [0.1, 0.12], model="small"), rec("b", 0.0, [0.1], model="big")]
     text = format_summary(summarize(records, SLO, duration_s=1.0))
     lines = text.splitlines()
-    rows = [ln.split()[0] for ln in lines[4:] if not ln.startswith("  ")]
+    rows = [ln.split()[0] for ln in lines[5:] if not ln.startswith("  ")]
     assert rows == ["all", "big", "small", "STANDARD"]
-    assert "goodput 2.00 req/s" in lines[0]
-    assert len({len(ln) for ln in lines[2:] if not ln.startswith("  ")}) == 1  # fixed width
+    assert lines[0].startswith("arrivals 0.0-1.0 s | warm-up 0.0 s (none; 0 requests left out) | window 0.0-1.0 s")
+    assert "goodput 2.00 req/s" in lines[1] and "unfinished 0" in lines[1]
+    assert lines[3].split()[-1] == "p95ok" and lines[5].split()[-1] == "yes"
+    assert len({len(ln) for ln in lines[3:] if not ln.startswith("  ")}) == 1  # fixed width
+
+
+# --- warm-up, window, steadiness -----------------------------------------------------------------------------
+
+
+def _series(values):
+    return [(float(t), float(v)) for t, v in enumerate(values)]
+
+
+def test_mser5_finds_the_knee_of_a_ramp_within_a_batch():
+    ramp_then_flat = [100.0 * t / 12 for t in range(12)] + [100.0] * 48  # the knee at sample 12
+    assert mser_truncation(ramp_then_flat) == 15  # the first batch boundary past the knee
+    w = detect_window(_series(ramp_then_flat), 59.0)
+    assert (w.start_s, w.end_s, w.warmup_rule, w.mser_s) == (15.0, 59.0, "MSER-5", 15.0)
+    assert (w.growth, w.steady) == (0.0, True)
+    assert w.duration_s == 44.0
+
+
+def test_a_flat_series_gets_the_floor():
+    flat = _series([50.0] * 60)
+    assert mser_truncation([50.0] * 60) == 0
+    assert mser_truncation([1.0] * 9) == 0  # fewer than two batches: nothing to compare
+    w = detect_window(flat, 59.0)
+    assert (w.start_s, w.warmup_rule, w.mser_s, w.steady) == (5.0, "floor", 0.0, True)
+    assert detect_window(flat, 59.0, min_warmup_s=8.0).start_s == 8.0  # a longer floor when given
+    assert detect_window(flat[:7], 6.0).start_s == 3.0  # a short run: the floor is cut to half its window
+
+
+def test_a_series_still_growing_is_not_steady():
+    growing = _series(range(60))
+    w = detect_window(growing, 59.0)
+    assert (w.start_s, w.warmup_rule) == (30.0, "MSER-5")  # MSER searches the first half only
+    # window samples 30..59: middle third 40..49 (mean 44.5), last third 50..59 (mean 54.5), mean 44.5
+    assert w.growth == pytest.approx(10 / 44.5)
+    assert w.steady is False
+    assert "steady NO" in format_summary(summarize([], SLO, w))
+
+
+def test_steadiness_edge_cases_and_a_stated_warmup():
+    assert math.isnan(steadiness([1.0, 2.0])) and steadiness([0.0] * 6) == 0.0
+    assert steadiness([1, 1, 2, 2, 3, 3]) == pytest.approx((3 - 2) / 2)
+    w = detect_window(_series(range(60)), 59.0, warmup_s=10.0)  # stated: used as given, never detected
+    assert (w.start_s, w.warmup_rule) == (10.0, "stated") and math.isnan(w.mser_s)
+    assert detect_window(_series([5.0] * 3), 2.0).steady is None  # too short to judge
+    with pytest.raises(ValueError):
+        detect_window(_series(range(10)), 9.0, warmup_s=12.0)
+
+
+def test_requests_arriving_during_the_warmup_are_left_out_and_throughput_divides_by_the_window():
+    records = [
+        rec("early_good", 1.0, [1.1]),
+        rec("early_refused", 3.9, [], refused=True),
+        rec("good", 4.0, [4.1, 4.12]),
+        rec("slow", 6.0, [6.5, 6.51]),  # TTFT 500 ms: a miss
+    ]
+    s = summarize(records, SLO, 10.0, warmup_s=4.0)
+    assert (s.window.start_s, s.window.end_s, s.window.warmup_rule, s.num_warmup) == (4.0, 10.0, "stated", 2)
+    assert (s.overall.num_offered, s.overall.num_refused, s.overall.num_good) == (2, 0, 1)
+    assert s.duration_s == 6.0
+    assert s.overall.goodput_rps == pytest.approx(1 / 6)
+    assert s.overall.request_throughput_rps == pytest.approx(2 / 6)
+    assert s.overall.output_throughput_tps == pytest.approx(4 / 6)
+    assert summarize(records, SLO, Window(4.0, 10.0)) == s  # the Window form is the same
+    with pytest.raises(ValueError):
+        summarize(records, SLO, Window(4.0, 10.0), warmup_s=4.0)
+    with pytest.raises(ValueError):
+        Window(11.0, 10.0)
+    d = summary_to_dict(s)
+    assert d["window"]["start_s"] == 4.0 and d["num_warmup"] == 2
+
+
+# --- the fleet SLO (the seed's literal one) and SLO capacity -----------------------------------------------------
+
+
+def _flat(pairs):
+    return [x for pair in pairs for x in pair]
+
+
+def test_fleet_ttft_p95_is_judged_per_tier_against_its_own_slo():
+    inter = [rec(f"i{k}", 0.0, [ms / 1000], priority=Priority.INTERACTIVE, ttft_slo_ms=100.0) for k, ms in
+             enumerate((50, 60, 90))]
+    batch = [rec(f"b{k}", 0.0, [ms / 1000], priority=Priority.BATCH, ttft_slo_ms=1000.0) for k, ms in
+             enumerate((900, 950))]
+    s = summarize(inter + batch, SLO, 1.0)
+    assert _flat(s.overall.fleet_ttft_p95_ms) == pytest.approx([100.0, 87.0, 1000.0, 947.5])
+    assert s.overall.fleet_ttft_ok and s.overall.fleet_slo_met  # pooled, the P95 would be ~945 ms
+    slow = rec("i_slow", 0.0, [0.2], priority=Priority.INTERACTIVE, ttft_slo_ms=100.0)
+    s = summarize(inter + batch + [slow], SLO, 1.0)
+    assert not s.overall.fleet_ttft_ok  # one tier failing fails the group
+    assert [(g.name, g.fleet_ttft_ok) for g in s.per_tier] == [("INTERACTIVE", False), ("BATCH", True)]
+
+
+def test_an_admitted_request_without_a_first_token_is_an_infinite_ttft():
+    fast = [rec(f"r{k}", 0.0, [0.1]) for k in range(19)]
+    s = summarize(fast + [rec("cut_off", 0.0, [], error="unfinished")], SLO, 1.0).overall
+    assert s.ttft.p95_ms == pytest.approx(100.0)  # latency stats: completed requests only
+    assert s.fleet_ttft_p95_ms == ((250.0, math.inf),)  # P95 at rank 18.05 of 20 touches the infinite one
+    assert (s.fleet_ttft_ok, s.fleet_slo_met, s.num_unfinished) == (False, False, 1)
+    refused = summarize(fast + [rec("refused", 0.0, [], refused=True)], SLO, 1.0).overall
+    assert _flat(refused.fleet_ttft_p95_ms) == pytest.approx([250.0, 100.0])  # a refused request has no TTFT
+    assert refused.fleet_ttft_ok and refused.num_unfinished == 0
+    assert not summarize([rec("r", 0.0, [], refused=True)], SLO, 1.0).overall.fleet_ttft_ok  # nothing admitted
+    assert summary_to_dict(summarize(fast + [rec("x", 0.0, [])], SLO, 1.0))["overall"]["fleet_ttft_p95_ms"] == [
+        [250.0, None]]  # strict JSON: no Infinity
+
+
+def test_fleet_itl_p95_is_pooled_per_token_over_every_stream():
+    steady = rec("steady", 0.0, [0.1 + 0.01 * k for k in range(41)])  # 40 gaps of 10 ms
+    stall = rec("stall", 0.0, [0.1, 0.2])  # one gap of 100 ms: TPOT 100 ms, not good
+    s = summarize([steady, stall], SLO, 1.0).overall
+    assert s.fleet_itl_p95_ms == pytest.approx(10.0)  # rank 38 of 41 gaps; per request it would be ~95.5
+    assert (s.fleet_itl_ok, s.num_good) == (True, 1)
+    failed = rec("failed", 0.0, [0.1, 0.15, 0.2, 0.25], error="engine died")  # its tokens were streamed too
+    s = summarize([stall, failed], SLO, 1.0).overall
+    assert s.itl.count == 1 and s.fleet_itl_p95_ms == pytest.approx(92.5)  # gaps 50, 50, 50, 100
+    assert not s.fleet_itl_ok
+    assert summarize([rec("one", 0.0, [0.1])], SLO, 1.0).overall.fleet_itl_ok  # no gap streamed
+
+
+def test_passes_capacity_needs_90_percent_of_offered_good_and_the_fleet_slo():
+    good = [rec(f"g{k}", 0.0, [0.1, 0.12, 0.14]) for k in range(9)]
+    at_90 = summarize(good + [rec("refused", 0.0, [], refused=True)], SLO, 1.0).overall
+    assert (at_90.attainment_offered, at_90.fleet_slo_met) == (0.9, True)
+    assert passes_capacity(at_90) and not passes_capacity(at_90, threshold=0.95)
+    under = summarize(good[:8] + [rec("slow", 0.0, [0.1, 0.15, 0.2])] + [rec("r", 0.0, [], refused=True)],
+                      SLO, 1.0).overall
+    assert under.attainment_offered == 0.8 and not passes_capacity(under)
+    # every request good (TPOT 30 ms) yet the token gaps alternate 1 / 59 ms: ITL P95 fails the fleet SLO
+    bursty = summarize([rec(f"b{k}", 0.0, [0.1, 0.101, 0.16]) for k in range(10)], SLO, 1.0).overall
+    assert (bursty.attainment_offered, bursty.fleet_itl_ok) == (1.0, False)
+    assert not passes_capacity(bursty)
+
+
+def test_percentile_inf_is_numpys_linear_percentile_with_infinities():
+    assert percentile_inf([1.0, 2.0, 3.0, 4.0], 95) == pytest.approx(3.85)
+    assert percentile_inf([1.0, 2.0, math.inf], 50) == 2.0
+    assert percentile_inf([1.0, math.inf, math.inf], 95) == math.inf
+    assert math.isnan(percentile_inf([], 95))
 
 
 def test_attainment_over_time_bins_by_arrival():

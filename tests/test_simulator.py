@@ -146,3 +146,22 @@ def test_a_request_larger_than_every_kv_pool_is_an_error_record_not_a_crash():
     rec = run_simulation(config, [huge]).records[0]
     assert not rec.refused and rec.finish_s is None
     assert "KV blocks at admission" in rec.error
+
+
+def test_the_summary_covers_the_window_after_the_warmup_and_the_run_records_occupancy():
+    config = node([COLOCATED_8B])
+    profile = scaled(PROFILES["seed-000"], rate_rps=40.0, duration_s=5.0)
+    trace = [t for t in generate_trace(profile, 3) if t.model == "llama-3-8b"]
+    stated = run_simulation(config, trace, warmup_s=2.0)
+    last = trace[-1].arrival_s
+    assert (stated.window.start_s, stated.window.end_s, stated.window.warmup_rule) == (2.0, last, "stated")
+    assert stated.summary.overall.num_offered == sum(t.arrival_s >= 2.0 for t in trace)
+    assert stated.summary.num_warmup == sum(t.arrival_s < 2.0 for t in trace)
+    assert stated.summary.duration_s == pytest.approx(last - 2.0)
+    assert len(stated.records) == len(trace)  # records and series keep the whole run
+    occupancy = stated.timeseries["occupancy"]
+    assert occupancy[0] == (0.0, 0.0) and occupancy[-1][1] == 0.0  # drained: nothing left in flight
+    assert max(v for _, v in occupancy) > 0
+    detected = run_simulation(config, trace)  # default: detected, floor cut to half the 5 s window
+    assert detected.window.warmup_rule in ("floor", "MSER-5") and detected.window.start_s >= last / 2 - 1e-9
+    assert 0.0 <= detected.instances[0].busy_fraction <= 1.0 and detected.instances[0].kv_max <= 1.0

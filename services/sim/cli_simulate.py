@@ -1,7 +1,8 @@
 """`octoserve simulate`: run a workload profile on a node config in the discrete-event simulator and report.
 
-Prints the summary table (the same metric definitions as `octoserve bench` and `vllm bench serve`), per-instance
-busy fractions and preemptions, and the simulator's own speed; optionally writes JSON and PNG plots.
+Prints the measurement window (warm-up detected or stated, steadiness), the summary table (the same metric
+definitions as `octoserve bench` and `vllm bench serve`), per-instance busy fractions and KV use over that window,
+preemptions, and the simulator's own speed; optionally writes JSON and PNG plots (those cover the whole run).
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--duration", type=parse_duration_s, help="arrival window, e.g. 60s (default: profile's)")
     parser.add_argument("--burstiness", type=float, help="gamma shape of inter-arrivals (<1 burstier)")
     parser.add_argument("--seed", type=int, default=0, help="trace and tie-break seed")
+    parser.add_argument("--warmup", type=parse_duration_s, default=None,
+                        help="warm-up to leave out of every metric, e.g. 10s (default: detected, MSER-5, >= 5 s)")
     parser.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="policies.KEY=VALUE",
         help="override a config value, e.g. --set policies.reservation=full (repeatable; VALUE is YAML)",
@@ -49,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     trace = generate_trace(profile, args.seed)
     print(f"simulating {len(trace)} requests of {profile.name} at {profile.rate_rps:g} req/s "
           f"for {profile.duration_s:g} s on {len(node.instances)} instances", file=sys.stderr)
-    result = simulate_with_progress(node, trace, profile.duration_s, seed=args.seed)
+    result = simulate_with_progress(node, trace, profile.duration_s, seed=args.seed, warmup_s=args.warmup)
     print(format_result(result))
     if args.json_path:
         write_json(result, args.json_path)
@@ -77,7 +80,9 @@ def load_with_overrides(path: str | None, overrides: list[str]):
     return node_config_from_dict(raw)
 
 
-def simulate_with_progress(node, trace, duration_s: float, *, seed: int = 0, label: str = "virtual s") -> SimResult:
+def simulate_with_progress(
+    node, trace, duration_s: float, *, seed: int = 0, label: str = "virtual s", warmup_s: float | None = None
+) -> SimResult:
     bar = Progress(total=int(duration_s), label=label)
     done = [0]
 
@@ -88,7 +93,7 @@ def simulate_with_progress(node, trace, duration_s: float, *, seed: int = 0, lab
             done[0] += step
 
     try:
-        return run_simulation(node, trace, seed=seed, progress=advance)
+        return run_simulation(node, trace, seed=seed, progress=advance, warmup_s=warmup_s)
     finally:
         bar.close()
 
@@ -97,12 +102,12 @@ def format_result(result: SimResult) -> str:
     from services.metrics import format_summary
 
     lines = [format_summary(result.summary), "",
-             "instance            model          role       steps   busy  preempt  kv_mean  kv_max"]
+             "instance            model          role       steps   busy  preempt  kv_mean  kv_max"
+             "   (busy, kv: measurement window)"]
     for s in result.instances:
-        kv = [v for _, v in result.timeseries.get(f"kv:{s.instance_id}", [])] or [0.0]
         lines.append(
             f"{s.instance_id:<19} {s.model:<14} {s.role:<10} {s.num_steps:>6} {s.busy_fraction:>6.1%} "
-            f"{s.num_preemptions:>8} {sum(kv) / len(kv):>8.1%} {max(kv):>7.1%}"
+            f"{s.num_preemptions:>8} {s.kv_mean:>8.1%} {s.kv_max:>7.1%}"
         )
     lines.append(
         f"\nsimulator speed: {result.virtual_s:.1f} virtual s in {result.wall_s:.1f} wall s = {result.speed:.2f}x"
@@ -114,7 +119,7 @@ def write_json(result: SimResult, path: str) -> None:
     from dataclasses import asdict
 
     payload = {
-        "summary": summary_to_dict(result.summary),
+        "summary": summary_to_dict(result.summary),  # its "window": warm-up, measurement window, steadiness
         "instances": [asdict(s) for s in result.instances],
         "virtual_s": result.virtual_s,
         "wall_s": result.wall_s,
@@ -130,9 +135,11 @@ def write_plots(result: SimResult, directory: str, slo: SloSpec) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     kv = {k.removeprefix("kv:"): v for k, v in result.timeseries.items() if k.startswith("kv:")}
     busy = {k.removeprefix("busy:"): v for k, v in result.timeseries.items() if k.startswith("busy:")}
+    occupancy = {"in flight": result.timeseries.get("occupancy", [])}
     return [
         plot_latency_cdfs(result.records, out / "latency_cdfs.png", slo),
         plot_attainment_over_time(result.records, slo, out / "attainment_over_time.png"),
         plot_timeseries(kv, out / "kv_utilisation.png", "KV cache utilisation"),
         plot_timeseries(busy, out / "gpu_busy.png", "GPU busy fraction"),
+        plot_timeseries(occupancy, out / "occupancy.png", "requests in flight"),
     ]

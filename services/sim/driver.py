@@ -10,6 +10,11 @@ Invariants: virtual time never goes backwards; a request is refused, or admitted
 prefill) instance, with its decode KV reserved before its prefill starts when the model is disaggregated; every
 admitted request ends finished or is reported unfinished when the run stops. Nothing here reads the wall clock except
 to report how fast the simulation ran.
+
+Measurement: every second the driver samples KV use and busy time per instance and the node's occupancy (requests
+admitted and not yet finished). The occupancy series gives the warm-up and steadiness (`metrics.detect_window`);
+the summary, busy fractions and KV figures cover that window only: arrivals after the warm-up up to the last
+arrival, never the drain.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from services.core.instance import LoadReporter, instance_parts
 from services.core.placement import InstanceConfig, NodeConfig
 from services.core.sim_executor import SimExecutor
 from services.core.types import FinishReason, HandoffReady, RequestOutput, StepPlan, StepResult
-from services.metrics import RequestRecord, SloSpec, Summary, summarize
+from services.metrics import MIN_WARMUP_S, RequestRecord, SloSpec, Summary, Window, detect_window, summarize
 from services.workload import TraceRequest
 
 _ARRIVAL, _STEP_DONE, _TRANSFER_DONE, _SAMPLE = range(4)
@@ -89,9 +94,11 @@ class InstanceStats:
     instance_id: str
     model: str
     role: str
-    num_steps: int
-    busy_fraction: float
-    num_preemptions: int
+    num_steps: int  # whole run
+    busy_fraction: float  # GPU-busy share of the measurement window
+    num_preemptions: int  # whole run
+    kv_mean: float = 0.0  # mean KV utilisation over the measurement window's samples
+    kv_max: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,10 +106,16 @@ class SimResult:
     records: tuple[RequestRecord, ...]
     summary: Summary
     instances: tuple[InstanceStats, ...]
-    # series name -> [(virtual time s, value)], e.g. "kv:<instance>" utilisation, "busy:<instance>" fraction
+    # series name -> [(virtual time s, value)]: "kv:<instance>" utilisation, "busy:<instance>" fraction of the
+    # second before, "occupancy" requests admitted and not finished (node-wide)
     timeseries: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     virtual_s: float = 0.0
     wall_s: float = 0.0
+
+    @property
+    def window(self) -> Window:
+        """The measurement window: warm-up end (and how it was chosen) to the last arrival, steadiness."""
+        return self.summary.window
 
     @property
     def speed(self) -> float:
@@ -125,6 +138,7 @@ class NodeSimulator:
         self._trackers: dict[str, _Tracker] = {}
         self._series: dict[str, list[tuple[float, float]]] = {}
         self._last_busy: dict[str, float] = {iid: 0.0 for iid in self.instances}
+        self._in_flight = 0  # admitted, not yet finished or failed
         self.now = 0.0
 
     # ---- the loop -----------------------------------------------------------------------------------------
@@ -135,6 +149,8 @@ class NodeSimulator:
         *,
         drain_s: float = 120.0,
         progress: Callable[[float], None] | None = None,
+        warmup_s: float | None = None,
+        min_warmup_s: float = MIN_WARMUP_S,
     ) -> SimResult:
         wall_start = time.perf_counter()
         for req in trace:
@@ -162,7 +178,7 @@ class NodeSimulator:
                 next_progress = t + 1.0
             if kind == _SAMPLE and not self._work_left():
                 break
-        return self._result(trace, last_arrival, time.perf_counter() - wall_start)
+        return self._result(trace, last_arrival, time.perf_counter() - wall_start, warmup_s, min_warmup_s)
 
     def _push(self, t: float, kind: int, payload) -> None:
         heapq.heappush(self._events, (t, next(self._seq), kind, payload))
@@ -201,6 +217,7 @@ class NodeSimulator:
             if decision.decode_instance_id is not None:
                 self.instances[decision.decode_instance_id].batcher.release_reservation(req.request_id)
             return
+        self._in_flight += 1
         self.router.on_dispatched(req.request_id, decision, spec)
         self._wake(instance)
 
@@ -249,6 +266,7 @@ class NodeSimulator:
 
     def _finish(self, tracker: _Tracker) -> None:
         tracker.finish_s = self.now
+        self._in_flight -= 1
         route = tracker.route
         if route is not None and route.decode_instance_id is not None and not tracker.committed:
             # The first token ended the request on the prefill side: the decode reservation is not needed.
@@ -283,9 +301,13 @@ class NodeSimulator:
             busy = min(1.0, (inst.busy_s - self._last_busy[iid]) / dt) if self.now > 0 else 0.0
             self._series.setdefault(f"busy:{iid}", []).append((self.now, busy))
             self._last_busy[iid] = inst.busy_s
+        self._series.setdefault("occupancy", []).append((self.now, float(self._in_flight)))
         self._push(self.now + dt, _SAMPLE, None)
 
-    def _result(self, trace: Sequence[TraceRequest], last_arrival: float, wall_s: float) -> SimResult:
+    def _result(
+        self, trace: Sequence[TraceRequest], last_arrival: float, wall_s: float, warmup_s: float | None,
+        min_warmup_s: float,
+    ) -> SimResult:
         records = []
         for req in trace:
             tracker = self._trackers.get(req.request_id)
@@ -295,21 +317,31 @@ class NodeSimulator:
             elif not tracker.refused and tracker.finish_s is None and not tracker.error:
                 tracker.error = "unfinished when the simulation stopped"
             records.append(tracker.record())
-        duration_s = max(last_arrival, 1e-9)
+        window = detect_window(self._series.get("occupancy", []), max(last_arrival, 1e-9), warmup_s=warmup_s,
+                               min_warmup_s=min_warmup_s)
         slo = SloSpec(ttft_ms=self.config.slo.ttft_ms, itl_ms=self.config.slo.itl_ms)
         virtual_s = max(self.now, last_arrival)
-        stats = tuple(
-            InstanceStats(
-                instance_id=iid,
-                model=inst.cfg.model,
-                role=inst.cfg.role.value,
-                num_steps=inst.steps,
-                busy_fraction=min(1.0, inst.busy_s / virtual_s) if virtual_s > 0 else 0.0,
-                num_preemptions=inst.batcher.num_preemptions_total,
-            )
-            for iid, inst in self.instances.items()
+        stats = tuple(self._instance_stats(iid, inst, window) for iid, inst in self.instances.items())
+        return SimResult(tuple(records), summarize(records, slo, window), stats, self._series, virtual_s, wall_s)
+
+    def _instance_stats(self, iid: str, inst: _Instance, window: Window) -> InstanceStats:
+        # A busy sample covers the second before it: keep those lying inside the window (all overlapping ones
+        # for a window shorter than a sample). KV samples are instants: keep those inside the window.
+        dt = self.sample_interval_s
+        busy_points = self._series.get(f"busy:{iid}", [])
+        busy = [v for t, v in busy_points if t - dt >= window.start_s - 1e-9 and t <= window.end_s + 1e-9]
+        busy = busy or [v for t, v in busy_points if t > window.start_s and t - dt < window.end_s]
+        kv = [v for t, v in self._series.get(f"kv:{iid}", []) if window.start_s <= t <= window.end_s] or [0.0]
+        return InstanceStats(
+            instance_id=iid,
+            model=inst.cfg.model,
+            role=inst.cfg.role.value,
+            num_steps=inst.steps,
+            busy_fraction=sum(busy) / len(busy) if busy else 0.0,
+            num_preemptions=inst.batcher.num_preemptions_total,
+            kv_mean=sum(kv) / len(kv),
+            kv_max=max(kv),
         )
-        return SimResult(tuple(records), summarize(records, slo, duration_s), stats, self._series, virtual_s, wall_s)
 
 
 def run_simulation(
@@ -319,6 +351,14 @@ def run_simulation(
     seed: int = 0,
     progress: Callable[[float], None] | None = None,
     drain_s: float = 120.0,
+    warmup_s: float | None = None,
+    min_warmup_s: float = MIN_WARMUP_S,
 ) -> SimResult:
-    """Simulate `trace` on the node `config`; the one entry point for `simulate`, `plan` and the benchmarks."""
-    return NodeSimulator(config, seed=seed).run(trace, drain_s=drain_s, progress=progress)
+    """Simulate `trace` on the node `config`; the one entry point for `simulate`, `plan` and the benchmarks.
+
+    `warmup_s` None detects the warm-up (`metrics.detect_window`: MSER-5 on the occupancy series, at least
+    `min_warmup_s`); a number states it. The result's summary and instance figures cover the measurement window
+    (`SimResult.window`); `records` and `timeseries` hold the whole run, warm-up and drain included."""
+    return NodeSimulator(config, seed=seed).run(
+        trace, drain_s=drain_s, progress=progress, warmup_s=warmup_s, min_warmup_s=min_warmup_s
+    )
