@@ -165,3 +165,18 @@ def test_the_summary_covers_the_window_after_the_warmup_and_the_run_records_occu
     detected = run_simulation(config, trace)  # default: detected, floor cut to half the 5 s window
     assert detected.window.warmup_rule in ("floor", "MSER-5") and detected.window.start_s >= last / 2 - 1e-9
     assert 0.0 <= detected.instances[0].busy_fraction <= 1.0 and detected.instances[0].kv_max <= 1.0
+
+
+def test_a_prompt_slower_than_its_slo_even_idle_is_refused_in_the_simulator_and_counted_as_a_miss():
+    import dataclasses
+
+    # 9,000 tokens of 8B prefill take ~285 ms on an idle H100 (cost model), over the 250 ms SLO; as BATCH it is served.
+    slow = one_request(prompt_len=9000)
+    batch = dataclasses.replace(slow, request_id="r0000001", arrival_s=5.0, priority=Priority.BATCH, ttft_slo_ms=10_000.0)
+    result = run_simulation(node([COLOCATED_8B]), [slow, batch], warmup_s=0.0)
+    refused, served = result.records
+    assert (refused.refused, refused.retry_after_ms, refused.first_token_s) == (True, 0, None)
+    assert served.completed and not served.refused
+    s = result.summary
+    assert (s.overall.num_offered, s.overall.num_refused, s.overall.num_good) == (2, 1, 1)
+    assert s.overall.attainment_offered == 0.5
