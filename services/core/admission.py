@@ -67,6 +67,7 @@ class InFlightLedger:
     pending: dict[str, dict[str, Dispatched]] = field(default_factory=dict)  # instance -> request -> record
     outstanding: dict[str, Dispatched] = field(default_factory=dict)  # request -> record, until first token
     dispatched: dict[str, Dispatched] = field(default_factory=dict)  # request -> record, until finished
+    by_tier: dict[str, dict[Priority, int]] = field(default_factory=dict)  # instance -> tier -> dispatched count
 
     def observe_load(self, load: EngineLoad) -> None:
         """A snapshot unlike the one held is newer: it already counts what was pending on that instance."""
@@ -80,6 +81,8 @@ class InFlightLedger:
         for iid in (record.instance_id, record.decode_instance_id):
             if iid is not None:
                 self.pending.setdefault(iid, {})[record.request_id] = record
+                counts = self.by_tier.setdefault(iid, dict.fromkeys(Priority, 0))
+                counts[record.tier] += 1
 
     def on_first_token(self, request_id: str) -> Dispatched | None:
         """The request's record the first time its first token is seen, else None."""
@@ -91,6 +94,8 @@ class InFlightLedger:
         if record is not None:
             for iid in (record.instance_id, record.decode_instance_id):
                 self.pending.get(iid or "", {}).pop(request_id, None)
+                if iid is not None:
+                    self.by_tier[iid][record.tier] -= 1
 
     def pending_blocks(self, instance_id: str) -> int:
         return sum(r.entry_blocks if r.instance_id == instance_id else r.decode_blocks
@@ -109,11 +114,7 @@ class InFlightLedger:
 
     def num_dispatched_by_tier(self, instance_id: str) -> dict[Priority, int]:
         """Requests admitted to the instance (entry or decode side) and not finished, per tier."""
-        out = {t: 0 for t in Priority}
-        for r in self.dispatched.values():
-            if r.instance_id == instance_id or r.decode_instance_id == instance_id:
-                out[r.tier] += 1
-        return out
+        return self.by_tier.get(instance_id) or dict.fromkeys(Priority, 0)
 
     def outstanding_tokens_by_tier(self, instance_id: str) -> dict[Priority, int]:
         out = {t: 0 for t in Priority}
