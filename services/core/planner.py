@@ -149,6 +149,8 @@ def roofline_bound(models: Mapping[str, ModelSpec], gpu: GpuSpec, num_gpus: int,
 
 def verdict(offered_rps: float, bound_rps: float, by: str = "compute") -> str:
     """One sentence: does the offered load fit under a bound, and by how much it misses or clears it."""
+    if bound_rps <= 0:  # e.g. a model whose decode step alone exceeds the ITL SLO under the chosen cost profile
+        return f"{offered_rps:.0f} req/s cannot be served within {by}: the bound is 0 req/s"
     ratio = offered_rps / bound_rps
     if ratio > 1.0:
         return (f"{offered_rps:.0f} req/s exceeds the node by {ratio:.1f}x by {by} (bound {bound_rps:.0f} req/s): "
