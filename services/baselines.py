@@ -131,7 +131,7 @@ def _instance_knobs(baseline: Baseline, node: NodeConfig, inst):
     if baseline.max_num_batched_tokens is not None:
         changes["max_num_batched_tokens"] = baseline.max_num_batched_tokens
     if baseline.sarathi_budget and inst.role is Role.COLOCATED:
-        cost = CostModel(node.models[inst.model], node.gpu, inst.tp)
+        cost = node.cost_model(inst)
         changes["max_num_batched_tokens"] = sarathi_budget(cost, node.slo.itl_ms)
     return dataclasses.replace(inst, **changes)
 

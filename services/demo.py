@@ -19,6 +19,8 @@ from services.workload import PROFILES, generate_trace, scaled
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from services.sim.cli_simulate import add_cost_profile_argument
+
     parser.add_argument("--config", help="node config YAML (default: the embedded default placement)")
     parser.add_argument("--profile", default="seed-000", choices=sorted(PROFILES))
     parser.add_argument("--rate", type=float, help="req/s in modelled time (default: the profile's peak)")
@@ -26,19 +28,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--time-scale", type=float, default=15.0, help="wall seconds per modelled second")
     parser.add_argument("--max-output", type=int, default=128, help="cap on true output lengths (keeps it short)")
     parser.add_argument("--seed", type=int, default=0)
+    add_cost_profile_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    from services.config import load_node_config
     from services.launcher import describe, start_node
     from services.loadgen import BenchOptions, run_bench
+    from services.sim.cli_simulate import config_source, load_with_overrides
     from services.sim.driver import run_simulation
 
     profile = scaled(PROFILES[args.profile], rate_rps=args.rate, duration_s=args.duration)
     trace = cap_outputs(generate_trace(profile, args.seed), args.max_output)
-    config = load_node_config(args.config)
+    config = load_with_overrides(args.config, [], args.cost_profile)
     print(f"starting the node (time scale {args.time_scale:g}x) ...", file=sys.stderr)
-    node = start_node(args.config, args.time_scale)
+    node = start_node(config_source(args.config, args.cost_profile), args.time_scale)
     try:
         print(describe(node), file=sys.stderr)
         print(f"replaying {len(trace)} {profile.name} requests at {profile.rate_rps:g} req/s (modelled) ...",

@@ -212,6 +212,8 @@ def start_node(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from services.sim.cli_simulate import add_cost_profile_argument
+
     parser.add_argument("--config", default=None, help="node config YAML (default: the embedded placement)")
     parser.add_argument("--time-scale", type=float, default=1.0, help="dilate modelled time by K (sim engine)")
     parser.add_argument("--engine", choices=("sim", "vllm"), default="sim")
@@ -221,11 +223,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--startup-timeout-s", type=float, default=None,
                         help=f"default {DEFAULT_STARTUP_TIMEOUT_S:g} s, {VLLM_STARTUP_TIMEOUT_S:g} s with --engine vllm")
     parser.add_argument("--grace-s", type=float, default=DEFAULT_GRACE_S)
+    add_cost_profile_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
+    from services.sim.cli_simulate import config_source
+
     try:
-        node = start_node(args.config, args.time_scale, engine=args.engine, model_path=args.model, port=args.port,
+        node = start_node(config_source(args.config, args.cost_profile), args.time_scale, engine=args.engine, model_path=args.model, port=args.port,
                           run_dir=args.run_dir, startup_timeout_s=startup_timeout_s(args), grace_s=args.grace_s)
     except LaunchError as e:
         print(f"octoserve up: {e}", file=sys.stderr)

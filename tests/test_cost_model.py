@@ -6,7 +6,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.core.cost_model import DEFAULT_CONSTANTS, CostConstants, CostModel
+from services.core.cost_model import (
+    COST_PROFILES,
+    DEFAULT_CONSTANTS,
+    PESSIMISTIC_CONSTANTS,
+    CostConstants,
+    CostModel,
+    cost_constants,
+)
 from services.core.specs import GPU_PRESETS, MODEL_PRESETS, SpecError
 from services.core.types import ScheduledChunk, StepPlan
 
@@ -40,13 +47,14 @@ def test_decode_step_is_the_sum_of_its_terms_by_hand():
     compute_s = (L70.linear_flops_per_token + L70.lm_head_flops_per_token) / 8 / (989e12 * 0.6)
     linear_s = memory_s + 0.9 * compute_s  # memory-bound; 90 % of the compute time is not hidden
     kv_s = 1400 * 40_960 / (3.35e12 * 0.85)  # memory-bound: 1400 pairs x 4 x 8 heads x 128 x 80 FLOPs is tiny
-    allreduce_s = 160 * (10e-6 + 2 * 7 / 8 * 8192 * 2 / (450e9 * 0.8))
-    expected = 0.5e-3 + linear_s + kv_s + allreduce_s
+    allreduce_s = 160 * (20e-6 + 2 * 7 / 8 * 8192 * 2 / (450e9 * 0.8))
+    layers_s = 80 * 15e-6  # small per-layer kernels
+    expected = 1.0e-3 + linear_s + kv_s + allreduce_s + layers_s
     assert TP8.decode_step_time_s(1, 1399) == pytest.approx(expected, rel=1e-12)
 
 
 def test_allreduce_latency_dominates_bytes_at_batch_1():
-    fixed_s = 2 * 80 * C.allreduce_latency_s  # 1.6 ms per step
+    fixed_s = 2 * 80 * C.allreduce_latency_s  # 3.2 ms per step
     bytes_s = 2 * 80 * (2 * 7 / 8 * 8192 * 2) / (H100.nvlink_bytes_per_s * C.nvlink_eff)  # 12.7 us per step
     assert fixed_s > 100 * bytes_s
     no_latency = CostModel(L70, H100, 8, dataclasses.replace(C, allreduce_latency_s=1e-12))
@@ -123,10 +131,11 @@ def test_prefill_of_1000_tokens_on_8b_is_compute_bound():
     act_bytes = 32 * 2 * (8 * 4096 + (32 + 16) * 128 + 32 * 128 + 6 * 14336)
     memory_s = (L8.streamed_weight_bytes + 1000 * act_bytes) / (3.35e12 * 0.85)  # 8.5 ms
     attn_s = 32 * 128 * 32 * 4 * (1000 * 1001 // 2) / (989e12 * 0.5)
-    expected = 0.5e-3 + compute_s + 0.9 * memory_s + attn_s
+    fixed_s = 1.0e-3 + 32 * 15e-6  # step overhead and the per-layer kernels
+    expected = fixed_s + compute_s + 0.9 * memory_s + attn_s
     assert SMALL.prefill_time_s(1000) == pytest.approx(expected, rel=1e-12)
     ideal = CostModel(L8, H100, 1, dataclasses.replace(C, linear_overlap_loss=0.0))
-    assert ideal.prefill_time_s(1000) == pytest.approx(0.5e-3 + compute_s + attn_s, rel=1e-12)
+    assert ideal.prefill_time_s(1000) == pytest.approx(fixed_s + compute_s + attn_s, rel=1e-12)
     assert SMALL.prefill_tokens_per_s(1000) == pytest.approx(1000 / SMALL.prefill_time_s(1000))
 
 
@@ -168,3 +177,48 @@ def test_constants_are_validated():
 def test_bad_tp_rejected():
     with pytest.raises(SpecError):
         CostModel(L70, H100, 3)
+
+
+# 70B batch-1 decode at context 1,400 under the constants before the TP > 1 recalibration (allreduce 10 us, step
+# overhead 0.5 ms, no per-layer term), measured on that code: the "8.3 ms" and "14.4 ms".
+TP8_B1_BEFORE_S = 0.008266263339418425
+TP4_B1_BEFORE_S = 0.014414280679031954
+
+
+def test_profiles_are_named_and_unknown_names_list_the_choices():
+    assert list(COST_PROFILES) == ["default", "pessimistic"]
+    assert cost_constants("default") is DEFAULT_CONSTANTS
+    assert cost_constants("pessimistic") is PESSIMISTIC_CONSTANTS
+    with pytest.raises(SpecError) as e:
+        cost_constants("optimistic")
+    assert str(e.value) == "cost_profile: unknown cost profile 'optimistic'; choose one of: default, pessimistic"
+
+
+def test_pessimistic_70b_batch1_decode_is_at_least_1_8x_the_old_default():
+    tp8 = CostModel(L70, H100, 8, PESSIMISTIC_CONSTANTS).decode_step_time_s(1, 1400)
+    tp4 = CostModel(L70, H100, 4, PESSIMISTIC_CONSTANTS).decode_step_time_s(1, 1400)
+    assert tp8 >= 1.8 * TP8_B1_BEFORE_S and tp8 == pytest.approx(18.97e-3, abs=0.01e-3)
+    assert tp4 >= 1.8 * TP4_B1_BEFORE_S and tp4 == pytest.approx(26.44e-3, abs=0.01e-3)
+
+
+def test_recalibrated_default_70b_batch1_decode():
+    assert TP8.decode_step_time_s(1, 1400) == pytest.approx(11.57e-3, abs=0.01e-3)  # 1.40x the old 8.27 ms
+    assert TP4.decode_step_time_s(1, 1400) == pytest.approx(17.71e-3, abs=0.01e-3)  # 1.23x the old 14.41 ms
+    assert SMALL.decode_step_time_s(1, 1400) == pytest.approx(6.84e-3, abs=0.01e-3)  # 1.17x the old 5.86 ms
+
+
+def test_pessimistic_is_slower_than_default_for_every_step_shape():
+    for model, tp in ((L8, 1), (L70, 4), (L70, 8)):
+        default, pessimistic = CostModel(model, H100, tp), CostModel(model, H100, tp, PESSIMISTIC_CONSTANTS)
+        for batch in (1, 32, 256):
+            assert pessimistic.decode_step_time_s(batch, 1400) > default.decode_step_time_s(batch, 1400)
+        for tokens in (1000, 2700):
+            assert pessimistic.prefill_time_s(tokens) > default.prefill_time_s(tokens)
+
+
+def test_layer_overhead_is_paid_once_per_layer_per_nonempty_step():
+    no_layer = CostModel(L70, H100, 8, dataclasses.replace(C, layer_overhead_s=1e-12))
+    delta = TP8.decode_step_time_s(7, 900) - no_layer.decode_step_time_s(7, 900)
+    assert delta == pytest.approx(80 * C.layer_overhead_s, rel=1e-6)
+    swap_only = TP8.step_time_s([], swap_in_blocks=3) - no_layer.step_time_s([], swap_in_blocks=3)
+    assert swap_only == 0.0

@@ -209,3 +209,53 @@ def test_picker_and_prefix_aware_routing_options():
     assert problems_of({**one_instance(tp=4, gpu_ids=[0, 1, 2, 3]), "policies": {"picker": "random"}}) == [
         "policies.picker: unknown picker 'random'; choose one of: lowest_cost, round_robin"
     ]
+
+
+def test_cost_profile_key_parses_and_defaults_to_default():
+    assert node_config_from_dict(default_dict()).cost_profile == "default"
+    assert node_config_from_dict(default_dict(cost_profile="pessimistic")).cost_profile == "pessimistic"
+
+
+@pytest.mark.parametrize("name", ["optimistic", ["pessimistic"], None])
+def test_unknown_cost_profile_lists_the_choices(name):
+    assert problems_of(default_dict(cost_profile=name)) == [
+        f"cost_profile: unknown profile {name!r}; choose one of: default, pessimistic"
+    ]
+
+
+def test_every_cost_model_built_from_a_pessimistic_config_uses_the_pessimistic_constants():
+    from services.core.cost_model import DEFAULT_CONSTANTS, PESSIMISTIC_CONSTANTS
+    from services.core.instance import instance_parts
+    from services.core.planner import candidate_placements
+    from services.core.routing import build_cost_models
+    from services.sim.driver import NodeSimulator
+
+    for name, constants in (("default", DEFAULT_CONSTANTS), ("pessimistic", PESSIMISTIC_CONSTANTS)):
+        config = node_config_from_dict(default_dict(cost_profile=name))
+        assert {i.id: config.cost_model(i).constants for i in config.instances} == {
+            i.id: constants for i in config.instances}
+        assert all(instance_parts(config, i).cost_model.constants is constants for i in config.instances)
+        assert all(c.constants is constants for c in build_cost_models(config).values())  # the router service
+        sim = NodeSimulator(config)  # the simulator's engines and its router
+        assert all(inst.cost.constants is constants for inst in sim.instances.values())
+        assert all(sim.router._cost_model(i).constants is constants for i in config.instances)
+        placements = candidate_placements(config.gpu, config.models, config.num_gpus, cost_profile=name)
+        assert placements and all(p.config.cost_profile == name for p in placements)
+
+
+def test_cost_profile_flag_sets_the_config_key_for_every_subcommand():
+    import argparse
+
+    from services.sim.cli_simulate import add_cost_profile_argument, config_source, load_with_overrides
+
+    parser = argparse.ArgumentParser()
+    add_cost_profile_argument(parser)
+    assert parser.parse_args([]).cost_profile is None
+    assert parser.parse_args(["--cost-profile", "pessimistic"]).cost_profile == "pessimistic"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--cost-profile", "optimistic"])
+    assert load_with_overrides(None, []).cost_profile == "default"
+    assert load_with_overrides(None, [], "pessimistic").cost_profile == "pessimistic"
+    assert load_with_overrides(None, ["policies.queue=fcfs"], "pessimistic").policies.queue == "fcfs"
+    assert config_source("node.yaml", None) == "node.yaml"  # `up` / `demo` pass the path through untouched
+    assert config_source(None, "pessimistic")["cost_profile"] == "pessimistic"  # or a dict with the key set

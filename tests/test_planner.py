@@ -41,6 +41,7 @@ def test_verdict_sentences():
         "300 req/s exceeds the node by 2.5x by compute (bound 119 req/s): shed or queue at least 181 req/s"
     )
     assert planner.verdict(60, 120) == "60 req/s fits the compute bound of 120 req/s (50% of it)"
+    assert planner.verdict(60, 0.0, "the SLOs") == "60 req/s cannot be served within the SLOs: the bound is 0 req/s"
 
 
 def test_sizing_table():

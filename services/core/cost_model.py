@@ -3,7 +3,7 @@
 Job: given a batch of chunks `(num_new_tokens, num_context_tokens)` on one model instance (TP GPUs), return how
 long the step takes on the GPU it models. Per step:
 
-    overhead + linear + attention + all-reduce + swap
+    overhead + layers x layer_overhead + linear + attention + all-reduce + swap
     linear     = max(compute, memory) + linear_overlap_loss x min(compute, memory), where
                  compute = linear FLOPs / (peak x linear_eff),
                  memory  = (streamed weight bytes + activation bytes) / (HBM x hbm_eff)
@@ -17,6 +17,8 @@ Invariants:
 - Monotonic: more tokens, more context, more sampled tokens or more swapped blocks never make a step faster.
 - An empty step (no chunks, no swaps) takes 0 s; any other step pays `step_overhead_s` once.
 - Every constant is in `CostConstants`, with its source in a comment and in docs/COST_MODEL.md.
+- Named constant sets live in `COST_PROFILES` ("default", "pessimistic"); a node config picks one by name
+  (`cost_profile`), so every CostModel built from that config prices steps with the same constants.
 """
 
 from __future__ import annotations
@@ -47,12 +49,22 @@ class CostConstants:
     hbm_eff: float = 0.85
     # NCCL/custom all-reduce bus bandwidth as a fraction of the per-direction NVLink rate for step-sized messages.
     nvlink_eff: float = 0.8
-    # Fixed cost of one small all-reduce inside a CUDA graph on an NVLink node: vLLM's custom one-shot all-reduce
-    # and NCCL's LL protocol both sit around 5-20 us for KB-sized messages at 8 ranks; 10 us is the middle.
-    allreduce_latency_s: float = 10e-6
+    # Fixed cost of one small (batch-sized) all-reduce on an 8-GPU NVLink node. Vidur's H100 DGX profile
+    # (microsoft/vidur data/profiling/network/h100_dgx/all_reduce.csv, NCCL) measures 10-18 KB all-reduces at
+    # 18-21 us minimum / 23-29 us median over 8 ranks and 26-38 us over 4; CUDA-graph custom all-reduce sits at
+    # or under the NCCL minimum. 20 us is that minimum (was 10 us, which put TP=8 batch-1 decode at half Vidur's).
+    allreduce_latency_s: float = 20e-6
+    # Fixed time per layer per step that no roofline term sees: the small kernels between GEMMs (two RMSNorms,
+    # RoPE, SiLU-and-mul, residual add) and the floor of GEMVs on thin TP shards. Vidur's H100 per-op profile
+    # of the Llama-2-70B layer shape (= Llama-3-70B's) exceeds the HBM roofline at 1 token by 19-30 us a layer
+    # at TP 1-8 (33 us for the 7B shape), measured op by op without CUDA graphs or fusions; vLLM fuses add+norm
+    # and SiLU-mul and replays a CUDA graph, so half of that, 15 us, is the default.
+    layer_overhead_s: float = 15e-6
     # Per-step host time not hidden behind the GPU: scheduling, input preparation, graph launch, sampling sync.
-    # vLLM v1 overlaps most of it; 0.5 ms is what remains at small batches.
-    step_overhead_s: float = 0.5e-3
+    # vLLM's CI latency test (buildkite vllm/performance-benchmark build 9515: H200, batch 8, 32 in / 128 out)
+    # ran 8B TP1 in 833 ms and 70B TP4 in 2,078 ms; 0.5 ms here (and no layer term) predicted 0.68-0.70 of
+    # that, 1.0 ms with the layer term 0.83-0.90. Not fitted: the rest is detokenisation and engine glue.
+    step_overhead_s: float = 1.0e-3
     # Fixed cost of one prefill->decode KV hand-off: descriptor exchange and the first transfer's launch
     # (NIXL / NCCL send-recv), independent of size.
     kv_transfer_setup_s: float = 100e-6
@@ -78,6 +90,34 @@ class CostConstants:
 
 DEFAULT_CONSTANTS = CostConstants()
 
+# The pessimistic end of each constant's published range, for asking which conclusions survive the uncertainty
+# (docs/COST_MODEL.md, "Profiles"). Each value sits at or past the slow end of its cited range; the doubled setup
+# costs and nvlink_eff are assumptions, and hardly move a step.
+PESSIMISTIC_CONSTANTS = CostConstants(
+    linear_eff=0.5,  # whole prefill steps, not single GEMMs: the bottom of the 50-60 % band
+    attn_eff=0.35,  # FlashAttention-2 on H100 (FA3 paper), no FA3 kernels
+    hbm_eff=0.7,  # Vidur's H100 TP=8 GEMVs of the 70B layer stream at ~0.73 of datasheet HBM; below that
+    nvlink_eff=0.6,  # NCCL ring bus bandwidth without NVLS / custom all-reduce
+    allreduce_latency_s=38e-6,  # Vidur H100 DGX NCCL median for 10-18 KB over 4 ranks (the slowest size class)
+    layer_overhead_s=30e-6,  # Vidur's unfused, graph-less per-layer excess at TP 4 and 8 (19-33 us range)
+    step_overhead_s=3e-3,  # Vidur's vLLM-0.2-era CPU profile: schedule + prepare + sample + process outputs
+    kv_transfer_setup_s=200e-6,  # assumption: twice the default
+    swap_setup_s=100e-6,  # assumption: twice the default
+    linear_overlap_loss=1.0,  # no overlap of GEMM compute with weight streaming near the ridge
+)
+
+# Named constant sets a node config may choose by `cost_profile`.
+COST_PROFILES: Mapping[str, CostConstants] = {"default": DEFAULT_CONSTANTS, "pessimistic": PESSIMISTIC_CONSTANTS}
+
+
+def cost_constants(profile: str) -> CostConstants:
+    """The constants of a named profile; SpecError naming the choices for any other name."""
+    if profile not in COST_PROFILES:
+        raise SpecError(
+            "cost_profile", f"unknown cost profile {profile!r}; choose one of: {', '.join(COST_PROFILES)}"
+        )
+    return COST_PROFILES[profile]
+
 
 class CostModel:
     """Step times of one model instance (`tp` GPUs of type `gpu`) under `constants`."""
@@ -94,6 +134,7 @@ class CostModel:
         "_attn_s_per_pair",
         "_kv_read_s_per_token",
         "_allreduce_fixed_s",
+        "_layer_fixed_s",
         "_allreduce_s_per_token",
         "_kv_bytes_per_token_per_gpu",
         "_swap_s_per_token",
@@ -117,6 +158,7 @@ class CostModel:
         self._kv_bytes_per_token_per_gpu = model.kv_bytes_per_token_per_gpu(tp)
         self._kv_read_s_per_token = self._kv_bytes_per_token_per_gpu / hbm_per_s
         self._allreduce_fixed_s, self._allreduce_s_per_token = _allreduce_rates(model, gpu, tp, c)
+        self._layer_fixed_s = model.num_layers * c.layer_overhead_s
         self._swap_s_per_token = self._kv_bytes_per_token_per_gpu / gpu.pcie_bytes_per_s
         self._overlap_loss = c.linear_overlap_loss
 
@@ -146,6 +188,7 @@ class CostModel:
                 total += memory_s + self._overlap_loss * compute_s
             total += max(num_pairs * self._attn_s_per_pair, num_kv_tokens * self._kv_read_s_per_token)
             total += self._allreduce_fixed_s + num_tokens * self._allreduce_s_per_token
+            total += self._layer_fixed_s
         if swap_tokens:
             total += self.constants.swap_setup_s + swap_tokens * self._swap_s_per_token
         if total:

@@ -34,7 +34,7 @@ class InstanceParts:
 def instance_parts(node: NodeConfig, instance: InstanceConfig, cost_model: CostModel | None = None) -> InstanceParts:
     model = node.models[instance.model]
     policies = node.policies
-    cost_model = cost_model or CostModel(model, node.gpu, instance.tp)
+    cost_model = cost_model or node.cost_model(instance)
     sizing = _sizing_fields(node, instance, cost_model)
     swap_block_bytes = instance.block_size * model.kv_bytes_per_token
     batcher_config = BatcherConfig(

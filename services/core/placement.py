@@ -8,7 +8,8 @@ Invariants of a `NodeConfig` that passed validation:
 - every instance serves a model in `models`, has `len(gpu_ids) == tp`, GPU ids in [0, num_gpus), no GPU shared
   between instances, weights that fit its GPUs at its TP and at least one KV block left;
 - every model with a PREFILL instance has a DECODE instance and vice versa; every model has an instance;
-- policy names are ones the batcher and the router know.
+- policy names are ones the batcher and the router know; `cost_profile` names one of `COST_PROFILES`, and every
+  CostModel built from the config (`NodeConfig.cost_model`) uses that profile's constants.
 `SloConfig` tier defaults: INTERACTIVE 200 ms (seed 003's latency tier), STANDARD 250 ms (seed 000's SLO), BATCH
 10,000 ms (seed 003's background tier: it queues rather than being shed). A request's own `ttft_slo_ms` wins.
 """
@@ -20,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.core.cost_model import COST_PROFILES, CostModel, cost_constants
 from services.core.specs import (
     GPU_PRESETS,
     MODEL_PRESETS,
@@ -136,6 +138,11 @@ class NodeConfig:
     instances: tuple[InstanceConfig, ...]
     slo: SloConfig = SloConfig()
     policies: PolicyConfig = PolicyConfig()
+    cost_profile: str = "default"  # a key of cost_model.COST_PROFILES: the constants every CostModel of it uses
+
+    def cost_model(self, instance: InstanceConfig) -> CostModel:
+        """The step-time model of `instance` under this config's cost profile (the one way to build it)."""
+        return CostModel(self.models[instance.model], self.gpu, instance.tp, cost_constants(self.cost_profile))
 
     def instances_of(self, model: str, roles: tuple[Role, ...] = tuple(Role)) -> tuple[InstanceConfig, ...]:
         return tuple(i for i in self.instances if i.model == model and i.role in roles)
@@ -177,7 +184,7 @@ def instances_of(config: NodeConfig, model: str) -> tuple[InstanceConfig, ...]:
 
 # --- building from a dict ----------------------------------------------------------------------------------------
 
-_TOP_KEYS = ("gpu", "num_gpus", "models", "instances", "slo", "policies")
+_TOP_KEYS = ("gpu", "num_gpus", "models", "instances", "slo", "policies", "cost_profile")
 _INSTANCE_KEYS = tuple(f.name for f in dataclasses.fields(InstanceConfig))
 _SLO_KEYS = ("ttft_ms", "itl_ms", "tier_ttft_ms")
 _POLICY_KEYS = tuple(f.name for f in dataclasses.fields(PolicyConfig))
@@ -195,9 +202,10 @@ def node_config_from_dict(d: Mapping[str, Any]) -> NodeConfig:
     )
     slo = _slo(d.get("slo") or {}, problems)
     policies = _policies(d.get("policies") or {}, problems)
+    cost_profile = _cost_profile(d.get("cost_profile", "default"), problems)
     if problems:
         raise PlacementError(problems)
-    config = NodeConfig(gpu, num_gpus, models, instances, slo, policies)
+    config = NodeConfig(gpu, num_gpus, models, instances, slo, policies, cost_profile)
     problems += check_placement(config)
     if problems:
         raise PlacementError(problems)
@@ -232,6 +240,12 @@ def _int(value: Any, where: str, problems: list[str], minimum: int) -> int:
         problems.append(f"{where} is {value!r}; set it to an integer >= {minimum}")
         return minimum
     return value
+
+
+def _cost_profile(raw: Any, problems: list[str]) -> str:
+    if not isinstance(raw, str) or raw not in COST_PROFILES:
+        problems.append(f"cost_profile: unknown profile {raw!r}; choose one of: {', '.join(COST_PROFILES)}")
+    return raw
 
 
 def _gpu(raw: Any, problems: list[str]) -> GpuSpec:

@@ -149,6 +149,8 @@ def roofline_bound(models: Mapping[str, ModelSpec], gpu: GpuSpec, num_gpus: int,
 
 def verdict(offered_rps: float, bound_rps: float, by: str = "compute") -> str:
     """One sentence: does the offered load fit under a bound, and by how much it misses or clears it."""
+    if bound_rps <= 0:  # e.g. a model whose decode step alone exceeds the ITL SLO under the chosen cost profile
+        return f"{offered_rps:.0f} req/s cannot be served within {by}: the bound is 0 req/s"
     ratio = offered_rps / bound_rps
     if ratio > 1.0:
         return (f"{offered_rps:.0f} req/s exceeds the node by {ratio:.1f}x by {by} (bound {bound_rps:.0f} req/s): "
@@ -216,7 +218,7 @@ class SloBound:
 
 
 def instance_capacity_rps(config: NodeConfig, inst: InstanceConfig, load: ModelLoad) -> float:
-    cost = CostModel(config.models[inst.model], config.gpu, inst.tp)
+    cost = config.cost_model(inst)
     kv_tokens = num_kv_blocks_for(config, inst) * inst.block_size
     slo = config.slo
     if inst.role is Role.DECODE:
@@ -292,7 +294,7 @@ def _label(model: str, layout: tuple[int, int, int]) -> str:
 
 def candidate_placements(
     gpu: GpuSpec, models: Mapping[str, ModelSpec], num_gpus: int = 8, *, slo: SloConfig = SloConfig(),
-    policies: PolicyConfig = PolicyConfig(),
+    policies: PolicyConfig = PolicyConfig(), cost_profile: str = "default",
 ) -> list[Placement]:
     """Every split of the GPUs between two models (the larger first, TP 2/4/8; the smaller at TP 1), colocated or
     disaggregated per model. One model alone gets all GPUs. GPUs are exclusive, so TP=8 for the large model only
@@ -303,14 +305,14 @@ def candidate_placements(
     if len(names) == 1:
         for layout in _model_layouts(models[large], gpu, num_gpus, TP_OPTIONS):
             insts = _instances(large, "lm", layout, 0)
-            out.append(Placement(_label(large, layout), NodeConfig(gpu, num_gpus, dict(models), tuple(insts), slo, policies)))
+            out.append(Placement(_label(large, layout), NodeConfig(gpu, num_gpus, dict(models), tuple(insts), slo, policies, cost_profile)))
         return [p for p in out if not check_placement(p.config)]
     small = names[1]
     for large_gpus in range(1, num_gpus):
         for lay_l in _model_layouts(models[large], gpu, large_gpus, (2, 4, 8)):
             for lay_s in _model_layouts(models[small], gpu, num_gpus - large_gpus, (1,)):
                 insts = _instances(large, "lm", lay_l, 0) + _instances(small, "sm", lay_s, large_gpus)
-                cfg = NodeConfig(gpu, num_gpus, dict(models), tuple(insts), slo, policies)
+                cfg = NodeConfig(gpu, num_gpus, dict(models), tuple(insts), slo, policies, cost_profile)
                 out.append(Placement(f"{_label(large, lay_l)} | {_label(small, lay_s)}", cfg))
     return [p for p in out if not check_placement(p.config)]
 
@@ -467,7 +469,7 @@ def model_upper_bound_rps(config: NodeConfig, model: str, sample: LengthSample, 
     if not insts or not sample.requests:
         return 0.0, 0.0
     itl_s = config.slo.itl_ms / 1000.0
-    costs = {i.id: CostModel(config.models[model], config.gpu, i.tp) for i in insts}
+    costs = {i.id: config.cost_model(i) for i in insts}
     entry = [i for i in insts if i.role is not Role.DECODE]
     fastest = min(entry, key=lambda i: costs[i.id].prefill_time_s(1000))
     # prefill time is increasing in the prompt: one bisection per TTFT SLO value finds the longest feasible prompt

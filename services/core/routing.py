@@ -432,8 +432,7 @@ MAX_CORRECTION = 0.8
 
 
 def build_cost_models(config: NodeConfig) -> dict[str, Any]:
-    """instance id -> CostModel for every instance of `config` (the default the simulator and router use)."""
-    from services.core.cost_model import CostModel  # noqa: PLC0415
-
-    return {i.id: CostModel(config.models[i.model], config.gpu, i.tp) for i in config.instances}
+    """instance id -> CostModel for every instance of `config` under its cost profile (the simulator's and the
+    router's default)."""
+    return {i.id: config.cost_model(i) for i in config.instances}
 

@@ -12,9 +12,9 @@ import json
 import math
 from dataclasses import asdict, replace
 
-from services.config import load_node_config
 from services.core import planner
 from services.core.placement import NodeConfig
+from services.sim.cli_simulate import add_cost_profile_argument, load_with_overrides
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,6 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--duration", type=float, default=20.0, help="simulated seconds per candidate")
     parser.add_argument("--top", type=int, default=4, help="how many analytically best candidates to simulate")
     parser.add_argument("--seed", type=int, default=0)
+    add_cost_profile_argument(parser)
     parser.add_argument("--json", help="write every figure and ranking to this JSON file")
 
 
@@ -165,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"unknown profile {args.profile!r}; choose one of: {', '.join(sorted(PROFILES))}")
         return 2
     profile = PROFILES[args.profile]
-    config: NodeConfig = _with_profile_slo(load_node_config(args.config), profile)
+    config: NodeConfig = _with_profile_slo(load_with_overrides(args.config, [], args.cost_profile), profile)
     mix = mix_from_profile(profile, args.rate)
     rows = planner.sizing_table(config.models, config.gpu, mix)
     bound = planner.roofline_bound(config.models, config.gpu, config.num_gpus, mix)
@@ -178,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"SLO-aware upper bound of the configured placement (any scheduler, cheapest requests kept): goodput <= "
           f"{upper.goodput_rps:.1f} req/s at {mix.rate_rps:g} req/s offered")
     candidates = planner.candidate_placements(config.gpu, config.models, config.num_gpus, slo=config.slo,
-                                              policies=config.policies)
+                                              policies=config.policies, cost_profile=config.cost_profile)
     ranked = planner.rank_placements(candidates, mix)
     _print_ranking(ranked, max(args.top * 2, 8))
     simulated = _simulate(ranked, profile, args) if args.top > 0 else None

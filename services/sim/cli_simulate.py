@@ -42,12 +42,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--set", dest="overrides", action="append", default=[], metavar="policies.KEY=VALUE",
         help="override a config value, e.g. --set policies.reservation=full (repeatable; VALUE is YAML)",
     )
+    add_cost_profile_argument(parser)
     parser.add_argument("--json", dest="json_path", help="write the summary and per-request records here")
     parser.add_argument("--plots", help="directory for PNG plots")
 
 
 def run(args: argparse.Namespace) -> int:
-    node = load_with_overrides(args.config, args.overrides)
+    node = load_with_overrides(args.config, args.overrides, args.cost_profile)
     profile = scaled(PROFILES[args.profile], rate_rps=args.rate, duration_s=args.duration, burstiness=args.burstiness)
     trace = generate_trace(profile, args.seed)
     print(f"simulating {len(trace)} requests of {profile.name} at {profile.rate_rps:g} req/s "
@@ -61,15 +62,20 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def load_with_overrides(path: str | None, overrides: list[str]):
-    """The node config with `section.key=value` overrides applied before validation."""
+def add_cost_profile_argument(parser: argparse.ArgumentParser) -> None:
+    """`--cost-profile NAME`: sets the config's `cost_profile` key (shared by simulate, plan, up and demo)."""
+    from services.core.cost_model import COST_PROFILES
+
+    parser.add_argument("--cost-profile", choices=list(COST_PROFILES), default=None,
+                        help="cost-model constants (default: the config's cost_profile, else 'default')")
+
+
+def raw_config_with_overrides(path: str | None, overrides: list[str], cost_profile: str | None = None) -> dict:
+    """The node config as a plain dict, `section.key=value` overrides and `cost_profile` applied, not validated."""
     import yaml
 
     from services.config import default_config_text
-    from services.core.placement import node_config_from_dict
 
-    if not overrides:
-        return load_node_config(path)
     raw = yaml.safe_load(default_config_text() if path is None else Path(path).read_text(encoding="utf-8"))
     for item in overrides:
         key, sep, value = item.partition("=")
@@ -77,7 +83,23 @@ def load_with_overrides(path: str | None, overrides: list[str]):
         if not sep or not dot or section not in ("policies", "slo"):
             raise SystemExit(f"--set {item!r}: use policies.KEY=VALUE or slo.KEY=VALUE")
         raw.setdefault(section, {})[name] = yaml.safe_load(value)
-    return node_config_from_dict(raw)
+    if cost_profile is not None:
+        raw["cost_profile"] = cost_profile
+    return raw
+
+
+def config_source(path: str | None, cost_profile: str | None):
+    """What `start_node` takes: the path itself, or a dict when `--cost-profile` changes the config."""
+    return path if cost_profile is None else raw_config_with_overrides(path, [], cost_profile)
+
+
+def load_with_overrides(path: str | None, overrides: list[str], cost_profile: str | None = None):
+    """The node config with `section.key=value` overrides and `--cost-profile` applied before validation."""
+    from services.core.placement import node_config_from_dict
+
+    if not overrides and cost_profile is None:
+        return load_node_config(path)
+    return node_config_from_dict(raw_config_with_overrides(path, overrides, cost_profile))
 
 
 def simulate_with_progress(
