@@ -136,10 +136,17 @@ async def test_prompt_slower_than_its_slo_even_idle_is_failed_precondition_with_
     assert "over its 250 ms STANDARD TTFT SLO; shorten it to at most " in err.details()
     assert dict(err.trailing_metadata() or ()).get("retry-after-ms") is None  # retrying cannot help
     assert (await node.load("c0")).num_free_blocks == NUM_KV_BLOCKS
-    # The same prompt with a 1 s SLO of its own is served.
-    responses = [r async for r in node.generation().Generate(
-        request(num_prompt_tokens=9_000, max_tokens=4, ttft_slo_ms=1000), timeout=30)]
+    # The same length with a 1 s SLO of its own is served (other tokens: later tests must not find it cached).
+    own_slo = request(num_prompt_tokens=9_000, max_tokens=4, ttft_slo_ms=1000)
+    own_slo.token_ids.ids[:] = [20_000 + i for i in range(9_000)]
+    responses = [r async for r in node.generation().Generate(own_slo, timeout=30)]
     assert sum(len(r.token_ids) for r in responses) == 4
+    # Leave the node as found: wait (bounded) until the router's load view has the KV back.
+    for _ in range(100):
+        if node.router_servicer.pool.loads()["c0"].num_free_blocks == NUM_KV_BLOCKS:
+            break
+        await asyncio.sleep(0.02)
+    assert node.router_servicer.pool.loads()["c0"].num_free_blocks == NUM_KV_BLOCKS
 
 
 async def test_deadline_shorter_than_predicted_ttft_is_refused_as_deadline_exceeded(node):

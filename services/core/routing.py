@@ -14,7 +14,8 @@ route(spec, loads, now):
 5. disaggregated models: the decode instance with the most KV headroom (then fewest running, then id) that can
    reserve prompt + reservation; none -> Refuse.
 6. TTFT feasibility: predicted TTFT = max(prefill queue ahead of this tier / instance prefill throughput, wait
-   for a decode slot not counting lower tiers the batcher would preempt) + own uncached prefill time; a candidate
+   for a decode slot not counting lower tiers the batcher would preempt) + own uncached prefill time (at the rate
+   the running decodes leave it, never faster than idle); a candidate
    is kept while predicted + the calibrated correction of the model and tier (admission.TtftCalibrator) is within
    the SLO; none left -> Refuse with retry_after_ms = how long until the best candidate would become feasible.
 7. scorers (each a pure function of the candidate set, returning [0, 1], 0 = best) are weighted from config and
@@ -80,14 +81,16 @@ class Candidate:
     num_queued: int  # waiting in the snapshot + dispatched since
     cached_tokens: int  # expected prefix-cache hit
     wait_s: float  # queue_ahead_tokens / prefill throughput
-    own_prefill_s: float  # its own uncached prefill
+    own_prefill_s: float  # its own uncached prefill on the idle instance
     model: str  # the requested model
     slot_wait_s: float = 0.0  # wait for a decode slot when the instance's batch is full (colocated)
+    loaded_prefill_s: float = 0.0  # its own prefill at the rate the instance's running decodes leave
 
     @property
     def predicted_ttft_s(self) -> float:
         # The prefill queue and the slot queue drain in parallel; the longer one decides when the prefill starts.
-        return max(self.wait_s, self.slot_wait_s) + self.own_prefill_s
+        # Then its own chunks run at the rate the decodes beside them leave, never faster than on an idle instance.
+        return max(self.wait_s, self.slot_wait_s) + max(self.own_prefill_s, self.loaded_prefill_s)
 
 
 Filter = Callable[[Candidate], bool]
@@ -314,6 +317,9 @@ class RouterPolicy:
             cached_tokens=cached,
             wait_s=adm.prefill_wait_s(ahead, throughput),
             own_prefill_s=cost.prefill_time_s(spec.num_prompt_tokens - cached, cached),
+            # Alone in prefill, a prompt gets the slack-extended chunks of an instance whose decodes are ahead of
+            # their TPOT target; behind a queue it shares the loaded rate with it.
+            loaded_prefill_s=adm.prefill_wait_s(spec.num_prompt_tokens - cached, throughput) if ahead > 0 else 0.0,
             model=spec.model,
             slot_wait_s=adm.slot_wait_s(
                 load, self.ledger, adm.preemptible_slots(load, self.ledger, spec.priority, policies.batch_min_share)

@@ -70,7 +70,7 @@ def size_for_slo(
     max_num_batched_tokens: int,
     context_tokens: int = 1200,
     headroom: float = 0.85,
-    decode_share: float = 0.7,
+    decode_share: float = 0.85,
 ) -> SloSizing:
     target_s = itl_slo_ms / 1000.0 * headroom
     if role is Role.PREFILL:
