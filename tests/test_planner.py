@@ -208,6 +208,8 @@ def test_ranking_by_capacity_and_by_goodput_can_disagree():
     evaluated = {"colocated": (12.0, 80.0), "disaggregated": (15.0, 60.0), "split-b": (15.0, 70.0),
                  "broken": (math.nan, 90.0)}
     by_cap, by_goodput, rec = rank_by_both(evaluated)
-    assert by_cap == ["disaggregated", "split-b", "colocated", "broken"]  # tie at 15 by label; NaN last
+    assert by_cap == ["split-b", "disaggregated", "colocated", "broken"]  # tie at 15: more goodput first; NaN last
     assert by_goodput == ["broken", "colocated", "split-b", "disaggregated"]
-    assert rec == Recommendation(by_capacity="disaggregated", by_goodput="broken")
+    assert rec == Recommendation(by_capacity="split-b", by_goodput="broken")
+    # every capacity 0 (nothing passes): the capacity ranking falls back to goodput, then to the label
+    assert rank_by_both({"b": (0.0, 70.0), "a": (0.0, 70.0), "c": (0.0, 80.0)})[0] == ["c", "a", "b"]

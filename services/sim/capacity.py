@@ -145,14 +145,13 @@ class Recommendation:
 
 def rank_by_both(evaluated: Mapping[str, tuple[float, float]]) -> tuple[list[str], list[str], Recommendation]:
     """label -> (SLO capacity req/s, goodput req/s at the offered rate): (labels by capacity, labels by goodput,
-    the two winners). Higher first; NaN ranks last; ties by label."""
+    the two winners). Higher first, NaN last; a tie goes to the other criterion, then to the label."""
 
-    def order(i: int) -> list[str]:
-        def key(label: str):
-            v = evaluated[label][i]
-            return (math.isnan(v), -v if not math.isnan(v) else 0.0, label)
+    def desc(v: float) -> tuple[bool, float]:
+        return math.isnan(v), -v if not math.isnan(v) else 0.0
 
-        return sorted(evaluated, key=key)
+    def order(first: int) -> list[str]:
+        return sorted(evaluated, key=lambda k: (*desc(evaluated[k][first]), *desc(evaluated[k][1 - first]), k))
 
     by_cap, by_goodput = order(0), order(1)
     return by_cap, by_goodput, Recommendation(by_cap[0], by_goodput[0])
