@@ -76,12 +76,13 @@ PLANNER_GOODPUT = "planner-goodput"  # ... with the highest simulated goodput at
 
 @dataclass(frozen=True, slots=True)
 class Settings:
-    # seed-000: the running batch and the admitted rate stop changing ~5-10 s into a peak run (measured: admitted
-    # requests per 5 s bin are flat from the second bin on); 20 s of warm-up leaves a 40 s measurement window.
+    # seed-000: at the peak the running batch is flat from ~10 s on and the admitted rate drops from its empty-queue
+    # burst to within a few percent of its later value by ~10 s (docs/BENCHMARKS_METHOD.md, "Workloads and
+    # windows", has the measurement and the slow drift after it); 20 s of warm-up leaves a 40 s window.
     duration_s: float = 60.0  # arrival window of each seed-000 run
     warmup_s: float = 20.0  # arrivals before this are excluded from the metrics
     drain_s: float = 30.0  # admitted work finishes within it (4x the ~400-token mean output at 30 ms/token)
-    # seed-003 is ~1 s of wall per simulated second at 625 req/s: 20 s with its ~3 s transient excluded.
+    # seed-003 takes 1-2 s of wall per simulated second at 625 req/s: 20 s, its ~3 s transient excluded.
     seed003_duration_s: float = 20.0
     seed003_warmup_s: float = 5.0
     seed003_rate_rps: float | None = None  # None: the profile's 625 req/s
