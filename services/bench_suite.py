@@ -734,7 +734,7 @@ def headline_tables(results: SuiteResults, settings: Settings) -> list[str]:
     return lines
 
 
-def placement_lines(pr: ProfileResults) -> list[str]:
+def placement_lines(pr: ProfileResults, settings: Settings) -> list[str]:
     label = {k: v[0] for k, v in pr.placements.items()}
     lines = [f"Placements: static split = {label.get(STATIC_SPLIT, '-')}; best disaggregated = "
              f"{label.get(BEST_DISAGGREGATED, '-')}."]
@@ -742,7 +742,7 @@ def placement_lines(pr: ProfileResults) -> list[str]:
         c = pr.choice
         lines += [f"octoserve's capacity probes and 0.25-1x roofline rows ran on the SLO-capacity winner "
                   f"({c.by_capacity}); its overload rows (1.5x roofline, peak, bursty, seed-003) on the goodput "
-                  f"winner ({c.by_goodput}). The planner's simulated candidates:", "",
+                  f"winner ({c.by_goodput}). The planner's simulated candidates:", "", *_banner(settings),
                   "| candidate | SLO capacity req/s (per seed min / median / max) | goodput at 300 req/s |",
                   "|---|---:|---:|"]
         for label, (cap, goodput) in c.evaluated.items():
@@ -808,7 +808,7 @@ def policy_section(results: SuiteResults, settings: Settings) -> str:
         DISCUSSION,
     ]
     for pr in results.profiles.values():
-        lines += ["", f"### Cost profile: {pr.cost_profile}", "", *placement_lines(pr), "",
+        lines += ["", f"### Cost profile: {pr.cost_profile}", "", *placement_lines(pr, settings), "",
                   *capacity_lines(pr, settings), "", *group_lines(pr, settings), "",
                   f"#### Every run ({pr.cost_profile}, seed {settings.seed})", "", *_banner(settings), TABLE_HEADER]
         lines += [table_row(r) for r in pr.rows]

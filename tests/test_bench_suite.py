@@ -216,12 +216,13 @@ def test_headline_and_targets_read_the_run():
 
 def test_quick_mode_stamps_every_table_and_full_mode_none():
     rows = [_row("octoserve", "seed-000 peak 300")]
-    results = bs.SuiteResults({c: _profile(rows, {"octoserve": bs.CapacitySearch(0.0, 5.0)}, c)
-                               for c in bs.COST_PROFILES}, False, 60.0)
+    choice = bs.PlacementChoice({"p": (0.0, 90.0)}, {"p": (0.0, 0.0, 0.0)}, "p", "p")
+    results = bs.SuiteResults({c: dataclasses.replace(_profile(rows, {"octoserve": bs.CapacitySearch(0.0, 5.0)}, c),
+                                                      choice=choice) for c in bs.COST_PROFILES}, False, 60.0)
     quick = bs.policy_section(results, bs.quick_settings(policies=("octoserve",)))
     lines = quick.splitlines()
     tables = [i for i, line in enumerate(lines) if line.startswith("|") and not lines[i - 1].startswith("|")]
-    assert len(tables) == 8  # targets, figures, and per cost profile: capacity, per group, every run
+    assert len(tables) == 10  # targets, figures; per cost profile: placements, capacity, per group, every run
     for i in tables:  # the banner sits between each table's heading and the table
         heading = max(j for j in range(i) if lines[j].startswith("#"))
         assert sum(bs.QUICK_BANNER in line for line in lines[heading:i]) == 1, lines[heading]
