@@ -747,7 +747,8 @@ def placement_lines(pr: ProfileResults, settings: Settings) -> list[str]:
                   "|---|---:|---:|"]
         for label, (cap, goodput) in c.evaluated.items():
             lo, med, hi = c.capacity_spread[label]
-            lines.append(f"| {label} | {cap:.1f} ({lo:.1f} / {med:.1f} / {hi:.1f}) | {goodput:.1f} |")
+            cell = label.replace("|", "\\|")  # a placement label holds ' | ' between its models
+            lines.append(f"| {cell} | {cap:.1f} ({lo:.1f} / {med:.1f} / {hi:.1f}) | {goodput:.1f} |")
     return lines
 
 
