@@ -16,7 +16,7 @@ What each one models, and from where (read in their docs and papers, not copied)
   every hybrid step fits the TBT (ITL) SLO; FCFS, no admission control. Colocated, same static split and
   round-robin routing as vLLM, since Sarathi-Serve is an engine-level scheduler. The budget is `sarathi_budget`.
 - `distserve`: DistServe (Zhong et al., OSDI 2024): prefill and decode on separate instances per model, the
-  placement chosen for goodput (here the planner's best fully disaggregated placement by its SLO-aware bound),
+  placement chosen for goodput (here the planner's best fully disaggregated placement by its SLO-aware estimate),
   FCFS queues, requests dispatched to the prefill instance with the shortest queue, decode batches sized so a
   step fits the TPOT SLO, KV moved over NVLink; no admission control (the only refusals are decode reservations
   the simulator cannot make).
@@ -44,8 +44,8 @@ from services.core.types import Role
 
 # Placement kinds a baseline runs on (the suite resolves each to a NodeConfig).
 STATIC_SPLIT = "static-split"  # the embedded default: 70B TP=4 colocated + four 8B replicas
-BEST_DISAGGREGATED = "best-disaggregated"  # planner: best SLO bound among placements with every model split P/D
-PLANNER = "planner"  # planner: best simulated goodput among its top analytic candidates
+BEST_DISAGGREGATED = "best-disaggregated"  # planner: best SLO-aware estimate among placements with every model split P/D
+PLANNER = "planner"  # planner: top candidates simulated; the suite uses the SLO-capacity or goodput winner
 
 VLLM_H100_MAX_NUM_BATCHED_TOKENS = 8192  # vLLM v1, OpenAI API server, GPU >= 70 GiB and not A100
 VLLM_H100_MAX_NUM_SEQS = 1024

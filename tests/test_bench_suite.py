@@ -11,6 +11,8 @@ from services.baselines import BASELINES, configure
 from services.core import planner
 from services.core.placement import node_config_from_dict
 from services.core.types import Role
+from services.metrics import SloSpec
+from services.sim.capacity import Probe, bisect_capacity, passes, start_search
 
 
 class ToyCost:
@@ -99,24 +101,61 @@ def test_capacity_bracket(points, expected):
     assert bs.capacity_bracket(points) == expected
 
 
-def test_capacity_search_bisects_inside_the_bracket(monkeypatch):
-    seen = []
+def _fake_step(true_capacity_by_seed):
+    """A run_step whose seed s passes at a rate iff rate <= true_capacity_by_seed[s]; attainment 1 or 0.5."""
+    asked = []
 
-    def fake_run_jobs(jobs, workers, on_done=None):
-        out = []
-        for job in jobs:
-            seen.append((job.policy, job.workload.rate_rps))
-            att = 1.0 if job.workload.rate_rps <= 27.0 else 0.0  # the true capacity is 27 req/s
-            row = bs.Row(job.policy, job.workload.label, job.workload.rate_rps, 0.0, 0, 0, 1.0, att,
-                         0, 0, 0, 0, 0, 0, 0)
-            out.append(bs.JobResult((job.policy, job.workload.label), row))
-        return out
+    def run_step(asks):
+        asked.append(list(asks))
+        return {(key, rate): Probe(rate, tuple(rate <= c for c in true_capacity_by_seed),
+                                   tuple(1.0 if rate <= c else 0.5 for c in true_capacity_by_seed))
+                for key, rate in asks}
 
-    monkeypatch.setattr(bs, "run_jobs", fake_run_jobs)
-    settings = bs.Settings(capacity_steps=3)
-    out = bs.capacity_search(["a"], {"a": None}, {"a": [(10.0, 1.0), (40.0, 0.0)]}, settings, lambda _m: None)
-    assert [r for _, r in seen] == [25.0, 32.5, 28.8]
-    assert out["a"][:2] == (25.0, 28.8)
+    return run_step, asked
+
+
+def test_multi_seed_bisection_brackets_by_majority_and_reports_the_spread():
+    # Seeds pass up to 20, 27 and 30 req/s: the majority passes up to 27.
+    run_step, asked = _fake_step((20.0, 27.0, 30.0))
+    out = bisect_capacity({"a": start_search([(10.0, True), (40.0, False)])}, run_step, steps=3)
+    assert [[r for _, r in step] for step in asked] == [[25.0], [32.5], [28.8]]
+    s = out["a"]
+    assert (s.lo, s.hi, s.capacity_rps) == (25.0, 28.8, 25.0)
+    assert [p.passed for p in s.probes] == [(False, True, True), (False, False, False), (False, False, True)]
+    assert s.per_seed_capacity() == (10.0, 25.0, 28.8)  # seed 0 fails the first probe: the bracket's floor
+    assert s.spread() == (10.0, 25.0, 28.8)
+    assert s.probes[0].attainment_spread == (0.5, pytest.approx(2.5 / 3), 1.0)
+
+
+def test_bisection_runs_every_search_in_one_step_and_stops_when_narrow():
+    run_step, asked = _fake_step((5.0,))
+    out = bisect_capacity({"a": start_search([], 8.0), "b": start_search([(1.0, True), (2.0, False)])}, run_step, 4)
+    assert asked[0] == [("a", 4.0), ("b", 1.5)]  # both policies' probes of a step go out together
+    assert [len(step) for step in asked] == [2, 1, 1, 1]  # b's bracket is under 1 req/s after one probe
+    assert [r for step in asked[1:] for _, r in step] == [6.0, 5.0, 5.5]
+    assert (out["a"].lo, out["a"].hi) == (5.0, 5.5) and (out["b"].lo, out["b"].hi) == (1.5, 2.0)
+    assert start_search([(10.0, True), (20.0, True)]).next_rate() is None  # nothing failed: no bracket
+
+
+class _Lat:
+    def __init__(self, p95_ms):
+        self.p95_ms = p95_ms
+
+
+class _Group:
+    def __init__(self, attainment_offered, ttft_p95_ms, itl_p95_ms):
+        self.attainment_offered, self.ttft, self.itl = attainment_offered, _Lat(ttft_p95_ms), _Lat(itl_p95_ms)
+
+
+@pytest.mark.parametrize("attainment, fleet_ok, expected", [
+    (0.90, True, True),
+    (0.899, True, False),  # DistServe's per-request goodput short of 90 % of offered
+    (0.95, False, False),  # the seed's fleet SLO (P95s) must hold as well
+])
+def test_capacity_criterion_needs_both_slo_definitions(attainment, fleet_ok, expected):
+    g = _Group(attainment, 100.0, 10.0)
+    g.fleet_slo_met = fleet_ok
+    assert passes(g, SloSpec(ttft_ms=250.0, itl_ms=30.0)) is expected
 
 
 # --- the report --------------------------------------------------------------------------------------------------
@@ -130,7 +169,7 @@ def test_replace_section_keeps_other_sections():
 
 
 def _row(policy="octoserve", workload="w", goodput=10.0, **kw):
-    base = dict(offered_rps=20.0, roofline_rps=20.0, slo_bound_rps=16.0, attainment_admitted=0.96,
+    base = dict(offered_rps=20.0, roofline_rps=20.0, slo_estimate_rps=16.0, attainment_admitted=0.96,
                 attainment_offered=0.5, ttft_p95_ms=120.4, itl_p95_ms=24.26, refused_fraction=0.4,
                 num_preemptions=3, kv_utilisation=0.123, gpu_busy=0.9, num_errors=0)
     return bs.Row(policy, workload, goodput_rps=goodput, **{**base, **kw})
@@ -139,18 +178,51 @@ def _row(policy="octoserve", workload="w", goodput=10.0, **kw):
 def test_table_row_formats_every_column():
     assert bs.table_row(_row()) == ("| octoserve | w | 20.0 | 10.0 | 0.50 | 0.62 | 96.0 | 50.0 | 120 | 24.3 | 40.0 | 3 "
                                     "| 12.3 | 90.0 |")
-    assert bs.table_row(_row(slo_bound_rps=0.0)).split(" | ")[5] == "-"
+    assert bs.table_row(_row(slo_estimate_rps=0.0)).split(" | ")[5] == "-"
 
 
-def test_headline_ratios():
-    rows = (_row("octoserve", "seed-000 peak 300", goodput=40.0, attainment_admitted=0.97),)
-    results = bs.SuiteResults({}, {}, 119.0, (), rows, {}, {"octoserve": (50.0, 55.0, []),
-                              "vllm-default": (20.0, 25.0, []), "sarathi": (30.0, 35.0, []),
-                              "distserve": (10.0, 12.0, [])}, 0.0)
-    h = bs.headline(results)
-    assert h["octoserve_over_vllm"] == 2.5 and h["best_other"] == "sarathi"
-    assert h["octoserve_over_best_other"] == pytest.approx(50 / 30)
-    assert h["peak_over_capacity"] == 0.8 and h["peak_admitted_attainment"] == 0.97
+def _profile(rows, capacity, name="default"):
+    placements = {bs.STATIC_SPLIT: ("static", _one_sm_node())}  # read for policies.batch_min_share
+    return bs.ProfileResults(name, placements, None, 119.0, (), tuple(rows), {}, capacity, {})
+
+
+def _groups(**by_name):
+    return tuple(bs.GroupRow(n, g, a, a, 100.0, 20.0) for n, (g, a) in by_name.items())
+
+
+def test_headline_and_targets_read_the_run():
+    rows = [_row("octoserve", "seed-000 peak 300", goodput=98.0,
+                 groups=_groups(**{"llama-3-70b": (20.0, 0.97), "llama-3-8b": (78.0, 0.99)})),
+            _row("octoserve", "seed-000 0.25x roofline", goodput=25.0,
+                 groups=_groups(**{"llama-3-70b": (5.0, 0.93), "llama-3-8b": (20.0, 0.99)})),
+            _row("octoserve", "seed-003 625 req/s", goodput=200.0,
+                 groups=_groups(**{"llama-3-8b": (180.0, 0.96), "INTERACTIVE": (170.0, 0.96), "BATCH": (30.0, 0.9)}))]
+    capacity = {"octoserve": bs.CapacitySearch(25.0, 28.8), "vllm-default": bs.CapacitySearch(10.0, 12.0)}
+    h = bs.headline(_profile(rows, capacity))
+    assert h["octoserve_over_vllm"] == 2.5 and h["peak_goodput_rps"] == 98.0
+    assert h["peak_admitted_by_model"] == {"llama-3-70b": 0.97, "llama-3-8b": 0.99}
+    assert h["worst_model_admitted"] == (0.93, "llama-3-70b", "seed-000 0.25x roofline")
+    assert h["seed003_interactive_share"] == 0.85 and h["seed003_batch_share"] == 0.15
+    verdicts = [(round(v, 3), th, v >= th) for _, v, th, _ in bs.targets(_profile(rows, capacity))]
+    assert verdicts == [(0.93, 0.95, False), (0.85, 0.8, True), (0.96, 0.95, True), (0.15, 0.1, True),
+                        (98.0, 97.0, True), (2.5, 2.0, True)]
+
+
+def test_quick_mode_stamps_every_table_and_full_mode_none():
+    rows = [_row("octoserve", "seed-000 peak 300")]
+    choice = bs.PlacementChoice({"p": (0.0, 90.0)}, {"p": (0.0, 0.0, 0.0)}, "p", "p")
+    results = bs.SuiteResults({c: dataclasses.replace(_profile(rows, {"octoserve": bs.CapacitySearch(0.0, 5.0)}, c),
+                                                      choice=choice) for c in bs.COST_PROFILES}, 60.0)
+    quick = bs.policy_section(results, bs.quick_settings(policies=("octoserve",)))
+    lines = quick.splitlines()
+    tables = [i for i, line in enumerate(lines) if line.startswith("|") and not lines[i - 1].startswith("|")]
+    assert len(tables) == 10  # targets, figures; per cost profile: placements, capacity, per group, every run
+    for i in tables:  # the banner sits between each table's heading and the table
+        heading = max(j for j in range(i) if lines[j].startswith("#"))
+        assert sum(bs.QUICK_BANNER in line for line in lines[heading:i]) == 1, lines[heading]
+    assert lines[0] == f"**{bs.QUICK_BANNER}**"
+    full = bs.policy_section(results, bs.Settings(policies=("octoserve",)))
+    assert bs.QUICK_BANNER not in full and "/ SLO-aware est." in full and "SLO bound" not in full
 
 
 def test_gpu_weighted_averages_the_windowed_instance_figures_by_gpus():
@@ -174,4 +246,6 @@ def test_run_job_and_run_jobs_are_deterministic_and_worker_count_free():
     assert [repr(r.row) for r in one] == [repr(r.row) for r in two]  # repr: NaN bounds compare equal
     row = one[0].row
     assert row.policy == "octoserve" and row.workload == "tiny" and math.isnan(row.roofline_rps)
+    assert one[0].job_key == ("default", "octoserve", "tiny", 0)
+    assert [g.name for g in row.groups] == ["llama-3-70b", "llama-3-8b", "STANDARD"]  # the 70B: no instance
     assert 0 <= row.attainment_offered <= 1 and 0 < row.gpu_busy <= 1

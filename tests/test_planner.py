@@ -1,6 +1,8 @@
 """Planner numbers by hand arithmetic: sizing, the roofline bound of seed 000, the verdict, SLO-aware capacities
 with a toy cost model, and the candidate placements."""
 
+import math
+
 import pytest
 
 from services.core import planner
@@ -149,20 +151,66 @@ def test_mix_from_the_seed_000_profile_accounts_for_prefix_hits():
     assert planner.roofline_bound(MODELS, H100, 8, mix).capacity_rps == pytest.approx(121.6, abs=0.05)
 
 
-def test_plan_command_prints_the_bound_verdict_and_recommendation(capsys, tmp_path):
+def _plan(argv):
     import argparse
-    import json
 
     from services.sim import cli_plan
 
     parser = argparse.ArgumentParser()
     cli_plan.add_arguments(parser)
+    return cli_plan.run(parser.parse_args(argv))
+
+
+def test_plan_command_prints_the_bound_the_estimates_and_the_recommendation(capsys, tmp_path):
+    import json
+
     out_json = tmp_path / "plan.json"
-    assert cli_plan.run(parser.parse_args(["--top", "0", "--json", str(out_json)])) == 0
+    assert _plan(["--top", "0", "--json", str(out_json)]) == 0
     text = capsys.readouterr().out
     assert "at most 121.6 req/s of this mix" in text
     assert "verdict: 300 req/s exceeds the node by 2.5x by compute (bound 122 req/s)" in text
+    assert "Compute roofline, an upper bound by FLOPs" in text
+    assert "  upper bound on goodput: 121.6 req/s = min(offered, compute roofline 121.6)" in text
+    assert "  SLO-aware estimate (mean request, one operating point; not a bound): goodput ~ 56.9 req/s" in text
+    assert "SLO-aware optimistic estimate (any scheduler" in text
+    assert "goodput <=" not in text and "SLO-aware bound" not in text and "upper bound of" not in text
     assert "recommend llama-3-70b TP4 x1 colocated | llama-3-8b TP1 x4 colocated" in text
     doc = json.loads(out_json.read_text())
     assert doc["analytic_ranking"][0]["label"] == "llama-3-70b TP4 x1 colocated | llama-3-8b TP1 x4 colocated"
-    assert doc["simulated_ranking"] is None
+    assert doc["upper_bound_rps"] == pytest.approx(121.6, abs=0.05) and doc["simulated"] is None
+
+
+def test_bound_check_lines():
+    from services.sim.cli_plan import bound_check
+
+    assert bound_check(80.04, 121.6) == "simulated goodput 80.0 req/s <= upper bound 121.6 req/s: ok"
+    assert bound_check(130.0, 121.6) == ("BOUND VIOLATED: simulated goodput 130.0 req/s > upper bound 121.6 req/s "
+                                         "(a bug in the bound or the simulator)")
+
+
+def test_the_printed_upper_bound_bounds_a_short_simulation_of_the_configured_placement(capsys, tmp_path):
+    import json
+
+    out_json = tmp_path / "plan.json"
+    args = ["--top", "1", "--rate", "150", "--duration", "8", "--warmup", "3", "--capacity-steps", "0",
+            "--json", str(out_json)]
+    assert _plan(args) == 0
+    text = capsys.readouterr().out
+    doc = json.loads(out_json.read_text())
+    check = doc["configured_check"]
+    assert 0 < check["goodput_rps"] <= check["upper_bound_rps"] <= 121.6 + 0.05
+    assert check["check"].endswith(": ok") and check["check"] in text
+    assert "recommend for SLO capacity: " in text and "recommend for goodput at 150 req/s: " in text
+
+
+def test_ranking_by_capacity_and_by_goodput_can_disagree():
+    from services.sim.capacity import Recommendation, rank_by_both
+
+    evaluated = {"colocated": (12.0, 80.0), "disaggregated": (15.0, 60.0), "split-b": (15.0, 70.0),
+                 "broken": (math.nan, 90.0)}
+    by_cap, by_goodput, rec = rank_by_both(evaluated)
+    assert by_cap == ["split-b", "disaggregated", "colocated", "broken"]  # tie at 15: more goodput first; NaN last
+    assert by_goodput == ["broken", "colocated", "split-b", "disaggregated"]
+    assert rec == Recommendation(by_capacity="split-b", by_goodput="broken")
+    # every capacity 0 (nothing passes): the capacity ranking falls back to goodput, then to the label
+    assert rank_by_both({"b": (0.0, 70.0), "a": (0.0, 70.0), "c": (0.0, 80.0)})[0] == ["c", "a", "b"]

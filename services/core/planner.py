@@ -7,8 +7,9 @@ Four answers, each from the model/GPU specs and the cost model alone (no simulat
 2. Roofline bound (DESIGN.md section 1): a request costs 2 x params x (uncached prompt + output) FLOPs, with the
    prefix-cache hit rate removing cached prompt tokens; the node at 100 % of peak serves
    num_gpus x peak / (mix-weighted FLOPs per request) req/s. No scheduler can beat it; real ones get well under.
-3. SLO-aware bound: the best any scheduler could do under the cost model when every decode step must fit the ITL
-   SLO and one request's prefill the TTFT SLO. Per instance:
+3. SLO-aware estimate (`slo_bound`; an estimate, not a bound: simulations beat it, see section 5): what a
+   scheduler could do under the cost model when every decode step must fit the ITL SLO and one request's prefill
+   the TTFT SLO. Per instance:
    - decode (disaggregated): the largest batch B whose step at the mean decode context is <= ITL and whose KV
      (B x mean sequence) fits gives B / step output tokens/s, i.e. B / (step x mean output) req/s;
    - prefill (disaggregated): prefill throughput at the instance's chunk / mean uncached prompt req/s, zero when
@@ -23,7 +24,7 @@ Four answers, each from the model/GPU specs and the cost model alone (no simulat
    allocations (`candidate_placements`, ranked by `rank_placements`) gives the bound and the order in which the
    simulator then checks them.
    It ignores queueing (TTFT P95 under Poisson bursts is worse than a mean prompt's prefill), preemption and
-   KV transfer time. It is a bound for "every step within the ITL SLO" at the mean request, not a forecast: the
+   KV transfer time. It models "every step within the ITL SLO" at the mean request; it is neither a forecast nor a bound: the
    simulator's goodput (DistServe: mean TPOT <= ITL SLO, over the arrival window, completions during the drain
    included) can exceed it on short runs and on long-tailed lengths, where most requests are shorter than the mean.
 4. Candidate placements: splits of the GPUs between the models, TP degrees that fit (at least one KV block), and
@@ -319,7 +320,7 @@ def candidate_placements(
 
 def rank_placements(placements: Sequence[Placement], mix: WorkloadMix) -> list[tuple[Placement, SloBound]]:
     """Placements that serve every model first (dropping a model is not a placement, it is an outage), then the
-    highest goodput bound at the offered rate, then the highest mix rate; ties by label, so the order is fixed."""
+    highest SLO-aware goodput estimate at the offered rate, then the highest mix rate; ties by label, so the order is fixed."""
     cache: dict = {}
     scored = [(p, slo_bound(p.config, mix, cache)) for p in placements]
     return sorted(scored, key=lambda ps: (not ps[1].serves_every_model, -ps[1].goodput_rps, -ps[1].node_rps, ps[0].label))

@@ -1,8 +1,14 @@
-"""`octoserve plan`: size the node for a workload, say whether it fits, then rank placements by simulated goodput.
+"""`octoserve plan`: size the node for a workload, say whether it fits, then rank placements by what users ask.
 
-Prints, in order: the sizing table; the roofline bound and verdict (DESIGN.md section 1); the SLO-aware bound of
-the configured placement; the analytic ranking of candidate placements; then a short simulation of the top N with
-`services.sim.driver.run_simulation`, ranked by goodput, with the recommendation and the reason.
+Prints, in order: the sizing table; the compute roofline (the one upper bound: FLOPs at 100 % of peak) and its
+verdict (DESIGN.md section 1); the two SLO-aware ESTIMATES of the configured placement (not bounds: a simulation
+can beat them); the analytic ranking of candidate placements by the SLO-aware estimate; then, with `--top N`, a
+check that the configured placement's simulated goodput stays under the upper bound, and the top N candidates
+simulated in steady state (`--warmup` excluded) and ranked twice: by SLO capacity (multi-seed bisection,
+`services.sim.capacity`) and by goodput at the offered rate, with both recommendations.
+
+Time is bounded: at most N x (1 + capacity_steps x capacity_seeds) + 1 simulations of `--duration` seconds each,
+each one announced on stderr as it starts.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from dataclasses import asdict, replace
 
 from services.core import planner
@@ -21,8 +28,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="node config YAML (default: the embedded default placement)")
     parser.add_argument("--profile", default="seed-000", help="workload profile (seed-000, seed-003)")
     parser.add_argument("--rate", type=float, help="offered req/s (default: the profile's)")
-    parser.add_argument("--duration", type=float, default=20.0, help="simulated seconds per candidate")
-    parser.add_argument("--top", type=int, default=4, help="how many analytically best candidates to simulate")
+    parser.add_argument("--duration", type=float, default=30.0, help="arrival window of each simulation (s)")
+    parser.add_argument("--warmup", type=float, default=10.0, help="arrivals excluded as warm-up (s)")
+    parser.add_argument("--top", type=int, default=2, help="how many analytically best candidates to simulate")
+    parser.add_argument("--capacity-steps", type=int, default=5, help="bisection steps of each SLO capacity")
+    parser.add_argument("--capacity-seeds", type=int, default=2, help="seeds per capacity probe")
     parser.add_argument("--seed", type=int, default=0)
     add_cost_profile_argument(parser)
     parser.add_argument("--json", help="write every figure and ranking to this JSON file")
@@ -92,7 +102,8 @@ def _print_sizing(rows: list[planner.SizingRow]) -> None:
 
 
 def _print_roofline(b: planner.RooflineBound, mix: planner.WorkloadMix) -> None:
-    print("\nRoofline (2 x params x (uncached prompt + output) FLOPs per request, 100 % of dense BF16 peak)")
+    print("\nCompute roofline, an upper bound by FLOPs (2 x params x (uncached prompt + output) per request, 100 % "
+          "of dense BF16 peak)")
     for m in mix.models:
         rate = mix.rate_rps * m.share
         print(f"  {m.model:12s} {rate:6.1f} req/s x {b.flops_per_request[m.model] / 1e12:6.1f} TFLOP = "
@@ -103,54 +114,131 @@ def _print_roofline(b: planner.RooflineBound, mix: planner.WorkloadMix) -> None:
     print(f"  verdict: {planner.verdict(mix.rate_rps, b.capacity_rps)}")
 
 
+UPPER_BOUND = "upper bound"
+ESTIMATE = "SLO-aware estimate"
+OPTIMISTIC_ESTIMATE = "SLO-aware optimistic estimate"
+
+
+def upper_bound_rps(offered_rps: float, roofline: planner.RooflineBound) -> float:
+    """The one printed upper bound on goodput: no more than is offered, and no more than the FLOPs allow."""
+    return min(offered_rps, roofline.capacity_rps)
+
+
+def bound_check(simulated_goodput_rps: float, bound_rps: float) -> str:
+    """One line: does the simulation stay under the upper bound (a bound a simulation beats is a bug)."""
+    if simulated_goodput_rps <= bound_rps:
+        return f"simulated goodput {simulated_goodput_rps:.1f} req/s <= {UPPER_BOUND} {bound_rps:.1f} req/s: ok"
+    return (f"BOUND VIOLATED: simulated goodput {simulated_goodput_rps:.1f} req/s > {UPPER_BOUND} "
+            f"{bound_rps:.1f} req/s (a bug in the bound or the simulator)")
+
+
+def _print_bounds(mix, roofline, current, optimistic) -> None:
+    print(f"\nConfigured placement at {mix.rate_rps:g} req/s offered:")
+    print(f"  {UPPER_BOUND} on goodput: {upper_bound_rps(mix.rate_rps, roofline):.1f} req/s = min(offered, compute "
+          f"roofline {roofline.capacity_rps:.1f}); the only figure here no scheduler can beat")
+    print(f"  {ESTIMATE} (mean request, one operating point; not a bound): goodput ~ {current.goodput_rps:.1f} "
+          f"req/s, mix rate ~ {current.node_rps:.1f} (limited by {current.limiting_model})")
+    print(f"  {OPTIMISTIC_ESTIMATE} (any scheduler, cheapest requests kept, per-resource relaxation; not a bound on "
+          f"a measured window): goodput ~ {optimistic.goodput_rps:.1f} req/s")
+    print("  How they relate: the estimates rank placements cheaply and may sit above the upper bound (then the "
+          "bound is what limits) or below a simulated goodput; the simulation below decides.")
+
+
 def _print_ranking(ranked, limit: int) -> None:
-    print("\nSLO-aware bound per placement (decode steps <= ITL SLO, a mean prompt's prefill <= TTFT SLO, KV fits)")
+    print(f"\n{ESTIMATE} per placement (decode steps <= ITL SLO, a mean prompt's prefill <= TTFT SLO, KV fits)")
     for placement, sb in ranked[:limit]:
         caps = ", ".join(f"{k} {v:.1f}" for k, v in sb.model_capacity_rps.items())
-        print(f"  goodput <= {sb.goodput_rps:6.1f} req/s  mix rate <= {sb.node_rps:6.1f}  [{caps}]  {placement.label}")
+        print(f"  goodput ~ {sb.goodput_rps:6.1f} req/s  mix rate ~ {sb.node_rps:6.1f}  [{caps}]  {placement.label}")
 
 
-def _simulate(ranked, profile, args) -> list[dict] | None:
-    try:
-        from services.sim.driver import run_simulation
-        from services.workload import generate_trace, scaled
-    except ImportError as e:
-        print(f"\nSimulation skipped: the simulator is not available here ({e}); ranking is analytic only.")
-        return None
-    prof = scaled(profile, rate_rps=args.rate, duration_s=args.duration)
-    trace = generate_trace(prof, args.seed)
-    print(f"\nSimulating the top {min(args.top, len(ranked))} for {args.duration:g} s at {prof.rate_rps:g} req/s "
-          f"({len(trace)} requests)")
-    results = []
-    for placement, sb in ranked[: args.top]:
-        res = run_simulation(placement.config, trace, seed=args.seed)
-        s = res.summary
-        goodput = s.overall.goodput_rps
-        per_model = ", ".join(f"{g.name} {g.goodput_rps:.1f}" for g in s.per_model)
-        results.append({"label": placement.label, "goodput_rps": goodput, "bound_goodput_rps": sb.goodput_rps,
-                        "summary": _plain(s)})
-        print(f"  goodput {goodput:6.1f} req/s [{per_model}] (bound {sb.goodput_rps:6.1f}; simulated "
-              f"{res.virtual_s:.0f} s in {res.wall_s:.1f} s)  {placement.label}")
-    results.sort(key=lambda r: (-(r["goodput_rps"] if not math.isnan(r["goodput_rps"]) else -1.0), r["label"]))
-    return results
+class _Runs:
+    """Counts and announces simulations against the planned total (stderr, so --json stdout stays clean)."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.done = total, 0
+
+    def __call__(self, config, trace, seed: int, warmup_s: float, what: str):
+        from services.sim.capacity import measured_run
+
+        self.done += 1
+        print(f"  [{self.done}/<={self.total}] {what}", file=sys.stderr, flush=True)
+        return measured_run(config, trace, seed=seed, drain_s=30.0, warmup_s=warmup_s)
 
 
-def _plain(summary) -> dict:
-    try:
-        return asdict(summary)
-    except TypeError:
-        return {}
+def _trace(profile, rate_rps: float, duration_s: float, seed: int):
+    from services.workload import generate_trace, scaled
+
+    return generate_trace(scaled(profile, rate_rps=rate_rps, duration_s=duration_s), seed)
 
 
-def _recommend(ranked, simulated) -> str:
-    if simulated:
-        best = simulated[0]
-        runner_up = f"; next: {simulated[1]['label']} at {simulated[1]['goodput_rps']:.1f}" if len(simulated) > 1 else ""
-        return (f"recommend {best['label']}: the highest simulated goodput, {best['goodput_rps']:.1f} req/s "
-                f"meeting both SLOs{runner_up}")
+def _check_configured(config, profile, mix, roofline, args, runs: _Runs) -> dict:
+    res, summary = runs(config, _trace(profile, mix.rate_rps, args.duration, args.seed), args.seed, args.warmup,
+                        f"configured placement at {mix.rate_rps:g} req/s")
+    o = summary.overall
+    bound = upper_bound_rps(o.num_offered / summary.duration_s, roofline)
+    line = bound_check(o.goodput_rps, bound)
+    print(f"\nConfigured placement, simulated {args.duration:g} s ({args.warmup:g} s warm-up excluded): {line}")
+    return {"goodput_rps": o.goodput_rps, "upper_bound_rps": bound, "check": line}
+
+
+def _simulate(ranked, profile, mix, roofline, args, runs: _Runs) -> dict:
+    """label -> figures of the top N candidates: goodput at the offered rate and SLO capacity by bisection."""
+    from services.sim.capacity import CAPACITY_ATTAINMENT, Probe, bisect_capacity, passes, start_search
+
+    top = ranked[: args.top]
+    configs = {p.label: p.config for p, _ in top}
+    seeds = [args.seed + k for k in range(args.capacity_seeds)]
+    out = {}
+    trace = _trace(profile, mix.rate_rps, args.duration, args.seed)
+    print(f"\nSimulating the top {len(top)} in steady state: goodput at {mix.rate_rps:g} req/s, then SLO capacity "
+          f"({args.capacity_seeds} seeds x {args.capacity_steps} steps)")
+    for placement, sb in top:
+        _, summary = runs(placement.config, trace, args.seed, args.warmup, f"goodput of {placement.label}")
+        out[placement.label] = {"goodput_rps": summary.overall.goodput_rps, "estimate_rps": sb.goodput_rps}
+
+    def run_step(asks):
+        probes = {}
+        for label, rate in asks:
+            passed, attained = [], []
+            for seed in seeds:
+                _, s = runs(configs[label], _trace(profile, rate, args.duration, seed), seed, args.warmup,
+                            f"capacity probe {rate:g} req/s seed {seed}: {label}")
+                passed.append(passes(s.overall, s.slo))
+                attained.append(s.overall.attainment_offered)
+            probes[(label, rate)] = Probe(rate, tuple(passed), tuple(attained))
+        return probes
+
+    ceiling = roofline.capacity_rps / CAPACITY_ATTAINMENT
+    searches = bisect_capacity({label: start_search([], ceiling) for label in configs}, run_step,
+                               args.capacity_steps)
+    for label, s in searches.items():
+        out[label].update(capacity_rps=s.capacity_rps, capacity_spread=s.spread(),
+                          first_failing_rps=None if math.isinf(s.hi) else s.hi)
+    return out
+
+
+def _print_recommendations(simulated: dict, rate_rps: float) -> list[str]:
+    from services.sim.capacity import rank_by_both
+
+    by_cap, by_goodput, rec = rank_by_both({k: (v["capacity_rps"], v["goodput_rps"]) for k, v in simulated.items()})
+    print("\nRanked by SLO capacity (>= 90 % of offered good and fleet SLO met; per seed min / median / max):")
+    for label in by_cap:
+        v = simulated[label]
+        lo, med, hi = v["capacity_spread"]
+        print(f"  {v['capacity_rps']:6.1f} req/s ({lo:.1f} / {med:.1f} / {hi:.1f})  {label}")
+    print(f"Ranked by steady-state goodput at {rate_rps:g} req/s:")
+    for label in by_goodput:
+        print(f"  {simulated[label]['goodput_rps']:6.1f} req/s ({ESTIMATE} {simulated[label]['estimate_rps']:.1f})  "
+              f"{label}")
+    return [f"recommend for SLO capacity: {rec.by_capacity} ({simulated[rec.by_capacity]['capacity_rps']:.1f} req/s)",
+            f"recommend for goodput at {rate_rps:g} req/s: {rec.by_goodput} "
+            f"({simulated[rec.by_goodput]['goodput_rps']:.1f} req/s)"]
+
+
+def _analytic_recommendation(ranked) -> str:
     placement, sb = ranked[0]
-    return (f"recommend {placement.label}: the highest SLO-aware goodput bound, {sb.goodput_rps:.1f} req/s "
-            f"(limited by {sb.limiting_model}); not yet checked by simulation")
+    return (f"recommend {placement.label}: the highest {ESTIMATE} of goodput, {sb.goodput_rps:.1f} req/s "
+            f"(limited by {sb.limiting_model}); not checked by simulation (--top 0)")
 
 
 def _with_profile_slo(config: NodeConfig, profile) -> NodeConfig:
@@ -173,31 +261,37 @@ def run(args: argparse.Namespace) -> int:
     _print_sizing(rows)
     _print_roofline(bound, mix)
     current = planner.slo_bound(config, mix)
-    print(f"\nConfigured placement: goodput <= {current.goodput_rps:.1f} req/s, mix rate <= {current.node_rps:.1f} "
-          f"(limited by {current.limiting_model}); {planner.verdict(mix.rate_rps, current.node_rps, 'the SLOs')}")
-    upper = planner.slo_upper_bound(config, mix, length_samples(profile))
-    print(f"SLO-aware upper bound of the configured placement (any scheduler, cheapest requests kept): goodput <= "
-          f"{upper.goodput_rps:.1f} req/s at {mix.rate_rps:g} req/s offered")
+    optimistic = planner.slo_upper_bound(config, mix, length_samples(profile))
+    _print_bounds(mix, bound, current, optimistic)
     candidates = planner.candidate_placements(config.gpu, config.models, config.num_gpus, slo=config.slo,
                                               policies=config.policies, cost_profile=config.cost_profile)
     ranked = planner.rank_placements(candidates, mix)
     _print_ranking(ranked, max(args.top * 2, 8))
-    simulated = _simulate(ranked, profile, args) if args.top > 0 else None
-    recommendation = _recommend(ranked, simulated)
-    print(f"\n{recommendation}")
+    check, simulated = None, None
+    if args.top > 0:
+        runs = _Runs(1 + min(args.top, len(ranked)) * (1 + args.capacity_steps * args.capacity_seeds))
+        check = _check_configured(config, profile, mix, bound, args, runs)
+        simulated = _simulate(ranked, profile, mix, bound, args, runs)
+        recommendations = _print_recommendations(simulated, mix.rate_rps)
+    else:
+        recommendations = [_analytic_recommendation(ranked)]
+    print("\n" + "\n".join(recommendations))
     if args.json:
-        _write_json(args.json, rows, bound, current, ranked, simulated, recommendation)
-    return 0
+        _write_json(args.json, rows, bound, current, optimistic, ranked, check, simulated, recommendations)
+    return 0 if check is None or not check["check"].startswith("BOUND VIOLATED") else 1
 
 
-def _write_json(path, rows, bound, current, ranked, simulated, recommendation) -> None:
+def _write_json(path, rows, bound, current, optimistic, ranked, check, simulated, recommendations) -> None:
     doc = {
         "sizing": [asdict(r) for r in rows],
         "roofline": {**{k: v for k, v in asdict(bound).items()}, "load_factor": bound.load_factor},
-        "configured": asdict(current),
+        "upper_bound_rps": upper_bound_rps(bound.offered_rps, bound),
+        "configured_estimate": asdict(current),
+        "configured_optimistic_estimate": asdict(optimistic),
         "analytic_ranking": [{"label": p.label, **asdict(sb)} for p, sb in ranked],
-        "simulated_ranking": simulated,
-        "recommendation": recommendation,
+        "configured_check": check,
+        "simulated": simulated,
+        "recommendations": recommendations,
     }
     with open(path, "w", encoding="utf-8") as f:
         json.dump(doc, f, indent=2, default=str)
