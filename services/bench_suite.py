@@ -308,7 +308,8 @@ def roofline_capacity_rps(node: NodeConfig) -> float:
 
 
 def ranked_placements(node: NodeConfig, rate_rps: float = PEAK_RPS):
-    candidates = planner.candidate_placements(node.gpu, node.models, node.num_gpus, slo=node.slo)
+    candidates = planner.candidate_placements(node.gpu, node.models, node.num_gpus, slo=node.slo,
+                                              cost_profile=node.cost_profile)
     return planner.rank_placements(candidates, seed000_mix(rate_rps))
 
 
@@ -467,7 +468,8 @@ def slo_estimate_rps(node: NodeConfig, profile_name: str, rate_rps: float, cache
     mix = mix_from_profile(profile, rate_rps)
     key = ("placements", profile_name)
     if key not in cache:
-        cache[key] = (planner.candidate_placements(node.gpu, node.models, node.num_gpus, slo=slo),
+        cache[key] = (planner.candidate_placements(node.gpu, node.models, node.num_gpus, slo=slo,
+                                                   cost_profile=node.cost_profile),
                       length_samples(profile))
     candidates, samples = cache[key]
     return max((planner.slo_upper_bound(p.config, mix, samples, cache).goodput_rps for p in candidates),
@@ -518,7 +520,7 @@ class SuiteResults:
 def run_profile(settings: Settings, cost_profile: str, log: Callable[[str], None], progress_cls=None) -> ProfileResults:
     from services.config import load_node_config
 
-    static = load_node_config(None)
+    static = with_cost_profile(load_node_config(None), cost_profile)
     roofline = roofline_capacity_rps(static)
     ranked = ranked_placements(static)
     disagg = best_disaggregated(ranked)
