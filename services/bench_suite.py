@@ -81,9 +81,10 @@ class Settings:
     duration_s: float = 60.0  # arrival window of each seed-000 run
     warmup_s: float = 20.0  # arrivals before this are excluded from the metrics
     drain_s: float = 30.0  # admitted work finishes within it (4x the ~400-token mean output at 30 ms/token)
-    # seed-003 takes 1-2 s of wall per simulated second at 625 req/s: 20 s, its ~3 s transient excluded.
-    seed003_duration_s: float = 20.0
-    seed003_warmup_s: float = 5.0
+    # seed-003 takes 1-2 s of wall per simulated second at 625 req/s; MSER-5 on its occupancy puts the warm-up at
+    # ~10 s (its long BATCH prompts fill the batch slowly): 30 s with the first 10 s excluded.
+    seed003_duration_s: float = 30.0
+    seed003_warmup_s: float = 10.0
     seed003_rate_rps: float | None = None  # None: the profile's 625 req/s
     capacity_steps: int = 4  # bisection steps inside the bracket
     capacity_seeds: int = 3  # seeds per capacity probe (the seed changes the trace)
