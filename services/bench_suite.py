@@ -1017,7 +1017,7 @@ def calibration_section() -> str:
         "Small batches: vLLM's CI latency runs (H200, batch 8, 32 in / 128 out) fall between the profiles (default",
         "0.83x / 0.90x of the measured 8B / 70B TP=4 time, pessimistic 1.35x / 1.40x), and Vidur's H100 per-op",
         "profile of the 70B layers at 1 token between them too (default 0.86-0.99x, pessimistic 1.16-1.22x); see",
-        "`docs/COST_MODEL.md` (\"Sources\"). Against the floors of DESIGN.md section 1 (weights at datasheet HBM):",
+        "`docs/COST_MODEL.md` (\"Sources\"). Against the decode floors (weights streamed at datasheet HBM bandwidth):",
         f"predicted decode steps at context 1,400 are {sm_cost.decode_step_time_s(1, 1400) * 1e3:.2f} ms (8B, batch 1;",
         f"floor 4.8 ms), {lm4.decode_step_time_s(1, 1400) * 1e3:.2f} ms (70B TP=4; floor 10.5 ms) and",
         f"{lm8.decode_step_time_s(1, 1400) * 1e3:.2f} ms (70B TP=8; floor 5.3 ms). The A100 TensorRT-LLM latency points",

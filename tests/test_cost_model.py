@@ -180,7 +180,7 @@ def test_bad_tp_rejected():
 
 
 # 70B batch-1 decode at context 1,400 under the constants before the TP > 1 recalibration (allreduce 10 us, step
-# overhead 0.5 ms, no per-layer term), measured on that code: the "8.3 ms" and "14.4 ms".
+# overhead 0.5 ms, no per-layer term), measured on that code (8.3 ms and 14.4 ms).
 TP8_B1_BEFORE_S = 0.008266263339418425
 TP4_B1_BEFORE_S = 0.014414280679031954
 

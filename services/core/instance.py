@@ -1,7 +1,7 @@
 """Build the core objects of one engine instance from the node config: batcher config, KV pool, cost model.
 
 The live sim engine and the discrete-event simulator both call this, so an instance is the same object graph under
-either clock (DESIGN.md section 4).
+either clock: one policy, two clocks.
 """
 
 from __future__ import annotations

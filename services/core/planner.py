@@ -4,7 +4,7 @@ Four answers, each from the model/GPU specs and the cost model alone (no simulat
 
 1. Sizing table per model: weights, KV bytes per token and per mean sequence, and for each TP the KV capacity
    of one instance in tokens and in mean sequences.
-2. Roofline bound (DESIGN.md section 1): a request costs 2 x params x (uncached prompt + output) FLOPs, with the
+2. Roofline bound: a request costs 2 x params x (uncached prompt + output) FLOPs, with the
    prefix-cache hit rate removing cached prompt tokens; the node at 100 % of peak serves
    num_gpus x peak / (mix-weighted FLOPs per request) req/s. No scheduler can beat it; real ones get well under.
 3. SLO-aware estimate (`slo_bound`; an estimate, not a bound: simulations beat it, see section 5): what a

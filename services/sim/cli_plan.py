@@ -1,7 +1,7 @@
 """`octoserve plan`: size the node for a workload, say whether it fits, then rank placements by what users ask.
 
 Prints, in order: the sizing table; the compute roofline (the one upper bound: FLOPs at 100 % of peak) and its
-verdict (DESIGN.md section 1); the two SLO-aware ESTIMATES of the configured placement (not bounds: a simulation
+verdict; the two SLO-aware ESTIMATES of the configured placement (not bounds: a simulation
 can beat them); the analytic ranking of candidate placements by the SLO-aware estimate; then, with `--top N`, a
 check that the configured placement's simulated goodput stays under the upper bound, and the top N candidates
 simulated in steady state (`--warmup` excluded) and ranked twice: by SLO capacity (multi-seed bisection,
