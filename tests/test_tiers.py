@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 from hypothesis import given, settings
@@ -120,7 +121,7 @@ def test_property_a_batch_flood_cannot_take_interactive_capacity(num_batch, prom
         b.add_request(spec(f"b{i}", prompt_len=prompt_lens[i], arrival=0.01 * i, priority=B, first=1000 + 100 * i), 0.0)
     for k in range(steps_before):
         step(b, 0.01 * k)
-    floor = int(0.25 * max_num_seqs)
+    floor = math.ceil(0.25 * max_num_seqs)
     batch_running = sum(1 for i in range(num_batch) if (r := b.request(f"b{i}")) and r.status is RequestStatus.RUNNING)
     b.add_request(spec("i0", prompt_len=8, arrival=0.5, priority=I, first=50), 0.5)
     plan, _ = step(b, 0.5)
@@ -225,3 +226,13 @@ def test_preemptible_slots_leave_batch_its_floor():
     assert adm.preemptible_slots(snap, ledger, B, 0.1) == 0
     assert adm.preemptible_slots(snap, ledger, I, 1.0) == 0  # tier preemption off
     assert math.isclose(adm.slot_wait_s(snap, ledger, 0), 0.0)
+
+
+def test_sliding_share_counts_the_last_window_observations():
+    s = adm.SlidingShare(window=4)
+    assert s.share() == 0.0
+    for flag in (True, True, False, False):
+        s.observe(flag)
+    assert s.share() == 0.5
+    s.observe(False)  # the first True leaves
+    assert s.share() == 0.25

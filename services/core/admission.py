@@ -15,14 +15,16 @@ TTFT calibration: the prediction below is a mean-field estimate; its error depen
 `TtftCalibrator` keeps, per (model, tier), the last `window` errors (observed TTFT - predicted TTFT, seconds) and
 admits a request only while predicted + correction <= its SLO, where the correction is the `quantile` of those
 errors. Until `min_samples` errors are in, the correction is the prior (1 - ttft_slack) x SLO, which is exactly
-the older rule "predicted <= SLO x slack". With the 0.95 quantile, an admitted request whose prediction sits right
-at the threshold meets its TTFT 95 % of the time, and every request predicted lower does better.
+the older rule "predicted <= SLO x slack". With the 0.97 quantile (the default), an admitted request whose
+prediction sits right at the threshold meets its TTFT 97 % of the time, and every request predicted lower does
+better; the 2 points above the 95 % promise leave room for TPOT misses and for the error drifting with the load.
 
 Tiers: a request of tier T never waits behind lower tiers (larger Priority values) except BATCH's protected floor:
 the batcher preempts lower-tier work at iteration boundaries for it (services/core/batcher.py), so only
 occupancy of tiers at least as urgent as T, plus `batch_min_share` of the slots, counts in its decode-slot wait.
 And while a model's more urgent tiers are being shed (`TierPressure`), BATCH is admitted to an instance only
-below its minimum share of the slots there: the latency tier gets the capacity first, background keeps its share.
+below its minimum share of the decode slots there (rounded up): the latency tier gets the capacity first,
+background keeps its share.
 
 Retry hints: the drain time of the queue ahead of this tier on the best instance (queued prefill tokens / prefill
 throughput), i.e. when a retry would find enough of today's queue gone, floored at `min_retry_after_ms`.
@@ -181,7 +183,7 @@ def preemptible_slots(load: EngineLoad, ledger: InFlightLedger, tier: Priority, 
         return 0
     by_tier = ledger.num_dispatched_by_tier(load.instance_id)
     lower = sum(n for t, n in by_tier.items() if t > tier)
-    floor = math.floor(batch_min_share * load.max_num_seqs) if tier < Priority.BATCH else 0
+    floor = math.ceil(batch_min_share * load.max_num_seqs) if tier < Priority.BATCH else 0
     return max(0, lower - min(floor, by_tier[Priority.BATCH]))
 
 
@@ -272,6 +274,24 @@ class TtftCalibrator:
         return min(ordered[rank - 1], cap_s)
 
 
+class SlidingShare:
+    """The share of True among the last `window` observations (0 when there are none)."""
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+        self._recent: deque[bool] = deque()
+        self._num_true = 0
+
+    def observe(self, flag: bool) -> None:
+        self._recent.append(flag)
+        self._num_true += flag
+        if len(self._recent) > self.window:
+            self._num_true -= self._recent.popleft()
+
+    def share(self) -> float:
+        return self._num_true / len(self._recent) if self._recent else 0.0
+
+
 class TierPressure:
     """Whether a model's more urgent tiers are being shed: of the last `window` admission decisions for its
     INTERACTIVE and STANDARD requests, at least `threshold` were overload refusals. Counted in decisions, not
@@ -280,16 +300,12 @@ class TierPressure:
     def __init__(self, window: int = 64, threshold: float = 0.1) -> None:
         self.window = window
         self.threshold = threshold
-        self._recent: dict[str, deque[bool]] = {}
-        self._num_refused: dict[str, int] = {}
+        self._refused: dict[str, SlidingShare] = {}
 
     def observe(self, model: str, refused: bool) -> None:
-        recent = self._recent.setdefault(model, deque())
-        recent.append(refused)
-        self._num_refused[model] = self._num_refused.get(model, 0) + refused
-        if len(recent) > self.window:
-            self._num_refused[model] -= recent.popleft()
+        """One admission decision for a request of a tier more urgent than BATCH."""
+        self._refused.setdefault(model, SlidingShare(self.window)).observe(refused)
 
     def under_pressure(self, model: str) -> bool:
-        recent = self._recent.get(model)
-        return bool(recent) and self._num_refused[model] >= self.threshold * len(recent)
+        refused = self._refused.get(model)
+        return refused is not None and refused.share() >= self.threshold

@@ -30,6 +30,7 @@ its KV for the hand-off (`release_handoff` frees it); `decode` reserves KV befor
 from __future__ import annotations
 
 import bisect
+import math
 import enum
 from collections import deque
 from collections.abc import Mapping
@@ -385,7 +386,7 @@ class Batcher:
         if self.config.batch_min_share >= 1.0:
             return None
         tier = head.spec.priority
-        floor = int(self.config.batch_min_share * self.config.max_num_seqs)
+        floor = math.ceil(self.config.batch_min_share * self.config.max_num_seqs)
         num_batch = sum(1 for r in self._running if r.spec.priority is Priority.BATCH)
         best: Request | None = None
         for r in self._running:

@@ -90,7 +90,7 @@ class PolicyConfig:
     ttft_slack: float = 1.0  # the TTFT prior: refuse when predicted TTFT > tier SLO x slack, until calibrated
     # Online TTFT calibration (services/core/admission.py TtftCalibrator): admit while predicted + the
     # `ttft_quantile` of the last `ttft_window` prediction errors of the model and tier <= the SLO.
-    ttft_quantile: float = 0.95
+    ttft_quantile: float = 0.97
     ttft_window: int = 256
     ttft_min_samples: int = 32
     # Tiers under saturation: a waiting request preempts running requests of less urgent tiers at iteration

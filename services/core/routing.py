@@ -11,6 +11,8 @@ route(spec, loads, now):
 3. per-tier queue bound (outstanding no-first-token requests of this model and tier) -> Refuse(Overloaded).
 4. candidates = the model's colocated / prefill instances; the configured filters drop those that cannot take it
    ("model", "healthy": healthy, not paused, has a snapshot; "kv_headroom": prompt + reservation fits).
+4b. BATCH while more urgent requests of the model are being shed: only to an instance where BATCH holds fewer
+   than ceil(`batch_min_share` x its decode slots).
 5. disaggregated models: the decode instance with the most KV headroom (then fewest running, then id) that can
    reserve prompt + reservation; none -> Refuse.
 6. TTFT feasibility: predicted TTFT = max(prefill queue ahead of this tier / instance prefill throughput, wait
@@ -382,7 +384,7 @@ class RouterPolicy:
 
     def _below_batch_share(self, c: Candidate) -> bool:
         slots = c.load.max_num_seqs or c.instance.max_num_seqs
-        floor = max(1, math.floor(self.config.policies.batch_min_share * slots))
+        floor = max(1, math.ceil(self.config.policies.batch_min_share * slots))
         return self.ledger.num_dispatched_by_tier(c.instance.id)[Priority.BATCH] < floor
 
     def _infeasible(self, spec: RequestSpec, cands: Sequence[Candidate], slo_ms: float) -> Refuse | None:
