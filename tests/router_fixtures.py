@@ -10,13 +10,20 @@ TOKENS_PER_S = 10_000.0
 
 
 class LinearCost:
-    """Prefill at a flat 10,000 tokens/s whatever the chunk or context, so expected times are hand arithmetic."""
+    """Prefill at a flat 10,000 tokens/s whatever the chunk or context, so expected times are hand arithmetic;
+    a decode step of `decode_step_s` (10 ms) whatever the batch."""
+
+    def __init__(self, decode_step_s: float = 0.010) -> None:
+        self.decode_step_s = decode_step_s
 
     def prefill_time_s(self, num_tokens: int, num_context_tokens: int = 0) -> float:
         return num_tokens / TOKENS_PER_S
 
     def prefill_tokens_per_s(self, chunk_tokens: int) -> float:
         return TOKENS_PER_S
+
+    def decode_step_time_s(self, batch_size: int, context_len: int) -> float:
+        return self.decode_step_s
 
 
 class FakeIndex:

@@ -5,7 +5,7 @@ import dataclasses
 from router_fixtures import LM, SM, colocated_config, disagg_config, load, policy, request
 
 from services.core import admission as adm
-from services.core.errors import Overloaded, SloInfeasible, UnknownModel
+from services.core.errors import ItlInfeasible, Overloaded, SloInfeasible, UnknownModel
 from services.core.placement import PolicyConfig
 from services.core.routing import Refuse, Route
 from services.core.types import Priority, Role
@@ -87,6 +87,21 @@ def test_a_prompt_slower_than_the_slo_even_idle_is_refused_at_once_with_the_numb
     assert isinstance(policy(colocated_config()).route(request(prompt=3000, tier=Priority.BATCH), IDLE, 0.0), Route)
     assert isinstance(policy(colocated_config(ttft_slack=1.0)).route(request(prompt=3000, ttft_slo_ms=400.0), IDLE, 0.0), Route)
     assert isinstance(policy(colocated_config(ttft_slack=1.0)).route(request(prompt=2500), IDLE, 0.0), Route)
+
+
+def test_a_model_whose_decode_step_alone_exceeds_the_itl_slo_is_refused_at_once():
+    from router_fixtures import LinearCost
+
+    p = policy(colocated_config())
+    p.cost_models = {**p.cost_models, "lm-0": LinearCost(decode_step_s=0.0412)}  # e.g. a 70B at TP=2
+    r = p.route(request(model=LM, prompt=500), IDLE, 0.0)
+    assert r == Refuse(ItlInfeasible(LM, Priority.STANDARD, 500, 41.2, 30.0), 0)
+    assert r.error.message == (
+        "llama-3-70b as placed takes 41.2 ms per decode step even alone in its batch (at a 500-token context), over "
+        "the 30 ms ITL SLO, so no request of it can meet the SLO here; place llama-3-70b at a higher tensor "
+        "parallelism"
+    )
+    assert isinstance(p.route(request(prompt=500), IDLE, 0.0), Route)  # the 8B decodes in 10 ms
 
 
 def test_the_infeasible_rule_counts_the_prefix_cache_and_is_off_without_admission():

@@ -7,7 +7,8 @@ route(spec, loads, now):
 1. unknown model -> Refuse(UnknownModel).
 2. a prompt whose own uncached prefill exceeds its TTFT SLO on every instance of the model, even idle ->
    Refuse(SloInfeasible) at once, with the numbers and what to change (retrying cannot help; BATCH's 10 s SLO
-   or a larger ttft_slo_ms can).
+   or a larger ttft_slo_ms can); likewise Refuse(ItlInfeasible) when every instance that would decode it takes
+   longer than the ITL SLO per step even with nothing else in its batch.
 3. per-tier queue bound (outstanding no-first-token requests of this model and tier) -> Refuse(Overloaded).
 4. candidates = the model's colocated / prefill instances; the configured filters drop those that cannot take it
    ("model", "healthy": healthy, not paused, has a snapshot; "kv_headroom": prompt + reservation fits).
@@ -45,7 +46,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from services.core import admission as adm
-from services.core.errors import Overloaded, SloInfeasible, UnknownModel
+from services.core.errors import ItlInfeasible, Overloaded, SloInfeasible, UnknownModel
 from services.core.placement import InstanceConfig, NodeConfig
 from services.core.registry import Registry
 from services.core.types import EngineLoad, KVEvent, Priority, RequestSpec, Role
@@ -55,6 +56,8 @@ class CostModelLike(Protocol):
     def prefill_time_s(self, num_tokens: int, num_context_tokens: int = 0) -> float: ...
 
     def prefill_tokens_per_s(self, chunk_tokens: int) -> float: ...
+
+    def decode_step_time_s(self, batch_size: int, context_len: int) -> float: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -388,9 +391,17 @@ class RouterPolicy:
         return self.ledger.num_dispatched_by_tier(c.instance.id)[Priority.BATCH] < floor
 
     def _infeasible(self, spec: RequestSpec, cands: Sequence[Candidate], slo_ms: float) -> Refuse | None:
-        """SloInfeasible when the fastest instance's own prefill of the prompt, idle, is over the SLO."""
+        """SloInfeasible when the fastest instance's own prefill of the prompt, idle, is over the SLO; ItlInfeasible
+        when the fastest decoder's batch-1 step is over the ITL SLO."""
         if not cands:
             return None
+        decoders = (self.config.instances_of(spec.model, (Role.DECODE,)) if self.config.is_disaggregated(spec.model)
+                    else [c.instance for c in cands])
+        step_s = min(self._cost_model(i).decode_step_time_s(1, spec.num_prompt_tokens) for i in decoders)
+        if step_s * 1000.0 > self.config.slo.itl_ms:
+            error = ItlInfeasible(spec.model, spec.priority, spec.num_prompt_tokens, step_s * 1000.0,
+                                  self.config.slo.itl_ms)
+            return Refuse(error, 0)
         best = min(cands, key=lambda c: (c.own_prefill_s, c.instance.id))
         if best.own_prefill_s * 1000.0 <= slo_ms:
             return None
