@@ -196,3 +196,14 @@ def test_retry_after_rounding_and_floor():
     p = PolicyConfig(min_retry_after_ms=50)
     assert [adm.retry_after_ms(s, p) for s in (0.0, 0.0491, 0.15000000000000002, 0.1504)] == [50, 50, 150, 151]
     assert adm.retry_after_ms(float("inf"), p) == 1000
+
+
+def test_both_infeasible_refusals_become_failed_precondition_without_a_retry_hint():
+    import grpc
+
+    from services.rpc.status import status_for
+
+    for error in (SloInfeasible(SM, Priority.STANDARD, 3000, 300.0, 250.0, 2500),
+                  ItlInfeasible(LM, Priority.STANDARD, 500, 41.2, 30.0)):
+        st = status_for(error)
+        assert (st.code, st.message, st.trailing_metadata) == (grpc.StatusCode.FAILED_PRECONDITION, error.message, ())

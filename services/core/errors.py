@@ -4,7 +4,7 @@ Invariants:
 - Every error carries `message`, a sentence that says what to change (or, for overload, when to retry).
 - The core never imports grpc: the edge maps `InvalidArgument` -> INVALID_ARGUMENT, `UnknownModel` -> NOT_FOUND,
   `Overloaded` -> RESOURCE_EXHAUSTED (+ RetryInfo / `retry-after-ms` from `retry_after_ms`),
-  `SloInfeasible` (and its `ItlInfeasible`) -> FAILED_PRECONDITION, `DeadlineExceeded` -> DEADLINE_EXCEEDED, `Draining` -> UNAVAILABLE.
+  `SloInfeasible` and `ItlInfeasible` -> FAILED_PRECONDITION, `DeadlineExceeded` -> DEADLINE_EXCEEDED, `Draining` -> UNAVAILABLE.
 - Errors are plain values (compare equal by fields) so tests and `Refuse` can hold and compare them.
 """
 
@@ -98,13 +98,12 @@ class SloInfeasible(OctoserveError):
                 self.max_prompt_tokens)
 
 
-class ItlInfeasible(SloInfeasible):
+class ItlInfeasible(OctoserveError):
     """Refused at once: the model's decode step, even alone in the batch, is longer than the ITL SLO on every
     instance that would decode it, so no request of it can meet the SLO on this placement."""
 
     def __init__(self, model: str, tier: Priority, num_prompt_tokens: int, step_ms: float, itl_ms: float) -> None:
-        OctoserveError.__init__(
-            self,
+        super().__init__(
             f"{model} as placed takes {step_ms:.1f} ms per decode step even alone in its batch (at a "
             f"{num_prompt_tokens}-token context), over the {itl_ms:.0f} ms ITL SLO, so no request of it can meet "
             f"the SLO here; place {model} at a higher tensor parallelism",

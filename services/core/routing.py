@@ -70,8 +70,8 @@ class Route:
 
 @dataclass(frozen=True, slots=True)
 class Refuse:
-    error: Overloaded | UnknownModel | SloInfeasible
-    retry_after_ms: int  # 0 for UnknownModel and SloInfeasible: retrying will not help
+    error: Overloaded | UnknownModel | SloInfeasible | ItlInfeasible
+    retry_after_ms: int  # 0 for UnknownModel and the infeasible ones: retrying will not help
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,6 @@
 """The one mapping from octoserve's typed errors to gRPC statuses (and back, for the SDK).
 
-- InvalidArgument -> INVALID_ARGUMENT, UnknownModel -> NOT_FOUND, SloInfeasible -> FAILED_PRECONDITION,
+- InvalidArgument -> INVALID_ARGUMENT, UnknownModel -> NOT_FOUND, SloInfeasible and ItlInfeasible -> FAILED_PRECONDITION,
   DeadlineExceeded -> DEADLINE_EXCEEDED,
   Draining -> UNAVAILABLE, Overloaded -> RESOURCE_EXHAUSTED with a `google.rpc.RetryInfo` detail
   (`grpc-status-details-bin`) and a plain `retry-after-ms` trailer for clients that do not parse rich status.
@@ -21,6 +21,7 @@ from services.core.errors import (
     DeadlineExceeded,
     Draining,
     InvalidArgument,
+    ItlInfeasible,
     OctoserveError,
     Overloaded,
     SloInfeasible,
@@ -35,6 +36,7 @@ _CODES: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (UnknownModel, grpc.StatusCode.NOT_FOUND),
     (Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (SloInfeasible, grpc.StatusCode.FAILED_PRECONDITION),
+    (ItlInfeasible, grpc.StatusCode.FAILED_PRECONDITION),
     (DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
     (Draining, grpc.StatusCode.UNAVAILABLE),
     (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
