@@ -19,13 +19,13 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from services.core.types import RequestOutput, Role
-from services.engine.base import EngineError, HandoffError
-from services.rpc import convert
-from services.rpc import status as rpc_status
-from services.rpc.gen import generate_pb2 as gen_pb
-from services.rpc.gen import worker_pb2 as w_pb
-from services.rpc.worker_base import WorkerBase
+from octoserve.services.core.types import RequestOutput, Role
+from octoserve.services.engine.base import EngineError, HandoffError
+from octoserve.services.rpc import convert
+from octoserve.services.rpc import status as rpc_status
+from octoserve.v1 import generate_pb2 as gen_pb
+from octoserve.services.rpc.gen import worker_pb2 as w_pb
+from octoserve.services.rpc.worker_base import WorkerBase
 
 log = logging.getLogger("octoserve.decode_worker")
 

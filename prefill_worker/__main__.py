@@ -1,9 +1,9 @@
-"""`python -m prefill_worker --instance ID ...`: serve one prefill instance (see services.rpc.worker_main)."""
+"""`python -m octoserve.prefill_worker --instance ID ...`: serve one prefill instance (see octoserve.services.rpc.worker_main)."""
 
 import sys
 
-from prefill_worker.servicer import PrefillWorkerServicer
-from services.rpc.worker_main import worker_main
+from octoserve.prefill_worker.servicer import PrefillWorkerServicer
+from octoserve.services.rpc.worker_main import worker_main
 
 if __name__ == "__main__":
     sys.exit(worker_main(None, PrefillWorkerServicer, "prefill_worker"))

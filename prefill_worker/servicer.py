@@ -11,12 +11,12 @@ import asyncio
 import logging
 import time
 
-from services.core.types import Role
-from services.engine.base import EngineError
-from services.rpc import convert
-from services.rpc import status as rpc_status
-from services.rpc.gen import worker_pb2 as w_pb
-from services.rpc.worker_base import WorkerBase
+from octoserve.services.core.types import Role
+from octoserve.services.engine.base import EngineError
+from octoserve.services.rpc import convert
+from octoserve.services.rpc import status as rpc_status
+from octoserve.services.rpc.gen import worker_pb2 as w_pb
+from octoserve.services.rpc.worker_base import WorkerBase
 
 log = logging.getLogger("octoserve.prefill_worker")
 

@@ -1,8 +1,8 @@
-"""`python -m router ...`: run the router process (see router.app)."""
+"""`python -m octoserve.router ...`: run the router process (see octoserve.router.app)."""
 
 import sys
 
-from router.app import main
+from octoserve.router.app import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,6 +1,6 @@
 """Builds and runs the router process: placement from the scheduler, worker sessions, the Generation service.
 
-`python -m router [--config node.yaml] --scheduler 127.0.0.1:P [--time-scale K] [--port 50051] ...`
+`python -m octoserve.router [--config node.yaml] --scheduler 127.0.0.1:P [--time-scale K] [--port 50051] ...`
 Startup is bounded: the router reports SERVING only after every worker of the placement confirmed its token
 session and sent a load snapshot, and gives up (exit 1) after `--startup-timeout-s`.
 """
@@ -16,17 +16,17 @@ from collections.abc import Awaitable, Callable, Mapping
 
 import grpc
 
-from router.metrics import RouterMetrics
-from router.pool import WorkerClient, WorkerEndpoint, WorkerPool
-from router.servicer import DEFAULT_MAX_PENDING_DELTAS, GenerationServicer, RouterSettings
-from services.core.placement import NodeConfig
-from services.core.routing import RouterPolicy, build_cost_models
-from services.core.types import Role
-from services.rpc.gen import generate_pb2 as gen_pb
-from services.rpc.gen import generate_pb2_grpc as gen_grpc
-from services.rpc.gen import scheduler_pb2 as s_pb
-from services.rpc.gen import scheduler_pb2_grpc as s_grpc
-from services.rpc.server import ServiceSpec, setup_logging
+from octoserve.router.metrics import RouterMetrics
+from octoserve.router.pool import WorkerClient, WorkerEndpoint, WorkerPool
+from octoserve.router.servicer import DEFAULT_MAX_PENDING_DELTAS, GenerationServicer, RouterSettings
+from octoserve.services.core.placement import NodeConfig
+from octoserve.services.core.routing import RouterPolicy, build_cost_models
+from octoserve.services.core.types import Role
+from octoserve.v1 import generate_pb2 as gen_pb
+from octoserve.v1 import generate_pb2_grpc as gen_grpc
+from octoserve.services.rpc.gen import scheduler_pb2 as s_pb
+from octoserve.services.rpc.gen import scheduler_pb2_grpc as s_grpc
+from octoserve.services.rpc.server import ServiceSpec, setup_logging
 
 log = logging.getLogger("octoserve.router")
 
@@ -129,8 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging("router", args.log_level)
 
     async def serve() -> int:
-        from services.config import load_node_config
-        from services.rpc.server import serve_until_signal
+        from octoserve.services.config import load_node_config
+        from octoserve.services.rpc.server import serve_until_signal
 
         config = load_node_config(args.config)
         spec, _ = router_spec(

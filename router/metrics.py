@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import prometheus_client as prom
 from prometheus_client.core import HistogramMetricFamily
 
-from services.core.errors import OctoserveError
+from octoserve.services.core.errors import OctoserveError
 
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 60.0)
 

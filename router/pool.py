@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 import grpc
 
-from services.core.types import EngineLoad, KVEvent
-from services.rpc import convert
-from services.rpc.gen import worker_pb2 as w_pb
-from services.rpc.gen import worker_pb2_grpc as w_grpc
+from octoserve.services.core.types import EngineLoad, KVEvent
+from octoserve.services.rpc import convert
+from octoserve.services.rpc.gen import worker_pb2 as w_pb
+from octoserve.services.rpc.gen import worker_pb2_grpc as w_grpc
 
 log = logging.getLogger("octoserve.router.pool")
 

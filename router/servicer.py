@@ -27,16 +27,16 @@ from dataclasses import dataclass
 
 import grpc
 
-from services.core.errors import DeadlineExceeded, Draining, InvalidArgument, OctoserveError, Overloaded, UnknownModel
-from services.core.placement import NodeConfig
-from services.core.validation import validate_request
-from services.rpc import convert
-from services.rpc import status as rpc_status
-from services.rpc.gen import generate_pb2 as gen_pb
-from services.rpc.gen import generate_pb2_grpc as gen_grpc
-from services.rpc.gen import worker_pb2 as w_pb
-from router.metrics import RouterMetrics
-from router.pool import WorkerPool
+from octoserve.services.core.errors import DeadlineExceeded, Draining, InvalidArgument, OctoserveError, Overloaded, UnknownModel
+from octoserve.services.core.placement import NodeConfig
+from octoserve.services.core.validation import validate_request
+from octoserve.services.rpc import convert
+from octoserve.services.rpc import status as rpc_status
+from octoserve.v1 import generate_pb2 as gen_pb
+from octoserve.v1 import generate_pb2_grpc as gen_grpc
+from octoserve.services.rpc.gen import worker_pb2 as w_pb
+from octoserve.router.metrics import RouterMetrics
+from octoserve.router.pool import WorkerPool
 
 log = logging.getLogger("octoserve.router")
 

@@ -41,11 +41,11 @@ sys.path.insert(0, str(REPO_ROOT))
 
 import grpc  # noqa: E402
 
-from services.client import AsyncClient, build_request  # noqa: E402
-from services.launcher import start_node  # noqa: E402
-from services.rpc import convert  # noqa: E402
-from services.rpc.gen import worker_pb2 as w_pb  # noqa: E402
-from services.rpc.gen import worker_pb2_grpc as w_grpc  # noqa: E402
+from octoserve.client import AsyncClient, build_request  # noqa: E402
+from octoserve.services.launcher import start_node  # noqa: E402
+from octoserve.services.rpc import convert  # noqa: E402
+from octoserve.services.rpc.gen import worker_pb2 as w_pb  # noqa: E402
+from octoserve.services.rpc.gen import worker_pb2_grpc as w_grpc  # noqa: E402
 
 NODE_YAML = REPO_ROOT / "scripts" / "bench_router_node.yaml"
 MODEL = "llama-3-8b"
@@ -193,8 +193,8 @@ async def load_main(args: argparse.Namespace) -> dict:
 
 async def floor_main() -> None:
     """What one streamed message costs grpc.aio itself on this machine: the router's per-token floor."""
-    from services.rpc.gen import generate_pb2 as gen_pb
-    from services.rpc.gen import generate_pb2_grpc as gen_grpc
+    from octoserve.v1 import generate_pb2 as gen_pb
+    from octoserve.v1 import generate_pb2_grpc as gen_grpc
 
     class Bare(gen_grpc.GenerationServicer):
         async def Generate(self, request, context):
@@ -639,8 +639,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _step_time_fn(config_path: str):
     """C -> the modelled decode step time of the bench worker at C running requests (context ~ half the output)."""
-    from services.config import load_node_config
-    from services.core.routing import build_cost_models
+    from octoserve.services.config import load_node_config
+    from octoserve.services.core.routing import build_cost_models
 
     config = load_node_config(config_path)
     cost = build_cost_models(config)[INSTANCE]

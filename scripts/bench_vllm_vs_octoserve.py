@@ -4,7 +4,7 @@ Job: for each rate, one seeded trace (Poisson arrivals, random token-id prompts,
 (a) against `python -m vllm.entrypoints.openai.api_server` (streaming /v1/completions, greedy, `ignore_eos`,
     `max_tokens` = the trace's output length), then, after that server is stopped,
 (b) against `octoserve up --engine vllm` with `services/configs/tiny-vllm.yaml` (scheduler, one colocated vLLM
-    worker with the same engine settings, router), through `services.loadgen.run_bench` in `max-tokens` mode,
+    worker with the same engine settings, router), through `octoserve.services.loadgen.run_bench` in `max-tokens` mode,
 and reports throughput, TTFT and ITL P50/P95, goodput and the octoserve/vLLM ratios as a markdown table.
 Each side runs `--sessions` times (server start, every rate, stop), alternated vLLM, octoserve, octoserve, vLLM, ...
 so that load from other tenants of a shared machine lands on both; a rate's numbers pool its sessions.
@@ -115,7 +115,7 @@ def coalesce(o: Outcome) -> Outcome:
 def summarize(sessions: list[list[Outcome]], trace: list[Req], ttft_slo_s: float, tpot_slo_s: float) -> dict:
     """One rate's outcomes from every session of one side (each session replayed the same `trace`), pooled:
     percentiles over all requests, throughput = all tokens / all sessions' spans, goodput per arrival window."""
-    from services.metrics import itl_gaps_s  # the project's ITL: a k-token message splits its gap k ways
+    from octoserve.services.metrics import itl_gaps_s  # the project's ITL: a k-token message splits its gap k ways
 
     outcomes = [coalesce(o) for outs in sessions for o in outs]
     done = [o for o in outcomes if o.completed]
@@ -237,9 +237,9 @@ async def drive_vllm(port: int, trace: list[Req], timeout_s: float) -> list[Outc
 
 
 def drive_octoserve(address: str, trace: list[Req], ttft_slo_ms: float, timeout_s: float) -> list[Outcome]:
-    from services.core.types import Priority
-    from services.loadgen import BenchOptions, _run_loop, run_bench
-    from services.workload import TraceRequest
+    from octoserve.services.core.types import Priority
+    from octoserve.services.loadgen import BenchOptions, _run_loop, run_bench
+    from octoserve.services.workload import TraceRequest
 
     treq = [TraceRequest(r.request_id, r.arrival_s, MODEL_NAME, r.prompt, r.output_len, r.output_len,
                          Priority.STANDARD, ttft_slo_ms) for r in trace]
@@ -279,7 +279,7 @@ def run_vllm_side(args, traces: dict[float, list[Req]]) -> dict[float, list[Outc
 
 
 def run_octoserve_side(args, traces: dict[float, list[Req]]) -> dict[float, list[Outcome]]:
-    from services.launcher import start_node
+    from octoserve.services.launcher import start_node
 
     t = time.monotonic()
     node = start_node(str(args.config), engine="vllm", model_path=str(args.model), run_dir=tempfile.mkdtemp(prefix="node-", dir=args.out_dir),
@@ -344,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     if not (args.model / "config.json").exists():
-        from services.engine.test_model import build_test_model
+        from octoserve.services.engine.test_model import build_test_model
 
         build_test_model(args.model)
     rates = [float(r) for r in args.rates.split(",")]

@@ -18,8 +18,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.core.cost_model import COST_PROFILES, CostConstants, CostModel  # noqa: E402
-from services.core.specs import GPU_PRESETS, MODEL_PRESETS, model_spec_from_dict  # noqa: E402
+from octoserve.services.core.cost_model import COST_PROFILES, CostConstants, CostModel  # noqa: E402
+from octoserve.services.core.specs import GPU_PRESETS, MODEL_PRESETS, model_spec_from_dict  # noqa: E402
 
 LLAMA2_7B = model_spec_from_dict(
     {

@@ -45,9 +45,9 @@ def summary(name: str, xs: list[float]) -> str:
 
 
 async def engine_phase(n: int) -> None:
-    from services.core.types import RequestSpec, SamplingParams
-    from services.engine.vllm_engine import VllmEngine, _tokens, vllm_priority, vllm_sampling_params
-    from services.core.types import Role
+    from octoserve.services.core.types import RequestSpec, SamplingParams
+    from octoserve.services.engine.vllm_engine import VllmEngine, _tokens, vllm_priority, vllm_sampling_params
+    from octoserve.services.core.types import Role
 
     eng = VllmEngine("probe-0", MODEL_NAME, str(MODEL_DIR), Role.COLOCATED, max_model_len=1024, max_num_seqs=16,
                      max_num_batched_tokens=1024, enable_prefix_caching=True, kv_cache_space_gib=1.0, dtype="float32")
@@ -81,7 +81,7 @@ async def engine_phase(n: int) -> None:
 class DirectWorker:
     def __init__(self, address: str) -> None:
         import grpc
-        from services.rpc.gen import worker_pb2_grpc as w_grpc
+        from octoserve.services.rpc.gen import worker_pb2_grpc as w_grpc
 
         self.channel = grpc.aio.insecure_channel(address)
         self.stub = w_grpc.WorkerStub(self.channel)
@@ -96,7 +96,7 @@ class DirectWorker:
         await asyncio.wait_for(self.attached.wait(), 10.0)
 
     async def _attach(self) -> None:
-        from services.rpc.gen import worker_pb2 as w_pb
+        from octoserve.services.rpc.gen import worker_pb2 as w_pb
 
         async for batch in self.stub.Attach(w_pb.AttachRequest(session_id=self.session_id)):
             now = time.monotonic()
@@ -109,9 +109,9 @@ class DirectWorker:
                     self.done[d.request_id].set()
 
     async def ttft_s(self, prompt) -> float:
-        from services.client import build_request
-        from services.rpc import convert
-        from services.rpc.gen import worker_pb2 as w_pb
+        from octoserve.client import build_request
+        from octoserve.services.rpc import convert
+        from octoserve.services.rpc.gen import worker_pb2 as w_pb
 
         rid = uuid.uuid4().hex
         public = build_request(MODEL_NAME, list(prompt), max_tokens=OUT_LEN, ignore_eos=True)
@@ -133,7 +133,7 @@ class DirectWorker:
 
 
 async def node_probe(node, n: int) -> None:
-    from services.client import AsyncClient
+    from octoserve.client import AsyncClient
 
     direct = DirectWorker(node.workers["tiny-0"].address)
     await direct.start()
@@ -205,7 +205,7 @@ def idle_cpu(node, window_s: float = 10.0) -> None:
 
 
 def node_phase(n: int) -> None:
-    from services.launcher import start_node
+    from octoserve.services.launcher import start_node
 
     node = start_node(str(CONFIG), engine="vllm", model_path=str(MODEL_DIR),
                       run_dir=tempfile.mkdtemp(prefix="ttft-layers-"), startup_timeout_s=300,
@@ -224,7 +224,7 @@ def main() -> int:
     ap.add_argument("--phase", choices=("engine", "node", "both"), default="both")
     args = ap.parse_args()
     if not MODEL_DIR.exists():
-        from services.engine.test_model import build_test_model
+        from octoserve.services.engine.test_model import build_test_model
         build_test_model(MODEL_DIR)
     print(f"load average {os.getloadavg()[0]:.1f}", flush=True)
     if args.phase in ("engine", "both"):

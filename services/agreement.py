@@ -1,9 +1,9 @@
 """Live matches virtual: the same node config and the same trace, run by the live services (dilated by a time
 scale K) and by the discrete-event simulator, must give the same SLO picture.
 
-`compare(config, trace, time_scale)` starts the node (`services.launcher.start_node`), replays the trace with the
-load harness (`services.loadgen.run_bench`, latencies divided by K), simulates the same trace
-(`services.sim.driver.run_simulation`), and returns both summaries side by side with their relative differences on
+`compare(config, trace, time_scale)` starts the node (`octoserve.services.launcher.start_node`), replays the trace with the
+load harness (`octoserve.services.loadgen.run_bench`, latencies divided by K), simulates the same trace
+(`octoserve.services.sim.driver.run_simulation`), and returns both summaries side by side with their relative differences on
 goodput and TTFT / ITL P95. `octoserve`'s tests and BENCHMARKS.md use it; the tolerance is ±15 %.
 
 Where the two differ, it is the live system's own overheads (Python scheduling time that the K-dilation does not
@@ -18,8 +18,8 @@ import json
 import sys
 from dataclasses import dataclass, replace
 
-from services.metrics import SloSpec, Summary, summarize
-from services.workload import PROFILES, TraceRequest, generate_trace, scaled
+from octoserve.services.metrics import SloSpec, Summary, summarize
+from octoserve.services.workload import PROFILES, TraceRequest, generate_trace, scaled
 
 TOLERANCE = 0.15
 
@@ -71,10 +71,10 @@ def cap_outputs(trace: list[TraceRequest], max_output_tokens: int) -> list[Trace
 def compare(config_path: str | None, trace: list[TraceRequest], time_scale: float, *, duration_s: float,
             slo: SloSpec) -> Agreement:
     """Simulate `trace`, then replay it live on a node started from the same config file (None: the default)."""
-    from services.config import load_node_config
-    from services.launcher import start_node
-    from services.loadgen import BenchOptions, run_bench
-    from services.sim.driver import run_simulation
+    from octoserve.services.config import load_node_config
+    from octoserve.services.launcher import start_node
+    from octoserve.services.loadgen import BenchOptions, run_bench
+    from octoserve.services.sim.driver import run_simulation
 
     virtual = run_simulation(load_node_config(config_path), trace)
     # Wait for the slowest stream the simulator saw to finish, dilated, with room for the live overheads.

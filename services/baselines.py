@@ -37,10 +37,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.core.cost_model import CostModel
-from services.core.placement import NodeConfig, PlacementError, PolicyConfig, check_placement
-from services.core.slo_sizing import CHUNK_QUANTUM
-from services.core.types import Role
+from octoserve.services.core.cost_model import CostModel
+from octoserve.services.core.placement import NodeConfig, PlacementError, PolicyConfig, check_placement
+from octoserve.services.core.slo_sizing import CHUNK_QUANTUM
+from octoserve.services.core.types import Role
 
 # Placement kinds a baseline runs on (the suite resolves each to a NodeConfig).
 STATIC_SPLIT = "static-split"  # the embedded default: 70B TP=4 colocated + four 8B replicas

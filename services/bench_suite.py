@@ -1,6 +1,6 @@
 """`octoserve bench-suite`: the policy-comparison matrix in the simulator, written into BENCHMARKS.md and PNGs.
 
-Steps, all in the discrete-event simulator (`services.sim.driver.run_simulation`), deterministic for a seed, repeated
+Steps, all in the discrete-event simulator (`octoserve.services.sim.driver.run_simulation`), deterministic for a seed, repeated
 for every cost profile (`--cost-profiles`, default both `default` and `pessimistic`) so a reader sees which
 conclusions survive pessimistic constants:
 1. Placements: the static split (the embedded default config), the planner's best fully disaggregated placement
@@ -8,10 +8,10 @@ conclusions survive pessimistic constants:
    octoserve's policies and ranked by SLO capacity (bisection) and by steady-state goodput at the 300 req/s peak.
    octoserve (and its ablations) use the capacity winner for the capacity probes and the 0.25-1x roofline rows,
    and the goodput winner for the overload rows (1.5x roofline, peak, bursty, seed-003).
-2. The matrix: every policy of `services.baselines.BASELINES` on seed-000 at 0.25 / 0.5 / 1.0 / 1.5 x the roofline
+2. The matrix: every policy of `octoserve.services.baselines.BASELINES` on seed-000 at 0.25 / 0.5 / 1.0 / 1.5 x the roofline
    capacity and at the 300 req/s peak, a bursty variant (gamma, burstiness 0.25, at 1.0 x roofline) and seed-003
    (a shorter window: its long prompts make it the slowest to simulate; its warm-up is excluded too).
-3. SLO capacity (`services.sim.capacity`): per policy, bisection on the seed-000 rate with `capacity_seeds` seeds
+3. SLO capacity (`octoserve.services.sim.capacity`): per policy, bisection on the seed-000 rate with `capacity_seeds` seeds
    per probe; a run passes when >= 90 % of OFFERED requests are good (DistServe, refused = miss) and the fleet SLO
    (TTFT P95 < SLO, ITL P95 < 30 ms) holds; a probe passes on a majority of seeds; the spread is the capacity per
    seed.
@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.baselines import (
+from octoserve.services.baselines import (
     BASELINES,
     BEST_DISAGGREGATED,
     MAIN_POLICIES,
@@ -46,10 +46,10 @@ from services.baselines import (
     configure,
     describe_instances,
 )
-from services.core import planner
-from services.core.placement import NodeConfig
-from services.core.types import Role
-from services.sim.capacity import (
+from octoserve.services.core import planner
+from octoserve.services.core.placement import NodeConfig
+from octoserve.services.core.types import Role
+from octoserve.services.sim.capacity import (
     CAPACITY_ATTAINMENT,
     CapacitySearch,
     Probe,
@@ -161,7 +161,7 @@ class Row:
     num_errors: int  # admitted but unfinished when the run stopped
     cost_profile: str = "default"
     seed: int = 0
-    passes: bool = False  # the capacity criterion (services.sim.capacity.passes)
+    passes: bool = False  # the capacity criterion (octoserve.services.sim.capacity.passes)
     groups: tuple[GroupRow, ...] = ()  # per model, then per tier
 
     @property
@@ -189,7 +189,7 @@ class JobResult:
 
 @functools.lru_cache(maxsize=4)
 def _trace(profile_name: str, rate_rps: float, duration_s: float, burstiness: float | None, seed: int):
-    from services.workload import PROFILES, generate_trace, scaled
+    from octoserve.services.workload import PROFILES, generate_trace, scaled
 
     profile = scaled(PROFILES[profile_name], rate_rps=rate_rps, duration_s=duration_s, burstiness=burstiness)
     return tuple(generate_trace(profile, seed))
@@ -298,8 +298,8 @@ def batch_min_share(config: NodeConfig) -> float:
 
 
 def seed000_mix(rate_rps: float) -> planner.WorkloadMix:
-    from services.sim.cli_plan import mix_from_profile
-    from services.workload import PROFILES
+    from octoserve.services.sim.cli_plan import mix_from_profile
+    from octoserve.services.workload import PROFILES
 
     return mix_from_profile(PROFILES["seed-000"], rate_rps)
 
@@ -440,7 +440,7 @@ def workloads(settings: Settings, roofline_rps: float) -> list[Workload]:
     out.append(Workload("seed-000 peak 300", "seed-000", PEAK_RPS, d, wu, keep_records=True, overload=True))
     out.append(Workload("seed-000 bursty 1x roofline", "seed-000", round(roofline_rps, 1), d, wu,
                         burstiness=BURSTINESS, keep_records=True, overload=True))
-    from services.workload import PROFILES
+    from octoserve.services.workload import PROFILES
 
     rate = settings.seed003_rate_rps or PROFILES["seed-003"].rate_rps
     out.append(Workload(f"seed-003 {rate:g} req/s", "seed-003", rate, settings.seed003_duration_s,
@@ -449,7 +449,7 @@ def workloads(settings: Settings, roofline_rps: float) -> list[Workload]:
 
 
 def capacity_bracket(points, threshold: float = CAPACITY_ATTAINMENT) -> tuple[float, float]:
-    """(lo, hi) from (rate, attainment of offered) points (see `services.sim.capacity.start_search`)."""
+    """(lo, hi) from (rate, attainment of offered) points (see `octoserve.services.sim.capacity.start_search`)."""
     s = start_search([(r, a >= threshold) for r, a in points])
     return s.lo, s.hi
 
@@ -461,8 +461,8 @@ def slo_estimate_rps(node: NodeConfig, profile_name: str, rate_rps: float, cache
     """The planner's SLO-aware estimate of goodput at `rate_rps` (`planner.slo_upper_bound`, maximised over its
     candidate placements). Built to bound any scheduler under the cost model, but not proven for a finite
     measured window (requests served in the drain count), so it is reported as an estimate, not a bound."""
-    from services.sim.cli_plan import length_samples, mix_from_profile
-    from services.workload import PROFILES
+    from octoserve.services.sim.cli_plan import length_samples, mix_from_profile
+    from octoserve.services.workload import PROFILES
 
     profile = PROFILES[profile_name]
     slo = dataclasses.replace(node.slo, ttft_ms=profile.slo.ttft_ms, itl_ms=profile.slo.itl_ms)
@@ -478,8 +478,8 @@ def slo_estimate_rps(node: NodeConfig, profile_name: str, rate_rps: float, cache
 
 
 def roofline_rps_at(node: NodeConfig, profile_name: str, rate_rps: float) -> float:
-    from services.sim.cli_plan import mix_from_profile
-    from services.workload import PROFILES
+    from octoserve.services.sim.cli_plan import mix_from_profile
+    from octoserve.services.workload import PROFILES
 
     mix = mix_from_profile(PROFILES[profile_name], rate_rps)
     cap = planner.roofline_bound(node.models, node.gpu, node.num_gpus, mix).capacity_rps
@@ -519,7 +519,7 @@ class SuiteResults:
 
 
 def run_profile(settings: Settings, cost_profile: str, log: Callable[[str], None], progress_cls=None) -> ProfileResults:
-    from services.config import load_node_config
+    from octoserve.services.config import load_node_config
 
     static = with_cost_profile(load_node_config(None), cost_profile)
     roofline = roofline_capacity_rps(static)
@@ -824,8 +824,8 @@ Reading the headline (the figures are in the tables above; this says only what t
 
 
 def write_plots(results: SuiteResults, directory: Path) -> list[Path]:
-    from services.metrics import SloSpec
-    from services.plots import plot_attainment_over_time, plot_goodput_vs_load, plot_latency_cdfs
+    from octoserve.services.metrics import SloSpec
+    from octoserve.services.plots import plot_attainment_over_time, plot_goodput_vs_load, plot_latency_cdfs
 
     pr = results.profiles.get("default") or next(iter(results.profiles.values()))
     directory.mkdir(parents=True, exist_ok=True)
@@ -905,7 +905,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 
 
 def run(args: argparse.Namespace) -> int:
-    from services.progress import Progress
+    from octoserve.services.progress import Progress
 
     settings = settings_from_args(args)
     unknown = [p for p in settings.policies if p not in BASELINES]
@@ -952,8 +952,8 @@ def steady_state_output_tok_s(cost, kv_tokens: int, isl: int, osl: int, max_batc
 
 
 def calibration_section() -> str:
-    from services.core.cost_model import COST_PROFILES, DEFAULT_CONSTANTS, CostModel
-    from services.core.specs import GPU_PRESETS, MODEL_PRESETS, num_kv_blocks
+    from octoserve.services.core.cost_model import COST_PROFILES, DEFAULT_CONSTANTS, CostModel
+    from octoserve.services.core.specs import GPU_PRESETS, MODEL_PRESETS, num_kv_blocks
 
     gpu, lm, sm = GPU_PRESETS["h100-sxm-80gb"], MODEL_PRESETS["llama-3-70b"], MODEL_PRESETS["llama-3-8b"]
     c = DEFAULT_CONSTANTS

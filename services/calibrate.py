@@ -31,8 +31,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from services.core.cost_model import DEFAULT_CONSTANTS, CostConstants
-from services.core.specs import GPU_PRESETS, MODEL_PRESETS, GpuSpec, ModelSpec
+from octoserve.services.core.cost_model import DEFAULT_CONSTANTS, CostConstants
+from octoserve.services.core.specs import GPU_PRESETS, MODEL_PRESETS, GpuSpec, ModelSpec
 
 GEMM_TOKENS = (1, 8, 32, 128, 512, 1024, 2048, 4096)
 PREFILL_LENGTHS = (512, 1024, 2048, 4096)
@@ -204,7 +204,7 @@ def measure_cpu_device(torch, time_fn) -> GpuSpec:
 
 def tiny_model_spec(hidden: int = 256, layers: int = 4, heads: int = 4, kv_heads: int = 2, vocab: int = 4096,
                     intermediate: int | None = None) -> ModelSpec:
-    """The ModelSpec of services.engine.test_model's default tiny Llama (float32)."""
+    """The ModelSpec of octoserve.services.engine.test_model's default tiny Llama (float32)."""
     inter = intermediate or 2 * hidden  # test_model.py: intermediate_size = 2 x hidden
     hd = hidden // heads
     per_layer = hidden * (heads + 2 * kv_heads) * hd + heads * hd * hidden + 3 * hidden * inter + 2 * hidden
@@ -250,7 +250,7 @@ def _device(choice: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from services.progress import Progress
+    from octoserve.services.progress import Progress
 
     device = _device(args.device)
     if device == "cuda":
@@ -289,8 +289,8 @@ def _cpu_e2e(model: ModelSpec, gpu: GpuSpec, profile: dict) -> dict:
     import tempfile
     import time
 
-    from services.core.cost_model import CostModel
-    from services.engine.test_model import build_test_model
+    from octoserve.services.core.cost_model import CostModel
+    from octoserve.services.engine.test_model import build_test_model
 
     try:
         from vllm import LLM, SamplingParams

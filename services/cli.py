@@ -11,15 +11,15 @@ import sys
 
 # subcommand -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("services.demo", "start the node live, drive it with the seed-000 peak, report live vs simulated"),
-    "simulate": ("services.sim.cli_simulate", "run the node in the discrete-event simulator and report SLO metrics"),
-    "plan": ("services.sim.cli_plan", "size the node for a workload: roofline bound, verdict, ranked placements"),
-    "up": ("services.launcher", "start the whole node as separate gRPC services on 127.0.0.1"),
-    "bench": ("services.loadgen", "drive a running router with an open-loop workload and report SLO metrics"),
-    "bench-suite": ("services.bench_suite", "run the policy-comparison matrix and write BENCHMARKS.md sections"),
-    "make-test-model": ("services.engine.test_model", "build a tiny random-weight Llama with a local tokenizer"),
-    "calibrate": ("services.calibrate", "measure step times and write a cost-model profile"),
-    "compose": ("services.compose", "write or check docker-compose.yml for a placement"),
+    "demo": ("octoserve.services.demo", "start the node live, drive it with the seed-000 peak, report live vs simulated"),
+    "simulate": ("octoserve.services.sim.cli_simulate", "run the node in the discrete-event simulator and report SLO metrics"),
+    "plan": ("octoserve.services.sim.cli_plan", "size the node for a workload: roofline bound, verdict, ranked placements"),
+    "up": ("octoserve.services.launcher", "start the whole node as separate gRPC services on 127.0.0.1"),
+    "bench": ("octoserve.services.loadgen", "drive a running router with an open-loop workload and report SLO metrics"),
+    "bench-suite": ("octoserve.services.bench_suite", "run the policy-comparison matrix and write BENCHMARKS.md sections"),
+    "make-test-model": ("octoserve.services.engine.test_model", "build a tiny random-weight Llama with a local tokenizer"),
+    "calibrate": ("octoserve.services.calibrate", "measure step times and write a cost-model profile"),
+    "compose": ("octoserve.services.compose", "write or check docker-compose.yml for a placement"),
 }
 
 

@@ -1,7 +1,7 @@
 """Load the node config (placement, SLOs, policies) from YAML; the only place octoserve reads it from disk.
 
 `load_node_config(None)` returns the embedded default, `services/configs/node-default.yaml`, shipped as package
-data; a path loads that file instead. Validation is `services.core.placement.node_config_from_dict`, which raises
+data; a path loads that file instead. Validation is `octoserve.services.core.placement.node_config_from_dict`, which raises
 one `PlacementError` listing every problem; a file that is not a YAML mapping raises it too.
 """
 
@@ -12,14 +12,14 @@ from pathlib import Path
 
 import yaml
 
-from services.core.placement import NodeConfig, PlacementError, node_config_from_dict
+from octoserve.services.core.placement import NodeConfig, PlacementError, node_config_from_dict
 
 DEFAULT_CONFIG = "node-default.yaml"
 
 
 def default_config_text(name: str = DEFAULT_CONFIG) -> str:
     """The text of an embedded config under services/configs/."""
-    return resources.files("services").joinpath("configs", name).read_text(encoding="utf-8")
+    return resources.files("octoserve.services").joinpath("configs", name).read_text(encoding="utf-8")
 
 
 def load_node_config(path: str | Path | None = None) -> NodeConfig:

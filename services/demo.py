@@ -12,14 +12,14 @@ import argparse
 import asyncio
 import sys
 
-from services.agreement import Agreement, cap_outputs
-from services.metrics import format_summary, summarize
-from services.progress import Progress
-from services.workload import PROFILES, generate_trace, scaled
+from octoserve.services.agreement import Agreement, cap_outputs
+from octoserve.services.metrics import format_summary, summarize
+from octoserve.services.progress import Progress
+from octoserve.services.workload import PROFILES, generate_trace, scaled
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from services.sim.cli_simulate import add_cost_profile_argument
+    from octoserve.services.sim.cli_simulate import add_cost_profile_argument
 
     parser.add_argument("--config", help="node config YAML (default: the embedded default placement)")
     parser.add_argument("--profile", default="seed-000", choices=sorted(PROFILES))
@@ -32,10 +32,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from services.launcher import describe, start_node
-    from services.loadgen import BenchOptions, run_bench
-    from services.sim.cli_simulate import config_source, load_with_overrides
-    from services.sim.driver import run_simulation
+    from octoserve.services.launcher import describe, start_node
+    from octoserve.services.loadgen import BenchOptions, run_bench
+    from octoserve.services.sim.cli_simulate import config_source, load_with_overrides
+    from octoserve.services.sim.driver import run_simulation
 
     profile = scaled(PROFILES[args.profile], rate_rps=args.rate, duration_s=args.duration)
     trace = cap_outputs(generate_trace(profile, args.seed), args.max_output)

@@ -26,15 +26,15 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.core.types import Role
-from services.rpc.server import LAUNCHER_PID_ENV
+from octoserve.services.core.types import Role
+from octoserve.services.rpc.server import LAUNCHER_PID_ENV
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 POLL_S = 0.05
 DEFAULT_STARTUP_TIMEOUT_S = 60.0
 VLLM_STARTUP_TIMEOUT_S = 300.0  # a vLLM engine starts in 20-110 s on a busy CPU machine, minutes for 70B on GPUs
 DEFAULT_GRACE_S = 10.0
-WORKER_MODULES = {Role.COLOCATED: "decode_worker", Role.DECODE: "decode_worker", Role.PREFILL: "prefill_worker"}
+WORKER_MODULES = {Role.COLOCATED: "octoserve.decode_worker", Role.DECODE: "octoserve.decode_worker", Role.PREFILL: "octoserve.prefill_worker"}
 
 
 class LaunchError(RuntimeError):
@@ -171,7 +171,7 @@ def start_node(
     config: None (embedded default placement), a YAML path, or a config dict. extra_env: variables added to every
     child's environment (e.g. OCTOSERVE_VLLM_DTYPE for the vllm engine).
     """
-    from services.config import load_node_config
+    from octoserve.services.config import load_node_config
 
     run_dir = Path(run_dir or tempfile.mkdtemp(prefix="octoserve-"))
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -184,7 +184,7 @@ def start_node(
     deadline = time.monotonic() + startup_timeout_s
     started: list[ServiceProcess] = []
     try:
-        scheduler = _spawn("scheduler", "services.scheduler", common, run_dir, env)
+        scheduler = _spawn("scheduler", "octoserve.services.scheduler", common, run_dir, env)
         started.append(scheduler)
         _wait_ready(scheduler, deadline)
         workers = {}
@@ -195,7 +195,7 @@ def start_node(
             started.append(workers[inst.id])
         # The router waits for a complete placement and every worker's session: give it the whole startup budget
         # (vLLM workers take 20-110 s to start on a CPU machine, past the router's own 60 s default).
-        router = _spawn("router", "router", [*common, "--scheduler", scheduler.address, "--time-scale",
+        router = _spawn("router", "octoserve.router", [*common, "--scheduler", scheduler.address, "--time-scale",
                                              str(time_scale), "--port", str(port),
                                              "--startup-timeout-s", str(startup_timeout_s), *router_args], run_dir, env)
         started.append(router)
@@ -212,7 +212,7 @@ def start_node(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from services.sim.cli_simulate import add_cost_profile_argument
+    from octoserve.services.sim.cli_simulate import add_cost_profile_argument
 
     parser.add_argument("--config", default=None, help="node config YAML (default: the embedded placement)")
     parser.add_argument("--time-scale", type=float, default=1.0, help="dilate modelled time by K (sim engine)")
@@ -227,7 +227,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from services.sim.cli_simulate import config_source
+    from octoserve.services.sim.cli_simulate import config_source
 
     try:
         node = start_node(config_source(args.config, args.cost_profile), args.time_scale, engine=args.engine, model_path=args.model, port=args.port,

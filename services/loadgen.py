@@ -1,7 +1,7 @@
 """The live load harness, `octoserve bench`: replays a workload trace against a running router, open loop.
 
-The trace comes from the same `services.workload.generate_trace` as `octoserve simulate`, and the report from
-the same `services.metrics` / `services.plots`, so a live run and a virtual run of one (profile, seed) compare
+The trace comes from the same `octoserve.services.workload.generate_trace` as `octoserve simulate`, and the report from
+the same `octoserve.services.metrics` / `octoserve.services.plots`, so a live run and a virtual run of one (profile, seed) compare
 number for number.
 
 Invariants:
@@ -31,9 +31,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.client import AsyncClient, OctoserveClientError, OverloadedError, RetryPolicy
-from services.rpc.convert import SIM_OUTPUT_LEN_KEY  # one definition, shared with the router
-from services.metrics import (
+from octoserve.client import AsyncClient, OctoserveClientError, OverloadedError, RetryPolicy
+from octoserve.services.rpc.convert import SIM_OUTPUT_LEN_KEY  # one definition, shared with the router
+from octoserve.services.metrics import (
     RequestRecord,
     detect_window,
     format_summary,
@@ -41,7 +41,7 @@ from services.metrics import (
     summarize,
     summary_to_dict,
 )
-from services.workload import PROFILES, TraceRequest, WorkloadProfile, generate_trace, scaled
+from octoserve.services.workload import PROFILES, TraceRequest, WorkloadProfile, generate_trace, scaled
 
 # The workload's true output length, for the sim engine (the public API has no field for it: a real model
 # decides by itself when to stop). The router copies it into RequestSpec.sim_output_len.
@@ -138,7 +138,7 @@ async def run_bench(
 ) -> list[RequestRecord]:
     """Replay `trace` against the router at `target`; one record per request, in trace order, modelled clock.
 
-    `options.time_scale` is replaced by `time_scale`. `progress` (a `services.progress.Progress`) is advanced as
+    `options.time_scale` is replaced by `time_scale`. `progress` (a `octoserve.services.progress.Progress`) is advanced as
     requests finish."""
     return (await run_bench_series(target, trace, time_scale=time_scale, options=options, progress=progress)).records
 
@@ -235,7 +235,7 @@ def build_trace(args: argparse.Namespace) -> tuple[list[TraceRequest], WorkloadP
 
 
 def _parse_duration_s(text: str) -> float:
-    from services.sim.cli_simulate import parse_duration_s
+    from octoserve.services.sim.cli_simulate import parse_duration_s
 
     return parse_duration_s(text)
 
@@ -255,7 +255,7 @@ def run(args: argparse.Namespace) -> int:
     )
     progress = None
     if not args.no_progress:
-        from services.progress import Progress
+        from octoserve.services.progress import Progress
 
         progress = Progress(len(trace), f"bench {args.profile}")
     bench = _run_loop(run_bench_series(args.target, trace, time_scale=args.time_scale, options=options,
@@ -293,7 +293,7 @@ def _write_outputs(args: argparse.Namespace, records, summary, profile, occupanc
                "records": [dataclasses.asdict(r) for r in records]}
         args.json.write_text(json.dumps(doc, default=str))
     if args.plots is not None:
-        from services.plots import plot_attainment_over_time, plot_latency_cdfs
+        from octoserve.services.plots import plot_attainment_over_time, plot_latency_cdfs
 
         args.plots.mkdir(parents=True, exist_ok=True)
         plot_latency_cdfs(records, args.plots / "latency_cdfs.png", profile.slo)

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from services.core.types import Priority
+from octoserve.services.core.types import Priority
 
 
 @dataclass(frozen=True, slots=True)

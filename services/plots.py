@@ -2,7 +2,7 @@
 
 Invariants: the Agg backend only (no display needed, safe in CI and on servers); every function writes one PNG
 at `path`, closes its figure (long benchmark loops must not leak figures) and returns the path. Metric
-definitions come from `services.metrics`, never recomputed differently here.
+definitions come from `octoserve.services.metrics`, never recomputed differently here.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen before pyplot loads)
 import numpy as np  # noqa: E402
 
-from services.metrics import RequestRecord, SloSpec, attainment_over_time, itl_gaps_s  # noqa: E402
+from octoserve.services.metrics import RequestRecord, SloSpec, attainment_over_time, itl_gaps_s  # noqa: E402
 
 
 def _save(fig, path: str | Path) -> Path:

@@ -35,8 +35,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.core.types import Priority, RequestSpec, SamplingParams
-from services.metrics import RequestRecord, SloSpec
+from octoserve.services.core.types import Priority, RequestSpec, SamplingParams
+from octoserve.services.metrics import RequestRecord, SloSpec
 
 LENGTH_KINDS = ("fixed", "uniform", "lognormal")
 ARRIVAL_PROCESSES = ("poisson", "gamma")

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from services.core.placement import node_config_from_dict
-from services.core.types import EngineLoad, Priority, RequestSpec, Role, SamplingParams
+from octoserve.services.core.placement import node_config_from_dict
+from octoserve.services.core.types import EngineLoad, Priority, RequestSpec, Role, SamplingParams
 
 LM, SM = "llama-3-70b", "llama-3-8b"
 TOKENS_PER_S = 10_000.0
@@ -87,7 +87,7 @@ def request(rid="r", model=SM, prompt=1000, max_tokens=100, tier=Priority.STANDA
 
 
 def policy(config, overlaps=None, rng=None):
-    from services.core.routing import RouterPolicy
+    from octoserve.services.core.routing import RouterPolicy
 
     costs = {i.id: LinearCost() for i in config.instances}
     return RouterPolicy(config, costs, rng or FixedRng(*[0.5] * 100), prefix_index=FakeIndex(overlaps),

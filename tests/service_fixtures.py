@@ -12,19 +12,19 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from decode_worker.servicer import DecodeWorkerServicer
-from prefill_worker.servicer import PrefillWorkerServicer
-from router.app import router_spec
-from router.servicer import GenerationServicer, RouterSettings
-from services.core.placement import NodeConfig, node_config_from_dict
-from services.core.types import Role
-from services.engine.factory import make_engine
-from services.rpc.gen import generate_pb2 as gen_pb
-from services.rpc.gen import generate_pb2_grpc as gen_grpc
-from services.rpc.gen import worker_pb2 as w_pb
-from services.rpc.gen import worker_pb2_grpc as w_grpc
-from services.rpc.server import RunningService, ServiceSpec, start_service
-from services.rpc.worker_main import WORKER_SERVICE
+from octoserve.decode_worker.servicer import DecodeWorkerServicer
+from octoserve.prefill_worker.servicer import PrefillWorkerServicer
+from octoserve.router.app import router_spec
+from octoserve.router.servicer import GenerationServicer, RouterSettings
+from octoserve.services.core.placement import NodeConfig, node_config_from_dict
+from octoserve.services.core.types import Role
+from octoserve.services.engine.factory import make_engine
+from octoserve.v1 import generate_pb2 as gen_pb
+from octoserve.v1 import generate_pb2_grpc as gen_grpc
+from octoserve.services.rpc.gen import worker_pb2 as w_pb
+from octoserve.services.rpc.gen import worker_pb2_grpc as w_grpc
+from octoserve.services.rpc.server import RunningService, ServiceSpec, start_service
+from octoserve.services.rpc.worker_main import WORKER_SERVICE
 
 COLOCATED_MODEL = "llama-3-8b"
 DISAGG_MODEL = "llama-3-8b-pd"

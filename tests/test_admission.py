@@ -4,11 +4,11 @@ import dataclasses
 
 from router_fixtures import LM, SM, colocated_config, disagg_config, load, policy, request
 
-from services.core import admission as adm
-from services.core.errors import ItlInfeasible, Overloaded, SloInfeasible, UnknownModel
-from services.core.placement import PolicyConfig
-from services.core.routing import Refuse, Route
-from services.core.types import Priority, Role
+from octoserve.services.core import admission as adm
+from octoserve.services.core.errors import ItlInfeasible, Overloaded, SloInfeasible, UnknownModel
+from octoserve.services.core.placement import PolicyConfig
+from octoserve.services.core.routing import Refuse, Route
+from octoserve.services.core.types import Priority, Role
 
 IDLE = {"lm-0": load("lm-0", LM), "sm-0": load("sm-0"), "sm-1": load("sm-1"), "sm-2": load("sm-2")}
 
@@ -201,7 +201,7 @@ def test_retry_after_rounding_and_floor():
 def test_both_infeasible_refusals_become_failed_precondition_without_a_retry_hint():
     import grpc
 
-    from services.rpc.status import status_for
+    from octoserve.services.rpc.status import status_for
 
     for error in (SloInfeasible(SM, Priority.STANDARD, 3000, 300.0, 250.0, 2500),
                   ItlInfeasible(LM, Priority.STANDARD, 500, 41.2, 30.0)):

@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from services.baselines import (
+from octoserve.services.baselines import (
     BASELINES,
     MAIN_POLICIES,
     PLANNER,
@@ -13,11 +13,11 @@ from services.baselines import (
     describe_instances,
     sarathi_budget,
 )
-from services.config import load_node_config
-from services.core.cost_model import CostModel
-from services.core.placement import PlacementError, PolicyConfig
-from services.core.specs import GPU_PRESETS, MODEL_PRESETS
-from services.core.types import Role
+from octoserve.services.config import load_node_config
+from octoserve.services.core.cost_model import CostModel
+from octoserve.services.core.placement import PlacementError, PolicyConfig
+from octoserve.services.core.specs import GPU_PRESETS, MODEL_PRESETS
+from octoserve.services.core.types import Role
 
 H100 = GPU_PRESETS["h100-sxm-80gb"]
 STATIC = load_node_config(None)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.core.batcher import Batcher, BatcherConfig, RequestStatus
-from services.core.kv_cache import KVCacheManager
-from services.core.types import (
+from octoserve.services.core.batcher import Batcher, BatcherConfig, RequestStatus
+from octoserve.services.core.kv_cache import KVCacheManager
+from octoserve.services.core.types import (
     FinishReason,
     Priority,
     RequestSpec,

@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.core.batcher import Batcher, BatcherConfig, RequestStatus
-from services.core.kv_cache import KVCacheManager
-from services.core.types import FinishReason, Priority, RequestSpec, SamplingParams, StepResult
+from octoserve.services.core.batcher import Batcher, BatcherConfig, RequestStatus
+from octoserve.services.core.kv_cache import KVCacheManager
+from octoserve.services.core.types import FinishReason, Priority, RequestSpec, SamplingParams, StepResult
 
 POLICIES = ("full", "predicted", "watermark")
 MODES = ("recompute", "swap")

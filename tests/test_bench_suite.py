@@ -6,13 +6,13 @@ import math
 
 import pytest
 
-from services import bench_suite as bs
-from services.baselines import BASELINES, configure
-from services.core import planner
-from services.core.placement import node_config_from_dict
-from services.core.types import Role
-from services.metrics import SloSpec
-from services.sim.capacity import Probe, bisect_capacity, passes, start_search
+from octoserve.services import bench_suite as bs
+from octoserve.services.baselines import BASELINES, configure
+from octoserve.services.core import planner
+from octoserve.services.core.placement import node_config_from_dict
+from octoserve.services.core.types import Role
+from octoserve.services.metrics import SloSpec
+from octoserve.services.sim.capacity import Probe, bisect_capacity, passes, start_search
 
 
 class ToyCost:
@@ -69,8 +69,8 @@ def _one_sm_node(**policies):
 
 
 def test_upper_bound_is_above_the_old_mean_estimate_and_the_simulated_goodput():
-    from services.sim.cli_plan import length_samples, mix_from_profile
-    from services.workload import PROFILES, scaled
+    from octoserve.services.sim.cli_plan import length_samples, mix_from_profile
+    from octoserve.services.workload import PROFILES, scaled
 
     node = _one_sm_node()
     profile = dataclasses.replace(PROFILES["seed-000"], traffic=PROFILES["seed-000"].traffic[:1])
@@ -80,8 +80,8 @@ def test_upper_bound_is_above_the_old_mean_estimate_and_the_simulated_goodput():
         assert upper >= planner.slo_bound(node, mix).goodput_rps
         job = bs.Job("octoserve", bs.Workload("t", "seed-000", rate, 4.0), configure(BASELINES["octoserve"], node), 0, 10.0)
         # the suite's trace has both models; this node serves one: simulate its share of the trace only
-        from services.sim.driver import run_simulation
-        from services.workload import generate_trace
+        from octoserve.services.sim.driver import run_simulation
+        from octoserve.services.workload import generate_trace
 
         trace = generate_trace(scaled(profile, rate_rps=rate, duration_s=6.0), 0)
         goodput = run_simulation(job.config, trace, seed=0, drain_s=10.0).summary.overall.goodput_rps
@@ -226,7 +226,7 @@ def test_quick_mode_stamps_every_table_and_full_mode_none():
 
 
 def test_gpu_weighted_averages_the_windowed_instance_figures_by_gpus():
-    from services.sim.driver import InstanceStats
+    from octoserve.services.sim.driver import InstanceStats
 
     stats = [InstanceStats("a", "m", "colocated", 10, 0.75, 0, kv_mean=0.5),
              InstanceStats("b", "m", "colocated", 10, 0.2, 0)]

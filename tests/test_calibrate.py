@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from services import calibrate as cal
-from services.core.cost_model import DEFAULT_CONSTANTS, CostModel
-from services.core.specs import GPU_PRESETS, MODEL_PRESETS, GpuSpec
+from octoserve.services import calibrate as cal
+from octoserve.services.core.cost_model import DEFAULT_CONSTANTS, CostModel
+from octoserve.services.core.specs import GPU_PRESETS, MODEL_PRESETS, GpuSpec
 
 H100 = GPU_PRESETS["h100-sxm-80gb"]
 LM = MODEL_PRESETS["llama-3-70b"]

@@ -20,7 +20,7 @@ import pytest
 from google.protobuf import duration_pb2
 from google.rpc import error_details_pb2, status_pb2
 
-from services.client import (
+from octoserve.client import (
     AsyncClient,
     Client,
     Completion,
@@ -37,9 +37,9 @@ from services.client import (
     Usage,
     assemble,
 )
-from services.core.types import FinishReason, Priority
-from services.rpc.gen import generate_pb2 as pb
-from services.rpc.gen import generate_pb2_grpc as pb_grpc
+from octoserve.services.core.types import FinishReason, Priority
+from octoserve.v1 import generate_pb2 as pb
+from octoserve.v1 import generate_pb2_grpc as pb_grpc
 
 
 @dataclass(frozen=True, slots=True)
@@ -412,7 +412,7 @@ async def test_unreachable_router_is_unavailable_after_the_retries():
 
 @pytest.fixture(scope="module")
 def node():
-    from services.launcher import start_node
+    from octoserve.services.launcher import start_node
 
     running = start_node(None, 10.0)  # the default placement, sim engine, modelled time x10
     try:
@@ -422,7 +422,7 @@ def node():
 
 
 async def test_real_node_streams_the_sim_engines_tokens(node):
-    from services.core.sim_executor import sim_token_id
+    from octoserve.services.core.sim_executor import sim_token_id
 
     prompt = list(range(1000, 1100))
     async with AsyncClient(node.router_address, default_timeout_s=30.0) as c:

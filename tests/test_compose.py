@@ -17,7 +17,7 @@ import pytest
 import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from services.compose import (
+from octoserve.services.compose import (
     DEFAULT_CONFIG_PATH,
     DEFAULT_OUT_PATH,
     ComposeSettings,
@@ -26,7 +26,7 @@ from services.compose import (
     service_name,
     validate_compose,
 )
-from services.core.placement import node_config_from_dict
+from octoserve.services.core.placement import node_config_from_dict
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -51,7 +51,8 @@ def test_one_service_per_process_with_its_gpus():
                                                 "capabilities": ["gpu"]}]
     assert [d[0]["device_ids"] for d in devices.values()] == [["0", "1", "2", "3"], ["4"], ["5"], ["7"]]
     assert [s["command"][2] for s in services.values()] == [
-        "services.scheduler", "router", "decode_worker", "prefill_worker", "decode_worker", "decode_worker"]
+        "octoserve.services.scheduler", "octoserve.router", "octoserve.decode_worker", "octoserve.prefill_worker",
+        "octoserve.decode_worker", "octoserve.decode_worker"]
     assert services["worker-llama-3-8b-p0"]["command"][3:5] == ["--instance", "llama-3-8b-p0"]
     ports = [int(s["labels"]["octoserve.port"]) for s in services.values()]
     assert ports == [50050, 50051, 50100, 50101, 50102, 50103]
@@ -110,7 +111,7 @@ async def test_health_check_command_probes_grpc_health(status, exit_code):
 def test_committed_compose_file_is_the_generated_one_for_the_default_placement():
     if not (REPO / DEFAULT_CONFIG_PATH).exists():
         pytest.skip(f"{DEFAULT_CONFIG_PATH} has not landed yet")
-    from services.config import load_node_config
+    from octoserve.services.config import load_node_config
 
     config = load_node_config(REPO / DEFAULT_CONFIG_PATH)
     text = (REPO / DEFAULT_OUT_PATH).read_text()
@@ -121,7 +122,7 @@ def test_committed_compose_file_is_the_generated_one_for_the_default_placement()
 
 
 def test_check_mode_detects_a_stale_file(tmp_path):
-    from services.compose import main
+    from octoserve.services.compose import main
 
     out = tmp_path / "docker-compose.yml"
     config = str(REPO / DEFAULT_CONFIG_PATH)

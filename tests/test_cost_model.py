@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.core.cost_model import (
+from octoserve.services.core.cost_model import (
     COST_PROFILES,
     DEFAULT_CONSTANTS,
     PESSIMISTIC_CONSTANTS,
@@ -14,8 +14,8 @@ from services.core.cost_model import (
     CostModel,
     cost_constants,
 )
-from services.core.specs import GPU_PRESETS, MODEL_PRESETS, SpecError
-from services.core.types import ScheduledChunk, StepPlan
+from octoserve.services.core.specs import GPU_PRESETS, MODEL_PRESETS, SpecError
+from octoserve.services.core.types import ScheduledChunk, StepPlan
 
 L70 = MODEL_PRESETS["llama-3-70b"]
 L8 = MODEL_PRESETS["llama-3-8b"]

@@ -4,10 +4,10 @@ import dataclasses
 
 import pytest
 
-from services.core.errors import DeadlineExceeded, Draining, InvalidArgument, OctoserveError, Overloaded, UnknownModel
-from services.core.specs import MODEL_PRESETS
-from services.core.types import Priority, RequestSpec, SamplingParams
-from services.core.validation import validate_request
+from octoserve.services.core.errors import DeadlineExceeded, Draining, InvalidArgument, OctoserveError, Overloaded, UnknownModel
+from octoserve.services.core.specs import MODEL_PRESETS
+from octoserve.services.core.types import Priority, RequestSpec, SamplingParams
+from octoserve.services.core.validation import validate_request
 
 LM = MODEL_PRESETS["llama-3-70b"]  # 8192-token window, vocab 128256
 

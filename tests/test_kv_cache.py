@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from services.core.kv_cache import KVCacheManager, PrefixIndex, hash_block, prefix_block_hashes
-from services.core.types import BlockRemoved, BlockStored
+from octoserve.services.core.kv_cache import KVCacheManager, PrefixIndex, hash_block, prefix_block_hashes
+from octoserve.services.core.types import BlockRemoved, BlockStored
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 A = tuple(range(10))  # 10 tokens: blocks of 4 -> two full blocks and a partial one
@@ -67,7 +67,7 @@ def test_hash_value_is_pinned():
 
 def test_hashes_are_identical_across_processes_with_different_hash_seeds():
     code = (
-        "from services.core.kv_cache import hash_block, prefix_block_hashes;"
+        "from octoserve.services.core.kv_cache import hash_block, prefix_block_hashes;"
         "print(prefix_block_hashes(list(range(40)), 16, 'llama-3-8b'), hash_block(7, (5, 6), 'adapter-x'))"
     )
     outputs = []

@@ -6,8 +6,8 @@ replays a seed-000 trace through the load harness, and simulates the same trace.
 
 import pytest
 
-from services.agreement import TOLERANCE, cap_outputs, compare
-from services.workload import PROFILES, generate_trace, scaled
+from octoserve.services.agreement import TOLERANCE, cap_outputs, compare
+from octoserve.services.workload import PROFILES, generate_trace, scaled
 
 pytestmark = pytest.mark.slow
 

@@ -21,8 +21,8 @@ import pytest
 from google.protobuf import duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
-from services.core.types import Priority
-from services.loadgen import (
+from octoserve.services.core.types import Priority
+from octoserve.services.loadgen import (
     DRAIN_TIMEOUT,
     SIM_OUTPUT_LEN_KEY,
     BenchOptions,
@@ -31,10 +31,10 @@ from services.loadgen import (
     run,
     run_bench,
 )
-from services.metrics import SloSpec, summarize
-from services.rpc.gen import generate_pb2 as pb
-from services.rpc.gen import generate_pb2_grpc as pb_grpc
-from services.workload import PROFILES, TraceRequest, generate_trace, scaled
+from octoserve.services.metrics import SloSpec, summarize
+from octoserve.v1 import generate_pb2 as pb
+from octoserve.v1 import generate_pb2_grpc as pb_grpc
+from octoserve.services.workload import PROFILES, TraceRequest, generate_trace, scaled
 
 REFUSE_MS = 400
 CACHED_TOKENS = 16
@@ -211,7 +211,7 @@ def one_small_instance(tier_queue_bound: int) -> dict:
 
 @contextlib.contextmanager
 def real_node(config, time_scale: float):
-    from services.launcher import start_node
+    from octoserve.services.launcher import start_node
 
     node = start_node(config, time_scale)
     try:

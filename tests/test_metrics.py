@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from services.core.types import Priority
-from services.metrics import (
+from octoserve.services.core.types import Priority
+from octoserve.services.metrics import (
     RequestRecord,
     SloSpec,
     Window,
@@ -25,7 +25,7 @@ from services.metrics import (
     summarize,
     summary_to_dict,
 )
-from services.progress import Progress
+from octoserve.services.progress import Progress
 
 SLO = SloSpec(ttft_ms=250.0, itl_ms=30.0)
 
@@ -344,7 +344,7 @@ def _records():
 
 
 def test_plots_write_png_files(tmp_path):
-    from services import plots
+    from octoserve.services import plots
 
     for p in (
         plots.plot_latency_cdfs(_records(), tmp_path / "cdf.png", SLO),

@@ -2,7 +2,7 @@
 
 import pytest
 
-from services.core.placement import (
+from octoserve.services.core.placement import (
     InstanceConfig,
     PlacementError,
     PolicyConfig,
@@ -11,8 +11,8 @@ from services.core.placement import (
     node_config_from_dict,
     num_kv_blocks_for,
 )
-from services.core.specs import GPU_PRESETS, MODEL_PRESETS, num_kv_blocks
-from services.core.types import Priority, Role
+from octoserve.services.core.specs import GPU_PRESETS, MODEL_PRESETS, num_kv_blocks
+from octoserve.services.core.types import Priority, Role
 
 LM, SM = "llama-3-70b", "llama-3-8b"
 
@@ -186,7 +186,7 @@ def test_error_message_lists_every_problem():
 
 
 def test_embedded_default_and_disaggregated_example_load(tmp_path):
-    from services.config import load_node_config
+    from octoserve.services.config import load_node_config
 
     cfg = load_node_config(None)
     assert [(i.id, i.tp, i.gpu_ids) for i in cfg.instances] == [
@@ -224,11 +224,11 @@ def test_unknown_cost_profile_lists_the_choices(name):
 
 
 def test_every_cost_model_built_from_a_pessimistic_config_uses_the_pessimistic_constants():
-    from services.core.cost_model import DEFAULT_CONSTANTS, PESSIMISTIC_CONSTANTS
-    from services.core.instance import instance_parts
-    from services.core.planner import candidate_placements
-    from services.core.routing import build_cost_models
-    from services.sim.driver import NodeSimulator
+    from octoserve.services.core.cost_model import DEFAULT_CONSTANTS, PESSIMISTIC_CONSTANTS
+    from octoserve.services.core.instance import instance_parts
+    from octoserve.services.core.planner import candidate_placements
+    from octoserve.services.core.routing import build_cost_models
+    from octoserve.services.sim.driver import NodeSimulator
 
     for name, constants in (("default", DEFAULT_CONSTANTS), ("pessimistic", PESSIMISTIC_CONSTANTS)):
         config = node_config_from_dict(default_dict(cost_profile=name))
@@ -246,7 +246,7 @@ def test_every_cost_model_built_from_a_pessimistic_config_uses_the_pessimistic_c
 def test_cost_profile_flag_sets_the_config_key_for_every_subcommand():
     import argparse
 
-    from services.sim.cli_simulate import add_cost_profile_argument, config_source, load_with_overrides
+    from octoserve.services.sim.cli_simulate import add_cost_profile_argument, config_source, load_with_overrides
 
     parser = argparse.ArgumentParser()
     add_cost_profile_argument(parser)

@@ -5,10 +5,10 @@ import math
 
 import pytest
 
-from services.core import planner
-from services.core.placement import SloConfig, check_placement
-from services.core.specs import GPU_PRESETS, MODEL_PRESETS
-from services.core.types import Role
+from octoserve.services.core import planner
+from octoserve.services.core.placement import SloConfig, check_placement
+from octoserve.services.core.specs import GPU_PRESETS, MODEL_PRESETS
+from octoserve.services.core.types import Role
 
 H100 = GPU_PRESETS["h100-sxm-80gb"]
 LM, SM = "llama-3-70b", "llama-3-8b"
@@ -141,8 +141,8 @@ def test_ranking_puts_the_default_placement_first_for_seed_000():
 
 
 def test_mix_from_the_seed_000_profile_accounts_for_prefix_hits():
-    from services.sim.cli_plan import mix_from_profile
-    from services.workload import PROFILES
+    from octoserve.services.sim.cli_plan import mix_from_profile
+    from octoserve.services.workload import PROFILES
 
     mix = mix_from_profile(PROFILES["seed-000"])
     assert mix.rate_rps == 300.0
@@ -154,7 +154,7 @@ def test_mix_from_the_seed_000_profile_accounts_for_prefix_hits():
 def _plan(argv):
     import argparse
 
-    from services.sim import cli_plan
+    from octoserve.services.sim import cli_plan
 
     parser = argparse.ArgumentParser()
     cli_plan.add_arguments(parser)
@@ -181,7 +181,7 @@ def test_plan_command_prints_the_bound_the_estimates_and_the_recommendation(caps
 
 
 def test_bound_check_lines():
-    from services.sim.cli_plan import bound_check
+    from octoserve.services.sim.cli_plan import bound_check
 
     assert bound_check(80.04, 121.6) == "simulated goodput 80.0 req/s <= upper bound 121.6 req/s: ok"
     assert bound_check(130.0, 121.6) == ("BOUND VIOLATED: simulated goodput 130.0 req/s > upper bound 121.6 req/s "
@@ -204,7 +204,7 @@ def test_the_printed_upper_bound_bounds_a_short_simulation_of_the_configured_pla
 
 
 def test_ranking_by_capacity_and_by_goodput_can_disagree():
-    from services.sim.capacity import Recommendation, rank_by_both
+    from octoserve.services.sim.capacity import Recommendation, rank_by_both
 
     evaluated = {"colocated": (12.0, 80.0), "disaggregated": (15.0, 60.0), "split-b": (15.0, 70.0),
                  "broken": (math.nan, 90.0)}

@@ -1,8 +1,8 @@
-"""router.metrics.WeightedHistogram: exact Prometheus histogram samples, weights counted as repeated observations."""
+"""octoserve.router.metrics.WeightedHistogram: exact Prometheus histogram samples, weights counted as repeated observations."""
 
 import prometheus_client as prom
 
-from router.metrics import RouterMetrics, WeightedHistogram
+from octoserve.router.metrics import RouterMetrics, WeightedHistogram
 
 
 def test_weighted_histogram_exports_cumulative_buckets_sum_and_count():

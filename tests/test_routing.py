@@ -5,7 +5,7 @@ import random
 import pytest
 from router_fixtures import LM, SM, FixedRng, LinearCost, colocated_config, disagg_config, load, policy, request
 
-from services.core.routing import (
+from octoserve.services.core.routing import (
     FILTERS,
     SCORERS,
     Candidate,
@@ -19,7 +19,7 @@ from services.core.routing import (
     score_ttft,
     warm_beats_cold,
 )
-from services.core.types import BlockStored, Role
+from octoserve.services.core.types import BlockStored, Role
 
 CFG = colocated_config()
 
@@ -184,8 +184,8 @@ def test_ttft_scorer_waits_for_a_warm_instance_only_while_it_is_faster(warm_queu
 
 
 def test_warm_beats_cold_with_the_real_cost_model():
-    from services.core.cost_model import CostModel
-    from services.core.specs import GPU_PRESETS, MODEL_PRESETS
+    from octoserve.services.core.cost_model import CostModel
+    from octoserve.services.core.specs import GPU_PRESETS, MODEL_PRESETS
 
     cost = CostModel(MODEL_PRESETS[SM], GPU_PRESETS["h100-sxm-80gb"], 1)
     saved_s = cost.prefill_time_s(2000) - cost.prefill_time_s(400, 1600)
@@ -195,14 +195,14 @@ def test_warm_beats_cold_with_the_real_cost_model():
 
 
 def test_real_prefix_index_sees_blocks_an_engine_cached():
-    from services.core.kv_cache import KVCacheManager
+    from octoserve.services.core.kv_cache import KVCacheManager
 
-    kv = KVCacheManager(100, 16, True, extra_key=SM)  # what services.core.instance builds for an 8B instance
+    kv = KVCacheManager(100, 16, True, extra_key=SM)  # what octoserve.services.core.instance builds for an 8B instance
     prompt = tuple(range(1000, 1100))  # 6 full blocks + 4 tokens
     kv.allocate("old", prompt, len(prompt))
     kv.cache_computed("old", prompt, len(prompt))
     ttft_only = colocated_config(scorer_weights={"ttft": 1.0})
-    from services.core.routing import RouterPolicy
+    from octoserve.services.core.routing import RouterPolicy
 
     p = RouterPolicy(ttft_only, {i.id: LinearCost() for i in ttft_only.instances}, FixedRng(0.5, 0.5, 0.5))
     p.on_kv_events("sm-2", kv.drain_events())

@@ -14,11 +14,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.launcher import REPO_ROOT, start_node
-from services.rpc.gen import generate_pb2 as gen_pb
-from services.rpc.gen import generate_pb2_grpc as gen_grpc
-from services.rpc.gen import scheduler_pb2 as s_pb
-from services.rpc.gen import scheduler_pb2_grpc as s_grpc
+from octoserve.services.launcher import REPO_ROOT, start_node
+from octoserve.v1 import generate_pb2 as gen_pb
+from octoserve.v1 import generate_pb2_grpc as gen_grpc
+from octoserve.services.rpc.gen import scheduler_pb2 as s_pb
+from octoserve.services.rpc.gen import scheduler_pb2_grpc as s_grpc
 from tests.service_fixtures import COLOCATED_MODEL, DISAGG_MODEL, request, small_config_dict
 
 pytestmark = pytest.mark.slow
@@ -73,7 +73,7 @@ def test_octoserve_up_prints_endpoints_and_exits_0_on_sigterm(tmp_path):
 
     config = tmp_path / "node.yaml"
     config.write_text(yaml.safe_dump(small_config_dict()))
-    cmd = [sys.executable, "-m", "services.cli", "up", "--config", str(config), "--port", "0",
+    cmd = [sys.executable, "-m", "octoserve.services.cli", "up", "--config", str(config), "--port", "0",
            "--run-dir", str(tmp_path / "run"), "--grace-s", "5"]
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -104,7 +104,7 @@ def test_services_stop_when_the_launcher_is_killed(tmp_path):
     config = tmp_path / "node.yaml"
     config.write_text(yaml.safe_dump(small_config_dict()))
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "services.cli", "up", "--config", str(config), "--port", "0",
+    cmd = [sys.executable, "-m", "octoserve.services.cli", "up", "--config", str(config), "--port", "0",
            "--run-dir", str(run_dir), "--grace-s", "2"]
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     pids = []

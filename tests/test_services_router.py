@@ -16,8 +16,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from grpc_status import rpc_status
 
-from router.servicer import RouterSettings
-from services.rpc.gen import generate_pb2 as gen_pb
+from octoserve.router.servicer import RouterSettings
+from octoserve.v1 import generate_pb2 as gen_pb
 from tests.service_fixtures import (
     COLOCATED_MODEL, DISAGG_MODEL, MAX_CONTEXT, NUM_KV_BLOCKS, collect, request, start_inprocess_node,
 )
@@ -69,7 +69,7 @@ async def test_disaggregated_request_of_one_token_finishes_at_the_prefill(idle):
 
 @pytest.mark.parametrize("model", [COLOCATED_MODEL, DISAGG_MODEL])
 async def test_sim_output_length_hint_stops_the_simulated_model_with_stop(idle, model):
-    from services.rpc.convert import SIM_OUTPUT_LEN_KEY
+    from octoserve.services.rpc.convert import SIM_OUTPUT_LEN_KEY
 
     req = request(model, max_tokens=40, ignore_eos=False)
     call = idle.generation().Generate(req, timeout=10, metadata=((SIM_OUTPUT_LEN_KEY, "7"),))

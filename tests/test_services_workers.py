@@ -11,9 +11,9 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from services.core.types import RequestSpec, SamplingParams
-from services.rpc import convert
-from services.rpc.gen import worker_pb2 as w_pb
+from octoserve.services.core.types import RequestSpec, SamplingParams
+from octoserve.services.rpc import convert
+from octoserve.services.rpc.gen import worker_pb2 as w_pb
 from tests.service_fixtures import COLOCATED_MODEL, DISAGG_MODEL, NUM_KV_BLOCKS, start_inprocess_node
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from services.core.placement import node_config_from_dict
-from services.core.sim_executor import sim_token_id
-from services.core.types import Priority, ScheduledChunk, StepPlan
-from services.sim.driver import run_simulation
-from services.workload import PROFILES, TraceRequest, generate_trace, scaled
+from octoserve.services.core.placement import node_config_from_dict
+from octoserve.services.core.sim_executor import sim_token_id
+from octoserve.services.core.types import Priority, ScheduledChunk, StepPlan
+from octoserve.services.sim.driver import run_simulation
+from octoserve.services.workload import PROFILES, TraceRequest, generate_trace, scaled
 
 MODELS = {"llama-3-8b": {"preset": "llama-3-8b"}}
 
@@ -44,7 +44,7 @@ def test_single_request_token_times_are_the_cost_models_step_times():
     req = one_request()
     result = run_simulation(config, [req])
     rec = result.records[0]
-    from services.sim.driver import NodeSimulator
+    from octoserve.services.sim.driver import NodeSimulator
 
     cost = NodeSimulator(config).instances["sm-0"].cost
     budget = config.instances[0].max_num_batched_tokens
@@ -64,7 +64,7 @@ def test_disaggregated_request_pays_prefill_transfer_then_decode():
     config = node(DISAGG_8B, slo_sizing=False)
     result = run_simulation(config, [one_request(output_len=3)])
     rec = result.records[0]
-    from services.sim.driver import NodeSimulator
+    from octoserve.services.sim.driver import NodeSimulator
 
     sim = NodeSimulator(config)
     p_cost, d_cost = sim.instances["sm-p"].cost, sim.instances["sm-d"].cost
@@ -109,7 +109,7 @@ def test_sim_tokens_are_deterministic_and_never_eos():
 
 def test_slo_sizing_chunks_a_long_prompt_so_no_step_exceeds_the_itl_target():
     config = node([COLOCATED_8B], slack_chunking=False)
-    from services.sim.driver import NodeSimulator
+    from octoserve.services.sim.driver import NodeSimulator
 
     sim = NodeSimulator(config)
     budget = sim.instances["sm-0"].batcher.config.max_num_batched_tokens
@@ -122,7 +122,7 @@ def test_slo_sizing_chunks_a_long_prompt_so_no_step_exceeds_the_itl_target():
 
 def test_slack_chunking_prefills_a_lone_prompt_in_one_step_no_decode_waits_on():
     config = node([COLOCATED_8B])
-    from services.sim.driver import NodeSimulator
+    from octoserve.services.sim.driver import NodeSimulator
 
     sim = NodeSimulator(config)
     cost = sim.instances["sm-0"].cost
@@ -138,7 +138,7 @@ def test_a_request_larger_than_every_kv_pool_is_an_error_record_not_a_crash():
     config = node(
         [{**COLOCATED_8B, "gpu_memory_utilization": 0.2, "max_num_batched_tokens": 256}], admission=False, reservation="full", slo_sizing=False
     )
-    from services.sim.driver import NodeSimulator
+    from octoserve.services.sim.driver import NodeSimulator
 
     pool_tokens = NodeSimulator(config).instances["sm-0"].batcher.kv.num_total_blocks * 16
     assert pool_tokens < 8000  # smaller than the context window, so a full reservation can outgrow it

@@ -2,10 +2,10 @@
 
 import pytest
 
-from services.core.cost_model import CostModel
-from services.core.slo_sizing import CHUNK_QUANTUM, size_for_slo
-from services.core.specs import GPU_PRESETS, MODEL_PRESETS
-from services.core.types import Role
+from octoserve.services.core.cost_model import CostModel
+from octoserve.services.core.slo_sizing import CHUNK_QUANTUM, size_for_slo
+from octoserve.services.core.specs import GPU_PRESETS, MODEL_PRESETS
+from octoserve.services.core.types import Role
 
 H100 = GPU_PRESETS["h100-sxm-80gb"]
 CTX = 1200

@@ -2,7 +2,7 @@
 
 import pytest
 
-from services.core.specs import (
+from octoserve.services.core.specs import (
     GIB,
     GPU_PRESETS,
     MODEL_PRESETS,

@@ -21,12 +21,12 @@ import dataclasses
 from router_fixtures import SM, colocated_config, policy, request
 from router_fixtures import load as _load
 
-from services.core import admission as adm
-from services.core.batcher import Batcher, BatcherConfig, RequestStatus
-from services.core.errors import Overloaded
-from services.core.kv_cache import KVCacheManager
-from services.core.routing import MAX_CORRECTION, Refuse, Route
-from services.core.types import Priority, RequestSpec, SamplingParams, ScheduledChunk, StepResult
+from octoserve.services.core import admission as adm
+from octoserve.services.core.batcher import Batcher, BatcherConfig, RequestStatus
+from octoserve.services.core.errors import Overloaded
+from octoserve.services.core.kv_cache import KVCacheManager
+from octoserve.services.core.routing import MAX_CORRECTION, Refuse, Route
+from octoserve.services.core.types import Priority, RequestSpec, SamplingParams, ScheduledChunk, StepResult
 
 B, I = Priority.BATCH, Priority.INTERACTIVE
 

@@ -28,11 +28,11 @@ from vllm_fixtures import (
     wait_until,
 )
 
-from services.core.types import FinishReason, Priority, RequestSpec, Role, SamplingParams
-from services.engine import vllm_kv
-from services.engine.base import EngineError
-from services.engine.vllm_engine import VllmEngine, vllm_priority
-from services.engine.vllm_kv import KvTransfer
+from octoserve.services.core.types import FinishReason, Priority, RequestSpec, Role, SamplingParams
+from octoserve.services.engine import vllm_kv
+from octoserve.services.engine.base import EngineError
+from octoserve.services.engine.vllm_engine import VllmEngine, vllm_priority
+from octoserve.services.engine.vllm_kv import KvTransfer
 
 _SKIP = vllm_skip_reason()
 needs_vllm = [pytest.mark.vllm, pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")]
@@ -95,7 +95,7 @@ def vllm_importable():
 
 @pytest.fixture(scope="module")
 def model_dir(vllm_importable, tmp_path_factory):
-    from services.engine.test_model import build_test_model
+    from octoserve.services.engine.test_model import build_test_model
 
     return build_test_model(tmp_path_factory.mktemp("tiny-llama"))
 
@@ -234,7 +234,7 @@ class TestColocated:
     async def test_sampling_params_mapping(self, vllm_importable):
         from vllm.sampling_params import RequestOutputKind
 
-        from services.engine.vllm_engine import vllm_sampling_params
+        from octoserve.services.engine.vllm_engine import vllm_sampling_params
 
         greedy = vllm_sampling_params(SamplingParams(max_tokens=5, top_p=0.5, seed=3, stop=("x",), ignore_eos=True))
         assert (greedy.max_tokens, greedy.temperature, greedy.top_p, greedy.seed) == (5, 0.0, 1.0, 3)
@@ -341,8 +341,8 @@ class TestDisaggregated:
 
 
 def test_make_vllm_engine_from_an_instance_config(tmp_path, monkeypatch):
-    from services.core.placement import InstanceConfig
-    from services.engine.vllm_engine import make_vllm_engine
+    from octoserve.services.core.placement import InstanceConfig
+    from octoserve.services.engine.vllm_engine import make_vllm_engine
 
     (tmp_path / "config.json").write_text('{"max_position_embeddings": 2048}')
     monkeypatch.setenv("OCTOSERVE_KV_DIR", str(tmp_path / "kv"))
@@ -366,7 +366,7 @@ def test_test_model_is_deterministic_and_fully_decodable(tmp_path):
     pytest.importorskip("tokenizers")
     from tokenizers import Tokenizer
 
-    from services.engine.test_model import EOS_TOKEN, build_test_model
+    from octoserve.services.engine.test_model import EOS_TOKEN, build_test_model
 
     small = dict(hidden=64, layers=1, heads=2, kv_heads=1, vocab=600, max_position=256)
     a, b = build_test_model(tmp_path / "a", seed=1, **small), build_test_model(tmp_path / "b", seed=1, **small)

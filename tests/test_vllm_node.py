@@ -20,8 +20,8 @@ from vllm_fixtures import (
     vllm_skip_reason,
 )
 
-from services.core.types import FinishReason
-from services.launcher import REPO_ROOT, start_node
+from octoserve.services.core.types import FinishReason
+from octoserve.services.launcher import REPO_ROOT, start_node
 
 _SKIP = vllm_skip_reason()
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")]
@@ -34,7 +34,7 @@ NODE_PROMPTS = PROMPTS[:4]  # 200-390 tokens: one to four KV blocks each
 def model_dir(tmp_path_factory):
     if (reason := import_vllm_or_reason()) is not None:
         pytest.skip(reason)
-    from services.engine.test_model import build_test_model
+    from octoserve.services.engine.test_model import build_test_model
 
     return build_test_model(tmp_path_factory.mktemp("tiny-llama"))
 
@@ -60,7 +60,7 @@ def node_and_reference(model_dir, tmp_path_factory):
 
 
 async def _complete_all(address: str, prompts) -> list:
-    from services.client import AsyncClient
+    from octoserve.client import AsyncClient
 
     async with AsyncClient(address) as client:
         return await asyncio.gather(*(

@@ -2,8 +2,8 @@
 
 import asyncio
 
-from decode_worker.servicer import _coalesce
-from services.rpc.gen import worker_pb2 as w_pb
+from octoserve.decode_worker.servicer import _coalesce
+from octoserve.services.rpc.gen import worker_pb2 as w_pb
 
 
 def batch(seq, *ids):

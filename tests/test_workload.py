@@ -7,9 +7,9 @@ import statistics
 
 import pytest
 
-from services.core.types import Priority
-from services.metrics import SloSpec
-from services.workload import (
+from octoserve.services.core.types import Priority
+from octoserve.services.metrics import SloSpec
+from octoserve.services.workload import (
     PROFILES,
     LengthDist,
     ModelTraffic,

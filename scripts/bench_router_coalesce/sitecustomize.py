@@ -14,8 +14,8 @@ def _is_decode_worker() -> bool:
         return False
 
 if os.environ.get("OCTOSERVE_BENCH_COALESCE") == "1" and _is_decode_worker():
-    from decode_worker import servicer as ds
-    from services.rpc.gen import worker_pb2 as w_pb
+    from octoserve.decode_worker import servicer as ds
+    from octoserve.services.rpc.gen import worker_pb2 as w_pb
 
     async def Attach(self, request, context):
         session = ds.Session(request.session_id)

@@ -12,8 +12,8 @@ except OSError:
     _cmd = []
 if any(c.endswith(b"decode_worker") for c in _cmd):
     _f = __import__("os").makedirs("/tmp/stagelog", exist_ok=True) or open("/tmp/stagelog/worker.txt", "a", buffering=1)
-    import decode_worker.servicer as ds
-    import services.engine.vllm_engine as ve
+    import octoserve.decode_worker.servicer as ds
+    import octoserve.services.engine.vllm_engine as ve
     _gen = ds.DecodeWorkerServicer.Generate
     async def Generate(self, request, context):
         _f.write(f"{request.spec.request_id} recv {time.monotonic():.6f}\n")

@@ -41,8 +41,8 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from services.core.placement import InstanceConfig, PolicyConfig
-from services.core.types import EngineLoad, Priority, RequestSpec, Role
+from octoserve.services.core.placement import InstanceConfig, PolicyConfig
+from octoserve.services.core.types import EngineLoad, Priority, RequestSpec, Role
 
 
 @dataclass(frozen=True, slots=True)

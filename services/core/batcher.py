@@ -36,11 +36,11 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from services.core.kv_cache import KVCacheManager
-from services.core.preemption import PREEMPTION_MODES, VICTIM_POLICIES
-from services.core.queues import QUEUE_POLICIES, WaitingQueue
-from services.core.reservation import OutputLengthPredictor, ReservationContext, make_reservation_policy
-from services.core.types import (
+from octoserve.services.core.kv_cache import KVCacheManager
+from octoserve.services.core.preemption import PREEMPTION_MODES, VICTIM_POLICIES
+from octoserve.services.core.queues import QUEUE_POLICIES, WaitingQueue
+from octoserve.services.core.reservation import OutputLengthPredictor, ReservationContext, make_reservation_policy
+from octoserve.services.core.types import (
     EngineLoad,
     FinishReason,
     HandoffReady,

@@ -28,8 +28,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from services.core.specs import GpuSpec, ModelSpec, SpecError
-from services.core.types import StepPlan
+from octoserve.services.core.specs import GpuSpec, ModelSpec, SpecError
+from octoserve.services.core.types import StepPlan
 
 LINKS = ("nvlink", "pcie")
 

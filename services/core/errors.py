@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from services.core.types import Priority
+from octoserve.services.core.types import Priority
 
 
 class OctoserveError(Exception):

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.core.batcher import Batcher, BatcherConfig
-from services.core.cost_model import CostModel
-from services.core.kv_cache import KVCacheManager
-from services.core.placement import InstanceConfig, NodeConfig, num_kv_blocks_for
-from services.core.slo_sizing import CHUNK_QUANTUM, size_for_slo
-from services.core.types import EngineLoad, StepPlan
+from octoserve.services.core.batcher import Batcher, BatcherConfig
+from octoserve.services.core.cost_model import CostModel
+from octoserve.services.core.kv_cache import KVCacheManager
+from octoserve.services.core.placement import InstanceConfig, NodeConfig, num_kv_blocks_for
+from octoserve.services.core.slo_sizing import CHUNK_QUANTUM, size_for_slo
+from octoserve.services.core.types import EngineLoad, StepPlan
 
 EOS_TOKEN_ID = 2
 

@@ -31,7 +31,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from services.core.types import BlockRemoved, BlockStored, KVEvent
+from octoserve.services.core.types import BlockRemoved, BlockStored, KVEvent
 
 _TOKEN_BYTES = 4  # token ids are hashed as unsigned 32-bit little-endian integers
 _NO_PARENT = b"\x00"  # first block of a sequence; a real parent is b"\x01" + 8 bytes, so the two never collide

@@ -21,8 +21,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.core.cost_model import COST_PROFILES, CostModel, cost_constants
-from services.core.specs import (
+from octoserve.services.core.cost_model import COST_PROFILES, CostModel, cost_constants
+from octoserve.services.core.specs import (
     GPU_PRESETS,
     MODEL_PRESETS,
     GpuSpec,
@@ -32,7 +32,7 @@ from services.core.specs import (
     model_spec_from_dict,
     num_kv_blocks,
 )
-from services.core.types import Priority, RequestSpec, Role
+from octoserve.services.core.types import Priority, RequestSpec, Role
 
 # Names the batcher (queues.py, reservation.py, preemption.py) and the router (routing.py) register.
 QUEUE_POLICIES = ("edf", "fcfs", "priority")

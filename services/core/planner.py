@@ -40,8 +40,8 @@ from bisect import bisect_right
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from services.core.cost_model import CostModel
-from services.core.placement import (
+from octoserve.services.core.cost_model import CostModel
+from octoserve.services.core.placement import (
     InstanceConfig,
     NodeConfig,
     PolicyConfig,
@@ -49,8 +49,8 @@ from services.core.placement import (
     check_placement,
     num_kv_blocks_for,
 )
-from services.core.specs import GpuSpec, ModelSpec, num_kv_blocks
-from services.core.types import Role
+from octoserve.services.core.specs import GpuSpec, ModelSpec, num_kv_blocks
+from octoserve.services.core.types import Role
 
 TP_OPTIONS = (1, 2, 4, 8)
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from services.core.registry import Registry
-from services.core.types import RequestSpec
+from octoserve.services.core.registry import Registry
+from octoserve.services.core.types import RequestSpec
 
 VictimKey = Callable[[RequestSpec], tuple]
 

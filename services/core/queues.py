@@ -19,8 +19,8 @@ import heapq
 from collections.abc import Callable, Iterator, Mapping
 from typing import Generic, TypeVar
 
-from services.core.registry import Registry
-from services.core.types import Priority, RequestSpec
+from octoserve.services.core.registry import Registry
+from octoserve.services.core.types import Priority, RequestSpec
 
 # (spec, default TTFT SLO per tier in ms, estimated own prefill time in s) -> sort key; smaller keys first.
 QueueKey = Callable[[RequestSpec, Mapping[Priority, float], float], tuple]

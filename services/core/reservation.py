@@ -20,8 +20,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
-from services.core.registry import Registry
-from services.core.types import RequestSpec
+from octoserve.services.core.registry import Registry
+from octoserve.services.core.types import RequestSpec
 
 
 class OutputLengthPredictor:

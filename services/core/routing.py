@@ -45,11 +45,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from services.core import admission as adm
-from services.core.errors import ItlInfeasible, Overloaded, SloInfeasible, UnknownModel
-from services.core.placement import InstanceConfig, NodeConfig
-from services.core.registry import Registry
-from services.core.types import EngineLoad, KVEvent, Priority, RequestSpec, Role
+from octoserve.services.core import admission as adm
+from octoserve.services.core.errors import ItlInfeasible, Overloaded, SloInfeasible, UnknownModel
+from octoserve.services.core.placement import InstanceConfig, NodeConfig
+from octoserve.services.core.registry import Registry
+from octoserve.services.core.types import EngineLoad, KVEvent, Priority, RequestSpec, Role
 
 
 class CostModelLike(Protocol):
@@ -170,8 +170,8 @@ class RouterPolicy:
 
     cost_models: instance id -> CostModel (a model name is accepted as a fallback key), for own-prefill times and
     a throughput fallback when a snapshot reports none. prefix_index / block_hasher default to
-    services.core.kv_cache's PrefixIndex and prefix_block_hashes; `extra_key` must equal the engines'
-    KVCacheManager extra_key so hashes match: None (default) uses the model name, as services.core.instance does.
+    octoserve.services.core.kv_cache's PrefixIndex and prefix_block_hashes; `extra_key` must equal the engines'
+    KVCacheManager extra_key so hashes match: None (default) uses the model name, as octoserve.services.core.instance does.
     """
 
     def __init__(
@@ -188,7 +188,7 @@ class RouterPolicy:
         self.cost_models = cost_models
         self.rng = rng
         if prefix_index is None or block_hasher is None:
-            from services.core import kv_cache  # noqa: PLC0415 - keeps tests with fakes independent of it
+            from octoserve.services.core import kv_cache  # noqa: PLC0415 - keeps tests with fakes independent of it
 
             prefix_index = prefix_index if prefix_index is not None else kv_cache.PrefixIndex()
             block_hasher = block_hasher or kv_cache.prefix_block_hashes

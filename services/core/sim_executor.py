@@ -8,9 +8,9 @@ the same tokens and the same step times for the same plans.
 
 from __future__ import annotations
 
-from services.core.batcher import Batcher
-from services.core.cost_model import CostModel
-from services.core.types import StepPlan, StepResult
+from octoserve.services.core.batcher import Batcher
+from octoserve.services.core.cost_model import CostModel
+from octoserve.services.core.types import StepPlan, StepResult
 
 SIM_TOKEN_LO = 1000  # sampled ids live in [SIM_TOKEN_LO, SIM_TOKEN_LO + SIM_TOKEN_SPAN): never EOS or a special
 SIM_TOKEN_SPAN = 29_000

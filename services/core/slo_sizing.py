@@ -26,8 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.core.cost_model import CostModel
-from services.core.types import Role
+from octoserve.services.core.cost_model import CostModel
+from octoserve.services.core.types import Role
 
 CHUNK_QUANTUM = 16  # budgets are multiples of a block
 

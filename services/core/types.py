@@ -2,7 +2,7 @@
 
 Invariants:
 - Every message here is a frozen, slotted dataclass: built once, never mutated. Mutable per-request state
-  lives in `services.core.batcher.Request`, owned by exactly one batcher.
+  lives in `octoserve.services.core.batcher.Request`, owned by exactly one batcher.
 - Times are seconds on the caller's clock (`*_s`), durations carry their unit in the name.
 - Nothing here knows about protobuf, asyncio or a clock.
 """
@@ -12,13 +12,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from octoserve.types import FinishReason, Priority  # the public API's enums, defined once in the SDK
 
-class Priority(enum.IntEnum):
-    """Service tier. Lower value is more urgent; the order is used directly by queue policies."""
-
-    INTERACTIVE = 0
-    STANDARD = 1
-    BATCH = 2
+__all__ = ["FinishReason", "Priority"]  # re-exported; the node's other names are public by convention
 
 
 class Role(str, enum.Enum):
@@ -27,13 +23,6 @@ class Role(str, enum.Enum):
     COLOCATED = "colocated"  # prefill and decode on the same instance, chunked prefill mixed into decode steps
     PREFILL = "prefill"  # computes the prompt, samples the first token, hands the KV off
     DECODE = "decode"  # starts from received KV and generates the rest
-
-
-class FinishReason(str, enum.Enum):
-    STOP = "stop"  # EOS or a stop string
-    LENGTH = "length"  # max_tokens or the context window reached
-    ABORT = "abort"  # cancelled by the client or the router
-    HANDOFF = "handoff"  # prefill role only: the prompt is done, KV is ready to move to a decode instance
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from services.core.errors import InvalidArgument
-from services.core.types import RequestSpec
+from octoserve.services.core.errors import InvalidArgument
+from octoserve.services.core.types import RequestSpec
 
 
 def validate_request(spec: RequestSpec, model: Any, max_context_len: int | None = None) -> None:

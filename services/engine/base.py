@@ -1,6 +1,6 @@
 """The one async interface the workers call, whatever runs the model underneath (sim or vLLM).
 
-Roles (services.core.types.Role):
+Roles (octoserve.services.core.types.Role):
 - COLOCATED: `generate(spec)` streams every token.
 - PREFILL:   `prefill(spec)` computes the prompt, samples the first token and returns a `KVHandoff` describing the
              KV that now waits on this instance; `release(request_id)` frees it once the decode side has it.
@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from services.core.types import EngineLoad, RequestOutput, RequestSpec, Role
+from octoserve.services.core.types import EngineLoad, RequestOutput, RequestSpec, Role
 
 
 @dataclass(frozen=True, slots=True)

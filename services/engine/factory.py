@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from services.engine.base import Engine
+from octoserve.services.engine.base import Engine
 
 ENGINE_NAMES = ("sim", "vllm")
 
@@ -23,7 +23,7 @@ def make_engine(
     model_path: str | None = None,
     seed: int = 0,
 ) -> Engine:
-    """The Engine for `instance_id` of `node_cfg` (a services.core.placement.NodeConfig)."""
+    """The Engine for `instance_id` of `node_cfg` (a octoserve.services.core.placement.NodeConfig)."""
     try:
         instance = node_cfg.instance(instance_id)
     except KeyError:
@@ -34,7 +34,7 @@ def make_engine(
     if engine == "vllm":
         if not model_path:
             raise ValueError("the vllm engine needs --model DIR (a local model directory)")
-        from services.engine.vllm_engine import make_vllm_engine
+        from octoserve.services.engine.vllm_engine import make_vllm_engine
 
         return make_vllm_engine(instance, model_path, node_cfg=node_cfg)
     if ":" in engine:
@@ -45,9 +45,9 @@ def make_engine(
 
 
 def make_sim_engine(node_cfg: Any, instance: Any, *, time_scale: float = 1.0) -> Engine:
-    """A SimEngine built from the same parts the discrete-event simulator uses (services.core.instance)."""
-    from services.core.instance import instance_parts
-    from services.engine.sim_engine import SimEngine
+    """A SimEngine built from the same parts the discrete-event simulator uses (octoserve.services.core.instance)."""
+    from octoserve.services.core.instance import instance_parts
+    from octoserve.services.engine.sim_engine import SimEngine
 
     parts = instance_parts(node_cfg, instance)
     return SimEngine(

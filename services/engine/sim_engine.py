@@ -17,13 +17,13 @@ import contextlib
 from dataclasses import replace
 from collections.abc import AsyncIterator
 
-from services.core.batcher import Batcher, BatcherConfig
-from services.core.cost_model import CostModel
-from services.core.instance import LoadReporter
-from services.core.kv_cache import KVCacheManager
-from services.core.sim_executor import SimExecutor
-from services.core.types import EngineLoad, FinishReason, RequestOutput, RequestSpec, Role
-from services.engine.base import CapacityError, HandoffError, KVHandoff
+from octoserve.services.core.batcher import Batcher, BatcherConfig
+from octoserve.services.core.cost_model import CostModel
+from octoserve.services.core.instance import LoadReporter
+from octoserve.services.core.kv_cache import KVCacheManager
+from octoserve.services.core.sim_executor import SimExecutor
+from octoserve.services.core.types import EngineLoad, FinishReason, RequestOutput, RequestSpec, Role
+from octoserve.services.engine.base import CapacityError, HandoffError, KVHandoff
 
 class SimEngine:
     def __init__(

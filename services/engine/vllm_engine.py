@@ -39,10 +39,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from services.core.types import EngineLoad, FinishReason, RequestOutput, RequestSpec, Role, SamplingParams
-from services.engine import vllm_kv
-from services.engine.base import EngineError, KVHandoff
-from services.engine.vllm_kv import KvTransfer
+from octoserve.services.core.types import EngineLoad, FinishReason, RequestOutput, RequestSpec, Role, SamplingParams
+from octoserve.services.engine import vllm_kv
+from octoserve.services.engine.base import EngineError, KVHandoff
+from octoserve.services.engine.vllm_kv import KvTransfer
 
 TIER_STRIDE = 1000  # priority units per tier: larger than any deadline offset
 DEADLINE_BUCKET_MS = 10.0
@@ -469,7 +469,7 @@ def _tokens(prompt: tuple[int, ...]) -> Any:
 def make_vllm_engine(
     instance_cfg: Any, model_path: str, *, node_cfg: Any = None, kv_transfer: KvTransfer | None = None, **overrides: Any
 ) -> VllmEngine:
-    """A VllmEngine for one instance of a node config (services.core.placement.InstanceConfig or a mapping).
+    """A VllmEngine for one instance of a node config (octoserve.services.core.placement.InstanceConfig or a mapping).
 
     Read from the instance: id (or instance_id), model, role, tp, max_num_seqs, max_num_batched_tokens,
     enable_prefix_caching. `max_model_len` is the node's context length for the model (when `node_cfg` is given)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.core.types import Role
+from octoserve.services.core.types import Role
 
 EXAMPLE = "example"
 NIXL = "nixl"

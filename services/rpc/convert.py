@@ -1,4 +1,4 @@
-"""Protobuf <-> core dataclass conversion: the one place where wire types meet `services.core.types`.
+"""Protobuf <-> core dataclass conversion: the one place where wire types meet `octoserve.services.core.types`.
 
 Invariants:
 - Pure functions, no I/O. Wire defaults map to the core's meaning here and nowhere else
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from services.core.types import (
+from octoserve.services.core.types import (
     BlockRemoved,
     BlockStored,
     EngineLoad,
@@ -22,10 +22,10 @@ from services.core.types import (
     Role,
     SamplingParams,
 )
-from services.engine.base import KVHandoff
-from services.rpc.gen import generate_pb2 as gen_pb
-from services.rpc.gen import kv_pb2 as kv_pb
-from services.rpc.gen import worker_pb2 as w_pb
+from octoserve.services.engine.base import KVHandoff
+from octoserve.v1 import generate_pb2 as gen_pb
+from octoserve.services.rpc.gen import kv_pb2 as kv_pb
+from octoserve.services.rpc.gen import worker_pb2 as w_pb
 
 PRIORITY_FROM_PB = {
     gen_pb.PRIORITY_UNSPECIFIED: Priority.STANDARD,

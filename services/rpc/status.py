@@ -17,7 +17,7 @@ from google.protobuf import duration_pb2
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from services.core.errors import (
+from octoserve.services.core.errors import (
     DeadlineExceeded,
     Draining,
     InvalidArgument,
@@ -27,7 +27,7 @@ from services.core.errors import (
     SloInfeasible,
     UnknownModel,
 )
-from services.engine.base import CapacityError, EngineError, HandoffError
+from octoserve.services.engine.base import CapacityError, EngineError, HandoffError
 
 RETRY_AFTER_MS_KEY = "retry-after-ms"
 

@@ -18,13 +18,13 @@ from collections.abc import AsyncIterator
 import grpc
 import prometheus_client as prom
 
-from services.core.errors import Draining
-from services.core.types import EngineLoad, KVEvent
-from services.engine.base import Engine
-from services.rpc import convert
-from services.rpc import status as rpc_status
-from services.rpc.gen import worker_pb2 as w_pb
-from services.rpc.gen import worker_pb2_grpc as w_grpc
+from octoserve.services.core.errors import Draining
+from octoserve.services.core.types import EngineLoad, KVEvent
+from octoserve.services.engine.base import Engine
+from octoserve.services.rpc import convert
+from octoserve.services.rpc import status as rpc_status
+from octoserve.services.rpc.gen import worker_pb2 as w_pb
+from octoserve.services.rpc.gen import worker_pb2_grpc as w_grpc
 
 log = logging.getLogger("octoserve.worker")
 

@@ -1,6 +1,6 @@
 """The process entry point shared by prefill_worker and decode_worker: one engine instance, one gRPC server.
 
-`python -m decode_worker --instance llama-3-8b-0 [--config node.yaml] [--engine sim] [--time-scale K]
+`python -m octoserve.decode_worker --instance llama-3-8b-0 [--config node.yaml] [--engine sim] [--time-scale K]
  [--scheduler 127.0.0.1:P] [--port 0] [--metrics-port 0] [--ready-file F] [--grace-s 10]`
 After it serves, the worker registers its address with the scheduler (when given), so the router finds it there.
 """
@@ -15,12 +15,12 @@ from collections.abc import Callable
 
 import grpc
 
-from services.rpc.gen import scheduler_pb2 as s_pb
-from services.rpc.gen import scheduler_pb2_grpc as s_grpc
-from services.rpc.gen import worker_pb2 as w_pb
-from services.rpc.gen import worker_pb2_grpc as w_grpc
-from services.rpc.server import RunningService, ServiceSpec, setup_logging
-from services.rpc.worker_base import WorkerBase
+from octoserve.services.rpc.gen import scheduler_pb2 as s_pb
+from octoserve.services.rpc.gen import scheduler_pb2_grpc as s_grpc
+from octoserve.services.rpc.gen import worker_pb2 as w_pb
+from octoserve.services.rpc.gen import worker_pb2_grpc as w_grpc
+from octoserve.services.rpc.server import RunningService, ServiceSpec, setup_logging
+from octoserve.services.rpc.worker_base import WorkerBase
 
 WORKER_SERVICE = w_pb.DESCRIPTOR.services_by_name["Worker"].full_name
 REGISTER_TIMEOUT_S = 10.0
@@ -49,8 +49,8 @@ async def register(scheduler: str, instance_id: str, address: str) -> None:
 
 
 def worker_spec(args: argparse.Namespace, make_servicer: Callable[..., WorkerBase]) -> ServiceSpec:
-    from services.config import load_node_config
-    from services.engine.factory import make_engine
+    from octoserve.services.config import load_node_config
+    from octoserve.services.engine.factory import make_engine
 
     node_cfg = load_node_config(args.config)
     engine = make_engine(node_cfg, args.instance, engine=args.engine, time_scale=args.time_scale, model_path=args.model)
@@ -87,7 +87,7 @@ def worker_main(argv: list[str] | None, make_servicer: Callable[..., WorkerBase]
 
 def run_main_with(args: argparse.Namespace, make_servicer: Callable[..., WorkerBase]) -> int:
     async def build_and_serve() -> int:
-        from services.rpc.server import serve_until_signal
+        from octoserve.services.rpc.server import serve_until_signal
 
         return await serve_until_signal(worker_spec(args, make_servicer))
 

@@ -1,8 +1,8 @@
-"""`python -m services.scheduler ...`: run the central scheduler process (see services.scheduler.service)."""
+"""`python -m octoserve.services.scheduler ...`: run the central scheduler process (see octoserve.services.scheduler.service)."""
 
 import sys
 
-from services.scheduler.service import main
+from octoserve.services.scheduler.service import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -21,14 +21,14 @@ from dataclasses import dataclass
 import grpc
 import prometheus_client as prom
 
-from services.core.placement import NodeConfig
-from services.core.types import EngineLoad
-from services.rpc import convert
-from services.rpc.gen import scheduler_pb2 as s_pb
-from services.rpc.gen import scheduler_pb2_grpc as s_grpc
-from services.rpc.gen import worker_pb2 as w_pb
-from services.rpc.gen import worker_pb2_grpc as w_grpc
-from services.rpc.server import ServiceSpec, setup_logging
+from octoserve.services.core.placement import NodeConfig
+from octoserve.services.core.types import EngineLoad
+from octoserve.services.rpc import convert
+from octoserve.services.rpc.gen import scheduler_pb2 as s_pb
+from octoserve.services.rpc.gen import scheduler_pb2_grpc as s_grpc
+from octoserve.services.rpc.gen import worker_pb2 as w_pb
+from octoserve.services.rpc.gen import worker_pb2_grpc as w_grpc
+from octoserve.services.rpc.server import ServiceSpec, setup_logging
 
 log = logging.getLogger("octoserve.scheduler")
 
@@ -191,8 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging("scheduler", args.log_level)
 
     async def serve() -> int:
-        from services.config import load_node_config
-        from services.rpc.server import serve_until_signal
+        from octoserve.services.config import load_node_config
+        from octoserve.services.rpc.server import serve_until_signal
 
         spec, _ = scheduler_spec(load_node_config(args.config), port=args.port, metrics_port=args.metrics_port,
                                  ready_file=args.ready_file, grace_s=args.grace_s)

@@ -28,16 +28,16 @@ CAPACITY_ATTAINMENT = 0.9  # of offered requests good (DistServe goodput, refuse
 
 
 def passes(group, slo=None, threshold: float = CAPACITY_ATTAINMENT) -> bool:
-    """The capacity criterion on one metrics group (`services.metrics.GroupStats`): `passes_capacity`. `slo` is
+    """The capacity criterion on one metrics group (`octoserve.services.metrics.GroupStats`): `passes_capacity`. `slo` is
     unused (the group carries its fleet-SLO verdict) and kept for callers that pass it."""
-    from services.metrics import passes_capacity
+    from octoserve.services.metrics import passes_capacity
 
     return passes_capacity(group, threshold)
 
 
 def measured_run(config, trace, *, seed: int, drain_s: float, warmup_s: float):
     """(SimResult, its Summary over the measurement window [warmup_s, last arrival])."""
-    from services.sim.driver import run_simulation
+    from octoserve.services.sim.driver import run_simulation
 
     res = run_simulation(config, trace, seed=seed, drain_s=drain_s, warmup_s=warmup_s)
     return res, res.summary

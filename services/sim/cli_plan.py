@@ -5,7 +5,7 @@ verdict; the two SLO-aware ESTIMATES of the configured placement (not bounds: a 
 can beat them); the analytic ranking of candidate placements by the SLO-aware estimate; then, with `--top N`, a
 check that the configured placement's simulated goodput stays under the upper bound, and the top N candidates
 simulated in steady state (`--warmup` excluded) and ranked twice: by SLO capacity (multi-seed bisection,
-`services.sim.capacity`) and by goodput at the offered rate, with both recommendations.
+`octoserve.services.sim.capacity`) and by goodput at the offered rate, with both recommendations.
 
 Time is bounded: at most N x (1 + capacity_steps x capacity_seeds) + 1 simulations of `--duration` seconds each,
 each one announced on stderr as it starts.
@@ -19,9 +19,9 @@ import math
 import sys
 from dataclasses import asdict, replace
 
-from services.core import planner
-from services.core.placement import NodeConfig
-from services.sim.cli_simulate import add_cost_profile_argument, load_with_overrides
+from octoserve.services.core import planner
+from octoserve.services.core.placement import NodeConfig
+from octoserve.services.sim.cli_simulate import add_cost_profile_argument, load_with_overrides
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _mean(dist) -> float:
-    """Nominal mean of a services.workload.LengthDist (clipping ignored: it moves seed 000's means by < 1 %)."""
+    """Nominal mean of a octoserve.services.workload.LengthDist (clipping ignored: it moves seed 000's means by < 1 %)."""
     if dist.kind == "fixed":
         return float(dist.value)
     if dist.kind == "uniform":
@@ -158,7 +158,7 @@ class _Runs:
         self.total, self.done = total, 0
 
     def __call__(self, config, trace, seed: int, warmup_s: float, what: str):
-        from services.sim.capacity import measured_run
+        from octoserve.services.sim.capacity import measured_run
 
         self.done += 1
         print(f"  [{self.done}/<={self.total}] {what}", file=sys.stderr, flush=True)
@@ -166,7 +166,7 @@ class _Runs:
 
 
 def _trace(profile, rate_rps: float, duration_s: float, seed: int):
-    from services.workload import generate_trace, scaled
+    from octoserve.services.workload import generate_trace, scaled
 
     return generate_trace(scaled(profile, rate_rps=rate_rps, duration_s=duration_s), seed)
 
@@ -183,7 +183,7 @@ def _check_configured(config, profile, mix, roofline, args, runs: _Runs) -> dict
 
 def _simulate(ranked, profile, mix, roofline, args, runs: _Runs) -> dict:
     """label -> figures of the top N candidates: goodput at the offered rate and SLO capacity by bisection."""
-    from services.sim.capacity import CAPACITY_ATTAINMENT, Probe, bisect_capacity, passes, start_search
+    from octoserve.services.sim.capacity import CAPACITY_ATTAINMENT, Probe, bisect_capacity, passes, start_search
 
     top = ranked[: args.top]
     configs = {p.label: p.config for p, _ in top}
@@ -218,7 +218,7 @@ def _simulate(ranked, profile, mix, roofline, args, runs: _Runs) -> dict:
 
 
 def _print_recommendations(simulated: dict, rate_rps: float) -> list[str]:
-    from services.sim.capacity import rank_by_both
+    from octoserve.services.sim.capacity import rank_by_both
 
     by_cap, by_goodput, rec = rank_by_both({k: (v["capacity_rps"], v["goodput_rps"]) for k, v in simulated.items()})
     print("\nRanked by SLO capacity (>= 90 % of offered good and fleet SLO met; per seed min / median / max):")
@@ -248,7 +248,7 @@ def _with_profile_slo(config: NodeConfig, profile) -> NodeConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    from services.workload import PROFILES
+    from octoserve.services.workload import PROFILES
 
     if args.profile not in PROFILES:
         print(f"unknown profile {args.profile!r}; choose one of: {', '.join(sorted(PROFILES))}")

@@ -12,11 +12,11 @@ import json
 import sys
 from pathlib import Path
 
-from services.config import load_node_config
-from services.metrics import SloSpec, summary_to_dict
-from services.progress import Progress
-from services.sim.driver import SimResult, run_simulation
-from services.workload import PROFILES, generate_trace, scaled
+from octoserve.services.config import load_node_config
+from octoserve.services.metrics import SloSpec, summary_to_dict
+from octoserve.services.progress import Progress
+from octoserve.services.sim.driver import SimResult, run_simulation
+from octoserve.services.workload import PROFILES, generate_trace, scaled
 
 
 def parse_duration_s(text: str) -> float:
@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
 
 def add_cost_profile_argument(parser: argparse.ArgumentParser) -> None:
     """`--cost-profile NAME`: sets the config's `cost_profile` key (shared by simulate, plan, up and demo)."""
-    from services.core.cost_model import COST_PROFILES
+    from octoserve.services.core.cost_model import COST_PROFILES
 
     parser.add_argument("--cost-profile", choices=list(COST_PROFILES), default=None,
                         help="cost-model constants (default: the config's cost_profile, else 'default')")
@@ -74,7 +74,7 @@ def raw_config_with_overrides(path: str | None, overrides: list[str], cost_profi
     """The node config as a plain dict, `section.key=value` overrides and `cost_profile` applied, not validated."""
     import yaml
 
-    from services.config import default_config_text
+    from octoserve.services.config import default_config_text
 
     raw = yaml.safe_load(default_config_text() if path is None else Path(path).read_text(encoding="utf-8"))
     for item in overrides:
@@ -95,7 +95,7 @@ def config_source(path: str | None, cost_profile: str | None):
 
 def load_with_overrides(path: str | None, overrides: list[str], cost_profile: str | None = None):
     """The node config with `section.key=value` overrides and `--cost-profile` applied before validation."""
-    from services.core.placement import node_config_from_dict
+    from octoserve.services.core.placement import node_config_from_dict
 
     if not overrides and cost_profile is None:
         return load_node_config(path)
@@ -121,7 +121,7 @@ def simulate_with_progress(
 
 
 def format_result(result: SimResult) -> str:
-    from services.metrics import format_summary
+    from octoserve.services.metrics import format_summary
 
     lines = [format_summary(result.summary), "",
              "instance            model          role       steps   busy  preempt  kv_mean  kv_max"
@@ -151,7 +151,7 @@ def write_json(result: SimResult, path: str) -> None:
 
 
 def write_plots(result: SimResult, directory: str, slo: SloSpec) -> list[Path]:
-    from services.plots import plot_attainment_over_time, plot_latency_cdfs, plot_timeseries
+    from octoserve.services.plots import plot_attainment_over_time, plot_latency_cdfs, plot_timeseries
 
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 """The discrete-event simulator of the whole node: the same core objects as the live services, on a virtual clock.
 
 Pop an event, set the time, let the event produce new events (as in Vidur). Entities:
-- the router policy (`services.core.routing.RouterPolicy`): admission and routing on fresh load snapshots;
+- the router policy (`octoserve.services.core.routing.RouterPolicy`): admission and routing on fresh load snapshots;
 - one `_Instance` per engine instance: a core `Batcher`, a `SimExecutor` and the instance's cost model; an instance
   is either idle or running exactly one step, whose end is an event;
 - KV hand-offs between prefill and decode instances, each an event after its modelled NVLink time.
@@ -26,13 +26,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from services.core.batcher import Batcher
-from services.core.instance import LoadReporter, instance_parts
-from services.core.placement import InstanceConfig, NodeConfig
-from services.core.sim_executor import SimExecutor
-from services.core.types import FinishReason, HandoffReady, RequestOutput, StepPlan, StepResult
-from services.metrics import MIN_WARMUP_S, RequestRecord, SloSpec, Summary, Window, detect_window, summarize
-from services.workload import TraceRequest
+from octoserve.services.core.batcher import Batcher
+from octoserve.services.core.instance import LoadReporter, instance_parts
+from octoserve.services.core.placement import InstanceConfig, NodeConfig
+from octoserve.services.core.sim_executor import SimExecutor
+from octoserve.services.core.types import FinishReason, HandoffReady, RequestOutput, StepPlan, StepResult
+from octoserve.services.metrics import MIN_WARMUP_S, RequestRecord, SloSpec, Summary, Window, detect_window, summarize
+from octoserve.services.workload import TraceRequest
 
 _ARRIVAL, _STEP_DONE, _TRANSFER_DONE, _SAMPLE = range(4)
 
@@ -125,7 +125,7 @@ class SimResult:
 
 class NodeSimulator:
     def __init__(self, config: NodeConfig, *, seed: int = 0, sample_interval_s: float = 1.0, router=None) -> None:
-        from services.core.routing import RouterPolicy
+        from octoserve.services.core.routing import RouterPolicy
 
         self.config = config
         self.instances = {cfg.id: _Instance(config, cfg) for cfg in config.instances}
@@ -191,7 +191,7 @@ class NodeSimulator:
     # ---- arrivals and routing ------------------------------------------------------------------------------
 
     def _on_arrival(self, req: TraceRequest) -> None:
-        from services.core.routing import Refuse
+        from octoserve.services.core.routing import Refuse
 
         tracker = _Tracker(req)
         self._trackers[req.request_id] = tracker

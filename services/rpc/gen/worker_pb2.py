@@ -22,7 +22,7 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
-from . import generate_pb2 as octoserve_dot_v1_dot_generate__pb2
+from octoserve.v1 import generate_pb2 as octoserve_dot_v1_dot_generate__pb2
 from . import kv_pb2 as octoserve_dot_v1_dot_kv__pb2
 
 

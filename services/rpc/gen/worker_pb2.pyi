@@ -1,4 +1,4 @@
-from . import generate_pb2 as _generate_pb2
+from octoserve.v1 import generate_pb2 as _generate_pb2
 from . import kv_pb2 as _kv_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper

@@ -31,9 +31,9 @@ import grpc
 import grpc.aio
 from google.rpc import error_details_pb2, status_pb2
 
-from services.core.types import FinishReason, Priority
-from services.rpc.gen import generate_pb2 as pb
-from services.rpc.gen import generate_pb2_grpc as pb_grpc
+from octoserve.types import FinishReason, Priority
+from octoserve.v1 import generate_pb2 as pb
+from octoserve.v1 import generate_pb2_grpc as pb_grpc
 
 RETRY_AFTER_MS_KEY = "retry-after-ms"
 STATUS_DETAILS_KEY = "grpc-status-details-bin"

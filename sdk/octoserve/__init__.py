@@ -1,0 +1,37 @@
+"""octoserve: the client SDK of the octoserve serving node (and, in a full install, the node itself).
+
+    from octoserve import Client, AsyncClient, OverloadedError
+
+    with Client("127.0.0.1:50051") as client:
+        print(client.complete("llama-3-8b", "Hello", max_tokens=16).text)
+
+The SDK needs only grpcio, protobuf and the Google API common protos; it installs alone from `sdk/` in the
+repository. The node's services live under `octoserve.services`, `octoserve.router`, `octoserve.prefill_worker` and
+`octoserve.decode_worker` in a full install. The public API's `.proto` file ships next to its generated modules
+(`octoserve/v1/generate.proto`).
+"""
+
+from octoserve.client import (
+    AsyncClient,
+    Chunk,
+    Client,
+    Completion,
+    DeadlineExceededError,
+    InvalidArgumentError,
+    ModelInfo,
+    ModelNotFoundError,
+    OctoserveClientError,
+    OverloadedError,
+    RetryBudget,
+    RetryPolicy,
+    SloInfeasibleError,
+    UnavailableError,
+    Usage,
+)
+from octoserve.types import FinishReason, Priority
+
+__all__ = [
+    "AsyncClient", "Chunk", "Client", "Completion", "DeadlineExceededError", "FinishReason", "InvalidArgumentError",
+    "ModelInfo", "ModelNotFoundError", "OctoserveClientError", "OverloadedError", "Priority", "RetryBudget",
+    "RetryPolicy", "SloInfeasibleError", "UnavailableError", "Usage",
+]
