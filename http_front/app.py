@@ -38,7 +38,7 @@ from aiohttp import web
 from octoserve.client import retry_after_ms_from_trailers
 from octoserve.http_front import protocol
 from octoserve.http_front.protocol import ApiError, ParsedRequest
-from octoserve.http_front.text import TextCodec
+from octoserve.http_front.text import StopTrimmer, TextCodec
 from octoserve.services.rpc.server import GRPC_OPTIONS, HOST, log_fields, setup_logging, stop_with_launcher
 from octoserve.v1 import generate_pb2 as pb
 from octoserve.v1 import generate_pb2_grpc as pb_grpc
@@ -205,17 +205,17 @@ class Front:
                       chat: bool, model_label: str) -> web.StreamResponse:
         rid = ("chatcmpl-" if chat else "cmpl-") + (first.request_id or uuid.uuid4().hex)
         created = int(time.time())
-        detok = self.codec.detokenizer()
+        detok, trim = self.codec.detokenizer(), StopTrimmer(parsed.stop)
         tokens = self.metrics.tokens.labels(model_label)
         response = web.StreamResponse(headers=SSE_HEADERS)
         await response.prepare(request)
         message, is_first = first, True
         try:
             while True:
-                text = detok.push(message.token_ids)
+                text = trim.push(detok.push(message.token_ids))
                 finish = protocol.FINISH_REASONS.get(message.finish_reason)
                 if finish is not None:
-                    text += detok.flush()
+                    text += trim.push(detok.flush()) + trim.finish()
                 if message.token_ids:
                     tokens.inc(len(message.token_ids))
                 if text or finish is not None or is_first:
@@ -241,13 +241,13 @@ class Front:
     async def _collect(self, call, first: pb.GenerateResponse, parsed: ParsedRequest, chat: bool,
                        model_label: str) -> web.Response:
         rid = ("chatcmpl-" if chat else "cmpl-") + (first.request_id or uuid.uuid4().hex)
-        detok = self.codec.detokenizer()
+        detok, trim = self.codec.detokenizer(), StopTrimmer(parsed.stop)
         pieces, message = [], first
         try:
             while True:
-                pieces.append(detok.push(message.token_ids))
+                pieces.append(trim.push(detok.push(message.token_ids)))
                 if message.finish_reason:
-                    pieces.append(detok.flush())
+                    pieces.append(trim.push(detok.flush()) + trim.finish())
                     break
                 message = await _read(call)
         except ApiError as e:

@@ -115,3 +115,43 @@ class Detokenizer:
         full = decode(self.ids[self.prefix_offset:], skip_special_tokens=True)
         self.read_offset = len(self.ids)
         return full[len(prefix):]
+
+
+class StopTrimmer:
+    """OpenAI's `stop` semantics on streamed text: the returned text ends before the first stop string.
+
+    The engine stops generating at a stop string, but its last token carries the stop string's text (and maybe
+    more); the front never sends text that could be the start of a stop string until the next piece decides it.
+    Invariant: the concatenation of what `push` and `finish` return is the whole text cut before the first
+    occurrence of any stop string (the whole text when none occurs)."""
+
+    __slots__ = ("stops", "held", "stopped", "_keep")
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self.stops = stops
+        self.held = ""
+        self.stopped = False
+        self._keep = max((len(s) for s in stops), default=1) - 1
+
+    def push(self, text: str) -> str:
+        if not self.stops:
+            return text
+        if self.stopped:
+            return ""
+        self.held += text
+        cut = min((i for i in (self.held.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped = True
+            out, self.held = self.held[:cut], ""
+            return out
+        safe = len(self.held) - self._keep
+        if safe <= 0:
+            return ""
+        out, self.held = self.held[:safe], self.held[safe:]
+        return out
+
+    def finish(self) -> str:
+        if self.stopped:
+            return ""
+        out, self.held = self.held, ""
+        return out

@@ -309,3 +309,21 @@ def test_draining_front_refuses_with_503_and_finishes_the_stream_in_flight(tmp_p
         assert node.http.proc.wait(timeout=15) == 0
     finally:
         node.stop()
+
+
+@pytest.mark.parametrize(
+    "stops, pieces, expected",
+    [
+        ((), ["ab", "c"], "abc"),
+        (("\n\n",), ["Hello\n", "\nWorld"], "Hello"),
+        (("END",), ["xE", "N", "Dyz"], "x"),
+        (("END", "x"), ["abcE", "Nx"], "abcEN"),
+        (("zz",), ["abz", "q"], "abzq"),
+    ],
+)
+def test_stop_trimmer_cuts_before_the_first_stop_string_whatever_the_pieces(stops, pieces, expected):
+    from octoserve.http_front.text import StopTrimmer
+
+    trim = StopTrimmer(stops)
+    out = [trim.push(p) for p in pieces] + [trim.finish()]
+    assert "".join(out) == expected
