@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP front: a process beside the router that speaks HTTP/JSON to clients and
 `octoserve.v1.Generation` to the router.
 
-    python -m octoserve.http_front --router 127.0.0.1:50051 [--port 8000] [--model DIR] [--ready-file F]
+    python -m octoserve.http_front --router 127.0.0.1:50051 [--port 8000] [--model DIR | --models-root DIR]
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (SSE when `stream` is true), GET /v1/models,
 GET /health, GET /metrics. Request and response shapes: `protocol.py`; text and chat templates: `text.py`.
@@ -29,6 +29,7 @@ import signal
 import time
 import uuid
 from collections.abc import Mapping
+from pathlib import Path
 
 import grpc
 import grpc.aio
@@ -81,9 +82,11 @@ class FrontMetrics:
 
 
 class Front:
-    def __init__(self, router_address: str, codec: TextCodec, grace_s: float = 10.0) -> None:
+    def __init__(self, router_address: str, codecs: Mapping[str, TextCodec] | None = None, grace_s: float = 10.0,
+                 default_codec: TextCodec | None = None) -> None:
         self.router_address = router_address
-        self.codec = codec
+        self.codecs = dict(codecs or {})  # model -> its tokenizer and chat template
+        self.default_codec = default_codec or TextCodec()  # models without their own (the sim engine)
         self.grace_s = grace_s
         self.channel = grpc.aio.insecure_channel(router_address, options=GRPC_OPTIONS)
         self.stub = pb_grpc.GenerationStub(self.channel)
@@ -100,6 +103,9 @@ class Front:
         self.models = {m.name: m.context_window for m in reply.models}
         self.metrics.served.clear()
         self.metrics.served.update(self.models)
+
+    def codec(self, model: str) -> TextCodec:
+        return self.codecs.get(model, self.default_codec)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 * 1024 * 1024)
@@ -173,13 +179,13 @@ class Front:
     def _grpc_request(self, parsed: ParsedRequest, chat: bool) -> pb.GenerateRequest:
         if chat:
             try:
-                text = self.codec.render_chat(parsed.messages)
+                text = self.codec(parsed.model).render_chat(parsed.messages)
             except Exception as e:  # a template that rejects these messages (e.g. roles out of order)
                 raise protocol.invalid("messages", f"the chat template of {parsed.model} rejects these "
                                                    f"messages: {e}") from None
-            prompt = self.codec.encode_prompt(text, chat=True)
+            prompt = self.codec(parsed.model).encode_prompt(text, chat=True)
         elif isinstance(parsed.prompt, str):
-            prompt = self.codec.encode_prompt(parsed.prompt, chat=False)
+            prompt = self.codec(parsed.model).encode_prompt(parsed.prompt, chat=False)
         else:
             prompt = parsed.prompt
         max_tokens = parsed.max_tokens
@@ -205,7 +211,7 @@ class Front:
                       chat: bool, model_label: str) -> web.StreamResponse:
         rid = ("chatcmpl-" if chat else "cmpl-") + (first.request_id or uuid.uuid4().hex)
         created = int(time.time())
-        detok, trim = self.codec.detokenizer(), StopTrimmer(parsed.stop)
+        detok, trim = self.codec(parsed.model).detokenizer(), StopTrimmer(parsed.stop)
         tokens = self.metrics.tokens.labels(model_label)
         response = web.StreamResponse(headers=SSE_HEADERS)
         await response.prepare(request)
@@ -241,7 +247,7 @@ class Front:
     async def _collect(self, call, first: pb.GenerateResponse, parsed: ParsedRequest, chat: bool,
                        model_label: str) -> web.Response:
         rid = ("chatcmpl-" if chat else "cmpl-") + (first.request_id or uuid.uuid4().hex)
-        detok, trim = self.codec.detokenizer(), StopTrimmer(parsed.stop)
+        detok, trim = self.codec(parsed.model).detokenizer(), StopTrimmer(parsed.stop)
         pieces, message = [], first
         try:
             while True:
@@ -324,9 +330,14 @@ def _metadata(headers: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
 
 async def serve(args: argparse.Namespace) -> int:
     stop_with_launcher()
-    codec = TextCodec.from_model_dir(args.model) if args.model else TextCodec()
-    front = Front(args.router, codec, grace_s=args.grace_s)
+    front = Front(args.router, grace_s=args.grace_s,
+                  default_codec=TextCodec.from_model_dir(args.model) if args.model else None)
     await front.refresh_models(timeout_s=args.startup_timeout_s, wait_for_ready=True)
+    if args.models_root:
+        for name in front.models:
+            folder = Path(args.models_root) / name
+            if (folder / "tokenizer.json").exists():
+                front.codecs[name] = TextCodec.from_model_dir(folder)
     runner = web.AppRunner(front.app(), access_log=None, handle_signals=False)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
@@ -355,7 +366,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--router", required=True, help="the router's host:port (octoserve.v1.Generation)")
     parser.add_argument("--host", default=HOST, help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="HTTP port (0: any free port)")
-    parser.add_argument("--model", default=None, help="model directory: its tokenizer and chat template")
+    parser.add_argument("--model", default=None,
+                        help="model directory whose tokenizer and chat template serve every model (as `up --model`)")
+    parser.add_argument("--models-root", default=None,
+                        help="folder with one subfolder per served model name (its tokenizer and chat template)")
     parser.add_argument("--ready-file", default=None)
     parser.add_argument("--grace-s", type=float, default=10.0)
     parser.add_argument("--startup-timeout-s", type=float, default=60.0)
