@@ -224,7 +224,8 @@ class Front:
                     text += trim.push(detok.flush()) + trim.finish()
                 if message.token_ids:
                     tokens.inc(len(message.token_ids))
-                if text or finish is not None or is_first:
+                if message.token_ids or finish is not None or is_first:  # one event per message, as vLLM does
+                    # (text may be empty: a token that completes no character, or one held back by `stop`)
                     chunk = (protocol.chat_chunk(rid, created, parsed.model, text, finish, is_first) if chat else
                              protocol.completion_chunk(rid, created, parsed.model, text, finish))
                     await response.write(sse(chunk))

@@ -344,7 +344,7 @@ def completion_chunk(rid: str, created: int, model: str, text: str, finish_reaso
 def chat_chunk(rid: str, created: int, model: str, text: str | None, finish_reason: str | None,
                first: bool) -> dict[str, Any]:
     delta: dict[str, Any] = {"role": "assistant", "content": text or ""} if first else (
-        {"content": text} if text else {})
+        {"content": text} if text or finish_reason is None else {})
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
 

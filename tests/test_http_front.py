@@ -289,6 +289,21 @@ def test_health_and_metrics(node, client):
     assert 'model="not-served"' not in text  # model labels are bounded to the served models
 
 
+def wait_until_draining(url: str, timeout_s: float = 10.0) -> None:
+    import time
+    import urllib.error
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(url + "/health", timeout=2).close()
+        except urllib.error.HTTPError as e:
+            if e.code == 503 and json.loads(e.read())["error"]["code"] == "draining":
+                return
+        time.sleep(0.01)
+    raise AssertionError("the front did not start draining after SIGTERM")
+
+
 @pytest.mark.slow
 def test_draining_front_refuses_with_503_and_finishes_the_stream_in_flight(tmp_path):
     node = start_node(small_config_dict(), time_scale=1.0, run_dir=tmp_path, startup_timeout_s=60, grace_s=10,
@@ -300,6 +315,7 @@ def test_draining_front_refuses_with_503_and_finishes_the_stream_in_flight(tmp_p
             chunks = iter(stream)
             first = next(chunks)
             os.kill(node.http.pid, signal.SIGTERM)
+            wait_until_draining(node.http_url)  # the signal is delivered asynchronously
             with pytest.raises(openai.InternalServerError) as caught:
                 c.completions.create(model=COLOCATED_MODEL, prompt=TOKENS, max_tokens=3)
             assert caught.value.status_code == 503 and caught.value.code == "draining"
