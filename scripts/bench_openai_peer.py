@@ -82,7 +82,7 @@ def run_harness(args, base_url: str, rate: str, seed: int, out: Path) -> dict:
            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,95",
            "--goodput", f"ttft:{args.ttft_slo_ms:g}", f"tpot:{args.tpot_slo_ms:g}",
            "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name, "--disable-tqdm",
-           "--num-warmups", "2"]
+           "--num-warmups", "2", "--save-detailed"]
     if rate == "isolated":
         cmd += ["--num-prompts", str(args.isolated_requests), "--max-concurrency", "1", "--request-rate", "inf"]
     else:
@@ -106,6 +106,21 @@ def run_harness(args, base_url: str, rate: str, seed: int, out: Path) -> dict:
 # ---- the three servers ----------------------------------------------------------------------------------------------
 
 
+def scrape_ttft(url: str, name: str) -> tuple[float, float]:
+    """(sum of seconds, count) of a Prometheus TTFT histogram, over all its label values."""
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=5) as r:
+        text = r.read().decode()
+    total = count = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "_sum"):
+            total += float(line.rsplit(" ", 1)[1])
+        elif line.startswith(name + "_count"):
+            count += float(line.rsplit(" ", 1)[1])
+    return total, count
+
+
 class OctoserveSide:
     def __init__(self, args, engine: str, run_dir: Path) -> None:
         from bench_vllm_vs_octoserve import KV_CACHE_GIB, TINY_CONFIG
@@ -115,8 +130,15 @@ class OctoserveSide:
         self.node = start_node(str(TINY_CONFIG), engine=engine, model_path=str(args.model), run_dir=run_dir,
                                startup_timeout_s=args.start_timeout_s, grace_s=10.0, http_port=0,
                                extra_env={"OCTOSERVE_VLLM_DTYPE": "float32", "HF_HUB_OFFLINE": "1",
-                                          "VLLM_CPU_KVCACHE_SPACE": str(int(KV_CACHE_GIB))})
+                                          "VLLM_CPU_KVCACHE_SPACE": str(int(KV_CACHE_GIB)),
+                                          **dict(kv.split("=", 1) for kv in args.octoserve_env)})
         self.base_url = self.node.http_url
+
+    def layer_ttfts(self) -> dict[str, tuple[float, float]]:
+        """Where the TTFT goes: (sum s, count) as the front and as the router measured it."""
+        return {"front": scrape_ttft(self.base_url + "/metrics", "octoserve_http_ttft_seconds"),
+                "router": scrape_ttft(f"http://127.0.0.1:{self.node.router.metrics_port}/metrics",
+                                      "octoserve_router_ttft_seconds")}
 
     def stop(self) -> None:
         self.node.stop()
@@ -150,8 +172,17 @@ def run_side(args, side: str, session: int, out_dir: Path) -> dict[str, dict]:
     results = {}
     try:
         for i, rate in enumerate(args.rates):
+            before = server.layer_ttfts() if hasattr(server, "layer_ttfts") else None
             results[rate] = run_harness(args, server.base_url, rate, args.seed + i, run_dir / f"rate-{rate}.json")
             r = results[rate]
+            if before is not None:  # mean TTFT per layer over this rate's requests (warm-ups included)
+                after = server.layer_ttfts()
+                for layer in ("front", "router"):
+                    n = after[layer][1] - before[layer][1]
+                    r[f"{layer}_mean_ttft_ms"] = (after[layer][0] - before[layer][0]) / n * 1e3 if n else None
+                print(f"[{side}] rate {rate}: mean TTFT as measured by the front {r['front_mean_ttft_ms']:.1f} ms, "
+                      f"by the router {r['router_mean_ttft_ms']:.1f} ms, by the harness {r['mean_ttft_ms']:.1f} ms",
+                      flush=True)
             print(f"[{side}] rate {rate}: TTFT P50 {r['median_ttft_ms']:.1f} ms, ITL P50 {r['median_itl_ms']:.1f} ms, "
                   f"{r['output_throughput']:.0f} tok/s, completed {r['completed']} failed {r.get('failed', 0)} "
                   f"(load {os.getloadavg()[0]:.1f})", flush=True)
@@ -197,6 +228,8 @@ def main() -> int:
     p.add_argument("--pause-s", type=float, default=2.0)
     p.add_argument("--start-timeout-s", type=float, default=300.0)
     p.add_argument("--harness-timeout-s", type=float, default=300.0)
+    p.add_argument("--octoserve-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="an environment variable for every octoserve process (experiments); repeatable")
     p.add_argument("--out-dir", type=Path, default=None, help="results and logs (default: a new temp folder)")
     p.add_argument("--json", type=Path, default=None, help="write every session's harness results here")
     args = p.parse_args()
