@@ -83,13 +83,15 @@ class FrontMetrics:
 
 class Front:
     def __init__(self, router_address: str, codecs: Mapping[str, TextCodec] | None = None, grace_s: float = 10.0,
-                 default_codec: TextCodec | None = None) -> None:
+                 default_codec: TextCodec | None = None, stub=None) -> None:
+        """`stub`: the router's Generation API; by default a gRPC channel to `router_address`, inside the router
+        process the servicer itself (`local.LocalGeneration`)."""
         self.router_address = router_address
         self.codecs = dict(codecs or {})  # model -> its tokenizer and chat template
         self.default_codec = default_codec or TextCodec()  # models without their own (the sim engine)
         self.grace_s = grace_s
-        self.channel = grpc.aio.insecure_channel(router_address, options=GRPC_OPTIONS)
-        self.stub = pb_grpc.GenerationStub(self.channel)
+        self.channel = None if stub is not None else grpc.aio.insecure_channel(router_address, options=GRPC_OPTIONS)
+        self.stub = stub if stub is not None else pb_grpc.GenerationStub(self.channel)
         self.models: dict[str, int] = {}  # served model -> context window
         self.metrics = FrontMetrics(set())
         self.created = int(time.time())
@@ -296,7 +298,8 @@ class Front:
                 in_flight=self.in_flight))
 
     async def close(self) -> None:
-        await self.channel.close()
+        if self.channel is not None:
+            await self.channel.close()
 
 
 async def _read(call) -> pb.GenerateResponse:
@@ -331,14 +334,9 @@ def _metadata(headers: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
 
 async def serve(args: argparse.Namespace) -> int:
     stop_with_launcher()
-    front = Front(args.router, grace_s=args.grace_s,
-                  default_codec=TextCodec.from_model_dir(args.model) if args.model else None)
+    front = Front(args.router, grace_s=args.grace_s)
     await front.refresh_models(timeout_s=args.startup_timeout_s, wait_for_ready=True)
-    if args.models_root:
-        for name in front.models:
-            folder = Path(args.models_root) / name
-            if (folder / "tokenizer.json").exists():
-                front.codecs[name] = TextCodec.from_model_dir(folder)
+    load_codecs(front, args.model, args.models_root)
     runner = web.AppRunner(front.app(), access_log=None, handle_signals=False)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
@@ -361,6 +359,17 @@ async def serve(args: argparse.Namespace) -> int:
     await front.close()
     log.info("stopped")
     return 0
+
+
+def load_codecs(front: Front, model: str | None, models_root: str | None) -> None:
+    """`model`: one folder for every served model; `models_root`: a folder per served model name, where present."""
+    if model:
+        front.default_codec = TextCodec.from_model_dir(model)
+    if models_root:
+        for name in front.models:
+            folder = Path(models_root) / name
+            if (folder / "tokenizer.json").exists():
+                front.codecs[name] = TextCodec.from_model_dir(folder)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 POLL_S = 0.05
 
@@ -30,3 +31,13 @@ def wait_http_healthy(address: str, deadline: float) -> None:
         if time.monotonic() > deadline:
             raise LaunchError(f"the HTTP front at {address} is not healthy after the startup timeout")
         time.sleep(POLL_S)
+
+
+def inside_ready_file(run_dir) -> Path:
+    return Path(run_dir) / "http_front.ready.json"
+
+
+def inside_router_args(http_port: int, model_path: str | None, run_dir) -> list[str]:
+    """The router's flags that make it serve the front itself (see octoserve.http_front.local)."""
+    return ["--http-port", str(http_port), "--http-ready-file", str(inside_ready_file(run_dir)),
+            *(["--http-model", model_path] if model_path else [])]

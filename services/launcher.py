@@ -26,7 +26,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from octoserve.http_front.launch import http_front_args, wait_http_healthy
+from octoserve.http_front.launch import http_front_args, inside_ready_file, inside_router_args, wait_http_healthy
 from octoserve.services.core.types import Role
 from octoserve.services.rpc.server import LAUNCHER_PID_ENV
 
@@ -172,12 +172,13 @@ def start_node(
     router_args: tuple[str, ...] = (),
     extra_env: Mapping[str, str] | None = None,
     http_port: int | None = None,
+    http_inside: bool = False,
 ) -> Node:
     """Starts every process of the node and returns once all are SERVING (or stops them and raises LaunchError).
 
     config: None (embedded default placement), a YAML path, or a config dict. extra_env: variables added to every
     child's environment (e.g. OCTOSERVE_VLLM_DTYPE for the vllm engine). http_port: start the OpenAI-compatible
-    front on it (0: any free port; None: no front).
+    front on it (0: any free port; None: no front); http_inside: serve it from the router process instead of its own.
     """
     from octoserve.services.config import load_node_config
 
@@ -203,18 +204,24 @@ def start_node(
             started.append(workers[inst.id])
         # The router waits for a complete placement and every worker's session: give it the whole startup budget
         # (vLLM workers take 20-110 s to start on a CPU machine, past the router's own 60 s default).
+        inside = http_port is not None and http_inside
         router = _spawn("router", "octoserve.router", [*common, "--scheduler", scheduler.address, "--time-scale",
                                              str(time_scale), "--port", str(port),
-                                             "--startup-timeout-s", str(startup_timeout_s), *router_args], run_dir, env)
+                                             "--startup-timeout-s", str(startup_timeout_s), *router_args,
+                                             *(inside_router_args(http_port, model_path, run_dir) if inside else ())],
+                        run_dir, env)
         started.append(router)
         for sp in started:
             _wait_ready(sp, deadline)
             wait_healthy(sp.address, deadline)
         http = None
-        if http_port is not None:  # after the router: it needs the router's port
+        if http_port is not None and inside:  # the router process serves it: the same process, its own ready file
+            http = ServiceProcess("http_front", router.proc, inside_ready_file(run_dir), router.log_file)
+        elif http_port is not None:  # after the router: it needs the router's port
             http = _spawn("http_front", "octoserve.http_front", http_front_args(
                 router.address, http_port, model_path, grace_s, startup_timeout_s), run_dir, env)
             started.append(http)
+        if http is not None:
             _wait_ready(http, deadline)
             wait_http_healthy(http.address, deadline)
     except BaseException:
@@ -237,6 +244,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--http-port", type=int, default=8000,
                         help="OpenAI-compatible HTTP front on 127.0.0.1 (default 8000; 0: any free port)")
     parser.add_argument("--no-http", action="store_true", help="do not start the HTTP front")
+    parser.add_argument("--http-inside", action="store_true",
+                        help="serve the HTTP front from the router process instead of a process of its own")
     parser.add_argument("--run-dir", default=None, help="where logs and ready files go (default: a temp dir)")
     parser.add_argument("--startup-timeout-s", type=float, default=None,
                         help=f"default {DEFAULT_STARTUP_TIMEOUT_S:g} s, {VLLM_STARTUP_TIMEOUT_S:g} s with --engine vllm")
@@ -250,7 +259,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         node = start_node(config_source(args.config, args.cost_profile), args.time_scale, engine=args.engine, model_path=args.model, port=args.port,
                           run_dir=args.run_dir, startup_timeout_s=startup_timeout_s(args), grace_s=args.grace_s,
-                          http_port=None if args.no_http else args.http_port)
+                          http_port=None if args.no_http else args.http_port, http_inside=args.http_inside)
     except LaunchError as e:
         print(f"octoserve up: {e}", file=sys.stderr)
         return 1

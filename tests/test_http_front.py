@@ -122,10 +122,11 @@ def test_without_a_tokenizer_each_token_reads_as_its_id():
 # ---- a live node, the official client --------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def node(tmp_path_factory):
+@pytest.fixture(scope="module", params=["beside", "inside"])
+def node(request, tmp_path_factory):
+    """The front as its own process (the default) and inside the router process: every test runs on both."""
     n = start_node(small_config_dict(), time_scale=1.0, run_dir=tmp_path_factory.mktemp("http-node"),
-                   startup_timeout_s=60, grace_s=5, http_port=0)
+                   startup_timeout_s=60, grace_s=5, http_port=0, http_inside=request.param == "inside")
     yield n
     n.stop()
 
@@ -305,9 +306,10 @@ def wait_until_draining(url: str, timeout_s: float = 10.0) -> None:
 
 
 @pytest.mark.slow
-def test_draining_front_refuses_with_503_and_finishes_the_stream_in_flight(tmp_path):
+@pytest.mark.parametrize("inside", [False, True])
+def test_draining_front_refuses_with_503_and_finishes_the_stream_in_flight(tmp_path, inside):
     node = start_node(small_config_dict(), time_scale=1.0, run_dir=tmp_path, startup_timeout_s=60, grace_s=10,
-                      http_port=0)
+                      http_port=0, http_inside=inside)
     try:
         with openai.OpenAI(base_url=node.http_url + "/v1", api_key="unused", max_retries=0, timeout=30) as c:
             stream = c.completions.create(model=DISAGG_MODEL, prompt=TOKENS, max_tokens=300, stream=True,
