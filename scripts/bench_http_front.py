@@ -1,10 +1,10 @@
 """HTTP front overhead: added TTFT of the OpenAI-compatible front over the gRPC path, and streamed tokens per
 front CPU-second, measured the way scripts/bench_router.py measures the router.
 
-    .venv/bin/python scripts/bench_http_front.py [--requests 200] [--levels 1,32,128] [--time-scale 0.25]
+    .venv/bin/python scripts/bench_http_front.py [--mode inside|beside] [--requests 200] [--levels 1,32,128]
 
 What it runs: `start_node` with `scripts/bench_router_node.yaml` (scheduler, one 8B colocated worker, router) plus
-the HTTP front, each its own process on 127.0.0.1, sim engine.
+the HTTP front (inside the router process, or with --mode beside its own process) on 127.0.0.1, sim engine.
 1. TTFT: N sequential requests alternating (a) the SDK through the router (gRPC, the path bench_router.py calls
    "through the router") and (b) a streaming POST /v1/completions through the front, read as raw SSE with aiohttp
    (a lean client, so the figure is the front's, not a client library's). Same 32-token prompt, 4 output tokens.
@@ -153,7 +153,7 @@ async def bench(args) -> dict:
 
     run_dir = Path(tempfile.mkdtemp(prefix="octoserve-bench-http-"))
     node = start_node(str(NODE_YAML), args.time_scale, run_dir=run_dir, startup_timeout_s=60.0, grace_s=5.0,
-                      http_port=0)
+                      http_port=0, http_inside=args.mode == "inside")
     try:
         url = node.http_url + "/v1/completions"
         client = AsyncClient(node.router_address)
@@ -208,6 +208,9 @@ def main() -> int:
     p.add_argument("--warmup-s", type=float, default=1.5)
     p.add_argument("--max-tokens", type=int, default=1000)
     p.add_argument("--json", default=None)
+    p.add_argument("--mode", choices=("inside", "beside"), default="inside",
+                   help="the front inside the router process (the default; front and router CPU are then the same "
+                        "process) or beside it as a process of its own")
     p.add_argument("--load-child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--url", default="", help=argparse.SUPPRESS)
     p.add_argument("--concurrency", type=int, default=1, help=argparse.SUPPRESS)

@@ -47,7 +47,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
 
-SIDES = {"a": "octoserve HTTP, vllm engine", "b": "vLLM's OpenAI server", "c": "octoserve HTTP, sim engine"}
+SIDES = {"a": "octoserve HTTP, vllm engine", "b": "vLLM's OpenAI server", "c": "octoserve HTTP, sim engine",
+         "d": "octoserve HTTP inside the router, vllm engine"}
 METRICS = (("TTFT P50 ms", "median_ttft_ms"), ("TTFT P95 ms", "p95_ttft_ms"), ("ITL P50 ms", "median_itl_ms"),
            ("ITL P95 ms", "p95_itl_ms"), ("TPOT P50 ms", "median_tpot_ms"), ("output tok/s", "output_throughput"),
            ("goodput req/s", "request_goodput"), ("completed", "completed"), ("failed", "failed"))
@@ -122,13 +123,13 @@ def scrape_ttft(url: str, name: str) -> tuple[float, float]:
 
 
 class OctoserveSide:
-    def __init__(self, args, engine: str, run_dir: Path) -> None:
+    def __init__(self, args, engine: str, run_dir: Path, inside: bool = False) -> None:
         from bench_vllm_vs_octoserve import KV_CACHE_GIB, TINY_CONFIG
 
         from octoserve.services.launcher import start_node
 
         self.node = start_node(str(TINY_CONFIG), engine=engine, model_path=str(args.model), run_dir=run_dir,
-                               startup_timeout_s=args.start_timeout_s, grace_s=10.0, http_port=0,
+                               startup_timeout_s=args.start_timeout_s, grace_s=10.0, http_port=0, http_inside=inside,
                                extra_env={"OCTOSERVE_VLLM_DTYPE": "float32", "HF_HUB_OFFLINE": "1",
                                           "VLLM_CPU_KVCACHE_SPACE": str(int(KV_CACHE_GIB)),
                                           **dict(kv.split("=", 1) for kv in args.octoserve_env)})
@@ -167,7 +168,8 @@ def run_side(args, side: str, session: int, out_dir: Path) -> dict[str, dict]:
     run_dir = out_dir / f"{side}-{session}"
     run_dir.mkdir(parents=True, exist_ok=True)
     t = time.monotonic()
-    server = VllmSide(args, run_dir) if side == "b" else OctoserveSide(args, "vllm" if side == "a" else "sim", run_dir)
+    server = VllmSide(args, run_dir) if side == "b" else OctoserveSide(
+        args, "sim" if side == "c" else "vllm", run_dir, inside=side == "d")
     print(f"[{side}] {SIDES[side]}: up in {time.monotonic() - t:.0f} s at {server.base_url}", flush=True)
     results = {}
     try:
@@ -194,7 +196,7 @@ def run_side(args, side: str, session: int, out_dir: Path) -> dict[str, dict]:
 
 def table(runs: dict[str, list[dict[str, dict]]], rates: list[str]) -> str:
     sides = [s for s in SIDES if runs.get(s)]
-    head = "| rate | metric | " + " | ".join(SIDES[s] for s in sides) + (
+    head = "| rate | metric | " + " | ".join(f"({s}) {SIDES[s]}" for s in sides) + (
         " | (a) / (b) |" if {"a", "b"} <= set(sides) else " |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for rate in rates:
@@ -215,7 +217,7 @@ def main() -> int:
     p.add_argument("--model", type=Path, default=Path(tempfile.gettempdir()) / "octoserve-tiny-llama",
                    help="the tiny test model's folder (built if missing)")
     p.add_argument("--rates", type=lambda s: s.split(","), default=["isolated", "4", "24"])
-    p.add_argument("--sides", default="abc", help="which of a, b, c to run")
+    p.add_argument("--sides", default="abc", help="which of a, b, c, d to run (d: the front inside the router)")
     p.add_argument("--sessions", type=int, default=1, help="server sessions per side, alternated a b c c b a ...")
     p.add_argument("--num-requests", type=int, default=60, help="per Poisson rate")
     p.add_argument("--isolated-requests", type=int, default=30)

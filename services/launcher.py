@@ -172,13 +172,14 @@ def start_node(
     router_args: tuple[str, ...] = (),
     extra_env: Mapping[str, str] | None = None,
     http_port: int | None = None,
-    http_inside: bool = False,
+    http_inside: bool = True,
 ) -> Node:
     """Starts every process of the node and returns once all are SERVING (or stops them and raises LaunchError).
 
     config: None (embedded default placement), a YAML path, or a config dict. extra_env: variables added to every
     child's environment (e.g. OCTOSERVE_VLLM_DTYPE for the vllm engine). http_port: start the OpenAI-compatible
-    front on it (0: any free port; None: no front); http_inside: serve it from the router process instead of its own.
+    front on it (0: any free port; None: no front); http_inside: served by the router process (the default, measured
+    faster: docs/bench/openai_front.md) or, when False, by a process of its own.
     """
     from octoserve.services.config import load_node_config
 
@@ -244,8 +245,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--http-port", type=int, default=8000,
                         help="OpenAI-compatible HTTP front on 127.0.0.1 (default 8000; 0: any free port)")
     parser.add_argument("--no-http", action="store_true", help="do not start the HTTP front")
-    parser.add_argument("--http-inside", action="store_true",
-                        help="serve the HTTP front from the router process instead of a process of its own")
+    parser.add_argument("--http-process", action="store_true",
+                        help="run the HTTP front as a process of its own instead of inside the router process")
     parser.add_argument("--run-dir", default=None, help="where logs and ready files go (default: a temp dir)")
     parser.add_argument("--startup-timeout-s", type=float, default=None,
                         help=f"default {DEFAULT_STARTUP_TIMEOUT_S:g} s, {VLLM_STARTUP_TIMEOUT_S:g} s with --engine vllm")
@@ -259,7 +260,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         node = start_node(config_source(args.config, args.cost_profile), args.time_scale, engine=args.engine, model_path=args.model, port=args.port,
                           run_dir=args.run_dir, startup_timeout_s=startup_timeout_s(args), grace_s=args.grace_s,
-                          http_port=None if args.no_http else args.http_port, http_inside=args.http_inside)
+                          http_port=None if args.no_http else args.http_port, http_inside=not args.http_process)
     except LaunchError as e:
         print(f"octoserve up: {e}", file=sys.stderr)
         return 1

@@ -44,22 +44,21 @@ PLACEMENT = node_config_from_dict({
 def test_one_service_per_process_with_its_gpus():
     doc = compose_dict(PLACEMENT)
     services = doc["services"]
-    assert list(services) == ["scheduler", "router", "http_front", "worker-llama-3-70b-0", "worker-llama-3-8b-p0",
+    assert list(services) == ["scheduler", "router", "worker-llama-3-70b-0", "worker-llama-3-8b-p0",
                               "worker-llama-3-8b-d0", "worker-llama-3-8b-c-1"]
     devices = {n: s["deploy"]["resources"]["reservations"]["devices"] for n, s in services.items() if "deploy" in s}
     assert devices["worker-llama-3-70b-0"] == [{"driver": "nvidia", "device_ids": ["0", "1", "2", "3"],
                                                 "capabilities": ["gpu"]}]
     assert [d[0]["device_ids"] for d in devices.values()] == [["0", "1", "2", "3"], ["4"], ["5"], ["7"]]
     assert [s["command"][2] for s in services.values()] == [
-        "octoserve.services.scheduler", "octoserve.router", "octoserve.http_front", "octoserve.decode_worker", "octoserve.prefill_worker",
+        "octoserve.services.scheduler", "octoserve.router", "octoserve.decode_worker", "octoserve.prefill_worker",
         "octoserve.decode_worker", "octoserve.decode_worker"]
     assert services["worker-llama-3-8b-p0"]["command"][3:5] == ["--instance", "llama-3-8b-p0"]
     ports = [int(s["labels"]["octoserve.port"]) for s in services.values()]
-    assert ports == [50050, 50051, 8000, 50100, 50101, 50102, 50103]
-    front = services["http_front"]
-    assert front["command"][3:9] == ["--router", "127.0.0.1:50051", "--port", "8000", "--models-root", "/models"]
-    assert front["depends_on"] == {"router": {"condition": "service_healthy"}}
-    assert "/health" in front["healthcheck"]["test"][-1]
+    assert ports == [50050, 50051, 50100, 50101, 50102, 50103]
+    router = services["router"]  # serves the OpenAI-compatible front too, with each model's tokenizer from /models
+    assert router["command"][-6:-2] == ["--http-port", "8000", "--http-models-root", "/models"]
+    assert router["labels"]["octoserve.http_port"] == "8000" and router["volumes"][-1].endswith(":/models:ro")
     assert all(s["ipc"] == "host" and s["network_mode"] == "host" for n, s in services.items() if n.startswith("w"))
     assert validate_compose(doc, PLACEMENT) == []
 

@@ -345,3 +345,24 @@ def test_stop_trimmer_cuts_before_the_first_stop_string_whatever_the_pieces(stop
     trim = StopTrimmer(stops)
     out = [trim.push(p) for p in pieces] + [trim.finish()]
     assert "".join(out) == expected
+
+
+@pytest.mark.slow
+def test_a_client_that_disconnects_mid_stream_frees_its_request(node, client):
+    import time
+
+    stream = client.completions.create(model=COLOCATED_MODEL, prompt=TOKENS, max_tokens=2000, stream=True,
+                                       extra_body={"ignore_eos": True})
+    next(iter(stream))
+    assert router_in_flight(node) == 1
+    stream.close()
+    deadline = time.monotonic() + 10
+    while router_in_flight(node) != 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert router_in_flight(node) == 0
+
+
+def router_in_flight(node) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{node.router.metrics_port}/metrics", timeout=5) as r:
+        line = next(l for l in r.read().decode().splitlines() if l.startswith("octoserve_router_in_flight_requests "))
+    return float(line.split()[1])
