@@ -76,13 +76,20 @@ def raw_config_with_overrides(path: str | None, overrides: list[str], cost_profi
 
     from octoserve.services.config import default_config_text
 
-    raw = yaml.safe_load(default_config_text() if path is None else Path(path).read_text(encoding="utf-8"))
+    from octoserve.services.config import parse_yaml_mapping
+    from octoserve.services.usage import UsageError
+
+    text = default_config_text() if path is None else Path(path).read_text(encoding="utf-8")
+    raw = parse_yaml_mapping(text, str(path or "node-default.yaml"))
     for item in overrides:
         key, sep, value = item.partition("=")
         section, dot, name = key.partition(".")
         if not sep or not dot or section not in ("policies", "slo"):
-            raise SystemExit(f"--set {item!r}: use policies.KEY=VALUE or slo.KEY=VALUE")
-        raw.setdefault(section, {})[name] = yaml.safe_load(value)
+            raise UsageError(f"--set {item!r}: use policies.KEY=VALUE or slo.KEY=VALUE")
+        try:
+            raw.setdefault(section, {})[name] = yaml.safe_load(value)
+        except yaml.YAMLError as e:
+            raise UsageError(f"--set {item!r}: VALUE is not valid YAML ({e})") from None
     if cost_profile is not None:
         raw["cost_profile"] = cost_profile
     return raw
