@@ -56,6 +56,10 @@ class TokenServer(pb_grpc.GenerationServicer):
     cancelled: list = field(default_factory=list)
     any_cancelled: asyncio.Event = field(default_factory=asyncio.Event)
 
+    async def ListModels(self, request, context):  # `octoserve bench` checks the workload's models first
+        return pb.ListModelsResponse(models=[pb.Model(name=name, state=pb.READY, num_instances=1)
+                                             for name in ("llama-3-8b", "llama-3-70b")])
+
     async def Generate(self, request, context):
         metadata = dict(context.invocation_metadata())
         self.requests.append((request, metadata, context.peer()))
