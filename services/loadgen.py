@@ -213,7 +213,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="real seconds per modelled second; use the node's --time-scale")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-requests", type=int, default=None, help="send at most the trace's first N")
-    parser.add_argument("--drain-timeout", type=float, default=30.0, help="real seconds after the last send")
+    parser.add_argument("--drain-timeout", type=float, default=30.0,
+                        help="modelled seconds to wait for streams after the last send (default 30; the real wait "
+                             "is this x --time-scale, so a dilated node gets the same modelled time to finish)")
     parser.add_argument("--warmup", type=_parse_duration_s, default=None,
                         help="modelled warm-up to leave out of every metric, e.g. 10s "
                              "(default: detected on the harness's in-flight count, MSER-5, >= 5 s)")
@@ -263,13 +265,19 @@ def served_models(target: str, timeout_s: float = 10.0) -> list[str]:
                              "start one with `octoserve up`") from None
 
 
-def run(args: argparse.Namespace) -> int:
-    trace, profile = build_trace(args, served_models(args.target))
-    options = BenchOptions(
-        time_scale=args.time_scale, drain_timeout_s=args.drain_timeout, num_channels=args.channels,
+def bench_options(args: argparse.Namespace) -> BenchOptions:
+    """The harness options of the command line; the drain timeout is given in modelled seconds, so it is dilated
+    by --time-scale like every other modelled duration."""
+    return BenchOptions(
+        time_scale=args.time_scale, drain_timeout_s=args.drain_timeout * args.time_scale, num_channels=args.channels,
         retry=RetryPolicy() if args.retry else None, request_timeout_s=args.request_timeout,
         output_len_mode=args.output_len_mode,
     )
+
+
+def run(args: argparse.Namespace) -> int:
+    trace, profile = build_trace(args, served_models(args.target))
+    options = bench_options(args)
     progress = None
     if not args.no_progress:
         from octoserve.services.progress import Progress
@@ -283,11 +291,40 @@ def run(args: argparse.Namespace) -> int:
     window = detect_window(bench.occupancy, measurement_window_s(trace), warmup_s=args.warmup)
     summary = summarize(records, profile.slo, window)
     print(format_summary(summary))
+    print(format_error_causes(records, window))
     if options.output_len_mode == "hint" and (overrun := count_ignored_hints(trace, records)):
         print(f"warning: {overrun} requests generated more tokens than their {SIM_OUTPUT_LEN_KEY} hint: the node "
               "ignores it, so outputs run to max_tokens; use --output-len-mode max-tokens", file=sys.stderr)
     _write_outputs(args, records, summary, profile, bench.occupancy)
     return 0
+
+
+def error_causes(records: Sequence[RequestRecord], window=None) -> dict[str, int]:
+    """Failed requests (admitted, then an error) by cause: the status or DRAIN_TIMEOUT before the message, most
+    frequent first; with `window`, only the requests it measures (the summary's `errors`)."""
+    counts: dict[str, int] = {}
+    for r in records:
+        if r.error and not r.refused and (window is None or window.contains(r)):
+            cause = r.error.partition(":")[0]
+            counts[cause] = counts.get(cause, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+ERROR_CAUSE_HINTS = {
+    "DRAIN_TIMEOUT": "still streaming when the drain timeout expired: raise --drain-timeout (modelled seconds)",
+    "DEADLINE_EXCEEDED": "the per-request --request-timeout or the node's deadline passed",
+    "UNAVAILABLE": "the router or a worker went away",
+}
+
+
+def format_error_causes(records: Sequence[RequestRecord], window=None) -> str:
+    """One line under the summary table: the `errors` figure broken down by cause, with what each means."""
+    causes = error_causes(records, window)
+    if not causes:
+        return "errors by cause: none"
+    parts = [f"{cause} {n}" + (f" ({ERROR_CAUSE_HINTS[cause]})" if cause in ERROR_CAUSE_HINTS else "")
+             for cause, n in causes.items()]
+    return "errors by cause: " + "; ".join(parts)
 
 
 def count_ignored_hints(trace: Sequence[TraceRequest], records: Sequence[RequestRecord]) -> int:
