@@ -6,8 +6,9 @@ Checks README.md, BENCHMARKS.md, docs/**/*.md and examples/*:
   (`<...>` placeholders match any name);
 - no absolute machine paths or temporary files (/work/, /home/, /tmp/, ...), no links outside the repository
   (../shared), no issue numbers;
-- every figure under docs/ (PNG) is named in a Markdown section that states the command reproducing it, and every
-  results page under docs/bench/ states its command.
+- every figure under docs/ (PNG) is named in a Markdown section that states the command reproducing it, every
+  results page under docs/bench/ states its command, and so does every section of BENCHMARKS.md with a table of
+  figures.
 
 Prints one line per problem and exits 1 when there is any; `problems(root)` returns them for the test.
 """
@@ -88,6 +89,10 @@ def problems(root: Path) -> list[str]:
     for rel, text in md.items():
         if rel.parts[:2] == ("docs", "bench") and not COMMAND.search(text):
             found.append(f"{rel}: a results page without the command that reproduces it")
+    for section in _sections(md.get(Path("BENCHMARKS.md"), "")):
+        if re.search(r"^\|.*\d.*\|\s*$", section, re.M) and not COMMAND.search(section):
+            title = section.strip().splitlines()[0]
+            found.append(f"BENCHMARKS.md: section {title!r} has measured figures but no command that reproduces them")
     return found
 
 

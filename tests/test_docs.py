@@ -27,7 +27,7 @@ def test_the_check_catches_each_kind_of_problem(tmp_path):
         "Config: `docs/bench/missing.yaml`; plots `docs/bench/cdf_<policy>.png`.\n"
         "## Plots\n"
         "Regenerate with `octoserve bench-suite`: `docs/bench/cdf_<policy>.png`.\n")
-    (tmp_path / "BENCHMARKS.md").write_text("## Results\nA figure: `docs/bench/orphan.png`.\n")
+    (tmp_path / "BENCHMARKS.md").write_text("## Results\nA figure: `docs/bench/orphan.png`.\n\n| rate | 12.5 |\n")
     for name in ("cdf_a.png", "orphan.png"):
         (tmp_path / "docs" / "bench" / name).write_bytes(b"\x89PNG")
     (tmp_path / "docs" / "bench" / "page.md").write_text("# Numbers\n| a | 1 |\n")
@@ -40,6 +40,7 @@ def test_the_check_catches_each_kind_of_problem(tmp_path):
         "README.md:4: names a missing file: docs/bench/missing.yaml",
         "docs/bench/orphan.png: a figure no Markdown section names next to the command that reproduces it",
         "docs/bench/page.md: a results page without the command that reproduces it",
+        "BENCHMARKS.md: section '## Results' has measured figures but no command that reproduces them",
     ]
 
 
