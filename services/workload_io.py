@@ -355,12 +355,16 @@ def profile_from_args(args: argparse.Namespace, served: Iterable[str] | None = N
     return profile, trace
 
 
-def node_workload(args: argparse.Namespace, node) -> tuple[WorkloadProfile, list[TraceRequest] | None]:
-    """`profile_from_args` for a node config: its served models, tier SLOs and SLO. A user trace ignores
-    --rate / --duration / --burstiness (it says when each request arrives): stated on stderr when they are given."""
+def node_workload(args: argparse.Namespace, node, replays: bool = True,
+                  ) -> tuple[WorkloadProfile, list[TraceRequest] | None]:
+    """`profile_from_args` for a node config: its served models, tier SLOs and SLO. A command that `replays` a user
+    trace ignores --rate / --duration / --burstiness (the trace says when each request arrives), which it states on
+    stderr when they are given; `plan` fits a profile to the trace instead (replays=False), at --rate if given."""
     profile, trace = profile_from_args(args, served=list(node.models), tier_ttft_ms=node.slo.tier_ttft_ms,
                                        slo=SloSpec(node.slo.ttft_ms, node.slo.itl_ms))
-    if trace is not None:
+    if trace is not None and not replays and getattr(args, "rate", None) is not None:
+        profile = scaled(profile, rate_rps=args.rate)  # the fitted profile at the rate asked for
+    if trace is not None and replays:
         ignored = [f"--{k}" for k in ("rate", "duration", "burstiness") if getattr(args, k, None) is not None]
         if ignored:
             print(f"--trace replays the trace's own arrivals: {', '.join(ignored)} ignored", file=sys.stderr)

@@ -254,7 +254,7 @@ def run(args: argparse.Namespace) -> int:
 
     configured = load_with_overrides(args.config, [], args.cost_profile)
     # Only the models the config serves (else a clear error before any figure): a trace is fitted to a profile.
-    profile, _ = node_workload(args, configured)
+    profile, _ = node_workload(args, configured, replays=False)
     config: NodeConfig = _with_profile_slo(configured, profile)
     mix = mix_from_profile(profile)  # --rate is applied to the profile, before unserved models are dropped
     rows = planner.sizing_table(config.models, config.gpu, mix)
