@@ -190,3 +190,11 @@ def test_trace_written_by_trace_to_jsonl_loads_back(tmp_path):
     trace_to_jsonl(trace, tmp_path / "t.jsonl")
     assert load_trace(tmp_path / "t.jsonl") == trace
     assert json.loads((tmp_path / "t.jsonl").read_text().splitlines()[0])["priority"] in ("INTERACTIVE", "BATCH")
+
+
+def test_plan_fits_a_trace_and_sizes_it_at_the_rate_asked_for():
+    done = octoserve("plan", "--trace", "examples/trace.jsonl", "--rate", "50", "--top", "0")
+    assert done.returncode == 0, done.stderr
+    rates = {line.split()[0]: line.split()[1] for line in done.stdout.splitlines() if " req/s x " in line}
+    assert rates == {"llama-3-70b": "16.7", "llama-3-8b": "33.3"}  # the trace's 2:4 split of 50 req/s
+    assert "ignored" not in done.stderr
