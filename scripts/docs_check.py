@@ -24,11 +24,13 @@ TOP_DIRS = ("docs", "services", "scripts", "router", "sdk", "protos", "examples"
             "prefill_worker")
 FORBIDDEN = (
     (re.compile(r"\.\./shared\b"), "a pointer outside the repository"),
-    (re.compile(r"(?<![\w.~-])/(?:work|home|tmp|Users|root|mnt|private)/"), "an absolute machine path or temporary file"),
+    (re.compile(r"(?<![\w.~-])/(?:work|home|tmp|Users|root|mnt|private)/"),
+     "an absolute machine path or temporary file"),
     (re.compile(r"\b[Ii]ssue\s+#?\d+|\bissues/\d+"), "an issue number"),
 )
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
-QUOTED_PATH = re.compile(r"`((?:%s)/[\w./<>*-]+\.(?:md|py|yaml|yml|proto|png|json|jsonl|sh|toml))`" % "|".join(TOP_DIRS))
+QUOTED_PATH = re.compile(
+    r"`((?:%s)/[\w./<>*-]+\.(?:md|py|yaml|yml|proto|png|json|jsonl|sh|toml))`" % "|".join(TOP_DIRS))
 COMMAND = re.compile(r"(?:^|`|\n)\s*(?:\$ )?(?:octoserve |make |python3? |\.venv/bin/|PYTHONPATH=|OCTOSERVE_)", re.M)
 
 
