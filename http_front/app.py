@@ -55,7 +55,7 @@ log = logging.getLogger("octoserve.http_front")
 DEFAULT_PORT = 8000
 PASSED_HEADERS = ("authorization", "x-octoserve-sim-output-len")
 PRIORITY_PB = {"INTERACTIVE": pb.INTERACTIVE, "STANDARD": pb.STANDARD, "BATCH": pb.BATCH}
-OTHER_MODEL = "other"  # the one metric label for model names the node does not serve
+OTHER_MODEL = "unserved"  # the one metric label for model names the node does not serve (as the router)
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 DONE = b"data: [DONE]\n\n"
 _dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode

@@ -72,7 +72,7 @@ def _readme_examples(target: str) -> list[str]:
 def _start_node(run_dir: Path) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(
         [str(Path(sys.executable).parent / "octoserve"), "up", "--config", str(NODE_CONFIG), "--port", "0",
-         "--time-scale", "1", "--run-dir", str(run_dir)],
+         "--http-port", "0", "--time-scale", "1", "--run-dir", str(run_dir)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     deadline = time.monotonic() + 120
     seen = []
