@@ -25,6 +25,8 @@ import prometheus_client
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from octoserve.services.rpc.loop_metrics import start_task_gauge
+
 HOST = "127.0.0.1"
 
 # Tokens are small but prompts can be long (32k ids ~ 160 KiB); keep the default 4 MiB and say so explicitly.
@@ -95,6 +97,7 @@ class RunningService:
     port: int
     metrics_port: int | None
     _metrics_server: object = None
+    _task_gauge: asyncio.Task | None = None
     _stopped: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -126,6 +129,8 @@ class RunningService:
             await self.spec.close()
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
+        if self._task_gauge is not None:
+            self._task_gauge.cancel()
         log.info("stopped", extra=log_fields(drain_s=round(time.monotonic() - t0, 3)))
 
 
@@ -145,6 +150,8 @@ async def start_service(spec: ServiceSpec) -> RunningService:
         metrics_server, _ = prometheus_client.start_http_server(spec.metrics_port, addr=HOST, registry=spec.registry)
         metrics_port = metrics_server.server_port
     running = RunningService(spec, server, health_servicer, port, metrics_port, metrics_server)
+    if spec.metrics_port is not None:
+        running._task_gauge = start_task_gauge(spec.registry)
     if spec.start is not None:
         await spec.start()
     await running.set_serving(True)
