@@ -15,6 +15,8 @@ import yaml
 from octoserve.services.core.placement import NodeConfig, PlacementError, node_config_from_dict
 
 DEFAULT_CONFIG = "node-default.yaml"
+# Sections of the same file that configure the services rather than the placement (services/trust.py reads them).
+SERVICE_SECTIONS = ("limits", "tenants", "tls")
 
 
 def default_config_text(name: str = DEFAULT_CONFIG) -> str:
@@ -34,4 +36,12 @@ def node_config_from_text(text: str, source: str = "<text>") -> NodeConfig:
         raise PlacementError([f"{source} is not valid YAML: {e}"]) from None
     if not isinstance(data, dict):
         raise PlacementError([f"{source} must hold a YAML mapping with gpu, models, instances, slo, policies"])
-    return node_config_from_dict(data)
+    return node_config_from_dict({k: v for k, v in data.items() if k not in SERVICE_SECTIONS})
+
+
+def load_service_sections(path: str | Path | None) -> dict:
+    """The limits / tenants / tls sections of a node config file (empty for the embedded default)."""
+    if path is None:
+        return {}
+    data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    return {k: data[k] for k in SERVICE_SECTIONS if isinstance(data, dict) and data.get(k) is not None}

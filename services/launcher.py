@@ -26,6 +26,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from octoserve.services import trust
 from octoserve.services.core.types import Role
 from octoserve.services.rpc.server import LAUNCHER_PID_ENV
 
@@ -128,7 +129,7 @@ def _wait_ready(sp: ServiceProcess, deadline: float) -> None:
 
 def wait_healthy(address: str, deadline: float, service: str = "") -> None:
     """Polls grpc.health.v1 Check until SERVING or the deadline (raises LaunchError)."""
-    with grpc.insecure_channel(address) as channel:
+    with trust.sync_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             try:
@@ -171,12 +172,13 @@ def start_node(
     config: None (embedded default placement), a YAML path, or a config dict. extra_env: variables added to every
     child's environment (e.g. OCTOSERVE_VLLM_DTYPE for the vllm engine).
     """
-    from octoserve.services.config import load_node_config
+    from octoserve.services.config import load_node_config, load_service_sections
 
     run_dir = Path(run_dir or tempfile.mkdtemp(prefix="octoserve-"))
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg_path = _config_path(config, run_dir)
     node_cfg = load_node_config(cfg_path)  # fail here, in one place, on a bad config
+    trust.configure(load_service_sections(cfg_path).get("tls"), "router")  # health checks speak the node's mTLS
     env = {**os.environ, **(extra_env or {}),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
            LAUNCHER_PID_ENV: str(os.getpid())}  # each service stops when this process dies (services/rpc/server.py)

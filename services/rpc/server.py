@@ -87,6 +87,9 @@ class ServiceSpec:
     close: Callable[[], Awaitable[None]] | None = None  # after the server stopped
     on_serving: Callable[["RunningService"], Awaitable[None]] | None = None  # after SERVING, before the ready file
     registry: prometheus_client.CollectorRegistry = field(default_factory=lambda: prometheus_client.REGISTRY)
+    grpc_options: Sequence[tuple[str, int]] = ()  # added to (or overriding) GRPC_OPTIONS
+    host: str = HOST  # beyond loopback only with credentials (services/trust.py checks before building the spec)
+    server_credentials: grpc.ServerCredentials | None = None  # mTLS; None: plaintext
 
 
 @dataclass
@@ -102,7 +105,7 @@ class RunningService:
 
     @property
     def address(self) -> str:
-        return f"{HOST}:{self.port}"
+        return f"{self.spec.host}:{self.port}"
 
     async def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -135,15 +138,18 @@ class RunningService:
 
 
 async def start_service(spec: ServiceSpec) -> RunningService:
-    server = grpc.aio.server(options=GRPC_OPTIONS)
+    server = grpc.aio.server(options=tuple({**dict(GRPC_OPTIONS), **dict(spec.grpc_options)}.items()))
     spec.add_servicers(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (*spec.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)
-    port = server.add_insecure_port(f"{HOST}:{spec.port}")
+    if spec.server_credentials is not None:
+        port = server.add_secure_port(f"{spec.host}:{spec.port}", spec.server_credentials)
+    else:
+        port = server.add_insecure_port(f"{spec.host}:{spec.port}")
     if port == 0:
-        raise OSError(f"{spec.name}: cannot bind {HOST}:{spec.port}; choose a free port or 0")
+        raise OSError(f"{spec.name}: cannot bind {spec.host}:{spec.port}; choose a free port or 0")
     await server.start()
     metrics_server, metrics_port = None, None
     if spec.metrics_port is not None:

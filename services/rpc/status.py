@@ -24,7 +24,9 @@ from octoserve.services.core.errors import (
     ItlInfeasible,
     OctoserveError,
     Overloaded,
+    PermissionDenied,
     SloInfeasible,
+    Unauthenticated,
     UnknownModel,
 )
 from octoserve.services.engine.base import CapacityError, EngineError, HandoffError
@@ -39,6 +41,8 @@ _CODES: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (ItlInfeasible, grpc.StatusCode.FAILED_PRECONDITION),
     (DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
     (Draining, grpc.StatusCode.UNAVAILABLE),
+    (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
+    (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
     (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (HandoffError, grpc.StatusCode.UNAVAILABLE),
 )

@@ -18,11 +18,12 @@ from collections.abc import AsyncIterator
 import grpc
 import prometheus_client as prom
 
-from octoserve.services.core.errors import Draining
+from octoserve.services.core.errors import Draining, InvalidArgument
 from octoserve.services.core.types import EngineLoad, KVEvent
 from octoserve.services.engine.base import Engine
 from octoserve.services.rpc import convert
 from octoserve.services.rpc import status as rpc_status
+from octoserve.services.rpc.limits import check_worker_spec
 from octoserve.services.rpc.gen import worker_pb2 as w_pb
 from octoserve.services.rpc.gen import worker_pb2_grpc as w_grpc
 
@@ -120,6 +121,16 @@ class WorkerBase(w_grpc.WorkerServicer):
         self._idle = asyncio.Event()
         self._idle.set()
         self._seq = 0
+        self.model_spec = None  # the served model's ModelSpec, when known: requests are validated against it
+
+    async def _checked_spec(self, msg: w_pb.RequestSpec, context: grpc.aio.ServicerContext):
+        """The request as the core sees it, or INVALID_ARGUMENT: a worker does not trust its caller's input."""
+        spec = convert.spec_from_pb(msg)
+        try:
+            check_worker_spec(spec, self.engine.model, self.model_spec)
+        except InvalidArgument as e:
+            await rpc_status.abort(context, e)
+        return spec
 
     # ---- lifecycle --------------------------------------------------------------------------------------------
 

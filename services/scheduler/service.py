@@ -28,6 +28,8 @@ from octoserve.services.rpc.gen import scheduler_pb2 as s_pb
 from octoserve.services.rpc.gen import scheduler_pb2_grpc as s_grpc
 from octoserve.services.rpc.gen import worker_pb2 as w_pb
 from octoserve.services.rpc.gen import worker_pb2_grpc as w_grpc
+from octoserve.services import trust
+from octoserve.services.rpc.hardening import add_servicer
 from octoserve.services.rpc.server import ServiceSpec, setup_logging
 
 log = logging.getLogger("octoserve.scheduler")
@@ -103,7 +105,7 @@ class SchedulerServicer(s_grpc.SchedulerServicer):
         channel = self._channels.pop(instance_id, None)
         if channel is not None:
             asyncio.get_running_loop().create_task(channel.close())
-        self._channels[instance_id] = grpc.aio.insecure_channel(address)
+        self._channels[instance_id] = trust.channel(address)
         self._watchers[instance_id] = asyncio.create_task(self._watch_loop(instance_id))
 
     async def _watch_loop(self, instance_id: str) -> None:
@@ -168,12 +170,14 @@ class SchedulerServicer(s_grpc.SchedulerServicer):
 
 
 def scheduler_spec(config: NodeConfig, *, port: int = 0, metrics_port: int | None = 0,
-                   ready_file: str | None = None, grace_s: float = 5.0) -> tuple[ServiceSpec, SchedulerServicer]:
+                   ready_file: str | None = None, grace_s: float = 5.0, host: str = "127.0.0.1",
+                   tls: trust.TlsFiles | None = None) -> tuple[ServiceSpec, SchedulerServicer]:
     servicer = SchedulerServicer(config)
     spec = ServiceSpec(
         name="scheduler", port=port, metrics_port=metrics_port, grace_s=grace_s, ready_file=ready_file,
+        host=host, server_credentials=tls.server_credentials() if tls else None,
         service_names=(SCHEDULER_SERVICE,),
-        add_servicers=lambda server: s_grpc.add_SchedulerServicer_to_server(servicer, server),
+        add_servicers=lambda server: add_servicer(servicer, s_pb.DESCRIPTOR.services_by_name["Scheduler"], server),
         close=servicer.close, registry=servicer.registry,
     )
     return spec, servicer
@@ -183,19 +187,29 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="scheduler", description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=None)
     parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (beyond loopback: needs tls)")
+    parser.add_argument("--allow-insecure", action="store_true", help="listen beyond loopback without tls anyway")
     parser.add_argument("--metrics-port", type=int, default=0)
     parser.add_argument("--ready-file", default=None)
     parser.add_argument("--grace-s", type=float, default=5.0)
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     setup_logging("scheduler", args.log_level)
+    from octoserve.services.config import load_service_sections
+
+    try:
+        tls = trust.configure(load_service_sections(args.config).get("tls"), "scheduler")
+        trust.check_bind(args.host, tls, args.allow_insecure, "scheduler")
+    except trust.TrustError as e:
+        log.error(str(e))
+        return 2
 
     async def serve() -> int:
         from octoserve.services.config import load_node_config
         from octoserve.services.rpc.server import serve_until_signal
 
         spec, _ = scheduler_spec(load_node_config(args.config), port=args.port, metrics_port=args.metrics_port,
-                                 ready_file=args.ready_file, grace_s=args.grace_s)
+                                 ready_file=args.ready_file, grace_s=args.grace_s, host=args.host, tls=tls)
         return await serve_until_signal(spec)
 
     import uvloop
