@@ -30,6 +30,7 @@ from octoserve.services.rpc.worker_base import WorkerBase
 log = logging.getLogger("octoserve.decode_worker")
 
 DEFAULT_RESERVE_TTL_MS = 10_000  # a reservation nobody decodes into is returned after this long
+MAX_RESERVE_TTL_MS = 60_000  # longer would let one caller hold KV for days
 DEFAULT_TRANSFER_TIMEOUT_S = 5.0
 
 
@@ -166,6 +167,9 @@ class DecodeWorkerServicer(WorkerBase):
             await self._wrong_role(context, "Reserve", "decode")
         await self._refuse_if_draining(context)
         spec = await self._checked_spec(request.spec, context)
+        if request.ttl_ms > MAX_RESERVE_TTL_MS:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"ttl_ms {request.ttl_ms} is over {MAX_RESERVE_TTL_MS}; send at most that (0: the default)")
         if not await self.engine.reserve(spec):
             return w_pb.ReserveReply(reserved=False)
         ttl_s = (request.ttl_ms or self.reserve_ttl_ms) / 1000.0

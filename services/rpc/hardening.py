@@ -10,6 +10,7 @@ before the servicer sees anything. Unexpected exceptions in a servicer stay grpc
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 
 import grpc
@@ -53,7 +54,11 @@ def _stream(behavior):
     async def handler(request, context):
         if type(request) is Malformed:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
-        async with contextlib.aclosing(behavior(request, context)) as responses:
+        responses = behavior(request, context)
+        if inspect.iscoroutine(responses):  # a role that does not stream this method answers with an abort
+            await responses
+            return
+        async with contextlib.aclosing(responses):
             async for response in responses:
                 yield response
 

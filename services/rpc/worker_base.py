@@ -31,6 +31,7 @@ log = logging.getLogger("octoserve.worker")
 
 DEFAULT_LOAD_INTERVAL_MS = 20  # ~ one decode step of the 70B at TP=4: the router's view is at most a step old
 MIN_LOAD_INTERVAL_MS = 5
+MAX_LOAD_INTERVAL_MS = 10_000  # a longer interval would park the stream (and its KV-event buffer) for nothing
 
 # Latency buckets in seconds (modelled time x time_scale on the live clock), from 1 ms to 20 s.
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0)
@@ -194,7 +195,8 @@ class WorkerBase(w_grpc.WorkerServicer):
         return self._report()
 
     async def WatchLoad(self, request, context) -> AsyncIterator[w_pb.LoadReport]:
-        interval_s = max(request.interval_ms or DEFAULT_LOAD_INTERVAL_MS, MIN_LOAD_INTERVAL_MS) / 1000.0
+        interval_ms = request.interval_ms or DEFAULT_LOAD_INTERVAL_MS
+        interval_s = min(max(interval_ms, MIN_LOAD_INTERVAL_MS), MAX_LOAD_INTERVAL_MS) / 1000.0
         buf = self.kv_events.subscribe()
         try:
             while not (self.draining and self.in_flight == 0):  # a drained worker ends its streams: stop is quick

@@ -37,6 +37,8 @@ log = logging.getLogger("octoserve.scheduler")
 SCHEDULER_SERVICE = s_pb.DESCRIPTOR.services_by_name["Scheduler"].full_name
 LOAD_INTERVAL_MS = 100  # the scheduler balances pools on a seconds scale; the router gets its own faster stream
 RECONNECT_S = 0.2
+MAX_LEASE_MS = 600_000  # a gang job holds its instances at most 10 minutes per lease (renew for longer)
+PAUSE_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +75,8 @@ class SchedulerServicer(s_grpc.SchedulerServicer):
             known = ", ".join(i.id for i in self.config.instances)
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"instance {request.instance_id!r} is not in the node config; known: {known}")
+        if (problem := address_problem(request.address)) is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         self.addresses[request.instance_id] = request.address
         self._registered.set(len(self.addresses))
         self._watch(request.instance_id, request.address)
@@ -134,9 +138,21 @@ class SchedulerServicer(s_grpc.SchedulerServicer):
         if busy := sorted(held.intersection(ids)):
             await context.abort(grpc.StatusCode.ABORTED,
                                 f"instances {', '.join(busy)} are already leased; retry after that lease ends")
+        if request.duration_ms > MAX_LEASE_MS:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"duration_ms {request.duration_ms} is over {MAX_LEASE_MS}; lease for at most that and "
+                                "acquire again to extend")
         duration_s = (request.duration_ms or 1000) / 1000.0
         lease = LeaseRecord(uuid.uuid4().hex, request.holder, ids, time.monotonic() + duration_s)
-        await asyncio.gather(*(self._stub(i).Pause(w_pb.PauseRequest(), timeout=10.0) for i in ids))
+        results = await asyncio.gather(*(self._stub(i).Pause(w_pb.PauseRequest(), timeout=PAUSE_TIMEOUT_S) for i in ids),
+                                       return_exceptions=True)
+        if failed := [i for i, r in zip(ids, results) if isinstance(r, BaseException)]:
+            paused = [i for i, r in zip(ids, results) if not isinstance(r, BaseException)]
+            await asyncio.gather(*(self._stub(i).Resume(w_pb.ResumeRequest(), timeout=PAUSE_TIMEOUT_S) for i in paused),
+                                 return_exceptions=True)
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"instances {', '.join(failed)} did not answer Pause; nothing was leased, retry when "
+                                "they are back")
         self.leases[lease.lease_id] = lease
         loop = asyncio.get_running_loop()
         self._lease_timers[lease.lease_id] = loop.call_later(
@@ -167,6 +183,14 @@ class SchedulerServicer(s_grpc.SchedulerServicer):
         await asyncio.gather(*self._watchers.values(), return_exceptions=True)
         for channel in self._channels.values():
             await channel.close()
+
+
+def address_problem(address: str) -> str | None:
+    """None when `address` is a host:port a worker can be reached at, else what to change."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536 or "/" in host:
+        return f"worker address {address[:80]!r} is not host:port with a port in 1..65535; send the host:port this worker serves at"
+    return None
 
 
 def scheduler_spec(config: NodeConfig, *, port: int = 0, metrics_port: int | None = 0,
