@@ -102,6 +102,7 @@ class TokenBucket:
 class _ModelShare:
     capacity: float = 0.0  # learned in-flight count at saturation; 0: not learned yet
     contended_until: float = 0.0
+    last_probe: float = 0.0  # last policy shed or upward capacity probe
     in_flight: dict[str, int] = field(default_factory=dict)  # tenant -> requests in flight
     last_seen: dict[str, float] = field(default_factory=dict)  # tenant -> last request time
 
@@ -145,8 +146,13 @@ class TenantGate:
         share = self._models.setdefault(model, _ModelShare())
         share.last_seen[tenant] = now
         if now < share.contended_until and share.capacity > 0:
+            window = self.settings.contention_window_s
+            if now - share.last_probe > window:  # no shed for a window: probe for more capacity (additive increase)
+                share.capacity += 1.0
+                share.last_probe = now
             allowance = self.allowance(share, tenant, now)
             if share.in_flight.get(tenant, 0) >= allowance:
+                share.contended_until = now + window  # a tenant still asking for more than its share: contention
                 raise Overloaded(model, tier, retry_floor_ms,
                                  f"tenant {tenant!r} is over its fair share ({allowance:.0f} requests in flight)")
         share.in_flight[tenant] = share.in_flight.get(tenant, 0) + 1
@@ -174,7 +180,8 @@ class TenantGate:
         if in_flight > 0:
             share.capacity = in_flight if share.capacity == 0 else (
                 (1 - CAPACITY_EWMA) * share.capacity + CAPACITY_EWMA * in_flight)
-        share.contended_until = self.clock() + self.settings.contention_window_s
+        share.last_probe = self.clock()
+        share.contended_until = share.last_probe + self.settings.contention_window_s
 
     def release(self, request_id: str) -> None:
         held = self._held.pop(request_id, None)

@@ -127,9 +127,10 @@ def _wait_ready(sp: ServiceProcess, deadline: float) -> None:
     sp.port, sp.metrics_port = info["port"], info["metrics_port"]
 
 
-def wait_healthy(address: str, deadline: float, service: str = "") -> None:
-    """Polls grpc.health.v1 Check until SERVING or the deadline (raises LaunchError)."""
-    with trust.sync_channel(address) as channel:
+def wait_healthy(address: str, deadline: float, service: str = "", internal: bool = True) -> None:
+    """Polls grpc.health.v1 Check until SERVING or the deadline (raises LaunchError); `internal`: the node's mTLS,
+    when configured (the router's public port is plaintext)."""
+    with (trust.sync_channel(address) if internal else grpc.insecure_channel(address)) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             try:
@@ -203,7 +204,7 @@ def start_node(
         started.append(router)
         for sp in started:
             _wait_ready(sp, deadline)
-            wait_healthy(sp.address, deadline)
+            wait_healthy(sp.address, deadline, internal=sp is not router)
     except BaseException:
         _stop_group(list(reversed(started)), grace_s=1.0)
         raise
