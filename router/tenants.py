@@ -9,13 +9,16 @@ Rate limit: a tenant with `rate_rps` has a token bucket (`burst` deep, refilled 
 request finding it empty is RESOURCE_EXHAUSTED with the wait until the next token as its retry hint.
 
 Fair sharing (per model): the router learns the model's concurrency at saturation, `capacity`, as the number of its
-requests in flight whenever the admission policy sheds one (a moving average). While the model is contended (the
-policy shed a request of it within the last `contention_window_s`), a tenant may hold at most
-    allowance(t) = capacity - sum over the other active tenants o of min(share(o), in_flight(o) + headroom(o))
-requests, where share(o) = capacity * weight(o) / sum of active weights and headroom(o) leaves room for o to grow
-back to its share. So a tenant within its share is never held back by another's flood, and capacity a quiet tenant
-does not use stays with whoever wants it (work conserving). A request over its tenant's allowance is
-RESOURCE_EXHAUSTED ("over its fair share") with the policy's minimum retry hint.
+requests in flight whenever the admission policy sheds one (a moving average; while no shed happens for a
+contention window the estimate grows by one per window, so it follows a node that got faster). While the model is
+contended (the policy shed a request of it, or a tenant was held back, within the last `contention_window_s`), a
+tenant may hold at most
+    allowance(t) = max(share(t), capacity - sum over the other active tenants o of min(share(o), 1.25 * peak(o) + 2))
+requests, where share(o) = capacity * weight(o) / sum of active weights and peak(o) is o's recent peak in flight
+(halving every 2 s), so the room kept for o covers its bursts. Only the tenant holding the most requests per unit of
+weight is held back. So a tenant within its share is never refused for fairness and keeps room for its bursts, and
+capacity a quiet tenant does not use stays with whoever wants it (work conserving). A request over its tenant's
+allowance is RESOURCE_EXHAUSTED ("over its fair share") with the policy's minimum retry hint.
 
 Invariant: every `admit` that returns is followed by exactly one `release(request_id)`.
 """
@@ -34,6 +37,7 @@ from octoserve.services.core.types import Priority
 DEFAULT_TENANT = "default"
 CAPACITY_EWMA = 0.2
 ACTIVE_WINDOW_S = 2.0
+PEAK_HALF_LIFE_S = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +108,7 @@ class _ModelShare:
     contended_until: float = 0.0
     last_probe: float = 0.0  # last policy shed or upward capacity probe
     in_flight: dict[str, int] = field(default_factory=dict)  # tenant -> requests in flight
+    peak: dict[str, tuple[float, float]] = field(default_factory=dict)  # tenant -> (decaying peak in flight, when)
     last_seen: dict[str, float] = field(default_factory=dict)  # tenant -> last request time
 
 
@@ -151,12 +156,23 @@ class TenantGate:
                 share.capacity += 1.0
                 share.last_probe = now
             allowance = self.allowance(share, tenant, now)
-            if share.in_flight.get(tenant, 0) >= allowance:
+            if share.in_flight.get(tenant, 0) >= allowance and self._most_over(share, tenant, now):
                 share.contended_until = now + window  # a tenant still asking for more than its share: contention
                 raise Overloaded(model, tier, retry_floor_ms,
                                  f"tenant {tenant!r} is over its fair share ({allowance:.0f} requests in flight)")
-        share.in_flight[tenant] = share.in_flight.get(tenant, 0) + 1
+        held = share.in_flight[tenant] = share.in_flight.get(tenant, 0) + 1
+        share.peak[tenant] = (max(float(held), self._peak(share, tenant, now)), now)
         self._held[request_id] = (model, tenant)
+
+    def _peak(self, share: _ModelShare, tenant: str, now: float) -> float:
+        """The tenant's recent peak in flight, halving every PEAK_HALF_LIFE_S: what it needs to ride its bursts."""
+        value, when = share.peak.get(tenant, (0.0, now))
+        return value * 0.5 ** ((now - when) / PEAK_HALF_LIFE_S)
+
+    def _most_over(self, share: _ModelShare, tenant: str, now: float) -> bool:
+        """Only the tenant holding the most per unit of weight is held back: one under its share never is."""
+        mine = share.in_flight.get(tenant, 0) / self._weights.get(tenant, 1.0)
+        return all(mine >= n / self._weights.get(t, 1.0) for t, n in share.in_flight.items() if t != tenant)
 
     def allowance(self, share: _ModelShare, tenant: str, now: float) -> float:
         active = {t for t, seen in share.last_seen.items() if now - seen <= ACTIVE_WINDOW_S or share.in_flight.get(t)}
@@ -167,8 +183,7 @@ class TenantGate:
         reserved = 0.0
         for other in active - {tenant}:
             fair = share.capacity * self._weights.get(other, 1.0) / total_weight
-            used = share.in_flight.get(other, 0)
-            reserved += min(fair, used + max(2.0, 0.5 * used))
+            reserved += min(fair, 1.25 * self._peak(share, other, now) + 2.0)
         return max(share.capacity * self._weights.get(tenant, 1.0) / total_weight, share.capacity - reserved)
 
     def on_shed(self, model: str) -> None:
