@@ -13,11 +13,12 @@ requests in flight whenever the admission policy sheds one (a moving average; wh
 contention window the estimate grows by one per window, so it follows a node that got faster). While the model is
 contended (the policy shed a request of it, or a tenant was held back, within the last `contention_window_s`), a
 tenant may hold at most
-    allowance(t) = max(share(t), capacity - sum over the other active tenants o of min(share(o), 1.25 * peak(o) + 2))
-requests, where share(o) = capacity * weight(o) / sum of active weights and peak(o) is o's recent peak in flight
-(halving every 2 s), so the room kept for o covers its bursts. Only the tenant holding the most requests per unit of
-weight is held back. So a tenant within its share is never refused for fairness and keeps room for its bursts, and
-capacity a quiet tenant does not use stays with whoever wants it (work conserving). A request over its tenant's
+    allowance(t) = max(share(t) / 2, capacity - sum over the other active tenants o of (1.25 * peak(o) + 2))
+requests, where share(t) = capacity * weight(t) / sum of active weights and peak(o) is o's recent peak in flight
+(halving every 2 s), so the room kept for o covers its bursts. Only the tenant asking the most (recent requests per
+unit of weight, also halving every 2 s) is held back. So a tenant asking within its share is never refused for
+fairness and keeps room for its bursts, a flooding one keeps at least half its share, and capacity a quiet tenant
+does not use stays with whoever wants it (work conserving). A request over its tenant's
 allowance is RESOURCE_EXHAUSTED ("over its fair share") with the policy's minimum retry hint.
 
 Invariant: every `admit` that returns is followed by exactly one `release(request_id)`.
@@ -37,7 +38,8 @@ from octoserve.services.core.types import Priority
 DEFAULT_TENANT = "default"
 CAPACITY_EWMA = 0.2
 ACTIVE_WINDOW_S = 2.0
-PEAK_HALF_LIFE_S = 2.0
+HALF_LIFE_S = 2.0
+MIN_SHARE_FRACTION = 0.5  # a tenant held back keeps at least this fraction of its weighted share
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +111,7 @@ class _ModelShare:
     last_probe: float = 0.0  # last policy shed or upward capacity probe
     in_flight: dict[str, int] = field(default_factory=dict)  # tenant -> requests in flight
     peak: dict[str, tuple[float, float]] = field(default_factory=dict)  # tenant -> (decaying peak in flight, when)
+    asks: dict[str, tuple[float, float]] = field(default_factory=dict)  # tenant -> (decaying request count, when)
     last_seen: dict[str, float] = field(default_factory=dict)  # tenant -> last request time
 
 
@@ -150,29 +153,33 @@ class TenantGate:
                              f"tenant {tenant!r} is over its rate limit of {bucket.rate:g} req/s")
         share = self._models.setdefault(model, _ModelShare())
         share.last_seen[tenant] = now
+        share.asks[tenant] = (self._decayed(share.asks, tenant, now) + 1.0, now)
         if now < share.contended_until and share.capacity > 0:
             window = self.settings.contention_window_s
             if now - share.last_probe > window:  # no shed for a window: probe for more capacity (additive increase)
                 share.capacity += 1.0
                 share.last_probe = now
             allowance = self.allowance(share, tenant, now)
-            if share.in_flight.get(tenant, 0) >= allowance and self._most_over(share, tenant, now):
+            if share.in_flight.get(tenant, 0) >= allowance and self._asks_most(share, tenant, now):
                 share.contended_until = now + window  # a tenant still asking for more than its share: contention
                 raise Overloaded(model, tier, retry_floor_ms,
                                  f"tenant {tenant!r} is over its fair share ({allowance:.0f} requests in flight)")
         held = share.in_flight[tenant] = share.in_flight.get(tenant, 0) + 1
-        share.peak[tenant] = (max(float(held), self._peak(share, tenant, now)), now)
+        share.peak[tenant] = (max(float(held), self._decayed(share.peak, tenant, now)), now)
         self._held[request_id] = (model, tenant)
 
-    def _peak(self, share: _ModelShare, tenant: str, now: float) -> float:
-        """The tenant's recent peak in flight, halving every PEAK_HALF_LIFE_S: what it needs to ride its bursts."""
-        value, when = share.peak.get(tenant, (0.0, now))
-        return value * 0.5 ** ((now - when) / PEAK_HALF_LIFE_S)
+    @staticmethod
+    def _decayed(values: dict[str, tuple[float, float]], tenant: str, now: float) -> float:
+        """A value that halves every HALF_LIFE_S: a tenant's recent peak in flight, or its recent request count."""
+        value, when = values.get(tenant, (0.0, now))
+        return value * 0.5 ** ((now - when) / HALF_LIFE_S)
 
-    def _most_over(self, share: _ModelShare, tenant: str, now: float) -> bool:
-        """Only the tenant holding the most per unit of weight is held back: one under its share never is."""
-        mine = share.in_flight.get(tenant, 0) / self._weights.get(tenant, 1.0)
-        return all(mine >= n / self._weights.get(t, 1.0) for t, n in share.in_flight.items() if t != tenant)
+    def _asks_most(self, share: _ModelShare, tenant: str, now: float) -> bool:
+        """Only the tenant asking the most (recent requests per unit of weight) is held back: one asking within its
+        share never is."""
+        mine = self._decayed(share.asks, tenant, now) / self._weights.get(tenant, 1.0)
+        return all(mine >= self._decayed(share.asks, t, now) / self._weights.get(t, 1.0)
+                   for t in share.asks if t != tenant)
 
     def allowance(self, share: _ModelShare, tenant: str, now: float) -> float:
         active = {t for t, seen in share.last_seen.items() if now - seen <= ACTIVE_WINDOW_S or share.in_flight.get(t)}
@@ -180,11 +187,9 @@ class TenantGate:
         if len(active) == 1:
             return float("inf")  # alone: the admission policy alone decides
         total_weight = sum(self._weights.get(t, 1.0) for t in active)
-        reserved = 0.0
-        for other in active - {tenant}:
-            fair = share.capacity * self._weights.get(other, 1.0) / total_weight
-            reserved += min(fair, 1.25 * self._peak(share, other, now) + 2.0)
-        return max(share.capacity * self._weights.get(tenant, 1.0) / total_weight, share.capacity - reserved)
+        reserved = sum(1.25 * self._decayed(share.peak, other, now) + 2.0 for other in active - {tenant})
+        return max(MIN_SHARE_FRACTION * share.capacity * self._weights.get(tenant, 1.0) / total_weight,
+                   share.capacity - reserved)
 
     def on_shed(self, model: str) -> None:
         """The admission policy shed a request of `model`: learn the saturation point, mark contention."""
