@@ -43,11 +43,10 @@ def node_config(with_tenants: bool) -> dict:
     return cfg
 
 
-async def one(stub, tenant: str, rng: random.Random, t0: float, slo_ms: float, time_scale: float,
+async def one(stub, tenant: str, prompt: list[int], t0: float, slo_ms: float, time_scale: float,
               stats: dict) -> None:
-    req = gen_pb.GenerateRequest(model=MODEL, token_ids=gen_pb.TokenIds(ids=[rng.randrange(1, 128000)
-                                                                             for _ in range(PROMPT_LEN)]),
-                                 max_tokens=OUTPUT_LEN, ignore_eos=True)
+    req = gen_pb.GenerateRequest(model=MODEL, token_ids=gen_pb.TokenIds(ids=prompt), max_tokens=OUTPUT_LEN,
+                                 ignore_eos=True)
     metadata = (("authorization", f"Bearer {KEYS[tenant]}"), (SIM_OUTPUT_LEN_KEY, str(OUTPUT_LEN)))
     sent = time.monotonic()
     first = None
@@ -66,7 +65,6 @@ async def one(stub, tenant: str, rng: random.Random, t0: float, slo_ms: float, t
 async def drive(address: str, rates: dict[str, float], phase_s: float, time_scale: float, slo_ms: float,
                 seed: int) -> dict:
     """Open-loop Poisson traffic per tenant (rates in modelled req/s); returns per-tenant (t, outcome) lists."""
-    rng = random.Random(seed)
     stats: dict[str, list] = {}
     async with grpc.aio.insecure_channel(address) as channel:
         stub = gen_grpc.GenerationStub(channel)
@@ -74,13 +72,15 @@ async def drive(address: str, rates: dict[str, float], phase_s: float, time_scal
         tasks = []
 
         async def arrivals(tenant: str, rate_wall: float) -> None:
+            rng = random.Random(f"{seed}-{tenant}")  # per tenant: the steady tenant's arrivals are the same every phase
             t = 0.0
             while True:
                 t += rng.expovariate(rate_wall)
                 if t > phase_s:
                     return
                 await asyncio.sleep(max(0.0, t - (time.monotonic() - t0)))
-                tasks.append(asyncio.create_task(one(stub, tenant, rng, t0, slo_ms, time_scale, stats)))
+                prompt = [rng.randrange(1, 128000) for _ in range(PROMPT_LEN)]
+                tasks.append(asyncio.create_task(one(stub, tenant, prompt, t0, slo_ms, time_scale, stats)))
 
         await asyncio.gather(*(arrivals(t, r / time_scale) for t, r in rates.items() if r > 0))
         await asyncio.gather(*tasks)
