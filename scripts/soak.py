@@ -100,6 +100,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--growth-tolerance", type=float, default=0.15)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="docs/bench/soak")
+    p.add_argument("--run-dir", default=None, help="service logs (default: a temp dir)")
     return p.parse_args(argv)
 
 
@@ -354,7 +355,7 @@ async def main_async(args) -> int:
     print(f"starting the node (time scale {args.time_scale:g}x); {len(trace)} trace requests at {rate:g} req/s "
           f"modelled ({rate / args.time_scale:.2f}/s wall) + {args.burst_size} every {args.burst_every_s:g} s, "
           f"{args.minutes:g} min", file=sys.stderr, flush=True)
-    node = await asyncio.to_thread(start_node, args.config, args.time_scale, run_dir=out_dir / "run")
+    node = await asyncio.to_thread(start_node, args.config, args.time_scale, run_dir=args.run_dir)
     rng = random.Random(args.seed + 2)
     t0 = time.monotonic()
     traffic = Traffic(args, node.router_address, t0)
