@@ -62,8 +62,14 @@ class WeightedHistogram:
         return [HistogramMetricFamily(self.name, self.documentation, labels=[self.label_name])]
 
 
+UNKNOWN_MODEL_LABEL = "(unknown)"
+
+
 class RouterMetrics:
-    def __init__(self) -> None:
+    def __init__(self, known_models: frozenset[str] | None = None) -> None:
+        # Model labels come from requests: names this node does not serve share one label, so a client sending
+        # random model names cannot grow the registry without bound.
+        self.known_models = known_models
         r = self.registry = prom.CollectorRegistry()
         self._ttft = prom.Histogram("octoserve_router_ttft_seconds", "time to first token", ["model"],
                                     buckets=LATENCY_BUCKETS_S, registry=r)
@@ -92,6 +98,8 @@ class RouterMetrics:
         self._itl.observe(self._for(model)[1], gap_s, num_tokens)
 
     def refused(self, model: str, error: OctoserveError) -> None:
+        if self.known_models is not None and model not in self.known_models:
+            model = UNKNOWN_MODEL_LABEL
         self._refusals.labels(model, type(error).__name__).inc()
 
     def finished(self, st) -> None:

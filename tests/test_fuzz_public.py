@@ -40,6 +40,9 @@ def node():
         free = n.run(n.node.wait_all_free(timeout_s=30.0), timeout_s=40.0)
         assert all(v > 0 for v in free.values())
         assert n.node.router_servicer.requests == {}
+        models = {s.labels["model"] for m in n.node.router_servicer.metrics.registry.collect() for s in m.samples
+                  if "model" in s.labels}  # hostile model names must not grow the metrics registry
+        assert models <= {COLOCATED_MODEL, DISAGG_MODEL, "(unknown)"}, sorted(models)[:5]
     finally:
         n.stop()
 
