@@ -173,13 +173,21 @@ def start_node(
     config: None (embedded default placement), a YAML path, or a config dict. extra_env: variables added to every
     child's environment (e.g. OCTOSERVE_VLLM_DTYPE for the vllm engine).
     """
+    from octoserve.router.tenants import tenant_settings_from_dict
     from octoserve.services.config import load_node_config, load_service_sections
+    from octoserve.services.rpc.limits import limits_from_dict
 
     run_dir = Path(run_dir or tempfile.mkdtemp(prefix="octoserve-"))
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg_path = _config_path(config, run_dir)
     node_cfg = load_node_config(cfg_path)  # fail here, in one place, on a bad config
-    trust.configure(load_service_sections(cfg_path).get("tls"), "router")  # health checks speak the node's mTLS
+    sections = load_service_sections(cfg_path)
+    try:  # the router reads these too; a bad one fails here, before any process starts
+        limits_from_dict(sections.get("limits"))
+        tenant_settings_from_dict(sections.get("tenants"))
+        trust.configure(sections.get("tls"), "router")  # health checks speak the node's mTLS
+    except (ValueError, trust.TrustError) as e:
+        raise LaunchError(f"{cfg_path}: {e}") from None
     env = {**os.environ, **(extra_env or {}),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
            LAUNCHER_PID_ENV: str(os.getpid())}  # each service stops when this process dies (services/rpc/server.py)
