@@ -6,9 +6,9 @@ Starts the whole node (`start_node`: scheduler, one sim-engine worker process pe
 127.0.0.1) and drives it open-loop with the seed-000 mix at `overload` x the SLO capacity (modelled req/s), plus:
 - random client cancels (a fraction of requests is cancelled at a random moment of its stream),
 - bursts (`--burst-size` requests at once every `--burst-every-s`),
-- a worker SIGKILL every `--kill-every-s` (a random worker). If the launcher does not restart it (`--restart
-  launcher`), this script restarts it on the same port (`--restart soak`, the default); `--restart none` kills
-  nothing.
+- a worker SIGKILL every `--kill-every-s` (a random worker). The launcher's supervisor restarts it when the
+  launcher has one (`--restart launcher`); otherwise this script restarts it on the same port (`--restart soak`);
+  `--restart auto` (the default) picks; `--restart none` kills nothing.
 Every `--sample-s` it records, per service: RSS (from /proc), live asyncio tasks (`octoserve_asyncio_tasks`), the
 router's in-flight requests, the client's open streams, KV blocks in use per worker (GetLoad), and per-minute SLO
 attainment; at the end it writes PNG plots, samples.csv and summary.json under `--out`.
@@ -94,7 +94,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--burst-every-s", type=float, default=60.0)
     p.add_argument("--burst-size", type=int, default=200)
     p.add_argument("--kill-every-s", type=float, default=180.0)
-    p.add_argument("--restart", choices=("soak", "launcher", "none"), default="soak")
+    p.add_argument("--restart", choices=("auto", "soak", "launcher", "none"), default="auto",
+                   help="who restarts a killed worker; auto: the launcher when it supervises its services, else soak")
     p.add_argument("--sample-s", type=float, default=5.0)
     p.add_argument("--channels", type=int, default=4)
     p.add_argument("--growth-tolerance", type=float, default=0.15)
@@ -247,9 +248,11 @@ async def kill_loop(node: Node, args, rng: random.Random, t0: float, stop_s: flo
 
 def _wait_relaunched(node: Node, iid: str, old_pid: int, timeout_s: float = 120.0) -> None:
     deadline = time.monotonic() + timeout_s
-    while node.workers[iid].pid == old_pid and time.monotonic() < deadline:
+    sp = node.workers[iid]
+    while (sp.pid == old_pid or not sp.ready_file.exists()) and time.monotonic() < deadline:
         time.sleep(0.2)
-    wait_healthy(node.workers[iid].address, deadline)
+    sp.metrics_port = json.loads(sp.ready_file.read_text())["metrics_port"]
+    wait_healthy(sp.address, deadline)
 
 
 # ---- sampling -----------------------------------------------------------------------------------------------------
@@ -356,6 +359,8 @@ async def main_async(args) -> int:
           f"modelled ({rate / args.time_scale:.2f}/s wall) + {args.burst_size} every {args.burst_every_s:g} s, "
           f"{args.minutes:g} min", file=sys.stderr, flush=True)
     node = await asyncio.to_thread(start_node, args.config, args.time_scale, run_dir=args.run_dir)
+    if args.restart == "auto":
+        args.restart = "launcher" if getattr(node, "supervisor", None) is not None else "soak"
     rng = random.Random(args.seed + 2)
     t0 = time.monotonic()
     traffic = Traffic(args, node.router_address, t0)
