@@ -13,6 +13,7 @@ import logging
 import os
 from collections.abc import Callable
 
+import grpc  # noqa: F401  (kept for the worker's own channels)
 
 from octoserve.services.rpc.gen import scheduler_pb2 as s_pb
 from octoserve.services.rpc.gen import scheduler_pb2_grpc as s_grpc
