@@ -116,10 +116,11 @@ def _hostile(draw, req: gen_pb.GenerateRequest, name: str) -> None:
         req.request_id = draw(st.one_of(st.just(""), st.text(max_size=24), st.sampled_from(["r" * 256, "r" * 257])))
 
 
-async def run_case(channel: grpc.aio.Channel, payload, serialize) -> tuple[grpc.StatusCode, str]:
+async def run_case(channel: grpc.aio.Channel, payload, serialize,
+                   timeout_s: float = CASE_TIMEOUT_S) -> tuple[grpc.StatusCode, str]:
     """One Generate call; reads at most two messages, then cancels (a served request counts as OK)."""
     call = channel.unary_stream(GENERATE, request_serializer=serialize,
-                                response_deserializer=gen_pb.GenerateResponse.FromString)(payload, timeout=CASE_TIMEOUT_S)
+                                response_deserializer=gen_pb.GenerateResponse.FromString)(payload, timeout=timeout_s)
     n = 0
     try:
         async for _ in call:
@@ -243,7 +244,8 @@ def test_limits_each_have_a_typed_error(node):
 async def _many_streams(address: str, n: int) -> dict[str, int]:
     async with grpc.aio.insecure_channel(address) as channel:  # one channel: one HTTP/2 connection
         results = await asyncio.gather(*(run_case(channel, request(max_tokens=4, num_prompt_tokens=16 + i % 50),
-                                                  gen_pb.GenerateRequest.SerializeToString) for i in range(n)))
+                                                  gen_pb.GenerateRequest.SerializeToString, timeout_s=240.0)
+                                         for i in range(n)))
     counts: dict[str, int] = {}
     for code, details in results:
         assert_typed(code, details, "one of many streams")
