@@ -321,13 +321,18 @@ async def sample_loop(node, traffic, samples, t0, every_s: float) -> None:
 
 
 def growth(points: list[tuple[float, float]], tolerance: float, slack: float) -> dict:
-    """Mean of the middle third vs the last third (NaN samples, e.g. a worker just killed, skipped)."""
-    vals = [v for _, v in points if v == v]
-    n = len(vals)
+    """Mean of the middle third vs the last third (NaN samples, e.g. a worker just killed, skipped), and the
+    least-squares slope of the last third per minute (reported: a series can pass the means and still climb)."""
+    pts = [(t, v) for t, v in points if v == v]
+    n = len(pts)
     if n < 6:
-        return {"middle": None, "last": None, "bounded": True}
+        return {"middle": None, "last": None, "last_third_slope_per_min": None, "bounded": True}
+    vals = [v for _, v in pts]
     mid, last = statistics.fmean(vals[n // 3: 2 * n // 3]), statistics.fmean(vals[2 * n // 3:])
-    return {"middle": round(mid, 2), "last": round(last, 2), "bounded": last <= mid * (1 + tolerance) + slack}
+    tail = pts[2 * n // 3:]
+    slope = statistics.linear_regression([t for t, _ in tail], [v for _, v in tail]).slope * 60.0
+    return {"middle": round(mid, 2), "last": round(last, 2), "last_third_slope_per_min": round(slope, 3),
+            "bounded": last <= mid * (1 + tolerance) + slack}
 
 
 def attainment_per_minute(outcomes: list[Outcome], time_scale: float) -> dict[str, list[tuple[float, float]]]:
