@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PROFILE ?= seed-000
 
-.PHONY: venv run test test-fast fuzz bench protos clean vllm-cpu
+.PHONY: venv run test test-fast fuzz bench protos clean vllm-cpu docs-check
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -34,6 +34,11 @@ FUZZ_EXAMPLES ?= 10000
 fuzz: venv
 	OCTOSERVE_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/python -m pytest -q -p no:cacheprovider \
 		tests/test_fuzz_public.py tests/test_fuzz_internal.py --hypothesis-show-statistics
+
+## The docs hold inside the repository: links and file names resolve, no machine paths or issue numbers, every
+## figure next to the command that reproduces it (scripts/docs_check.py).
+docs-check: venv
+	$(BIN)/python scripts/docs_check.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -18,6 +18,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from octoserve.router.metrics import UNSERVED_LABEL
 from octoserve.services.rpc.limits import TRANSPORT_SLACK, Limits
 from octoserve.services.rpc.server import GRPC_OPTIONS
 from octoserve.v1 import generate_pb2 as gen_pb
@@ -43,7 +44,7 @@ def node():
         assert n.node.router_servicer.requests == {}
         models = {s.labels["model"] for m in n.node.router_servicer.metrics.registry.collect() for s in m.samples
                   if "model" in s.labels}  # hostile model names must not grow the metrics registry
-        assert models <= {COLOCATED_MODEL, DISAGG_MODEL, "(unknown)"}, sorted(models)[:5]
+        assert models <= {COLOCATED_MODEL, DISAGG_MODEL, UNSERVED_LABEL}, sorted(models)[:5]
     finally:
         n.stop()
 
