@@ -129,10 +129,6 @@ class Unauthenticated(OctoserveError):
     """No API key, or a key this node does not know (the key itself is never repeated back)."""
 
 
-class PermissionDenied(OctoserveError):
-    """An authenticated peer asked for something it may not do."""
-
-
 class Draining(OctoserveError):
     """The service is shutting down and takes no new requests."""
 

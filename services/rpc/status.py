@@ -24,7 +24,6 @@ from octoserve.services.core.errors import (
     ItlInfeasible,
     OctoserveError,
     Overloaded,
-    PermissionDenied,
     SloInfeasible,
     Unauthenticated,
     UnknownModel,
@@ -42,7 +41,6 @@ _CODES: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
     (Draining, grpc.StatusCode.UNAVAILABLE),
     (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
-    (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
     (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (HandoffError, grpc.StatusCode.UNAVAILABLE),
 )
