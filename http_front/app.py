@@ -17,7 +17,8 @@ status is chosen after the router's first message or error, so an admission refu
 with its Retry-After, never a 200 stream that fails; once tokens flowed, a failure is an SSE `error` event.
 A client that disconnects cancels its gRPC stream, which aborts the request on every worker (the router's rule).
 
-Headers that travel to the router as gRPC metadata: `authorization` (passed through, not checked here) and
+Headers that travel to the router as gRPC metadata: `authorization` and `x-api-key` (the tenant key, checked by the
+router, not here) and
 `x-octoserve-sim-output-len` (the sim engine's output length for trace replay).
 
 Lifecycle: starts once the router answers ListModels, then writes the ready file (pid, port). SIGTERM: new
@@ -53,7 +54,7 @@ from octoserve.v1 import generate_pb2_grpc as pb_grpc
 log = logging.getLogger("octoserve.http_front")
 
 DEFAULT_PORT = 8000
-PASSED_HEADERS = ("authorization", "x-octoserve-sim-output-len")
+PASSED_HEADERS = ("authorization", "x-api-key", "x-octoserve-sim-output-len")
 PRIORITY_PB = {"INTERACTIVE": pb.INTERACTIVE, "STANDARD": pb.STANDARD, "BATCH": pb.BATCH}
 OTHER_MODEL = "unserved"  # the one metric label for model names the node does not serve (as the router)
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
