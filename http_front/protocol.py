@@ -294,6 +294,8 @@ _STATUS_MAP: dict[grpc.StatusCode, tuple[int, str, str]] = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", "invalid_argument"),
     grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error", "slo_infeasible"),
     grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error", "model_not_found"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error", "invalid_api_key"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error", "permission_denied"),
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "overloaded_error", "overloaded"),
     grpc.StatusCode.UNAVAILABLE: (503, "unavailable_error", "unavailable"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error", "deadline_exceeded"),

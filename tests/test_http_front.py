@@ -80,6 +80,7 @@ def test_chat_body_with_tiers_in_headers_and_body():
         (grpc.StatusCode.INVALID_ARGUMENT, None, 400, {}, "invalid_argument"),
         (grpc.StatusCode.FAILED_PRECONDITION, None, 400, {}, "slo_infeasible"),
         (grpc.StatusCode.NOT_FOUND, None, 404, {}, "model_not_found"),
+        (grpc.StatusCode.UNAUTHENTICATED, None, 401, {}, "invalid_api_key"),
         (grpc.StatusCode.RESOURCE_EXHAUSTED, 1200, 429, {"Retry-After": "2", "retry-after-ms": "1200"}, "overloaded"),
         (grpc.StatusCode.RESOURCE_EXHAUSTED, 40, 429, {"Retry-After": "1", "retry-after-ms": "40"}, "overloaded"),
         (grpc.StatusCode.UNAVAILABLE, None, 503, {}, "unavailable"),
@@ -366,3 +367,21 @@ def router_in_flight(node) -> float:
     with urllib.request.urlopen(f"http://127.0.0.1:{node.router.metrics_port}/metrics", timeout=5) as r:
         line = next(l for l in r.read().decode().splitlines() if l.startswith("octoserve_router_in_flight_requests "))
     return float(line.split()[1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("inside", [False, True])
+def test_tenant_keys_reach_the_router_and_a_bad_key_is_authentication_error(tmp_path, inside):
+    config = {**small_config_dict(), "tenants": {"require_api_key": True, "list": [{"name": "team-a", "key": "k-a"}]}}
+    node = start_node(config, time_scale=1.0, run_dir=tmp_path, startup_timeout_s=60, grace_s=5, http_port=0,
+                      http_inside=inside)
+    try:
+        with openai.OpenAI(base_url=node.http_url + "/v1", api_key="k-a", max_retries=0, timeout=30) as c:
+            r = c.completions.create(model=COLOCATED_MODEL, prompt=TOKENS, max_tokens=3, extra_body={"ignore_eos": True})
+            assert r.usage.completion_tokens == 3
+        with openai.OpenAI(base_url=node.http_url + "/v1", api_key="wrong", max_retries=0, timeout=30) as c:
+            with pytest.raises(openai.AuthenticationError) as caught:
+                c.completions.create(model=COLOCATED_MODEL, prompt=TOKENS, max_tokens=3)
+        assert caught.value.status_code == 401 and caught.value.code == "invalid_api_key"
+    finally:
+        node.stop()
