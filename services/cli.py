@@ -20,6 +20,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "make-test-model": ("octoserve.services.engine.test_model", "build a tiny random-weight Llama with a local tokenizer"),
     "calibrate": ("octoserve.services.calibrate", "measure step times and write a cost-model profile"),
     "compose": ("octoserve.services.compose", "write or check docker-compose.yml for a placement"),
+    "k8s": ("octoserve.services.k8s", "write or check Kubernetes manifests for a placement and a node count"),
 }
 
 

@@ -26,6 +26,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 HOST = "127.0.0.1"
+# Where the gRPC and metrics servers listen. 127.0.0.1 (the default) on one machine; a Kubernetes pod sets 0.0.0.0 so
+# the kubelet's probes, Prometheus and the Services reach it on the pod IP (services/k8s.py).
+BIND_HOST_ENV = "OCTOSERVE_BIND_HOST"
 
 # Tokens are small but prompts can be long (32k ids ~ 160 KiB); keep the default 4 MiB and say so explicitly.
 GRPC_OPTIONS: tuple[tuple[str, int], ...] = (
@@ -136,13 +139,14 @@ async def start_service(spec: ServiceSpec) -> RunningService:
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (*spec.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)
-    port = server.add_insecure_port(f"{HOST}:{spec.port}")
+    bind_host = os.environ.get(BIND_HOST_ENV, HOST)
+    port = server.add_insecure_port(f"{bind_host}:{spec.port}")
     if port == 0:
-        raise OSError(f"{spec.name}: cannot bind {HOST}:{spec.port}; choose a free port or 0")
+        raise OSError(f"{spec.name}: cannot bind {bind_host}:{spec.port}; choose a free port or 0")
     await server.start()
     metrics_server, metrics_port = None, None
     if spec.metrics_port is not None:
-        metrics_server, _ = prometheus_client.start_http_server(spec.metrics_port, addr=HOST, registry=spec.registry)
+        metrics_server, _ = prometheus_client.start_http_server(spec.metrics_port, addr=bind_host, registry=spec.registry)
         metrics_port = metrics_server.server_port
     running = RunningService(spec, server, health_servicer, port, metrics_port, metrics_server)
     if spec.start is not None:
