@@ -253,6 +253,14 @@ class RouterPolicy:
             self.pressure.observe(spec.model, isinstance(decision, Refuse) and isinstance(decision.error, Overloaded))
         return decision
 
+    def candidates(self, spec: RequestSpec, loads: Mapping[str, EngineLoad]) -> list[Candidate]:
+        """The entry instances of `spec`'s model as route() sees them, before any filter, changing no state: what a
+        node's headroom summary (octoserve.services.cluster) is computed from."""
+        return self._candidates(spec, loads)
+
+    def passes_filters(self, c: Candidate) -> bool:
+        return all(f(c) for f in self._filters)
+
     def _route(self, spec: RequestSpec, loads: Mapping[str, EngineLoad] | Sequence[EngineLoad]) -> Route | Refuse:
         if not isinstance(loads, Mapping):
             loads = {load.instance_id: load for load in loads}
