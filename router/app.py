@@ -19,6 +19,7 @@ import grpc
 from octoserve.router.metrics import RouterMetrics
 from octoserve.router.pool import WorkerClient, WorkerEndpoint, WorkerPool
 from octoserve.router.servicer import DEFAULT_MAX_PENDING_DELTAS, GenerationServicer, RouterSettings
+from octoserve.services.cluster.service import add_headroom_service, headroom_source
 from octoserve.services.core.placement import NodeConfig
 from octoserve.services.core.routing import RouterPolicy, build_cost_models
 from octoserve.services.core.types import Role
@@ -67,6 +68,7 @@ def router_spec(
     policy = RouterPolicy(config, build_cost_models(config), random.Random(seed))
     pool = WorkerPool({})
     servicer = GenerationServicer(config, policy, pool, uuid.uuid4().hex, settings, metrics)
+    headroom = headroom_source(policy, pool.loads, lambda: not servicer.draining)
 
     async def start() -> None:
         for instance_id, address in (await endpoints()).items():
@@ -89,7 +91,8 @@ def router_spec(
         grace_s=grace_s,
         ready_file=ready_file,
         service_names=(GENERATION_SERVICE,),
-        add_servicers=lambda server: gen_grpc.add_GenerationServicer_to_server(servicer, server),
+        add_servicers=lambda server: (gen_grpc.add_GenerationServicer_to_server(servicer, server),
+                                      add_headroom_service(server, headroom)),
         start=start,
         drain=servicer.drain,
         close=close,

@@ -78,9 +78,14 @@ class HeadroomPublisher:
         self.max_hot_blocks = max_hot_blocks
         self.max_prompt_blocks = max_prompt_blocks
         self._heat: dict[int, float] = {}  # block hash -> decayed request count
+        self._block_size = {i.model: i.block_size for i in policy.config.instances}
+        policy.observers.append(self.observe_prompt)
 
-    def observe_prompt(self, spec: RequestSpec, block_size: int) -> None:
-        """Count the prompt's leading blocks towards the hot set (called for every request the node routes)."""
+    def observe_prompt(self, spec: RequestSpec) -> None:
+        """Count the prompt's leading blocks towards the hot set (the router calls it for every request)."""
+        block_size = self._block_size.get(spec.model)
+        if block_size is None:
+            return
         tokens = spec.prompt_token_ids[: self.max_prompt_blocks * block_size]
         for h in prefix_block_hashes(tokens, block_size, spec.model):
             self._heat[h] = self._heat.get(h, 0.0) + 1.0

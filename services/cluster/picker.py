@@ -202,7 +202,8 @@ class ClusterPicker:
         for scorer, weight in self._scorers:
             for node_id, s in scorer(kept).items():
                 costs[node_id] += weight * s
-        chosen = next(c for c in kept if c.node_id == pick(costs, self.rng))
+        chosen_id = pick(costs, self.rng)
+        chosen = next(c for c in kept if c.node_id == chosen_id)
         spilled = self._spilled(cands, chosen)
         self.num_spilled += spilled
         return NodePick(chosen.node_id, round(chosen.predicted_ttft_s * 1000.0, 3), chosen.cached_tokens, spilled)
@@ -223,7 +224,7 @@ class ClusterPicker:
             if not c.tier.admitting and c.tier.retry_after_ms > 0:
                 retries.append(c.tier.retry_after_ms)
             else:
-                retries.append(max(self.policy.min_retry_after_ms, math.ceil(max(c.excess_s, 0.0) * 1000.0)))
+                retries.append(max(self.policy.min_retry_after_ms, math.ceil(max(c.excess_s, 0.0) * 1000.0 - 1e-9)))
         return ClusterRefuse(min(retries), f"every node refuses {spec.model} {spec.priority.name} now")
 
 

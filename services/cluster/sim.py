@@ -76,7 +76,6 @@ class _Node(driver.NodeSimulator):
         self.node_id = f"node-{index}"
         typical = {m: 1024 for m in config.models}
         self.publisher = HeadroomPublisher(self.node_id, self.router, reference_prompt_tokens=typical)
-        self.block_size = {i.model: i.block_size for i in config.instances}
         for inst in self.instances.values():
             inst.executor = _SqueezedExecutor(inst.executor, self, inst.cfg.model)
 
@@ -188,7 +187,6 @@ class ClusterSimulator:
         node = self._by_id[decision.node_id]
         self._node_of[req.request_id] = node
         node.now = self.now
-        node.publisher.observe_prompt(spec, node.block_size[req.model])
         node._on_arrival(req)
         if not node._trackers[req.request_id].refused:
             self.picker.on_dispatched(node.node_id, spec, decision)
