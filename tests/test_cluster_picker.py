@@ -169,7 +169,7 @@ def test_summary_of_a_queued_node_refuses_urgent_tiers_with_a_retry_delay():
 
 def test_hot_prefix_hashes_are_the_routed_prompts_blocks_that_the_node_caches():
     config, policy = _policy()
-    publisher = HeadroomPublisher("n", policy, max_hot_blocks=4)
+    publisher = HeadroomPublisher("n", policy, max_hot_blocks=4, hot_refresh_every=1)
     prompt = tuple(range(2000, 2000 + 160))  # 10 blocks
     hashes = prefix_block_hashes(prompt, 16, SM)
     loads = {i.id: _load(i) for i in config.instances}

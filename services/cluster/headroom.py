@@ -11,8 +11,9 @@ admission decisions come from one piece of arithmetic. Pure and clock-free: `now
 
 Invariants: a summary is a frozen value, built once; `admitting` is exactly "the node's filters and TTFT rule keep
 at least one instance for the reference prompt"; the hot set holds at most `max_hot_blocks` hashes, each cached on
-the node when the summary was built, most requested first (a decayed count over recent prompts, halved at every
-publication, so an old hot prefix cools within a few publications).
+the node when the hot set was last rebuilt (every `hot_refresh_every` summaries: it changes slowly), most requested
+first (a decayed count over recent prompts, halved at every rebuild, so an old hot prefix cools within a few).
+8,192 hashes of 8 bytes are 64 KiB: about 130k cached prompt tokens, the hot system prompts of a node.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class ModelHeadroom:
     block_size: int
     capacity_fraction: float = 1.0  # share of GPU time the model's instances get (< 1 under a gang lease)
     num_instances: int = 1  # entry instances that can take a request now (what new work spreads over)
+    idle_prefill_tokens_per_s: float = 0.0  # a prompt alone in prefill (slack-extended chunks); 0: as loaded
 
     def tier(self, tier: Priority) -> TierHeadroom:
         return next(t for t in self.tiers if t.tier == tier)
@@ -71,13 +73,16 @@ class HeadroomPublisher:
     """
 
     def __init__(self, node_id: str, policy, *, reference_prompt_tokens: Mapping[str, int] | None = None,
-                 max_hot_blocks: int = 512, max_prompt_blocks: int = 64) -> None:
+                 max_hot_blocks: int = 8192, max_prompt_blocks: int = 128, hot_refresh_every: int = 10) -> None:
         self.node_id = node_id
         self.policy = policy
         self.reference_prompt_tokens = dict(reference_prompt_tokens or {})
         self.max_hot_blocks = max_hot_blocks
         self.max_prompt_blocks = max_prompt_blocks
+        self.hot_refresh_every = hot_refresh_every
         self._heat: dict[int, float] = {}  # block hash -> decayed request count
+        self._hot: frozenset[int] = frozenset()
+        self._num_summaries = 0
         self._block_size = {i.model: i.block_size for i in policy.config.instances}
         policy.observers.append(self.observe_prompt)
 
@@ -96,11 +101,15 @@ class HeadroomPublisher:
         models = tuple(
             self._model(name, loads, capacity_fraction.get(name, 1.0)) for name in sorted(self.policy.config.models)
         )
-        return HeadroomSummary(self.node_id, healthy, now, models, self._hot_hashes())
+        # Which prefixes are hot changes slowly: the hot set is rebuilt every `hot_refresh_every` summaries.
+        if self._num_summaries % self.hot_refresh_every == 0:
+            self._hot = self._hot_hashes()
+        self._num_summaries += 1
+        return HeadroomSummary(self.node_id, healthy, now, models, self._hot)
 
     def _model(self, model: str, loads: Mapping[str, EngineLoad], capacity: float) -> ModelHeadroom:
         tiers = []
-        rate, free, total, block_size, num = 0.0, 0, 0, 16, 0
+        rate, free, total, block_size, num, idle_rate = 0.0, 0, 0, 16, 0, 0.0
         for tier in TIERS:
             spec = self._reference(model, tier)
             cands = self.policy.candidates(spec, loads)
@@ -125,7 +134,8 @@ class HeadroomPublisher:
                 rate = best.load.prefill_tokens_per_s or spec.num_prompt_tokens / max(best.own_prefill_s, 1e-9)
                 free, total, block_size = top.headroom_blocks, top.load.num_total_blocks, top.instance.block_size
                 num = len(kept)
-        return ModelHeadroom(model, tuple(tiers), rate, free, total, block_size, capacity, num)
+                idle_rate = spec.num_prompt_tokens / max(best.own_prefill_s, 1e-9)
+        return ModelHeadroom(model, tuple(tiers), rate, free, total, block_size, capacity, num, idle_rate)
 
     def _reference(self, model: str, tier: Priority) -> RequestSpec:
         n = self.reference_prompt_tokens.get(model, 1024)

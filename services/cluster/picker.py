@@ -9,8 +9,9 @@ pick(spec, now):
 2. filters (`ClusterPolicy.filters`): "healthy" (the node says so and its summary is at most `max_summary_age_s`
    old), "kv_headroom" (prompt + reservation fits the node's largest free KV, less what was sent since),
    "ttft" (predicted TTFT + the node's calibrated margin within the request's SLO, and the node admits the tier).
-3. predicted TTFT on node n = (tier wait + prefill tokens sent to n since its summary / (rate x its instances)
-   + uncached prompt / rate) / capacity_fraction, where the uncached prompt counts the leading blocks found in n's
+3. predicted TTFT on node n = (queue + uncached prompt / rate) / capacity_fraction, with queue = tier wait +
+   prefill tokens sent to n since its summary / (rate x its instances), and the idle rate instead of the loaded
+   one when the queue is empty (the node router's own rule), where the uncached prompt counts the leading blocks found in n's
    hot prefix hashes as cached. A gang lease that leaves the SM instances a fraction f of GPU time stretches every
    SM prefill on that node by 1 / f, so SM work spills to nodes with headroom without any special case.
 4. scorers: "ttft" (relative to the slowest candidate), "prefix" (uncached share of the prompt: locality keeps
@@ -180,8 +181,11 @@ class ClusterPicker:
             pending = self._pending_tokens.get((node_id, spec.model), 0.0)
             # Work sent since the summary spreads over the model's instances on the node; this prompt runs on one.
             spread = max(1, model.num_instances)
-            full_s = (tier.wait_ms / 1000.0 + pending / (rate * spread) + (spec.num_prompt_tokens - cached) / rate
-                      if rate > 0 else math.inf)
+            queue_s = tier.wait_ms / 1000.0 + (pending / (rate * spread) if rate > 0 else math.inf)
+            # As the node predicts it: a prompt with nothing ahead prefills at the idle rate, behind a queue at the
+            # rate the running decodes leave.
+            own_rate = model.idle_prefill_tokens_per_s if queue_s == 0 and model.idle_prefill_tokens_per_s > 0 else rate
+            full_s = queue_s + (spec.num_prompt_tokens - cached) / own_rate if own_rate > 0 else math.inf
             capacity = max(model.capacity_fraction, 1e-6)
             out.append(NodeCandidate(
                 node_id=node_id, summary=summary, model=model, tier=tier, cached_tokens=cached,

@@ -103,6 +103,7 @@ class ClusterResult:
     summary: Summary  # the whole cluster over its measurement window
     node_summaries: tuple[Summary, ...]  # each node's requests (routed there), same window
     home_records: tuple[tuple[RequestRecord, ...], ...]  # records by home node (index mod N)
+    records_by_node: tuple[tuple[RequestRecord, ...], ...]  # records of the requests each node received
     records: tuple[RequestRecord, ...]
     num_spilled: int
     num_cluster_refused: int  # refused by the picker before reaching a node
@@ -215,6 +216,7 @@ class ClusterSimulator:
             summary=summarize(records, self.slo, window),
             node_summaries=tuple(summarize(rs, self.slo, window) for rs in per_node),
             home_records=tuple(tuple(rs) for rs in per_home),
+            records_by_node=tuple(tuple(rs) for rs in per_node),
             records=tuple(records),
             num_spilled=self.picker.num_spilled,
             num_cluster_refused=len(self._refused),
