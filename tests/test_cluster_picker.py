@@ -25,9 +25,9 @@ TIERS = (Priority.INTERACTIVE, Priority.STANDARD, Priority.BATCH)
 
 
 def _model(wait_ms=0.0, admitting=True, retry_ms=0, rate=10_000.0, free=1000, capacity=1.0, instances=1,
-           correction_ms=0.0):
+           correction_ms=0.0, idle_rate=0.0):
     tiers = tuple(TierHeadroom(t, admitting, retry_ms, wait_ms, correction_ms) for t in TIERS)
-    return ModelHeadroom(SM, tiers, rate, free, 2000, 16, capacity, instances)
+    return ModelHeadroom(SM, tiers, rate, free, 2000, 16, capacity, instances, idle_rate)
 
 
 def _summary(node, *, hot=frozenset(), healthy=True, as_of_s=0.0, **model):
@@ -110,6 +110,13 @@ def test_a_squeezed_node_spills_sm_work_and_counts_it():
     assert picker.num_spilled == 1
     unsqueezed = _picker(_summary("a", wait_ms=0.0), _summary("b", wait_ms=30.0)).pick(_spec(), 0.0)
     assert (unsqueezed.node_id, unsqueezed.spilled) == ("a", False)
+
+
+def test_an_empty_queue_prefills_at_the_idle_rate_a_queue_at_the_loaded_one():
+    picker = _picker(_summary("a", idle_rate=40_000.0), _summary("b", wait_ms=10.0, idle_rate=40_000.0))
+    assert picker.pick(_spec(), 0.0).predicted_ttft_ms == pytest.approx(25.0)  # 1000 tokens at 40k/s, nothing ahead
+    picker.forget("a")
+    assert picker.pick(_spec(), 0.0).predicted_ttft_ms == pytest.approx(110.0)  # 10 ms queue, then 10k/s
 
 
 def test_kv_headroom_filter_counts_pending_blocks():
