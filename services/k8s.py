@@ -37,8 +37,9 @@ The shape, and why:
   cert-manager writes it) is mounted read-only at /etc/octoserve/tls in every container (and set in
   `OCTOSERVE_TLS_DIR`); it is optional, so a cluster without it still starts with plaintext inside the pod.
 - The cluster picker (`python -m octoserve.services.cluster`) runs as its own Deployment `octoserve-picker`
-  with its Service; it reads each node router's headroom summary and picks a node per request. It is meant to
-  sit behind a standard gateway as its endpoint picker; see docs/CLUSTER.md.
+  with its Service; it reads each node router's headroom summary (the node list is fixed at generation time:
+  regenerate with the new --nodes when the StatefulSet is scaled) and picks a node per request. It is meant to sit
+  behind a standard gateway as its endpoint picker; see docs/CLUSTER.md.
 - Metrics: every container exposes Prometheus metrics on a named port `m-<container>`; the pod annotations point
   at the router's (`prometheus.io/scrape`, `/port`, `/path`), the PodMonitor scrapes them all.
 
@@ -249,11 +250,11 @@ def _node_statefulset(config: NodeConfig, nodes: int, s: K8sSettings) -> dict[st
 def _picker_deployment(nodes: int, s: K8sSettings) -> dict[str, Any]:
     labels = _labels("picker")
     targets = ",".join(f"{NODE_NAME}-{i}.octoserve-nodes:{s.router_port}" for i in range(nodes))
-    command = ["python", "-m", "octoserve.services.cluster", "--nodes", targets, "--port", str(s.picker_port),
-               "--metrics-port", str(s.picker_metrics_port)]
+    command = ["python", "-m", "octoserve.services.cluster", "--nodes", targets, "--config", CONFIG_DIR + "/node.yaml",
+               "--port", str(s.picker_port), "--metrics-port", str(s.picker_metrics_port)]
     resources = {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"memory": "2Gi"}}
     container = _container(s, "picker", command, [("grpc", s.picker_port)], s.picker_metrics_port, resources, 60)
-    container["volumeMounts"] = [m for m in container["volumeMounts"] if m["name"] in ("tls", "tmp")]
+    container["volumeMounts"] = [m for m in container["volumeMounts"] if m["name"] in ("config", "tls", "tmp")]
     container["ports"][-1]["name"] = "metrics"
     return {
         "apiVersion": "apps/v1",
@@ -271,7 +272,7 @@ def _picker_deployment(nodes: int, s: K8sSettings) -> dict[str, Any]:
                     "securityContext": {"runAsNonRoot": True, "runAsUser": s.run_as_user,
                                         "seccompProfile": {"type": "RuntimeDefault"}},
                     "containers": [container],
-                    "volumes": [v for v in _volumes(s) if v["name"] in ("tls", "tmp")],
+                    "volumes": [v for v in _volumes(s) if v["name"] in ("config", "tls", "tmp")],
                 },
             },
         },
