@@ -150,6 +150,22 @@ def _skew_table(rows: list[dict]) -> list[str]:
         return out
 
 
+def plot(results: dict, path: str) -> None:
+    """Scaling efficiency by node count, cluster picker, per cost profile (docs/bench/cluster_scaling.png)."""
+    from octoserve.services.plots import plt, _save  # noqa: PLC0415 - matplotlib only when plotting
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for profile, res in results.items():
+        rows = [r for r in res["scaling"] if r["run"].endswith("cluster picker") or r["nodes"] == 1]
+        ax.plot([r["nodes"] for r in rows], [r["efficiency"] for r in rows], marker="o", label=f"{profile} profile")
+    ax.axhline(0.95, color="grey", linestyle="--", linewidth=1, label="target 0.95")
+    ax.set_xlabel("nodes (seed 000, 300 req/s each)")
+    ax.set_ylabel("goodput / (N x one node)")
+    ax.set_ylim(0.8, 1.15)
+    ax.legend()
+    _save(fig, path)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m octoserve.services.cluster.bench", description=__doc__.splitlines()[0])
     parser.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals per run")
@@ -158,7 +174,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parts", nargs="+", default=["scaling", "skew"], choices=["scaling", "skew"])
     parser.add_argument("--out", default="-", help="markdown output ('-': stdout)")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--from-json", nargs="+", default=None, help="skip the runs: tables and plot from saved JSON")
+    parser.add_argument("--plot", default=None, help="write the scaling plot (PNG) here")
     args = parser.parse_args(argv)
+    if args.from_json:
+        results = {}
+        for path in args.from_json:
+            with open(path) as f:
+                results.update(json.load(f))
+        return _emit(results, args)
     nodes = [int(x) for x in args.nodes.split(",")]
     results = {}
     for profile in args.cost_profile:
@@ -168,13 +192,19 @@ def main(argv: list[str] | None = None) -> int:
             "scaling": scaling(raw, nodes, args.duration) if "scaling" in args.parts else [],
             "skew": skew(raw, args.duration) if "skew" in args.parts else [],
         }
+    return _emit(results, args)
+
+
+def _emit(results: dict, args: argparse.Namespace) -> int:
     text = markdown(results)
+    if args.plot:
+        plot(results, args.plot)
     if args.out == "-":
         sys.stdout.write(text)
     else:
         with open(args.out, "w") as f:
             f.write(text)
-    if args.json:
+    if args.json and not args.from_json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1, default=str)
     return 0

@@ -141,10 +141,68 @@ def recovery_s(picks: Sequence[Pick], dead: str, killed_s: float) -> float | Non
     return to_dead[-1].sent_s - killed_s if to_dead else 0.0
 
 
-def main(argv: list[str] | None = None) -> int:
+@dataclass(frozen=True, slots=True)
+class KillReport:
+    dead: str  # the killed router's address
+    killed_at_s: float  # real seconds from the start of the replay
+    num_to_dead: int  # requests the picker sent to the dead node (before and after the kill)
+    statuses_on_dead: tuple[str, ...]  # distinct error statuses of those that did not complete
+    num_without_status: int  # requests with no record at all: must be 0
+    recovery_s: float | None  # real seconds from the kill to the last pick naming the dead node
+    num_after_kill_completed: int  # requests sent after the kill that completed (on the live node)
+    records: tuple = ()
+
+
+def _trace(rate: float, duration_s: float, max_output: int) -> list[TraceRequest]:
+    return cap_outputs(generate_trace(scaled(PROFILES["seed-000"], rate_rps=rate, duration_s=duration_s), 0), max_output)
+
+
+def _drain_s(max_output: int, time_scale: float) -> float:
+    return 60.0 + max_output * 0.05 * time_scale
+
+
+def run_agreement(num_nodes: int, rate: float, duration_s: float, time_scale: float, max_output: int) -> Agreement:
+    """The same trace through the cluster simulator and through live nodes behind the picker."""
     from octoserve.services.cluster.sim import ClusterSimulator
     from octoserve.services.config import load_node_config
 
+    trace = _trace(rate, duration_s, max_output)
+    slo = PROFILES["seed-000"].slo
+    virtual = ClusterSimulator(load_node_config(None), num_nodes).run(trace)
+    cluster = start_cluster(num_nodes, time_scale)
+    try:
+        records, _, _ = asyncio.run(replay(cluster, trace, time_scale, drain_timeout_s=_drain_s(max_output, time_scale)))
+    finally:
+        cluster.stop()
+    return Agreement(summarize(records, slo, duration_s, warmup_s=virtual.summary.window.start_s), virtual.summary)
+
+
+def run_kill(num_nodes: int, rate: float, duration_s: float, time_scale: float, max_output: int,
+             kill_at_s: float) -> KillReport:
+    """Replay through the picker and SIGKILL node 0's router `kill_at_s` modelled seconds in."""
+    trace = _trace(rate, duration_s, max_output)
+    cluster = start_cluster(num_nodes, time_scale)
+    try:
+        records, picks, killed_s = asyncio.run(replay(cluster, trace, time_scale, kill_at_s=kill_at_s,
+                                                      drain_timeout_s=_drain_s(max_output, time_scale)))
+    finally:
+        cluster.stop()
+    dead = cluster.nodes[0].router_address
+    node_of = {p.request_id: p.node for p in picks}
+    sent_at = {p.request_id: p.sent_s for p in picks}
+    on_dead = [r for r in records if r is not None and node_of.get(r.request_id) == dead]
+    after = [r for r in records if r is not None and sent_at.get(r.request_id, 0.0) > killed_s]
+    return KillReport(
+        dead=dead, killed_at_s=killed_s, num_to_dead=len(on_dead),
+        statuses_on_dead=tuple(sorted({r.error.split(":")[0] for r in on_dead if r.error})),
+        num_without_status=sum(1 for r in records if r is None),
+        recovery_s=recovery_s(picks, dead, killed_s),
+        num_after_kill_completed=sum(1 for r in after if r.completed),
+        records=tuple(records),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m octoserve.services.cluster.live", description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, default=2)
     parser.add_argument("--rate", type=float, default=6.0, help="modelled req/s for the whole cluster")
@@ -154,39 +212,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kill-at", type=float, default=None, help="modelled s: kill node 0's router then")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    profile = scaled(PROFILES["seed-000"], rate_rps=args.rate, duration_s=args.duration)
-    trace = cap_outputs(generate_trace(profile, 0), args.max_output)
-    slo = profile.slo
-    config = load_node_config(None)
-    virtual = ClusterSimulator(config, args.nodes).run(trace)
-    print(f"[live] simulated: goodput {virtual.summary.overall.goodput_rps:.2f} req/s; starting {args.nodes} nodes",
-          file=sys.stderr, flush=True)
-    cluster = start_cluster(args.nodes, args.time_scale)
-    try:
-        print("[live] nodes and picker up; replaying", file=sys.stderr, flush=True)
-        records, picks, killed_s = asyncio.run(replay(cluster, trace, args.time_scale,
-                                                      drain_timeout_s=60.0 + args.max_output * 0.05 * args.time_scale,
-                                                      kill_at_s=args.kill_at))
-    finally:
-        cluster.stop()
-    out: dict = {}
-    if killed_s is None:
-        agreement = Agreement(summarize(records, slo, args.duration, warmup_s=virtual.summary.window.start_s),
-                              virtual.summary)
+    print(f"[live] {args.nodes} nodes at {args.rate:g} req/s for {args.duration:g} modelled s, time scale "
+          f"{args.time_scale:g}; starting", file=sys.stderr, flush=True)
+    if args.kill_at is None:
+        agreement = run_agreement(args.nodes, args.rate, args.duration, args.time_scale, args.max_output)
         print(agreement.table())
-        out = {"differences": agreement.relative_differences(), "within": agreement.within()}
         print(f"agreement within ±15 %: {'yes' if agreement.within() else 'NO'}")
+        out = {"differences": agreement.relative_differences(), "within": agreement.within()}
     else:
-        dead = cluster.nodes[0].router_address
-        node_of = {p.request_id: p.node for p in picks}
-        on_dead = [r for r in records if r is not None and node_of.get(r.request_id) == dead]
-        no_status = sum(1 for r in records if r is None)
-        errors = sorted({r.error.split(":")[0] for r in on_dead if r.error})
-        rec = recovery_s(picks, dead, killed_s)
-        print(f"killed {dead} at {killed_s / args.time_scale:.2f} modelled s; requests to it: {len(on_dead)}, "
-              f"statuses of the failed ones: {errors}; requests without a status: {no_status}; "
-              f"recovery (last pick to the dead node after the kill): {rec} s (real time)")
-        out = {"killed_at_s": killed_s / args.time_scale, "recovery_s": rec, "no_status": no_status, "errors": errors}
+        k = run_kill(args.nodes, args.rate, args.duration, args.time_scale, args.max_output, args.kill_at)
+        print(f"killed {k.dead} at {k.killed_at_s:.2f} s (real); requests sent to it: {k.num_to_dead}, statuses of "
+              f"those that did not complete: {list(k.statuses_on_dead)}; requests without a status: "
+              f"{k.num_without_status}; last pick to the dead node {k.recovery_s} s after the kill (real time); "
+              f"completed after the kill: {k.num_after_kill_completed}")
+        out = {"killed_at_s": k.killed_at_s, "recovery_s": k.recovery_s, "num_without_status": k.num_without_status,
+               "statuses_on_dead": list(k.statuses_on_dead), "num_to_dead": k.num_to_dead,
+               "num_after_kill_completed": k.num_after_kill_completed}
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0
