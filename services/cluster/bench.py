@@ -181,7 +181,9 @@ def main(argv: list[str] | None = None) -> int:
         results = {}
         for path in args.from_json:
             with open(path) as f:
-                results.update(json.load(f))
+                for profile, parts in json.load(f).items():  # files hold one part each: merge the non-empty ones
+                    merged = results.setdefault(profile, {"scaling": [], "skew": []})
+                    merged.update({k: v for k, v in parts.items() if v})
         return _emit(results, args)
     nodes = [int(x) for x in args.nodes.split(",")]
     results = {}
