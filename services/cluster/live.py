@@ -150,6 +150,7 @@ class KillReport:
     num_without_status: int  # requests with no record at all: must be 0
     recovery_s: float | None  # real seconds from the kill to the last pick naming the dead node
     num_after_kill_completed: int  # requests sent after the kill that completed (on the live node)
+    num_cut_off: int = 0  # on the dead node, sent before the kill, not finished when it died
     records: tuple = ()
 
 
@@ -198,6 +199,8 @@ def run_kill(num_nodes: int, rate: float, duration_s: float, time_scale: float, 
         num_without_status=sum(1 for r in records if r is None),
         recovery_s=recovery_s(picks, dead, killed_s),
         num_after_kill_completed=sum(1 for r in after if r.completed),
+        num_cut_off=sum(1 for r in on_dead if sent_at[r.request_id] <= killed_s
+                        and (r.finish_s is None or r.finish_s * time_scale > killed_s)),
         records=tuple(records),
     )
 
@@ -224,10 +227,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"killed {k.dead} at {k.killed_at_s:.2f} s (real); requests sent to it: {k.num_to_dead}, statuses of "
               f"those that did not complete: {list(k.statuses_on_dead)}; requests without a status: "
               f"{k.num_without_status}; last pick to the dead node {k.recovery_s} s after the kill (real time); "
-              f"completed after the kill: {k.num_after_kill_completed}")
+              f"completed after the kill: {k.num_after_kill_completed}; cut off by the kill: {k.num_cut_off}")
         out = {"killed_at_s": k.killed_at_s, "recovery_s": k.recovery_s, "num_without_status": k.num_without_status,
                "statuses_on_dead": list(k.statuses_on_dead), "num_to_dead": k.num_to_dead,
-               "num_after_kill_completed": k.num_after_kill_completed}
+               "num_after_kill_completed": k.num_after_kill_completed, "num_cut_off": k.num_cut_off}
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0
