@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -186,3 +187,17 @@ def test_hot_prefix_hashes_are_the_routed_prompts_blocks_that_the_node_caches():
     policy.on_kv_events("sm-0", [BlockStored(tuple(hashes[:6]), None)])
     hot = publisher.summary(loads, 0.0).hot_prefix_hashes
     assert len(hot) == 4 and hot <= set(hashes[:6])
+
+
+def test_a_lease_that_pushes_decode_steps_past_the_itl_slo_takes_the_node_out():
+    def summary(node, capacity, step_ms):
+        s = _summary(node, capacity=capacity)
+        return HeadroomSummary(node, True, 0.0, (dataclasses.replace(s.models[0], decode_step_ms=step_ms),),
+                               frozenset())
+
+    # 12 ms steps at half capacity are 24 ms: within 30 ms, so the squeezed (but otherwise idle) node still counts.
+    assert _picker(summary("a", 0.5, 12.0), summary("b", 1.0, 12.0)).pick(_spec(), 0.0).node_id == "b"
+    assert _picker(summary("a", 0.5, 12.0)).pick(_spec(), 0.0).node_id == "a"
+    # 18 ms steps at half capacity are 36 ms: every stream there would miss its ITL SLO.
+    assert isinstance(_picker(summary("a", 0.5, 18.0)).pick(_spec(), 0.0), ClusterRefuse)
+    assert _picker(summary("a", 1.0, 40.0)).pick(_spec(), 0.0).node_id == "a"  # only a lease triggers it

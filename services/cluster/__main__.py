@@ -40,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     if not nodes:
         print("--nodes needs at least one host:port", file=sys.stderr)
         return 2
-    picker = ClusterPicker(policy_from_node(config.policies, config.slo.tier_ttft_ms), random.Random(args.seed))
+    picker = ClusterPicker(policy_from_node(config.policies, config.slo.tier_ttft_ms, config.slo.itl_ms),
+                           random.Random(args.seed))
     service = PickerService(picker, nodes, poll_s=args.poll_s)
     spec = ServiceSpec(name="picker", port=args.port, metrics_port=args.metrics_port, grace_s=args.grace_s,
                        ready_file=args.ready_file, service_names=(PICKER_SERVICE,), add_servicers=service.add_to_server,

@@ -49,6 +49,7 @@ class ModelHeadroom:
     capacity_fraction: float = 1.0  # share of GPU time the model's instances get (< 1 under a gang lease)
     num_instances: int = 1  # entry instances that can take a request now (what new work spreads over)
     idle_prefill_tokens_per_s: float = 0.0  # a prompt alone in prefill (slack-extended chunks); 0: as loaded
+    decode_step_ms: float = 0.0  # the slowest entry instance's recent decode step at full capacity (ITL proxy)
 
     def tier(self, tier: Priority) -> TierHeadroom:
         return next(t for t in self.tiers if t.tier == tier)
@@ -109,7 +110,7 @@ class HeadroomPublisher:
 
     def _model(self, model: str, loads: Mapping[str, EngineLoad], capacity: float) -> ModelHeadroom:
         tiers = []
-        rate, free, total, block_size, num, idle_rate = 0.0, 0, 0, 16, 0, 0.0
+        rate, free, total, block_size, num, idle_rate, step_ms = 0.0, 0, 0, 16, 0, 0.0, 0.0
         for tier in TIERS:
             spec = self._reference(model, tier)
             cands = self.policy.candidates(spec, loads)
@@ -135,7 +136,8 @@ class HeadroomPublisher:
                 free, total, block_size = top.headroom_blocks, top.load.num_total_blocks, top.instance.block_size
                 num = len(kept)
                 idle_rate = spec.num_prompt_tokens / max(best.own_prefill_s, 1e-9)
-        return ModelHeadroom(model, tuple(tiers), rate, free, total, block_size, capacity, num, idle_rate)
+                step_ms = max(c.load.decode_step_time_s for c in kept) * 1000.0
+        return ModelHeadroom(model, tuple(tiers), rate, free, total, block_size, capacity, num, idle_rate, step_ms)
 
     def _reference(self, model: str, tier: Priority) -> RequestSpec:
         n = self.reference_prompt_tokens.get(model, 1024)

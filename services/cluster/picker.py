@@ -8,7 +8,8 @@ pick(spec, now):
 1. candidates = nodes whose latest summary serves the model.
 2. filters (`ClusterPolicy.filters`): "healthy" (the node says so and its summary is at most `max_summary_age_s`
    old), "kv_headroom" (prompt + reservation fits the node's largest free KV, less what was sent since),
-   "ttft" (predicted TTFT + the node's calibrated margin within the request's SLO, and the node admits the tier).
+   "itl" (on a node whose gang lease leaves the model a fraction f of GPU time, its decode step / f within the
+   ITL SLO), "ttft" (predicted TTFT + the node's calibrated margin within the request's SLO).
 3. predicted TTFT on node n = (queue + uncached prompt / rate) / capacity_fraction, with queue = tier wait +
    prefill tokens sent to n since its summary / (rate x its instances), and the idle rate instead of the loaded
    one when the queue is empty (the node router's own rule), where the uncached prompt counts the leading blocks found in n's
@@ -41,13 +42,14 @@ from octoserve.services.core.types import Priority, RequestSpec
 
 @dataclass(frozen=True, slots=True)
 class ClusterPolicy:
-    filters: tuple[str, ...] = ("healthy", "kv_headroom", "ttft")
+    filters: tuple[str, ...] = ("healthy", "kv_headroom", "itl", "ttft")
     scorer_weights: Mapping[str, float] = field(default_factory=lambda: {"ttft": 1.0, "prefix": 0.3, "kv_headroom": 0.1})
     max_summary_age_s: float = 2.0  # a node silent for longer is treated as gone
     tier_ttft_ms: Mapping[Priority, float] = field(default_factory=lambda: {
         Priority.INTERACTIVE: 200.0, Priority.STANDARD: 250.0, Priority.BATCH: 10_000.0})
     min_retry_after_ms: int = 50
     reservation_tokens: int = 512  # output tokens a request reserves in KV (as the nodes' predicted reservation)
+    itl_ms: float = 30.0  # the nodes' ITL SLO
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +100,13 @@ def filter_healthy(c: NodeCandidate, policy: ClusterPolicy) -> bool:
 @NODE_FILTERS.register("kv_headroom")
 def filter_kv_headroom(c: NodeCandidate, policy: ClusterPolicy) -> bool:
     return c.required_blocks + c.pending_blocks <= c.model.kv_free_blocks
+
+
+@NODE_FILTERS.register("itl")
+def filter_itl(c: NodeCandidate, policy: ClusterPolicy) -> bool:
+    # A gang lease stretches every decode step of the squeezed instances by 1 / capacity: once that passes the ITL
+    # SLO, every request decoding there misses it, however soon its first token comes.
+    return c.model.capacity_fraction >= 1.0 or c.model.decode_step_ms / max(c.model.capacity_fraction, 1e-6) <= policy.itl_ms
 
 
 @NODE_FILTERS.register("ttft")
@@ -261,7 +270,7 @@ class RoundRobinPicker:
         self.down.add(node_id)
 
 
-def policy_from_node(policies: PolicyConfig, tier_ttft_ms: Mapping[Priority, float]) -> ClusterPolicy:
-    """Cluster policy with the nodes' own retry floor, reservation and tier SLOs."""
+def policy_from_node(policies: PolicyConfig, tier_ttft_ms: Mapping[Priority, float], itl_ms: float = 30.0) -> ClusterPolicy:
+    """Cluster policy with the nodes' own retry floor, reservation and SLOs."""
     return ClusterPolicy(tier_ttft_ms=dict(tier_ttft_ms), min_retry_after_ms=policies.min_retry_after_ms,
-                         reservation_tokens=policies.predicted_output_tokens)
+                         reservation_tokens=policies.predicted_output_tokens, itl_ms=itl_ms)

@@ -123,7 +123,7 @@ class ClusterSimulator:
         self.nodes = [_Node(self, i, config, seed + 1000 * i) for i in range(num_nodes)]
         self.slo = SloSpec(ttft_ms=config.slo.ttft_ms, itl_ms=config.slo.itl_ms)
         if picker == "cluster":
-            policy = policy_from_node(config.policies, config.slo.tier_ttft_ms)
+            policy = policy_from_node(config.policies, config.slo.tier_ttft_ms, config.slo.itl_ms)
             self.picker = ClusterPicker(policy, random.Random(seed))
         elif picker == "round_robin":
             self.picker = RoundRobinPicker([n.node_id for n in self.nodes])
