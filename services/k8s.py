@@ -21,7 +21,8 @@ The shape, and why:
   emptyDir because the runtime's 64 MB default is too small. A required pod anti-affinity on the hostname keeps
   two node pods off one machine. The StatefulSet gives each node a stable DNS name through the headless Service
   `octoserve-nodes` (octoserve-node-0.octoserve-nodes:50051), which is what the cluster picker watches.
-- Every process listens on 0.0.0.0 inside the pod (`OCTOSERVE_BIND_HOST`), so the kubelet's native gRPC probes
+- Every process listens on 0.0.0.0 inside the pod (`--host 0.0.0.0`; the scheduler and workers also
+  `--allow-insecure`, as services/trust.py demands without `tls:`), so the kubelet's native gRPC probes
   (`grpc.health.v1`, service "") reach it on the pod IP. Readiness drops the moment a process starts draining
   (it reports NOT_SERVING), so the endpoint leaves the Services first; liveness tolerates failureThreshold x
   period (60 s) of NOT_SERVING, longer than the drain, so the kubelet never restarts a draining container; a
@@ -33,9 +34,11 @@ The shape, and why:
   dropped, RuntimeDefault seccomp. Writable paths are emptyDirs: /tmp and /dev/shm.
 - Configuration: the placement is a ConfigMap mounted at /etc/octoserve/node.yaml; model weights come from the
   read-only PersistentVolumeClaim `octoserve-models` (one subdirectory per served model name) at /models.
-- mTLS: the Secret `octoserve-mtls` (keys ca.crt, tls.crt, tls.key; a kubernetes.io/tls Secret plus the CA, as
-  cert-manager writes it) is mounted read-only at /etc/octoserve/tls in every container (and set in
-  `OCTOSERVE_TLS_DIR`); it is optional, so a cluster without it still starts with plaintext inside the pod.
+- mTLS: the Secret `octoserve-mtls` holding what `octoserve certs DIR` writes (ca.pem and <service>.pem/.key for
+  scheduler, worker, router) is mounted read-only at /etc/octoserve/tls in every container; `tls: {dir:
+  /etc/octoserve/tls}` in the placement turns it on. The volume is optional, so a cluster without it starts with
+  plaintext inside the pod. With mTLS on, the internal ports demand client certificates, which the kubelet's gRPC
+  probe cannot present: the scheduler's and workers' probes then have to become exec probes (not generated yet).
 - The cluster picker (`python -m octoserve.services.cluster`) runs as its own Deployment `octoserve-picker`
   with its Service; it reads each node router's headroom summary (the node list is fixed at generation time:
   regenerate with the new --nodes when the StatefulSet is scaled) and picks a node per request. It is meant to sit
@@ -151,10 +154,6 @@ def _container(s: K8sSettings, name: str, command: list[str], ports: Sequence[tu
         "command": [*command, "--grace-s", str(s.drain_grace_s)],
         "ports": [{"name": pname, "containerPort": p, "protocol": "TCP"} for pname, p in ports]
         + [{"name": _port_name("m", name), "containerPort": metrics_port, "protocol": "TCP"}],
-        "env": [
-            {"name": "OCTOSERVE_BIND_HOST", "value": "0.0.0.0"},
-            {"name": "OCTOSERVE_TLS_DIR", "value": TLS_DIR},
-        ],
         "resources": dict(resources),
         "volumeMounts": _mounts(models),
         "securityContext": _security_context(s),
@@ -168,12 +167,17 @@ def _port_name(prefix: str, container: str) -> str:
     return name
 
 
+# Internal services listen on the pod IP so the kubelet's probes and Prometheus reach them. Without `tls:` in the
+# placement that needs --allow-insecure (services/trust.py); the pod's network namespace is the boundary, and a
+# NetworkPolicy should close these ports to the rest of the cluster.
+_INTERNAL_BIND = ("--host", "0.0.0.0", "--allow-insecure")
+
 _SMALL = {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "4Gi"}}
 
 
 def _scheduler(s: K8sSettings) -> dict[str, Any]:
     command = ["python", "-m", "octoserve.services.scheduler", "--config", CONFIG_DIR + "/node.yaml",
-               "--port", str(s.scheduler_port), "--metrics-port", str(s.first_metrics_port)]
+               "--port", str(s.scheduler_port), "--metrics-port", str(s.first_metrics_port), *_INTERNAL_BIND]
     return _container(s, "scheduler", command, [("grpc-sched", s.scheduler_port)], s.first_metrics_port, _SMALL, 60)
 
 
@@ -181,7 +185,7 @@ def _router(s: K8sSettings) -> dict[str, Any]:
     metrics_port = s.first_metrics_port + 1
     command = ["python", "-m", "octoserve.router", "--config", CONFIG_DIR + "/node.yaml",
                "--scheduler", f"127.0.0.1:{s.scheduler_port}", "--port", str(s.router_port),
-               "--metrics-port", str(metrics_port)]
+               "--metrics-port", str(metrics_port), "--host", "0.0.0.0"]
     resources = {"requests": {"cpu": "4", "memory": "4Gi"}, "limits": {"memory": "8Gi"}}
     ports = [("grpc", s.router_port), ("http", s.http_port)]
     return _container(s, "router", command, ports, metrics_port, resources, s.worker_startup_s)
@@ -192,7 +196,8 @@ def _worker(s: K8sSettings, index: int, instance: InstanceConfig) -> dict[str, A
     module = "octoserve.prefill_worker" if instance.role == Role.PREFILL else "octoserve.decode_worker"
     command = ["python", "-m", module, "--instance", instance.id, "--config", CONFIG_DIR + "/node.yaml",
                "--engine", s.engine, "--model", f"{MODELS_DIR}/{instance.model}",
-               "--scheduler", f"127.0.0.1:{s.scheduler_port}", "--port", str(port), "--metrics-port", str(metrics_port)]
+               "--scheduler", f"127.0.0.1:{s.scheduler_port}", "--port", str(port), "--metrics-port", str(metrics_port),
+               *_INTERNAL_BIND]
     gpus = str(instance.tp)
     # Host memory for pinned KV buffers and weight loading scales with the GPUs; 2 CPU cores per GPU feed it.
     resources = {
@@ -251,7 +256,7 @@ def _picker_deployment(nodes: int, s: K8sSettings) -> dict[str, Any]:
     labels = _labels("picker")
     targets = ",".join(f"{NODE_NAME}-{i}.octoserve-nodes:{s.router_port}" for i in range(nodes))
     command = ["python", "-m", "octoserve.services.cluster", "--nodes", targets, "--config", CONFIG_DIR + "/node.yaml",
-               "--port", str(s.picker_port), "--metrics-port", str(s.picker_metrics_port)]
+               "--port", str(s.picker_port), "--metrics-port", str(s.picker_metrics_port), "--host", "0.0.0.0"]
     resources = {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"memory": "2Gi"}}
     container = _container(s, "picker", command, [("grpc", s.picker_port)], s.picker_metrics_port, resources, 60)
     container["volumeMounts"] = [m for m in container["volumeMounts"] if m["name"] in ("config", "tls", "tmp")]

@@ -2,7 +2,7 @@
 
 Every generated object is validated against the Kubernetes JSON schemas bundled in `kubernetes-validate` (strict:
 unknown fields fail), for the default and the disaggregated placement. The probes are checked against a real
-grpc.aio service started the way a pod starts it (OCTOSERVE_BIND_HOST=0.0.0.0), speaking grpc.health.v1 exactly
+grpc.aio service started the way a pod starts it (listening on 0.0.0.0), speaking grpc.health.v1 exactly
 as the kubelet's native gRPC probe does.
 """
 
@@ -107,7 +107,7 @@ def test_probes_security_drain_metrics_and_tls():
         sc = c["securityContext"]
         assert sc["runAsNonRoot"] and sc["readOnlyRootFilesystem"] and sc["capabilities"] == {"drop": ["ALL"]}
         assert sc["allowPrivilegeEscalation"] is False and sc["runAsUser"] != 0
-        assert {"name": "OCTOSERVE_BIND_HOST", "value": "0.0.0.0"} in c["env"]
+        assert c["command"][c["command"].index("--host") + 1] == "0.0.0.0"
         assert {"name": "tls", "mountPath": "/etc/octoserve/tls", "readOnly": True} in c["volumeMounts"]
     tls = next(v for v in pod["volumes"] if v["name"] == "tls")
     assert tls["secret"]["secretName"] == "octoserve-mtls"
@@ -156,10 +156,9 @@ def test_check_manifests_names_each_mismatch():
     ]
 
 
-async def test_pod_binding_serves_grpc_health_as_the_kubelet_probes_it(monkeypatch):
-    """OCTOSERVE_BIND_HOST=0.0.0.0 (what the pod sets) makes the standard health service answer on every address;
+async def test_pod_binding_serves_grpc_health_as_the_kubelet_probes_it():
+    """`--host 0.0.0.0` (what the pod passes) makes the standard health service answer on every address;
     Check(service="") is SERVING while up and NOT_SERVING once the drain starts (readiness drops first)."""
-    monkeypatch.setenv(rpc_server.BIND_HOST_ENV, "0.0.0.0")
     drained = []
 
     async def drain(grace_s: float) -> None:
@@ -168,7 +167,7 @@ async def test_pod_binding_serves_grpc_health_as_the_kubelet_probes_it(monkeypat
             drained.append(reply.status)
 
     running = await rpc_server.start_service(rpc_server.ServiceSpec(name="probe-test", metrics_port=None, grace_s=2.0,
-                                                                    drain=drain))
+                                                                    drain=drain, host="0.0.0.0"))
     try:
         async with grpc.aio.insecure_channel(f"localhost:{running.port}") as channel:
             reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""))

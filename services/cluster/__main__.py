@@ -21,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--nodes", required=True, help="comma-separated node router addresses, host:port")
     parser.add_argument("--config", default=None, help="node config YAML (default: the embedded placement)")
     parser.add_argument("--port", type=int, default=9002)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a Kubernetes pod)")
     parser.add_argument("--metrics-port", type=int, default=0)
     parser.add_argument("--ready-file", default=None)
     parser.add_argument("--grace-s", type=float, default=5.0)
@@ -43,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     picker = ClusterPicker(policy_from_node(config.policies, config.slo.tier_ttft_ms, config.slo.itl_ms),
                            random.Random(args.seed))
     service = PickerService(picker, nodes, poll_s=args.poll_s)
-    spec = ServiceSpec(name="picker", port=args.port, metrics_port=args.metrics_port, grace_s=args.grace_s,
+    spec = ServiceSpec(name="picker", host=args.host, port=args.port, metrics_port=args.metrics_port, grace_s=args.grace_s,
                        ready_file=args.ready_file, service_names=(PICKER_SERVICE,), add_servicers=service.add_to_server,
                        start=service.start, close=service.close)
     return run_main(spec)
