@@ -89,8 +89,8 @@ class LocalGeneration:
 
 
 async def serve_inside(servicer, port: int, model: str | None, models_root: str | None, grace_s: float,
-                       ready_file: str | None):
-    """Starts the front on 127.0.0.1:port in this process; returns (front, runner) for the drain."""
+                       ready_file: str | None, host: str = "127.0.0.1"):
+    """Starts the front on host:port in this process (the router's own --host); returns (front, runner)."""
     from octoserve.http_front.app import Front, load_codecs
 
     front = Front("in-process", grace_s=grace_s, stub=LocalGeneration(servicer))
@@ -98,7 +98,7 @@ async def serve_inside(servicer, port: int, model: str | None, models_root: str 
     load_codecs(front, model, models_root)
     runner = web.AppRunner(front.app(), access_log=None, handle_signals=False)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", port)
+    site = web.TCPSite(runner, host, port)
     await site.start()
     bound = site._server.sockets[0].getsockname()[1]
     if ready_file:
@@ -130,7 +130,8 @@ def with_front_inside(spec, servicer, args):
         if spec.on_serving is not None:
             await spec.on_serving(running)
         state["front"], state["runner"] = await serve_inside(
-            servicer, args.http_port, args.http_model, args.http_models_root, spec.grace_s, args.http_ready_file)
+            servicer, args.http_port, args.http_model, args.http_models_root, spec.grace_s, args.http_ready_file,
+            getattr(args, "host", None) or "127.0.0.1")
 
     async def drain(grace_s: float) -> None:
         if "front" in state:
