@@ -1,7 +1,8 @@
 """A tiny discrete-event gang group for the arbiter's tests: members are queues of abstract steps.
 
-Each member holds jobs; a job is a number of steps of given durations. The harness drives `GangArbiter` by its
-protocol and measures, independently of the arbiter's own stats, every LM wait and SM stall, whether an LM step
+Each member holds a queue of step durations it wants to run; a step runs for min(duration, the arbiter's cap) and
+the rest stays at the head of the queue (chunked prefill), but never below the member's floor (its decodes).
+The harness drives `GangArbiter` by its protocol and measures, independently of the arbiter's own stats, every LM wait and SM stall, whether an LM step
 ever overlapped an SM step, and whether work was left when the events ran out (a deadlock).
 """
 
@@ -17,7 +18,7 @@ from octoserve.services.core.gang import GangArbiter, GangPolicy, MemberView
 @dataclass
 class Member:
     member_id: str
-    max_step_s: float
+    floor_s: float
     steps: deque = field(default_factory=deque)  # durations of the steps it still has to run
     busy_until: float | None = None
     waiting_since: float | None = None
@@ -34,11 +35,11 @@ class HarnessResult:
     arbiter: GangArbiter
 
 
-def run_gang(policy: GangPolicy, lm_max_step_s: float, sm_max_step_s: float, num_sms: int,
+def run_gang(policy: GangPolicy, lm_floor_s: float, sm_floor_s: float, num_sms: int,
              arrivals: list[tuple[float, str, list[float]]], deadline_offset_s: float | None = None) -> HarnessResult:
     """`arrivals`: (time, member id, step durations); member ids are "lm" and "sm0".."smN-1"."""
-    lm = Member("lm", lm_max_step_s)
-    sms = [Member(f"sm{i}", sm_max_step_s) for i in range(num_sms)]
+    lm = Member("lm", lm_floor_s)
+    sms = [Member(f"sm{i}", sm_floor_s) for i in range(num_sms)]
     members = {m.member_id: m for m in [lm, *sms]}
     arbiter = GangArbiter(policy, "lm", [m.member_id for m in sms])
     events: list = []
@@ -52,7 +53,7 @@ def run_gang(policy: GangPolicy, lm_max_step_s: float, sm_max_step_s: float, num
 
     def view(m: Member) -> MemberView:
         deadline = None if deadline_offset_s is None or not m.steps else now + deadline_offset_s
-        return MemberView(m.member_id, bool(m.steps) and m.busy_until is None, m.max_step_s, deadline)
+        return MemberView(m.member_id, bool(m.steps), m.floor_s, deadline)
 
     while events:
         now, _, kind, payload = heapq.heappop(events)
@@ -67,11 +68,15 @@ def run_gang(policy: GangPolicy, lm_max_step_s: float, sm_max_step_s: float, num
             if m.steps and m.busy_until is None and m.waiting_since is None:
                 m.waiting_since = now
         d = arbiter.decide(now, view(lm), [view(s) for s in sms])
-        to_start = (["lm"] if d.run_lm else []) + list(d.start_sm_ids)
-        for mid in to_start:
+        to_start = ([("lm", d.lm_cap_s)] if d.run_lm else []) + list(d.sm_starts)
+        for mid, cap_s in to_start:
             m = members[mid]
             assert m.busy_until is None and m.steps, f"{mid} told to start while busy or without work"
-            duration = m.steps.popleft()
+            assert cap_s >= m.floor_s - 1e-12, f"{mid} given a cap {cap_s} below its floor {m.floor_s}"
+            wanted = max(m.steps.popleft(), m.floor_s)
+            duration = min(wanted, cap_s) if wanted > cap_s else wanted
+            if wanted - duration > 1e-12:
+                m.steps.appendleft(wanted - duration)
             if mid == "lm":
                 overlaps += sum(1 for s in sms if s.busy_until is not None)
                 max_wait = max(max_wait, now - m.waiting_since)
@@ -80,7 +85,7 @@ def run_gang(policy: GangPolicy, lm_max_step_s: float, sm_max_step_s: float, num
                 max_stall = max(max_stall, now - m.waiting_since)
             m.waiting_since = None
             m.busy_until = now + duration
-            arbiter.started(mid, now, duration, m.max_step_s)
+            arbiter.started(mid, now, duration, cap_s)
             heapq.heappush(events, (m.busy_until, seq, "end", mid))
             seq += 1
     left = sum(len(m.steps) for m in members.values())

@@ -7,6 +7,7 @@ import pytest
 from octoserve.services.core.gang import (
     GangArbiter,
     GangPolicy,
+    Decision,
     Holder,
     LeaseStateCosts,
     MemberView,
@@ -17,7 +18,7 @@ from octoserve.services.core.gang import (
 from tests.gang_harness import run_gang
 
 
-def _views(lm_work, sm_work, lm_deadline=None, sm_deadline=None):
+def _views(lm_work, sm_work, lm_deadline=None, sm_deadline=None):  # floors: LM 18 ms, SM 10 ms
     lm = MemberView("lm", lm_work, 0.018, lm_deadline)
     sms = [MemberView(f"sm{i}", w, 0.010, sm_deadline) for i, w in enumerate(sm_work)]
     return lm, sms
@@ -56,33 +57,35 @@ def test_interleave_alternates_one_lm_step_and_one_sm_round():
     assert trace == ["sm0+sm1", "LM", "sm0+sm1"]
 
 
-def test_drain_waits_for_the_slowest_sm_and_fills_the_barrier():
-    # sm0 runs a long step; sm1 ends early and may fill, but only with a step that ends before sm0's.
-    arb = GangArbiter(GangPolicy(shape="interleave"), "lm", ["sm0", "sm1"])
-    lm, sms = _views(False, [True, True])
-    sms = [MemberView("sm0", True, 0.010), MemberView("sm1", True, 0.004)]
-    d = arb.decide(0.0, lm, sms)
-    arb.started("sm0", 0.0, 0.010, 0.010)
-    arb.started("sm1", 0.0, 0.003, 0.004)
+def test_caps_bound_every_step_and_drain_fills_the_barrier():
+    policy = GangPolicy(shape="interleave", max_lm_wait_ms=20.0, max_sm_stall_ms=50.0)
+    arb = GangArbiter(policy, "lm", ["sm0", "sm1"])
+    sms = [MemberView("sm0", True, 0.008), MemberView("sm1", True, 0.002)]
+    d = arb.decide(0.0, MemberView("lm", False, 0.014), sms)
+    assert d.sm_starts == (("sm0", 0.020), ("sm1", 0.020))  # no LM work: capped at the wait bound anyway
+    arb.started("sm0", 0.0, 0.010, 0.020)
+    arb.started("sm1", 0.0, 0.003, 0.020)
     arb.finished("sm1", 0.003)
-    lm = MemberView("lm", True, 0.018)
-    d = arb.decide(0.003, lm, sms)
-    assert arb.draining and d.fill_sm_ids == ("sm1",) and not d.run_lm  # 0.003 + 0.004 <= 0.010
-    arb.started("sm1", 0.003, 0.004, 0.004)
-    arb.finished("sm1", 0.007)
-    d = arb.decide(0.007, lm, sms)
-    assert d == type(d)()  # 0.007 + 0.004 > 0.010: idle at the barrier
+    lm = MemberView("lm", True, 0.014)
+    d = arb.decide(0.003, lm, sms)  # every SM has stepped once: interleave drains; sm1 fills until sm0 ends
+    assert arb.draining and d.fills and d.sm_starts == (("sm1", pytest.approx(0.007)),)
+    arb.started("sm1", 0.003, 0.006, 0.007)
+    arb.finished("sm1", 0.009)
+    d = arb.decide(0.009, lm, sms)
+    assert d == Decision()  # 1 ms left before the barrier is below sm1's 2 ms floor: idle
     arb.finished("sm0", 0.010)
     d = arb.decide(0.010, lm, sms)
-    assert d.run_lm and arb.holder is Holder.LM
+    # The LM step may run until the earliest SM stall deadline: sm1 waits since 9 ms, sm0 since 10 ms.
+    assert d.run_lm and d.lm_cap_s == pytest.approx(0.009 + 0.050 - 0.010) and arb.holder is Holder.LM
     assert arb.stats.num_fill_steps == 1
-    assert arb.stats.barrier_idle_gpu_s == pytest.approx(0.003)  # sm1 idle 7-10 ms; sm0 none
+    assert arb.stats.barrier_idle_gpu_s == pytest.approx(0.001)  # sm1 idle 9-10 ms
 
 
 def test_lm_wait_bound_forces_the_lease_over_fair_share():
     # The SMs weigh 100x the LM: after its first step (fair share: it had used nothing) the LM's virtual time is
     # far ahead, so only the bound gives it its second step, as late as the bound allows.
-    policy = GangPolicy(shape="slack", max_lm_wait_ms=25.0, max_sm_stall_ms=60.0, lm_weight=0.01, sm_weight=1.0)
+    policy = GangPolicy(shape="slack", max_lm_wait_ms=25.0, max_sm_stall_ms=60.0, lm_weight=0.01, sm_weight=1.0,
+                        urgent_ms=0.0)
     arrivals = [(0.0, f"sm{i}", [0.010] * 30) for i in range(2)] + [(0.001, "lm", [0.018, 0.018])]
     res = run_gang(policy, 0.018, 0.010, 2, arrivals)
     assert res.steps_left == 0 and 0.015 < res.max_lm_wait_s <= 0.025
@@ -90,11 +93,20 @@ def test_lm_wait_bound_forces_the_lease_over_fair_share():
 
 
 def test_sm_stall_bound_ends_a_periodic_lease_early():
-    policy = GangPolicy(shape="periodic", lease_ms=29.0, period_ms=30.0, max_sm_stall_ms=30.0, max_lm_wait_ms=40.0)
+    policy = GangPolicy(shape="periodic", lease_ms=50.0, period_ms=60.0, max_sm_stall_ms=30.0, max_lm_wait_ms=15.0)
     arrivals = [(0.0, "lm", [0.009] * 20), (0.0005, "sm0", [0.010] * 5)]
-    res = run_gang(policy, 0.010, 0.010, 1, arrivals)
-    assert res.steps_left == 0 and res.max_sm_stall_s <= 0.030
+    res = run_gang(policy, 0.009, 0.010, 1, arrivals)
+    assert res.steps_left == 0 and 0.020 < res.max_sm_stall_s <= 0.030
     assert res.arbiter.stats.num_forced_sm >= 1
+
+
+def test_a_capped_long_prefill_is_chunked_not_starving_the_other_side():
+    # A 300 ms LM prompt against a busy SM: the LM runs it in capped chunks, the SM keeps stepping.
+    policy = GangPolicy(shape="slack", max_lm_wait_ms=20.0, max_sm_stall_ms=40.0)
+    arrivals = [(0.0, "lm", [0.300]), (0.0, "sm0", [0.008] * 40)]
+    res = run_gang(policy, 0.005, 0.008, 1, arrivals)
+    assert res.steps_left == 0 and res.max_sm_stall_s <= 0.040 + 1e-9 and res.max_lm_wait_s <= 0.020 + 1e-9
+    assert res.arbiter.stats.num_lm_steps >= 300 // 40
 
 
 def test_slack_gives_the_urgent_side_the_gpus():
@@ -123,7 +135,7 @@ def test_lease_state_rule(costs, choice):
 def test_check_bounds_says_what_to_raise():
     problems = check_bounds(GangPolicy(max_lm_wait_ms=5.0, max_sm_stall_ms=20.0), 0.010, 0.018)
     assert len(problems) == 2
-    assert "raise it to at least 10.0" in problems[0] and "raise it to at least 28.0" in problems[1]
+    assert "raise it to at least 10.0" in problems[0] and "raise it to at least 23.0" in problems[1]
     assert check_bounds(GangPolicy(max_lm_wait_ms=10.0, max_sm_stall_ms=28.0), 0.010, 0.018) == []
 
 

@@ -8,30 +8,37 @@ the LM step starts only when every SM step on them has ended, the *barrier*) or 
 The adapter's loop (the simulator and the live scheduler run the same one):
 
     d = arbiter.decide(now, lm_view, sm_views)      # at every boundary: a step ended, work arrived
-    if d.run_lm: start one LM step;  arbiter.started(lm_id, now, step_s)
-    for sm in d.start_sm_ids: start one step of sm;  arbiter.started(sm, now, step_s)
-    ...when a step ends: arbiter.finished(member_id, now), then decide again.
+    if d.run_lm: run one LM step within d.lm_cap_s;               arbiter.started(lm_id, now, step_s, d.lm_cap_s)
+    for sm, cap_s in d.sm_starts: run one step of sm within cap_s; arbiter.started(sm, now, step_s, cap_s)
+    a member told to start that plans nothing:                     arbiter.nothing_to_run(member_id)
+    when a step ends:                                              arbiter.finished(member_id, now); decide again
 
-`MemberView.max_step_s` is the member's declared longest step (its batcher is sized to keep it); the bounds are
-proved against it, so a step longer than declared is the adapter's bug and `GangStats.num_overruns` counts it.
+Every step the arbiter starts carries a *cap*: the member's batcher cuts its prefill chunk so that the step fits
+(`Batcher.schedule(now, step_cap_s=...)`). A step is never shorter than its member's `MemberView.min_step_s` (the
+decodes it must run) and the arbiter starts no step whose cap is below that. A step longer than its cap is the
+adapter's error, counted in `GangStats.num_overruns`.
 
 Shapes (`GangPolicy.shape`), compared in the simulator:
-- `interleave`: one LM step per lease, then one SM round (every SM with work has stepped once since the lease);
+- `interleave`: one LM step per lease, then one SM round (every SM with work steps once);
 - `periodic`: fixed-horizon leases: the LM holds the GPUs for `lease_ms` of every `period_ms`;
-- `slack`: deadline-driven: the side whose earliest deadline (decode ITL, or latest prefill start for its TTFT)
-  is due within `urgent_ms` gets the GPUs; otherwise virtual-time fair share: each side's virtual time grows by
-  the GPU time it held divided by its weight, the lower one runs next (with `min_slice_ms` of hysteresis), and an
-  idle side's virtual time is pulled up to within `max_lag_ms` of the other's, so idling banks no credit.
+- `slack`: deadline-driven: the side whose earliest deadline (a decode's next-token deadline, or the latest start
+  of a prefill that still meets its TTFT) falls within the other side's step floor plus `urgent_ms` gets the GPUs;
+  otherwise virtual-time fair share: each side's virtual time grows by the group time it held over its weight,
+  the lower one runs next (with `min_slice_ms` of hysteresis), and neither banks more than `max_lag_ms` of credit.
+Every SM slice lets each SM with work step at least once (no zero-length slices, no ping-pong).
 
-Bounds, enforced over every shape (they override it):
-- LM wait <= `max_lm_wait_ms`: from the boundary the LM has work and is not running to its next step's start. An
-  SM may start a step only if it ends (at its declared max) by that deadline; once it could not, the group drains
-  (no SM starts except *fills*: steps that end before the barrier anyway, so they cost the LM nothing).
-- SM stall <= `max_sm_stall_ms`: from the boundary an SM has work and is not running to its next step's start. An
-  LM step starts only if it ends (at its declared max) before any waiting SM's stall bound.
-Both hold whenever `max_lm_wait_ms >= S` and `max_sm_stall_ms >= S + L` (S, L: the longest declared SM and LM
-steps); `check_bounds` says so and placement refuses configs that break it. No deadlock: the group is never left
-with every GPU idle while a member has work (proved by the property tests, tests/test_gang_properties.py).
+Bounds, enforced over every shape by the caps (they override the shape):
+- LM wait <= `max_lm_wait_ms`, from the boundary the LM has work and is not running to its next step's start:
+  every SM step must end by then (cap = that deadline - now; `max_lm_wait_ms` while the LM has no work, since its
+  work may arrive at any moment); an idle SM whose floor does not fit makes the group drain, and while it drains
+  SMs start only *fills*: steps that end before the barrier anyway, so they cost the LM nothing.
+- SM stall <= `max_sm_stall_ms`, from the boundary an SM has work and is not running to its next step's start:
+  an LM step's cap is the earliest stall deadline of the SMs (`max_sm_stall_ms` for an SM whose work may arrive
+  during the step); when the LM's floor no longer fits, the lease ends.
+Both hold whenever `max_lm_wait_ms >= S` and `max_sm_stall_ms >= max_lm_wait_ms + L` (S, L: the largest SM and LM
+step floors); `check_bounds` says so and placement refuses configs that break it. No deadlock: the group never
+leaves every GPU idle while a member has work it can run. tests/test_gang_properties.py checks all of this over
+adversarial arrivals.
 
 SM state during a lease is chosen per SM by `lease_state` (drain / keep / swap / recompute), a cost-model rule.
 """
@@ -54,14 +61,14 @@ class Holder(enum.Enum):
 @dataclass(frozen=True, slots=True)
 class GangPolicy:
     shape: str = "slack"
-    max_lm_wait_ms: float = 40.0  # bound: LM with work waits at most this for a step
-    max_sm_stall_ms: float = 60.0  # bound: an SM with work waits at most this between steps
-    lm_weight: float = 1.0  # fair-share weights of the LM queue and the SM pool (GPU time, slack shape)
+    max_lm_wait_ms: float = 20.0  # bound: an LM with work waits at most this for its next step
+    max_sm_stall_ms: float = 60.0  # bound: an SM with work waits at most this between two of its steps
+    lm_weight: float = 1.0  # fair-share weights of the LM queue and the aggregate SM pool (group time)
     sm_weight: float = 1.0
-    urgent_ms: float = 10.0  # slack shape: a deadline this close (after the other side's step) takes the GPUs
+    urgent_ms: float = 5.0  # slack shape: a deadline this close (past the other side's floor) takes the GPUs
     min_slice_ms: float = 5.0  # slack shape: hysteresis of the fair-share switch
-    max_lag_ms: float = 100.0  # slack shape: how far an idle side's virtual time may fall behind
-    lease_ms: float = 15.0  # periodic shape: LM lease per period
+    max_lag_ms: float = 100.0  # slack shape: the most virtual-time credit a side may bank
+    lease_ms: float = 15.0  # periodic shape: the LM's lease in every period
     period_ms: float = 30.0  # periodic shape
 
     def problems(self) -> list[str]:
@@ -79,16 +86,18 @@ class GangPolicy:
         return out
 
 
-def check_bounds(policy: GangPolicy, max_sm_step_s: float, max_lm_step_s: float) -> list[str]:
-    """Problems that make the bounds unprovable: each says what to change."""
+def check_bounds(policy: GangPolicy, sm_floor_s: float, lm_floor_s: float) -> list[str]:
+    """Problems that make the bounds unprovable, each saying what to change. `sm_floor_s`, `lm_floor_s`: the
+    largest step floor (decodes only, full batch) of any SM and of the LM."""
     out = []
-    s_ms, l_ms = max_sm_step_s * 1e3, max_lm_step_s * 1e3
+    s_ms, l_ms = sm_floor_s * 1e3, lm_floor_s * 1e3
     if policy.max_lm_wait_ms < s_ms:
-        out.append(f"gang.max_lm_wait_ms ({policy.max_lm_wait_ms:g}) is below the longest SM step ({s_ms:.1f} ms); "
-                   f"raise it to at least {s_ms:.1f}")
-    if policy.max_sm_stall_ms < s_ms + l_ms:
-        out.append(f"gang.max_sm_stall_ms ({policy.max_sm_stall_ms:g}) is below the longest SM step plus the longest "
-                   f"LM step ({s_ms:.1f} + {l_ms:.1f} ms); raise it to at least {s_ms + l_ms:.1f}")
+        out.append(f"gang.max_lm_wait_ms ({policy.max_lm_wait_ms:g}) is below the longest SM step floor "
+                   f"({s_ms:.1f} ms); raise it to at least {s_ms:.1f}")
+    if policy.max_sm_stall_ms < policy.max_lm_wait_ms + l_ms:
+        need = policy.max_lm_wait_ms + l_ms
+        out.append(f"gang.max_sm_stall_ms ({policy.max_sm_stall_ms:g}) is below gang.max_lm_wait_ms plus the longest "
+                   f"LM step floor ({policy.max_lm_wait_ms:g} + {l_ms:.1f} ms); raise it to at least {need:.1f}")
     return out
 
 
@@ -97,16 +106,21 @@ class MemberView:
     """One member at a boundary, as its batcher sees it."""
 
     member_id: str
-    has_work: bool  # anything to schedule (running, waiting or swapped requests)
-    max_step_s: float  # declared longest step
+    has_work: bool  # something to schedule (running, waiting or swapped requests)
+    min_step_s: float  # its step floor now: the decodes it must run, no prefill
     deadline_s: float | None = None  # earliest of: a running decode's next-token deadline, a prefill's latest start
 
 
 @dataclass(frozen=True, slots=True)
 class Decision:
     run_lm: bool = False
-    start_sm_ids: tuple[str, ...] = ()  # SMs that start a step now
-    fill_sm_ids: tuple[str, ...] = ()  # of those, the ones that only fill the barrier (drain)
+    lm_cap_s: float = 0.0  # with run_lm: the LM step must end within this
+    sm_starts: tuple[tuple[str, float], ...] = ()  # (SM id, cap s): the SMs that start a step now
+    fills: bool = False  # those SM steps only fill the barrier while the group drains toward a lease
+
+    @property
+    def start_sm_ids(self) -> tuple[str, ...]:
+        return tuple(sm for sm, _ in self.sm_starts)
 
 
 @dataclass(slots=True)
@@ -115,14 +129,14 @@ class GangStats:
     num_sm_steps: int = 0
     num_fill_steps: int = 0  # SM steps started while draining that end before the barrier
     num_switches: int = 0  # holder changes (SM -> LM and LM -> SM)
-    num_forced_lm: int = 0  # switches to the LM forced by the LM-wait bound
-    num_forced_sm: int = 0  # releases forced by the SM-stall bound
-    num_overruns: int = 0  # steps longer than their member's declared max
+    num_forced_lm: int = 0  # leases forced by the LM-wait bound
+    num_forced_sm: int = 0  # leases ended by the SM-stall bound
+    num_overruns: int = 0  # steps longer than their cap
     max_lm_wait_s: float = 0.0
     max_sm_stall_s: float = 0.0
-    barrier_idle_gpu_s: float = 0.0  # GPU time SM GPUs idled at a barrier while SMs had work or the LM waited
-    lm_gpu_s: float = 0.0  # group time held by the LM / by the SMs
-    sm_gpu_s: float = 0.0
+    barrier_idle_gpu_s: float = 0.0  # SM-GPU time idle between a drain decision and the LM step it leads to
+    lm_held_s: float = 0.0  # group time held by the LM / by the SMs
+    sm_held_s: float = 0.0
     lease_states: dict[str, int] = field(default_factory=dict)  # lease_state choice -> count
 
 
@@ -150,36 +164,37 @@ class GangArbiter:
         self._max_wait_s = policy.max_lm_wait_ms / 1e3
         self._max_stall_s = policy.max_sm_stall_ms / 1e3
 
-    # ---- the protocol --------------------------------------------------------------------------------------------
+    # ---- the protocol ------------------------------------------------------------------------------------------
 
     def decide(self, now: float, lm: MemberView, sms: Sequence[MemberView]) -> Decision:
-        """What starts at this boundary. Call it after every step end and every arrival; it commits its decision
-        (the adapter must start what it returns and report each start with `started`)."""
+        """What starts at this boundary. Call it after every step end and every arrival; it commits its decision:
+        the adapter starts what it returns and reports each start with `started` (or `nothing_to_run`)."""
         self._note_waits(now, lm, sms)
         self._charge(now)
         if self._busy(self.lm_id):
             return Decision()
         sm_work = [s for s in sms if s.has_work]
         if self.holder is Holder.LM:
-            if lm.has_work and self._lm_may_continue(now, lm, sm_work):
-                return Decision(run_lm=True)
-            forced = lm.has_work and bool(sm_work) and self._stall_forces(now, lm, sm_work)
-            self._switch(now, Holder.SM, forced)
+            cap = self._lm_cap(now, sm_work)
+            if lm.has_work and cap >= lm.min_step_s - _EPS and self._lm_may_continue(now, lm, sm_work):
+                return Decision(run_lm=True, lm_cap_s=cap)
+            stall_cap = self._lm_cap(now, sm_work, horizon=False)
+            self._switch(now, Holder.SM, forced=lm.has_work and stall_cap < lm.min_step_s - _EPS)
         if not lm.has_work:
             self.draining = False
         elif not self.draining:
             due, forced = self._lm_due(now, lm, sm_work)
             if due:
-                self._start_drain(now, forced)
+                self.draining, self._drain_start, self._drain_forced = True, now, forced
         if self.draining and not any(self._busy(s) for s in self.sm_ids):
             self._note_barrier(now)
             self._switch(now, Holder.LM, self._drain_forced)
-            return Decision(run_lm=True)
-        return self._sm_starts(now, lm, sm_work)
+            return Decision(run_lm=True, lm_cap_s=self._lm_cap(now, sm_work))
+        return self._sm_starts(now, sm_work)
 
-    def started(self, member_id: str, now: float, step_s: float, max_step_s: float) -> None:
-        """A step of `member_id` began at `now` and takes `step_s` (its declared max is `max_step_s`)."""
-        if step_s > max_step_s + _EPS:
+    def started(self, member_id: str, now: float, step_s: float, cap_s: float) -> None:
+        """A step of `member_id` began at `now`; it takes `step_s` and was given `cap_s`."""
+        if step_s > cap_s + _EPS:
             self.stats.num_overruns += 1
         self._busy_until[member_id] = now + max(step_s, 0.0)
         if member_id == self.lm_id:
@@ -212,10 +227,10 @@ class GangArbiter:
         self.stats.lease_states[choice] = self.stats.lease_states.get(choice, 0) + 1
 
     def barrier_end_s(self, now: float) -> float:
-        """When the last running SM step ends (now when none runs): the earliest an LM step can start."""
+        """When the last running SM step ends (`now` when none runs): the earliest an LM step can start."""
         return max((t for m, t in self._busy_until.items() if m != self.lm_id), default=now)
 
-    # ---- bookkeeping ---------------------------------------------------------------------------------------------
+    # ---- bookkeeping -------------------------------------------------------------------------------------------
 
     def _busy(self, member_id: str) -> bool:
         return member_id in self._busy_until
@@ -232,14 +247,14 @@ class GangArbiter:
                 self._stall_since.setdefault(s.member_id, now)
 
     def _charge(self, now: float) -> None:
-        """Virtual time: the holder pays for the group time since the last charge, divided by its weight."""
+        """Virtual time: the holder pays for the group time since the last charge, over its weight."""
         dt = max(0.0, now - self._charged_until)
         self._charged_until = max(self._charged_until, now)
         if self.holder is Holder.LM:
-            self.stats.lm_gpu_s += dt
+            self.stats.lm_held_s += dt
             self._vt_lm += dt / self.policy.lm_weight
         else:
-            self.stats.sm_gpu_s += dt
+            self.stats.sm_held_s += dt
             self._vt_sm += dt / self.policy.sm_weight
 
     def _switch(self, now: float, to: Holder, forced: bool) -> None:
@@ -255,34 +270,36 @@ class GangArbiter:
         self.holder = to
         self._lease_start = now
 
-    def _start_drain(self, now: float, forced: bool) -> None:
-        self.draining = True
-        self._drain_start = now
-        self._drain_forced = forced
-
     def _note_barrier(self, now: float) -> None:
-        """GPU time the SM GPUs idled between the drain decision and the LM step (the barrier's cost)."""
         for s in self.sm_ids:
             self.stats.barrier_idle_gpu_s += now - max(self._drain_start, self._last_end.get(s, self._drain_start))
 
-    # ---- rules ------------------------------------------------------------------------------------------------
+    # ---- caps and rules ----------------------------------------------------------------------------------------
 
-    def _stall_forces(self, now: float, lm: MemberView, sm_work: Sequence[MemberView]) -> bool:
-        """The next LM step (at its declared max) would push a waiting SM past the stall bound."""
-        end = now + lm.max_step_s
-        return any(end - self._stall_since.get(s.member_id, now) > self._max_stall_s + _EPS for s in sm_work)
+    def _lm_cap(self, now: float, sm_work: Sequence[MemberView], horizon: bool = True) -> float:
+        """How long the next LM step may run: until the earliest SM stall deadline (an SM without work may get
+        some at any moment), and in the periodic shape until the lease ends."""
+        cap = self._max_stall_s
+        for s in sm_work:
+            cap = min(cap, self._stall_since.get(s.member_id, now) + self._max_stall_s - now)
+        if horizon and self.policy.shape == "periodic" and sm_work and self.holder is Holder.LM:
+            cap = min(cap, self._lease_start + self.policy.lease_ms / 1e3 - now)
+        return cap
+
+    def _sm_cap(self, now: float) -> float:
+        if self._lm_wait_since is None:
+            return self._max_wait_s
+        return self._lm_wait_since + self._max_wait_s - now
 
     def _lm_may_continue(self, now: float, lm: MemberView, sm_work: Sequence[MemberView]) -> bool:
-        """LM holds the GPUs and has work: one more LM step?"""
+        """The LM holds the GPUs, has work and its floor fits its cap: one more LM step (shape rule)?"""
         if not sm_work:
             return True
-        if self._stall_forces(now, lm, sm_work):
-            return False
         p = self.policy
         if p.shape == "interleave":
             return False  # one LM step per lease
         if p.shape == "periodic":
-            return now + lm.max_step_s <= self._lease_start + p.lease_ms / 1e3 + _EPS
+            return True  # the cap already ends the lease at its horizon
         lm_urgent, sm_urgent = self._urgent(now, lm, sm_work)
         if lm_urgent != sm_urgent:
             return lm_urgent
@@ -290,14 +307,12 @@ class GangArbiter:
         return self._vt_lm <= self._vt_sm + p.min_slice_ms / 1e3
 
     def _lm_due(self, now: float, lm: MemberView, sm_work: Sequence[MemberView]) -> tuple[bool, bool]:
-        """SMs hold the GPUs and the LM has work: (drain toward a lease now?, forced by the LM-wait bound?)."""
+        """The SMs hold the GPUs and the LM has work: (drain toward a lease now?, forced by the LM-wait bound?)."""
         if not sm_work:
             return True, False
-        wait_since = self._lm_wait_since if self._lm_wait_since is not None else now
-        longest = max(s.max_step_s for s in sm_work)
-        if now + longest > wait_since + self._max_wait_s + _EPS:
+        cap = self._sm_cap(now)
+        if any(not self._busy(s.member_id) and s.min_step_s > cap + _EPS for s in sm_work):
             return True, True
-        # Every SM with work steps at least once per SM slice: no zero-length slices, no ping-pong.
         if not all(s.member_id in self._stepped_since_lease for s in sm_work):
             return False, False
         p = self.policy
@@ -311,23 +326,23 @@ class GangArbiter:
         self._pull_idle_vtime()
         return self._vt_sm > self._vt_lm + p.min_slice_ms / 1e3, False
 
-    def _sm_starts(self, now: float, lm: MemberView, sm_work: Sequence[MemberView]) -> Decision:
+    def _sm_starts(self, now: float, sm_work: Sequence[MemberView]) -> Decision:
         idle = [s for s in sm_work if not self._busy(s.member_id)]
         if self.draining:
-            # Fills: a step that ends (at its declared max) before the barrier costs the LM nothing.
-            barrier = self.barrier_end_s(now)
-            fills = tuple(s.member_id for s in idle if now + s.max_step_s <= barrier + _EPS)
-            self.stats.num_fill_steps += len(fills)
-            return Decision(start_sm_ids=fills, fill_sm_ids=fills)
-        return Decision(start_sm_ids=tuple(s.member_id for s in idle))
+            cap = self.barrier_end_s(now) - now
+            starts = tuple((s.member_id, cap) for s in idle if s.min_step_s <= cap + _EPS and cap > _EPS)
+            self.stats.num_fill_steps += len(starts)
+            return Decision(sm_starts=starts, fills=bool(starts))
+        cap = self._sm_cap(now)
+        return Decision(sm_starts=tuple((s.member_id, cap) for s in idle if s.min_step_s <= cap + _EPS))
 
     def _urgent(self, now: float, lm: MemberView, sm_work: Sequence[MemberView]) -> tuple[bool, bool]:
-        """(LM urgent, SMs urgent): a deadline falls within the other side's next step plus `urgent_ms`."""
+        """(LM urgent, SMs urgent): a deadline falls within the other side's step floor plus `urgent_ms`."""
         guard = self.policy.urgent_ms / 1e3
-        sm_step = max((s.max_step_s for s in sm_work), default=0.0)
-        lm_urgent = lm.deadline_s is not None and lm.deadline_s - now <= sm_step + guard
+        sm_floor = max((s.min_step_s for s in sm_work), default=0.0)
+        lm_urgent = lm.deadline_s is not None and lm.deadline_s - now <= sm_floor + guard
         sm_deadlines = [s.deadline_s for s in sm_work if s.deadline_s is not None]
-        sm_urgent = bool(sm_deadlines) and min(sm_deadlines) - now <= lm.max_step_s + guard
+        sm_urgent = bool(sm_deadlines) and min(sm_deadlines) - now <= lm.min_step_s + guard
         return lm_urgent, sm_urgent
 
     def _pull_idle_vtime(self) -> None:
