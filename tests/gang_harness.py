@@ -72,7 +72,7 @@ def run_gang(policy: GangPolicy, lm_floor_s: float, sm_floor_s: float, num_sms: 
         for mid, cap_s in to_start:
             m = members[mid]
             assert m.busy_until is None and m.steps, f"{mid} told to start while busy or without work"
-            assert cap_s >= m.floor_s - 1e-12, f"{mid} given a cap {cap_s} below its floor {m.floor_s}"
+            assert cap_s >= m.floor_s - 1e-9, f"{mid} given a cap {cap_s} below its floor {m.floor_s}"
             wanted = max(m.steps.popleft(), m.floor_s)
             duration = min(wanted, cap_s) if wanted > cap_s else wanted
             if wanted - duration > 1e-12:
