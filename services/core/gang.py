@@ -226,6 +226,10 @@ class GangArbiter:
         """Count one SM's state choice at a lease start (`lease_state`)."""
         self.stats.lease_states[choice] = self.stats.lease_states.get(choice, 0) + 1
 
+    def last_step_end_s(self, member_id: str) -> float | None:
+        """When the member's last step ended (None before its first)."""
+        return self._last_end.get(member_id)
+
     def barrier_end_s(self, now: float) -> float:
         """When the last running SM step ends (`now` when none runs): the earliest an LM step can start."""
         return max((t for m, t in self._busy_until.items() if m != self.lm_id), default=now)
