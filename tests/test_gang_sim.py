@@ -121,3 +121,20 @@ def test_each_gang_member_keeps_its_own_kv_pool_from_its_share():
     assert config.num_kv_blocks_for(lm) > 0 and config.num_kv_blocks_for(sm) > 0
     # Steps are sized to the step shares of the ITL: 0.6 x 30 ms for the LM, the rest for the SMs.
     assert config.step_itl_ms(lm) == pytest.approx(18.0) and config.step_itl_ms(sm) == pytest.approx(12.0)
+
+
+def test_bench_rows_carry_the_gang_figures():
+    import math
+
+    from octoserve.services import bench_suite as bs
+    from octoserve.services.baselines import BASELINES, configure
+
+    gang = configure(BASELINES["octoserve-gang"], bs.load_node_config_text("node-gang.yaml"))
+    static = configure(BASELINES["vllm-default"], load_node_config(None))
+    w = bs.Workload("seed-000 tiny", "seed-000", 8.0, 4.0, 1.0)
+    gang_row = bs.run_job(bs.Job("octoserve-gang", w, gang, 0, 5.0)).row
+    static_row = bs.run_job(bs.Job("vllm-default", w, static, 0, 5.0)).row
+    assert 0 < gang_row.gang_max_lm_wait_ms <= gang.gang.policy.max_lm_wait_ms + 1e-6
+    assert 0 < gang_row.gang_max_sm_stall_ms <= gang.gang.policy.max_sm_stall_ms + 1e-6
+    assert gang_row.gang_switches_per_s > 0
+    assert math.isnan(static_row.gang_max_lm_wait_ms) and math.isnan(static_row.gang_switches_per_s)
