@@ -133,6 +133,7 @@ class Request:
         "queue_key",
         "victim_key",
         "first_token_s",
+        "last_token_s",
     )
 
     def __init__(self, spec: RequestSpec, queue_key: tuple, victim_key: tuple) -> None:
@@ -149,6 +150,7 @@ class Request:
         self.queue_key = queue_key
         self.victim_key = victim_key
         self.first_token_s: float | None = None  # when its first output token was produced here (slack accounting)
+        self.last_token_s: float | None = None  # when its latest output token was produced here (gang deadlines)
 
     @property
     def num_tokens(self) -> int:
@@ -332,15 +334,15 @@ class Batcher:
         return table[min(len(decodes), len(table) - 1)] + self._extra_kv_read_s(decodes)
 
     def earliest_deadline_s(self, itl_s: float) -> float | None:
-        """For a gang arbiter: the earliest next-token deadline of a running decode (first token + (k + 1) x
-        `itl_s` after k tokens, its mean time per token on target) or latest prefill start that still meets a
-        waiting request's TTFT deadline (by the step model's prefill rate); None when idle."""
+        """For a gang arbiter: the latest time this batcher's next step may start and still meet its most urgent
+        deadline: a running decode's next token within `itl_s` of its last one, or a prefill's first token by its
+        TTFT deadline (its remaining tokens at the step model's prefill rate), each less one step floor; None when
+        it has nothing to run."""
         best: float | None = None
         per_token_s = self.config.prefill_s_per_token
         for r in self._running:
-            if r.first_token_s is not None and len(r.token_ids) - r.num_computed_tokens == 1:
-                k = len(r.token_ids) - r.num_prompt_tokens - 1
-                t = r.first_token_s + (k + 1) * itl_s
+            if r.last_token_s is not None and len(r.token_ids) - r.num_computed_tokens == 1:
+                t = r.last_token_s + itl_s
             else:
                 t = self._ttft_deadline_s(r) - r.num_uncomputed_tokens * per_token_s
             best = t if best is None else min(best, t)
@@ -348,7 +350,7 @@ class Batcher:
             head = self._waiting.peek()
             t = self._ttft_deadline_s(head) - head.num_uncomputed_tokens * per_token_s
             best = t if best is None else min(best, t)
-        return best
+        return None if best is None else best - self.step_floor_s()
 
     def _ttft_deadline_s(self, req: Request) -> float:
         tier_slo = self.config.tier_ttft_slo_ms.get(req.spec.priority, DEFAULT_TIER_TTFT_SLO_MS[Priority.STANDARD])
@@ -519,6 +521,7 @@ class Batcher:
             if chunk.samples:
                 token_id = result.sampled_token_ids[req.request_id]
                 req.token_ids.append(token_id)
+                req.last_token_s = now
                 if req.first_token_s is None:
                     req.first_token_s = now
                 finish = self._stop_reason(req, token_id)
@@ -623,7 +626,7 @@ class Batcher:
         self._num_reserved -= 1
         req.num_computed_tokens = req.num_prompt_tokens
         req.token_ids.append(first_token_id)
-        req.first_token_s = now
+        req.first_token_s = req.last_token_s = now
         self.kv.cache_computed(req.request_id, req.token_ids, req.num_computed_tokens)
         self._set_running(req)
         finish = self._stop_reason(req, first_token_id)
