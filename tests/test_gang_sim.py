@@ -119,8 +119,11 @@ def test_each_gang_member_keeps_its_own_kv_pool_from_its_share():
     config = node_config_from_dict(gang_dict())
     lm, sm = config.instance("lm-0"), config.instance("sm-0")
     assert config.num_kv_blocks_for(lm) > 0 and config.num_kv_blocks_for(sm) > 0
-    # Steps are sized to the step shares of the ITL: 0.6 x 30 ms for the LM, the rest for the SMs.
+    # Their shares of the ITL (0.6 x 30 ms for the LM, the rest for the SMs) become the shared-step caps, of the
+    # sized target 0.85 x 30 ms: 15.3 and 10.2 ms.
     assert config.step_itl_ms(lm) == pytest.approx(18.0) and config.step_itl_ms(sm) == pytest.approx(12.0)
+    assert config.gang.policy.lm_shared_step_ms == pytest.approx(15.3)
+    assert config.gang.policy.sm_shared_step_ms == pytest.approx(10.2)
 
 
 def test_bench_rows_carry_the_gang_figures():
