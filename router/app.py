@@ -76,7 +76,7 @@ def router_spec(
             pool.clients[instance_id] = WorkerClient(
                 WorkerEndpoint(instance_id, address, config.instance(instance_id).role is not Role.PREFILL),
                 servicer.session_id, servicer.on_delta,
-                servicer.on_worker_down, policy.on_kv_events,
+                servicer.on_worker_down, policy.on_kv_events, policy.forget_instance,
             )
         pool.start()
         await _wait_ready(pool, startup_timeout_s)

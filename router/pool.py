@@ -4,7 +4,8 @@
   to `on_delta` (a dict lookup and a list append in the router). A broken session fails that worker's requests
   (`on_down`) and is re-opened with bounded backoff.
 - WatchLoad: pushed `EngineLoad` snapshots (and KV events for the prefix index) kept in `loads`; while the stream
-  is down the worker's snapshot is marked unhealthy, so routing skips it.
+  is down the worker's snapshot is marked unhealthy, so routing skips it, and its prefix-index entries are dropped
+  (`on_kv_lost`): the next stream reports only new events.
 Invariant: `ready()` only once every worker confirmed its session and sent a first load snapshot.
 """
 
@@ -58,6 +59,7 @@ class WorkerClient:
         on_delta: Callable[[w_pb.TokenDelta], None],
         on_down: Callable[[str, str], None],
         on_kv_events: Callable[[str, Sequence[KVEvent]], None],
+        on_kv_lost: Callable[[str], None] = lambda instance_id: None,
     ) -> None:
         self.instance_id = endpoint.instance_id
         self.address = endpoint.address
@@ -70,6 +72,7 @@ class WorkerClient:
         self._on_delta = on_delta
         self._on_down = on_down
         self._on_kv_events = on_kv_events
+        self._on_kv_lost = on_kv_lost
         self._tasks: list[asyncio.Task] = []
 
     def start(self) -> None:
@@ -115,6 +118,9 @@ class WorkerClient:
                         self._on_kv_events(self.instance_id, convert.kv_events_from_pb(report.kv_events))
             except grpc.aio.AioRpcError as e:
                 log.warning("load stream down", extra={"fields": {"instance": self.instance_id, "code": e.code().name}})
+            # A new stream carries only the KV events from its start (a restarted worker's cache is empty): what
+            # the router knew of this instance's cache is stale, and would otherwise be kept forever.
+            self._on_kv_lost(self.instance_id)
             if self.load is not None:
                 self.load = dataclasses.replace(self.load, healthy=False)
             await asyncio.sleep(RECONNECT_BACKOFF_S[min(attempt, len(RECONNECT_BACKOFF_S) - 1)])

@@ -310,6 +310,27 @@ def test_prefix_index_counts_leading_hashes_per_instance():
     assert (index.num_blocks("i0"), index.num_blocks("i1"), index.num_blocks("i2")) == (2, 0, 2)
 
 
+def test_prefix_index_shared_hashes_duplicates_and_forgetting_one_instance():
+    index = PrefixIndex()
+    h = prefix_block_hashes(tuple(range(12)), 4)
+    for iid in ("a", "b", "c"):
+        index.apply(iid, BlockStored(h, None))
+    index.apply("a", BlockStored(h[:2], None))  # stored again: counted once
+    index.apply("b", BlockRemoved((h[2], h[2])))  # removed twice: counted once
+    assert (index.num_blocks("a"), index.num_blocks("b"), index.num_blocks("c")) == (3, 2, 3)
+    assert index.overlap_blocks(h) == {"a": 3, "b": 2, "c": 3}
+    index.remove_instance("a")
+    assert index.overlap_blocks(h) == {"b": 2, "c": 3}
+    index.remove_instance("c")
+    index.remove_instance("c")  # already forgotten: no change
+    assert index.overlap_blocks(h) == {"b": 2} and index.num_blocks("c") == 0
+    index.apply("a", BlockStored(h[:1], None))  # a restarted instance starts again from its new events
+    assert index.overlap_blocks(h) == {"a": 1, "b": 2}
+    index.apply_all("b", [BlockRemoved(h)])
+    index.apply("a", BlockRemoved(h[:1]))
+    assert index.overlap_blocks(h) == {} and index.num_hashes() == 0  # nothing left behind
+
+
 def test_prefix_index_follows_a_manager_through_eviction():
     kv, index = make(num_blocks=3), PrefixIndex()
     hashes = prefix_block_hashes(A, 4)

@@ -401,6 +401,10 @@ class PrefixIndex:
     def num_blocks(self, instance_id: str) -> int:
         return self._counts.get(instance_id, 0)
 
+    def num_hashes(self) -> int:
+        """Distinct block hashes held by any instance: the index's size."""
+        return len(self._holders)
+
     def overlap_blocks(self, block_hashes: Sequence[int]) -> dict[str, int]:
         """instance -> number of leading hashes of `block_hashes` it caches; instances with none are absent."""
         overlap: dict[str, int] = {}

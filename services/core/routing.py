@@ -210,6 +210,10 @@ class RouterPolicy:
         for event in events:
             self.prefix_index.apply(instance_id, event)
 
+    def forget_instance(self, instance_id: str) -> None:
+        """The instance's KV events stopped (its load stream ended): drop what the prefix index holds for it."""
+        self.prefix_index.remove_instance(instance_id)
+
     def on_dispatched(self, request_id: str, route: Route, spec: RequestSpec) -> None:
         cfg = self.config
         entry = cfg.instance(route.instance_id)
