@@ -189,6 +189,24 @@ def test_hot_prefix_hashes_are_the_routed_prompts_blocks_that_the_node_caches():
     assert len(hot) == 4 and hot <= set(hashes[:6])
 
 
+def test_prompt_counts_stay_bounded_when_no_summary_is_ever_read():
+    config, policy = _policy()
+    publisher = HeadroomPublisher("n", policy, max_hot_blocks=10, max_heat_hashes=20)
+    loads = {i.id: _load(i) for i in config.instances}
+    hot_prompt = tuple(range(2000, 2000 + 160))  # 10 blocks
+    for k in range(4):
+        policy.route(RequestSpec(f"hot{k}", SM, hot_prompt, SamplingParams(max_tokens=8), 0.0), loads, 0.0)
+    assert publisher.num_heat_hashes() == 10
+    policy.route(RequestSpec("c0", SM, tuple(range(5000, 5160)), SamplingParams(max_tokens=8), 0.0), loads, 0.0)
+    assert publisher.num_heat_hashes() == 20  # at the bound: kept
+    policy.route(RequestSpec("c1", SM, tuple(range(6000, 6160)), SamplingParams(max_tokens=8), 0.0), loads, 0.0)
+    # 30 > 20: halved until at most 10 remain; the prompts seen once cool out, the one seen 4 times stays.
+    assert publisher.num_heat_hashes() == 10
+    hashes = prefix_block_hashes(hot_prompt, 16, SM)
+    policy.on_kv_events("sm-0", [BlockStored(tuple(hashes), None)])
+    assert publisher.summary(loads, 0.0).hot_prefix_hashes == frozenset(hashes)
+
+
 def test_a_lease_that_pushes_decode_steps_past_the_itl_slo_takes_the_node_out():
     def summary(node, capacity, step_ms):
         s = _summary(node, capacity=capacity)

@@ -13,6 +13,9 @@ Invariants: a summary is a frozen value, built once; `admitting` is exactly "the
 at least one instance for the reference prompt"; the hot set holds at most `max_hot_blocks` hashes, each cached on
 the node when the hot set was last rebuilt (every `hot_refresh_every` summaries: it changes slowly), most requested
 first (a decayed count over recent prompts, halved at every rebuild, so an old hot prefix cools within a few).
+The counts are bounded too: past `max_heat_hashes` counted hashes they are halved (the rebuild's decay) until at
+most half remain, so a router whose summaries nobody reads (a node without a cluster picker) does not keep every
+prompt block it ever routed.
 8,192 hashes of 8 bytes are 64 KiB: about 130k cached prompt tokens, the hot system prompts of a node.
 """
 
@@ -74,13 +77,15 @@ class HeadroomPublisher:
     """
 
     def __init__(self, node_id: str, policy, *, reference_prompt_tokens: Mapping[str, int] | None = None,
-                 max_hot_blocks: int = 8192, max_prompt_blocks: int = 128, hot_refresh_every: int = 10) -> None:
+                 max_hot_blocks: int = 8192, max_prompt_blocks: int = 128, hot_refresh_every: int = 10,
+                 max_heat_hashes: int = 4 * 8192) -> None:
         self.node_id = node_id
         self.policy = policy
         self.reference_prompt_tokens = dict(reference_prompt_tokens or {})
         self.max_hot_blocks = max_hot_blocks
         self.max_prompt_blocks = max_prompt_blocks
         self.hot_refresh_every = hot_refresh_every
+        self.max_heat_hashes = max_heat_hashes
         self._heat: dict[int, float] = {}  # block hash -> decayed request count
         self._hot: frozenset[int] = frozenset()
         self._num_summaries = 0
@@ -95,6 +100,16 @@ class HeadroomPublisher:
         tokens = spec.prompt_token_ids[: self.max_prompt_blocks * block_size]
         for h in prefix_block_hashes(tokens, block_size, spec.model):
             self._heat[h] = self._heat.get(h, 0.0) + 1.0
+        if len(self._heat) > self.max_heat_hashes:
+            while len(self._heat) > self.max_heat_hashes // 2:
+                self._cool()
+
+    def num_heat_hashes(self) -> int:
+        """Hashes with a request count (the hot set's candidates): at most `max_heat_hashes` after any prompt."""
+        return len(self._heat)
+
+    def _cool(self) -> None:
+        self._heat = {h: v / 2.0 for h, v in self._heat.items() if v >= 0.25}
 
     def summary(self, loads: Mapping[str, EngineLoad], now: float, *, healthy: bool = True,
                 capacity_fraction: Mapping[str, float] | None = None) -> HeadroomSummary:
@@ -148,7 +163,7 @@ class HeadroomPublisher:
         cached = self.policy.prefix_index
         held = {h for h in self._heat if cached.overlap_blocks([h])}
         hot = sorted(held, key=lambda h: (-self._heat[h], h))[: self.max_hot_blocks]
-        self._heat = {h: v / 2.0 for h, v in self._heat.items() if v >= 0.25}
+        self._cool()
         return frozenset(hot)
 
 
