@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable, Mapping
 
 import grpc
 
+from octoserve.router.access_log import DEFAULT_MODE, DEFAULT_SAMPLE_EVERY, MODES, AccessLog
 from octoserve.router.metrics import RouterMetrics
 from octoserve.router.pool import WorkerClient, WorkerEndpoint, WorkerPool
 from octoserve.router.servicer import DEFAULT_MAX_PENDING_DELTAS, GenerationServicer, RouterSettings
@@ -119,6 +120,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--startup-timeout-s", type=float, default=DEFAULT_STARTUP_TIMEOUT_S)
     parser.add_argument("--max-pending-deltas", type=int, default=DEFAULT_MAX_PENDING_DELTAS)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--access-log", choices=MODES, default=DEFAULT_MODE,
+                        help="one JSON line per request: all, errors (every failed one + 1 in --access-log-sample-every "
+                             "ok ones), off")
+    parser.add_argument("--access-log-sample-every", type=int, default=DEFAULT_SAMPLE_EVERY)
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -136,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         spec, _ = router_spec(
             config,
             lambda: placement_from_scheduler(args.scheduler, args.startup_timeout_s),
-            settings=RouterSettings(time_scale=args.time_scale, max_pending_deltas=args.max_pending_deltas),
+            settings=RouterSettings(time_scale=args.time_scale, max_pending_deltas=args.max_pending_deltas,
+                                    access_log=AccessLog(args.access_log, args.access_log_sample_every)),
             port=args.port, metrics_port=args.metrics_port, ready_file=args.ready_file, grace_s=args.grace_s,
             startup_timeout_s=args.startup_timeout_s, seed=args.seed,
         )

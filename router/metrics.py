@@ -77,6 +77,9 @@ class RouterMetrics:
                                       ["model", "error"], registry=r)
         self.in_flight = prom.Gauge("octoserve_router_in_flight_requests", "requests being served", registry=r)
         self.cutoffs = prom.Counter("octoserve_router_client_cutoffs", "streams cut off for not reading", registry=r)
+        self.failovers = prom.Counter("octoserve_router_failovers", "requests whose worker was lost, by what followed "
+                                      "(rerouted, lost: ended UNAVAILABLE after tokens, refused on re-routing)",
+                                      ["outcome"], registry=r)
         self._children: dict[str, tuple] = {}
 
     def _for(self, model: str) -> tuple:
