@@ -6,6 +6,8 @@ serves, so no ports are guessed; then every service must answer grpc.health.v1 S
 Stop order (Ctrl-C / SIGTERM / `Node.stop()`): router first (it drains client streams), then workers, then the
 scheduler; each gets SIGTERM and its grace period, then SIGKILL. Only processes this launcher started are signalled,
 by PID.
+While the node runs, a `Supervisor` (services/supervisor.py) starts again, with backoff and on the same port, any
+service that exits (a worker killed mid-stream, the scheduler, the router).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from octoserve.services.core.types import Role
 from octoserve.services.rpc.server import LAUNCHER_PID_ENV
+from octoserve.services.supervisor import Supervisor
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 POLL_S = 0.05
@@ -49,6 +52,8 @@ class ServiceProcess:
     log_file: Path
     port: int = 0
     metrics_port: int | None = None
+    cmd: tuple[str, ...] = ()  # how it was started: a restart runs it again with --port pinned
+    env: dict[str, str] | None = None
 
     @property
     def address(self) -> str:
@@ -69,6 +74,7 @@ class Node:
     run_dir: Path
     grace_s: float = DEFAULT_GRACE_S
     exit_codes: dict[str, int] = field(default_factory=dict)
+    supervisor: Supervisor | None = None
 
     @property
     def router_address(self) -> str:
@@ -79,6 +85,8 @@ class Node:
         return [self.router, *self.workers.values(), self.scheduler]
 
     def stop(self) -> dict[str, int]:
+        if self.supervisor is not None:
+            self.supervisor.stop()  # a stopping node is not restarted
         for group in ([self.router], list(self.workers.values()), [self.scheduler]):
             self.exit_codes.update(_stop_group(group, self.grace_s))
         return self.exit_codes
@@ -108,11 +116,20 @@ def _spawn(name: str, module: str, args: list[str], run_dir: Path, env: dict[str
     safe = name.replace(":", "-").replace("/", "-")
     ready = run_dir / f"{safe}.ready.json"
     log = run_dir / f"{safe}.log"
-    cmd = [sys.executable, "-m", module, *args, "--ready-file", str(ready)]
+    cmd = (sys.executable, "-m", module, *args, "--ready-file", str(ready))
+    return ServiceProcess(name, _popen(cmd, log, env), ready, log, cmd=cmd, env=env)
+
+
+def _popen(cmd, log: Path, env: dict[str, str]) -> subprocess.Popen:
     with open(log, "ab") as log_f:
-        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=log_f, stderr=subprocess.STDOUT,
+        return subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=log_f, stderr=subprocess.STDOUT,
                                 start_new_session=True)  # Ctrl-C in a terminal reaches the launcher only
-    return ServiceProcess(name, proc, ready, log)
+
+
+def respawn(sp: ServiceProcess) -> None:
+    """Starts an exited service again on the port it had (its peers reconnect there); its ready file is rewritten."""
+    sp.ready_file.unlink(missing_ok=True)
+    sp.proc = _popen((*sp.cmd, "--port", str(sp.port)), sp.log_file, sp.env)
 
 
 def _wait_ready(sp: ServiceProcess, deadline: float) -> None:
@@ -165,11 +182,14 @@ def start_node(
     grace_s: float = DEFAULT_GRACE_S,
     router_args: tuple[str, ...] = (),
     extra_env: Mapping[str, str] | None = None,
+    supervise: bool = True,
+    on_event=None,
 ) -> Node:
     """Starts every process of the node and returns once all are SERVING (or stops them and raises LaunchError).
 
     config: None (embedded default placement), a YAML path, or a config dict. extra_env: variables added to every
-    child's environment (e.g. OCTOSERVE_VLLM_DTYPE for the vllm engine).
+    child's environment (e.g. OCTOSERVE_VLLM_DTYPE for the vllm engine). supervise: restart services that exit
+    (`Supervisor`; `on_event` gets its events).
     """
     from octoserve.services.config import load_node_config
 
@@ -205,7 +225,11 @@ def start_node(
     except BaseException:
         _stop_group(list(reversed(started)), grace_s=1.0)
         raise
-    return Node(router, scheduler, workers, run_dir, grace_s)
+    node = Node(router, scheduler, workers, run_dir, grace_s)
+    if supervise:
+        node.supervisor = Supervisor(node, on_event)
+        node.supervisor.start()
+    return node
 
 
 # ---- the `octoserve up` subcommand ----------------------------------------------------------------------------------
@@ -223,6 +247,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--startup-timeout-s", type=float, default=None,
                         help=f"default {DEFAULT_STARTUP_TIMEOUT_S:g} s, {VLLM_STARTUP_TIMEOUT_S:g} s with --engine vllm")
     parser.add_argument("--grace-s", type=float, default=DEFAULT_GRACE_S)
+    parser.add_argument("--access-log", choices=("off", "errors", "all"), default="errors",
+                        help="router access log: every request (all), failed ones + 1 in 100 ok ones (errors), off")
     add_cost_profile_argument(parser)
 
 
@@ -231,7 +257,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         node = start_node(config_source(args.config, args.cost_profile), args.time_scale, engine=args.engine, model_path=args.model, port=args.port,
-                          run_dir=args.run_dir, startup_timeout_s=startup_timeout_s(args), grace_s=args.grace_s)
+                          run_dir=args.run_dir, startup_timeout_s=startup_timeout_s(args), grace_s=args.grace_s,
+                          router_args=("--access-log", args.access_log), on_event=_print_event)
     except LaunchError as e:
         print(f"octoserve up: {e}", file=sys.stderr)
         return 1
@@ -271,11 +298,19 @@ def _recorded_signals():
             signal.signal(s, h)
 
 
+def _print_event(e) -> None:
+    print(f"{e.service}: {e.event}" + (f" ({e.detail})" if e.detail else ""), flush=True)
+
+
 def _wait_for_signal_or_exit(node: Node, received: list[int]) -> str:
-    """Blocks until a signal is recorded ("signal") or until a service exits on its own (its name)."""
+    """Blocks until a signal is recorded ("signal") or until a service exits and is not restarted (its name)."""
     while not received:
-        for sp in node.processes:
-            if sp.proc.poll() is not None:
-                return sp.name
+        if node.supervisor is not None:
+            if node.supervisor.gave_up is not None:
+                return node.supervisor.gave_up
+        else:
+            for sp in node.processes:
+                if sp.proc.poll() is not None:
+                    return sp.name
         time.sleep(0.2)
     return "signal"

@@ -108,6 +108,7 @@ class RunningService:
     metrics_port: int | None
     _metrics_server: object = None
     _stopped: asyncio.Event = field(default_factory=asyncio.Event)
+    background: set[asyncio.Task] = field(default_factory=set)  # the service's own loops, cancelled at shutdown
 
     @property
     def address(self) -> str:
@@ -134,6 +135,8 @@ class RunningService:
                 log.warning("grace period over with work in flight; cancelling it")
         remaining = max(0.0, self.spec.grace_s - (time.monotonic() - t0))
         await self.server.stop(min(remaining, 1.0))
+        for task in self.background:
+            task.cancel()
         if self.spec.close is not None:
             await self.spec.close()
         if self._metrics_server is not None:

@@ -4,6 +4,9 @@ leases (pause a set of instances for a TP-wide job until released or expired).
 Load collection: one WatchLoad stream per registered worker keeps `loads` current; a broken stream marks the
 instance unhealthy until it reconnects. Pool balancing and model reallocation will read `loads`; they are not
 here yet.
+Registration is idempotent and workers repeat it every second, so a scheduler that restarted rebuilds its
+registry (and its load watchers) from those heartbeats; the router keeps serving on the placement it read at
+start meanwhile. A worker that registers a new address gets a new watcher.
 Invariants: `GetPlacement.complete` only when every configured instance has registered; a lease pauses each of
 its instances exactly once and resumes them exactly once (on release or at expiry).
 """
@@ -35,6 +38,8 @@ log = logging.getLogger("octoserve.scheduler")
 SCHEDULER_SERVICE = s_pb.DESCRIPTOR.services_by_name["Scheduler"].full_name
 LOAD_INTERVAL_MS = 100  # the scheduler balances pools on a seconds scale; the router gets its own faster stream
 RECONNECT_S = 0.2
+WORKER_CHANNEL_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                          ("grpc.max_reconnect_backoff_ms", 1000))
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +76,8 @@ class SchedulerServicer(s_grpc.SchedulerServicer):
             known = ", ".join(i.id for i in self.config.instances)
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"instance {request.instance_id!r} is not in the node config; known: {known}")
+        if self.addresses.get(request.instance_id) == request.address:
+            return s_pb.RegisterWorkerReply()  # the heartbeat of a known worker
         self.addresses[request.instance_id] = request.address
         self._registered.set(len(self.addresses))
         self._watch(request.instance_id, request.address)
@@ -103,7 +110,7 @@ class SchedulerServicer(s_grpc.SchedulerServicer):
         channel = self._channels.pop(instance_id, None)
         if channel is not None:
             asyncio.get_running_loop().create_task(channel.close())
-        self._channels[instance_id] = grpc.aio.insecure_channel(address)
+        self._channels[instance_id] = grpc.aio.insecure_channel(address, options=WORKER_CHANNEL_OPTIONS)
         self._watchers[instance_id] = asyncio.create_task(self._watch_loop(instance_id))
 
     async def _watch_loop(self, instance_id: str) -> None:

@@ -1,0 +1,114 @@
+"""Faults injected into the node as separate processes on 127.0.0.1 (what `octoserve up` runs), with the
+supervisor on: workers SIGKILLed mid-stream, the scheduler and the router killed, KV transfers made slow or corrupt.
+
+What each test holds the node to:
+- a request that had no token when its worker died is moved and served in full (no token lost, none repeated);
+- a request that had tokens ends UNAVAILABLE with a retry hint, having received fewer tokens than asked and never
+  one twice;
+- the dead instance gets no new request (the first requests sent after the kill are all served, none re-routed);
+- KV held elsewhere for the lost requests is freed (every surviving worker back to all blocks free);
+- the launcher restarts the process on its port and it serves again (requests reach it afterwards).
+Nothing here asserts a duration; the router's access log says where each request went.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import grpc
+import pytest
+
+from octoserve.services.launcher import start_node
+from octoserve.v1 import generate_pb2 as gen_pb
+from octoserve.v1 import generate_pb2_grpc as gen_grpc
+from tests.fault_fixtures import (
+    Stream, access_log, disagg_config, load, prompt, router_log, two_replica_config, wait_all_free,
+)
+from tests.service_fixtures import COLOCATED_MODEL, DISAGG_MODEL
+
+pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="function")]
+
+ROUTER_ARGS = ("--access-log", "all")
+
+
+def _start(tmp_path, config: dict, time_scale: float, **kw):
+    return start_node(config, time_scale=time_scale, run_dir=tmp_path, startup_timeout_s=90, grace_s=3,
+                      router_args=ROUTER_ARGS, **kw)
+
+
+async def _until(predicate, timeout_s: float, what: str) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not await predicate():
+        if loop.time() > deadline:
+            raise AssertionError(f"not within {timeout_s} s: {what}")
+        await asyncio.sleep(0.05)
+
+
+async def test_colocated_worker_killed_mid_stream(tmp_path):
+    node = _start(tmp_path, two_replica_config(), time_scale=3.0)
+    try:
+        async with grpc.aio.insecure_channel(node.router_address) as channel:
+            stub = gen_grpc.GenerationStub(channel)
+            # 8 long streams, each with tokens before the kill: about half on c0.
+            streaming = [Stream(gen_pb.GenerateRequest(model=COLOCATED_MODEL, token_ids=prompt(64, i), max_tokens=400,
+                                                       ignore_eos=True)) for i in range(8)]
+            tasks = [asyncio.create_task(s.run(stub)) for s in streaming]
+            for s in streaming:
+                await asyncio.wait_for(s.first_token.wait(), 60)
+            assert all(s.code is None for s in streaming), [s.details for s in streaming]
+            # Then long prompts: still prefilling (no token) when c0 dies.
+            waiting = [Stream(gen_pb.GenerateRequest(model=COLOCATED_MODEL, token_ids=prompt(1500, 100 + i),
+                                                     max_tokens=16, ignore_eos=True, priority=gen_pb.BATCH))
+                       for i in range(4)]
+            tasks += [asyncio.create_task(s.run(stub)) for s in waiting]
+
+            async def c0_is_prefilling():
+                l = await load(node.workers["c0"].address)
+                return l.queued_prefill_tokens > 0 or l.num_waiting > 0
+            await _until(c0_is_prefilling, 30, "c0 has a prompt in prefill")
+            no_token_at_kill = [s for s in waiting if not s.tokens]
+            os.kill(node.workers["c0"].pid, signal.SIGKILL)
+
+            # The first requests after the kill: none may be placed on the dead instance.
+            after = [Stream(gen_pb.GenerateRequest(model=COLOCATED_MODEL, token_ids=prompt(32, 200 + i), max_tokens=4,
+                                                   ignore_eos=True, priority=gen_pb.BATCH)) for i in range(6)]
+            await asyncio.gather(*(s.run(stub) for s in after))
+            await asyncio.gather(*tasks)
+            node.supervisor.wait_for("worker:c0", "ready", timeout_s=60)
+            log = access_log(node)
+
+            # Streams that had tokens: the ones on c0 end UNAVAILABLE with a hint, short, never duplicated.
+            on_c0 = [s for s in streaming if log[s.request_id]["instances"] == ["c0"]]
+            assert on_c0, "no stream was on c0"
+            for s in streaming:
+                if s in on_c0:
+                    assert s.code == grpc.StatusCode.UNAVAILABLE and s.retry_after_ms and s.retry_after_ms > 0, s
+                    assert 0 < len(s.tokens) < 400
+                    assert log[s.request_id]["outcome"] == "failed" and log[s.request_id]["code"] == "UNAVAILABLE"
+                else:
+                    assert s.code == grpc.StatusCode.OK and len(s.tokens) == 400, s
+            # Requests with no token when c0 died: served in full; the ones that were on c0 were moved.
+            assert all(s.code == grpc.StatusCode.OK and len(s.tokens) == 16 for s in waiting), \
+                [(s.code, s.details, len(s.tokens)) for s in waiting]
+            moved = [s for s in no_token_at_kill if log[s.request_id].get("rerouted")]
+            assert moved, "no request without tokens was on c0 at the kill"
+            for s in moved:
+                assert log[s.request_id]["instances"] == ["c0", "c1"]
+            # After the kill: every one served, none placed on c0 (a placement there would have been moved).
+            assert all(s.code == grpc.StatusCode.OK and len(s.tokens) == 4 for s in after)
+            assert all("rerouted" not in log[s.request_id] for s in after)
+
+            # c0 was restarted on its port; the router routes to it again.
+            async def c0_serves():
+                s = Stream(gen_pb.GenerateRequest(model=COLOCATED_MODEL, token_ids=prompt(32, 300), max_tokens=2,
+                                                  ignore_eos=True))
+                await s.run(stub)
+                return s.code == grpc.StatusCode.OK and access_log(node)[s.request_id]["instances"] == ["c0"]
+            await _until(c0_serves, 60, "a request is served by the restarted c0")
+            await wait_all_free(node)
+        assert node.supervisor.restarts("worker:c0") == 1
+    finally:
+        node.stop()
