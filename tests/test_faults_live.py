@@ -5,7 +5,8 @@ What each test holds the node to:
 - a request that had no token when its worker died is moved and served in full (no token lost, none repeated);
 - a request that had tokens ends UNAVAILABLE with a retry hint, having received fewer tokens than asked and never
   one twice;
-- the dead instance gets no new request (the first requests sent after the kill are all served, none re-routed);
+- the dead instance gets no new request once the router has noticed the loss (the first requests sent after the
+  first stream on it ended are all served, none re-routed);
 - KV held elsewhere for the lost requests is freed (every surviving worker back to all blocks free);
 - the launcher restarts the process on its port and it serves again (requests reach it afterwards).
 Nothing here asserts a duration; the router's access log says where each request went.
@@ -72,7 +73,10 @@ async def test_colocated_worker_killed_mid_stream(tmp_path):
             no_token_at_kill = [s for s in waiting if not s.tokens]
             os.kill(node.workers["c0"].pid, signal.SIGKILL)
 
-            # The first requests after the kill: none may be placed on the dead instance.
+            # Once the router has noticed (a stream on c0 ended), no new request may be placed on the dead instance.
+            async def a_stream_ended():
+                return any(s.code is not None for s in streaming)
+            await _until(a_stream_ended, 30, "a stream on c0 ends")
             after = [Stream(gen_pb.GenerateRequest(model=COLOCATED_MODEL, token_ids=prompt(32, 200 + i), max_tokens=4,
                                                    ignore_eos=True, priority=gen_pb.BATCH)) for i in range(6)]
             await asyncio.gather(*(s.run(stub) for s in after))
