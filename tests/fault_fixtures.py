@@ -35,8 +35,9 @@ def disagg_config() -> dict:
         "gpu": "h100-sxm-80gb", "num_gpus": 8,
         "models": {DISAGG_MODEL: {"preset": "llama-3-8b", "max_context_len": MAX_CONTEXT}},
         "instances": [
-            {"id": "p0", "model": DISAGG_MODEL, "role": "prefill", "gpu_ids": [0], **INSTANCE},
-            {"id": "p1", "model": DISAGG_MODEL, "role": "prefill", "gpu_ids": [1], **INSTANCE},
+            {"id": "p0", "model": DISAGG_MODEL, "role": "prefill", "gpu_ids": [0], "max_num_batched_tokens": 2048, **INSTANCE},
+            {"id": "p1", "model": DISAGG_MODEL, "role": "prefill", "gpu_ids": [1], "max_num_batched_tokens": 2048,
+             **INSTANCE},
             {"id": "d0", "model": DISAGG_MODEL, "role": "decode", "gpu_ids": [2], **INSTANCE},
             {"id": "d1", "model": DISAGG_MODEL, "role": "decode", "gpu_ids": [3], **INSTANCE},
         ],

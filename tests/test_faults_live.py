@@ -116,3 +116,74 @@ async def test_colocated_worker_killed_mid_stream(tmp_path):
         assert node.supervisor.restarts("worker:c0") == 1
     finally:
         node.stop()
+
+
+def _expiry_warnings(node) -> list[str]:
+    """Reservations or hand-offs freed by their TTL instead of by the router: a leak the TTL papered over."""
+    found = []
+    for sp in node.workers.values():
+        for line in sp.log_file.read_text().splitlines():
+            if "reservation expired unused" in line or "hand-off expired unreleased" in line:
+                found.append(f"{sp.name}: {line}")
+    return found
+
+
+async def test_disaggregated_prefill_then_decode_worker_killed(tmp_path):
+    node = _start(tmp_path, disagg_config(), time_scale=3.0)
+    try:
+        async with grpc.aio.insecure_channel(node.router_address) as channel:
+            stub = gen_grpc.GenerationStub(channel)
+            streaming = [Stream(gen_pb.GenerateRequest(model=DISAGG_MODEL, token_ids=prompt(64, i), max_tokens=300,
+                                                       ignore_eos=True)) for i in range(6)]
+            tasks = [asyncio.create_task(s.run(stub)) for s in streaming]
+            for s in streaming:
+                await asyncio.wait_for(s.first_token.wait(), 60)
+            assert all(s.code is None for s in streaming), [s.details for s in streaming]
+
+            # A prefill worker dies with prompts in prefill: their decode reservations are freed, they move.
+            waiting = [Stream(gen_pb.GenerateRequest(model=DISAGG_MODEL, token_ids=prompt(1500, 100 + i),
+                                                     max_tokens=16, ignore_eos=True, priority=gen_pb.BATCH))
+                       for i in range(4)]
+            waiting_tasks = [asyncio.create_task(s.run(stub)) for s in waiting]
+            busy: list[str] = []
+
+            async def a_prefill_is_busy():
+                for iid in ("p0", "p1"):
+                    l = await load(node.workers[iid].address)
+                    if l.queued_prefill_tokens > 0 or l.num_waiting > 0:
+                        busy.append(iid)
+                        return True
+                return False
+            await _until(a_prefill_is_busy, 30, "a prefill worker has a prompt in prefill")
+            victim = busy[0]
+            os.kill(node.workers[victim].pid, signal.SIGKILL)
+            await asyncio.gather(*waiting_tasks)
+            log = access_log(node)
+            assert all(s.code == grpc.StatusCode.OK and len(s.tokens) == 16 for s in waiting), \
+                [(s.code, s.details, len(s.tokens)) for s in waiting]
+            moved = [s for s in waiting if log[s.request_id].get("rerouted")]
+            assert moved, "no prompt was in prefill on the killed worker"
+            for s in moved:
+                assert log[s.request_id]["instances"][0] == victim and victim not in log[s.request_id]["instances"][2:]
+
+            # A decode worker dies under streams with tokens: those end UNAVAILABLE with a hint, the rest finish.
+            os.kill(node.workers["d0"].pid, signal.SIGKILL)
+            await asyncio.gather(*tasks)
+            log = access_log(node)
+            on_d0 = [s for s in streaming if log[s.request_id]["instances"][-1] == "d0"]
+            assert on_d0, "no stream was decoding on d0"
+            for s in streaming:
+                if s in on_d0:
+                    assert s.code == grpc.StatusCode.UNAVAILABLE and s.retry_after_ms and s.retry_after_ms > 0, s
+                    assert 0 < len(s.tokens) < 300
+                else:
+                    assert s.code == grpc.StatusCode.OK and len(s.tokens) == 300, s
+
+            node.supervisor.wait_for(f"worker:{victim}", "ready", timeout_s=60)
+            node.supervisor.wait_for("worker:d0", "ready", timeout_s=60)
+            await wait_all_free(node)
+            # Past every TTL (10 s): nothing was left for a TTL to free.
+            await asyncio.sleep(11)
+            assert _expiry_warnings(node) == []
+    finally:
+        node.stop()
