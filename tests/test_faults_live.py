@@ -187,3 +187,65 @@ async def test_disaggregated_prefill_then_decode_worker_killed(tmp_path):
             assert _expiry_warnings(node) == []
     finally:
         node.stop()
+
+
+async def test_scheduler_then_router_killed(tmp_path):
+    from octoserve.client import AsyncClient, RetryPolicy, UnavailableError
+    from octoserve.services.rpc.gen import scheduler_pb2 as s_pb
+    from octoserve.services.rpc.gen import scheduler_pb2_grpc as s_grpc
+
+    node = _start(tmp_path, two_replica_config(), time_scale=1.0)
+    try:
+        async with grpc.aio.insecure_channel(node.scheduler.address) as channel:
+            before = await s_grpc.SchedulerStub(channel).GetPlacement(s_pb.GetPlacementRequest(), timeout=5)
+        assert before.complete
+
+        # The scheduler dies: the router keeps serving on the placement it has.
+        os.kill(node.scheduler.pid, signal.SIGKILL)
+        async with grpc.aio.insecure_channel(node.router_address) as channel:
+            stub = gen_grpc.GenerationStub(channel)
+            served = [Stream(gen_pb.GenerateRequest(model=COLOCATED_MODEL, token_ids=prompt(32, i), max_tokens=8,
+                                                    ignore_eos=True)) for i in range(6)]
+            await asyncio.gather(*(s.run(stub) for s in served))
+        assert [(s.code, len(s.tokens)) for s in served] == [(grpc.StatusCode.OK, 8)] * 6
+        # It comes back on its port with no state and rebuilds the placement from the workers' re-registration.
+        node.supervisor.wait_for("scheduler", "ready", timeout_s=60)
+        async with grpc.aio.insecure_channel(node.scheduler.address) as channel:
+            scheduler = s_grpc.SchedulerStub(channel)
+
+            async def placement_rebuilt():
+                p = await scheduler.GetPlacement(s_pb.GetPlacementRequest(), timeout=5)
+                loads = await scheduler.GetLoads(s_pb.GetLoadsRequest(), timeout=5)
+                return p.complete and len(loads.loads) == 2
+            await _until(placement_rebuilt, 30, "the restarted scheduler has every worker back")
+            after = await scheduler.GetPlacement(s_pb.GetPlacementRequest(), timeout=5)
+        assert {p.instance_id: p.address for p in after.instances} == {p.instance_id: p.address for p in before.instances}
+
+        # The router dies: a stream in flight ends UNAVAILABLE; a call without retries fails UNAVAILABLE; the SDK
+        # with a retry policy retries (each wait recorded) until the restarted router serves it.
+        delays: list[float] = []
+
+        async def recorded_sleep(s: float) -> None:
+            delays.append(s)
+            await asyncio.sleep(s)
+
+        policy = RetryPolicy(max_attempts=30, initial_backoff_s=0.2, backoff_multiplier=1.5, max_backoff_s=2.0,
+                             budget_max_tokens=30)
+        async with AsyncClient(node.router_address) as plain, \
+                AsyncClient(node.router_address, retry=policy, sleep=recorded_sleep) as retrying:
+            in_flight = plain.generate(COLOCATED_MODEL, list(range(100, 132)), max_tokens=2000, ignore_eos=True)
+            first = await in_flight.__anext__()
+            assert first.token_ids
+            os.kill(node.router.pid, signal.SIGKILL)
+            with pytest.raises(UnavailableError):
+                async for _ in in_flight:
+                    pass
+            with pytest.raises(UnavailableError):
+                await plain.complete(COLOCATED_MODEL, list(range(100, 132)), max_tokens=4, ignore_eos=True)
+            done = await retrying.complete(COLOCATED_MODEL, list(range(100, 132)), max_tokens=4, ignore_eos=True,
+                                           timeout_s=90)
+        assert len(done.token_ids) == 4 and len(delays) >= 1
+        assert node.supervisor.restarts("router") == 1 and node.supervisor.restarts("scheduler") == 1
+        await wait_all_free(node)  # the lost router's streams were aborted on the workers
+    finally:
+        node.stop()
