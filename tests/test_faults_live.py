@@ -249,3 +249,43 @@ async def test_scheduler_then_router_killed(tmp_path):
         await wait_all_free(node)  # the lost router's streams were aborted on the workers
     finally:
         node.stop()
+
+
+def _metric(address_port: int, name: str, labels: str) -> float:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{address_port}/metrics", timeout=5) as http:
+        for line in http.read().decode().splitlines():
+            if line.startswith(f"{name}{{") and labels in line:
+                return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+async def test_slow_and_corrupt_kv_transfers_time_out_fall_back_and_are_counted(tmp_path):
+    config = disagg_config()
+    config["instances"] = [i for i in config["instances"] if i["id"] in ("p0", "d0")]
+    # Transfers in order: 8 s late (past the 5 s transfer timeout), corrupt, then fine.
+    node = _start(tmp_path, config, time_scale=1.0, extra_env={"OCTOSERVE_FAULTS": "kv_transfer=slow:8,corrupt,ok"})
+    try:
+        async with grpc.aio.insecure_channel(node.router_address) as channel:
+            stub = gen_grpc.GenerationStub(channel)
+            results = []
+            for i in range(3):
+                s = Stream(gen_pb.GenerateRequest(model=DISAGG_MODEL, token_ids=prompt(64, i), max_tokens=20,
+                                                  ignore_eos=True))
+                await s.run(stub, timeout_s=60)
+                results.append(s)
+        slow, corrupt, fine = results
+        for s in (slow, corrupt):  # the first token came from the prefill; the transfer failed: retry with a hint
+            assert s.code == grpc.StatusCode.UNAVAILABLE and s.retry_after_ms and len(s.tokens) == 1, s
+        assert "did not commit within 5 s" in slow.details and "failed verification" in corrupt.details
+        assert fine.code == grpc.StatusCode.OK and len(fine.tokens) == 20
+        d0_metrics = node.workers["d0"].metrics_port
+        name = "octoserve_worker_kv_transfer_failures_total"
+        assert _metric(d0_metrics, name, 'reason="timeout"') == 1.0
+        assert _metric(d0_metrics, name, 'reason="corrupt"') == 1.0
+        await wait_all_free(node)
+        assert _expiry_warnings(node) == []  # the hand-offs were released by the router, not by a TTL
+    finally:
+        node.stop()
+
