@@ -1,0 +1,94 @@
+"""Faults in the simulator: an instance lost at time t and back (restarted, empty) after `down_s`, and what it did
+to the SLO attainment of its model.
+
+    octoserve simulate --fault sm-0@30+5 [--fault ...]     # instance sm-0 lost at t = 30 s, serving again at 35 s
+
+The driver (`services/sim/driver.py`) applies the fault as the live router and launcher do: requests on the lost
+instance with no token yet are placed again at once, those with tokens fail, the instance is unroutable while down.
+The report, per fault, over the lost instance's model, by arrival time in `bin_s` bins:
+- before: attainment (requests meeting the SLO / requests offered) over the `baseline_s` before the fault;
+- dip: the lowest bin attainment from the fault on, and when;
+- recovery: time from the fault until attainment is back within `tolerance` of `before` and stays there for
+  `hold_s` (None when it never is within the run);
+- rerouted / lost: requests moved off the instance, requests failed with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from octoserve.services.metrics import RequestRecord, SloSpec, attainment_over_time
+
+
+DEFAULT_DOWN_S = 5.0  # restart time: the live launcher restarts a sim worker in seconds; a vLLM engine takes longer
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceFault:
+    instance_id: str
+    at_s: float
+    down_s: float = DEFAULT_DOWN_S
+
+
+def parse_fault(text: str) -> InstanceFault:
+    """'sm-0@30' or 'sm-0@30+5' (instance, loss time s, down time s)."""
+    instance_id, at, rest = text.partition("@")
+    if not at or not instance_id:
+        raise ValueError(f"fault {text!r}: write INSTANCE@T or INSTANCE@T+DOWN, as sm-0@30+5")
+    at_text, plus, down_text = rest.partition("+")
+    try:
+        at_s = float(at_text.rstrip("s"))
+        down_s = float(down_text.rstrip("s")) if plus else DEFAULT_DOWN_S
+    except ValueError:
+        raise ValueError(f"fault {text!r}: times are seconds, as sm-0@30+5") from None
+    if at_s < 0 or down_s < 0:
+        raise ValueError(f"fault {text!r}: times must be >= 0")
+    return InstanceFault(instance_id, at_s, down_s)
+
+
+@dataclass(frozen=True, slots=True)
+class FaultReport:
+    fault: InstanceFault
+    model: str
+    before: float
+    dip: float
+    dip_at_s: float
+    recovery_s: float | None
+    rerouted: int
+    lost: int
+
+
+def fault_report(records: Sequence[RequestRecord], slo: SloSpec, fault: InstanceFault, model: str, *,
+                 rerouted: int, lost: int, bin_s: float = 1.0, baseline_s: float = 20.0, tolerance: float = 0.05,
+                 hold_s: float = 5.0) -> FaultReport:
+    bins = attainment_over_time([r for r in records if r.model == model], slo, bin_s)
+    before_bins = [b for b in bins if fault.at_s - baseline_s <= b.start_s and b.start_s + bin_s <= fault.at_s]
+    offered = sum(b.num_offered for b in before_bins)
+    before = sum(b.num_good for b in before_bins) / offered if offered else 1.0
+    # The bin holding the fault counts as after it: requests that arrived in it can be hit.
+    after = [b for b in bins if b.start_s + bin_s > fault.at_s and b.num_offered]
+    if not after:
+        return FaultReport(fault, model, before, before, fault.at_s, 0.0, rerouted, lost)
+    worst = min(after, key=lambda b: b.attainment_offered)
+    floor = before - tolerance
+    hold_bins = max(1, round(hold_s / bin_s))
+    recovery_s = None
+    for i, b in enumerate(after):
+        window = after[i:i + hold_bins]
+        if len(window) == hold_bins and all(w.attainment_offered >= floor for w in window):
+            recovery_s = max(0.0, b.start_s - fault.at_s)
+            break
+    return FaultReport(fault, model, before, worst.attainment_offered, worst.start_s, recovery_s, rerouted, lost)
+
+
+def format_reports(reports: Sequence[FaultReport]) -> str:
+    lines = ["fault                 model          before    dip (at)         recovery   rerouted  lost"]
+    for r in reports:
+        name = f"{r.fault.instance_id}@{r.fault.at_s:g}+{r.fault.down_s:g}"
+        recovery = "never" if r.recovery_s is None else f"{r.recovery_s:.0f} s"
+        lines.append(f"{name:<21} {r.model:<14} {r.before:>6.1%}  {r.dip:>6.1%} ({r.dip_at_s:>5.0f} s)  "
+                     f"{recovery:>8}  {r.rerouted:>8}  {r.lost:>4}")
+    lines.append("(attainment: requests meeting the SLO / offered, by arrival second; recovery: back within 5 points "
+                 "of before, for 5 s)")
+    return "\n".join(lines)
