@@ -9,6 +9,7 @@ UNAVAILABLE: gone, or draining).
   when the decode worker died), then the policy routes it as if it had just arrived, with the lost instance
   excluded. At most `MAX_REROUTES` times; a request the policy refuses now gets that refusal (RESOURCE_EXHAUSTED
   with its retry hint).
+- Its entries in the prefix index are dropped (its cache died with it).
 - A request that has tokens ends UNAVAILABLE with a retry hint: the client has seen tokens, a replay would repeat
   them, and the SDK never retries after the first token.
 Counted in `octoserve_router_failovers_total{outcome=rerouted|lost}`.
@@ -67,6 +68,7 @@ class Failover:
         client = self.s.pool.clients.get(instance_id)
         if client is not None:
             client.mark_down()
+        self.forget_cache(instance_id)
         for st in list(self.s.requests.values()):
             if instance_id not in st.instance_ids or st.closed:
                 continue
@@ -82,6 +84,10 @@ class Failover:
         if route is not None:
             await self.s._dispatch(st, route, _remaining(st))
 
+    def forget_cache(self, instance_id: str) -> None:
+        """A lost worker's prefix cache died with it (no BlockRemoved will come): stop steering prompts there."""
+        self.s.policy.prefix_index.remove_instance(instance_id)
+
     def _lose(self, st, reason: str) -> None:
         self.metrics.failovers.labels("lost").inc()
         st.fail(self.lost_status(reason))
@@ -94,6 +100,7 @@ class Failover:
             self._lose(st, reason)
             return None
         request_id = st.spec.request_id
+        self.forget_cache(lost_id)
         survivors = [i for i in st.instance_ids if i != lost_id and self.s.pool[i].reachable]
         st.instance_ids = ()
         self.s.policy.on_finished(request_id)

@@ -330,6 +330,7 @@ class NodeSimulator:
         fresh.busy_s, fresh.steps = old.busy_s, old.steps
         self.instances[iid] = fresh
         self.down.add(iid)
+        self.router.prefix_index.remove_instance(iid)  # its cache died with it
         for tracker in list(self._trackers.values()):
             route = tracker.route
             if route is None or tracker.finish_s is not None or tracker.error or tracker.refused:
