@@ -8,8 +8,8 @@ instance with no token yet are placed again at once, those with tokens fail, the
 The report, per fault, over the lost instance's model, by arrival time in `bin_s` bins:
 - before: attainment (requests meeting the SLO / requests offered) over the `baseline_s` before the fault;
 - dip: the lowest bin attainment from the fault on, and when;
-- recovery: time from the fault until attainment is back within `tolerance` of `before` and stays there for
-  `hold_s` (None when it never is within the run);
+- recovery: time from the fault until the attainment over a rolling `hold_s` window is back within `tolerance` of
+  `before` and stays there to the last arrival (None when it never does);
 - rerouted / lost: requests moved off the instance, requests failed with it.
 """
 
@@ -73,12 +73,15 @@ def fault_report(records: Sequence[RequestRecord], slo: SloSpec, fault: Instance
     worst = min(after, key=lambda b: b.attainment_offered)
     floor = before - tolerance
     hold_bins = max(1, round(hold_s / bin_s))
-    recovery_s = None
-    for i, b in enumerate(after):
+    rolling = []  # (start of the window, attainment over it)
+    for i in range(len(after) - hold_bins + 1):
         window = after[i:i + hold_bins]
-        if len(window) == hold_bins and all(w.attainment_offered >= floor for w in window):
-            recovery_s = max(0.0, b.start_s - fault.at_s)
+        rolling.append((window[0].start_s, sum(w.num_good for w in window) / sum(w.num_offered for w in window)))
+    recovery_s = None
+    for start_s, attainment in reversed(rolling):  # the earliest window from which every later one is back
+        if attainment < floor:
             break
+        recovery_s = max(0.0, start_s - fault.at_s)
     return FaultReport(fault, model, before, worst.attainment_offered, worst.start_s, recovery_s, rerouted, lost)
 
 
@@ -89,6 +92,6 @@ def format_reports(reports: Sequence[FaultReport]) -> str:
         recovery = "never" if r.recovery_s is None else f"{r.recovery_s:.0f} s"
         lines.append(f"{name:<21} {r.model:<14} {r.before:>6.1%}  {r.dip:>6.1%} ({r.dip_at_s:>5.0f} s)  "
                      f"{recovery:>8}  {r.rerouted:>8}  {r.lost:>4}")
-    lines.append("(attainment: requests meeting the SLO / offered, by arrival second; recovery: back within 5 points "
-                 "of before, for 5 s)")
+    lines.append("(attainment: requests meeting the SLO / offered, by arrival second; recovery: from the fault until "
+                 "every later 5 s window is back within 5 points of before)")
     return "\n".join(lines)
