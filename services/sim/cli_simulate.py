@@ -67,6 +67,12 @@ def run(args: argparse.Namespace) -> int:
     print(format_result(result))
     if faults:
         print("\n" + format_fault_reports(node, result, faults))
+        if args.plots:
+            from octoserve.services.sim.faults import plot_fault_attainment
+
+            for model in sorted({node.instance(f.instance_id).model for f in faults}):
+                plot_fault_attainment(result.records, SloSpec(node.slo.ttft_ms, node.slo.itl_ms), faults, model,
+                                      Path(args.plots) / f"fault_attainment_{model}.png")
     if args.json_path:
         write_json(result, args.json_path)
     if args.plots:

@@ -95,3 +95,25 @@ def format_reports(reports: Sequence[FaultReport]) -> str:
     lines.append("(attainment: requests meeting the SLO / offered, by arrival second; recovery: from the fault until "
                  "every later 5 s window is back within 5 points of before)")
     return "\n".join(lines)
+
+
+def plot_fault_attainment(records: Sequence[RequestRecord], slo: SloSpec, faults: Sequence[InstanceFault],
+                          model: str, path, bin_s: float = 1.0):
+    """Attainment (of offered and of admitted) of `model` per arrival second, each fault's down time shaded."""
+    from octoserve.services.plots import _save, plt
+
+    bins = attainment_over_time([r for r in records if r.model == model], slo, bin_s)
+    xs = [b.start_s for b in bins]
+    fig, ax = plt.subplots(figsize=(10, 4))
+    ax.plot(xs, [100 * b.attainment_admitted for b in bins], label="of admitted")
+    ax.plot(xs, [100 * b.attainment_offered for b in bins], label="of offered (refused = miss)")
+    for f in faults:
+        ax.axvspan(f.at_s, f.at_s + f.down_s, color="red", alpha=0.12)
+        ax.axvline(f.at_s, color="red", lw=1)
+        ax.text(f.at_s, 101, f" {f.instance_id} lost", color="red", fontsize=8, va="bottom")
+    ax.set_ylim(0, 108)
+    ax.set_xlabel("arrival time (s)")
+    ax.set_ylabel(f"{model} SLO attainment (%)")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower left", fontsize=8)
+    return _save(fig, path)
