@@ -82,7 +82,7 @@ class Failover:
     async def _move(self, st, instance_id: str, reason: str) -> None:
         route = await self.replace_route(st, instance_id, reason)
         if route is not None:
-            await self.s._dispatch(st, route, _remaining(st))
+            await self.s._dispatch(st, route, remaining_s(st))
 
     def forget_cache(self, instance_id: str) -> None:
         """A lost worker's prefix cache died with it (no BlockRemoved will come): stop steering prompts there."""
@@ -130,7 +130,8 @@ class Failover:
         return decision
 
 
-def _remaining(st) -> float | None:
+def remaining_s(st) -> float | None:
+    """What is left of the client's deadline for a request's next worker RPC (None: no deadline)."""
     if st.timeout_s is None:
         return None
     return max(0.0, st.timeout_s - (time.monotonic() - st.wall_start_s))

@@ -41,7 +41,7 @@ from octoserve.v1 import generate_pb2 as gen_pb
 from octoserve.v1 import generate_pb2_grpc as gen_grpc
 from octoserve.services.rpc.gen import worker_pb2 as w_pb
 from octoserve.router.access_log import AccessLog
-from octoserve.router.failover import Failover, WorkerLost
+from octoserve.router.failover import Failover, WorkerLost, remaining_s as time_left_s
 from octoserve.router.metrics import RouterMetrics
 from octoserve.router.pool import WorkerPool
 
@@ -303,6 +303,7 @@ class GenerationServicer(gen_grpc.GenerationServicer):
                 return
             except WorkerLost as lost:
                 route = await self.failover.replace_route(st, lost.instance_id, lost.reason)
+                timeout_s = time_left_s(st)
             except grpc.aio.AioRpcError as e:
                 st.fail(self._worker_status(st, e))
                 return
