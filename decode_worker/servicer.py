@@ -74,7 +74,7 @@ class DecodeWorkerServicer(WorkerBase):
     def __init__(self, engine, *, reserve_ttl_ms: int = DEFAULT_RESERVE_TTL_MS,
                  transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S, faults: FaultPlan | None = None) -> None:
         super().__init__(engine)
-        self.faults = faults if faults is not None else FaultPlan.from_env()
+        self.faults = faults if faults is not None else FaultPlan()  # none injected
         self.transfer_failures = prom.Counter(
             "octoserve_worker_kv_transfer_failures", "KV transfers that did not commit, by reason",
             ["instance", "reason"], registry=self.metrics.registry)
