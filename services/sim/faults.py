@@ -5,8 +5,10 @@ to the SLO attainment of its model.
 
 The driver (`services/sim/driver.py`) applies the fault as the live router and launcher do: requests on the lost
 instance with no token yet are placed again at once, those with tokens fail, the instance is unroutable while down.
-The report, per fault, over the lost instance's model, by arrival time in `bin_s` bins:
-- before: attainment (requests meeting the SLO / requests offered) over the `baseline_s` before the fault;
+The report, per fault, over the lost instance's model, in `bin_s` bins of outcome time (when each request's fate
+was sealed: its last token, or its refusal; by arrival time a loss would show in the bins of the requests that
+arrived up to a whole generation earlier, before the fault):
+- before: attainment (requests meeting the SLO / requests ended) over the `baseline_s` before the fault;
 - dip: the lowest bin attainment from the fault on, and when;
 - recovery: time from the fault until the attainment over a rolling `hold_s` window is back within `tolerance` of
   `before` and stays there to the last arrival (None when it never does);
@@ -18,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from octoserve.services.metrics import RequestRecord, SloSpec, attainment_over_time
+from octoserve.services.metrics import RequestRecord, SloSpec, TimeBin, meets_slo
 
 
 DEFAULT_DOWN_S = 5.0  # restart time: the live launcher restarts a sim worker in seconds; a vLLM engine takes longer
@@ -59,10 +61,33 @@ class FaultReport:
     lost: int
 
 
+def outcome_time_s(record: RequestRecord) -> float:
+    """When a request's fate was sealed: finished, failed (its last token), or refused (on arrival)."""
+    if record.finish_s is not None:
+        return record.finish_s
+    if record.token_times_s:
+        return record.token_times_s[-1]
+    return record.arrival_s
+
+
+def attainment_by_outcome_time(records: Sequence[RequestRecord], slo: SloSpec, bin_s: float) -> list[TimeBin]:
+    """Requests binned by `outcome_time_s` from 0 (empty bins included), with SLO outcomes."""
+    if not records:
+        return []
+    num_bins = int(max(outcome_time_s(r) for r in records) // bin_s) + 1
+    offered, admitted, good = [0] * num_bins, [0] * num_bins, [0] * num_bins
+    for r in records:
+        b = int(outcome_time_s(r) // bin_s)
+        offered[b] += 1
+        admitted[b] += not r.refused
+        good[b] += meets_slo(r, slo)
+    return [TimeBin(b * bin_s, offered[b], admitted[b], good[b]) for b in range(num_bins)]
+
+
 def fault_report(records: Sequence[RequestRecord], slo: SloSpec, fault: InstanceFault, model: str, *,
                  rerouted: int, lost: int, bin_s: float = 1.0, baseline_s: float = 20.0, tolerance: float = 0.05,
                  hold_s: float = 5.0) -> FaultReport:
-    bins = attainment_over_time([r for r in records if r.model == model], slo, bin_s)
+    bins = attainment_by_outcome_time([r for r in records if r.model == model], slo, bin_s)
     before_bins = [b for b in bins if fault.at_s - baseline_s <= b.start_s and b.start_s + bin_s <= fault.at_s]
     offered = sum(b.num_offered for b in before_bins)
     before = sum(b.num_good for b in before_bins) / offered if offered else 1.0
@@ -92,27 +117,27 @@ def format_reports(reports: Sequence[FaultReport]) -> str:
         recovery = "never" if r.recovery_s is None else f"{r.recovery_s:.0f} s"
         lines.append(f"{name:<21} {r.model:<14} {r.before:>6.1%}  {r.dip:>6.1%} ({r.dip_at_s:>5.0f} s)  "
                      f"{recovery:>8}  {r.rerouted:>8}  {r.lost:>4}")
-    lines.append("(attainment: requests meeting the SLO / offered, by arrival second; recovery: from the fault until "
-                 "every later 5 s window is back within 5 points of before)")
+    lines.append("(attainment: requests meeting the SLO / requests ended, by second of outcome; recovery: from the "
+                 "fault until every later 5 s window is back within 5 points of before)")
     return "\n".join(lines)
 
 
 def plot_fault_attainment(records: Sequence[RequestRecord], slo: SloSpec, faults: Sequence[InstanceFault],
                           model: str, path, bin_s: float = 1.0):
-    """Attainment (of offered and of admitted) of `model` per arrival second, each fault's down time shaded."""
+    """Attainment (of all and of admitted) of `model` per second of outcome time, each fault's down time shaded."""
     from octoserve.services.plots import _save, plt
 
-    bins = attainment_over_time([r for r in records if r.model == model], slo, bin_s)
+    bins = attainment_by_outcome_time([r for r in records if r.model == model], slo, bin_s)
     xs = [b.start_s for b in bins]
     fig, ax = plt.subplots(figsize=(10, 4))
     ax.plot(xs, [100 * b.attainment_admitted for b in bins], label="of admitted")
-    ax.plot(xs, [100 * b.attainment_offered for b in bins], label="of offered (refused = miss)")
+    ax.plot(xs, [100 * b.attainment_offered for b in bins], label="of all (refused = miss)")
     for f in faults:
         ax.axvspan(f.at_s, f.at_s + f.down_s, color="red", alpha=0.12)
         ax.axvline(f.at_s, color="red", lw=1)
         ax.text(f.at_s, 101, f" {f.instance_id} lost", color="red", fontsize=8, va="bottom")
     ax.set_ylim(0, 108)
-    ax.set_xlabel("arrival time (s)")
+    ax.set_xlabel("outcome time (s): finish, last token of a failed request, or refusal")
     ax.set_ylabel(f"{model} SLO attainment (%)")
     ax.grid(alpha=0.3)
     ax.legend(loc="lower left", fontsize=8)
