@@ -10,8 +10,8 @@ was sealed: its last token, or its refusal; by arrival time a loss would show in
 arrived up to a whole generation earlier, before the fault):
 - before: attainment (requests meeting the SLO / requests ended) over the `baseline_s` before the fault;
 - dip: the lowest bin attainment from the fault on, and when;
-- recovery: time from the fault until the attainment over a rolling `hold_s` window is back within `tolerance` of
-  `before` and stays there to the last arrival (None when it never does);
+- recovery: time from the fault until the end of the first rolling `hold_s` window, ending after the instance is
+  back, whose attainment is within `tolerance` of `before` (None when none is within the run);
 - rerouted / lost: requests moved off the instance, requests failed with it.
 """
 
@@ -86,13 +86,16 @@ def attainment_by_outcome_time(records: Sequence[RequestRecord], slo: SloSpec, b
 
 def fault_report(records: Sequence[RequestRecord], slo: SloSpec, fault: InstanceFault, model: str, *,
                  rerouted: int, lost: int, bin_s: float = 1.0, baseline_s: float = 20.0, tolerance: float = 0.05,
-                 hold_s: float = 5.0) -> FaultReport:
+                 hold_s: float = 10.0) -> FaultReport:
     bins = attainment_by_outcome_time([r for r in records if r.model == model], slo, bin_s)
-    before_bins = [b for b in bins if fault.at_s - baseline_s <= b.start_s and b.start_s + bin_s <= fault.at_s]
+    # A request lost with its instance has its last token (its outcome time) up to a step before the fault, so the
+    # bin before the fault's belongs to the fault too.
+    edge_s = fault.at_s - bin_s
+    before_bins = [b for b in bins if edge_s - baseline_s <= b.start_s and b.start_s + bin_s <= edge_s]
     offered = sum(b.num_offered for b in before_bins)
     before = sum(b.num_good for b in before_bins) / offered if offered else 1.0
     # The bin holding the fault counts as after it: requests that arrived in it can be hit.
-    after = [b for b in bins if b.start_s + bin_s > fault.at_s and b.num_offered]
+    after = [b for b in bins if b.start_s + bin_s > edge_s and b.num_offered]
     if not after:
         return FaultReport(fault, model, before, before, fault.at_s, 0.0, rerouted, lost)
     worst = min(after, key=lambda b: b.attainment_offered)
@@ -102,11 +105,11 @@ def fault_report(records: Sequence[RequestRecord], slo: SloSpec, fault: Instance
     for i in range(len(after) - hold_bins + 1):
         window = after[i:i + hold_bins]
         rolling.append((window[0].start_s, sum(w.num_good for w in window) / sum(w.num_offered for w in window)))
-    recovery_s = None
-    for start_s, attainment in reversed(rolling):  # the earliest window from which every later one is back
-        if attainment < floor:
-            break
-        recovery_s = max(0.0, start_s - fault.at_s)
+    # The first window after the instance is back that is within tolerance again; later windows wander with the
+    # load as they did before the fault (the before-figure is a 20 s mean, not a bound).
+    back_s = fault.at_s + fault.down_s
+    recovery_s = next((start_s + hold_s - fault.at_s for start_s, attainment in rolling
+                       if start_s + hold_s >= back_s and attainment >= floor), None)
     return FaultReport(fault, model, before, worst.attainment_offered, worst.start_s, recovery_s, rerouted, lost)
 
 
@@ -118,7 +121,7 @@ def format_reports(reports: Sequence[FaultReport]) -> str:
         lines.append(f"{name:<21} {r.model:<14} {r.before:>6.1%}  {r.dip:>6.1%} ({r.dip_at_s:>5.0f} s)  "
                      f"{recovery:>8}  {r.rerouted:>8}  {r.lost:>4}")
     lines.append("(attainment: requests meeting the SLO / requests ended, by second of outcome; recovery: from the "
-                 "fault until every later 5 s window is back within 5 points of before)")
+                 "fault to the end of the first 10 s window, after the instance is back, within 5 points of before)")
     return "\n".join(lines)
 
 
