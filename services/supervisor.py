@@ -34,8 +34,11 @@ class SupervisorEvent:
 
 
 class Supervisor:
-    def __init__(self, node, on_event: Callable[[SupervisorEvent], None] | None = None) -> None:
+    def __init__(self, node, on_event: Callable[[SupervisorEvent], None] | None = None, *,
+                 backoff_s: tuple[float, ...] = RESTART_BACKOFF_S, max_restarts: int = MAX_RESTARTS,
+                 stable_s: float = STABLE_S) -> None:
         self.node = node
+        self.backoff_s, self.max_restarts, self.stable_s = backoff_s, max_restarts, stable_s
         self.on_event = on_event
         self.events: list[SupervisorEvent] = []
         self.gave_up: str | None = None
@@ -89,7 +92,7 @@ class Supervisor:
                 self._check_started(sp, now)
                 continue
             if sp.proc.poll() is None:
-                if now - self._up_since.get(name, now) >= STABLE_S:
+                if now - self._up_since.get(name, now) >= self.stable_s:
                     self._streak[name] = 0
                 continue
             if name in self._restart_at:
@@ -101,11 +104,11 @@ class Supervisor:
                 continue
             streak = self._streak.get(name, 0)
             self._emit(sp, "exited", f"exit code {sp.proc.returncode}")
-            if streak >= MAX_RESTARTS:
+            if streak >= self.max_restarts:
                 self.gave_up = name
-                self._emit(sp, "gave_up", f"{streak} restarts in a row without staying up {STABLE_S:g} s")
+                self._emit(sp, "gave_up", f"{streak} restarts in a row without staying up {self.stable_s:g} s")
                 continue
-            self._restart_at[name] = now + RESTART_BACKOFF_S[min(streak, len(RESTART_BACKOFF_S) - 1)]
+            self._restart_at[name] = now + self.backoff_s[min(streak, len(self.backoff_s) - 1)]
 
     def _restart(self, sp, now: float) -> None:
         from octoserve.services.launcher import respawn
