@@ -87,7 +87,10 @@ def attainment_by_outcome_time(records: Sequence[RequestRecord], slo: SloSpec, b
 def fault_report(records: Sequence[RequestRecord], slo: SloSpec, fault: InstanceFault, model: str, *,
                  rerouted: int, lost: int, bin_s: float = 1.0, baseline_s: float = 20.0, tolerance: float = 0.05,
                  hold_s: float = 10.0) -> FaultReport:
-    bins = attainment_by_outcome_time([r for r in records if r.model == model], slo, bin_s)
+    mine = [r for r in records if r.model == model]
+    last_arrival_s = max((r.arrival_s for r in mine), default=0.0)
+    # Up to the last arrival: after it only the drain's stragglers end, a handful per second.
+    bins = [b for b in attainment_by_outcome_time(mine, slo, bin_s) if b.start_s + bin_s <= last_arrival_s]
     # A request lost with its instance has its last token (its outcome time) up to a step before the fault, so the
     # bin before the fault's belongs to the fault too.
     edge_s = fault.at_s - bin_s
