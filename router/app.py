@@ -19,6 +19,7 @@ from octoserve.router.access_log import DEFAULT_MODE, DEFAULT_SAMPLE_EVERY, MODE
 from octoserve.router.metrics import RouterMetrics
 from octoserve.router.pool import WorkerClient, WorkerEndpoint, WorkerPool
 from octoserve.router.servicer import DEFAULT_MAX_PENDING_DELTAS, GenerationServicer, RouterSettings
+from octoserve.services.cluster.service import add_headroom_service, headroom_source
 from octoserve.services.core.placement import NodeConfig
 from octoserve.services.core.routing import RouterPolicy, build_cost_models
 from octoserve.services.core.types import Role
@@ -63,11 +64,13 @@ def router_spec(
     grace_s: float = 10.0,
     startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
     seed: int = 0,
+    host: str = "127.0.0.1",
 ) -> tuple[ServiceSpec, GenerationServicer]:
     metrics = RouterMetrics(served_models=list(config.models), time_scale=settings.time_scale)
     policy = RouterPolicy(config, build_cost_models(config), random.Random(seed))
     pool = WorkerPool({})
     servicer = GenerationServicer(config, policy, pool, uuid.uuid4().hex, settings, metrics)
+    headroom = headroom_source(policy, pool.loads, lambda: not servicer.draining)
 
     async def start() -> None:
         for instance_id, address in (await endpoints()).items():
@@ -85,13 +88,16 @@ def router_spec(
 
     spec = ServiceSpec(
         name="router",
+        host=host,
         port=port,
         metrics_port=metrics_port,
         grace_s=grace_s,
         ready_file=ready_file,
         service_names=(GENERATION_SERVICE,),
-        add_servicers=lambda server: add_servicer(servicer, gen_pb.DESCRIPTOR.services_by_name["Generation"], server,
-                                                  max_message_bytes=settings.limits.max_message_bytes),
+        add_servicers=lambda server: (
+            add_servicer(servicer, gen_pb.DESCRIPTOR.services_by_name["Generation"], server,
+                         max_message_bytes=settings.limits.max_message_bytes),
+            add_headroom_service(server, headroom)),
         grpc_options=settings.limits.router_grpc_options(),
         start=start,
         drain=servicer.drain,
@@ -116,6 +122,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scheduler", required=True, help="scheduler host:port (placement source)")
     parser.add_argument("--time-scale", type=float, default=1.0)
     parser.add_argument("--port", type=int, default=50051)
+    parser.add_argument("--host", default="127.0.0.1", help="address of the public API (0.0.0.0 in a Kubernetes pod)")
     parser.add_argument("--metrics-port", type=int, default=0)
     parser.add_argument("--ready-file", default=None)
     parser.add_argument("--grace-s", type=float, default=10.0)
@@ -127,6 +134,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "ok ones), off")
     parser.add_argument("--access-log-sample-every", type=int, default=DEFAULT_SAMPLE_EVERY)
     parser.add_argument("--log-level", default="INFO")
+    from octoserve.http_front.local import add_router_arguments
+
+    add_router_arguments(parser)  # the OpenAI-compatible front inside this process (off unless --http-port)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -144,7 +154,9 @@ def main(argv: list[str] | None = None) -> int:
         config = load_node_config(args.config)
         sections = load_service_sections(args.config)
         trust.configure(sections.get("tls"), "router")
-        spec, _ = router_spec(
+        from octoserve.http_front.local import with_front_inside
+
+        spec, servicer = router_spec(
             config,
             lambda: placement_from_scheduler(args.scheduler, args.startup_timeout_s),
             settings=RouterSettings(time_scale=args.time_scale, max_pending_deltas=args.max_pending_deltas,
@@ -153,9 +165,9 @@ def main(argv: list[str] | None = None) -> int:
                                     tenants=tenant_settings_from_dict(sections.get("tenants")),
                                     limits=limits_from_dict(sections.get("limits"))),
             port=args.port, metrics_port=args.metrics_port, ready_file=args.ready_file, grace_s=args.grace_s,
-            startup_timeout_s=args.startup_timeout_s, seed=args.seed,
+            startup_timeout_s=args.startup_timeout_s, seed=args.seed, host=args.host,
         )
-        return await serve_until_signal(spec)
+        return await serve_until_signal(with_front_inside(spec, servicer, args))
 
     import uvloop
 

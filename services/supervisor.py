@@ -5,7 +5,9 @@ router) reconnect to the same address without being told anything.
 - Backoff: the n-th restart in a row waits RESTART_BACKOFF_S[n] (0.2 s, doubling, capped at 10 s); a service that
   stayed up STABLE_S resets its count. After MAX_RESTARTS restarts in a row without a stable period the service is
   given up on (the `octoserve up` loop then stops the node and says which one).
-- Only processes the launcher started are watched and restarted; nothing else is signalled.
+- Only processes the launcher started are watched and restarted; nothing else is signalled. An entry without a
+  command of its own (the HTTP front served inside the router process) is not restarted itself: it follows the
+  process that serves it.
 - Every event (exit, restart, ready, gave up) is kept in `events` and handed to `on_event`, so `octoserve up`
   prints it and tests read it.
 Runs in a daemon thread of the launcher; `Node.stop()` stops it first, so a stopping node is not restarted.
@@ -87,6 +89,8 @@ class Supervisor:
         for sp in self.node.processes:
             if self._stop.is_set():
                 return
+            if not sp.cmd:
+                continue  # served by another entry's process (the router's in-process HTTP front): it follows that one
             name = sp.name
             if name in self._starting:
                 self._check_started(sp, now)
@@ -115,7 +119,11 @@ class Supervisor:
 
         self._streak[sp.name] = self._streak.get(sp.name, 0) + 1
         self._emit(sp, "restarting", f"port {sp.port}, restart {self._streak[sp.name]} in a row")
+        old = sp.proc
         respawn(sp)
+        for other in self.node.processes:  # entries served by the same process follow it
+            if other is not sp and other.proc is old:
+                other.proc = sp.proc
         self._starting.add(sp.name)
 
     def _check_started(self, sp, now: float) -> None:

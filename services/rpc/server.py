@@ -168,7 +168,7 @@ async def start_service(spec: ServiceSpec) -> RunningService:
     await server.start()
     metrics_server, metrics_port = None, None
     if spec.metrics_port is not None:
-        metrics_server, _ = prometheus_client.start_http_server(spec.metrics_port, addr=HOST, registry=spec.registry)
+        metrics_server, _ = prometheus_client.start_http_server(spec.metrics_port, addr=spec.host, registry=spec.registry)
         metrics_port = metrics_server.server_port
     running = RunningService(spec, server, health_servicer, port, metrics_port, metrics_server)
     if spec.metrics_port is not None:

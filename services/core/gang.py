@@ -1,0 +1,437 @@
+"""Gang leases: who runs the next step on GPUs that a large model (LM) and small models (SMs) share.
+
+A gang group is one LM instance (TP GPUs, any role) and SM instances resident on the same GPUs, all weights and
+both KV pools in memory at once (placement proves it). Its GPUs run either one LM step (all of them, in lockstep:
+the LM step starts only when every SM step on them has ended, the *barrier*) or SM steps (each GPU on its own).
+`GangArbiter` makes that choice at every iteration boundary. It is pure and clock-free: every call takes `now`.
+
+The adapter's loop (the simulator and the live scheduler run the same one):
+
+    d = arbiter.decide(now, lm_view, sm_views)      # at every boundary: a step ended, work arrived
+    if d.run_lm: run one LM step within d.lm_cap_s;               arbiter.started(lm_id, now, step_s, d.lm_cap_s)
+    for sm, cap_s in d.sm_starts: run one step of sm within cap_s; arbiter.started(sm, now, step_s, cap_s)
+    a member told to start that plans nothing:                     arbiter.nothing_to_run(member_id)
+    when a step ends:                                              arbiter.finished(member_id, now); decide again
+
+Every step the arbiter starts carries a *cap*: the member's batcher cuts its prefill chunk so that the step fits
+(`Batcher.schedule(now, step_cap_s=...)`). A step is never shorter than its member's `MemberView.min_step_s` (the
+decodes it must run) and the arbiter starts no step whose cap is below that. A step longer than its cap is the
+adapter's error, counted in `GangStats.num_overruns`.
+
+Shapes (`GangPolicy.shape`), compared in the simulator:
+- `interleave`: one LM step per lease, then one SM round (every SM with work steps once);
+- `periodic`: fixed-horizon leases: the LM holds the GPUs for `lease_ms` of every `period_ms`;
+- `slack`: deadline-driven: each side reports the latest start of its next step that meets its most urgent
+  deadline (a decode's next token one ITL after its last, a prompt's first token by its TTFT). The side holding
+  the GPUs may step only until the other side's latest start (its cap shrinks to the other's slack, never below
+  its floor), so a side whose requests have slack lends the GPUs whole while the other's prefill runs in long
+  chunks; the side whose latest start is within the other's floor plus `urgent_ms` takes the GPUs; when neither
+  or both are urgent, virtual-time fair share decides: each side's virtual time grows by the group time it held
+  over its weight, the lower runs next (`min_slice_ms` of hysteresis), and neither banks over `max_lag_ms`.
+Every SM slice lets each SM with work step at least once (no zero-length slices, no ping-pong).
+
+Bounds, enforced over every shape by the caps (they override the shape):
+- LM wait <= `max_lm_wait_ms`, from the boundary the LM has work and is not running to its next step's start:
+  every SM step must end by then (cap = that deadline - now; `max_lm_wait_ms` while the LM has no work, since its
+  work may arrive at any moment); an idle SM whose floor does not fit makes the group drain, and while it drains
+  SMs start only *fills*: steps that end before the barrier anyway, so they cost the LM nothing.
+- SM stall <= `max_sm_stall_ms`, from the boundary an SM has work and is not running to its next step's start:
+  an LM step's cap is the earliest stall deadline of the SMs (`max_sm_stall_ms` for an SM whose work may arrive
+  during the step); when the LM's floor no longer fits, the lease ends.
+Both hold whenever `max_lm_wait_ms >= S` and `max_sm_stall_ms >= max_lm_wait_ms + L` (S, L: the largest SM and LM
+step floors); `check_bounds` says so and placement refuses configs that break it. No deadlock: the group never
+leaves every GPU idle while a member has work it can run. tests/test_gang_properties.py checks all of this over
+adversarial arrivals.
+
+SM state during a lease is chosen per SM by `lease_state` (drain / keep / swap / recompute), a cost-model rule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+SHAPES = ("interleave", "periodic", "slack")
+_EPS = 1e-9
+
+
+class Holder(enum.Enum):
+    SM = "sm"
+    LM = "lm"
+
+
+@dataclass(frozen=True, slots=True)
+class GangPolicy:
+    shape: str = "slack"
+    max_lm_wait_ms: float = 20.0  # bound: an LM with work waits at most this for its next step
+    max_sm_stall_ms: float = 60.0  # bound: an SM with work waits at most this between two of its steps
+    lm_weight: float = 1.0  # fair-share weights of the LM queue and the aggregate SM pool (group time)
+    sm_weight: float = 1.0
+    urgent_ms: float = 5.0  # slack shape: a deadline this close (past the other side's floor) takes the GPUs
+    min_slice_ms: float = 5.0  # slack shape: hysteresis of the fair-share switch
+    max_lag_ms: float = 100.0  # slack shape: the most virtual-time credit a side may bank
+    lease_ms: float = 15.0  # periodic shape: the LM's lease in every period
+    period_ms: float = 30.0  # periodic shape
+    # While both sides have work, an LM step is capped at lm_shared_step_ms and an SM step at sm_shared_step_ms
+    # (never below the step's floor), so one step of each fits one ITL; a side alone keeps its full steps.
+    # 0: no such cap. Placement sets them from `gang.lm_step_share` and the ITL SLO.
+    lm_shared_step_ms: float = 0.0
+    sm_shared_step_ms: float = 0.0
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.shape not in SHAPES:
+            out.append(f"gang.shape: unknown shape {self.shape!r}; choose one of: {', '.join(SHAPES)}")
+        for name in ("max_lm_wait_ms", "max_sm_stall_ms", "lm_weight", "sm_weight", "period_ms"):
+            if not getattr(self, name) > 0:
+                out.append(f"gang.{name} is {getattr(self, name)!r}; set a positive number")
+        for name in ("urgent_ms", "min_slice_ms", "max_lag_ms", "lease_ms", "lm_shared_step_ms", "sm_shared_step_ms"):
+            if not getattr(self, name) >= 0:
+                out.append(f"gang.{name} is {getattr(self, name)!r}; set a number >= 0")
+        if self.lease_ms >= self.period_ms:
+            out.append(f"gang.lease_ms ({self.lease_ms:g}) must be below gang.period_ms ({self.period_ms:g})")
+        return out
+
+
+def check_bounds(policy: GangPolicy, sm_floor_s: float, lm_floor_s: float) -> list[str]:
+    """Problems that make the bounds unprovable, each saying what to change. `sm_floor_s`, `lm_floor_s`: the
+    largest step floor (decodes only, full batch) of any SM and of the LM."""
+    out = []
+    s_ms, l_ms = sm_floor_s * 1e3, lm_floor_s * 1e3
+    if policy.max_lm_wait_ms < s_ms:
+        out.append(f"gang.max_lm_wait_ms ({policy.max_lm_wait_ms:g}) is below the longest SM step floor "
+                   f"({s_ms:.1f} ms); raise it to at least {s_ms:.1f}")
+    if policy.max_sm_stall_ms < policy.max_lm_wait_ms + l_ms:
+        need = policy.max_lm_wait_ms + l_ms
+        out.append(f"gang.max_sm_stall_ms ({policy.max_sm_stall_ms:g}) is below gang.max_lm_wait_ms plus the longest "
+                   f"LM step floor ({policy.max_lm_wait_ms:g} + {l_ms:.1f} ms); raise it to at least {need:.1f}")
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class MemberView:
+    """One member at a boundary, as its batcher sees it."""
+
+    member_id: str
+    has_work: bool  # something to schedule (running, waiting or swapped requests)
+    min_step_s: float  # its step floor now: the decodes it must run, no prefill
+    deadline_s: float | None = None  # the latest start of its next step that meets its most urgent deadline
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    run_lm: bool = False
+    lm_cap_s: float = 0.0  # with run_lm: the LM step must end within this
+    sm_starts: tuple[tuple[str, float], ...] = ()  # (SM id, cap s): the SMs that start a step now
+    fills: bool = False  # those SM steps only fill the barrier while the group drains toward a lease
+
+    @property
+    def start_sm_ids(self) -> tuple[str, ...]:
+        return tuple(sm for sm, _ in self.sm_starts)
+
+
+@dataclass(slots=True)
+class GangStats:
+    num_lm_steps: int = 0
+    num_sm_steps: int = 0
+    num_fill_steps: int = 0  # SM steps started while draining that end before the barrier
+    num_switches: int = 0  # holder changes (SM -> LM and LM -> SM)
+    num_forced_lm: int = 0  # leases forced by the LM-wait bound
+    num_forced_sm: int = 0  # leases ended by the SM-stall bound
+    num_overruns: int = 0  # steps longer than their cap
+    max_lm_wait_s: float = 0.0
+    max_sm_stall_s: float = 0.0
+    barrier_idle_gpu_s: float = 0.0  # SM-GPU time idle between a drain decision and the LM step it leads to
+    lm_held_s: float = 0.0  # group time held by the LM / by the SMs
+    sm_held_s: float = 0.0
+    lease_states: dict[str, int] = field(default_factory=dict)  # lease_state choice -> count
+
+
+class GangArbiter:
+    """The lease decisions of one gang group (see the module docstring for the protocol and the bounds)."""
+
+    def __init__(self, policy: GangPolicy, lm_id: str, sm_ids: Sequence[str]) -> None:
+        self.policy = policy
+        self.lm_id = lm_id
+        self.sm_ids = tuple(sm_ids)
+        self.holder = Holder.SM
+        self.draining = False  # SM -> LM switch decided; waiting for the barrier
+        self.stats = GangStats()
+        self._busy_until: dict[str, float] = {}  # member -> end of its running step
+        self._lm_wait_since: float | None = None
+        self._stall_since: dict[str, float] = {}
+        self._last_end: dict[str, float] = {}
+        self._vt_lm = 0.0
+        self._vt_sm = 0.0
+        self._charged_until = 0.0
+        self._stepped_since_lease: set[str] = set()  # SMs that started a step since the SMs got the GPUs
+        self._lease_start = 0.0  # when the current holder got the GPUs
+        self._drain_start = 0.0
+        self._drain_forced = False
+        self._max_wait_s = policy.max_lm_wait_ms / 1e3
+        self._max_stall_s = policy.max_sm_stall_ms / 1e3
+        self._lm_floor = 0.0
+
+    # ---- the protocol ------------------------------------------------------------------------------------------
+
+    def decide(self, now: float, lm: MemberView, sms: Sequence[MemberView]) -> Decision:
+        """What starts at this boundary. Call it after every step end and every arrival; it commits its decision:
+        the adapter starts what it returns and reports each start with `started` (or `nothing_to_run`)."""
+        self._note_waits(now, lm, sms)
+        self._charge(now)
+        if self._busy(self.lm_id):
+            return Decision()
+        sm_work = [s for s in sms if s.has_work]
+        self._lm_floor = lm.min_step_s
+        if self.holder is Holder.LM:
+            cap = self._lm_cap(now, sm_work)
+            if lm.has_work and cap >= lm.min_step_s - _EPS and self._lm_may_continue(now, lm, sm_work):
+                return Decision(run_lm=True, lm_cap_s=cap)
+            stall_cap = self._lm_cap(now, sm_work, horizon=False)
+            self._switch(now, Holder.SM, forced=lm.has_work and stall_cap < lm.min_step_s - _EPS)
+        if not lm.has_work:
+            self.draining = False
+        elif not self.draining:
+            due, forced = self._lm_due(now, lm, sm_work)
+            if due:
+                self.draining, self._drain_start, self._drain_forced = True, now, forced
+        if self.draining and not any(self._busy(s) for s in self.sm_ids):
+            self._note_barrier(now)
+            self._switch(now, Holder.LM, self._drain_forced)
+            return Decision(run_lm=True, lm_cap_s=self._lm_cap(now, sm_work))
+        return self._sm_starts(now, lm, sm_work)
+
+    def started(self, member_id: str, now: float, step_s: float, cap_s: float) -> None:
+        """A step of `member_id` began at `now`; it takes `step_s` and was given `cap_s`."""
+        if step_s > cap_s + _EPS:
+            self.stats.num_overruns += 1
+        self._busy_until[member_id] = now + max(step_s, 0.0)
+        if member_id == self.lm_id:
+            self.stats.num_lm_steps += 1
+            if self._lm_wait_since is not None:
+                self.stats.max_lm_wait_s = max(self.stats.max_lm_wait_s, now - self._lm_wait_since)
+            self._lm_wait_since = None
+            return
+        self.stats.num_sm_steps += 1
+        since = self._stall_since.pop(member_id, None)
+        if since is not None:
+            self.stats.max_sm_stall_s = max(self.stats.max_sm_stall_s, now - since)
+        self._stepped_since_lease.add(member_id)
+
+    def finished(self, member_id: str, now: float) -> None:
+        """The running step of `member_id` ended at `now`."""
+        self._busy_until.pop(member_id, None)
+        self._last_end[member_id] = now
+
+    def nothing_to_run(self, member_id: str) -> None:
+        """The member was told to start but its batcher planned nothing (e.g. out of KV): it is not waiting on the
+        arbiter, so its wait or stall clock stops; the adapter reports it without work until something changes."""
+        if member_id == self.lm_id:
+            self._lm_wait_since = None
+        else:
+            self._stall_since.pop(member_id, None)
+
+    def note_lease_state(self, choice: str) -> None:
+        """Count one SM's state choice at a lease start (`lease_state`)."""
+        self.stats.lease_states[choice] = self.stats.lease_states.get(choice, 0) + 1
+
+    def last_step_end_s(self, member_id: str) -> float | None:
+        """When the member's last step ended (None before its first)."""
+        return self._last_end.get(member_id)
+
+    def barrier_end_s(self, now: float) -> float:
+        """When the last running SM step ends (`now` when none runs): the earliest an LM step can start."""
+        return max((t for m, t in self._busy_until.items() if m != self.lm_id), default=now)
+
+    # ---- bookkeeping -------------------------------------------------------------------------------------------
+
+    def _busy(self, member_id: str) -> bool:
+        return member_id in self._busy_until
+
+    def _note_waits(self, now: float, lm: MemberView, sms: Sequence[MemberView]) -> None:
+        if not lm.has_work:
+            self._lm_wait_since = None
+        elif not self._busy(self.lm_id) and self._lm_wait_since is None:
+            self._lm_wait_since = now
+        for s in sms:
+            if not s.has_work:
+                self._stall_since.pop(s.member_id, None)
+            elif not self._busy(s.member_id):
+                self._stall_since.setdefault(s.member_id, now)
+
+    def _charge(self, now: float) -> None:
+        """Virtual time: the holder pays for the group time since the last charge, over its weight."""
+        dt = max(0.0, now - self._charged_until)
+        self._charged_until = max(self._charged_until, now)
+        if self.holder is Holder.LM:
+            self.stats.lm_held_s += dt
+            self._vt_lm += dt / self.policy.lm_weight
+        else:
+            self.stats.sm_held_s += dt
+            self._vt_sm += dt / self.policy.sm_weight
+
+    def _switch(self, now: float, to: Holder, forced: bool) -> None:
+        if to is self.holder:
+            return
+        self.stats.num_switches += 1
+        if to is Holder.LM:
+            self.stats.num_forced_lm += forced
+            self.draining = False
+        else:
+            self.stats.num_forced_sm += forced
+            self._stepped_since_lease.clear()
+        self.holder = to
+        self._lease_start = now
+
+    def _note_barrier(self, now: float) -> None:
+        for s in self.sm_ids:
+            self.stats.barrier_idle_gpu_s += now - max(self._drain_start, self._last_end.get(s, self._drain_start))
+
+    # ---- caps and rules ----------------------------------------------------------------------------------------
+
+    def _lm_cap(self, now: float, sm_work: Sequence[MemberView], horizon: bool = True) -> float:
+        """How long the next LM step may run: until the earliest SM stall deadline (an SM without work may get
+        some at any moment), and in the periodic shape until the lease ends."""
+        cap = self._max_stall_s
+        for s in sm_work:
+            cap = min(cap, self._stall_since.get(s.member_id, now) + self._max_stall_s - now)
+        if horizon and sm_work and self.policy.lm_shared_step_ms > 0:
+            cap = min(cap, max(self._lm_floor, self.policy.lm_shared_step_ms / 1e3))
+        if horizon and self.policy.shape == "periodic" and sm_work and self.holder is Holder.LM:
+            cap = min(cap, self._lease_start + self.policy.lease_ms / 1e3 - now)
+        if horizon and self.policy.shape == "slack":
+            # Deadlines already missed cap nothing: shrinking every step to its floor would stop all prefill.
+            deadlines = [s.deadline_s for s in sm_work if s.deadline_s is not None and s.deadline_s >= now]
+            if deadlines:
+                cap = min(cap, max(self._lm_floor, min(deadlines) - now))
+        return cap
+
+    def _sm_cap(self, now: float, lm: MemberView, floor_s: float) -> float:
+        cap = self._max_wait_s if self._lm_wait_since is None else self._lm_wait_since + self._max_wait_s - now
+        if lm.has_work and self.policy.sm_shared_step_ms > 0:
+            cap = min(cap, max(floor_s, self.policy.sm_shared_step_ms / 1e3))
+        if self.policy.shape == "slack" and lm.has_work and lm.deadline_s is not None and lm.deadline_s >= now:
+            cap = min(cap, max(floor_s, lm.deadline_s - now))
+        return cap
+
+    def _lm_may_continue(self, now: float, lm: MemberView, sm_work: Sequence[MemberView]) -> bool:
+        """The LM holds the GPUs, has work and its floor fits its cap: one more LM step (shape rule)?"""
+        if not sm_work:
+            return True
+        p = self.policy
+        if p.shape == "interleave":
+            return False  # one LM step per lease
+        if p.shape == "periodic":
+            return True  # the cap already ends the lease at its horizon
+        lm_urgent, sm_urgent = self._urgent(now, lm, sm_work)
+        if lm_urgent != sm_urgent:
+            return lm_urgent
+        self._pull_idle_vtime()
+        return self._vt_lm <= self._vt_sm + p.min_slice_ms / 1e3
+
+    def _lm_due(self, now: float, lm: MemberView, sm_work: Sequence[MemberView]) -> tuple[bool, bool]:
+        """The SMs hold the GPUs and the LM has work: (drain toward a lease now?, forced by the LM-wait bound?)."""
+        if not sm_work:
+            return True, False
+        bound_cap = self._lm_wait_since + self._max_wait_s - now if self._lm_wait_since is not None else self._max_wait_s
+        if any(not self._busy(s.member_id) and s.min_step_s > bound_cap + _EPS for s in sm_work):
+            return True, True
+        if not all(s.member_id in self._stepped_since_lease for s in sm_work):
+            return False, False
+        p = self.policy
+        if p.shape == "interleave":
+            return True, False
+        if p.shape == "periodic":
+            return now >= self._lease_start + (p.period_ms - p.lease_ms) / 1e3 - _EPS, False
+        lm_urgent, sm_urgent = self._urgent(now, lm, sm_work)
+        if lm_urgent != sm_urgent:
+            return lm_urgent, False
+        self._pull_idle_vtime()
+        return self._vt_sm > self._vt_lm + p.min_slice_ms / 1e3, False
+
+    def _sm_starts(self, now: float, lm: MemberView, sm_work: Sequence[MemberView]) -> Decision:
+        idle = [s for s in sm_work if not self._busy(s.member_id)]
+        if self.draining:
+            cap = self.barrier_end_s(now) - now
+            starts = tuple((s.member_id, cap) for s in idle if s.min_step_s <= cap + _EPS and cap > _EPS)
+            self.stats.num_fill_steps += len(starts)
+            return Decision(sm_starts=starts, fills=bool(starts))
+        starts = []
+        for s in idle:
+            cap = self._sm_cap(now, lm, s.min_step_s)
+            if s.min_step_s <= cap + _EPS:
+                starts.append((s.member_id, cap))
+        return Decision(sm_starts=tuple(starts))
+
+    def _urgent(self, now: float, lm: MemberView, sm_work: Sequence[MemberView]) -> tuple[bool, bool]:
+        """(LM urgent, SMs urgent): a side's latest start falls within the other side's step floor plus
+        `urgent_ms` (one more step of the other side would make it late)."""
+        guard = self.policy.urgent_ms / 1e3
+        sm_floor = max((s.min_step_s for s in sm_work), default=0.0)
+        lm_urgent = lm.deadline_s is not None and lm.deadline_s - now <= sm_floor + guard
+        sm_deadlines = [s.deadline_s for s in sm_work if s.deadline_s is not None]
+        sm_urgent = bool(sm_deadlines) and min(sm_deadlines) - now <= lm.min_step_s + guard
+        return lm_urgent, sm_urgent
+
+    def _pull_idle_vtime(self) -> None:
+        """Neither side banks more than `max_lag_ms` of credit (an idle side does not starve the other later)."""
+        lag = self.policy.max_lag_ms / 1e3
+        self._vt_lm = max(self._vt_lm, self._vt_sm - lag)
+        self._vt_sm = max(self._vt_sm, self._vt_lm - lag)
+
+
+# ---- SM state during a lease ------------------------------------------------------------------------------------
+
+LEASE_STATES = ("drain", "keep", "swap", "recompute")
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseStateCosts:
+    """What one SM instance's choice at a lease start costs, in seconds of GPU time, from its cost model."""
+
+    fill_fits: bool  # its next step ends before the barrier anyway (drain costs the LM nothing)
+    kv_resident_ok: bool  # its KV pool stays resident through the lease (placement's static split)
+    swap_out_in_s: float  # PCIe time to move its running KV to host and back
+    recompute_s: float  # prefill time to rebuild its running KV
+    host_room: bool  # swap space holds it
+
+
+def lease_state(c: LeaseStateCosts) -> str:
+    """drain: finish one more step inside the barrier (free); keep: pause with KV on GPU (free while the pools are
+    resident); else the cheaper of swap (PCIe both ways) and recompute (prefill again)."""
+    if c.fill_fits:
+        return "drain"
+    if c.kv_resident_ok:
+        return "keep"
+    if c.host_room and c.swap_out_in_s <= c.recompute_s:
+        return "swap"
+    return "recompute"
+
+
+def lease_state_costs(
+    *, fill_fits: bool, kv_resident_ok: bool, running_context_tokens: int, swap_s_per_token: float,
+    prefill_s_per_token: float, host_room: bool,
+) -> LeaseStateCosts:
+    return LeaseStateCosts(
+        fill_fits=fill_fits,
+        kv_resident_ok=kv_resident_ok,
+        swap_out_in_s=2 * running_context_tokens * swap_s_per_token,
+        recompute_s=running_context_tokens * prefill_s_per_token,
+        host_room=host_room,
+    )
+
+
+def with_shared_steps(policy: GangPolicy, lm_step_share: float, itl_ms: float, headroom: float = 0.85) -> GangPolicy:
+    """`policy` with the shared-step caps that split `headroom` x the ITL between one LM and one SM step."""
+    target_ms = itl_ms * headroom
+    return dataclasses.replace(policy, lm_shared_step_ms=lm_step_share * target_ms,
+                               sm_shared_step_ms=(1.0 - lm_step_share) * target_ms)
+
+
+def policy_from_mapping(raw: Mapping[str, object]) -> GangPolicy:
+    """A GangPolicy from the config's `gang` keys (groups excluded); unknown keys are the caller's to report."""
+    fields = {f for f in GangPolicy.__dataclass_fields__}
+    kwargs = {k: (str(v) if k == "shape" else float(v)) for k, v in raw.items() if k in fields}  # type: ignore[arg-type]
+    return GangPolicy(**kwargs)

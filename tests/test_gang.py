@@ -1,0 +1,162 @@
+"""Table tests of the gang arbiter's shapes and rules, and of the SM lease-state rule."""
+
+from __future__ import annotations
+
+import pytest
+
+from octoserve.services.core.gang import (
+    GangArbiter,
+    GangPolicy,
+    Decision,
+    Holder,
+    LeaseStateCosts,
+    MemberView,
+    check_bounds,
+    lease_state,
+    policy_from_mapping,
+)
+from tests.gang_harness import run_gang
+
+
+def _views(lm_work, sm_work, lm_deadline=None, sm_deadline=None):  # floors: LM 18 ms, SM 10 ms
+    lm = MemberView("lm", lm_work, 0.018, lm_deadline)
+    sms = [MemberView(f"sm{i}", w, 0.010, sm_deadline) for i, w in enumerate(sm_work)]
+    return lm, sms
+
+
+def test_lm_alone_runs_at_once_and_sms_alone_run_free():
+    arb = GangArbiter(GangPolicy(), "lm", ["sm0", "sm1"])
+    d = arb.decide(0.0, *_views(True, [False, False]))
+    assert d.run_lm and d.start_sm_ids == ()
+    arb.started("lm", 0.0, 0.015, 0.018)
+    assert arb.decide(0.001, *_views(False, [True, True])).start_sm_ids == ()  # the LM step holds every GPU
+    arb.finished("lm", 0.015)
+    d = arb.decide(0.015, *_views(False, [True, True]))
+    assert d.start_sm_ids == ("sm0", "sm1") and not d.run_lm
+    assert arb.holder is Holder.SM
+
+
+def test_interleave_alternates_one_lm_step_and_one_sm_round():
+    arb = GangArbiter(GangPolicy(shape="interleave"), "lm", ["sm0", "sm1"])
+    trace = []
+    now = 0.0
+    for _ in range(3):
+        d = arb.decide(now, *_views(True, [True, True]))
+        if d.run_lm:
+            trace.append("LM")
+            arb.started("lm", now, 0.015, 0.018)
+            now += 0.015
+            arb.finished("lm", now)
+        else:
+            trace.append("+".join(d.start_sm_ids))
+            for s in d.start_sm_ids:
+                arb.started(s, now, 0.008, 0.010)
+            now += 0.008
+            for s in d.start_sm_ids:
+                arb.finished(s, now)
+    assert trace == ["sm0+sm1", "LM", "sm0+sm1"]
+
+
+def test_caps_bound_every_step_and_drain_fills_the_barrier():
+    policy = GangPolicy(shape="interleave", max_lm_wait_ms=20.0, max_sm_stall_ms=50.0)
+    arb = GangArbiter(policy, "lm", ["sm0", "sm1"])
+    sms = [MemberView("sm0", True, 0.008), MemberView("sm1", True, 0.002)]
+    d = arb.decide(0.0, MemberView("lm", False, 0.014), sms)
+    assert d.sm_starts == (("sm0", 0.020), ("sm1", 0.020))  # no LM work: capped at the wait bound anyway
+    arb.started("sm0", 0.0, 0.010, 0.020)
+    arb.started("sm1", 0.0, 0.003, 0.020)
+    arb.finished("sm1", 0.003)
+    lm = MemberView("lm", True, 0.014)
+    d = arb.decide(0.003, lm, sms)  # every SM has stepped once: interleave drains; sm1 fills until sm0 ends
+    assert arb.draining and d.fills and d.sm_starts == (("sm1", pytest.approx(0.007)),)
+    arb.started("sm1", 0.003, 0.006, 0.007)
+    arb.finished("sm1", 0.009)
+    d = arb.decide(0.009, lm, sms)
+    assert d == Decision()  # 1 ms left before the barrier is below sm1's 2 ms floor: idle
+    arb.finished("sm0", 0.010)
+    d = arb.decide(0.010, lm, sms)
+    # The LM step may run until the earliest SM stall deadline: sm1 waits since 9 ms, sm0 since 10 ms.
+    assert d.run_lm and d.lm_cap_s == pytest.approx(0.009 + 0.050 - 0.010) and arb.holder is Holder.LM
+    assert arb.stats.num_fill_steps == 1
+    assert arb.stats.barrier_idle_gpu_s == pytest.approx(0.001)  # sm1 idle 9-10 ms
+
+
+def test_lm_wait_bound_forces_the_lease_over_fair_share():
+    # The SMs weigh 100x the LM: after its first step (fair share: it had used nothing) the LM's virtual time is
+    # far ahead, so only the bound gives it its second step, as late as the bound allows.
+    policy = GangPolicy(shape="slack", max_lm_wait_ms=25.0, max_sm_stall_ms=60.0, lm_weight=0.01, sm_weight=1.0,
+                        urgent_ms=0.0)
+    arrivals = [(0.0, f"sm{i}", [0.010] * 30) for i in range(2)] + [(0.001, "lm", [0.018, 0.018])]
+    res = run_gang(policy, 0.018, 0.010, 2, arrivals)
+    assert res.steps_left == 0 and 0.015 < res.max_lm_wait_s <= 0.025
+    assert res.arbiter.stats.num_forced_lm == 1
+
+
+def test_sm_stall_bound_ends_a_periodic_lease_early():
+    policy = GangPolicy(shape="periodic", lease_ms=50.0, period_ms=60.0, max_sm_stall_ms=30.0, max_lm_wait_ms=15.0)
+    arrivals = [(0.0, "lm", [0.009] * 20), (0.0005, "sm0", [0.010] * 5)]
+    res = run_gang(policy, 0.009, 0.010, 1, arrivals)
+    assert res.steps_left == 0 and 0.020 < res.max_sm_stall_s <= 0.030
+    assert res.arbiter.stats.num_forced_sm >= 1
+
+
+def test_a_capped_long_prefill_is_chunked_not_starving_the_other_side():
+    # A 300 ms LM prompt against a busy SM: the LM runs it in capped chunks, the SM keeps stepping.
+    policy = GangPolicy(shape="slack", max_lm_wait_ms=20.0, max_sm_stall_ms=40.0)
+    arrivals = [(0.0, "lm", [0.300]), (0.0, "sm0", [0.008] * 40)]
+    res = run_gang(policy, 0.005, 0.008, 1, arrivals)
+    assert res.steps_left == 0 and res.max_sm_stall_s <= 0.040 + 1e-9 and res.max_lm_wait_s <= 0.020 + 1e-9
+    assert res.arbiter.stats.num_lm_steps >= 300 // 40
+
+
+def test_slack_gives_the_urgent_side_the_gpus():
+    arb = GangArbiter(GangPolicy(shape="slack", urgent_ms=5.0), "lm", ["sm0"])
+    lm = MemberView("lm", True, 0.018, deadline_s=0.012)  # due within the SM step (10 ms) + 5 ms
+    sms = [MemberView("sm0", True, 0.010, deadline_s=1.0)]
+    d = arb.decide(0.0, lm, sms)  # the SM slice must have its round first
+    assert d.start_sm_ids == ("sm0",)
+    arb.started("sm0", 0.0, 0.008, 0.010)
+    arb.finished("sm0", 0.008)
+    d = arb.decide(0.008, lm, sms)
+    assert d.run_lm
+
+
+@pytest.mark.parametrize("costs, choice", [
+    (LeaseStateCosts(True, True, 0.01, 0.02, True), "drain"),
+    (LeaseStateCosts(False, True, 0.01, 0.02, True), "keep"),
+    (LeaseStateCosts(False, False, 0.01, 0.02, True), "swap"),
+    (LeaseStateCosts(False, False, 0.03, 0.02, True), "recompute"),
+    (LeaseStateCosts(False, False, 0.01, 0.02, False), "recompute"),
+])
+def test_lease_state_rule(costs, choice):
+    assert lease_state(costs) == choice
+
+
+def test_check_bounds_says_what_to_raise():
+    problems = check_bounds(GangPolicy(max_lm_wait_ms=5.0, max_sm_stall_ms=20.0), 0.010, 0.018)
+    assert len(problems) == 2
+    assert "raise it to at least 10.0" in problems[0] and "raise it to at least 23.0" in problems[1]
+    assert check_bounds(GangPolicy(max_lm_wait_ms=10.0, max_sm_stall_ms=28.0), 0.010, 0.018) == []
+
+
+def test_policy_problems_and_mapping():
+    assert GangPolicy(shape="round-robin").problems()[0].startswith("gang.shape: unknown shape 'round-robin'")
+    assert "gang.lease_ms (30) must be below gang.period_ms (30)" in GangPolicy(lease_ms=30.0).problems()
+    p = policy_from_mapping({"shape": "periodic", "max_lm_wait_ms": 50, "lm_weight": 2})
+    assert (p.shape, p.max_lm_wait_ms, p.lm_weight) == ("periodic", 50.0, 2.0)
+
+
+def test_shared_step_caps_apply_only_while_both_sides_have_work():
+    policy = GangPolicy(shape="interleave", max_lm_wait_ms=25.0, max_sm_stall_ms=50.0, lm_shared_step_ms=15.0,
+                        sm_shared_step_ms=10.0)
+    arb = GangArbiter(policy, "lm", ["sm0"])
+    d = arb.decide(0.0, MemberView("lm", False, 0.0), [MemberView("sm0", True, 0.004)])
+    assert d.sm_starts == (("sm0", 0.025),)  # the LM idle: only the wait bound caps the SM
+    arb.started("sm0", 0.0, 0.020, 0.025)
+    arb.finished("sm0", 0.020)
+    d = arb.decide(0.020, MemberView("lm", True, 0.012), [MemberView("sm0", True, 0.004)])
+    assert d.run_lm and d.lm_cap_s == pytest.approx(0.015)  # both have work: the LM's shared cap
+    arb.started("lm", 0.020, 0.015, 0.015)
+    arb.finished("lm", 0.035)
+    d = arb.decide(0.035, MemberView("lm", True, 0.012), [MemberView("sm0", True, 0.012)])
+    assert d.sm_starts == (("sm0", pytest.approx(0.012)),)  # a floor above the shared cap is still allowed
