@@ -41,7 +41,7 @@ def _log(path: Path) -> list[dict]:
 async def drill(args) -> dict:
     run_dir = Path(tempfile.mkdtemp(prefix="octoserve-drill-"))
     node = start_node(None, args.time_scale, run_dir=run_dir, startup_timeout_s=120, grace_s=5,
-                      router_args=("--access-log", "all"))
+                      router_args=("--access-log", "all"), supervise=True)
     try:
         async with grpc.aio.insecure_channel(node.router_address) as channel:
             stub = gen_grpc.GenerationStub(channel)

@@ -6,8 +6,9 @@ serves, so no ports are guessed; then every service must answer grpc.health.v1 S
 Stop order (Ctrl-C / SIGTERM / `Node.stop()`): router first (it drains client streams), then workers, then the
 scheduler; each gets SIGTERM and its grace period, then SIGKILL. Only processes this launcher started are signalled,
 by PID.
-While the node runs, a `Supervisor` (services/supervisor.py) starts again, with backoff and on the same port, any
-service that exits (a worker killed mid-stream, the scheduler, the router).
+Under `octoserve up` (`start_node(supervise=True)`), a `Supervisor` (services/supervisor.py) starts again, with
+backoff and on the same port, any service that exits while the node runs (a worker killed mid-stream, the
+scheduler, the router).
 """
 
 from __future__ import annotations
@@ -190,7 +191,7 @@ def start_node(
     grace_s: float = DEFAULT_GRACE_S,
     router_args: tuple[str, ...] = (),
     extra_env: Mapping[str, str] | None = None,
-    supervise: bool = True,
+    supervise: bool = False,
     on_event=None,
     http_port: int | None = None,
     http_inside: bool = True,
@@ -201,7 +202,7 @@ def start_node(
     child's environment (e.g. OCTOSERVE_VLLM_DTYPE for the vllm engine). http_port: start the OpenAI-compatible
     front on it (0: any free port; None: no front); http_inside: served by the router process (the default, measured
     faster: docs/bench/openai_front.md) or, when False, by a process of its own. supervise: restart services that
-    exit (`Supervisor`; `on_event` gets its events).
+    exit (`Supervisor`; `on_event` gets its events); `octoserve up` does, harnesses that model a lost node do not.
     """
     from octoserve.router.tenants import tenant_settings_from_dict
     from octoserve.services.config import load_node_config, load_service_sections
@@ -298,7 +299,7 @@ def run(args: argparse.Namespace) -> int:
         node = start_node(config_source(args.config, args.cost_profile), args.time_scale, engine=args.engine, model_path=args.model, port=args.port,
                           run_dir=args.run_dir, startup_timeout_s=startup_timeout_s(args), grace_s=args.grace_s,
                           http_port=None if args.no_http else args.http_port, http_inside=not args.http_process,
-                          router_args=("--access-log", args.access_log), on_event=_print_event)
+                          router_args=("--access-log", args.access_log), supervise=True, on_event=_print_event)
     except LaunchError as e:
         print(f"octoserve up: {e}", file=sys.stderr)
         return 1

@@ -36,7 +36,7 @@ ROUTER_ARGS = ("--access-log", "all")
 
 def _start(tmp_path, config: dict, time_scale: float, **kw):
     return start_node(config, time_scale=time_scale, run_dir=tmp_path, startup_timeout_s=90, grace_s=3,
-                      router_args=ROUTER_ARGS, **kw)
+                      router_args=ROUTER_ARGS, supervise=True, **kw)
 
 
 async def _until(predicate, timeout_s: float, what: str) -> None:
