@@ -23,6 +23,8 @@ What each one models, and from where (read in their docs and papers, not copied)
 - `octoserve`: every octoserve policy: admission with early refusal at half the TTFT SLO, EDF queues, prefix- and
   load-aware routing by predicted TTFT, predicted-output KV reservation, ITL-sized step budgets and batches, on
   the placement the planner recommends after simulating its best candidates.
+- `octoserve-gang`: every octoserve policy on the time-shared placement (`node-gang.yaml`): the 70B at TP=8 on
+  all eight GPUs in a gang group with eight 8B replicas, the GPUs leased step by step by the gang arbiter.
 - ablations: octoserve without early refusal (`admission: false`), without prefix-aware routing
   (`prefix_aware_routing: false`), and with `full` reservation (prompt + max_tokens held from admission).
 
@@ -46,6 +48,7 @@ from octoserve.services.core.types import Role
 STATIC_SPLIT = "static-split"  # the embedded default: 70B TP=4 colocated + four 8B replicas
 BEST_DISAGGREGATED = "best-disaggregated"  # planner: best SLO-aware estimate among placements with every model split P/D
 PLANNER = "planner"  # planner: top candidates simulated; the suite uses the SLO-capacity or goodput winner
+GANG = "gang"  # the embedded node-gang.yaml: 70B TP=8 time-shared with eight 8B replicas
 
 VLLM_H100_MAX_NUM_BATCHED_TOKENS = 8192  # vLLM v1, OpenAI API server, GPU >= 70 GiB and not A100
 VLLM_H100_MAX_NUM_SEQS = 1024
@@ -55,7 +58,7 @@ SARATHI_CONTEXT_TOKENS = 1200  # typical decode context the budget is profiled a
 @dataclass(frozen=True, slots=True)
 class Baseline:
     name: str
-    placement: str  # STATIC_SPLIT | BEST_DISAGGREGATED | PLANNER
+    placement: str  # STATIC_SPLIT | BEST_DISAGGREGATED | PLANNER | GANG
     policies: Mapping[str, Any] = field(default_factory=dict)  # PolicyConfig field -> value
     max_num_batched_tokens: int | None = None  # every non-prefill instance; None keeps the placement's
     max_num_seqs: int | None = None
@@ -79,6 +82,8 @@ BASELINES: dict[str, Baseline] = {b.name: b for b in (
              description="DistServe: prefill/decode split per model, FCFS, shortest prefill queue, admit all"),
     Baseline("octoserve", PLANNER, _OCTOSERVE_POLICIES,
              description="all octoserve policies on the planner's placement"),
+    Baseline("octoserve-gang", GANG, _OCTOSERVE_POLICIES,
+             description="all octoserve policies with gang leases: 70B TP=8 time-shared with eight 8B replicas"),
     Baseline("octoserve-no-refusal", PLANNER, {**_OCTOSERVE_POLICIES, "admission": False},
              description="octoserve without admission control (no early refusal)"),
     Baseline("octoserve-no-prefix-routing", PLANNER, {**_OCTOSERVE_POLICIES, "prefix_aware_routing": False},
@@ -87,7 +92,7 @@ BASELINES: dict[str, Baseline] = {b.name: b for b in (
              description="octoserve reserving prompt + max_tokens of KV at admission"),
 )}
 
-MAIN_POLICIES = ("vllm-default", "sarathi", "distserve", "octoserve")
+MAIN_POLICIES = ("vllm-default", "sarathi", "distserve", "octoserve", "octoserve-gang")
 
 
 def sarathi_budget(cost: CostModel, itl_slo_ms: float, *, context_tokens: int = SARATHI_CONTEXT_TOKENS,

@@ -40,6 +40,7 @@ from pathlib import Path
 from octoserve.services.baselines import (
     BASELINES,
     BEST_DISAGGREGATED,
+    GANG,
     MAIN_POLICIES,
     PLANNER,
     STATIC_SPLIT,
@@ -163,6 +164,11 @@ class Row:
     seed: int = 0
     passes: bool = False  # the capacity criterion (octoserve.services.sim.capacity.passes)
     groups: tuple[GroupRow, ...] = ()  # per model, then per tier
+    # Gang leases (NaN without a gang group; the worst group over the whole run): the two bounds as measured and
+    # lease switches per second.
+    gang_max_lm_wait_ms: float = math.nan
+    gang_max_sm_stall_ms: float = math.nan
+    gang_switches_per_s: float = math.nan
 
     @property
     def goodput_over_roofline(self) -> float:
@@ -206,6 +212,14 @@ def _group_row(g) -> GroupRow:
     return GroupRow(g.name, g.goodput_rps, g.attainment_admitted, g.attainment_offered, g.ttft.p95_ms, g.itl.p95_ms)
 
 
+def _gang_fields(res) -> dict:
+    if not res.gangs:
+        return {}
+    return dict(gang_max_lm_wait_ms=max(g.stats.max_lm_wait_s for g in res.gangs) * 1e3,
+                gang_max_sm_stall_ms=max(g.stats.max_sm_stall_s for g in res.gangs) * 1e3,
+                gang_switches_per_s=sum(g.switches_per_s for g in res.gangs))
+
+
 def run_job(job: Job) -> JobResult:
     """Simulate one (policy, workload, seed) and reduce its measurement window to a row (bounds filled in later)."""
     start = time.perf_counter()
@@ -224,6 +238,7 @@ def run_job(job: Job) -> JobResult:
         gpu_busy=_gpu_weighted(res.instances, "busy_fraction", gpus), num_errors=o.num_errors,
         cost_profile=job.cost_profile, seed=job.seed, passes=passes(o, summary.slo),
         groups=tuple(_group_row(g) for g in (*summary.per_model, *summary.per_tier)),
+        **_gang_fields(res),
     )
     records = tuple(r for r in res.records if r.arrival_s >= w.warmup_s) if w.keep_records else ()
     return JobResult((job.cost_profile, job.policy, w.label, job.seed), row, records, time.perf_counter() - start)
@@ -525,8 +540,10 @@ def run_profile(settings: Settings, cost_profile: str, log: Callable[[str], None
     roofline = roofline_capacity_rps(static)
     ranked = ranked_placements(static)
     disagg = best_disaggregated(ranked)
+    gang = with_cost_profile(load_node_config_text("node-gang.yaml"), cost_profile)
     placements = {STATIC_SPLIT: ("default config: " + _label_of(static), static),
-                  BEST_DISAGGREGATED: (disagg[0].label, disagg[0].config)}
+                  BEST_DISAGGREGATED: (disagg[0].label, disagg[0].config),
+                  GANG: ("gang config: " + _label_of(gang), gang)}
     choice = None
     if any(BASELINES[p].placement == PLANNER for p in settings.policies):
         choice, planner_placements = choose_planner_placements(settings, cost_profile, ranked, roofline, log)
@@ -561,6 +578,13 @@ def run_profile(settings: Settings, cost_profile: str, log: Callable[[str], None
         settings.capacity_steps, log)
     return ProfileResults(cost_profile, placements, choice, roofline, tuple(loads), rows, records, capacity,
                           probe_rows)
+
+
+def load_node_config_text(name: str) -> NodeConfig:
+    """An embedded config under services/configs/ by file name."""
+    from octoserve.services.config import default_config_text, node_config_from_text
+
+    return node_config_from_text(default_config_text(name), source=name)
 
 
 def run_suite(settings: Settings, log: Callable[[str], None], progress_cls=None) -> SuiteResults:
@@ -768,6 +792,13 @@ def group_lines(pr: ProfileResults, settings: Settings) -> list[str]:
                 lines.append(f"| {policy} | {point} | {g.name} | {g.goodput_rps:.1f} | "
                              f"{_f(g.attainment_admitted, 1, True)} | {_f(g.attainment_offered, 1, True)} | "
                              f"{_f(g.ttft_p95_ms, 0)} | {_f(g.itl_p95_ms, 1)} |")
+    gang_rows = [(p, point, r) for p, point, r in points if not math.isnan(r.gang_max_lm_wait_ms)]
+    if gang_rows:
+        lines += ["", "Gang leases (whole run, the worst group): the two starvation bounds as measured and lease "
+                  "switches per second.", "",
+                  "| policy | point | max LM lease wait ms | max SM stall ms | lease switches/s |", "|---|---|---:|---:|---:|"]
+        lines += [f"| {p} | {point} | {r.gang_max_lm_wait_ms:.1f} | {r.gang_max_sm_stall_ms:.1f} | "
+                  f"{r.gang_switches_per_s:.1f} |" for p, point, r in gang_rows]
     return lines
 
 

@@ -1,7 +1,8 @@
 """Load the node config (placement, SLOs, policies) from YAML; the only place octoserve reads it from disk.
 
 `load_node_config(None)` returns the embedded default, `services/configs/node-default.yaml`, shipped as package
-data; a path loads that file instead. Validation is `octoserve.services.core.placement.node_config_from_dict`, which raises
+data; a path loads that file instead. The schema is the comment at the top of node-default.yaml; the gang keys
+(time-shared GPUs) are documented in full in node-gang.yaml. Validation is `octoserve.services.core.placement.node_config_from_dict`, which raises
 one `PlacementError` listing every problem; a file that is not a YAML mapping raises it too.
 """
 

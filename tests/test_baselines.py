@@ -25,9 +25,9 @@ DISAGG = load_node_config("services/configs/node-disagg.yaml")
 
 
 def test_the_named_set():
-    assert list(BASELINES) == ["vllm-default", "sarathi", "distserve", "octoserve", "octoserve-no-refusal",
-                               "octoserve-no-prefix-routing", "octoserve-full-reservation"]
-    assert MAIN_POLICIES == ("vllm-default", "sarathi", "distserve", "octoserve")
+    assert list(BASELINES) == ["vllm-default", "sarathi", "distserve", "octoserve", "octoserve-gang",
+                               "octoserve-no-refusal", "octoserve-no-prefix-routing", "octoserve-full-reservation"]
+    assert MAIN_POLICIES == ("vllm-default", "sarathi", "distserve", "octoserve", "octoserve-gang")
     assert BASELINES["vllm-default"].placement == STATIC_SPLIT and BASELINES["octoserve"].placement == PLANNER
 
 

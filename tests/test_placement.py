@@ -169,7 +169,8 @@ def test_gpu_shared_and_duplicate_ids_are_all_reported():
     d["instances"][2]["id"] = "sm-0"
     assert problems_of(d) == [
         "instance id 'sm-0' is used twice; give every instance its own id",
-        "GPU 3 is given to both lm-0 and sm-0; give each GPU to one instance",
+        "GPU 3 is given to both lm-0 and sm-0; give each GPU to one instance, or put them in one gang group "
+        "(gang.groups: an LM and the SMs that share its GPUs)",
     ]
 
 

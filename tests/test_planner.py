@@ -108,18 +108,36 @@ def test_colocated_capacity_balances_prefill_and_decode_within_the_itl():
 def test_candidate_placements_are_valid_and_cover_the_splits():
     cands = planner.candidate_placements(H100, MODELS, 8)
     labels = [p.label for p in cands]
-    assert len(labels) == len(set(labels)) == 24
+    assert len(labels) == len(set(labels)) == 24 + 6  # 24 static splits, 2 gang shapes x 3 LM step shares
     assert "llama-3-70b TP4 x1 colocated | llama-3-8b TP1 x4 colocated" in labels
     assert "llama-3-70b TP2 1P+2D | llama-3-8b TP1 1P+1D" in labels
-    assert not any("TP8" in label for label in labels)  # TP=8 would leave the 8B no GPU
+    # TP=8 would leave the 8B no GPU of its own: it appears only time-shared, in a gang group.
+    assert all("gang" in label for label in labels if "TP8" in label)
     for p in cands:
         assert check_placement(p.config) == []
-        assert sorted(g for i in p.config.instances for g in i.gpu_ids) == list(range(8))
+        if p.config.gang is None:
+            assert sorted(g for i in p.config.instances for g in i.gpu_ids) == list(range(8))
+        else:
+            assert sorted({g for i in p.config.instances for g in i.gpu_ids}) == list(range(8))
     disagg = next(p for p in cands if p.label == "llama-3-70b TP2 1P+2D | llama-3-8b TP1 1P+1D").config
     assert [(i.id, i.role, i.gpu_ids) for i in disagg.instances] == [
         ("lm-p0", Role.PREFILL, (0, 1)), ("lm-d0", Role.DECODE, (2, 3)), ("lm-d1", Role.DECODE, (4, 5)),
         ("sm-p0", Role.PREFILL, (6,)), ("sm-d0", Role.DECODE, (7,)),
     ]
+
+
+def test_gang_candidates_share_gpus_only_inside_their_group_and_rank_below_at_the_seed_000_peak():
+    gangs = planner.gang_placements(H100, MODELS, 8)
+    assert [p.label for p in gangs][:1] == ["llama-3-70b TP8 colocated gang over llama-3-8b TP1 x8 (LM step share 0.55)"]
+    full = gangs[0].config
+    assert full.gang.groups[0].lm == "lm-0" and full.gang.groups[0].sms == tuple(f"sm-{g}" for g in range(8))
+    hybrid = next(p for p in gangs if "1P + TP4 1D" in p.label).config
+    assert hybrid.gang.groups[0].lm == "lm-d0" and hybrid.instance("lm-p0").gpu_ids == (0, 1, 2, 3)
+    # The estimate gives each gang member its step share of the time: the 70B's TP=8 share serves fewer than the
+    # dedicated TP=4 instance of the static split, so the static split still ranks first (the simulator decides).
+    ranked = planner.rank_placements(planner.candidate_placements(H100, MODELS, 8), SEED_000)
+    assert ranked[0][0].config.gang is None
+    assert any(p.config.gang is not None for p, _ in ranked)
 
 
 def test_one_model_alone_may_take_tp8():

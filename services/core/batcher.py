@@ -56,6 +56,7 @@ from octoserve.services.core.types import (
 
 CHUNK_FLOOR_TOKENS = 16  # prefill tokens a step keeps however long its decodes' contexts are
 LONG_STEP_WINDOW = 200  # steps over which the share of slack-extended steps is counted
+CAP_MARGIN = 0.75  # share of a gang cap's spare time (past the decodes) given to prefill tokens
 
 DEFAULT_TIER_TTFT_SLO_MS: Mapping[Priority, float] = {
     Priority.INTERACTIVE: 200.0,
@@ -132,6 +133,7 @@ class Request:
         "queue_key",
         "victim_key",
         "first_token_s",
+        "last_token_s",
     )
 
     def __init__(self, spec: RequestSpec, queue_key: tuple, victim_key: tuple) -> None:
@@ -148,6 +150,7 @@ class Request:
         self.queue_key = queue_key
         self.victim_key = victim_key
         self.first_token_s: float | None = None  # when its first output token was produced here (slack accounting)
+        self.last_token_s: float | None = None  # when its latest output token was produced here (gang deadlines)
 
     @property
     def num_tokens(self) -> int:
@@ -213,13 +216,17 @@ class Batcher:
 
     # ---- schedule ------------------------------------------------------------------------------------------
 
-    def schedule(self, now: float) -> StepPlan:
+    def schedule(self, now: float, step_cap_s: float | None = None) -> StepPlan:
+        """`step_cap_s`: a gang lease's cap on this step (services/core/gang.py): the prefill chunk shrinks so the
+        step fits by the linear step model; the decodes always run (the step floor, `step_floor_s`)."""
         decodes, prefills = self._split_running()
         extra_kv_s = self._extra_kv_read_s(decodes)
         sized_budget = self.step_budget(len(decodes))
         budget = self._shrunk(sized_budget, len(decodes), extra_kv_s)
         if self.config.tpot_target_s > 0 and (prefills or self._waiting) and self._may_run_long(decodes):
             budget = max(budget, self._slack_budget(decodes, now, extra_kv_s))
+        if step_cap_s is not None:
+            budget = min(budget, self._capped_budget(len(decodes), step_cap_s, extra_kv_s))
         step = _StepBuilder(budget)
         first, deferred = self._prefills_before_waiting(prefills)
         self._schedule_running(step, decodes + first)
@@ -303,6 +310,51 @@ class Batcher:
         base_s = table[min(len(decodes), len(table) - 1)] + extra_kv_s
         extra_tokens = int((allowed_s - base_s) / cfg.prefill_s_per_token + 1e-9)  # no float round-down
         return min(cfg.max_num_batched_tokens, len(decodes) + max(0, extra_tokens))
+
+    def _capped_budget(self, num_decodes: int, cap_s: float, extra_kv_s: float) -> int:
+        cfg = self.config
+        table = cfg.decode_step_s_by_num_decodes
+        if not table or cfg.prefill_s_per_token <= 0:
+            return cfg.max_num_batched_tokens  # no step model: the cap cannot be honoured (placement refuses this)
+        # A step with no decodes still pays the fixed cost of any step (weights streamed, overheads): table[1].
+        base_s = table[min(max(num_decodes, 1), len(table) - 1)] + extra_kv_s
+        # The linear model misses the attention of a chunk over its own earlier chunks and the LM head of every
+        # admitted prompt; CAP_MARGIN keeps capped steps inside their cap (overruns are counted by the arbiter).
+        spare_s = (cap_s - base_s) * CAP_MARGIN
+        return num_decodes + max(0, int(spare_s / cfg.prefill_s_per_token + 1e-9))
+
+    def step_floor_s(self) -> float:
+        """The shortest step this batcher can run now: its running decodes alone (0 with none), by the step model."""
+        decodes, prefills = self._split_running()
+        table = self.config.decode_step_s_by_num_decodes
+        if not table:
+            return 0.0
+        if not decodes:  # the smallest step that does anything costs about one decode's fixed cost
+            return table[min(1, len(table) - 1)] if (prefills or self._waiting) else 0.0
+        return table[min(len(decodes), len(table) - 1)] + self._extra_kv_read_s(decodes)
+
+    def earliest_deadline_s(self, itl_s: float) -> float | None:
+        """For a gang arbiter: the latest time this batcher's next step may start and still meet its most urgent
+        deadline: a running decode's next token within `itl_s` of its last one, or a prefill's first token by its
+        TTFT deadline (its remaining tokens at the step model's prefill rate), each less one step floor; None when
+        it has nothing to run."""
+        best: float | None = None
+        per_token_s = self.config.prefill_s_per_token
+        for r in self._running:
+            if r.last_token_s is not None and len(r.token_ids) - r.num_computed_tokens == 1:
+                t = r.last_token_s + itl_s
+            else:
+                t = self._ttft_deadline_s(r) - r.num_uncomputed_tokens * per_token_s
+            best = t if best is None else min(best, t)
+        if self._waiting:
+            head = self._waiting.peek()
+            t = self._ttft_deadline_s(head) - head.num_uncomputed_tokens * per_token_s
+            best = t if best is None else min(best, t)
+        return None if best is None else best - self.step_floor_s()
+
+    def _ttft_deadline_s(self, req: Request) -> float:
+        tier_slo = self.config.tier_ttft_slo_ms.get(req.spec.priority, DEFAULT_TIER_TTFT_SLO_MS[Priority.STANDARD])
+        return req.spec.ttft_deadline_s(tier_slo)
 
     def _split_running(self) -> tuple[list[Request], list[Request]]:
         """Running requests as (decodes, unfinished prefills), each in importance order. The hot path of a step:
@@ -469,6 +521,7 @@ class Batcher:
             if chunk.samples:
                 token_id = result.sampled_token_ids[req.request_id]
                 req.token_ids.append(token_id)
+                req.last_token_s = now
                 if req.first_token_s is None:
                     req.first_token_s = now
                 finish = self._stop_reason(req, token_id)
@@ -573,7 +626,7 @@ class Batcher:
         self._num_reserved -= 1
         req.num_computed_tokens = req.num_prompt_tokens
         req.token_ids.append(first_token_id)
-        req.first_token_s = now
+        req.first_token_s = req.last_token_s = now
         self.kv.cache_computed(req.request_id, req.token_ids, req.num_computed_tokens)
         self._set_running(req)
         finish = self._stop_reason(req, first_token_id)
@@ -614,6 +667,10 @@ class Batcher:
     @property
     def num_waiting(self) -> int:
         return len(self._waiting) + len(self._swapped)
+
+    def running_context_tokens(self) -> int:
+        """KV tokens the running requests hold computed (what a checkpoint to host would copy)."""
+        return sum(r.num_computed_tokens for r in self._running)
 
     def queued_prefill_tokens(self) -> int:
         waiting = sum(r.num_uncomputed_tokens for r in self._waiting)

@@ -21,10 +21,13 @@ adapter's error, counted in `GangStats.num_overruns`.
 Shapes (`GangPolicy.shape`), compared in the simulator:
 - `interleave`: one LM step per lease, then one SM round (every SM with work steps once);
 - `periodic`: fixed-horizon leases: the LM holds the GPUs for `lease_ms` of every `period_ms`;
-- `slack`: deadline-driven: the side whose earliest deadline (a decode's next-token deadline, or the latest start
-  of a prefill that still meets its TTFT) falls within the other side's step floor plus `urgent_ms` gets the GPUs;
-  otherwise virtual-time fair share: each side's virtual time grows by the group time it held over its weight,
-  the lower one runs next (with `min_slice_ms` of hysteresis), and neither banks more than `max_lag_ms` of credit.
+- `slack`: deadline-driven: each side reports the latest start of its next step that meets its most urgent
+  deadline (a decode's next token one ITL after its last, a prompt's first token by its TTFT). The side holding
+  the GPUs may step only until the other side's latest start (its cap shrinks to the other's slack, never below
+  its floor), so a side whose requests have slack lends the GPUs whole while the other's prefill runs in long
+  chunks; the side whose latest start is within the other's floor plus `urgent_ms` takes the GPUs; when neither
+  or both are urgent, virtual-time fair share decides: each side's virtual time grows by the group time it held
+  over its weight, the lower runs next (`min_slice_ms` of hysteresis), and neither banks over `max_lag_ms`.
 Every SM slice lets each SM with work step at least once (no zero-length slices, no ping-pong).
 
 Bounds, enforced over every shape by the caps (they override the shape):
@@ -108,7 +111,7 @@ class MemberView:
     member_id: str
     has_work: bool  # something to schedule (running, waiting or swapped requests)
     min_step_s: float  # its step floor now: the decodes it must run, no prefill
-    deadline_s: float | None = None  # earliest of: a running decode's next-token deadline, a prefill's latest start
+    deadline_s: float | None = None  # the latest start of its next step that meets its most urgent deadline
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +166,7 @@ class GangArbiter:
         self._drain_forced = False
         self._max_wait_s = policy.max_lm_wait_ms / 1e3
         self._max_stall_s = policy.max_sm_stall_ms / 1e3
+        self._lm_floor = 0.0
 
     # ---- the protocol ------------------------------------------------------------------------------------------
 
@@ -174,6 +178,7 @@ class GangArbiter:
         if self._busy(self.lm_id):
             return Decision()
         sm_work = [s for s in sms if s.has_work]
+        self._lm_floor = lm.min_step_s
         if self.holder is Holder.LM:
             cap = self._lm_cap(now, sm_work)
             if lm.has_work and cap >= lm.min_step_s - _EPS and self._lm_may_continue(now, lm, sm_work):
@@ -190,7 +195,7 @@ class GangArbiter:
             self._note_barrier(now)
             self._switch(now, Holder.LM, self._drain_forced)
             return Decision(run_lm=True, lm_cap_s=self._lm_cap(now, sm_work))
-        return self._sm_starts(now, sm_work)
+        return self._sm_starts(now, lm, sm_work)
 
     def started(self, member_id: str, now: float, step_s: float, cap_s: float) -> None:
         """A step of `member_id` began at `now`; it takes `step_s` and was given `cap_s`."""
@@ -225,6 +230,10 @@ class GangArbiter:
     def note_lease_state(self, choice: str) -> None:
         """Count one SM's state choice at a lease start (`lease_state`)."""
         self.stats.lease_states[choice] = self.stats.lease_states.get(choice, 0) + 1
+
+    def last_step_end_s(self, member_id: str) -> float | None:
+        """When the member's last step ended (None before its first)."""
+        return self._last_end.get(member_id)
 
     def barrier_end_s(self, now: float) -> float:
         """When the last running SM step ends (`now` when none runs): the earliest an LM step can start."""
@@ -284,12 +293,18 @@ class GangArbiter:
             cap = min(cap, self._stall_since.get(s.member_id, now) + self._max_stall_s - now)
         if horizon and self.policy.shape == "periodic" and sm_work and self.holder is Holder.LM:
             cap = min(cap, self._lease_start + self.policy.lease_ms / 1e3 - now)
+        if horizon and self.policy.shape == "slack":
+            # Deadlines already missed cap nothing: shrinking every step to its floor would stop all prefill.
+            deadlines = [s.deadline_s for s in sm_work if s.deadline_s is not None and s.deadline_s >= now]
+            if deadlines:
+                cap = min(cap, max(self._lm_floor, min(deadlines) - now))
         return cap
 
-    def _sm_cap(self, now: float) -> float:
-        if self._lm_wait_since is None:
-            return self._max_wait_s
-        return self._lm_wait_since + self._max_wait_s - now
+    def _sm_cap(self, now: float, lm: MemberView, floor_s: float) -> float:
+        cap = self._max_wait_s if self._lm_wait_since is None else self._lm_wait_since + self._max_wait_s - now
+        if self.policy.shape == "slack" and lm.has_work and lm.deadline_s is not None and lm.deadline_s >= now:
+            cap = min(cap, max(floor_s, lm.deadline_s - now))
+        return cap
 
     def _lm_may_continue(self, now: float, lm: MemberView, sm_work: Sequence[MemberView]) -> bool:
         """The LM holds the GPUs, has work and its floor fits its cap: one more LM step (shape rule)?"""
@@ -310,8 +325,8 @@ class GangArbiter:
         """The SMs hold the GPUs and the LM has work: (drain toward a lease now?, forced by the LM-wait bound?)."""
         if not sm_work:
             return True, False
-        cap = self._sm_cap(now)
-        if any(not self._busy(s.member_id) and s.min_step_s > cap + _EPS for s in sm_work):
+        bound_cap = self._lm_wait_since + self._max_wait_s - now if self._lm_wait_since is not None else self._max_wait_s
+        if any(not self._busy(s.member_id) and s.min_step_s > bound_cap + _EPS for s in sm_work):
             return True, True
         if not all(s.member_id in self._stepped_since_lease for s in sm_work):
             return False, False
@@ -326,18 +341,23 @@ class GangArbiter:
         self._pull_idle_vtime()
         return self._vt_sm > self._vt_lm + p.min_slice_ms / 1e3, False
 
-    def _sm_starts(self, now: float, sm_work: Sequence[MemberView]) -> Decision:
+    def _sm_starts(self, now: float, lm: MemberView, sm_work: Sequence[MemberView]) -> Decision:
         idle = [s for s in sm_work if not self._busy(s.member_id)]
         if self.draining:
             cap = self.barrier_end_s(now) - now
             starts = tuple((s.member_id, cap) for s in idle if s.min_step_s <= cap + _EPS and cap > _EPS)
             self.stats.num_fill_steps += len(starts)
             return Decision(sm_starts=starts, fills=bool(starts))
-        cap = self._sm_cap(now)
-        return Decision(sm_starts=tuple((s.member_id, cap) for s in idle if s.min_step_s <= cap + _EPS))
+        starts = []
+        for s in idle:
+            cap = self._sm_cap(now, lm, s.min_step_s)
+            if s.min_step_s <= cap + _EPS:
+                starts.append((s.member_id, cap))
+        return Decision(sm_starts=tuple(starts))
 
     def _urgent(self, now: float, lm: MemberView, sm_work: Sequence[MemberView]) -> tuple[bool, bool]:
-        """(LM urgent, SMs urgent): a deadline falls within the other side's step floor plus `urgent_ms`."""
+        """(LM urgent, SMs urgent): a side's latest start falls within the other side's step floor plus
+        `urgent_ms` (one more step of the other side would make it late)."""
         guard = self.policy.urgent_ms / 1e3
         sm_floor = max((s.min_step_s for s in sm_work), default=0.0)
         lm_urgent = lm.deadline_s is not None and lm.deadline_s - now <= sm_floor + guard

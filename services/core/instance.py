@@ -64,7 +64,7 @@ def _sizing_fields(node: NodeConfig, instance: InstanceConfig, cost_model: CostM
     if not policies.slo_sizing:
         return fields
     sized = size_for_slo(
-        cost_model, instance.role, itl_slo_ms=node.slo.itl_ms, max_num_seqs=instance.max_num_seqs,
+        cost_model, instance.role, itl_slo_ms=node.step_itl_ms(instance), max_num_seqs=instance.max_num_seqs,
         max_num_batched_tokens=instance.max_num_batched_tokens,
     )
     fields.update(max_num_seqs=sized.max_num_seqs, max_num_batched_tokens=sized.max_num_batched_tokens)
@@ -84,6 +84,11 @@ def _sizing_fields(node: NodeConfig, instance: InstanceConfig, cost_model: CostM
     return fields
 
 
+def gang_duty(node: NodeConfig, instance: InstanceConfig) -> float:
+    """The share of its GPUs' time an instance gets: its step share inside a gang group, else 1."""
+    return node.step_itl_ms(instance) / node.slo.itl_ms
+
+
 class LoadReporter:
     """EngineLoad snapshots of one sim instance: the batcher's state plus rates from the cost model.
 
@@ -95,7 +100,10 @@ class LoadReporter:
     EMA = 0.2  # weight of the newest decode step
     CONTEXT_TOKENS = 1200  # typical decode context for the rate estimate
 
-    def __init__(self, instance_id: str, model: str, batcher: Batcher, cost: CostModel) -> None:
+    def __init__(self, instance_id: str, model: str, batcher: Batcher, cost: CostModel, duty: float = 1.0) -> None:
+        # duty: the share of its GPUs' time the instance gets (a gang member's step share; 1.0 alone), which
+        # scales the prefill rate it reports, so the router predicts TTFT on a time-shared GPU honestly.
+        self.duty = duty
         self.instance_id = instance_id
         self.model = model
         self.batcher = batcher
@@ -113,7 +121,7 @@ class LoadReporter:
             budget = self.batcher.step_budget(num_running)
             chunk = max(CHUNK_QUANTUM, budget - num_running)
             step_s = self.cost.step_time_s([(chunk, 0)] + [(1, self.CONTEXT_TOKENS)] * num_running)
-            rate = self._prefill_rate[num_running] = chunk / step_s
+            rate = self._prefill_rate[num_running] = self.duty * chunk / step_s
         return rate
 
     def load(self) -> EngineLoad:

@@ -5,8 +5,12 @@
 `PlacementError`, each line saying what to change.
 
 Invariants of a `NodeConfig` that passed validation:
-- every instance serves a model in `models`, has `len(gpu_ids) == tp`, GPU ids in [0, num_gpus), no GPU shared
-  between instances, weights that fit its GPUs at its TP and at least one KV block left;
+- every instance serves a model in `models`, has `len(gpu_ids) == tp`, GPU ids in [0, num_gpus), weights that fit
+  its GPUs at its TP and at least one KV block left (in its `gpu_memory_utilization` share of each GPU);
+- no GPU is shared between instances, except inside a gang group (`gang.groups`): one LM instance and SM instances
+  whose GPUs lie within the LM's, no two SMs on one GPU; there each GPU's shares add up to at most
+  `MAX_SHARED_UTILIZATION`, so both models' weights, activation reserves and both KV pools fit it together, and
+  the gang's starvation bounds are provable for the members' step floors (`gang.check_bounds`);
 - every model with a PREFILL instance has a DECODE instance and vice versa; every model has an instance;
 - policy names are ones the batcher and the router know; `cost_profile` names one of `COST_PROFILES`, and every
   CostModel built from the config (`NodeConfig.cost_model`) uses that profile's constants.
@@ -22,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from octoserve.services.core.cost_model import COST_PROFILES, CostModel, cost_constants
+from octoserve.services.core.gang import GangPolicy, check_bounds
 from octoserve.services.core.specs import (
     GPU_PRESETS,
     MODEL_PRESETS,
@@ -43,6 +48,9 @@ ROUTING_SCORERS = ("kv_headroom", "queue", "ttft")
 ROUTING_PICKERS = ("lowest_cost", "round_robin")
 
 GIB = 1 << 30
+# A GPU shared inside a gang group: the members' gpu_memory_utilization add up to at most this (the margin a lone
+# instance keeps at its default 0.9, for CUDA contexts and fragmentation).
+MAX_SHARED_UTILIZATION = 0.9
 
 
 class PlacementError(ValueError):
@@ -131,6 +139,27 @@ class InstanceConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class GangGroup:
+    lm: str  # the instance that takes every GPU of the group for its steps (any TP and role)
+    sms: tuple[str, ...]  # instances resident on the LM's GPUs that step on their own GPUs between LM steps
+
+
+@dataclass(frozen=True, slots=True)
+class GangConfig:
+    groups: tuple[GangGroup, ...]
+    policy: GangPolicy = GangPolicy()  # shape, the two bounds, fair-share weights (services/core/gang.py)
+    # Steps are sized against a share of the ITL SLO: the LM's to lm_step_share x ITL, the SMs' to the rest, so
+    # an LM step and an SM step together fit one ITL.
+    lm_step_share: float = 0.6
+
+    def group_of(self, instance_id: str) -> GangGroup | None:
+        for g in self.groups:
+            if instance_id == g.lm or instance_id in g.sms:
+                return g
+        return None
+
+
+@dataclass(frozen=True, slots=True)
 class NodeConfig:
     gpu: GpuSpec
     num_gpus: int
@@ -139,6 +168,15 @@ class NodeConfig:
     slo: SloConfig = SloConfig()
     policies: PolicyConfig = PolicyConfig()
     cost_profile: str = "default"  # a key of cost_model.COST_PROFILES: the constants every CostModel of it uses
+    gang: GangConfig | None = None  # time-shared GPUs (gang leases); None: every GPU belongs to one instance
+
+    def step_itl_ms(self, instance: InstanceConfig) -> float:
+        """The ITL an instance's steps are sized against: the SLO, or its share of it inside a gang group."""
+        group = self.gang.group_of(instance.id) if self.gang else None
+        if group is None:
+            return self.slo.itl_ms
+        share = self.gang.lm_step_share if instance.id == group.lm else 1.0 - self.gang.lm_step_share
+        return self.slo.itl_ms * share
 
     def cost_model(self, instance: InstanceConfig) -> CostModel:
         """The step-time model of `instance` under this config's cost profile (the one way to build it)."""
@@ -184,7 +222,8 @@ def instances_of(config: NodeConfig, model: str) -> tuple[InstanceConfig, ...]:
 
 # --- building from a dict ----------------------------------------------------------------------------------------
 
-_TOP_KEYS = ("gpu", "num_gpus", "models", "instances", "slo", "policies", "cost_profile")
+_TOP_KEYS = ("gpu", "num_gpus", "models", "instances", "slo", "policies", "cost_profile", "gang")
+_GANG_KEYS = ("groups", "lm_step_share", *GangPolicy.__dataclass_fields__)
 _INSTANCE_KEYS = tuple(f.name for f in dataclasses.fields(InstanceConfig))
 _SLO_KEYS = ("ttft_ms", "itl_ms", "tier_ttft_ms")
 _POLICY_KEYS = tuple(f.name for f in dataclasses.fields(PolicyConfig))
@@ -203,9 +242,10 @@ def node_config_from_dict(d: Mapping[str, Any]) -> NodeConfig:
     slo = _slo(d.get("slo") or {}, problems)
     policies = _policies(d.get("policies") or {}, problems)
     cost_profile = _cost_profile(d.get("cost_profile", "default"), problems)
+    gang = _gang(d["gang"], problems) if d.get("gang") is not None else None
     if problems:
         raise PlacementError(problems)
-    config = NodeConfig(gpu, num_gpus, models, instances, slo, policies, cost_profile)
+    config = NodeConfig(gpu, num_gpus, models, instances, slo, policies, cost_profile, gang)
     problems += check_placement(config)
     if problems:
         raise PlacementError(problems)
@@ -226,6 +266,8 @@ def check_placement(config: NodeConfig) -> list[str]:
             continue
         _check_fit(config, inst, problems)
     _check_roles(config, problems)
+    if config.gang is not None and not problems:
+        _check_gang(config, problems)
     return problems
 
 
@@ -450,8 +492,14 @@ def _check_ids(config: NodeConfig, problems: list[str]) -> None:
         seen.add(inst.id)
 
 
+def _may_share(config: NodeConfig, a: str, b: str) -> bool:
+    """Only an LM and an SM of the same gang group may share a GPU."""
+    group = config.gang.group_of(a) if config.gang else None
+    return group is not None and group is config.gang.group_of(b) and group.lm in (a, b)
+
+
 def _check_gpus(config: NodeConfig, problems: list[str]) -> None:
-    owner: dict[int, str] = {}
+    owner: dict[int, list[str]] = {}
     for inst in config.instances:
         if len(inst.gpu_ids) != inst.tp:
             problems.append(
@@ -466,10 +514,13 @@ def _check_gpus(config: NodeConfig, problems: list[str]) -> None:
                 f"instance {inst.id}: gpu ids {outside} are out of range; this node has GPUs 0..{config.num_gpus - 1}"
             )
         for g in sorted(set(inst.gpu_ids) - set(outside)):
-            if g in owner:
-                problems.append(f"GPU {g} is given to both {owner[g]} and {inst.id}; give each GPU to one instance")
-            else:
-                owner[g] = inst.id
+            for other in owner.get(g, []):
+                if not _may_share(config, other, inst.id):
+                    problems.append(
+                        f"GPU {g} is given to both {other} and {inst.id}; give each GPU to one instance, or put "
+                        f"them in one gang group (gang.groups: an LM and the SMs that share its GPUs)"
+                    )
+            owner.setdefault(g, []).append(inst.id)
 
 
 def _check_fit(config: NodeConfig, inst: InstanceConfig, problems: list[str]) -> None:
@@ -505,3 +556,100 @@ def _check_roles(config: NodeConfig, problems: list[str]) -> None:
             problems.append(f"model {model} has prefill instances but no decode instance; add a role: decode instance")
         if Role.DECODE in roles and Role.PREFILL not in roles:
             problems.append(f"model {model} has decode instances but no prefill instance; add a role: prefill instance")
+
+
+# --- gang groups ---------------------------------------------------------------------------------------------------
+
+
+def _gang(raw: Any, problems: list[str]) -> GangConfig | None:
+    if not isinstance(raw, Mapping):
+        problems.append(f"gang is {raw!r}; give a mapping with groups and the lease policy keys")
+        return None
+    _unknown_keys(raw, _GANG_KEYS, "gang", problems)
+    groups = []
+    for i, g in enumerate(raw.get("groups") or ()):
+        if not isinstance(g, Mapping) or "lm" not in g or not isinstance(g.get("sms"), (list, tuple)) or not g["sms"]:
+            problems.append(f"gang.groups[{i}] is {g!r}; give {{lm: <instance id>, sms: [<instance id>, ...]}}")
+            continue
+        groups.append(GangGroup(str(g["lm"]), tuple(str(x) for x in g["sms"])))
+    if not groups:
+        problems.append("gang.groups is missing or empty; list at least one {lm: ID, sms: [IDs]} group, or drop `gang`")
+    share = raw.get("lm_step_share", 0.6)
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share < 1:
+        problems.append(f"gang.lm_step_share is {share!r}; set a fraction in (0, 1), e.g. 0.6")
+        share = 0.6
+    policy_keys = {k: raw[k] for k in GangPolicy.__dataclass_fields__ if k in raw}
+    for key, value in policy_keys.items():
+        if key != "shape" and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            problems.append(f"gang.{key} is {value!r}; set a number")
+            return None
+    policy = GangPolicy(**{k: (str(v) if k == "shape" else float(v)) for k, v in policy_keys.items()})
+    problems += policy.problems()
+    return GangConfig(tuple(groups), policy, float(share))
+
+
+def _check_gang(config: NodeConfig, problems: list[str]) -> None:
+    gang = config.gang
+    ids = {inst.id: inst for inst in config.instances}
+    seen: set[str] = set()
+    for group in gang.groups:
+        for member in (group.lm, *group.sms):
+            if member not in ids:
+                problems.append(f"gang group of {group.lm}: no instance {member!r}; use ids from `instances`")
+                return
+            if member in seen:
+                problems.append(f"instance {member} is in two gang groups (or twice in one); list it once")
+            seen.add(member)
+        lm = ids[group.lm]
+        on_gpu: dict[int, list[str]] = {}
+        for sm_id in group.sms:
+            sm = ids[sm_id]
+            outside = sorted(set(sm.gpu_ids) - set(lm.gpu_ids))
+            if outside:
+                problems.append(f"gang group of {lm.id}: {sm_id} uses GPUs {outside} outside {lm.id}'s "
+                                f"{list(lm.gpu_ids)}; an SM must sit on its LM's GPUs")
+            for g in sm.gpu_ids:
+                on_gpu.setdefault(g, []).append(sm_id)
+        for g, sms in sorted(on_gpu.items()):
+            if len(sms) > 1:
+                problems.append(f"gang group of {lm.id}: GPU {g} holds {', '.join(sms)}; give each SM its own GPU")
+            _check_shared_memory(config, g, [lm, *(ids[x] for x in sms)], problems)
+    if not config.policies.slo_sizing or not config.policies.slack_chunking:
+        problems.append("gang groups need policies.slo_sizing and policies.slack_chunking on: the lease caps cut "
+                        "steps by the step model they build")
+    if not problems:
+        _check_gang_bounds(config, ids, problems)
+
+
+def _check_shared_memory(config: NodeConfig, gpu: int, members: list[InstanceConfig], problems: list[str]) -> None:
+    """Each member fits in its own share (`_check_fit`); the shares must fit the GPU together."""
+    total = sum(m.gpu_memory_utilization for m in members)
+    if total > MAX_SHARED_UTILIZATION + 1e-9:
+        mem_gb = config.gpu.memory_bytes / 1e9
+        parts = " + ".join(
+            f"{m.id} {m.gpu_memory_utilization:g} ({config.models[m.model].weight_bytes_per_gpu(m.tp) / 1e9:.1f} GB "
+            f"weights, the rest activations and KV)" for m in members
+        )
+        problems.append(
+            f"GPU {gpu} is shared by a gang group: gpu_memory_utilization {parts} = {total:.2f} of {mem_gb:.1f} GB "
+            f"exceeds {MAX_SHARED_UTILIZATION:g}; lower the members' gpu_memory_utilization (their KV split)"
+        )
+
+
+def gang_step_floor_s(config: NodeConfig, inst: InstanceConfig) -> float:
+    """The longest step floor of a gang member: its SLO-sized full decode batch alone, by its cost model."""
+    from octoserve.services.core.slo_sizing import size_for_slo
+
+    cost = config.cost_model(inst)
+    sized = size_for_slo(cost, inst.role, itl_slo_ms=config.step_itl_ms(inst), max_num_seqs=inst.max_num_seqs,
+                         max_num_batched_tokens=inst.max_num_batched_tokens)
+    table = sized.decode_step_s_by_num_decodes
+    return table[-1] if table else cost.decode_step_time_s(sized.max_num_seqs, sized.context_tokens or 1200)
+
+
+def _check_gang_bounds(config: NodeConfig, ids: Mapping[str, InstanceConfig], problems: list[str]) -> None:
+    for group in config.gang.groups:
+        lm_floor = gang_step_floor_s(config, ids[group.lm])
+        sm_floor = max(gang_step_floor_s(config, ids[x]) for x in group.sms)
+        for p in check_bounds(config.gang.policy, sm_floor, lm_floor):
+            problems.append(f"gang group of {group.lm}: {p}")

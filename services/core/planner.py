@@ -28,20 +28,29 @@ Four answers, each from the model/GPU specs and the cost model alone (no simulat
    simulator's goodput (DistServe: mean TPOT <= ITL SLO, over the arrival window, completions during the drain
    included) can exceed it on short runs and on long-tailed lengths, where most requests are shorter than the mean.
 4. Candidate placements: splits of the GPUs between the models, TP degrees that fit (at least one KV block), and
-   colocated vs disaggregated (every prefill/decode split of a model's instances) per model, as NodeConfigs.
+   colocated vs disaggregated (every prefill/decode split of a model's instances) per model, as NodeConfigs; and
+   time-shared ones (gang groups: the large model at TP=8 over SM replicas on all GPUs, and the hybrid of a
+   dedicated TP=4 prefill instance with a TP=4 decode instance time-shared with four SMs), at a few LM step
+   shares. A gang member is estimated as a colocated instance that owns its GPUs for its step share d of every
+   ITL: its steps must fit d x ITL, its prompt's chunks d x TTFT, and it serves d times that instance's rate;
+   the barrier (waiting for the slowest SM step) is not in the estimate, the simulator charges it.
 
 Invariants: pure and clock-free; every number is a function of the arguments; candidates pass `check_placement`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from bisect import bisect_right
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from octoserve.services.core.cost_model import CostModel
+from octoserve.services.core.gang import GangPolicy
 from octoserve.services.core.placement import (
+    GangConfig,
+    GangGroup,
     InstanceConfig,
     NodeConfig,
     PolicyConfig,
@@ -53,6 +62,8 @@ from octoserve.services.core.specs import GpuSpec, ModelSpec, num_kv_blocks
 from octoserve.services.core.types import Role
 
 TP_OPTIONS = (1, 2, 4, 8)
+GANG_LM_STEP_SHARES = (0.55, 0.6, 0.65)  # LM step shares of the ITL tried for time-shared candidates
+GANG_MEMORY_UTILIZATION = 0.45  # each member's share of a shared GPU (the KV split; they add up to 0.9)
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,7 +237,10 @@ def instance_capacity_rps(config: NodeConfig, inst: InstanceConfig, load: ModelL
         return decode_capacity_rps(cost, kv_tokens, load, slo.itl_ms / 1000.0, inst.max_num_seqs)
     if inst.role is Role.PREFILL:
         return prefill_capacity_rps(cost, inst.max_num_batched_tokens, load, slo.ttft_ms / 1000.0)
-    return colocated_capacity_rps(cost, kv_tokens, load, slo, inst.max_num_seqs, inst.max_num_batched_tokens)
+    duty = config.step_itl_ms(inst) / slo.itl_ms  # < 1 for a gang member: it owns its GPUs that share of the time
+    if duty < 1.0:
+        slo = SloConfig(slo.ttft_ms * duty, slo.itl_ms * duty, slo.tier_ttft_ms)
+    return duty * colocated_capacity_rps(cost, kv_tokens, load, slo, inst.max_num_seqs, inst.max_num_batched_tokens)
 
 
 def slo_bound(config: NodeConfig, mix: WorkloadMix, cache: dict | None = None) -> SloBound:
@@ -237,7 +251,8 @@ def slo_bound(config: NodeConfig, mix: WorkloadMix, cache: dict | None = None) -
         per_role: dict[Role, float] = {r: 0.0 for r in Role}
         for inst in config.instances_of(m.model):
             key = (inst.model, inst.role, inst.tp, inst.max_num_seqs, inst.max_num_batched_tokens,
-                   inst.gpu_memory_utilization, inst.block_size, m, config.gpu, config.slo.ttft_ms, config.slo.itl_ms)
+                   inst.gpu_memory_utilization, inst.block_size, m, config.gpu, config.slo.ttft_ms, config.slo.itl_ms,
+                   config.step_itl_ms(inst))
             if key not in cache:
                 cache[key] = instance_capacity_rps(config, inst, m)
             per_role[inst.role] += cache[key]
@@ -298,8 +313,7 @@ def candidate_placements(
     policies: PolicyConfig = PolicyConfig(), cost_profile: str = "default",
 ) -> list[Placement]:
     """Every split of the GPUs between two models (the larger first, TP 2/4/8; the smaller at TP 1), colocated or
-    disaggregated per model. One model alone gets all GPUs. GPUs are exclusive, so TP=8 for the large model only
-    appears when it is the only model (time-sharing the node is the scheduler's gang lease, not a placement)."""
+    disaggregated per model, plus the time-shared placements of `gang_placements`. One model alone gets all GPUs."""
     names = sorted(models, key=lambda n: -models[n].num_params)
     large = names[0]
     out = []
@@ -309,12 +323,46 @@ def candidate_placements(
             out.append(Placement(_label(large, layout), NodeConfig(gpu, num_gpus, dict(models), tuple(insts), slo, policies, cost_profile)))
         return [p for p in out if not check_placement(p.config)]
     small = names[1]
+    out += gang_placements(gpu, models, num_gpus, slo=slo, policies=policies, cost_profile=cost_profile)
     for large_gpus in range(1, num_gpus):
         for lay_l in _model_layouts(models[large], gpu, large_gpus, (2, 4, 8)):
             for lay_s in _model_layouts(models[small], gpu, num_gpus - large_gpus, (1,)):
                 insts = _instances(large, "lm", lay_l, 0) + _instances(small, "sm", lay_s, large_gpus)
                 cfg = NodeConfig(gpu, num_gpus, dict(models), tuple(insts), slo, policies, cost_profile)
                 out.append(Placement(f"{_label(large, lay_l)} | {_label(small, lay_s)}", cfg))
+    return [p for p in out if not check_placement(p.config)]
+
+
+def gang_placements(
+    gpu: GpuSpec, models: Mapping[str, ModelSpec], num_gpus: int = 8, *, slo: SloConfig = SloConfig(),
+    policies: PolicyConfig = PolicyConfig(), cost_profile: str = "default", policy: GangPolicy = GangPolicy(),
+) -> list[Placement]:
+    """Time-shared candidates of two models: the large one at TP=`num_gpus` colocated over one small replica per
+    GPU, and the hybrid (a TP=half prefill instance on the first half, a TP=half decode instance time-shared with
+    one small replica per GPU of the second half), at each of GANG_LM_STEP_SHARES. Those that fail
+    `check_placement` (memory, or bounds the floors make unprovable) are left out."""
+    large, small = sorted(models, key=lambda n: -models[n].num_params)[:2]
+    util = GANG_MEMORY_UTILIZATION
+    half = num_gpus // 2
+    shapes = []
+    full = InstanceConfig("lm-0", large, Role.COLOCATED, num_gpus, tuple(range(num_gpus)), gpu_memory_utilization=util)
+    sms = [InstanceConfig(f"sm-{g}", small, Role.COLOCATED, 1, (g,), gpu_memory_utilization=util)
+           for g in range(num_gpus)]
+    shapes.append((f"{large} TP{num_gpus} colocated gang over {small} TP1 x{num_gpus}", [full, *sms], "lm-0"))
+    if half >= 2:
+        prefill = InstanceConfig("lm-p0", large, Role.PREFILL, half, tuple(range(half)), max_num_batched_tokens=8192)
+        decode = InstanceConfig("lm-d0", large, Role.DECODE, half, tuple(range(half, num_gpus)),
+                                gpu_memory_utilization=util)
+        gang_sms = [dataclasses.replace(sm) for sm in sms[half:]]
+        shapes.append((f"{large} TP{half} 1P + TP{half} 1D gang over {small} TP1 x{half}",
+                       [prefill, decode, *gang_sms], "lm-d0"))
+    out = []
+    for label, insts, lm_id in shapes:
+        group = GangGroup(lm_id, tuple(i.id for i in insts if i.model == small))
+        for share in GANG_LM_STEP_SHARES:
+            gang = GangConfig((group,), policy, share)
+            cfg = NodeConfig(gpu, num_gpus, dict(models), tuple(insts), slo, policies, cost_profile, gang)
+            out.append(Placement(f"{label} (LM step share {share:g})", cfg))
     return [p for p in out if not check_placement(p.config)]
 
 

@@ -131,10 +131,27 @@ def format_result(result: SimResult) -> str:
             f"{s.instance_id:<19} {s.model:<14} {s.role:<10} {s.num_steps:>6} {s.busy_fraction:>6.1%} "
             f"{s.num_preemptions:>8} {s.kv_mean:>8.1%} {s.kv_max:>7.1%}"
         )
+    lines += format_gangs(result)
     lines.append(
         f"\nsimulator speed: {result.virtual_s:.1f} virtual s in {result.wall_s:.1f} wall s = {result.speed:.2f}x"
     )
     return "\n".join(lines)
+
+
+def format_gangs(result: SimResult) -> list[str]:
+    """One line per gang group: the two bounds as measured, lease switches, barrier cost, SM lease states."""
+    lines = []
+    for g in result.gangs:
+        st = g.stats
+        states = ", ".join(f"{k} {v}" for k, v in sorted(st.lease_states.items())) or "none"
+        lines.append(
+            f"\ngang {g.lm} ({g.shape}): max LM lease wait {st.max_lm_wait_s * 1e3:.1f} ms, max SM stall "
+            f"{st.max_sm_stall_s * 1e3:.1f} ms, {g.switches_per_s:.1f} lease switches/s, LM held "
+            f"{st.lm_held_s / max(g.virtual_s, 1e-9):.0%} of the run, barrier idle {st.barrier_idle_gpu_s:.2f} GPU-s, "
+            f"fills {st.num_fill_steps}, forced leases {st.num_forced_lm} / releases {st.num_forced_sm}, "
+            f"cap overruns {st.num_overruns}; SM states at lease start: {states}"
+        )
+    return lines
 
 
 def write_json(result: SimResult, path: str) -> None:

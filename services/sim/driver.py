@@ -27,11 +27,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from octoserve.services.core.batcher import Batcher
-from octoserve.services.core.instance import LoadReporter, instance_parts
+from octoserve.services.core.instance import LoadReporter, gang_duty, instance_parts
 from octoserve.services.core.placement import InstanceConfig, NodeConfig
 from octoserve.services.core.sim_executor import SimExecutor
 from octoserve.services.core.types import FinishReason, HandoffReady, RequestOutput, StepPlan, StepResult
 from octoserve.services.metrics import MIN_WARMUP_S, RequestRecord, SloSpec, Summary, Window, detect_window, summarize
+from octoserve.services.sim.gang_sim import GangReport, build_gangs
 from octoserve.services.workload import TraceRequest
 
 _ARRIVAL, _STEP_DONE, _TRANSFER_DONE, _SAMPLE = range(4)
@@ -46,7 +47,7 @@ class _Instance:
         self.batcher = Batcher(parts.batcher_config, parts.new_kv(cfg))
         self.cost = parts.cost_model
         self.executor = SimExecutor(self.cost, cfg.block_size, parts.batcher_config.eos_token_id)
-        self.reporter = LoadReporter(cfg.id, cfg.model, self.batcher, self.cost)
+        self.reporter = LoadReporter(cfg.id, cfg.model, self.batcher, self.cost, gang_duty(node, cfg))
         self.busy = False
         self.busy_s = 0.0  # modelled GPU-busy seconds so far
         self.steps = 0
@@ -111,6 +112,7 @@ class SimResult:
     timeseries: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     virtual_s: float = 0.0
     wall_s: float = 0.0
+    gangs: tuple[GangReport, ...] = ()  # one per gang group (whole run)
 
     @property
     def window(self) -> Window:
@@ -129,6 +131,8 @@ class NodeSimulator:
 
         self.config = config
         self.instances = {cfg.id: _Instance(config, cfg) for cfg in config.instances}
+        # Gang groups: members' steps start only through their group's arbiter (services/sim/gang_sim.py).
+        self.gangs = build_gangs(config, self.instances, self._start_capped_step)
         cost_models = {iid: inst.cost for iid, inst in self.instances.items()}
         self.router = router or RouterPolicy(config, cost_models, random.Random(seed))
         self.sample_interval_s = sample_interval_s
@@ -222,20 +226,28 @@ class NodeSimulator:
         self._wake(instance)
 
     def _wake(self, inst: _Instance) -> None:
-        if not inst.busy:
+        gang = self.gangs.get(inst.cfg.id)
+        if gang is not None:
+            gang.kick(self.now)
+        elif not inst.busy:
             self._start_step(inst)
 
     # ---- steps -------------------------------------------------------------------------------------------
 
     def _start_step(self, inst: _Instance) -> None:
-        plan = inst.batcher.schedule(self.now)
+        self._start_capped_step(inst, None)
+
+    def _start_capped_step(self, inst: _Instance, step_cap_s: float | None) -> float | None:
+        """Start `inst`'s next step (cut to `step_cap_s` when given); its duration, or None when it planned nothing."""
+        plan = inst.batcher.schedule(self.now, step_cap_s)
         if plan.is_empty and not inst.batcher.has_pending_outputs:
             inst.busy = False
-            return
+            return None
         result = inst.executor.execute(plan, inst.batcher)
         inst.busy = True
         inst.busy_s += result.step_time_s
         self._push(self.now + result.step_time_s, _STEP_DONE, (inst, plan, result))
+        return result.step_time_s
 
     def _on_step_done(self, payload: tuple[_Instance, StepPlan, StepResult]) -> None:
         inst, plan, result = payload
@@ -250,7 +262,12 @@ class NodeSimulator:
             self._start_transfer(inst, handoff)
         if out.kv_events:
             self.router.on_kv_events(inst.cfg.id, out.kv_events)
-        self._start_step(inst)
+        gang = self.gangs.get(inst.cfg.id)
+        if gang is None:
+            self._start_step(inst)
+        else:
+            inst.busy = False
+            gang.step_done(inst, self.now)
 
     def _on_output(self, output: RequestOutput) -> None:
         tracker = self._trackers[output.request_id]
@@ -322,7 +339,8 @@ class NodeSimulator:
         slo = SloSpec(ttft_ms=self.config.slo.ttft_ms, itl_ms=self.config.slo.itl_ms)
         virtual_s = max(self.now, last_arrival)
         stats = tuple(self._instance_stats(iid, inst, window) for iid, inst in self.instances.items())
-        return SimResult(tuple(records), summarize(records, slo, window), stats, self._series, virtual_s, wall_s)
+        gangs = tuple({id(g): g.report(virtual_s) for g in self.gangs.values()}.values())
+        return SimResult(tuple(records), summarize(records, slo, window), stats, self._series, virtual_s, wall_s, gangs)
 
     def _instance_stats(self, iid: str, inst: _Instance, window: Window) -> InstanceStats:
         # A busy sample covers the second before it: keep those lying inside the window (all overlapping ones
