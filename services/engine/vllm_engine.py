@@ -414,7 +414,9 @@ class VllmEngine:
     async def pause(self) -> None:
         """Stop stepping at an iteration boundary; requests and KV stay (gang-lease hand-over)."""
         self._require_started()
-        await self._llm.pause_generation(mode="keep", clear_cache=False)
+        # AsyncLLM.pause_generation(mode="keep", clear_cache=False) is this call plus a 20 ms sleep that only lets
+        # the last step's outputs reach their streams first; a gang lease switch would pay it every time.
+        await self._llm.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
         self._paused = True
 
     async def resume(self) -> None:

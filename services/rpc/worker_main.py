@@ -21,6 +21,7 @@ from octoserve.services.rpc.gen import worker_pb2 as w_pb
 from octoserve.services.rpc.gen import worker_pb2_grpc as w_grpc
 from octoserve.services.rpc.server import RunningService, ServiceSpec, setup_logging
 from octoserve.services.rpc.worker_base import WorkerBase
+from octoserve.services.scheduler.gang_live import attach_gang_gate
 
 WORKER_SERVICE = w_pb.DESCRIPTOR.services_by_name["Worker"].full_name
 REGISTER_TIMEOUT_S = 10.0
@@ -54,6 +55,7 @@ def worker_spec(args: argparse.Namespace, make_servicer: Callable[..., WorkerBas
 
     node_cfg = load_node_config(args.config)
     engine = make_engine(node_cfg, args.instance, engine=args.engine, time_scale=args.time_scale, model_path=args.model)
+    attach_gang_gate(engine, node_cfg, args.instance, args.scheduler, args.time_scale)  # gang members step on grants
     servicer = make_servicer(engine)
 
     async def on_serving(running: RunningService) -> None:
