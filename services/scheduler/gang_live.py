@@ -26,6 +26,7 @@ whose stream ends (worker gone) counts as idle until it reconnects, so the group
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 from collections.abc import AsyncIterator
 
@@ -63,6 +64,9 @@ class GangGate:
         self._grants: asyncio.Queue[float] = asyncio.Queue()
         self._channel: grpc.aio.Channel | None = None
         self._reader: asyncio.Task | None = None
+        self._began: float | None = None
+        # (start, end) loop times of this member's steps, as its engine ran them (timelines, tests)
+        self.steps: collections.deque[tuple[float, float]] = collections.deque(maxlen=100_000)
 
     def _send(self, event, batcher=None, **fields) -> None:
         view = _view_pb(batcher, self.itl_s) if batcher is not None else {}
@@ -105,12 +109,16 @@ class GangGate:
                 raise ConnectionError(f"gang stream of {self.instance_id} ended")
 
     def started(self, step_s: float) -> None:
+        self._began = asyncio.get_running_loop().time()
         self._send(Event.STARTED, step_s=step_s)
 
     def nothing(self, batcher) -> None:
         self._send(Event.NOTHING, batcher)
 
     def ended(self, batcher) -> None:
+        if self._began is not None:
+            self.steps.append((self._began, asyncio.get_running_loop().time()))
+            self._began = None
         self._send(Event.ENDED, batcher)
 
     async def close(self) -> None:
