@@ -138,3 +138,17 @@ def test_bench_rows_carry_the_gang_figures():
     assert 0 < gang_row.gang_max_sm_stall_ms <= gang.gang.policy.max_sm_stall_ms + 1e-6
     assert gang_row.gang_switches_per_s > 0
     assert math.isnan(static_row.gang_max_lm_wait_ms) and math.isnan(static_row.gang_switches_per_s)
+
+
+def test_plan_lists_the_best_time_shared_candidate_with_its_rank(capsys):
+    from octoserve.services.core import planner
+    from octoserve.services.sim.cli_plan import _print_ranking
+    from tests.test_planner import H100, MODELS as PLANNER_MODELS, SEED_000
+
+    ranked = planner.rank_placements(planner.candidate_placements(H100, PLANNER_MODELS, 8), SEED_000)
+    rank = next(i for i, (p, _) in enumerate(ranked) if p.config.gang is not None)
+    assert rank >= 3
+    _print_ranking(ranked, 3)
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1 + 3 + 1
+    assert lines[-1].endswith(f"{ranked[rank][0].label}  (rank {rank + 1} of {len(ranked)}: best time-shared)")

@@ -146,9 +146,14 @@ def _print_bounds(mix, roofline, current, optimistic) -> None:
 
 def _print_ranking(ranked, limit: int) -> None:
     print(f"\n{ESTIMATE} per placement (decode steps <= ITL SLO, a mean prompt's prefill <= TTFT SLO, KV fits)")
-    for placement, sb in ranked[:limit]:
+    # The best time-shared (gang) candidate is listed with its rank even when it falls below the limit.
+    first_gang = next((i for i, (p, _) in enumerate(ranked) if p.config.gang is not None), None)
+    shown = list(range(min(limit, len(ranked)))) + ([first_gang] if first_gang is not None and first_gang >= limit else [])
+    for i in shown:
+        placement, sb = ranked[i]
         caps = ", ".join(f"{k} {v:.1f}" for k, v in sb.model_capacity_rps.items())
-        print(f"  goodput ~ {sb.goodput_rps:6.1f} req/s  mix rate ~ {sb.node_rps:6.1f}  [{caps}]  {placement.label}")
+        rank = f"  (rank {i + 1} of {len(ranked)}: best time-shared)" if i >= limit else ""
+        print(f"  goodput ~ {sb.goodput_rps:6.1f} req/s  mix rate ~ {sb.node_rps:6.1f}  [{caps}]  {placement.label}{rank}")
 
 
 class _Runs:
