@@ -20,7 +20,8 @@ time, and it is what the live node spends that the simulator does not.
 
 Invariants: a gang member's engine starts no step without a grant (the gate is attached before the engine starts
 and the stream is opened on its first boundary); a grant is answered by exactly one STARTED or NOTHING; a member
-whose stream ends (worker gone) counts as idle until it reconnects, so the group never waits on it.
+whose stream ends (worker gone) counts as idle until it reconnects, so the group never waits on it; a worker whose
+stream breaks (scheduler restarting) waits for no grant it cannot get: it rejoins and asks again.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from octoserve.services.scheduler.gang_driver import GangDriver
 log = logging.getLogger("octoserve.scheduler.gang")
 
 Event = s_pb.GangReport.Event
+REJOIN_S = 0.2  # pause before a member reopens a broken stream (the scheduler restarting)
 
 
 def _view_pb(batcher, itl_s: float) -> dict:
@@ -104,9 +106,11 @@ class GangGate:
             if grant in done:
                 return grant.result()
             grant.cancel()
-            if self._reader in done:
-                self._reader.result()  # the stream broke: the engine's loop fails loudly rather than step ungated
-                raise ConnectionError(f"gang stream of {self.instance_id} ended")
+            if self._reader in done:  # the scheduler went away: rejoin (its restart), never step ungated
+                log.warning("gang stream ended; rejoining", extra={"fields": {"instance": self.instance_id}})
+                await self.close()
+                await asyncio.sleep(REJOIN_S)
+                await self.open(batcher)
 
     def started(self, step_s: float) -> None:
         self._began = asyncio.get_running_loop().time()
@@ -124,8 +128,12 @@ class GangGate:
     async def close(self) -> None:
         if self._reader is not None:
             self._reader.cancel()
+            self._reader = None
         if self._channel is not None:
             await self._channel.close()
+            self._channel = None
+        self._out = asyncio.Queue()  # a new stream starts with its own HELLO
+        self._grants = asyncio.Queue()
 
 
 def attach_gang_gate(engine, node_cfg: NodeConfig, instance_id: str, scheduler: str, time_scale: float) -> None:
@@ -218,9 +226,14 @@ class LiveGroup:
             for m in self.members.values():
                 m.on_change = self.driver.wake
             self._task = asyncio.create_task(self.driver.run(), name=f"gang-{self.group.lm}")
+            self._task.add_done_callback(self._driver_done)
             log.info("gang group running", extra={"fields": {"lm": self.group.lm, "time_scale": self.time_scale}})
         elif self.driver is not None:
             self.driver.wake()
+
+    def _driver_done(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("gang driver failed", exc_info=task.exception(), extra={"fields": {"lm": self.group.lm}})
 
     async def close(self) -> None:
         if self._task is not None:
