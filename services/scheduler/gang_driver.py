@@ -8,8 +8,10 @@ it ended. The same loop drives
   services/scheduler/lease_members.py);
 - remote sim-engine workers that step when granted, one iteration per grant (services/scheduler/gang_live.py).
 
-Clock: the arbiter sees virtual seconds, `loop.time() / time_scale` (K-dilated sim engines run K times slower
-than modelled; the vLLM engines run with K = 1).
+Clock: the arbiter sees virtual seconds since the driver was built, `(loop.time() - start) / time_scale`
+(K-dilated sim engines run K times slower than modelled; the vLLM engines run with K = 1), so its held-time
+accounting starts at zero as in the simulator. Members report deadlines on the absolute scale, `loop.time() / K`
+(the sim engine's batcher clock); the driver shifts them onto its own.
 
 Control-loop latency, measured per decision: from the moment a member's step ended (its `wait_end` returned) to
 the moment the next step the arbiter then started was running (its `start` returned). It is real time that the
@@ -78,9 +80,10 @@ class GangDriver:
         self._running: dict[str, asyncio.Task] = {}  # member id -> its wait_end task
         self._blocked: set[str] = set()
         self._ended_at: float | None = None  # loop time of the step end that led to the pending decision
+        self._origin_s = asyncio.get_running_loop().time() / time_scale
 
     def now(self) -> float:
-        return asyncio.get_running_loop().time() / self.time_scale
+        return asyncio.get_running_loop().time() / self.time_scale - self._origin_s
 
     def wake(self) -> None:
         """Work arrived or changed somewhere in the group: decide again."""
@@ -89,9 +92,8 @@ class GangDriver:
 
     def _view(self, member: GangMember) -> MemberView:
         v = member.view()
-        if member.member_id in self._blocked:
-            return MemberView(v.member_id, False, v.min_step_s, v.deadline_s)
-        return v
+        deadline_s = None if v.deadline_s is None else v.deadline_s - self._origin_s
+        return MemberView(v.member_id, v.has_work and member.member_id not in self._blocked, v.min_step_s, deadline_s)
 
     async def run(self) -> None:
         """The loop, until cancelled; a cancelled driver lets running steps end and reports them."""
@@ -147,6 +149,6 @@ class GangDriver:
             if task.done():
                 del self._running[member_id]
                 ended_at = task.result()  # a member that failed its step stops the driver loudly
-                self.arbiter.finished(member_id, ended_at / self.time_scale)
+                self.arbiter.finished(member_id, ended_at / self.time_scale - self._origin_s)
                 self._blocked.discard(member_id)
                 self._ended_at = ended_at if self._ended_at is None else min(self._ended_at, ended_at)
