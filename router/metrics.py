@@ -1,7 +1,9 @@
 """The router's Prometheus metrics: TTFT, ITL, E2E, in-flight, refusals and outcomes by model.
 
-Times are wall-clock seconds as the router sees them (modelled time x time_scale under the sim engine); divide by
-the time scale to compare with SLOs. Label children are resolved once per model, so the per-message cost is a
+Times are seconds on the modelled clock: the router's wall-clock measurement divided by its --time-scale (so at
+time scale 1 they are wall seconds, and under a dilated sim node they compare directly with the SLOs). The `model`
+label takes only the served models' names; any other name a client sends is counted under `unserved`, so a
+client cannot create series. Label children are resolved once per model, so the per-message cost is a
 dict lookup and an observe. ITL is observed on every streamed message (the router's hot path), so it is kept in a
 `WeightedHistogram`: O(1) per message whatever its token count, no lock, exported in Prometheus histogram form at
 scrape time (scripts/bench_router.py measured prometheus_client's observe-per-token at ~5 % of the router's
@@ -62,37 +64,58 @@ class WeightedHistogram:
         return [HistogramMetricFamily(self.name, self.documentation, labels=[self.label_name])]
 
 
+UNSERVED_LABEL = "unserved"
+_MODELLED = "seconds on the modelled clock (wall seconds / --time-scale)"
+
+
 class RouterMetrics:
-    def __init__(self) -> None:
+    """`served_models`: the label values allowed for `model` (None: any, for tests of one model); `time_scale`:
+    the router's --time-scale, by which wall-clock latencies are divided."""
+
+    def __init__(self, served_models=None, time_scale: float = 1.0) -> None:
+        if time_scale <= 0:
+            raise ValueError(f"time_scale must be > 0, got {time_scale}")
+        self.served = None if served_models is None else frozenset(served_models)
+        self.time_scale = time_scale
         r = self.registry = prom.CollectorRegistry()
-        self._ttft = prom.Histogram("octoserve_router_ttft_seconds", "time to first token", ["model"],
+        self._ttft = prom.Histogram("octoserve_router_ttft_seconds", f"time to first token, {_MODELLED}", ["model"],
                                     buckets=LATENCY_BUCKETS_S, registry=r)
-        self._itl = WeightedHistogram("octoserve_router_itl_seconds", "inter-token latency (a k-token message counts "
-                                      "k gaps of gap/k)", "model", LATENCY_BUCKETS_S, r)
-        self._e2e = prom.Histogram("octoserve_router_e2e_seconds", "request latency", ["model"],
-                                   buckets=LATENCY_BUCKETS_S, registry=r)
-        self._outcomes = prom.Counter("octoserve_router_requests", "finished requests by outcome",
-                                      ["model", "outcome"], registry=r)
-        self._refusals = prom.Counter("octoserve_router_refusals", "requests refused before dispatch",
-                                      ["model", "error"], registry=r)
-        self.in_flight = prom.Gauge("octoserve_router_in_flight_requests", "requests being served", registry=r)
-        self.cutoffs = prom.Counter("octoserve_router_client_cutoffs", "streams cut off for not reading", registry=r)
+        self._itl = WeightedHistogram("octoserve_router_itl_seconds", f"inter-token latency, {_MODELLED} (a k-token "
+                                      "message counts k gaps of gap/k)", "model", LATENCY_BUCKETS_S, r)
+        self._e2e = prom.Histogram("octoserve_router_e2e_seconds", f"request latency, arrival to last token, "
+                                   f"{_MODELLED}", ["model"], buckets=LATENCY_BUCKETS_S, registry=r)
+        self._outcomes = prom.Counter("octoserve_router_requests", "finished requests by outcome (ok, cancelled or "
+                                      "the gRPC status), count", ["model", "outcome"], registry=r)
+        self._refusals = prom.Counter("octoserve_router_refusals", "requests refused before dispatch, by error "
+                                      "type, count", ["model", "error"], registry=r)
+        self.in_flight = prom.Gauge("octoserve_router_in_flight_requests", "requests being served, count",
+                                    registry=r)
+        self.cutoffs = prom.Counter("octoserve_router_client_cutoffs", "streams cut off for not reading, count",
+                                    registry=r)
         self._children: dict[str, tuple] = {}
+
+    def label(self, model: str) -> str:
+        """The `model` label value: the name itself when served, else `unserved` (bounded cardinality)."""
+        return model if self.served is None or model in self.served else UNSERVED_LABEL
 
     def _for(self, model: str) -> tuple:
         c = self._children.get(model)
         if c is None:
-            c = self._children[model] = (self._ttft.labels(model), self._itl.series(model), self._e2e.labels(model))
+            name = self.label(model)
+            c = (self._ttft.labels(name), self._itl.series(name), self._e2e.labels(name))
+            if name != UNSERVED_LABEL:  # unserved names are not cached either: the dict stays bounded too
+                self._children[model] = c
         return c
 
     def ttft(self, model: str, seconds: float) -> None:
-        self._for(model)[0].observe(seconds)
+        """`seconds`: wall clock, as measured."""
+        self._for(model)[0].observe(seconds / self.time_scale)
 
     def itl(self, model: str, gap_s: float, num_tokens: int) -> None:
-        self._itl.observe(self._for(model)[1], gap_s, num_tokens)
+        self._itl.observe(self._for(model)[1], gap_s / self.time_scale, num_tokens)
 
     def refused(self, model: str, error: OctoserveError) -> None:
-        self._refusals.labels(model, type(error).__name__).inc()
+        self._refusals.labels(self.label(model), type(error).__name__).inc()
 
     def finished(self, st) -> None:
         self.in_flight.dec()
@@ -102,6 +125,6 @@ class RouterMetrics:
             outcome = "ok"
         else:
             outcome = "cancelled"
-        self._outcomes.labels(st.spec.model, outcome).inc()
+        self._outcomes.labels(self.label(st.spec.model), outcome).inc()
         if outcome == "ok":
-            self._for(st.spec.model)[2].observe(time.monotonic() - st.wall_start_s)
+            self._for(st.spec.model)[2].observe((time.monotonic() - st.wall_start_s) / self.time_scale)

@@ -123,6 +123,7 @@ class DirectWorker:
         await asyncio.wait_for(self.done[rid].wait(), 30.0)
         del self.done[rid]
         if os.environ.get("TTFT_LAYERS_STAGE_LOG"):  # client-side stamps, to line up with a worker-side probe
+            os.makedirs(os.path.dirname(os.path.abspath(os.environ["TTFT_LAYERS_STAGE_LOG"])), exist_ok=True)
             with open(os.environ["TTFT_LAYERS_STAGE_LOG"], "a") as f:
                 f.write(f"{rid} send {t0:.6f}\n{rid} client_first {self.first[rid]:.6f}\n")
         return self.first.pop(rid) - t0

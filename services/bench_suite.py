@@ -922,6 +922,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plots", default="docs/bench", help="directory for the PNGs and results.json")
     parser.add_argument("--pickle", help="also save the raw results here (to re-render the report)")
     parser.add_argument("--render", help="re-render the report from a --pickle file instead of simulating")
+    from octoserve.services.user_suite import add_user_workload_arguments
+
+    add_user_workload_arguments(parser)  # --workload / --trace: the comparison on the user's workload instead
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
@@ -948,6 +951,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"unknown cost profiles {bad}; choose from: {', '.join(COST_PROFILES)}", file=sys.stderr)
         return 2
     log = functools.partial(print, file=sys.stderr, flush=True)
+    from octoserve.services.user_suite import run_user_workload, wants_user_workload
+
+    if wants_user_workload(args):
+        return run_user_workload(args, settings.policies, settings.cost_profiles, args.duration, args.warmup,
+                                 settings.drain_s, settings.seed)
     if args.render:
         import pickle
 

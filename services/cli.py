@@ -1,6 +1,7 @@
 """The `octoserve` command: one subcommand per module, imported only when it runs.
 
-Each subcommand module exposes `add_arguments(parser)` and `run(args) -> int`.
+Each subcommand module exposes `add_arguments(parser)` and `run(args) -> int`. Bad input (`services/usage.py`:
+a config or workload error, a missing file) prints its message alone and exits 2; `--debug` adds the traceback.
 """
 
 from __future__ import annotations
@@ -25,11 +26,15 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="octoserve", description=__doc__.splitlines()[0])
+    parser.add_argument("--debug", action="store_true", help="show the Python traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    chosen = next((a for a in sys.argv[1:] if not a.startswith("-")), None)
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.set_defaults(_module=module_name)
-        if name in sys.argv[1:2]:  # only the chosen subcommand's module is imported
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                       help="show the Python traceback of an error")
+        if name == chosen:  # only the chosen subcommand's module is imported
             importlib.import_module(module_name).add_arguments(p)
     return parser
 
@@ -38,7 +43,12 @@ def main(argv: list[str] | None = None) -> int:
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
     args = build_parser().parse_args()
-    return int(importlib.import_module(args._module).run(args) or 0)
+    from octoserve.services.usage import BAD_INPUT, report
+
+    try:
+        return int(importlib.import_module(args._module).run(args) or 0)
+    except BAD_INPUT as error:  # input the user can fix: the message alone, exit 2 (traceback with --debug)
+        return report(args.command, error, args.debug)
 
 
 if __name__ == "__main__":

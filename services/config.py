@@ -8,6 +8,7 @@ one `PlacementError` listing every problem; a file that is not a YAML mapping ra
 
 from __future__ import annotations
 
+import io
 from importlib import resources
 from pathlib import Path
 
@@ -29,10 +30,17 @@ def load_node_config(path: str | Path | None = None) -> NodeConfig:
 
 
 def node_config_from_text(text: str, source: str = "<text>") -> NodeConfig:
+    return node_config_from_dict(parse_yaml_mapping(text, source))
+
+
+def parse_yaml_mapping(text: str, source: str) -> dict:
+    """The YAML mapping in `text`; a `PlacementError` naming `source` (the file) and the line when it is not one."""
+    stream = io.StringIO(text)
+    stream.name = source  # PyYAML names the stream in its messages: the file, not "<unicode string>"
     try:
-        data = yaml.safe_load(text)
+        data = yaml.safe_load(stream)
     except yaml.YAMLError as e:
         raise PlacementError([f"{source} is not valid YAML: {e}"]) from None
     if not isinstance(data, dict):
         raise PlacementError([f"{source} must hold a YAML mapping with gpu, models, instances, slo, policies"])
-    return node_config_from_dict(data)
+    return data

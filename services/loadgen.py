@@ -41,7 +41,8 @@ from octoserve.services.metrics import (
     summarize,
     summary_to_dict,
 )
-from octoserve.services.workload import PROFILES, TraceRequest, WorkloadProfile, generate_trace, scaled
+from octoserve.services.workload import TraceRequest, WorkloadProfile, generate_trace
+from octoserve.services.workload_io import add_workload_arguments, profile_from_args
 
 # The workload's true output length, for the sim engine (the public API has no field for it: a real model
 # decides by itself when to stop). The router copies it into RequestSpec.sim_output_len.
@@ -103,7 +104,8 @@ async def _send(client: AsyncClient, req: TraceRequest, t0: float, options: Benc
     """Run one request and put its record at `out[index]`, also when the drain timeout cancels it."""
     stream = _Stream(time.monotonic() - t0, len(req.prompt_token_ids))
     try:
-        async for chunk in client.generate(req.model, req.prompt_token_ids, **_request_kwargs(req, options)):
+        prompt = req.prompt_text if req.prompt_text is not None else req.prompt_token_ids  # text: the node tokenizes
+        async for chunk in client.generate(req.model, prompt, **_request_kwargs(req, options)):
             now_s = time.monotonic() - t0
             stream.token_times_s.extend([now_s] * len(chunk.token_ids))
             if chunk.usage is not None:
@@ -203,7 +205,7 @@ async def _dispatch(clients, trace, options: BenchOptions, records: list, progre
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", required=True, help="router address, e.g. 127.0.0.1:50051")
-    parser.add_argument("--profile", default="seed-000", choices=sorted(PROFILES))
+    add_workload_arguments(parser)
     parser.add_argument("--rate", type=float, default=None, help="modelled req/s (default: the profile's)")
     parser.add_argument("--duration", type=float, default=None, help="modelled seconds of arrivals")
     parser.add_argument("--burstiness", type=float, default=None, help="gamma shape: <1 burstier than Poisson")
@@ -211,7 +213,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="real seconds per modelled second; use the node's --time-scale")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-requests", type=int, default=None, help="send at most the trace's first N")
-    parser.add_argument("--drain-timeout", type=float, default=30.0, help="real seconds after the last send")
+    parser.add_argument("--drain-timeout", type=float, default=30.0,
+                        help="modelled seconds to wait for streams after the last send (default 30; the real wait "
+                             "is this x --time-scale, so a dilated node gets the same modelled time to finish)")
     parser.add_argument("--warmup", type=_parse_duration_s, default=None,
                         help="modelled warm-up to leave out of every metric, e.g. 10s "
                              "(default: detected on the harness's in-flight count, MSER-5, >= 5 s)")
@@ -224,11 +228,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true")
 
 
-def build_trace(args: argparse.Namespace) -> tuple[list[TraceRequest], WorkloadProfile]:
-    """The trace `octoserve simulate` would replay for the same arguments, cut to `--max-requests`."""
-    profile = scaled(PROFILES[args.profile], rate_rps=args.rate, duration_s=args.duration,
-                     burstiness=args.burstiness)
-    trace = generate_trace(profile, args.seed)
+def build_trace(args: argparse.Namespace, served: Sequence[str] | None = None,
+                ) -> tuple[list[TraceRequest], WorkloadProfile]:
+    """The trace `octoserve simulate` would replay for the same arguments, cut to `--max-requests`; with
+    `served` (the target's models), a workload asking for another model is refused before the run."""
+    profile, trace = profile_from_args(args, served=served)
+    if trace is None:
+        trace = generate_trace(profile, args.seed)
     if args.max_requests is not None:
         trace = trace[: args.max_requests]
     return trace, profile
@@ -246,18 +252,37 @@ def measurement_window_s(trace: Sequence[TraceRequest]) -> float:
     return max(trace[-1].arrival_s if trace else 0.0, 1e-9)
 
 
-def run(args: argparse.Namespace) -> int:
-    trace, profile = build_trace(args)
-    options = BenchOptions(
-        time_scale=args.time_scale, drain_timeout_s=args.drain_timeout, num_channels=args.channels,
+def served_models(target: str, timeout_s: float = 10.0) -> list[str]:
+    """The models the router at `target` serves (ListModels); a UsageError when nothing answers there."""
+    from octoserve.client import Client
+    from octoserve.services.usage import UsageError
+
+    with Client(target) as client:
+        try:
+            return [m.name for m in client.list_models(timeout_s=timeout_s)]
+        except OctoserveClientError as e:
+            raise UsageError(f"--target {target}: no router answered ListModels ({e.code.name}: {e.message}); "
+                             "start one with `octoserve up`") from None
+
+
+def bench_options(args: argparse.Namespace) -> BenchOptions:
+    """The harness options of the command line; the drain timeout is given in modelled seconds, so it is dilated
+    by --time-scale like every other modelled duration."""
+    return BenchOptions(
+        time_scale=args.time_scale, drain_timeout_s=args.drain_timeout * args.time_scale, num_channels=args.channels,
         retry=RetryPolicy() if args.retry else None, request_timeout_s=args.request_timeout,
         output_len_mode=args.output_len_mode,
     )
+
+
+def run(args: argparse.Namespace) -> int:
+    trace, profile = build_trace(args, served_models(args.target))
+    options = bench_options(args)
     progress = None
     if not args.no_progress:
         from octoserve.services.progress import Progress
 
-        progress = Progress(len(trace), f"bench {args.profile}")
+        progress = Progress(len(trace), f"bench {profile.name}")
     bench = _run_loop(run_bench_series(args.target, trace, time_scale=args.time_scale, options=options,
                                        progress=progress))
     records = bench.records
@@ -266,11 +291,40 @@ def run(args: argparse.Namespace) -> int:
     window = detect_window(bench.occupancy, measurement_window_s(trace), warmup_s=args.warmup)
     summary = summarize(records, profile.slo, window)
     print(format_summary(summary))
+    print(format_error_causes(records, window))
     if options.output_len_mode == "hint" and (overrun := count_ignored_hints(trace, records)):
         print(f"warning: {overrun} requests generated more tokens than their {SIM_OUTPUT_LEN_KEY} hint: the node "
               "ignores it, so outputs run to max_tokens; use --output-len-mode max-tokens", file=sys.stderr)
     _write_outputs(args, records, summary, profile, bench.occupancy)
     return 0
+
+
+def error_causes(records: Sequence[RequestRecord], window=None) -> dict[str, int]:
+    """Failed requests (admitted, then an error) by cause: the status or DRAIN_TIMEOUT before the message, most
+    frequent first; with `window`, only the requests it measures (the summary's `errors`)."""
+    counts: dict[str, int] = {}
+    for r in records:
+        if r.error and not r.refused and (window is None or window.contains(r)):
+            cause = r.error.partition(":")[0]
+            counts[cause] = counts.get(cause, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+ERROR_CAUSE_HINTS = {
+    "DRAIN_TIMEOUT": "still streaming when the drain timeout expired: raise --drain-timeout (modelled seconds)",
+    "DEADLINE_EXCEEDED": "the per-request --request-timeout or the node's deadline passed",
+    "UNAVAILABLE": "the router or a worker went away",
+}
+
+
+def format_error_causes(records: Sequence[RequestRecord], window=None) -> str:
+    """One line under the summary table: the `errors` figure broken down by cause, with what each means."""
+    causes = error_causes(records, window)
+    if not causes:
+        return "errors by cause: none"
+    parts = [f"{cause} {n}" + (f" ({ERROR_CAUSE_HINTS[cause]})" if cause in ERROR_CAUSE_HINTS else "")
+             for cause, n in causes.items()]
+    return "errors by cause: " + "; ".join(parts)
 
 
 def count_ignored_hints(trace: Sequence[TraceRequest], records: Sequence[RequestRecord]) -> int:
@@ -288,7 +342,7 @@ def _run_loop(coro):
 
 def _write_outputs(args: argparse.Namespace, records, summary, profile, occupancy=()) -> None:
     if args.json is not None:
-        doc = {"target": args.target, "profile": args.profile, "seed": args.seed, "time_scale": args.time_scale,
+        doc = {"target": args.target, "profile": profile.name, "seed": args.seed, "time_scale": args.time_scale,
                "num_requests": len(records), "summary": summary_to_dict(summary), "occupancy": list(occupancy),
                "records": [dataclasses.asdict(r) for r in records]}
         args.json.write_text(json.dumps(doc, default=str))

@@ -256,6 +256,7 @@ class TraceRequest:
     priority: Priority
     ttft_slo_ms: float  # the effective TTFT SLO (tier override or the profile's)
     prefix_group: int = -1  # -1: no shared prefix
+    prompt_text: str | None = None  # a user trace's text prompt: `bench` sends it as text (ids: one per byte)
 
     def to_request_spec(self, arrival_s: float | None = None) -> RequestSpec:
         """The engine-facing request; `arrival_s` replaces the trace offset with the caller's clock."""

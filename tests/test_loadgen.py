@@ -56,6 +56,10 @@ class TokenServer(pb_grpc.GenerationServicer):
     cancelled: list = field(default_factory=list)
     any_cancelled: asyncio.Event = field(default_factory=asyncio.Event)
 
+    async def ListModels(self, request, context):  # `octoserve bench` checks the workload's models first
+        return pb.ListModelsResponse(models=[pb.Model(name=name, state=pb.READY, num_instances=1)
+                                             for name in ("llama-3-8b", "llama-3-70b")])
+
     async def Generate(self, request, context):
         metadata = dict(context.invocation_metadata())
         self.requests.append((request, metadata, context.peer()))
@@ -257,3 +261,40 @@ def test_ignored_sim_length_hints_are_counted():
     trace = HAND_TRACE[:3]
     records = [trace[0].record(num_output_tokens=5), trace[1].record(num_output_tokens=12), trace[2].record()]
     assert count_ignored_hints(trace, records) == 1
+
+
+def test_drain_timeout_is_modelled_seconds_dilated_by_the_time_scale():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    from octoserve.services.loadgen import bench_options
+
+    args = parser.parse_args(["--target", "x:1", "--time-scale", "4"])
+    assert bench_options(args).drain_timeout_s == 120.0  # the default 30 modelled s x 4
+    args = parser.parse_args(["--target", "x:1", "--time-scale", "2", "--drain-timeout", "5"])
+    assert bench_options(args).drain_timeout_s == 10.0
+
+
+async def test_bench_table_breaks_errors_down_by_cause(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    trace = generate_trace(scaled(PROFILES["seed-000"], rate_rps=300.0, duration_s=1.0), 2)[:40]
+    hung = trace[0].request_id if trace[0].model == "llama-3-8b" else next(
+        t.request_id for t in trace if t.model == "llama-3-8b")
+    server = TokenServer(broken_model="llama-3-70b", hang_ids=frozenset({hung}))
+    async with serve(server) as target:
+        args = parser.parse_args([
+            "--target", target, "--profile", "seed-000", "--rate", "300", "--duration", "1", "--seed", "2",
+            "--max-requests", "40", "--drain-timeout", "0.5", "--no-progress", "--warmup", "0s",
+            "--json", str(tmp_path / "s.json"),
+        ])
+        assert await asyncio.to_thread(run, args) == 0
+    out = capsys.readouterr().out
+    n_broken = sum(t.model == "llama-3-70b" for t in trace)
+    assert n_broken > 0
+    expected = sorted([("INTERNAL", n_broken), ("DRAIN_TIMEOUT", 1)], key=lambda kv: (-kv[1], kv[0]))
+    line = next(x for x in out.splitlines() if x.startswith("errors by cause: "))
+    hint = " (still streaming when the drain timeout expired: raise --drain-timeout (modelled seconds))"
+    assert line == "errors by cause: " + "; ".join(
+        f"{c} {n}" + (hint if c == "DRAIN_TIMEOUT" else "") for c, n in expected)
+    doc = json.loads((tmp_path / "s.json").read_text())
+    assert doc["summary"]["overall"]["num_errors"] == n_broken + 1

@@ -1,8 +1,8 @@
 """Stage timestamps inside the decode_worker process, for scripts/ttft_layers.py (put this folder first on PYTHONPATH).
 
-  TTFT_LAYERS_STAGE_LOG=/tmp/stagelog/client.txt PYTHONPATH=scripts/ttft_layers_probe \\
+  TTFT_LAYERS_STAGE_LOG=bench-out/stagelog/client.txt PYTHONPATH=scripts/ttft_layers_probe \\
       .venv/bin/python scripts/ttft_layers.py --phase node --n 24
-Writes /tmp/stagelog/worker.txt (request_id stage monotonic_s): Generate received, engine call, first engine output,
+Writes worker.txt next to that client log (request_id stage monotonic_s): Generate received, engine call, first engine output,
 Session flush, Attach yield. A diagnostic patch, never loaded by octoserve itself.
 """
 import time
@@ -11,7 +11,9 @@ try:
 except OSError:
     _cmd = []
 if any(c.endswith(b"decode_worker") for c in _cmd):
-    _f = __import__("os").makedirs("/tmp/stagelog", exist_ok=True) or open("/tmp/stagelog/worker.txt", "a", buffering=1)
+    import os as _os
+    _dir = _os.path.dirname(_os.path.abspath(_os.environ.get("TTFT_LAYERS_STAGE_LOG", "bench-out/stagelog/client.txt")))
+    _f = _os.makedirs(_dir, exist_ok=True) or open(_os.path.join(_dir, "worker.txt"), "a", buffering=1)
     import octoserve.decode_worker.servicer as ds
     import octoserve.services.engine.vllm_engine as ve
     _gen = ds.DecodeWorkerServicer.Generate

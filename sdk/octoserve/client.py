@@ -59,7 +59,17 @@ class OctoserveClientError(Exception):
 
 
 class InvalidArgumentError(OctoserveClientError):
-    """The request is malformed or out of range; the message names the field to change."""
+    """The request is malformed or out of range; the message names the field to change. `field` names it too
+    when the SDK found the problem before sending (empty when the server did)."""
+
+    def __init__(self, message: str, *, field: str = "", **kwargs) -> None:
+        super().__init__(message, **kwargs)
+        self.field = field
+
+
+def _invalid(field: str, message: str) -> InvalidArgumentError:
+    """An argument the wire cannot carry, caught before sending (attempts=0: nothing was sent)."""
+    return InvalidArgumentError(f"{field}: {message}", field=field, code=grpc.StatusCode.INVALID_ARGUMENT, attempts=0)
 
 
 class ModelNotFoundError(OctoserveClientError):
@@ -288,12 +298,34 @@ def chunk_from_response(response: pb.GenerateResponse, request_id: str) -> Chunk
     )
 
 
+UINT32_MAX = 2**32 - 1
+UINT64_MAX = 2**64 - 1
+_TIERS = ", ".join(p.name for p in Priority)
+
+
 def _priority_to_proto(priority: Priority | str | None) -> int:
     if priority is None:
         return pb.PRIORITY_UNSPECIFIED
-    if isinstance(priority, str):
-        priority = Priority[priority.upper()]
-    return pb.Priority.Value(Priority(priority).name)
+    if isinstance(priority, Priority):
+        return pb.Priority.Value(priority.name)
+    if isinstance(priority, str) and priority.upper() in Priority.__members__:
+        return pb.Priority.Value(priority.upper())
+    if isinstance(priority, int) and not isinstance(priority, bool) and priority in set(Priority):
+        return pb.Priority.Value(Priority(priority).name)
+    raise _invalid("priority", f"{priority!r} is not a tier; use one of {_TIERS} (a name, a Priority, or 0-2), "
+                               "or None for the server's default")
+
+
+def _check_int(field: str, value, lo: int, hi: int, hint: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _invalid(field, f"{value!r} is not an integer; use an integer from {lo} to {hi}{hint}")
+    if not lo <= value <= hi:
+        raise _invalid(field, f"{value} is out of range; use an integer from {lo} to {hi}{hint}")
+
+
+def _check_number(field: str, value, valid: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _invalid(field, f"{value!r} is not a number; use {valid}")
 
 
 def build_request(
@@ -310,17 +342,35 @@ def build_request(
     ttft_slo_ms: int | None = None,
     request_id: str = "",
 ) -> pb.GenerateRequest:
-    """The wire request. Range checks are the server's (one place, one message); only types are checked here."""
+    """The wire request. Raises `InvalidArgumentError` naming the field for what the wire cannot carry (a negative
+    or too large integer, a wrong type, an unknown tier); limits that depend on the model (its context window,
+    vocabulary) are the server's to check, with the same error type."""
+    if not isinstance(model, str):
+        raise _invalid("model", f"{model!r} is not a string; use a served model's name (see list_models())")
+    _check_int("max_tokens", max_tokens, 1, UINT32_MAX)
+    _check_number("temperature", temperature, "0 (greedy) or a positive number")
+    _check_number("top_p", top_p, "a number in (0, 1]")
+    if seed is not None:
+        _check_int("seed", seed, 0, UINT64_MAX, ", or None for a random seed")
+    if ttft_slo_ms is not None:
+        _check_int("ttft_slo_ms", ttft_slo_ms, 1, UINT32_MAX, " milliseconds, or None for the model's default")
+    if isinstance(stop, str) or any(not isinstance(s, str) for s in stop):
+        raise _invalid("stop", f"{stop!r} is not a sequence of strings; use e.g. stop=['\\n\\n']")
     request = pb.GenerateRequest(
         model=model, max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=list(stop),
-        ignore_eos=ignore_eos, priority=_priority_to_proto(priority), ttft_slo_ms=ttft_slo_ms or 0,
+        ignore_eos=bool(ignore_eos), priority=_priority_to_proto(priority), ttft_slo_ms=ttft_slo_ms or 0,
         request_id=request_id,
     )
     if isinstance(prompt, str):
         request.text = prompt
-    elif isinstance(prompt, (bytes, bytearray)):
-        raise TypeError("prompt must be a str or a sequence of token ids, not bytes")
+    elif isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, Sequence):
+        raise _invalid("prompt", f"a {type(prompt).__name__} is not a prompt; use a str or a sequence of token ids")
     else:
+        for position, token_id in enumerate(prompt):
+            if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id <= UINT32_MAX:
+                raise _invalid("prompt", f"token id {token_id!r} at position {position} is not a token id; use "
+                                         f"integers from 0 to {UINT32_MAX} (the model's vocabulary is checked "
+                                         "by the server)")
         request.token_ids.SetInParent()  # an empty list still selects token_ids, so the server names the problem
         request.token_ids.ids.extend(prompt)
     if seed is not None:

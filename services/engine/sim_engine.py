@@ -11,6 +11,11 @@ is cut to its cap; the gate hears when the step started and ended.
 Invariants: one step loop task per engine; every batcher call happens on that loop (no locks needed); a caller that
 stops iterating `generate` or `decode` (cancellation) aborts its request, freeing its KV; `pause()` returns only at an
 iteration boundary, after which no step runs until `resume()`.
+
+No tokenizer: the engine sees token ids only. The router turns a text prompt into one id per UTF-8 byte
+(`rpc.convert.text_to_token_ids`), so a text prompt counts one token per byte, and outputs are token ids with no
+text (the response's `text` is empty). The output length is the request's `sim_output_len` when a harness sends it
+(`x-octoserve-sim-output-len`), else it runs to max_tokens.
 """
 
 from __future__ import annotations

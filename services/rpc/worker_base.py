@@ -41,20 +41,20 @@ class WorkerMetrics:
     def __init__(self, instance_id: str) -> None:
         self.registry = prom.CollectorRegistry()
         self.instance_id = instance_id
-        self.num_running = self._gauge("running_requests", "requests in the running batch")
-        self.num_waiting = self._gauge("waiting_requests", "requests queued (waiting or swapped out)")
-        self.free_blocks = self._gauge("kv_free_blocks", "free KV blocks (cached-evictable included)")
-        self.kv_usage = self._gauge("kv_usage_ratio", "used / total KV blocks")
-        self.queued_prefill = self._gauge("queued_prefill_tokens", "prompt tokens admitted, not yet computed")
-        self.preemptions = self._gauge("preemptions", "preemptions so far (engine counter, when it has one)")
-        self.requests = prom.Counter("octoserve_worker_requests", "requests by outcome", ["instance", "outcome"],
+        self.num_running = self._gauge("running_requests", "requests in the running batch, count")
+        self.num_waiting = self._gauge("waiting_requests", "requests queued (waiting or swapped out), count")
+        self.free_blocks = self._gauge("kv_free_blocks", "free KV blocks (cached-evictable included), blocks")
+        self.kv_usage = self._gauge("kv_usage_ratio", "used / total KV blocks, ratio 0-1")
+        self.queued_prefill = self._gauge("queued_prefill_tokens", "prompt tokens admitted, not yet computed, tokens")
+        self.preemptions = self._gauge("preemptions", "preemptions so far (engine counter, when it has one), count")
+        self.requests = prom.Counter("octoserve_worker_requests", "requests by outcome, count", ["instance", "outcome"],
                                      registry=self.registry)
-        self.tokens = prom.Counter("octoserve_worker_output_tokens", "tokens streamed", ["instance"],
+        self.tokens = prom.Counter("octoserve_worker_output_tokens", "tokens streamed, tokens", ["instance"],
                                    registry=self.registry).labels(instance_id)
-        self.step_batch = self._histogram("step_batch_requests", "requests per streamed step batch",
+        self.step_batch = self._histogram("step_batch_requests", "requests per streamed step batch, count",
                                           (1, 2, 4, 8, 16, 32, 64, 128, 256))
-        self.prefill_s = self._histogram("prefill_seconds", "Prefill RPC time", LATENCY_BUCKETS_S)
-        self.handoff_s = self._histogram("kv_transfer_seconds", "KV transfer + commit time", LATENCY_BUCKETS_S)
+        self.prefill_s = self._histogram("prefill_seconds", "Prefill RPC time, wall seconds (modelled x --time-scale under a dilated sim node)", LATENCY_BUCKETS_S)
+        self.handoff_s = self._histogram("kv_transfer_seconds", "KV transfer + commit time, wall seconds (modelled x --time-scale under a dilated sim node)", LATENCY_BUCKETS_S)
 
     def _gauge(self, name: str, help_text: str):
         return prom.Gauge(f"octoserve_worker_{name}", help_text, ["instance"], registry=self.registry).labels(

@@ -82,9 +82,23 @@ def worker_main(argv: list[str] | None, make_servicer: Callable[..., WorkerBase]
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     add_worker_arguments(parser)
     args = parser.parse_args(argv)
-    setup_logging(f"{prog}:{args.instance}", args.log_level)
+    setup_logging(log_name(prog, args), args.log_level)
     logging.getLogger("octoserve.worker").info("starting", extra={"fields": {"engine": args.engine}})
     return run_main_with(args, make_servicer)
+
+
+def log_name(prog: str, args: argparse.Namespace) -> str:
+    """What the process logs as: `colocated_worker:ID` for a colocated instance (served by the decode_worker
+    module), else `prefill_worker:ID` / `decode_worker:ID`. A config that does not load keeps `prog` (the
+    servicer reports the config error itself)."""
+    from octoserve.services.config import load_node_config
+    from octoserve.services.core.placement import PlacementError, Role
+
+    try:
+        role = load_node_config(args.config).instance(args.instance).role
+    except (PlacementError, OSError, KeyError, ValueError):
+        return f"{prog}:{args.instance}"
+    return f"{'colocated_worker' if role is Role.COLOCATED else prog}:{args.instance}"
 
 
 def run_main_with(args: argparse.Namespace, make_servicer: Callable[..., WorkerBase]) -> int:

@@ -56,13 +56,13 @@ class SchedulerServicer(s_grpc.SchedulerServicer):
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._watchers: dict[str, asyncio.Task] = {}
         self.registry = prom.CollectorRegistry()
-        self._registered = prom.Gauge("octoserve_scheduler_registered_workers", "workers registered",
+        self._registered = prom.Gauge("octoserve_scheduler_registered_workers", "workers registered, count",
                                       registry=self.registry)
-        self._kv_usage = prom.Gauge("octoserve_scheduler_kv_usage_ratio", "KV usage per instance", ["instance"],
+        self._kv_usage = prom.Gauge("octoserve_scheduler_kv_usage_ratio", "KV usage per instance, ratio 0-1", ["instance"],
                                     registry=self.registry)
         self.gang = GangHub(config)  # gang groups: each member steps on its group arbiter's grants (gang_live.py)
         self.registry.register(GangCollector(self.gang))
-        self._queue = prom.Gauge("octoserve_scheduler_waiting_requests", "waiting requests per instance",
+        self._queue = prom.Gauge("octoserve_scheduler_waiting_requests", "waiting requests per instance, count",
                                  ["instance"], registry=self.registry)
 
     # ---- registration and placement ----------------------------------------------------------------------------

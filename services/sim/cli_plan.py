@@ -26,7 +26,9 @@ from octoserve.services.sim.cli_simulate import add_cost_profile_argument, load_
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="node config YAML (default: the embedded default placement)")
-    parser.add_argument("--profile", default="seed-000", help="workload profile (seed-000, seed-003)")
+    from octoserve.services.workload_io import add_workload_arguments
+
+    add_workload_arguments(parser)  # --profile | --workload FILE.yaml | --trace FILE.jsonl (fitted), --only-served
     parser.add_argument("--rate", type=float, help="offered req/s (default: the profile's)")
     parser.add_argument("--duration", type=float, default=30.0, help="arrival window of each simulation (s)")
     parser.add_argument("--warmup", type=float, default=10.0, help="arrivals excluded as warm-up (s)")
@@ -253,14 +255,13 @@ def _with_profile_slo(config: NodeConfig, profile) -> NodeConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    from octoserve.services.workload import PROFILES
+    from octoserve.services.workload_io import node_workload
 
-    if args.profile not in PROFILES:
-        print(f"unknown profile {args.profile!r}; choose one of: {', '.join(sorted(PROFILES))}")
-        return 2
-    profile = PROFILES[args.profile]
-    config: NodeConfig = _with_profile_slo(load_with_overrides(args.config, [], args.cost_profile), profile)
-    mix = mix_from_profile(profile, args.rate)
+    configured = load_with_overrides(args.config, [], args.cost_profile)
+    # Only the models the config serves (else a clear error before any figure): a trace is fitted to a profile.
+    profile, _ = node_workload(args, configured, replays=False)
+    config: NodeConfig = _with_profile_slo(configured, profile)
+    mix = mix_from_profile(profile)  # --rate is applied to the profile, before unserved models are dropped
     rows = planner.sizing_table(config.models, config.gpu, mix)
     bound = planner.roofline_bound(config.models, config.gpu, config.num_gpus, mix)
     _print_sizing(rows)

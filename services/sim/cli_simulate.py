@@ -16,7 +16,8 @@ from octoserve.services.config import load_node_config
 from octoserve.services.metrics import SloSpec, summary_to_dict
 from octoserve.services.progress import Progress
 from octoserve.services.sim.driver import SimResult, run_simulation
-from octoserve.services.workload import PROFILES, generate_trace, scaled
+from octoserve.services.workload import generate_trace
+from octoserve.services.workload_io import add_workload_arguments, node_workload
 
 
 def parse_duration_s(text: str) -> float:
@@ -31,7 +32,7 @@ def parse_duration_s(text: str) -> float:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="node config YAML (default: the embedded default placement)")
-    parser.add_argument("--profile", default="seed-000", choices=sorted(PROFILES), help="workload profile")
+    add_workload_arguments(parser)
     parser.add_argument("--rate", type=float, help="arrival rate in req/s (default: the profile's)")
     parser.add_argument("--duration", type=parse_duration_s, help="arrival window, e.g. 60s (default: profile's)")
     parser.add_argument("--burstiness", type=float, help="gamma shape of inter-arrivals (<1 burstier)")
@@ -49,8 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     node = load_with_overrides(args.config, args.overrides, args.cost_profile)
-    profile = scaled(PROFILES[args.profile], rate_rps=args.rate, duration_s=args.duration, burstiness=args.burstiness)
-    trace = generate_trace(profile, args.seed)
+    profile, trace = node_workload(args, node)
+    if trace is None:
+        trace = generate_trace(profile, args.seed)
     print(f"simulating {len(trace)} requests of {profile.name} at {profile.rate_rps:g} req/s "
           f"for {profile.duration_s:g} s on {len(node.instances)} instances", file=sys.stderr)
     result = simulate_with_progress(node, trace, profile.duration_s, seed=args.seed, warmup_s=args.warmup)
@@ -76,13 +78,20 @@ def raw_config_with_overrides(path: str | None, overrides: list[str], cost_profi
 
     from octoserve.services.config import default_config_text
 
-    raw = yaml.safe_load(default_config_text() if path is None else Path(path).read_text(encoding="utf-8"))
+    from octoserve.services.config import parse_yaml_mapping
+    from octoserve.services.usage import UsageError
+
+    text = default_config_text() if path is None else Path(path).read_text(encoding="utf-8")
+    raw = parse_yaml_mapping(text, str(path or "node-default.yaml"))
     for item in overrides:
         key, sep, value = item.partition("=")
         section, dot, name = key.partition(".")
         if not sep or not dot or section not in ("policies", "slo"):
-            raise SystemExit(f"--set {item!r}: use policies.KEY=VALUE or slo.KEY=VALUE")
-        raw.setdefault(section, {})[name] = yaml.safe_load(value)
+            raise UsageError(f"--set {item!r}: use policies.KEY=VALUE or slo.KEY=VALUE")
+        try:
+            raw.setdefault(section, {})[name] = yaml.safe_load(value)
+        except yaml.YAMLError as e:
+            raise UsageError(f"--set {item!r}: VALUE is not valid YAML ({e})") from None
     if cost_profile is not None:
         raw["cost_profile"] = cost_profile
     return raw

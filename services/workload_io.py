@@ -1,0 +1,371 @@
+"""Users' own workloads: a profile as YAML (`--workload`) or a recorded trace as JSON lines (`--trace`), and the
+check that the node serves every model they ask for. Shared by `simulate`, `bench`, `plan` and `bench-suite`.
+
+Workload YAML: the fields of `workload.WorkloadProfile`, `ModelTraffic`, `LengthDist` and `TierShare` by name
+(`tier:` names a tier: INTERACTIVE, STANDARD or BATCH). `profile_to_dict(PROFILES["seed-000"])` is the seed
+profile in this form, and `load_workload` of its YAML gives the same profile back.
+
+Trace JSONL, one request a line:
+    arrival_s   seconds from the start of the run (required, >= 0; lines may come in any order)
+    model       served model name (required)
+    one prompt: prompt (text), prompt_token_ids (a list), or prompt_len (that many random token ids)
+    output_len  tokens the request generates (the sim engine stops there); default max_tokens
+    max_tokens  the request's max_tokens; default output_len (at least one of the two)
+    tier        INTERACTIVE | STANDARD | BATCH (default STANDARD; `priority` is read as a synonym)
+    ttft_slo_ms the request's TTFT deadline (default: its tier's SLO from the node config)
+    request_id  optional (default r<line index>)
+A text prompt is counted as one token per UTF-8 byte in the simulator (what a tokenizer-less sim engine does with
+text); `bench` sends it as text, so a real engine tokenizes it with the model's tokenizer.
+
+Invariants:
+- Every problem is a `UsageError` naming the file, the line (JSONL) or key (YAML) and what to change.
+- A trace loads the same for every run: prompt_len ids come from `random.Random` seeded by the line's index.
+- A workload that asks for a model the node does not serve is refused before any run (`check_served`), unless
+  the caller asks to drop those requests (`--only-served`), which is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import random
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+
+import yaml
+
+from octoserve.services.core.types import Priority
+from octoserve.services.metrics import SloSpec
+from octoserve.services.usage import UsageError
+from octoserve.services.workload import (
+    PROFILES,
+    LengthDist,
+    ModelTraffic,
+    TierShare,
+    TraceRequest,
+    WorkloadProfile,
+    scaled,
+)
+
+DEFAULT_TIER_TTFT_MS = {Priority.INTERACTIVE: 200.0, Priority.STANDARD: 250.0, Priority.BATCH: 10_000.0}
+TRACE_KEYS = ("arrival_s", "model", "prompt", "prompt_token_ids", "prompt_len", "output_len", "max_tokens", "tier",
+              "priority", "ttft_slo_ms", "request_id", "prefix_group", "prompt_text")
+_TIERS = ", ".join(p.name for p in Priority)
+
+
+# --- workload YAML -------------------------------------------------------------------------------------------
+
+
+def _fields(cls) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def _check_keys(where: str, data, cls, renames: Mapping[str, str] = {}) -> dict:
+    if not isinstance(data, dict):
+        raise UsageError(f"{where}: expected a mapping with keys {', '.join(_fields(cls))}, got {data!r}")
+    known = [renames.get(k, k) for k in _fields(cls)]
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise UsageError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; known keys: {', '.join(known)}")
+    return data
+
+
+def _tier(where: str, name) -> Priority:
+    if isinstance(name, str) and name.upper() in Priority.__members__:
+        return Priority[name.upper()]
+    raise UsageError(f"{where}: {name!r} is not a tier; use one of {_TIERS}")
+
+
+def _build(where: str, cls, **kwargs):
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise UsageError(f"{where}: {e}") from None
+
+
+def _length(where: str, data) -> LengthDist:
+    return _build(where, LengthDist, **_check_keys(where, data, LengthDist))
+
+
+def _traffic(where: str, data) -> ModelTraffic:
+    d = dict(_check_keys(where, data, ModelTraffic))
+    for key in ("model", "share", "prompt_len", "output_len"):
+        if key not in d:
+            raise UsageError(f"{where}: missing key {key!r}")
+    d["prompt_len"] = _length(f"{where}.prompt_len", d["prompt_len"])
+    d["output_len"] = _length(f"{where}.output_len", d["output_len"])
+    if "tiers" in d:
+        tiers = []
+        for j, t in enumerate(d["tiers"] or ()):
+            w = f"{where}.tiers[{j}]"
+            t = dict(_check_keys(w, t, TierShare, {"priority": "tier"}))
+            if "tier" not in t or "share" not in t:
+                raise UsageError(f"{w}: needs tier and share")
+            tiers.append(_build(w, TierShare, priority=_tier(w, t.pop("tier")), **t))
+        d["tiers"] = tuple(tiers)
+    return _build(where, ModelTraffic, **d)
+
+
+def workload_from_dict(data, source: str) -> WorkloadProfile:
+    """A `WorkloadProfile` from its plain form (what `profile_to_dict` writes); `source` names it in errors."""
+    d = dict(_check_keys(source, data, WorkloadProfile))
+    for key in ("rate_rps", "duration_s", "traffic"):
+        if key not in d:
+            raise UsageError(f"{source}: missing key {key!r}")
+    d.setdefault("name", Path(source).stem)
+    if not isinstance(d["traffic"], list) or not d["traffic"]:
+        raise UsageError(f"{source}: traffic must be a list of models with their share and lengths")
+    d["traffic"] = tuple(_traffic(f"{source}: traffic[{i}]", t) for i, t in enumerate(d["traffic"]))
+    if "slo" in d:
+        d["slo"] = _build(f"{source}: slo", SloSpec, **_check_keys(f"{source}: slo", d["slo"], SloSpec))
+    return _build(source, WorkloadProfile, **d)
+
+
+def load_workload(path: str | Path) -> WorkloadProfile:
+    from octoserve.services.config import parse_yaml_mapping
+    from octoserve.services.core.placement import PlacementError
+
+    text = Path(path).read_text(encoding="utf-8")
+    try:
+        data = parse_yaml_mapping(text, str(path))
+    except PlacementError as e:  # the YAML parse error, naming the file and line
+        raise UsageError(e.problems[0].replace("gpu, models, instances, slo, policies", "rate_rps, duration_s, "
+                                               "traffic")) from None
+    return workload_from_dict(data, str(path))
+
+
+def profile_to_dict(profile: WorkloadProfile) -> dict:
+    """The plain form of a profile, as a workload YAML holds it (defaults left out)."""
+
+    def plain(obj) -> dict:
+        out = {}
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if f.default is not dataclasses.MISSING and value == f.default:
+                continue  # a default is left out, so the file says only what differs
+            if isinstance(value, (LengthDist, SloSpec)):
+                value = plain(value)
+            elif f.name == "tiers":
+                value = [{"tier": t.priority.name, "share": t.share,
+                          **({"ttft_slo_ms": t.ttft_slo_ms} if t.ttft_slo_ms is not None else {})} for t in value]
+            elif f.name == "traffic":
+                value = [plain(t) for t in value]
+            out[f.name] = value
+        return out
+
+    return plain(profile)
+
+
+def dump_workload(profile: WorkloadProfile) -> str:
+    return yaml.safe_dump(profile_to_dict(profile), sort_keys=False)
+
+
+# --- trace JSONL ---------------------------------------------------------------------------------------------
+
+
+def _row_tokens(where: str, row: dict, index: int, token_range: tuple[int, int]) -> tuple[tuple[int, ...], str | None]:
+    given = [k for k in ("prompt", "prompt_token_ids", "prompt_len") if k in row]
+    if len(given) != 1:
+        raise UsageError(f"{where}: give exactly one of prompt (text), prompt_token_ids or prompt_len, got "
+                         f"{given or 'none'}")
+    key = given[0]
+    value = row[key]
+    if key == "prompt":
+        if not isinstance(value, str) or not value:
+            raise UsageError(f"{where}: prompt must be non-empty text")
+        from octoserve.services.rpc.convert import text_to_token_ids
+
+        return text_to_token_ids(value), value
+    if key == "prompt_token_ids":
+        if (not isinstance(value, list) or not value
+                or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in value)):
+            raise UsageError(f"{where}: prompt_token_ids must be a non-empty list of token ids >= 0")
+        return tuple(value), None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UsageError(f"{where}: prompt_len must be an integer >= 1, got {value!r}")
+    rng = random.Random(index)
+    lo, hi = token_range
+    return tuple(rng.randrange(lo, hi) for _ in range(value)), None
+
+
+def _positive_int(where: str, row: dict, key: str) -> int | None:
+    value = row.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UsageError(f"{where}: {key} must be an integer >= 1, got {value!r}")
+    return value
+
+
+def trace_request_from_row(row, index: int, where: str,
+                           tier_ttft_ms: Mapping[Priority, float] = DEFAULT_TIER_TTFT_MS,
+                           token_range: tuple[int, int] = (1000, 30000)) -> TraceRequest:
+    if not isinstance(row, dict):
+        raise UsageError(f"{where}: expected a JSON object, got {row!r}")
+    unknown = sorted(set(row) - set(TRACE_KEYS))
+    if unknown:
+        raise UsageError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; known keys: "
+                         f"{', '.join(k for k in TRACE_KEYS if k != 'prompt_text')}")
+    arrival = row.get("arrival_s")
+    if isinstance(arrival, bool) or not isinstance(arrival, (int, float)) or not math.isfinite(arrival) or arrival < 0:
+        raise UsageError(f"{where}: arrival_s must be a number of seconds >= 0, got {arrival!r}")
+    model = row.get("model")
+    if not isinstance(model, str) or not model:
+        raise UsageError(f"{where}: model must name a served model, got {model!r}")
+    tokens, text = _row_tokens(where, {k: v for k, v in row.items() if k != "prompt_text"}, index, token_range)
+    if text is None and isinstance(row.get("prompt_text"), str):
+        text = row["prompt_text"]
+    output_len, max_tokens = _positive_int(where, row, "output_len"), _positive_int(where, row, "max_tokens")
+    if output_len is None and max_tokens is None:
+        raise UsageError(f"{where}: give output_len (tokens generated) or max_tokens (or both)")
+    output_len = output_len or max_tokens
+    max_tokens = max_tokens or output_len
+    if output_len > max_tokens:
+        raise UsageError(f"{where}: output_len {output_len} exceeds max_tokens {max_tokens}")
+    tier = _tier(where, row.get("tier", row.get("priority", "STANDARD")))
+    slo = row.get("ttft_slo_ms", tier_ttft_ms[tier])
+    if isinstance(slo, bool) or not isinstance(slo, (int, float)) or not slo > 0:
+        raise UsageError(f"{where}: ttft_slo_ms must be a positive number of ms, got {slo!r}")
+    return TraceRequest(str(row.get("request_id", f"r{index:07d}")), float(arrival), model, tokens, output_len,
+                        max_tokens, tier, float(slo), int(row.get("prefix_group", -1)), text)
+
+
+def load_trace(path: str | Path, tier_ttft_ms: Mapping[Priority, float] = DEFAULT_TIER_TTFT_MS) -> list[TraceRequest]:
+    """The requests of a JSONL trace, sorted by arrival (stable); an empty trace is an error."""
+    trace = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UsageError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+            trace.append(trace_request_from_row(row, len(trace), where, tier_ttft_ms))
+    if not trace:
+        raise UsageError(f"{path}: the trace has no requests; write one JSON object a line")
+    trace.sort(key=lambda r: r.arrival_s)
+    return trace
+
+
+def profile_of_trace(trace: Sequence[TraceRequest], name: str, slo: SloSpec = SloSpec()) -> WorkloadProfile:
+    """A profile fitted to a trace (per model: its share, lognormal prompt and output lengths with the trace's
+    mean and log-spread, its tier shares): what `plan` sizes and probes at other rates. The run itself replays
+    the trace, not this profile."""
+    by_model: dict[str, list[TraceRequest]] = {}
+    for r in trace:
+        by_model.setdefault(r.model, []).append(r)
+    duration = max(trace[-1].arrival_s, 1e-3)
+
+    def fit(values: list[int]) -> LengthDist:
+        mean = sum(values) / len(values)
+        logs = [math.log(v) for v in values]
+        mu = sum(logs) / len(logs)
+        sigma = math.sqrt(sum((x - mu) ** 2 for x in logs) / len(logs))
+        return LengthDist.lognormal(mean, sigma, min_tokens=min(values), max_tokens=max(values))
+
+    traffic = []
+    for model, reqs in sorted(by_model.items()):
+        tiers = {}
+        for r in reqs:
+            tiers.setdefault((r.priority, r.ttft_slo_ms), 0)
+            tiers[(r.priority, r.ttft_slo_ms)] += 1
+        longest = max(len(r.prompt_token_ids) + r.max_tokens for r in reqs)
+        traffic.append(ModelTraffic(
+            model=model, share=len(reqs) / len(trace),
+            prompt_len=fit([len(r.prompt_token_ids) for r in reqs]), output_len=fit([r.output_len for r in reqs]),
+            tiers=tuple(TierShare(p, n / len(reqs), slo_ms) for (p, slo_ms), n in sorted(tiers.items())),
+            max_context_len=max(longest, 16),
+        ))
+    return WorkloadProfile(name=name, rate_rps=max(len(trace) / duration, 1e-6), duration_s=duration,
+                           traffic=tuple(traffic), slo=slo)
+
+
+# --- served models -------------------------------------------------------------------------------------------
+
+
+def unserved_models(models: Iterable[str], served: Iterable[str]) -> list[str]:
+    return sorted(set(models) - set(served))
+
+
+def check_served(asked: Iterable[str], served: Iterable[str], what: str) -> None:
+    """A `UsageError` before the run when the workload asks for a model the node does not serve."""
+    missing, served = unserved_models(asked, served), sorted(set(served))
+    if missing:
+        raise UsageError(
+            f"{what} asks for {', '.join(missing)}, which the node does not serve (it serves {', '.join(served)}); "
+            "serve them in the config, give a workload with only served models (--workload / --trace), or pass "
+            "--only-served to drop their requests")
+
+
+def only_served_profile(profile: WorkloadProfile, served: Iterable[str]) -> WorkloadProfile:
+    """The profile without the unserved models' traffic; each served model keeps its own request rate."""
+    served = set(served)
+    kept = tuple(t for t in profile.traffic if t.model in served)
+    if not kept:
+        raise UsageError(f"workload {profile.name} asks for no model the node serves ({', '.join(sorted(served))})")
+    total = sum(t.share for t in profile.traffic)
+    fraction = sum(t.share for t in kept) / total
+    return dataclasses.replace(profile, traffic=kept, rate_rps=profile.rate_rps * fraction)
+
+
+# --- the command-line arguments ------------------------------------------------------------------------------
+
+
+def add_workload_arguments(parser: argparse.ArgumentParser, default_profile: str = "seed-000") -> None:
+    """--profile NAME | --workload FILE.yaml | --trace FILE.jsonl, and --only-served."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--profile", default=default_profile, choices=sorted(PROFILES),
+                       help=f"built-in workload profile (default {default_profile})")
+    group.add_argument("--workload", metavar="FILE.yaml", help="your own workload profile (format: README)")
+    group.add_argument("--trace", metavar="FILE.jsonl", help="your own requests, one JSON object a line (README)")
+    parser.add_argument("--only-served", action="store_true",
+                        help="drop the workload's requests for models the node does not serve (default: refuse to run)")
+
+
+def profile_from_args(args: argparse.Namespace, served: Iterable[str] | None = None,
+                      tier_ttft_ms: Mapping[Priority, float] = DEFAULT_TIER_TTFT_MS,
+                      slo: SloSpec = SloSpec()) -> tuple[WorkloadProfile, list[TraceRequest] | None]:
+    """(profile, trace): the trace is the user's own (`--trace`) or None (generate it from the profile, which has
+    --rate / --duration / --burstiness applied when the command has them). With
+    `served`, a workload asking for unserved models is refused, or with `--only-served` trimmed (on stderr)."""
+    trace = None
+    if getattr(args, "trace", None):
+        trace = load_trace(args.trace, tier_ttft_ms)
+        profile = profile_of_trace(trace, Path(args.trace).stem, slo)
+    else:
+        profile = load_workload(args.workload) if getattr(args, "workload", None) else PROFILES[args.profile]
+        # --rate is the whole workload's rate, so it applies before unserved models are dropped
+        profile = scaled(profile, rate_rps=getattr(args, "rate", None), duration_s=getattr(args, "duration", None),
+                         burstiness=getattr(args, "burstiness", None))
+    if served is not None:
+        asked = [t.model for t in profile.traffic]
+        if unserved_models(asked, served):
+            if not getattr(args, "only_served", False):
+                check_served(asked, served, f"workload {profile.name}")
+            dropped = unserved_models(asked, served)
+            print(f"--only-served: dropping the requests for {', '.join(dropped)} (not served)", file=sys.stderr)
+            profile = only_served_profile(profile, served)
+            if trace is not None:
+                trace = [r for r in trace if r.model in set(served)]
+    return profile, trace
+
+
+def node_workload(args: argparse.Namespace, node, replays: bool = True,
+                  ) -> tuple[WorkloadProfile, list[TraceRequest] | None]:
+    """`profile_from_args` for a node config: its served models, tier SLOs and SLO. A command that `replays` a user
+    trace ignores --rate / --duration / --burstiness (the trace says when each request arrives), which it states on
+    stderr when they are given; `plan` fits a profile to the trace instead (replays=False), at --rate if given."""
+    profile, trace = profile_from_args(args, served=list(node.models), tier_ttft_ms=node.slo.tier_ttft_ms,
+                                       slo=SloSpec(node.slo.ttft_ms, node.slo.itl_ms))
+    if trace is not None and not replays and getattr(args, "rate", None) is not None:
+        profile = scaled(profile, rate_rps=args.rate)  # the fitted profile at the rate asked for
+    if trace is not None and replays:
+        ignored = [f"--{k}" for k in ("rate", "duration", "burstiness") if getattr(args, k, None) is not None]
+        if ignored:
+            print(f"--trace replays the trace's own arrivals: {', '.join(ignored)} ignored", file=sys.stderr)
+    return profile, trace

@@ -1,0 +1,62 @@
+"""The docs hold inside the repository (`make docs-check`), and the README's client examples are the SDK's."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("docs_check", REPO / "scripts" / "docs_check.py")
+docs_check = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(docs_check)
+
+
+def test_the_repository_docs_pass():
+    assert docs_check.problems(REPO) == []
+
+
+def test_the_check_catches_each_kind_of_problem(tmp_path):
+    (tmp_path / "docs" / "bench").mkdir(parents=True)
+    (tmp_path / "docs" / "present.md").write_text("# ok\n")
+    (tmp_path / "README.md").write_text(
+        "# x\n"
+        "See [design](../shared/DESIGN.md) and [here](docs/present.md) and [gone](docs/gone.md#part).\n"
+        "Built in /work/main/models, logs in /tmp/run.log; fixes issue 3.\n"
+        "Config: `docs/bench/missing.yaml`; plots `docs/bench/cdf_<policy>.png`.\n"
+        "## Plots\n"
+        "Regenerate with `octoserve bench-suite`: `docs/bench/cdf_<policy>.png`.\n")
+    (tmp_path / "BENCHMARKS.md").write_text("## Results\nA figure: `docs/bench/orphan.png`.\n\n| rate | 12.5 |\n")
+    for name in ("cdf_a.png", "orphan.png"):
+        (tmp_path / "docs" / "bench" / name).write_bytes(b"\x89PNG")
+    (tmp_path / "docs" / "bench" / "page.md").write_text("# Numbers\n| a | 1 |\n")
+    assert docs_check.problems(tmp_path) == [
+        "README.md:2: a pointer outside the repository: '../shared'",
+        "README.md:2: link to a missing file: ../shared/DESIGN.md",
+        "README.md:2: link to a missing file: docs/gone.md#part",
+        "README.md:3: an absolute machine path or temporary file: '/work/'",
+        "README.md:3: an issue number: 'issue 3'",
+        "README.md:4: names a missing file: docs/bench/missing.yaml",
+        "docs/bench/orphan.png: a figure no Markdown section names next to the command that reproduces it",
+        "docs/bench/page.md: a results page without the command that reproduces it",
+        "BENCHMARKS.md: section '## Results' has measured figures but no command that reproduces them",
+    ]
+
+
+def _python_blocks(text: str) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", text, re.S)
+
+
+def test_readme_shows_both_clients_imported_from_octoserve():
+    blocks = _python_blocks((REPO / "README.md").read_text())
+    imported = set()
+    for code in blocks:
+        for node in ast.walk(ast.parse(code)):
+            if isinstance(node, ast.ImportFrom) and node.module.startswith("octoserve"):
+                assert node.module == "octoserve", f"README imports from {node.module}; use `from octoserve import`"
+                imported |= {a.name for a in node.names}
+    assert {"Client", "AsyncClient", "OverloadedError"} <= imported
+    import octoserve
+
+    assert all(hasattr(octoserve, name) for name in imported)
