@@ -300,6 +300,14 @@ class GangHub:
         await asyncio.gather(*(g.close() for g in self.groups.values()))
 
 
+def _unit(name: str) -> str:
+    if name.endswith("_ms"):
+        return "milliseconds on the modelled clock (wall / time scale)"
+    if name.endswith("_s"):
+        return "seconds on the modelled clock (wall / time scale)"
+    return "factor" if name == "time_scale" else "count"
+
+
 class GangCollector:
     """Prometheus view of `GangHub.stats()`, read at scrape time: `octoserve_gang_<figure>{group="<lm id>"}`."""
 
@@ -317,6 +325,7 @@ class GangCollector:
             for name, value in figures.items():
                 if isinstance(value, (int, float)) and value is not None:
                     family = families.setdefault(name, GaugeMetricFamily(
-                        f"octoserve_gang_{name}", f"gang group {name.replace('_', ' ')}", labels=["group"]))
+                        f"octoserve_gang_{name}", f"gang group {name.replace('_', ' ')}, {_unit(name)}",
+                        labels=["group"]))
                     family.add_metric([lm], float(value))
         yield from families.values()
