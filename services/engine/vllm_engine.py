@@ -9,7 +9,10 @@ Job: run real model math for one octoserve instance. octoserve's policies map on
   is the order octoserve wants too.
 - Chunked prefill: `max_num_batched_tokens` is the per-step token budget (prefill chunks + decodes).
 - Prefix caching: `enable_prefix_caching`; cached-but-evictable blocks count as free in `load()`, as in the core.
-- Gang leases: `pause()` = `pause_generation(mode="keep", clear_cache=False)`: requests and KV stay, no step runs.
+- Gang leases: `pause()` = the engine core's pause in mode "keep" without clearing caches (what
+  `pause_generation(mode="keep", clear_cache=False)` does, minus its 20 ms sleep): requests and KV stay, no step
+  runs. `step_log` records every iteration with the engine core's timestamp (services/scheduler/lease_members.py
+  drives pause/resume slices under the gang arbiter).
 - Disaggregation: a vLLM KV connector (services/engine/vllm_kv.py): producer on PREFILL, consumer on DECODE.
 
 Invariants:
