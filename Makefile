@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PROFILE ?= seed-000
 
-.PHONY: venv run test test-fast bench protos clean vllm-cpu docs-check
+.PHONY: venv run test test-fast fuzz bench protos clean vllm-cpu docs-check
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -27,6 +27,13 @@ test: venv vllm-cpu
 ## Tests that need neither vLLM nor the live services.
 test-fast: venv
 	$(BIN)/python -m pytest -q -m "not vllm and not slow"
+
+## Hostile-input fuzzing of the public, worker and scheduler APIs: 10,000 random cases per API (not in CI; `make test`
+## runs a seeded sample of the same tests). FUZZ_EXAMPLES=N changes the count.
+FUZZ_EXAMPLES ?= 10000
+fuzz: venv
+	OCTOSERVE_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/python -m pytest -q -p no:cacheprovider \
+		tests/test_fuzz_public.py tests/test_fuzz_internal.py --hypothesis-show-statistics
 
 ## The docs hold inside the repository: links and file names resolve, no machine paths or issue numbers, every
 ## figure next to the command that reproduces it (scripts/docs_check.py).

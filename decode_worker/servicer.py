@@ -30,6 +30,7 @@ from octoserve.services.rpc.worker_base import WorkerBase
 log = logging.getLogger("octoserve.decode_worker")
 
 DEFAULT_RESERVE_TTL_MS = 10_000  # a reservation nobody decodes into is returned after this long
+MAX_RESERVE_TTL_MS = 60_000  # longer would let one caller hold KV for days
 DEFAULT_TRANSFER_TIMEOUT_S = 5.0
 
 
@@ -118,7 +119,7 @@ class DecodeWorkerServicer(WorkerBase):
             await self._wrong_role(context, "Generate", "colocated")
         await self._refuse_if_draining(context)
         session = await self._session(request.session_id, context)
-        spec = convert.spec_from_pb(request.spec)
+        spec = await self._checked_spec(request.spec, context)
         self._start_stream(session, spec.request_id, self.engine.generate(spec))
         return w_pb.SubmitReply()
 
@@ -165,7 +166,10 @@ class DecodeWorkerServicer(WorkerBase):
         if self.engine.role is not Role.DECODE:
             await self._wrong_role(context, "Reserve", "decode")
         await self._refuse_if_draining(context)
-        spec = convert.spec_from_pb(request.spec)
+        spec = await self._checked_spec(request.spec, context)
+        if request.ttl_ms > MAX_RESERVE_TTL_MS:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"ttl_ms {request.ttl_ms} is over {MAX_RESERVE_TTL_MS}; send at most that (0: the default)")
         if not await self.engine.reserve(spec):
             return w_pb.ReserveReply(reserved=False)
         ttl_s = (request.ttl_ms or self.reserve_ttl_ms) / 1000.0
@@ -182,7 +186,7 @@ class DecodeWorkerServicer(WorkerBase):
         if self.engine.role is not Role.DECODE:
             await self._wrong_role(context, "Decode", "decode")
         session = await self._session(request.session_id, context)
-        spec = convert.spec_from_pb(request.spec)
+        spec = await self._checked_spec(request.spec, context)
         timer = self.reservations.pop(spec.request_id, None)
         if timer is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,

@@ -35,7 +35,7 @@ class PrefillWorkerServicer(WorkerBase):
         if self.engine.role is not Role.PREFILL:
             await self._wrong_role(context, "Prefill", "prefill")
         await self._refuse_if_draining(context)
-        spec = convert.spec_from_pb(request.spec)
+        spec = await self._checked_spec(request.spec, context)
         t0 = time.monotonic()
         self._begin()
         try:

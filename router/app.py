@@ -14,18 +14,19 @@ import random
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 
-import grpc
 
 from octoserve.router.metrics import RouterMetrics
 from octoserve.router.pool import WorkerClient, WorkerEndpoint, WorkerPool
 from octoserve.router.servicer import DEFAULT_MAX_PENDING_DELTAS, GenerationServicer, RouterSettings
+from octoserve.services.cluster.service import add_headroom_service, headroom_source
 from octoserve.services.core.placement import NodeConfig
 from octoserve.services.core.routing import RouterPolicy, build_cost_models
 from octoserve.services.core.types import Role
 from octoserve.v1 import generate_pb2 as gen_pb
-from octoserve.v1 import generate_pb2_grpc as gen_grpc
 from octoserve.services.rpc.gen import scheduler_pb2 as s_pb
 from octoserve.services.rpc.gen import scheduler_pb2_grpc as s_grpc
+from octoserve.services import trust
+from octoserve.services.rpc.hardening import add_servicer
 from octoserve.services.rpc.server import ServiceSpec, setup_logging
 
 log = logging.getLogger("octoserve.router")
@@ -39,7 +40,7 @@ async def placement_from_scheduler(address: str, timeout_s: float) -> dict[str, 
     """instance id -> worker address, once every configured instance registered (bounded by timeout_s)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with trust.channel(address) as channel:
         stub = s_grpc.SchedulerStub(channel)
         while True:
             remaining = deadline - loop.time()
@@ -62,11 +63,13 @@ def router_spec(
     grace_s: float = 10.0,
     startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
     seed: int = 0,
+    host: str = "127.0.0.1",
 ) -> tuple[ServiceSpec, GenerationServicer]:
     metrics = RouterMetrics(served_models=list(config.models), time_scale=settings.time_scale)
     policy = RouterPolicy(config, build_cost_models(config), random.Random(seed))
     pool = WorkerPool({})
     servicer = GenerationServicer(config, policy, pool, uuid.uuid4().hex, settings, metrics)
+    headroom = headroom_source(policy, pool.loads, lambda: not servicer.draining)
 
     async def start() -> None:
         for instance_id, address in (await endpoints()).items():
@@ -84,12 +87,17 @@ def router_spec(
 
     spec = ServiceSpec(
         name="router",
+        host=host,
         port=port,
         metrics_port=metrics_port,
         grace_s=grace_s,
         ready_file=ready_file,
         service_names=(GENERATION_SERVICE,),
-        add_servicers=lambda server: gen_grpc.add_GenerationServicer_to_server(servicer, server),
+        add_servicers=lambda server: (
+            add_servicer(servicer, gen_pb.DESCRIPTOR.services_by_name["Generation"], server,
+                         max_message_bytes=settings.limits.max_message_bytes),
+            add_headroom_service(server, headroom)),
+        grpc_options=settings.limits.router_grpc_options(),
         start=start,
         drain=servicer.drain,
         close=close,
@@ -113,6 +121,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scheduler", required=True, help="scheduler host:port (placement source)")
     parser.add_argument("--time-scale", type=float, default=1.0)
     parser.add_argument("--port", type=int, default=50051)
+    parser.add_argument("--host", default="127.0.0.1", help="address of the public API (0.0.0.0 in a Kubernetes pod)")
     parser.add_argument("--metrics-port", type=int, default=0)
     parser.add_argument("--ready-file", default=None)
     parser.add_argument("--grace-s", type=float, default=10.0)
@@ -129,16 +138,22 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging("router", args.log_level)
 
     async def serve() -> int:
-        from octoserve.services.config import load_node_config
+        from octoserve.router.tenants import tenant_settings_from_dict
+        from octoserve.services.config import load_node_config, load_service_sections
+        from octoserve.services.rpc.limits import limits_from_dict
         from octoserve.services.rpc.server import serve_until_signal
 
         config = load_node_config(args.config)
+        sections = load_service_sections(args.config)
+        trust.configure(sections.get("tls"), "router")
         spec, _ = router_spec(
             config,
             lambda: placement_from_scheduler(args.scheduler, args.startup_timeout_s),
-            settings=RouterSettings(time_scale=args.time_scale, max_pending_deltas=args.max_pending_deltas),
+            settings=RouterSettings(time_scale=args.time_scale, max_pending_deltas=args.max_pending_deltas,
+                                    tenants=tenant_settings_from_dict(sections.get("tenants")),
+                                    limits=limits_from_dict(sections.get("limits"))),
             port=args.port, metrics_port=args.metrics_port, ready_file=args.ready_file, grace_s=args.grace_s,
-            startup_timeout_s=args.startup_timeout_s, seed=args.seed,
+            startup_timeout_s=args.startup_timeout_s, seed=args.seed, host=args.host,
         )
         return await serve_until_signal(spec)
 

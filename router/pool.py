@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from octoserve.services import trust
 from octoserve.services.core.types import EngineLoad, KVEvent
 from octoserve.services.rpc import convert
 from octoserve.services.rpc.gen import worker_pb2 as w_pb
@@ -62,7 +63,7 @@ class WorkerClient:
         self.address = endpoint.address
         self.streams_tokens = endpoint.streams_tokens
         self.session_id = session_id
-        self.channel = grpc.aio.insecure_channel(endpoint.address, options=CHANNEL_OPTIONS)
+        self.channel = trust.channel(endpoint.address, options=CHANNEL_OPTIONS)
         self.stub = w_grpc.WorkerStub(self.channel)
         self.load: EngineLoad | None = None
         self.attached = asyncio.Event()

@@ -37,6 +37,8 @@ from octoserve.v1 import generate_pb2_grpc as gen_grpc
 from octoserve.services.rpc.gen import worker_pb2 as w_pb
 from octoserve.router.metrics import RouterMetrics
 from octoserve.router.pool import WorkerPool
+from octoserve.router.tenants import TenantGate, TenantSettings
+from octoserve.services.rpc.limits import Limits, check_public_request
 
 log = logging.getLogger("octoserve.router")
 
@@ -88,6 +90,8 @@ class RequestState:
 class RouterSettings:
     time_scale: float = 1.0
     max_pending_deltas: int = DEFAULT_MAX_PENDING_DELTAS
+    tenants: TenantSettings = TenantSettings()  # API keys, rate limits, fair sharing (router/tenants.py)
+    limits: Limits = Limits()  # input limits (services/rpc/limits.py)
 
 
 class GenerationServicer(gen_grpc.GenerationServicer):
@@ -104,6 +108,7 @@ class GenerationServicer(gen_grpc.GenerationServicer):
         self._idle = asyncio.Event()
         self._idle.set()
         self._background: set[asyncio.Task] = set()
+        self.tenants = TenantGate(settings.tenants)
 
     # ---- worker session callbacks (hot path) ------------------------------------------------------------------
 
@@ -152,6 +157,9 @@ class GenerationServicer(gen_grpc.GenerationServicer):
         """Validation, then the policy's admission and routing; raises the typed error to send back."""
         if self.draining:
             raise Draining()
+        tenant = self.tenants.identify(context.invocation_metadata())
+        model = self.config.models.get(request.model)
+        check_public_request(request, self.settings.limits, model.max_context_len if model else None)
         request_id = request.request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise InvalidArgument("request_id", f"request_id {request_id!r} is already in flight; use a unique id or leave it empty")
@@ -163,6 +171,17 @@ class GenerationServicer(gen_grpc.GenerationServicer):
         if model is None:
             raise UnknownModel(spec.model, self.config.models)
         validate_request(spec, model)
+        self.tenants.admit(tenant, spec.model, spec.priority, request_id,
+                           int(self.config.policies.min_retry_after_ms * self.settings.time_scale))
+        try:
+            return spec, self._route(spec, context)
+        except OctoserveError as e:
+            if isinstance(e, Overloaded):
+                self.tenants.on_shed(spec.model)
+            self.tenants.release(request_id)
+            raise
+
+    def _route(self, spec, context):
         decision = self.policy.route(spec, self.pool.loads(), spec.arrival_s)
         if not hasattr(decision, "instance_id"):  # a Refuse
             raise self._wall_clock_error(decision.error)
@@ -173,7 +192,7 @@ class GenerationServicer(gen_grpc.GenerationServicer):
                 f"the first token is predicted in {predicted_s * 1000:.0f} ms but the deadline is in "
                 f"{remaining_s * 1000:.0f} ms; raise the deadline or retry later"
             )
-        return spec, decision
+        return decision
 
     def _wall_clock_error(self, error: OctoserveError) -> OctoserveError:
         if isinstance(error, Overloaded) and self.settings.time_scale != 1.0:
@@ -193,6 +212,7 @@ class GenerationServicer(gen_grpc.GenerationServicer):
             st.closed = True
             self._abort_on_workers(st)
         self.requests.pop(st.spec.request_id, None)
+        self.tenants.release(st.spec.request_id)
         self.policy.on_finished(st.spec.request_id)
         self.metrics.finished(st)
         if not self.requests:

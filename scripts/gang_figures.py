@@ -105,6 +105,7 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--json")
     ap.add_argument("--parts", default="12345", help="which parts to run (digits)")
+    ap.add_argument("--only-gang", action="store_true", help="skip the static-split runs (their code is unchanged)")
     args = ap.parse_args()
     start = time.perf_counter()
 
@@ -120,12 +121,15 @@ def main() -> int:
             configs["octoserve-static"] = static_config(cp, "octoserve")
             if "1" in args.parts:
                 log(f"{cp}: shapes at 8 req/s (seed 0, 60 s, 20 s warm-up)")
-                jobs = [(k, configs[k], "seed-000", None, 8.0, 0, 60.0, 20.0) for k in configs]
+                jobs = [(k, configs[k], "seed-000", None, 8.0, 0, 60.0, 20.0) for k in configs
+                        if not (args.only_gang and not k.startswith("gang"))]
                 fig["shapes_8rps"] = {r["key"]: r for r in pool.map(run_one, jobs)}
             if "2" in args.parts:
                 fig["capacity"] = {}
                 # The shipped shape and vllm-default with three seeds a probe, the other shapes with one.
                 for key, seeds, hi in CAPACITY_SEARCHES[cp]:
+                    if args.only_gang and not key.startswith("gang"):
+                        continue
                     log(f"{cp}: seed-000 capacity of {key}")
                     cap, probes = bisect(pool, lambda r, k=key, ss=seeds: [
                         (k, configs[k], "seed-000", None, r, s, 60.0, 20.0) for s in ss], 0.0, hi, 1.0, log)
@@ -138,7 +142,7 @@ def main() -> int:
             if "4" in args.parts:
                 log(f"{cp}: seed 003 with one model only at the seed's peaks (100 LM / 1,500 SM req/s)")
                 jobs = [(f"{k} {m}", configs[k], "seed-003", m, rate, 0, 10.0, 3.0)
-                        for k in ("gang-interleave", "octoserve-static")
+                        for k in (("gang-interleave",) if args.only_gang else ("gang-interleave", "octoserve-static"))
                         for m, rate in (("llama-3-70b", 100.0), ("llama-3-8b", 1500.0))]
                 fig["seed003_one_model"] = {r["key"]: r for r in pool.map(run_one, jobs)}
             if "5" in args.parts:

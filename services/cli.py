@@ -20,7 +20,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench-suite": ("octoserve.services.bench_suite", "run the policy-comparison matrix and write BENCHMARKS.md sections"),
     "make-test-model": ("octoserve.services.engine.test_model", "build a tiny random-weight Llama with a local tokenizer"),
     "calibrate": ("octoserve.services.calibrate", "measure step times and write a cost-model profile"),
+    "certs": ("octoserve.services.trust", "make a development CA and per-service certificates for mTLS between services"),
     "compose": ("octoserve.services.compose", "write or check docker-compose.yml for a placement"),
+    "k8s": ("octoserve.services.k8s", "write or check Kubernetes manifests for a placement and a node count"),
 }
 
 

@@ -17,6 +17,8 @@ import yaml
 from octoserve.services.core.placement import NodeConfig, PlacementError, node_config_from_dict
 
 DEFAULT_CONFIG = "node-default.yaml"
+# Sections of the same file that configure the services rather than the placement (services/trust.py reads them).
+SERVICE_SECTIONS = ("limits", "tenants", "tls")
 
 
 def default_config_text(name: str = DEFAULT_CONFIG) -> str:
@@ -30,7 +32,12 @@ def load_node_config(path: str | Path | None = None) -> NodeConfig:
 
 
 def node_config_from_text(text: str, source: str = "<text>") -> NodeConfig:
-    return node_config_from_dict(parse_yaml_mapping(text, source))
+    return node_config_from_dict(placement_part(parse_yaml_mapping(text, source)))
+
+
+def placement_part(data: dict) -> dict:
+    """The config mapping without the service sections (limits, tenants, tls), for `node_config_from_dict`."""
+    return {k: v for k, v in data.items() if k not in SERVICE_SECTIONS}
 
 
 def parse_yaml_mapping(text: str, source: str) -> dict:
@@ -44,3 +51,11 @@ def parse_yaml_mapping(text: str, source: str) -> dict:
     if not isinstance(data, dict):
         raise PlacementError([f"{source} must hold a YAML mapping with gpu, models, instances, slo, policies"])
     return data
+
+
+def load_service_sections(path: str | Path | None) -> dict:
+    """The limits / tenants / tls sections of a node config file (empty for the embedded default)."""
+    if path is None:
+        return {}
+    data = parse_yaml_mapping(Path(path).read_text(encoding="utf-8"), str(path))
+    return {k: data[k] for k in SERVICE_SECTIONS if data.get(k) is not None}

@@ -26,6 +26,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from octoserve.services import trust
 from octoserve.services.core.types import Role
 from octoserve.services.rpc.server import LAUNCHER_PID_ENV
 
@@ -126,9 +127,10 @@ def _wait_ready(sp: ServiceProcess, deadline: float) -> None:
     sp.port, sp.metrics_port = info["port"], info["metrics_port"]
 
 
-def wait_healthy(address: str, deadline: float, service: str = "") -> None:
-    """Polls grpc.health.v1 Check until SERVING or the deadline (raises LaunchError)."""
-    with grpc.insecure_channel(address) as channel:
+def wait_healthy(address: str, deadline: float, service: str = "", internal: bool = True) -> None:
+    """Polls grpc.health.v1 Check until SERVING or the deadline (raises LaunchError); `internal`: the node's mTLS,
+    when configured (the router's public port is plaintext)."""
+    with (trust.sync_channel(address) if internal else grpc.insecure_channel(address)) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             try:
@@ -171,12 +173,21 @@ def start_node(
     config: None (embedded default placement), a YAML path, or a config dict. extra_env: variables added to every
     child's environment (e.g. OCTOSERVE_VLLM_DTYPE for the vllm engine).
     """
-    from octoserve.services.config import load_node_config
+    from octoserve.router.tenants import tenant_settings_from_dict
+    from octoserve.services.config import load_node_config, load_service_sections
+    from octoserve.services.rpc.limits import limits_from_dict
 
     run_dir = Path(run_dir or tempfile.mkdtemp(prefix="octoserve-"))
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg_path = _config_path(config, run_dir)
     node_cfg = load_node_config(cfg_path)  # fail here, in one place, on a bad config
+    sections = load_service_sections(cfg_path)
+    try:  # the router reads these too; a bad one fails here, before any process starts
+        limits_from_dict(sections.get("limits"))
+        tenant_settings_from_dict(sections.get("tenants"))
+        trust.configure(sections.get("tls"), "router")  # health checks speak the node's mTLS
+    except (ValueError, trust.TrustError) as e:
+        raise LaunchError(f"{cfg_path}: {e}") from None
     env = {**os.environ, **(extra_env or {}),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
            LAUNCHER_PID_ENV: str(os.getpid())}  # each service stops when this process dies (services/rpc/server.py)
@@ -201,7 +212,7 @@ def start_node(
         started.append(router)
         for sp in started:
             _wait_ready(sp, deadline)
-            wait_healthy(sp.address, deadline)
+            wait_healthy(sp.address, deadline, internal=sp is not router)
     except BaseException:
         _stop_group(list(reversed(started)), grace_s=1.0)
         raise

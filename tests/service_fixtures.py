@@ -24,7 +24,10 @@ from octoserve.v1 import generate_pb2_grpc as gen_grpc
 from octoserve.services.rpc.gen import worker_pb2 as w_pb
 from octoserve.services.rpc.gen import worker_pb2_grpc as w_grpc
 from octoserve.services.rpc.server import RunningService, ServiceSpec, start_service
+from octoserve.services.rpc.hardening import add_servicer
 from octoserve.services.rpc.worker_main import WORKER_SERVICE
+
+WORKER_DESCRIPTOR = w_pb.DESCRIPTOR.services_by_name["Worker"]
 
 COLOCATED_MODEL = "llama-3-8b"
 DISAGG_MODEL = "llama-3-8b-pd"
@@ -112,9 +115,10 @@ async def start_inprocess_node(config: NodeConfig | None = None, *, time_scale: 
     for inst in config.instances:
         engine = make_engine(config, inst.id, engine="sim", time_scale=time_scale)
         servicer = (PrefillWorkerServicer if inst.role is Role.PREFILL else DecodeWorkerServicer)(engine)
+        servicer.model_spec = config.models[inst.model]
         spec = ServiceSpec(
             name=f"worker:{inst.id}", metrics_port=None, grace_s=grace_s, service_names=(WORKER_SERVICE,),
-            add_servicers=lambda server, s=servicer: w_grpc.add_WorkerServicer_to_server(s, server),
+            add_servicers=lambda server, s=servicer: add_servicer(s, WORKER_DESCRIPTOR, server),
             start=servicer.start, drain=servicer.drain, close=servicer.close, registry=servicer.metrics.registry,
         )
         workers[inst.id] = await start_service(spec)

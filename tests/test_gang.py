@@ -144,3 +144,19 @@ def test_policy_problems_and_mapping():
     assert "gang.lease_ms (30) must be below gang.period_ms (30)" in GangPolicy(lease_ms=30.0).problems()
     p = policy_from_mapping({"shape": "periodic", "max_lm_wait_ms": 50, "lm_weight": 2})
     assert (p.shape, p.max_lm_wait_ms, p.lm_weight) == ("periodic", 50.0, 2.0)
+
+
+def test_shared_step_caps_apply_only_while_both_sides_have_work():
+    policy = GangPolicy(shape="interleave", max_lm_wait_ms=25.0, max_sm_stall_ms=50.0, lm_shared_step_ms=15.0,
+                        sm_shared_step_ms=10.0)
+    arb = GangArbiter(policy, "lm", ["sm0"])
+    d = arb.decide(0.0, MemberView("lm", False, 0.0), [MemberView("sm0", True, 0.004)])
+    assert d.sm_starts == (("sm0", 0.025),)  # the LM idle: only the wait bound caps the SM
+    arb.started("sm0", 0.0, 0.020, 0.025)
+    arb.finished("sm0", 0.020)
+    d = arb.decide(0.020, MemberView("lm", True, 0.012), [MemberView("sm0", True, 0.004)])
+    assert d.run_lm and d.lm_cap_s == pytest.approx(0.015)  # both have work: the LM's shared cap
+    arb.started("lm", 0.020, 0.015, 0.015)
+    arb.finished("lm", 0.035)
+    d = arb.decide(0.035, MemberView("lm", True, 0.012), [MemberView("sm0", True, 0.012)])
+    assert d.sm_starts == (("sm0", pytest.approx(0.012)),)  # a floor above the shared cap is still allowed

@@ -4,7 +4,8 @@ Invariants:
 - Every error carries `message`, a sentence that says what to change (or, for overload, when to retry).
 - The core never imports grpc: the edge maps `InvalidArgument` -> INVALID_ARGUMENT, `UnknownModel` -> NOT_FOUND,
   `Overloaded` -> RESOURCE_EXHAUSTED (+ RetryInfo / `retry-after-ms` from `retry_after_ms`),
-  `SloInfeasible` and `ItlInfeasible` -> FAILED_PRECONDITION, `DeadlineExceeded` -> DEADLINE_EXCEEDED, `Draining` -> UNAVAILABLE.
+  `SloInfeasible` and `ItlInfeasible` -> FAILED_PRECONDITION, `DeadlineExceeded` -> DEADLINE_EXCEEDED, `Draining` -> UNAVAILABLE,
+  `Unauthenticated` -> UNAUTHENTICATED.
 - Errors are plain values (compare equal by fields) so tests and `Refuse` can hold and compare them.
 """
 
@@ -123,6 +124,10 @@ class DeadlineExceeded(OctoserveError):
 
     def __init__(self, message: str = "the deadline passed before the first token; raise the deadline or retry") -> None:
         super().__init__(message)
+
+
+class Unauthenticated(OctoserveError):
+    """No API key, or a key this node does not know (the key itself is never repeated back)."""
 
 
 class Draining(OctoserveError):

@@ -48,6 +48,7 @@ SM state during a lease is chosen per SM by `lease_state` (drain / keep / swap /
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -73,6 +74,11 @@ class GangPolicy:
     max_lag_ms: float = 100.0  # slack shape: the most virtual-time credit a side may bank
     lease_ms: float = 15.0  # periodic shape: the LM's lease in every period
     period_ms: float = 30.0  # periodic shape
+    # While both sides have work, an LM step is capped at lm_shared_step_ms and an SM step at sm_shared_step_ms
+    # (never below the step's floor), so one step of each fits one ITL; a side alone keeps its full steps.
+    # 0: no such cap. Placement sets them from `gang.lm_step_share` and the ITL SLO.
+    lm_shared_step_ms: float = 0.0
+    sm_shared_step_ms: float = 0.0
 
     def problems(self) -> list[str]:
         out = []
@@ -81,7 +87,7 @@ class GangPolicy:
         for name in ("max_lm_wait_ms", "max_sm_stall_ms", "lm_weight", "sm_weight", "period_ms"):
             if not getattr(self, name) > 0:
                 out.append(f"gang.{name} is {getattr(self, name)!r}; set a positive number")
-        for name in ("urgent_ms", "min_slice_ms", "max_lag_ms", "lease_ms"):
+        for name in ("urgent_ms", "min_slice_ms", "max_lag_ms", "lease_ms", "lm_shared_step_ms", "sm_shared_step_ms"):
             if not getattr(self, name) >= 0:
                 out.append(f"gang.{name} is {getattr(self, name)!r}; set a number >= 0")
         if self.lease_ms >= self.period_ms:
@@ -291,6 +297,8 @@ class GangArbiter:
         cap = self._max_stall_s
         for s in sm_work:
             cap = min(cap, self._stall_since.get(s.member_id, now) + self._max_stall_s - now)
+        if horizon and sm_work and self.policy.lm_shared_step_ms > 0:
+            cap = min(cap, max(self._lm_floor, self.policy.lm_shared_step_ms / 1e3))
         if horizon and self.policy.shape == "periodic" and sm_work and self.holder is Holder.LM:
             cap = min(cap, self._lease_start + self.policy.lease_ms / 1e3 - now)
         if horizon and self.policy.shape == "slack":
@@ -302,6 +310,8 @@ class GangArbiter:
 
     def _sm_cap(self, now: float, lm: MemberView, floor_s: float) -> float:
         cap = self._max_wait_s if self._lm_wait_since is None else self._lm_wait_since + self._max_wait_s - now
+        if lm.has_work and self.policy.sm_shared_step_ms > 0:
+            cap = min(cap, max(floor_s, self.policy.sm_shared_step_ms / 1e3))
         if self.policy.shape == "slack" and lm.has_work and lm.deadline_s is not None and lm.deadline_s >= now:
             cap = min(cap, max(floor_s, lm.deadline_s - now))
         return cap
@@ -411,6 +421,13 @@ def lease_state_costs(
         recompute_s=running_context_tokens * prefill_s_per_token,
         host_room=host_room,
     )
+
+
+def with_shared_steps(policy: GangPolicy, lm_step_share: float, itl_ms: float, headroom: float = 0.85) -> GangPolicy:
+    """`policy` with the shared-step caps that split `headroom` x the ITL between one LM and one SM step."""
+    target_ms = itl_ms * headroom
+    return dataclasses.replace(policy, lm_shared_step_ms=lm_step_share * target_ms,
+                               sm_shared_step_ms=(1.0 - lm_step_share) * target_ms)
 
 
 def policy_from_mapping(raw: Mapping[str, object]) -> GangPolicy:

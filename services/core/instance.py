@@ -64,7 +64,7 @@ def _sizing_fields(node: NodeConfig, instance: InstanceConfig, cost_model: CostM
     if not policies.slo_sizing:
         return fields
     sized = size_for_slo(
-        cost_model, instance.role, itl_slo_ms=node.step_itl_ms(instance), max_num_seqs=instance.max_num_seqs,
+        cost_model, instance.role, itl_slo_ms=node.slo.itl_ms, max_num_seqs=instance.max_num_seqs,
         max_num_batched_tokens=instance.max_num_batched_tokens,
     )
     fields.update(max_num_seqs=sized.max_num_seqs, max_num_batched_tokens=sized.max_num_batched_tokens)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from octoserve.services.core.cost_model import COST_PROFILES, CostModel, cost_constants
-from octoserve.services.core.gang import GangPolicy, check_bounds
+from octoserve.services.core.gang import GangPolicy, check_bounds, with_shared_steps
 from octoserve.services.core.specs import (
     GPU_PRESETS,
     MODEL_PRESETS,
@@ -148,8 +148,8 @@ class GangGroup:
 class GangConfig:
     groups: tuple[GangGroup, ...]
     policy: GangPolicy = GangPolicy()  # shape, the two bounds, fair-share weights (services/core/gang.py)
-    # Steps are sized against a share of the ITL SLO: the LM's to lm_step_share x ITL, the SMs' to the rest, so
-    # an LM step and an SM step together fit one ITL.
+    # While both sides have work, an LM step is capped at lm_step_share of the sized ITL target and an SM step at
+    # the rest, so one step of each fits one ITL (GangPolicy.lm/sm_shared_step_ms); a side alone steps in full.
     lm_step_share: float = 0.6
 
     def group_of(self, instance_id: str) -> GangGroup | None:
@@ -171,7 +171,8 @@ class NodeConfig:
     gang: GangConfig | None = None  # time-shared GPUs (gang leases); None: every GPU belongs to one instance
 
     def step_itl_ms(self, instance: InstanceConfig) -> float:
-        """The ITL an instance's steps are sized against: the SLO, or its share of it inside a gang group."""
+        """An instance's share of the ITL while it time-shares its GPUs: the SLO alone, its step share in a gang
+        group (the planner's estimate and the router's prefill rate use it; batchers are sized to the full SLO)."""
         group = self.gang.group_of(instance.id) if self.gang else None
         if group is None:
             return self.slo.itl_ms
@@ -223,7 +224,8 @@ def instances_of(config: NodeConfig, model: str) -> tuple[InstanceConfig, ...]:
 # --- building from a dict ----------------------------------------------------------------------------------------
 
 _TOP_KEYS = ("gpu", "num_gpus", "models", "instances", "slo", "policies", "cost_profile", "gang")
-_GANG_KEYS = ("groups", "lm_step_share", *GangPolicy.__dataclass_fields__)
+_GANG_KEYS = ("groups", "lm_step_share",
+              *(k for k in GangPolicy.__dataclass_fields__ if k not in ("lm_shared_step_ms", "sm_shared_step_ms")))
 _INSTANCE_KEYS = tuple(f.name for f in dataclasses.fields(InstanceConfig))
 _SLO_KEYS = ("ttft_ms", "itl_ms", "tier_ttft_ms")
 _POLICY_KEYS = tuple(f.name for f in dataclasses.fields(PolicyConfig))
@@ -242,7 +244,7 @@ def node_config_from_dict(d: Mapping[str, Any]) -> NodeConfig:
     slo = _slo(d.get("slo") or {}, problems)
     policies = _policies(d.get("policies") or {}, problems)
     cost_profile = _cost_profile(d.get("cost_profile", "default"), problems)
-    gang = _gang(d["gang"], problems) if d.get("gang") is not None else None
+    gang = _gang(d["gang"], slo.itl_ms, problems) if d.get("gang") is not None else None
     if problems:
         raise PlacementError(problems)
     config = NodeConfig(gpu, num_gpus, models, instances, slo, policies, cost_profile, gang)
@@ -561,7 +563,7 @@ def _check_roles(config: NodeConfig, problems: list[str]) -> None:
 # --- gang groups ---------------------------------------------------------------------------------------------------
 
 
-def _gang(raw: Any, problems: list[str]) -> GangConfig | None:
+def _gang(raw: Any, itl_ms: float, problems: list[str]) -> GangConfig | None:
     if not isinstance(raw, Mapping):
         problems.append(f"gang is {raw!r}; give a mapping with groups and the lease policy keys")
         return None
@@ -578,14 +580,14 @@ def _gang(raw: Any, problems: list[str]) -> GangConfig | None:
     if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share < 1:
         problems.append(f"gang.lm_step_share is {share!r}; set a fraction in (0, 1), e.g. 0.6")
         share = 0.6
-    policy_keys = {k: raw[k] for k in GangPolicy.__dataclass_fields__ if k in raw}
+    policy_keys = {k: raw[k] for k in _GANG_KEYS if k in raw and k not in ("groups", "lm_step_share")}
     for key, value in policy_keys.items():
         if key != "shape" and (isinstance(value, bool) or not isinstance(value, (int, float))):
             problems.append(f"gang.{key} is {value!r}; set a number")
             return None
     policy = GangPolicy(**{k: (str(v) if k == "shape" else float(v)) for k, v in policy_keys.items()})
     problems += policy.problems()
-    return GangConfig(tuple(groups), policy, float(share))
+    return GangConfig(tuple(groups), with_shared_steps(policy, float(share), itl_ms), float(share))
 
 
 def _check_gang(config: NodeConfig, problems: list[str]) -> None:
@@ -641,7 +643,7 @@ def gang_step_floor_s(config: NodeConfig, inst: InstanceConfig) -> float:
     from octoserve.services.core.slo_sizing import size_for_slo
 
     cost = config.cost_model(inst)
-    sized = size_for_slo(cost, inst.role, itl_slo_ms=config.step_itl_ms(inst), max_num_seqs=inst.max_num_seqs,
+    sized = size_for_slo(cost, inst.role, itl_slo_ms=config.slo.itl_ms, max_num_seqs=inst.max_num_seqs,
                          max_num_batched_tokens=inst.max_num_batched_tokens)
     table = sized.decode_step_s_by_num_decodes
     return table[-1] if table else cost.decode_step_time_s(sized.max_num_seqs, sized.context_tokens or 1200)

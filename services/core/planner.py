@@ -47,7 +47,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from octoserve.services.core.cost_model import CostModel
-from octoserve.services.core.gang import GangPolicy
+from octoserve.services.core.gang import GangPolicy, with_shared_steps
 from octoserve.services.core.placement import (
     GangConfig,
     GangGroup,
@@ -335,7 +335,8 @@ def candidate_placements(
 
 def gang_placements(
     gpu: GpuSpec, models: Mapping[str, ModelSpec], num_gpus: int = 8, *, slo: SloConfig = SloConfig(),
-    policies: PolicyConfig = PolicyConfig(), cost_profile: str = "default", policy: GangPolicy = GangPolicy(),
+    policies: PolicyConfig = PolicyConfig(), cost_profile: str = "default",
+    policy: GangPolicy = GangPolicy(max_lm_wait_ms=25.0, max_sm_stall_ms=55.0),
 ) -> list[Placement]:
     """Time-shared candidates of two models: the large one at TP=`num_gpus` colocated over one small replica per
     GPU, and the hybrid (a TP=half prefill instance on the first half, a TP=half decode instance time-shared with
@@ -360,7 +361,7 @@ def gang_placements(
     for label, insts, lm_id in shapes:
         group = GangGroup(lm_id, tuple(i.id for i in insts if i.model == small))
         for share in GANG_LM_STEP_SHARES:
-            gang = GangConfig((group,), policy, share)
+            gang = GangConfig((group,), with_shared_steps(policy, share, slo.itl_ms), share)
             cfg = NodeConfig(gpu, num_gpus, dict(models), tuple(insts), slo, policies, cost_profile, gang)
             out.append(Placement(f"{label} (LM step share {share:g})", cfg))
     return [p for p in out if not check_placement(p.config)]

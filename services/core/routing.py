@@ -202,6 +202,7 @@ class RouterPolicy:
         self._filters = [FILTERS.get(n) for n in config.policies.routing_filters]
         self._scorers = [(SCORERS.get(n), w) for n, w in sorted(config.policies.scorer_weights.items()) if w > 0]
         self._next_turn: dict[str, int] = {}  # model -> round-robin position among its entry instances
+        self.observers: list[Callable[[RequestSpec], None]] = []  # told of every request routed (headroom summary)
 
     # --- hooks --------------------------------------------------------------------------------------------------
 
@@ -248,10 +249,20 @@ class RouterPolicy:
     def route(self, spec: RequestSpec, loads: Mapping[str, EngineLoad] | Sequence[EngineLoad], now: float) -> Route | Refuse:
         """Admit and place `spec`, or refuse it. `now` is unused today: snapshots carry the state; kept so
         deadline-aware policies need no signature change."""
+        for observe in self.observers:
+            observe(spec)
         decision = self._route(spec, loads)
         if spec.priority < Priority.BATCH and self.config.policies.admission:
             self.pressure.observe(spec.model, isinstance(decision, Refuse) and isinstance(decision.error, Overloaded))
         return decision
+
+    def candidates(self, spec: RequestSpec, loads: Mapping[str, EngineLoad]) -> list[Candidate]:
+        """The entry instances of `spec`'s model as route() sees them, before any filter, changing no state: what a
+        node's headroom summary (octoserve.services.cluster) is computed from."""
+        return self._candidates(spec, loads)
+
+    def passes_filters(self, c: Candidate) -> bool:
+        return all(f(c) for f in self._filters)
 
     def _route(self, spec: RequestSpec, loads: Mapping[str, EngineLoad] | Sequence[EngineLoad]) -> Route | Refuse:
         if not isinstance(loads, Mapping):

@@ -25,6 +25,8 @@ import prometheus_client
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from octoserve.services.rpc.loop_metrics import start_task_gauge
+
 HOST = "127.0.0.1"
 
 # Tokens are small but prompts can be long (32k ids ~ 160 KiB); keep the default 4 MiB and say so explicitly.
@@ -85,6 +87,9 @@ class ServiceSpec:
     close: Callable[[], Awaitable[None]] | None = None  # after the server stopped
     on_serving: Callable[["RunningService"], Awaitable[None]] | None = None  # after SERVING, before the ready file
     registry: prometheus_client.CollectorRegistry = field(default_factory=lambda: prometheus_client.REGISTRY)
+    grpc_options: Sequence[tuple[str, int]] = ()  # added to (or overriding) GRPC_OPTIONS
+    host: str = HOST  # beyond loopback only with credentials (services/trust.py checks before building the spec)
+    server_credentials: grpc.ServerCredentials | None = None  # mTLS; None: plaintext
 
 
 @dataclass
@@ -95,11 +100,12 @@ class RunningService:
     port: int
     metrics_port: int | None
     _metrics_server: object = None
+    _task_gauge: asyncio.Task | None = None
     _stopped: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def address(self) -> str:
-        return f"{HOST}:{self.port}"
+        return f"{self.spec.host}:{self.port}"
 
     async def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -126,25 +132,32 @@ class RunningService:
             await self.spec.close()
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
+        if self._task_gauge is not None:
+            self._task_gauge.cancel()
         log.info("stopped", extra=log_fields(drain_s=round(time.monotonic() - t0, 3)))
 
 
 async def start_service(spec: ServiceSpec) -> RunningService:
-    server = grpc.aio.server(options=GRPC_OPTIONS)
+    server = grpc.aio.server(options=tuple({**dict(GRPC_OPTIONS), **dict(spec.grpc_options)}.items()))
     spec.add_servicers(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (*spec.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)
-    port = server.add_insecure_port(f"{HOST}:{spec.port}")
+    if spec.server_credentials is not None:
+        port = server.add_secure_port(f"{spec.host}:{spec.port}", spec.server_credentials)
+    else:
+        port = server.add_insecure_port(f"{spec.host}:{spec.port}")
     if port == 0:
-        raise OSError(f"{spec.name}: cannot bind {HOST}:{spec.port}; choose a free port or 0")
+        raise OSError(f"{spec.name}: cannot bind {spec.host}:{spec.port}; choose a free port or 0")
     await server.start()
     metrics_server, metrics_port = None, None
     if spec.metrics_port is not None:
-        metrics_server, _ = prometheus_client.start_http_server(spec.metrics_port, addr=HOST, registry=spec.registry)
+        metrics_server, _ = prometheus_client.start_http_server(spec.metrics_port, addr=spec.host, registry=spec.registry)
         metrics_port = metrics_server.server_port
     running = RunningService(spec, server, health_servicer, port, metrics_port, metrics_server)
+    if spec.metrics_port is not None:
+        running._task_gauge = start_task_gauge(spec.registry)
     if spec.start is not None:
         await spec.start()
     await running.set_serving(True)

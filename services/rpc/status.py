@@ -25,6 +25,7 @@ from octoserve.services.core.errors import (
     OctoserveError,
     Overloaded,
     SloInfeasible,
+    Unauthenticated,
     UnknownModel,
 )
 from octoserve.services.engine.base import CapacityError, EngineError, HandoffError
@@ -39,6 +40,7 @@ _CODES: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (ItlInfeasible, grpc.StatusCode.FAILED_PRECONDITION),
     (DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
     (Draining, grpc.StatusCode.UNAVAILABLE),
+    (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
     (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (HandoffError, grpc.StatusCode.UNAVAILABLE),
 )

@@ -18,11 +18,12 @@ from collections.abc import AsyncIterator
 import grpc
 import prometheus_client as prom
 
-from octoserve.services.core.errors import Draining
+from octoserve.services.core.errors import Draining, InvalidArgument
 from octoserve.services.core.types import EngineLoad, KVEvent
 from octoserve.services.engine.base import Engine
 from octoserve.services.rpc import convert
 from octoserve.services.rpc import status as rpc_status
+from octoserve.services.rpc.limits import check_worker_spec
 from octoserve.services.rpc.gen import worker_pb2 as w_pb
 from octoserve.services.rpc.gen import worker_pb2_grpc as w_grpc
 
@@ -30,6 +31,7 @@ log = logging.getLogger("octoserve.worker")
 
 DEFAULT_LOAD_INTERVAL_MS = 20  # ~ one decode step of the 70B at TP=4: the router's view is at most a step old
 MIN_LOAD_INTERVAL_MS = 5
+MAX_LOAD_INTERVAL_MS = 10_000  # a longer interval would park the stream (and its KV-event buffer) for nothing
 
 # Latency buckets in seconds (modelled time x time_scale on the live clock), from 1 ms to 20 s.
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0)
@@ -120,6 +122,16 @@ class WorkerBase(w_grpc.WorkerServicer):
         self._idle = asyncio.Event()
         self._idle.set()
         self._seq = 0
+        self.model_spec = None  # the served model's ModelSpec, when known: requests are validated against it
+
+    async def _checked_spec(self, msg: w_pb.RequestSpec, context: grpc.aio.ServicerContext):
+        """The request as the core sees it, or INVALID_ARGUMENT: a worker does not trust its caller's input."""
+        spec = convert.spec_from_pb(msg)
+        try:
+            check_worker_spec(spec, self.engine.model, self.model_spec)
+        except InvalidArgument as e:
+            await rpc_status.abort(context, e)
+        return spec
 
     # ---- lifecycle --------------------------------------------------------------------------------------------
 
@@ -183,7 +195,8 @@ class WorkerBase(w_grpc.WorkerServicer):
         return self._report()
 
     async def WatchLoad(self, request, context) -> AsyncIterator[w_pb.LoadReport]:
-        interval_s = max(request.interval_ms or DEFAULT_LOAD_INTERVAL_MS, MIN_LOAD_INTERVAL_MS) / 1000.0
+        interval_ms = request.interval_ms or DEFAULT_LOAD_INTERVAL_MS
+        interval_s = min(max(interval_ms, MIN_LOAD_INTERVAL_MS), MAX_LOAD_INTERVAL_MS) / 1000.0
         buf = self.kv_events.subscribe()
         try:
             while not (self.draining and self.in_flight == 0):  # a drained worker ends its streams: stop is quick

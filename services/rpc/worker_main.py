@@ -13,12 +13,14 @@ import logging
 import os
 from collections.abc import Callable
 
-import grpc
+import grpc  # noqa: F401  (kept for the worker's own channels)
 
 from octoserve.services.rpc.gen import scheduler_pb2 as s_pb
 from octoserve.services.rpc.gen import scheduler_pb2_grpc as s_grpc
 from octoserve.services.rpc.gen import worker_pb2 as w_pb
 from octoserve.services.rpc.gen import worker_pb2_grpc as w_grpc
+from octoserve.services import trust
+from octoserve.services.rpc.hardening import add_servicer
 from octoserve.services.rpc.server import RunningService, ServiceSpec, setup_logging
 from octoserve.services.rpc.worker_base import WorkerBase
 from octoserve.services.scheduler.gang_live import attach_gang_gate
@@ -35,6 +37,8 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--time-scale", type=float, default=1.0, help="dilate modelled time by this factor")
     parser.add_argument("--scheduler", default="", help="scheduler host:port to register with")
     parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (beyond loopback: needs tls)")
+    parser.add_argument("--allow-insecure", action="store_true", help="listen beyond loopback without tls anyway")
     parser.add_argument("--metrics-port", type=int, default=0)
     parser.add_argument("--ready-file", default=None)
     parser.add_argument("--grace-s", type=float, default=10.0)
@@ -43,20 +47,24 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
 
 async def register(scheduler: str, instance_id: str, address: str) -> None:
     """Tell the scheduler where this instance serves; retried (bounded) while the scheduler starts."""
-    async with grpc.aio.insecure_channel(scheduler) as channel:
+    async with trust.channel(scheduler) as channel:
         stub = s_grpc.SchedulerStub(channel)
         request = s_pb.RegisterWorkerRequest(instance_id=instance_id, address=address, pid=os.getpid())
         await stub.RegisterWorker(request, timeout=REGISTER_TIMEOUT_S, wait_for_ready=True)
 
 
 def worker_spec(args: argparse.Namespace, make_servicer: Callable[..., WorkerBase]) -> ServiceSpec:
-    from octoserve.services.config import load_node_config
+    from octoserve.services.config import load_node_config, load_service_sections
+
+    tls = trust.configure(load_service_sections(args.config).get("tls"), "worker")
+    trust.check_bind(args.host, tls, args.allow_insecure, f"worker {args.instance}")
     from octoserve.services.engine.factory import make_engine
 
     node_cfg = load_node_config(args.config)
     engine = make_engine(node_cfg, args.instance, engine=args.engine, time_scale=args.time_scale, model_path=args.model)
     attach_gang_gate(engine, node_cfg, args.instance, args.scheduler, args.time_scale)  # gang members step on grants
     servicer = make_servicer(engine)
+    servicer.model_spec = node_cfg.models.get(engine.model)
 
     async def on_serving(running: RunningService) -> None:
         if args.scheduler:
@@ -65,11 +73,13 @@ def worker_spec(args: argparse.Namespace, make_servicer: Callable[..., WorkerBas
     return ServiceSpec(
         name=f"worker:{args.instance}",
         port=args.port,
+        host=args.host,
+        server_credentials=tls.server_credentials() if tls else None,
         metrics_port=args.metrics_port,
         grace_s=args.grace_s,
         ready_file=args.ready_file,
         service_names=(WORKER_SERVICE,),
-        add_servicers=lambda server: w_grpc.add_WorkerServicer_to_server(servicer, server),
+        add_servicers=lambda server: add_servicer(servicer, w_pb.DESCRIPTOR.services_by_name["Worker"], server),
         start=servicer.start,
         drain=servicer.drain,
         close=servicer.close,
@@ -105,7 +115,12 @@ def run_main_with(args: argparse.Namespace, make_servicer: Callable[..., WorkerB
     async def build_and_serve() -> int:
         from octoserve.services.rpc.server import serve_until_signal
 
-        return await serve_until_signal(worker_spec(args, make_servicer))
+        try:
+            spec = worker_spec(args, make_servicer)
+        except trust.TrustError as e:
+            logging.getLogger("octoserve.worker").error(str(e))
+            return 2
+        return await serve_until_signal(spec)
 
     try:
         import uvloop

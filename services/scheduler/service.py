@@ -28,6 +28,8 @@ from octoserve.services.rpc.gen import scheduler_pb2 as s_pb
 from octoserve.services.rpc.gen import scheduler_pb2_grpc as s_grpc
 from octoserve.services.rpc.gen import worker_pb2 as w_pb
 from octoserve.services.rpc.gen import worker_pb2_grpc as w_grpc
+from octoserve.services import trust
+from octoserve.services.rpc.hardening import add_servicer
 from octoserve.services.rpc.server import ServiceSpec, setup_logging
 from octoserve.services.scheduler.gang_live import GangCollector, GangHub
 
@@ -36,6 +38,8 @@ log = logging.getLogger("octoserve.scheduler")
 SCHEDULER_SERVICE = s_pb.DESCRIPTOR.services_by_name["Scheduler"].full_name
 LOAD_INTERVAL_MS = 100  # the scheduler balances pools on a seconds scale; the router gets its own faster stream
 RECONNECT_S = 0.2
+MAX_LEASE_MS = 600_000  # a gang job holds its instances at most 10 minutes per lease (renew for longer)
+PAUSE_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +78,8 @@ class SchedulerServicer(s_grpc.SchedulerServicer):
             known = ", ".join(i.id for i in self.config.instances)
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"instance {request.instance_id!r} is not in the node config; known: {known}")
+        if (problem := address_problem(request.address)) is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         self.addresses[request.instance_id] = request.address
         self._registered.set(len(self.addresses))
         self._watch(request.instance_id, request.address)
@@ -106,7 +112,7 @@ class SchedulerServicer(s_grpc.SchedulerServicer):
         channel = self._channels.pop(instance_id, None)
         if channel is not None:
             asyncio.get_running_loop().create_task(channel.close())
-        self._channels[instance_id] = grpc.aio.insecure_channel(address)
+        self._channels[instance_id] = trust.channel(address)
         self._watchers[instance_id] = asyncio.create_task(self._watch_loop(instance_id))
 
     async def _watch_loop(self, instance_id: str) -> None:
@@ -135,9 +141,21 @@ class SchedulerServicer(s_grpc.SchedulerServicer):
         if busy := sorted(held.intersection(ids)):
             await context.abort(grpc.StatusCode.ABORTED,
                                 f"instances {', '.join(busy)} are already leased; retry after that lease ends")
+        if request.duration_ms > MAX_LEASE_MS:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"duration_ms {request.duration_ms} is over {MAX_LEASE_MS}; lease for at most that and "
+                                "acquire again to extend")
         duration_s = (request.duration_ms or 1000) / 1000.0
         lease = LeaseRecord(uuid.uuid4().hex, request.holder, ids, time.monotonic() + duration_s)
-        await asyncio.gather(*(self._stub(i).Pause(w_pb.PauseRequest(), timeout=10.0) for i in ids))
+        results = await asyncio.gather(*(self._stub(i).Pause(w_pb.PauseRequest(), timeout=PAUSE_TIMEOUT_S) for i in ids),
+                                       return_exceptions=True)
+        if failed := [i for i, r in zip(ids, results) if isinstance(r, BaseException)]:
+            paused = [i for i, r in zip(ids, results) if not isinstance(r, BaseException)]
+            await asyncio.gather(*(self._stub(i).Resume(w_pb.ResumeRequest(), timeout=PAUSE_TIMEOUT_S) for i in paused),
+                                 return_exceptions=True)
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"instances {', '.join(failed)} did not answer Pause; nothing was leased, retry when "
+                                "they are back")
         self.leases[lease.lease_id] = lease
         loop = asyncio.get_running_loop()
         self._lease_timers[lease.lease_id] = loop.call_later(
@@ -175,13 +193,23 @@ class SchedulerServicer(s_grpc.SchedulerServicer):
             await channel.close()
 
 
+def address_problem(address: str) -> str | None:
+    """None when `address` is a host:port a worker can be reached at, else what to change."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536 or "/" in host:
+        return f"worker address {address[:80]!r} is not host:port with a port in 1..65535; send the host:port this worker serves at"
+    return None
+
+
 def scheduler_spec(config: NodeConfig, *, port: int = 0, metrics_port: int | None = 0,
-                   ready_file: str | None = None, grace_s: float = 5.0) -> tuple[ServiceSpec, SchedulerServicer]:
+                   ready_file: str | None = None, grace_s: float = 5.0, host: str = "127.0.0.1",
+                   tls: trust.TlsFiles | None = None) -> tuple[ServiceSpec, SchedulerServicer]:
     servicer = SchedulerServicer(config)
     spec = ServiceSpec(
         name="scheduler", port=port, metrics_port=metrics_port, grace_s=grace_s, ready_file=ready_file,
+        host=host, server_credentials=tls.server_credentials() if tls else None,
         service_names=(SCHEDULER_SERVICE,),
-        add_servicers=lambda server: s_grpc.add_SchedulerServicer_to_server(servicer, server),
+        add_servicers=lambda server: add_servicer(servicer, s_pb.DESCRIPTOR.services_by_name["Scheduler"], server),
         close=servicer.close, registry=servicer.registry,
     )
     return spec, servicer
@@ -191,19 +219,29 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="scheduler", description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=None)
     parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (beyond loopback: needs tls)")
+    parser.add_argument("--allow-insecure", action="store_true", help="listen beyond loopback without tls anyway")
     parser.add_argument("--metrics-port", type=int, default=0)
     parser.add_argument("--ready-file", default=None)
     parser.add_argument("--grace-s", type=float, default=5.0)
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     setup_logging("scheduler", args.log_level)
+    from octoserve.services.config import load_service_sections
+
+    try:
+        tls = trust.configure(load_service_sections(args.config).get("tls"), "scheduler")
+        trust.check_bind(args.host, tls, args.allow_insecure, "scheduler")
+    except trust.TrustError as e:
+        log.error(str(e))
+        return 2
 
     async def serve() -> int:
         from octoserve.services.config import load_node_config
         from octoserve.services.rpc.server import serve_until_signal
 
         spec, _ = scheduler_spec(load_node_config(args.config), port=args.port, metrics_port=args.metrics_port,
-                                 ready_file=args.ready_file, grace_s=args.grace_s)
+                                 ready_file=args.ready_file, grace_s=args.grace_s, host=args.host, tls=tls)
         return await serve_until_signal(spec)
 
     import uvloop

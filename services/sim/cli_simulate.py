@@ -104,11 +104,12 @@ def config_source(path: str | None, cost_profile: str | None):
 
 def load_with_overrides(path: str | None, overrides: list[str], cost_profile: str | None = None):
     """The node config with `section.key=value` overrides and `--cost-profile` applied before validation."""
+    from octoserve.services.config import placement_part
     from octoserve.services.core.placement import node_config_from_dict
 
     if not overrides and cost_profile is None:
         return load_node_config(path)
-    return node_config_from_dict(raw_config_with_overrides(path, overrides, cost_profile))
+    return node_config_from_dict(placement_part(raw_config_with_overrides(path, overrides, cost_profile)))
 
 
 def simulate_with_progress(

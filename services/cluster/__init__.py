@@ -1,0 +1,1 @@
+"""The cluster tier: node headroom summaries, the cluster picker, and the simulator at cluster scale."""

@@ -1,0 +1,54 @@
+"""`python -m octoserve.services.cluster --nodes HOST:PORT,... [--config node.yaml] [--port 9002]`: the picker.
+
+Polls every node router's headroom summary and serves octoserve.cluster.v1.Picker/Pick (services/cluster/
+service.py), with the standard health service, reflection, Prometheus metrics and the SIGTERM drain of every
+octoserve process. The node config gives the tier SLOs, retry floor and KV reservation (the nodes' own).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+
+from octoserve.services.cluster.picker import ClusterPicker, policy_from_node
+from octoserve.services.cluster.service import PICKER_SERVICE, PickerService
+from octoserve.services.rpc.server import ServiceSpec, run_main, setup_logging
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m octoserve.services.cluster", description=__doc__.splitlines()[0])
+    parser.add_argument("--nodes", required=True, help="comma-separated node router addresses, host:port")
+    parser.add_argument("--config", default=None, help="node config YAML (default: the embedded placement)")
+    parser.add_argument("--port", type=int, default=9002)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a Kubernetes pod)")
+    parser.add_argument("--metrics-port", type=int, default=0)
+    parser.add_argument("--ready-file", default=None)
+    parser.add_argument("--grace-s", type=float, default=5.0)
+    parser.add_argument("--poll-s", type=float, default=0.1, help="how often each node's summary is read")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--log-level", default="INFO")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from octoserve.services.config import load_node_config
+
+    args = build_parser().parse_args(argv)
+    setup_logging("picker", args.log_level)
+    config = load_node_config(args.config)
+    nodes = [n.strip() for n in args.nodes.split(",") if n.strip()]
+    if not nodes:
+        print("--nodes needs at least one host:port", file=sys.stderr)
+        return 2
+    picker = ClusterPicker(policy_from_node(config.policies, config.slo.tier_ttft_ms, config.slo.itl_ms),
+                           random.Random(args.seed))
+    service = PickerService(picker, nodes, poll_s=args.poll_s)
+    spec = ServiceSpec(name="picker", host=args.host, port=args.port, metrics_port=args.metrics_port, grace_s=args.grace_s,
+                       ready_file=args.ready_file, service_names=(PICKER_SERVICE,), add_servicers=service.add_to_server,
+                       start=service.start, close=service.close)
+    return run_main(spec)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,29 @@
+"""The cluster tier live: two whole node stacks (sim engines, dilated) behind the picker service on 127.0.0.1.
+
+Agreement with the cluster simulator (±15 % on goodput, TTFT P95, ITL P95) and node loss (SIGKILL of one router
+mid-run). Heavy: 15 processes on a small machine, so low rates and a high time scale; several minutes.
+"""
+
+import pytest
+
+from octoserve.services.agreement import TOLERANCE
+from octoserve.services.cluster.live import run_agreement, run_kill
+
+pytestmark = pytest.mark.slow
+
+
+def test_two_live_nodes_behind_the_picker_agree_with_the_cluster_simulator():
+    result = run_agreement(2, rate=8.0, duration_s=10.0, time_scale=15.0, max_output=32)
+    assert result.live.overall.num_offered == result.virtual.overall.num_offered
+    assert result.live.overall.num_errors == 0, result.table()
+    assert all(abs(d) <= TOLERANCE for d in result.relative_differences().values()), result.table()
+
+
+def test_killing_a_node_leaves_no_client_without_a_status_and_moves_traffic():
+    report = run_kill(2, rate=12.0, duration_s=8.0, time_scale=10.0, max_output=128, kill_at_s=4.0)
+    assert report.num_without_status == 0
+    assert report.num_cut_off > 0  # the kill did catch streams in flight
+    # What the dead node did not finish ended with UNAVAILABLE (retryable), nothing else.
+    assert set(report.statuses_on_dead) == {"UNAVAILABLE"}
+    assert report.recovery_s is not None  # picks to the dead node stopped ...
+    assert report.num_after_kill_completed > 0  # ... and the live node served the traffic after the kill

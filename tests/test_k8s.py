@@ -1,0 +1,177 @@
+"""Kubernetes manifests (services/k8s.py): schema-valid offline, consistent with the placement, committed fresh.
+
+Every generated object is validated against the Kubernetes JSON schemas bundled in `kubernetes-validate` (strict:
+unknown fields fail), for the default and the disaggregated placement. The probes are checked against a real
+grpc.aio service started the way a pod starts it (listening on 0.0.0.0), speaking grpc.health.v1 exactly
+as the kubelet's native gRPC probe does.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import grpc.aio
+import kubernetes_validate
+import pytest
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from octoserve.services import k8s
+from octoserve.services.config import load_node_config
+from octoserve.services.rpc import server as rpc_server
+
+REPO = Path(__file__).resolve().parents[1]
+KUBERNETES_VERSION = "1.33.0"  # native gRPC probes are GA since 1.27
+PLACEMENTS = {"default": "services/configs/node-default.yaml", "disagg": "services/configs/node-disagg.yaml"}
+
+
+def _generated(name: str, nodes: int = 2) -> list[dict]:
+    path = REPO / PLACEMENTS[name]
+    return k8s.manifests(load_node_config(str(path)), nodes, path.read_text())
+
+
+@pytest.mark.parametrize("name", sorted(PLACEMENTS))
+def test_every_manifest_validates_against_the_kubernetes_schemas(name):
+    docs = _generated(name, nodes=3)
+    kinds = [d["kind"] for d in docs]
+    assert kinds == ["ConfigMap", "StatefulSet", "Service", "Service", "PodDisruptionBudget", "Deployment", "Service",
+                     "PodDisruptionBudget"]
+    for doc in docs:
+        assert kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True) == "1.33"
+
+
+def test_schema_validation_rejects_a_broken_object():
+    """The validator is not a no-op: an unknown field and a string port both fail."""
+    sts = copy.deepcopy(_generated("default")[1])
+    sts["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"] = "fifty"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(sts, KUBERNETES_VERSION, strict=True)
+    sts = copy.deepcopy(_generated("default")[1])
+    sts["spec"]["template"]["spec"]["containers"][0]["gpus"] = 8
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(sts, KUBERNETES_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("name", sorted(PLACEMENTS))
+def test_committed_files_are_the_generator_output(name):
+    out = REPO / "deploy" / "k8s" / name
+    path = PLACEMENTS[name]
+    files = k8s.render_files(load_node_config(str(REPO / path)), 2, path, (REPO / path).read_text())
+    for file_name, text in files.items():
+        assert (out / file_name).read_text() == text, f"regenerate: octoserve k8s --config {path} --out {out}"
+    assert sorted(p.name for p in out.iterdir()) == sorted(files)
+
+
+def test_check_flag_fails_on_a_stale_file_and_passes_on_a_fresh_one(tmp_path, capsys):
+    args = ["--config", str(REPO / PLACEMENTS["default"]), "--out", str(tmp_path / "k")]
+    assert k8s.main([*args, "--check"]) == 1  # nothing written yet
+    assert k8s.main(args) == 0
+    assert k8s.main([*args, "--check"]) == 0
+    manifest = tmp_path / "k" / k8s.MANIFEST_FILE
+    manifest.write_text(manifest.read_text().replace("replicas: 2", "replicas: 3", 1))
+    assert k8s.main([*args, "--check"]) == 1
+    assert "differs from the generator" in capsys.readouterr().err
+    assert k8s.main([*args, "--nodes", "0"]) == 2
+
+
+def test_one_pod_per_gpu_node_with_each_worker_on_its_instances_gpus():
+    sts = _generated("disagg", nodes=4)[1]
+    pod = sts["spec"]["template"]["spec"]
+    assert sts["spec"]["replicas"] == 4 and sts["spec"]["serviceName"] == "octoserve-nodes"
+    names = [c["name"] for c in pod["containers"]]
+    assert names == ["scheduler", "router", "worker-lm-prefill-0", "worker-lm-decode-0", "worker-sm-0", "worker-sm-1"]
+    gpus = [c["resources"]["limits"].get("nvidia.com/gpu") for c in pod["containers"]]
+    assert gpus == [None, None, "2", "4", "1", "1"]  # TP of each instance; 8 in all, so one pod fills one node
+    assert [c["resources"]["requests"].get("nvidia.com/gpu") for c in pod["containers"]] == gpus
+    anti = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]
+    assert anti["topologyKey"] == "kubernetes.io/hostname"
+    assert pod["containers"][2]["command"][:5] == ["python", "-m", "octoserve.prefill_worker", "--instance",
+                                                   "lm-prefill-0"]
+    assert all(c["resources"]["requests"]["cpu"] and c["resources"]["requests"]["memory"] for c in pod["containers"])
+
+
+def test_probes_security_drain_metrics_and_tls():
+    docs = _generated("default")
+    sts = docs[1]
+    pod = sts["spec"]["template"]["spec"]
+    s = k8s.K8sSettings()
+    assert pod["terminationGracePeriodSeconds"] == s.drain_grace_s + 15
+    for c in pod["containers"]:
+        port = c["ports"][0]["containerPort"]
+        for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+            assert c[probe]["grpc"] == {"port": port, "service": ""}
+        # Liveness tolerates NOT_SERVING for longer than the drain: the kubelet never restarts a draining process.
+        assert c["livenessProbe"]["periodSeconds"] * c["livenessProbe"]["failureThreshold"] > s.drain_grace_s
+        assert c["command"][-2:] == ["--grace-s", str(s.drain_grace_s)]
+        sc = c["securityContext"]
+        assert sc["runAsNonRoot"] and sc["readOnlyRootFilesystem"] and sc["capabilities"] == {"drop": ["ALL"]}
+        assert sc["allowPrivilegeEscalation"] is False and sc["runAsUser"] != 0
+        assert c["command"][c["command"].index("--host") + 1] == "0.0.0.0"
+        assert {"name": "tls", "mountPath": "/etc/octoserve/tls", "readOnly": True} in c["volumeMounts"]
+    tls = next(v for v in pod["volumes"] if v["name"] == "tls")
+    assert tls["secret"]["secretName"] == "octoserve-mtls"
+    annotations = sts["spec"]["template"]["metadata"]["annotations"]
+    router = next(c for c in pod["containers"] if c["name"] == "router")
+    metrics_port = next(p["containerPort"] for p in router["ports"] if p["name"] == "m-router")
+    assert annotations == {"prometheus.io/scrape": "true", "prometheus.io/port": str(metrics_port),
+                           "prometheus.io/path": "/metrics"}
+    public = docs[3]
+    assert [(p["name"], p["port"]) for p in public["spec"]["ports"]] == [("grpc", 50051), ("http", 8000)]
+    assert docs[2]["spec"]["clusterIP"] == "None"
+    assert [d["spec"]["maxUnavailable"] for d in docs if d["kind"] == "PodDisruptionBudget"] == [1, 1]
+    picker = docs[5]
+    assert picker["metadata"]["name"] == "octoserve-picker"
+    cmd = picker["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert cmd[cmd.index("--nodes") + 1] == ("octoserve-node-0.octoserve-nodes:50051,"
+                                             "octoserve-node-1.octoserve-nodes:50051")
+
+
+def test_podmonitor_scrapes_every_container_metrics_port():
+    config = load_node_config(str(REPO / PLACEMENTS["disagg"]))
+    pod = _generated("disagg")[1]["spec"]["template"]["spec"]
+    metric_ports = [p["name"] for c in pod["containers"] for p in c["ports"] if p["name"].startswith("m-")]
+    monitor = k8s.podmonitor(config)
+    assert [e["port"] for e in monitor["spec"]["podMetricsEndpoints"]] == [*metric_ports, "metrics"]
+
+
+def test_check_manifests_names_each_mismatch():
+    config = load_node_config(str(REPO / PLACEMENTS["default"]))
+    docs = _generated("default")
+    assert k8s.check_manifests(docs, config) == []
+    broken = copy.deepcopy(docs)
+    containers = broken[1]["spec"]["template"]["spec"]["containers"]
+    containers[2]["resources"]["limits"]["nvidia.com/gpu"] = "2"
+    del containers[3]
+    containers[4]["readinessProbe"] = {"exec": {"command": ["true"]}}
+    containers[4]["securityContext"]["readOnlyRootFilesystem"] = False
+    containers[1]["ports"][0]["containerPort"] = 50050
+    assert k8s.check_manifests(broken, config) == [
+        "worker-lm-0: requests 2 GPUs, the placement gives lm-0 4",
+        "instance sm-0 has no container; add 'worker-sm-0'",
+        "the node pod requests 5 GPUs, the placement uses 8; one pod per node",
+        "port 50050 is used by both scheduler and router; rename the instance",
+        "worker-sm-2: add a gRPC readinessProbe (grpc.health.v1)",
+        "worker-sm-2: run as non-root with a read-only root filesystem",
+    ]
+
+
+async def test_pod_binding_serves_grpc_health_as_the_kubelet_probes_it():
+    """`--host 0.0.0.0` (what the pod passes) makes the standard health service answer on every address;
+    Check(service="") is SERVING while up and NOT_SERVING once the drain starts (readiness drops first)."""
+    drained = []
+
+    async def drain(grace_s: float) -> None:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""))
+            drained.append(reply.status)
+
+    running = await rpc_server.start_service(rpc_server.ServiceSpec(name="probe-test", metrics_port=None, grace_s=2.0,
+                                                                    drain=drain, host="0.0.0.0"))
+    try:
+        async with grpc.aio.insecure_channel(f"localhost:{running.port}") as channel:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""))
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        await running.shutdown()
+    assert drained == [health_pb2.HealthCheckResponse.NOT_SERVING]
