@@ -129,6 +129,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-pending-deltas", type=int, default=DEFAULT_MAX_PENDING_DELTAS)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-level", default="INFO")
+    from octoserve.http_front.local import add_router_arguments
+
+    add_router_arguments(parser)  # the OpenAI-compatible front inside this process (off unless --http-port)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,7 +149,9 @@ def main(argv: list[str] | None = None) -> int:
         config = load_node_config(args.config)
         sections = load_service_sections(args.config)
         trust.configure(sections.get("tls"), "router")
-        spec, _ = router_spec(
+        from octoserve.http_front.local import with_front_inside
+
+        spec, servicer = router_spec(
             config,
             lambda: placement_from_scheduler(args.scheduler, args.startup_timeout_s),
             settings=RouterSettings(time_scale=args.time_scale, max_pending_deltas=args.max_pending_deltas,
@@ -155,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             port=args.port, metrics_port=args.metrics_port, ready_file=args.ready_file, grace_s=args.grace_s,
             startup_timeout_s=args.startup_timeout_s, seed=args.seed, host=args.host,
         )
-        return await serve_until_signal(spec)
+        return await serve_until_signal(with_front_inside(spec, servicer, args))
 
     import uvloop
 

@@ -2,7 +2,7 @@
 
     python -m octoserve.services.compose [--config node.yaml] [--out docker-compose.yml] [--check]
 
-One service per process: `scheduler`, `router`, and one `worker-<instance id>` per engine instance (prefill
+One service per process: `scheduler`, `router` (which also serves the OpenAI-compatible HTTP front), and one `worker-<instance id>` per engine instance (prefill
 instances run `prefill_worker`, decode and colocated ones `decode_worker`), each reserving exactly its instance's
 GPUs by id. The committed `docker-compose.yml` is this module's output for the default placement; a test holds
 them equal, so edit the placement (or this generator), never the YAML.
@@ -62,6 +62,7 @@ class ComposeSettings:
     models_target: str = "/models"
     scheduler_port: int = 50050
     router_port: int = 50051
+    http_port: int | None = 8000  # the OpenAI-compatible HTTP front, served by the router process; None: none
     first_worker_port: int = 50100  # worker i (placement order) listens on first_worker_port + i
     first_metrics_port: int = 9400  # scheduler, router, then workers in placement order
     worker_start_period_s: int = 900  # weights load before a worker reports SERVING
@@ -107,8 +108,13 @@ def _router(s: ComposeSettings) -> dict:
     metrics_port = s.first_metrics_port + 1
     command = ["python", "-m", "octoserve.router", "--config", s.config_target, "--scheduler", f"127.0.0.1:{s.scheduler_port}",
                "--port", str(s.router_port), "--metrics-port", str(metrics_port)]
+    if s.http_port is not None:  # the HTTP front inside the router process; tokenizers from the models mount
+        command += ["--http-port", str(s.http_port), "--http-models-root", s.models_target]
     service = _base_service(s, command, s.router_port, metrics_port, 30)
     service["depends_on"] = {"scheduler": {"condition": "service_healthy"}}
+    if s.http_port is not None:
+        service["volumes"].append(f"{s.models_source}:{s.models_target}:ro")
+        service["labels"]["octoserve.http_port"] = str(s.http_port)
     return service
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from octoserve.http_front.launch import http_front_args, inside_ready_file, inside_router_args, wait_http_healthy
 from octoserve.services import trust
 from octoserve.services.core.types import Role
 from octoserve.services.rpc.server import LAUNCHER_PID_ENV
@@ -70,6 +71,11 @@ class Node:
     run_dir: Path
     grace_s: float = DEFAULT_GRACE_S
     exit_codes: dict[str, int] = field(default_factory=dict)
+    http: ServiceProcess | None = None  # the OpenAI-compatible front (octoserve.http_front), when started
+
+    @property
+    def http_url(self) -> str | None:
+        return None if self.http is None else f"http://{self.http.address}"
 
     @property
     def router_address(self) -> str:
@@ -77,10 +83,10 @@ class Node:
 
     @property
     def processes(self) -> list[ServiceProcess]:
-        return [self.router, *self.workers.values(), self.scheduler]
+        return [*([self.http] if self.http else []), self.router, *self.workers.values(), self.scheduler]
 
     def stop(self) -> dict[str, int]:
-        for group in ([self.router], list(self.workers.values()), [self.scheduler]):
+        for group in ([self.http] if self.http else [], [self.router], list(self.workers.values()), [self.scheduler]):
             self.exit_codes.update(_stop_group(group, self.grace_s))
         return self.exit_codes
 
@@ -167,11 +173,15 @@ def start_node(
     grace_s: float = DEFAULT_GRACE_S,
     router_args: tuple[str, ...] = (),
     extra_env: Mapping[str, str] | None = None,
+    http_port: int | None = None,
+    http_inside: bool = True,
 ) -> Node:
     """Starts every process of the node and returns once all are SERVING (or stops them and raises LaunchError).
 
     config: None (embedded default placement), a YAML path, or a config dict. extra_env: variables added to every
-    child's environment (e.g. OCTOSERVE_VLLM_DTYPE for the vllm engine).
+    child's environment (e.g. OCTOSERVE_VLLM_DTYPE for the vllm engine). http_port: start the OpenAI-compatible
+    front on it (0: any free port; None: no front); http_inside: served by the router process (the default, measured
+    faster: docs/bench/openai_front.md) or, when False, by a process of its own.
     """
     from octoserve.router.tenants import tenant_settings_from_dict
     from octoserve.services.config import load_node_config, load_service_sections
@@ -206,17 +216,30 @@ def start_node(
             started.append(workers[inst.id])
         # The router waits for a complete placement and every worker's session: give it the whole startup budget
         # (vLLM workers take 20-110 s to start on a CPU machine, past the router's own 60 s default).
+        inside = http_port is not None and http_inside
         router = _spawn("router", "octoserve.router", [*common, "--scheduler", scheduler.address, "--time-scale",
                                              str(time_scale), "--port", str(port),
-                                             "--startup-timeout-s", str(startup_timeout_s), *router_args], run_dir, env)
+                                             "--startup-timeout-s", str(startup_timeout_s), *router_args,
+                                             *(inside_router_args(http_port, model_path, run_dir) if inside else ())],
+                        run_dir, env)
         started.append(router)
         for sp in started:
             _wait_ready(sp, deadline)
             wait_healthy(sp.address, deadline, internal=sp is not router)
+        http = None
+        if http_port is not None and inside:  # the router process serves it: the same process, its own ready file
+            http = ServiceProcess("http_front", router.proc, inside_ready_file(run_dir), router.log_file)
+        elif http_port is not None:  # after the router: it needs the router's port
+            http = _spawn("http_front", "octoserve.http_front", http_front_args(
+                router.address, http_port, model_path, grace_s, startup_timeout_s), run_dir, env)
+            started.append(http)
+        if http is not None:
+            _wait_ready(http, deadline)
+            wait_http_healthy(http.address, deadline)
     except BaseException:
         _stop_group(list(reversed(started)), grace_s=1.0)
         raise
-    return Node(router, scheduler, workers, run_dir, grace_s)
+    return Node(router, scheduler, workers, run_dir, grace_s, http=http)
 
 
 # ---- the `octoserve up` subcommand ----------------------------------------------------------------------------------
@@ -230,6 +253,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", choices=("sim", "vllm"), default="sim")
     parser.add_argument("--model", default=None, help="model directory (vllm engine)")
     parser.add_argument("--port", type=int, default=50051, help="router port on 127.0.0.1")
+    parser.add_argument("--http-port", type=int, default=8000,
+                        help="OpenAI-compatible HTTP front on 127.0.0.1 (default 8000; 0: any free port)")
+    parser.add_argument("--no-http", action="store_true", help="do not start the HTTP front")
+    parser.add_argument("--http-process", action="store_true",
+                        help="run the HTTP front as a process of its own instead of inside the router process")
     parser.add_argument("--run-dir", default=None, help="where logs and ready files go (default: a temp dir)")
     parser.add_argument("--startup-timeout-s", type=float, default=None,
                         help=f"default {DEFAULT_STARTUP_TIMEOUT_S:g} s, {VLLM_STARTUP_TIMEOUT_S:g} s with --engine vllm")
@@ -242,7 +270,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         node = start_node(config_source(args.config, args.cost_profile), args.time_scale, engine=args.engine, model_path=args.model, port=args.port,
-                          run_dir=args.run_dir, startup_timeout_s=startup_timeout_s(args), grace_s=args.grace_s)
+                          run_dir=args.run_dir, startup_timeout_s=startup_timeout_s(args), grace_s=args.grace_s,
+                          http_port=None if args.no_http else args.http_port, http_inside=not args.http_process)
     except LaunchError as e:
         print(f"octoserve up: {e}", file=sys.stderr)
         return 1
@@ -264,6 +293,8 @@ def startup_timeout_s(args: argparse.Namespace) -> float:
 def describe(node: Node) -> str:
     lines = [f"router     {node.router.address}  (octoserve.v1.Generation)  metrics :{node.router.metrics_port}",
              f"scheduler  {node.scheduler.address}  metrics :{node.scheduler.metrics_port}"]
+    if node.http is not None:
+        lines.insert(1, f"http       {node.http_url}  (OpenAI-compatible: /v1/completions, /v1/chat/completions, /v1/models)")
     lines += [f"worker     {sp.address}  {iid}  metrics :{sp.metrics_port}" for iid, sp in node.workers.items()]
     lines.append(f"logs       {node.run_dir}  (JSON lines)")
     return "\n".join(lines)

@@ -56,6 +56,9 @@ def test_one_service_per_process_with_its_gpus():
     assert services["worker-llama-3-8b-p0"]["command"][3:5] == ["--instance", "llama-3-8b-p0"]
     ports = [int(s["labels"]["octoserve.port"]) for s in services.values()]
     assert ports == [50050, 50051, 50100, 50101, 50102, 50103]
+    router = services["router"]  # serves the OpenAI-compatible front too, with each model's tokenizer from /models
+    assert router["command"][-6:-2] == ["--http-port", "8000", "--http-models-root", "/models"]
+    assert router["labels"]["octoserve.http_port"] == "8000" and router["volumes"][-1].endswith(":/models:ro")
     assert all(s["ipc"] == "host" and s["network_mode"] == "host" for n, s in services.items() if n.startswith("w"))
     assert validate_compose(doc, PLACEMENT) == []
 

@@ -48,7 +48,7 @@ def _top_level(wheel: Path) -> set[str]:
 
 
 def test_full_wheel_has_one_top_level_name_and_ships_the_proto(tmp_path):
-    src = _copy_sources(tmp_path / "src", ("sdk", "services", "router", "prefill_worker", "decode_worker"),
+    src = _copy_sources(tmp_path / "src", ("sdk", "services", "router", "prefill_worker", "decode_worker", "http_front"),
                         ("pyproject.toml", "README.md"))
     wheel = _wheel(src, tmp_path / "dist")
     assert _top_level(wheel) == {"octoserve"}
@@ -57,9 +57,10 @@ def test_full_wheel_has_one_top_level_name_and_ships_the_proto(tmp_path):
     for required in ("octoserve/v1/generate.proto", "octoserve/v1/generate_pb2.py", "octoserve/client.py",
                      "octoserve/services/cli.py", "octoserve/services/configs/node-default.yaml",
                      "octoserve/router/servicer.py", "octoserve/decode_worker/servicer.py",
-                     "octoserve/prefill_worker/servicer.py"):
+                     "octoserve/prefill_worker/servicer.py", "octoserve/http_front/app.py"):
         assert required in names, required
-    assert not any(n.startswith(("services/", "router/", "prefill_worker/", "decode_worker/")) for n in names)
+    assert not any(n.startswith(("services/", "router/", "prefill_worker/", "decode_worker/", "http_front/"))
+                   for n in names)
 
 
 def _readme_examples(target: str) -> list[str]:
@@ -72,7 +73,7 @@ def _readme_examples(target: str) -> list[str]:
 def _start_node(run_dir: Path) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(
         [str(Path(sys.executable).parent / "octoserve"), "up", "--config", str(NODE_CONFIG), "--port", "0",
-         "--time-scale", "1", "--run-dir", str(run_dir)],
+         "--http-port", "0", "--time-scale", "1", "--run-dir", str(run_dir)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     deadline = time.monotonic() + 120
     seen = []

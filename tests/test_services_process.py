@@ -74,7 +74,7 @@ def test_octoserve_up_prints_endpoints_and_exits_0_on_sigterm(tmp_path):
     config = tmp_path / "node.yaml"
     config.write_text(yaml.safe_dump(small_config_dict()))
     cmd = [sys.executable, "-m", "octoserve.services.cli", "up", "--config", str(config), "--port", "0",
-           "--run-dir", str(tmp_path / "run"), "--grace-s", "5"]
+           "--http-port", "0", "--run-dir", str(tmp_path / "run"), "--grace-s", "5"]
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         lines = []
@@ -83,6 +83,7 @@ def test_octoserve_up_prints_endpoints_and_exits_0_on_sigterm(tmp_path):
             assert line, f"octoserve up exited early: {''.join(lines)}"
             lines.append(line)
         assert lines[0].startswith("router     127.0.0.1:")
+        assert lines[1].startswith("http       http://127.0.0.1:")
         proc.terminate()
         out, _ = proc.communicate(timeout=60)
         assert proc.returncode == 0, out
@@ -105,7 +106,7 @@ def test_services_stop_when_the_launcher_is_killed(tmp_path):
     config.write_text(yaml.safe_dump(small_config_dict()))
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "octoserve.services.cli", "up", "--config", str(config), "--port", "0",
-           "--run-dir", str(run_dir), "--grace-s", "2"]
+           "--http-port", "0", "--run-dir", str(run_dir), "--grace-s", "2"]
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     pids = []
     try:
@@ -117,7 +118,7 @@ def test_services_stop_when_the_launcher_is_killed(tmp_path):
         import json
 
         pids = [json.loads(p.read_text())["pid"] for p in run_dir.glob("*.ready.json")]
-        assert len(pids) >= 3
+        assert len(pids) >= 4  # scheduler, workers, router, HTTP front
         proc.kill()
         proc.wait()
         deadline = time.monotonic() + 30

@@ -1,6 +1,7 @@
 """Build a tiny random-weight Llama with a locally trained tokenizer, in Hugging Face format, for real-engine tests.
 
-Job: `build_test_model(out_dir, ...)` writes config.json, model.safetensors, tokenizer.json, tokenizer_config.json,
+Job: `build_test_model(out_dir, ...)` writes config.json, model.safetensors, tokenizer.json, tokenizer_config.json
+(with a chat template),
 special_tokens_map.json and generation_config.json; vLLM (CPU or CUDA) loads the folder as an ordinary Llama.
 
 Invariants:
@@ -27,6 +28,12 @@ from pathlib import Path
 BOS_TOKEN = "<|bos|>"
 EOS_TOKEN = "<|eos|>"
 PAD_TOKEN = "<|pad|>"
+# The model's chat template (tokenizer_config.json `chat_template`), used by octoserve's HTTP front and by vLLM's own
+# OpenAI server alike: BOS, then each message as <|role|> + newline + content + <|end|>, then the assistant's turn.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN)  # ids 0, 1, 2 in this order
 
 # Syllables for the synthetic corpus: enough distinct words that BPE learns thousands of merges.
@@ -139,6 +146,7 @@ def _write_tokenizer_files(out: Path, tok, max_position: int) -> None:
         "add_eos_token": False,
         "model_max_length": max_position,
         "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
     special = {"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN}

@@ -1,0 +1,1 @@
+"""octoserve's OpenAI-compatible HTTP front (a process beside the router); see `app.py`."""
