@@ -6,7 +6,8 @@ against the machine's scheduling noise. Requests go straight to the engines. Che
 - no LM step overlaps any SM step, on the engines' own clock (the barrier holds live);
 - every step an engine ran was granted: the arbiter counted exactly the steps the engines' gates logged;
 - every request finished with its full length; both sides got steps and the holder switched;
-- a stream that does not open with a member's HELLO is refused; a gang member needs a scheduler and a gated engine.
+- a stream that does not open with a member's HELLO, or sends a malformed report, is refused; a gang member needs a
+  scheduler.
 The process-level agreement with the simulator is `python -m octoserve.services.gang_agreement` (BENCHMARKS.md).
 """
 
@@ -92,7 +93,7 @@ async def test_gang_members_step_only_on_grants_and_never_overlap():
 
 
 @session_loop
-async def test_a_stream_without_a_members_hello_is_refused():
+async def test_a_stream_without_a_members_hello_or_malformed_is_refused():
     node = load_node_config(str(CONFIG))
     sched_spec, _ = scheduler_spec(node, port=0, metrics_port=None, grace_s=0.5)
     running = await start_service(sched_spec)
@@ -105,6 +106,12 @@ async def test_a_stream_without_a_members_hello_is_refused():
                     pass
             assert err.value.code() is grpc.StatusCode.FAILED_PRECONDITION
             assert "not-a-member" in err.value.details()
+            raw = channel.stream_stream("/octoserve.v1.Scheduler/GangSteps", request_serializer=lambda b: b,
+                                        response_deserializer=s_pb.GangGrant.FromString)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in raw(iter([b"\xff\xff\xff"])):  # not a GangReport
+                    pass
+            assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
     finally:
         await running.shutdown()
 
