@@ -25,6 +25,7 @@ from octoserve.services import trust
 from octoserve.services.rpc.hardening import add_servicer
 from octoserve.services.rpc.server import RunningService, ServiceSpec, setup_logging
 from octoserve.services.rpc.worker_base import WorkerBase
+from octoserve.services.scheduler.gang_live import attach_gang_gate
 
 WORKER_SERVICE = w_pb.DESCRIPTOR.services_by_name["Worker"].full_name
 REGISTER_TIMEOUT_S = 10.0
@@ -87,6 +88,7 @@ def worker_spec(args: argparse.Namespace, make_servicer: Callable[..., WorkerBas
 
     node_cfg = load_node_config(args.config)
     engine = make_engine(node_cfg, args.instance, engine=args.engine, time_scale=args.time_scale, model_path=args.model)
+    attach_gang_gate(engine, node_cfg, args.instance, args.scheduler, args.time_scale)  # gang members step on grants
     servicer = make_servicer(engine)
     servicer.model_spec = node_cfg.models.get(engine.model)
 

@@ -34,6 +34,7 @@ from octoserve.services.rpc.gen import worker_pb2_grpc as w_grpc
 from octoserve.services import trust
 from octoserve.services.rpc.hardening import add_servicer
 from octoserve.services.rpc.server import ServiceSpec, setup_logging
+from octoserve.services.scheduler.gang_live import GangCollector, GangHub
 
 log = logging.getLogger("octoserve.scheduler")
 
@@ -68,6 +69,8 @@ class SchedulerServicer(s_grpc.SchedulerServicer):
                                       registry=self.registry)
         self._kv_usage = prom.Gauge("octoserve_scheduler_kv_usage_ratio", "KV usage per instance, ratio 0-1", ["instance"],
                                     registry=self.registry)
+        self.gang = GangHub(config)  # gang groups: each member steps on its group arbiter's grants (gang_live.py)
+        self.registry.register(GangCollector(self.gang))
         self._queue = prom.Gauge("octoserve_scheduler_waiting_requests", "waiting requests per instance, count",
                                  ["instance"], registry=self.registry)
 
@@ -182,7 +185,12 @@ class SchedulerServicer(s_grpc.SchedulerServicer):
                              return_exceptions=True)
         return True
 
+    async def GangSteps(self, request_iterator, context):
+        async for grant in self.gang.steps(request_iterator, context):
+            yield grant
+
     async def close(self) -> None:
+        await self.gang.close()
         for lease_id in list(self.leases):
             await self._end_lease(lease_id)
         for task in self._watchers.values():
