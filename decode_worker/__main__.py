@@ -1,9 +1,13 @@
-"""`python -m octoserve.decode_worker --instance ID ...`: serve one decode or colocated instance (see octoserve.services.rpc.worker_main)."""
+"""`python -m octoserve.decode_worker --instance ID ...`: serve one decode or colocated instance (see octoserve.services.rpc.worker_main).
+
+Injected faults (tests and drills) come from the OCTOSERVE_FAULTS environment variable, read here only."""
 
 import sys
 
 from octoserve.decode_worker.servicer import DecodeWorkerServicer
+from octoserve.services.faults import FaultPlan
 from octoserve.services.rpc.worker_main import worker_main
 
 if __name__ == "__main__":
-    sys.exit(worker_main(None, DecodeWorkerServicer, "decode_worker"))
+    faults = FaultPlan.from_env()
+    sys.exit(worker_main(None, lambda engine: DecodeWorkerServicer(engine, faults=faults), "decode_worker"))

@@ -7,7 +7,10 @@ per-token cost at one repeated-field append on both ends.
 
 Hand-off: `Reserve` holds KV and arms a TTL timer; `Decode` cancels the timer, runs the engine's decode (which
 takes the KV in: the sim engine waits the modelled NVLink time) up to its first output, which marks the commit,
-and replies; the rest streams on the session. A failed or timed-out transfer releases the reservation.
+and replies; the rest streams on the session. A failed or timed-out transfer releases the reservation, answers
+UNAVAILABLE (the router ends the request with a retry hint; its prefill side is released) and is counted in
+`octoserve_worker_kv_transfer_failures_total{reason=timeout|corrupt|error}`. Injected transfer faults
+(services/faults.py) are applied here.
 """
 
 from __future__ import annotations
@@ -18,9 +21,11 @@ import time
 from collections.abc import AsyncIterator
 
 import grpc
+import prometheus_client as prom
 
 from octoserve.services.core.types import RequestOutput, Role
 from octoserve.services.engine.base import EngineError, HandoffError
+from octoserve.services.faults import FaultPlan
 from octoserve.services.rpc import convert
 from octoserve.services.rpc import status as rpc_status
 from octoserve.v1 import generate_pb2 as gen_pb
@@ -68,8 +73,12 @@ class DecodeWorkerServicer(WorkerBase):
     role_name = "decode_worker"
 
     def __init__(self, engine, *, reserve_ttl_ms: int = DEFAULT_RESERVE_TTL_MS,
-                 transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S) -> None:
+                 transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S, faults: FaultPlan | None = None) -> None:
         super().__init__(engine)
+        self.faults = faults if faults is not None else FaultPlan()  # none injected
+        self.transfer_failures = prom.Counter(
+            "octoserve_worker_kv_transfer_failures", "KV transfers that did not commit, by reason",
+            ["instance", "reason"], registry=self.metrics.registry)
         self.sessions: dict[str, Session] = {}
         self.tasks: dict[str, asyncio.Task] = {}  # request_id -> the task streaming it
         self.reservations: dict[str, asyncio.TimerHandle] = {}  # request_id -> TTL timer
@@ -199,6 +208,9 @@ class DecodeWorkerServicer(WorkerBase):
         try:
             first = await asyncio.wait_for(self._transfer_and_commit(handoff, outputs), self.transfer_timeout_s)
         except (TimeoutError, EngineError, StopAsyncIteration) as e:
+            reason = "timeout" if isinstance(e, TimeoutError) else "corrupt" if isinstance(e, _Corrupt) else "error"
+            self.transfer_failures.labels(self.engine.instance_id, reason).inc()
+            log.warning("KV transfer failed", extra={"fields": {"request_id": spec.request_id, "reason": reason}})
             await self.engine.release(spec.request_id)
             await self.engine.abort(spec.request_id)
             err = e if isinstance(e, EngineError) else HandoffError(
@@ -214,6 +226,11 @@ class DecodeWorkerServicer(WorkerBase):
         modelled = getattr(self.engine, "transfer_time_s", None)  # sim engines model the NVLink copy
         if modelled is not None:
             await asyncio.sleep(await modelled(handoff))
+        fault = self.faults.next_kv_transfer()
+        if fault is not None and fault.kind == "slow":
+            await asyncio.sleep(fault.delay_s)
+        elif fault is not None and fault.kind == "corrupt":
+            raise _Corrupt(f"KV of {handoff.request_id} failed verification on {self.engine.instance_id}; retry the request")
         return await anext(outputs)
 
     async def Release(self, request, context):
@@ -234,6 +251,10 @@ class DecodeWorkerServicer(WorkerBase):
         await self.engine.abort(request_id)
         if task is not None:
             task.cancel()
+
+
+class _Corrupt(HandoffError):
+    """A transfer that arrived but failed verification."""
 
 
 def _coalesce(batch: w_pb.StepBatch, queue: asyncio.Queue) -> tuple[w_pb.StepBatch, bool]:

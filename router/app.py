@@ -15,6 +15,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Mapping
 
 
+from octoserve.router.access_log import DEFAULT_MODE, DEFAULT_SAMPLE_EVERY, MODES, AccessLog
 from octoserve.router.metrics import RouterMetrics
 from octoserve.router.pool import WorkerClient, WorkerEndpoint, WorkerPool
 from octoserve.router.servicer import DEFAULT_MAX_PENDING_DELTAS, GenerationServicer, RouterSettings
@@ -128,6 +129,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--startup-timeout-s", type=float, default=DEFAULT_STARTUP_TIMEOUT_S)
     parser.add_argument("--max-pending-deltas", type=int, default=DEFAULT_MAX_PENDING_DELTAS)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--access-log", choices=MODES, default=DEFAULT_MODE,
+                        help="one JSON line per request: all, errors (every failed one + 1 in --access-log-sample-every "
+                             "ok ones), off")
+    parser.add_argument("--access-log-sample-every", type=int, default=DEFAULT_SAMPLE_EVERY)
     parser.add_argument("--log-level", default="INFO")
     from octoserve.http_front.local import add_router_arguments
 
@@ -155,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
             config,
             lambda: placement_from_scheduler(args.scheduler, args.startup_timeout_s),
             settings=RouterSettings(time_scale=args.time_scale, max_pending_deltas=args.max_pending_deltas,
+                                    access_log=AccessLog(args.access_log, args.access_log_sample_every),
+
                                     tenants=tenant_settings_from_dict(sections.get("tenants")),
                                     limits=limits_from_dict(sections.get("limits"))),
             port=args.port, metrics_port=args.metrics_port, ready_file=args.ready_file, grace_s=args.grace_s,

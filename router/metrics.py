@@ -92,6 +92,9 @@ class RouterMetrics:
                                     registry=r)
         self.cutoffs = prom.Counter("octoserve_router_client_cutoffs", "streams cut off for not reading, count",
                                     registry=r)
+        self.failovers = prom.Counter("octoserve_router_failovers", "requests whose worker was lost, by what followed "
+                                      "(rerouted, lost: ended UNAVAILABLE after tokens, refused on re-routing), count",
+                                      ["outcome"], registry=r)
         self._children: dict[str, tuple] = {}
 
     def label(self, model: str) -> str:

@@ -6,6 +6,11 @@
 - WatchLoad: pushed `EngineLoad` snapshots (and KV events for the prefix index) kept in `loads`; while the stream
   is down the worker's snapshot is marked unhealthy, so routing skips it, and its prefix-index entries are dropped
   (`on_kv_lost`): the next stream reports only new events.
+- A lost worker (its process died: either stream breaks at once) is unroutable from that moment (`mark_down`)
+  until both streams are back; a snapshot that arrives while the token session is still down stays unhealthy,
+  so a request is never placed on a worker that has no session to stream it back on. Reconnects back off from
+  50 ms to 2 s, and the channel's own reconnect backoff is capped at 1 s, so a restarted worker rejoins within
+  about a second of serving again.
 Invariant: `ready()` only once every worker confirmed its session and sent a first load snapshot.
 """
 
@@ -37,6 +42,9 @@ CHANNEL_OPTIONS = (
     ("grpc.max_send_message_length", 16 * 1024 * 1024),
     ("grpc.http2.bdp_probe", 0),
     ("grpc.http2.lookahead_bytes", 64 * 1024),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
 )
 RECONNECT_BACKOFF_S = (0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
 LOAD_INTERVAL_MS = 10
@@ -69,6 +77,7 @@ class WorkerClient:
         self.stub = w_grpc.WorkerStub(self.channel)
         self.load: EngineLoad | None = None
         self.attached = asyncio.Event()
+        self.reachable = True  # False from a broken stream until the next snapshot: no cleanup RPCs are sent there
         self._on_delta = on_delta
         self._on_down = on_down
         self._on_kv_events = on_kv_events
@@ -103,6 +112,7 @@ class WorkerClient:
                 log.exception("token session handling failed", extra={"fields": {"instance": self.instance_id}})
                 reason = f"the router failed handling tokens from {self.instance_id}"
             self.attached.clear()
+            self.mark_down()
             self._on_down(self.instance_id, reason)
             await asyncio.sleep(RECONNECT_BACKOFF_S[min(attempt, len(RECONNECT_BACKOFF_S) - 1)])
             attempt += 1
@@ -112,7 +122,11 @@ class WorkerClient:
         while True:
             try:
                 async for report in self.stub.WatchLoad(w_pb.WatchLoadRequest(interval_ms=LOAD_INTERVAL_MS)):
-                    self.load = convert.load_from_pb(report)
+                    load = convert.load_from_pb(report)
+                    if self.streams_tokens and not self.attached.is_set() and load.healthy:
+                        load = dataclasses.replace(load, healthy=False)  # no session to stream tokens back yet
+                    self.load = load
+                    self.reachable = True
                     attempt = 0
                     if report.kv_events:
                         self._on_kv_events(self.instance_id, convert.kv_events_from_pb(report.kv_events))
@@ -121,10 +135,15 @@ class WorkerClient:
             # A new stream carries only the KV events from its start (a restarted worker's cache is empty): what
             # the router knew of this instance's cache is stale, and would otherwise be kept forever.
             self._on_kv_lost(self.instance_id)
-            if self.load is not None:
-                self.load = dataclasses.replace(self.load, healthy=False)
+            self.mark_down()
             await asyncio.sleep(RECONNECT_BACKOFF_S[min(attempt, len(RECONNECT_BACKOFF_S) - 1)])
             attempt += 1
+
+    def mark_down(self) -> None:
+        """Unroutable from now until fresh snapshots arrive over a live session."""
+        self.reachable = False
+        if self.load is not None and self.load.healthy:
+            self.load = dataclasses.replace(self.load, healthy=False)
 
     def ready(self) -> bool:
         attached = self.attached.is_set() or not self.streams_tokens

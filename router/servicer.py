@@ -9,6 +9,11 @@ the client at once), decode Decode (transfer + commit), prefill Release. Every w
 finished stream (client cancel, deadline, cut-off, error) aborts the request on every worker it touched, which
 frees its KV there.
 
+A lost worker (its token session or an RPC to it fails UNAVAILABLE): a request that has not produced a token yet is
+re-routed (`router/failover.py`), after freeing what the surviving instances hold for it; one that has is ended
+UNAVAILABLE with a retry hint (the client has seen tokens; a replay would repeat them). The instance is unroutable
+from that moment until its session is back.
+
 Bounds: at most `max_pending_deltas` undelivered deltas per request. A client that stops reading fills that
 bound, is cut off with ABORTED (after the messages already written), and its request is aborted on the workers,
 so its worker never waits for it.
@@ -35,6 +40,8 @@ from octoserve.services.rpc import status as rpc_status
 from octoserve.v1 import generate_pb2 as gen_pb
 from octoserve.v1 import generate_pb2_grpc as gen_grpc
 from octoserve.services.rpc.gen import worker_pb2 as w_pb
+from octoserve.router.access_log import AccessLog
+from octoserve.router.failover import Failover, WorkerLost, remaining_s as time_left_s
 from octoserve.router.metrics import RouterMetrics
 from octoserve.router.pool import WorkerPool
 from octoserve.router.tenants import TenantGate, TenantSettings
@@ -53,6 +60,7 @@ class RequestState:
     __slots__ = (
         "spec", "pending", "wakeup", "num_sent", "num_prompt_tokens", "num_cached_tokens", "finish_reason",
         "error", "instance_ids", "max_pending", "closed", "first_token_s", "last_token_s", "wall_start_s",
+        "dispatch", "served_by", "rerouted", "timeout_s",
     )
 
     def __init__(self, spec, instance_ids: tuple[str, ...], max_pending: int, wall_start_s: float) -> None:
@@ -70,6 +78,15 @@ class RequestState:
         self.closed = False  # no more deltas accepted (finished, failed or cut off)
         self.first_token_s: float | None = None
         self.last_token_s = 0.0
+        self.dispatch: asyncio.Task | None = None  # the task placing it on workers (replaced when re-routed)
+        self.served_by: list[str] = list(instance_ids)  # every instance it was placed on, in order
+        self.rerouted = 0
+        self.timeout_s: float | None = None
+
+    @property
+    def streamed(self) -> bool:
+        """Whether a token reached the router for it: from then on it can no longer move to another worker."""
+        return self.first_token_s is not None or self.num_sent > 0 or bool(self.pending)
 
     def deliver(self, delta: w_pb.TokenDelta) -> bool:
         """Returns False when this delta overflowed the bound (the caller cuts the client off)."""
@@ -90,6 +107,7 @@ class RequestState:
 class RouterSettings:
     time_scale: float = 1.0
     max_pending_deltas: int = DEFAULT_MAX_PENDING_DELTAS
+    access_log: AccessLog | None = None  # None: the default (errors, and one in 100 ok requests)
     tenants: TenantSettings = TenantSettings()  # API keys, rate limits, fair sharing (router/tenants.py)
     limits: Limits = Limits()  # input limits (services/rpc/limits.py)
 
@@ -108,6 +126,8 @@ class GenerationServicer(gen_grpc.GenerationServicer):
         self._idle = asyncio.Event()
         self._idle.set()
         self._background: set[asyncio.Task] = set()
+        self.access = settings.access_log or AccessLog()
+        self.failover = Failover(self)
         self.tenants = TenantGate(settings.tenants)
 
     # ---- worker session callbacks (hot path) ------------------------------------------------------------------
@@ -118,9 +138,7 @@ class GenerationServicer(gen_grpc.GenerationServicer):
             self._cut_off(st)
 
     def on_worker_down(self, instance_id: str, reason: str) -> None:
-        for st in list(self.requests.values()):
-            if instance_id in st.instance_ids:
-                st.fail(rpc_status.RpcStatus(grpc.StatusCode.UNAVAILABLE, f"{reason}; retry the request"))
+        self.failover.worker_down(instance_id, reason)
 
     def _cut_off(self, st: RequestState) -> None:
         self.metrics.cutoffs.inc()
@@ -139,19 +157,20 @@ class GenerationServicer(gen_grpc.GenerationServicer):
             spec, route = self._admit(request, context, wall_start_s)
         except OctoserveError as e:
             self.metrics.refused(request.model, e)
+            self.access.refused(request, "", e)
             await rpc_status.abort(context, e)
-        instance_ids = (route.instance_id,) + ((route.decode_instance_id,) if route.decode_instance_id else ())
-        st = RequestState(spec, instance_ids, self.settings.max_pending_deltas, wall_start_s)
+        st = RequestState(spec, route_instances(route), self.settings.max_pending_deltas, wall_start_s)
+        st.timeout_s = context.time_remaining()
         self._track(st)
         self.policy.on_dispatched(spec.request_id, route, spec)
-        dispatch = asyncio.create_task(self._dispatch(st, route, context.time_remaining()))
+        st.dispatch = asyncio.create_task(self._dispatch(st, route, st.timeout_s))
         try:
             async for response in self._responses(st):
                 yield response
             if st.error is not None:
                 await context.abort(st.error.code, st.error.message, trailing_metadata=st.error.trailing_metadata)
         finally:
-            self._untrack(st, dispatch)
+            self._untrack(st)
 
     def _admit(self, request: gen_pb.GenerateRequest, context, wall_now_s: float):
         """Validation, then the policy's admission and routing; raises the typed error to send back."""
@@ -205,9 +224,9 @@ class GenerationServicer(gen_grpc.GenerationServicer):
         self._idle.clear()
         self.metrics.in_flight.inc()
 
-    def _untrack(self, st: RequestState, dispatch: asyncio.Task) -> None:
-        if not dispatch.done():
-            dispatch.cancel()
+    def _untrack(self, st: RequestState) -> None:
+        if st.dispatch is not None and not st.dispatch.done():
+            st.dispatch.cancel()
         if st.finish_reason == gen_pb.FINISH_REASON_UNSPECIFIED:
             st.closed = True
             self._abort_on_workers(st)
@@ -215,11 +234,14 @@ class GenerationServicer(gen_grpc.GenerationServicer):
         self.tenants.release(st.spec.request_id)
         self.policy.on_finished(st.spec.request_id)
         self.metrics.finished(st)
+        self.access.finished(st, time.monotonic())
         if not self.requests:
             self._idle.set()
 
     def _abort_on_workers(self, st: RequestState) -> None:
         for instance_id in st.instance_ids:
+            if not self.pool[instance_id].reachable:
+                continue  # a lost worker freed everything with its process; its replacement never saw the request
             stub = self.pool[instance_id].stub
             self._spawn(stub.Abort(w_pb.AbortRequest(request_id=st.spec.request_id), timeout=5.0))
 
@@ -291,30 +313,41 @@ class GenerationServicer(gen_grpc.GenerationServicer):
     # ---- dispatch ----------------------------------------------------------------------------------------------
 
     async def _dispatch(self, st: RequestState, route, timeout_s: float | None) -> None:
-        try:
-            if route.decode_instance_id is None:
-                await self._colocated(st, route, timeout_s)
-            else:
-                await self._disaggregated(st, route, timeout_s)
-        except grpc.aio.AioRpcError as e:
-            st.fail(self._worker_status(st, e))
-        except OctoserveError as e:
-            st.fail(rpc_status.status_for(e))
+        """Places the request, and places it again elsewhere while a worker is lost before its first token."""
+        while route is not None:
+            try:
+                if route.decode_instance_id is None:
+                    await self._colocated(st, route, timeout_s)
+                else:
+                    await self._disaggregated(st, route, timeout_s)
+                return
+            except WorkerLost as lost:
+                route = await self.failover.replace_route(st, lost.instance_id, lost.reason)
+                timeout_s = time_left_s(st)
+            except grpc.aio.AioRpcError as e:
+                st.fail(self._worker_status(st, e))
+                return
+            except OctoserveError as e:
+                st.fail(rpc_status.status_for(e))
+                return
 
     async def _colocated(self, st: RequestState, route, timeout_s: float | None) -> None:
         request = w_pb.WorkerGenerateRequest(session_id=self.session_id, spec=convert.spec_to_pb(st.spec))
-        await self.pool[route.instance_id].stub.Generate(request, timeout=timeout_s)
+        await self.failover.call(route.instance_id, self.pool[route.instance_id].stub.Generate(request, timeout=timeout_s))
 
     async def _disaggregated(self, st: RequestState, route, timeout_s: float | None) -> None:
         spec_pb = convert.spec_to_pb(st.spec)
         prefill, decode = self.pool[route.instance_id], self.pool[route.decode_instance_id]
-        reply = await decode.stub.Reserve(w_pb.ReserveRequest(spec=spec_pb, ttl_ms=RESERVE_TTL_MS), timeout=timeout_s)
+        call = self.failover.call
+        reply = await call(decode.instance_id,
+                           decode.stub.Reserve(w_pb.ReserveRequest(spec=spec_pb, ttl_ms=RESERVE_TTL_MS), timeout=timeout_s))
         if not reply.reserved:
             raise self._wall_clock_error(Overloaded(
                 st.spec.model, st.spec.priority, self.config.policies.min_retry_after_ms,
                 f"decode instance {route.decode_instance_id} has no KV left to reserve",
             ))
-        handoff = (await prefill.stub.Prefill(w_pb.PrefillRequest(spec=spec_pb), timeout=timeout_s)).handoff
+        handoff = (await call(prefill.instance_id,
+                              prefill.stub.Prefill(w_pb.PrefillRequest(spec=spec_pb), timeout=timeout_s))).handoff
         try:
             if handoff.finish_reason:  # the first token ended it: nothing to decode, return the reservation
                 self._spawn(decode.stub.Release(w_pb.ReleaseRequest(request_id=st.spec.request_id), timeout=5.0))
@@ -324,9 +357,10 @@ class GenerationServicer(gen_grpc.GenerationServicer):
             decode_request = w_pb.DecodeRequest(
                 session_id=self.session_id, spec=spec_pb, handoff=handoff, source_address=prefill.address
             )
-            await decode.stub.Decode(decode_request, timeout=timeout_s)
+            await call(decode.instance_id, decode.stub.Decode(decode_request, timeout=timeout_s))
         finally:
-            self._spawn(prefill.stub.Release(w_pb.ReleaseRequest(request_id=st.spec.request_id), timeout=5.0))
+            if prefill.reachable:
+                self._spawn(prefill.stub.Release(w_pb.ReleaseRequest(request_id=st.spec.request_id), timeout=5.0))
 
     def _deliver_first_token(self, st: RequestState, handoff) -> None:
         finish = {"stop": gen_pb.STOP, "length": gen_pb.LENGTH}.get(handoff.finish_reason, gen_pb.FINISH_REASON_UNSPECIFIED)
@@ -340,6 +374,8 @@ class GenerationServicer(gen_grpc.GenerationServicer):
         if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # engine capacity: a shed, with the usual retry hint
             return rpc_status.status_for(self._wall_clock_error(Overloaded(
                 st.spec.model, st.spec.priority, self.config.policies.min_retry_after_ms, e.details() or "no capacity")))
+        if e.code() == grpc.StatusCode.UNAVAILABLE:  # after the first token: the request cannot move any more
+            return self.failover.lost_status(e.details() or "a worker of this request became unavailable")
         return rpc_status.RpcStatus(e.code(), e.details() or e.code().name)
 
     # ---- ListModels / drain ------------------------------------------------------------------------------------
@@ -363,6 +399,10 @@ class GenerationServicer(gen_grpc.GenerationServicer):
     async def close(self) -> None:
         for task in list(self._background):
             task.cancel()
+
+
+def route_instances(route) -> tuple[str, ...]:
+    return (route.instance_id,) + ((route.decode_instance_id,) if route.decode_instance_id else ())
 
 
 async def _swallow_rpc_errors(coro) -> None:

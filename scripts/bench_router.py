@@ -466,7 +466,8 @@ async def bench(args: argparse.Namespace) -> None:
         os.environ["OCTOSERVE_BENCH_COALESCE"] = "1"
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT / "scripts" / "bench_router_coalesce"),
                                                                  os.environ.get("PYTHONPATH")]))
-    node = start_node(str(args.config), args.time_scale, run_dir=run_dir, startup_timeout_s=60.0, grace_s=5.0)
+    node = start_node(str(args.config), args.time_scale, run_dir=run_dir, startup_timeout_s=60.0, grace_s=5.0,
+                      router_args=tuple(args.router_args.split()))
     try:
         worker_address = node.workers[INSTANCE].address
         direct = DirectWorker(worker_address, args.time_scale)
@@ -630,6 +631,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="experiment: the worker sends the StepBatches queued behind one as one message")
     p.add_argument("--out", default=str(REPO_ROOT / "docs" / "bench" / "router.md"))
     p.add_argument("--json", default=None)
+    p.add_argument("--router-args", default="", help="extra router flags, e.g. '--access-log all'")
     # the load child
     p.add_argument("--load-child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--floor-child", action="store_true", help=argparse.SUPPRESS)

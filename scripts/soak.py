@@ -409,7 +409,8 @@ async def main_async(args) -> int:
     }
     passed = (lost == 0 and not verdict["unbounded"] and verdict["refusals_without_hint"] == 0
               and all(v == 0 for v in idle.values()) and router_idle == 0)
-    summary = {"args": {k: v for k, v in vars(args).items() if k != "run_dir"},  # no machine paths in results "requests": len(traffic.outcomes), "statuses": statuses, "examples": examples, "kills": kills,
+    summary = {"args": {k: v for k, v in vars(args).items() if k != "run_dir"},  # no machine paths in results
+               "requests": len(traffic.outcomes), "statuses": statuses, "examples": examples, "kills": kills,
                "growth": growths, "verdict": verdict, "passed": passed, "exit_codes": codes}
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     _write_csv(out_dir / "samples.csv", samples)

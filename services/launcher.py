@@ -6,6 +6,9 @@ serves, so no ports are guessed; then every service must answer grpc.health.v1 S
 Stop order (Ctrl-C / SIGTERM / `Node.stop()`): router first (it drains client streams), then workers, then the
 scheduler; each gets SIGTERM and its grace period, then SIGKILL. Only processes this launcher started are signalled,
 by PID.
+Under `octoserve up` (`start_node(supervise=True)`), a `Supervisor` (services/supervisor.py) starts again, with
+backoff and on the same port, any service that exits while the node runs (a worker killed mid-stream, the
+scheduler, the router).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from octoserve.http_front.launch import http_front_args, inside_ready_file, insi
 from octoserve.services import trust
 from octoserve.services.core.types import Role
 from octoserve.services.rpc.server import LAUNCHER_PID_ENV
+from octoserve.services.supervisor import Supervisor
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 POLL_S = 0.05
@@ -51,6 +55,8 @@ class ServiceProcess:
     log_file: Path
     port: int = 0
     metrics_port: int | None = None
+    cmd: tuple[str, ...] = ()  # how it was started: a restart runs it again with --port pinned
+    env: dict[str, str] | None = None
 
     @property
     def address(self) -> str:
@@ -71,6 +77,7 @@ class Node:
     run_dir: Path
     grace_s: float = DEFAULT_GRACE_S
     exit_codes: dict[str, int] = field(default_factory=dict)
+    supervisor: Supervisor | None = None
     http: ServiceProcess | None = None  # the OpenAI-compatible front (octoserve.http_front), when started
 
     @property
@@ -86,6 +93,8 @@ class Node:
         return [*([self.http] if self.http else []), self.router, *self.workers.values(), self.scheduler]
 
     def stop(self) -> dict[str, int]:
+        if self.supervisor is not None:
+            self.supervisor.stop()  # a stopping node is not restarted
         for group in ([self.http] if self.http else [], [self.router], list(self.workers.values()), [self.scheduler]):
             self.exit_codes.update(_stop_group(group, self.grace_s))
         return self.exit_codes
@@ -115,11 +124,20 @@ def _spawn(name: str, module: str, args: list[str], run_dir: Path, env: dict[str
     safe = name.replace(":", "-").replace("/", "-")
     ready = run_dir / f"{safe}.ready.json"
     log = run_dir / f"{safe}.log"
-    cmd = [sys.executable, "-m", module, *args, "--ready-file", str(ready)]
+    cmd = (sys.executable, "-m", module, *args, "--ready-file", str(ready))
+    return ServiceProcess(name, _popen(cmd, log, env), ready, log, cmd=cmd, env=env)
+
+
+def _popen(cmd, log: Path, env: dict[str, str]) -> subprocess.Popen:
     with open(log, "ab") as log_f:
-        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=log_f, stderr=subprocess.STDOUT,
+        return subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=log_f, stderr=subprocess.STDOUT,
                                 start_new_session=True)  # Ctrl-C in a terminal reaches the launcher only
-    return ServiceProcess(name, proc, ready, log)
+
+
+def respawn(sp: ServiceProcess) -> None:
+    """Starts an exited service again on the port it had (its peers reconnect there); its ready file is rewritten."""
+    sp.ready_file.unlink(missing_ok=True)
+    sp.proc = _popen((*sp.cmd, "--port", str(sp.port)), sp.log_file, sp.env)
 
 
 def _wait_ready(sp: ServiceProcess, deadline: float) -> None:
@@ -173,6 +191,8 @@ def start_node(
     grace_s: float = DEFAULT_GRACE_S,
     router_args: tuple[str, ...] = (),
     extra_env: Mapping[str, str] | None = None,
+    supervise: bool = False,
+    on_event=None,
     http_port: int | None = None,
     http_inside: bool = True,
 ) -> Node:
@@ -181,7 +201,8 @@ def start_node(
     config: None (embedded default placement), a YAML path, or a config dict. extra_env: variables added to every
     child's environment (e.g. OCTOSERVE_VLLM_DTYPE for the vllm engine). http_port: start the OpenAI-compatible
     front on it (0: any free port; None: no front); http_inside: served by the router process (the default, measured
-    faster: docs/bench/openai_front.md) or, when False, by a process of its own.
+    faster: docs/bench/openai_front.md) or, when False, by a process of its own. supervise: restart services that
+    exit (`Supervisor`; `on_event` gets its events); `octoserve up` does, harnesses that model a lost node do not.
     """
     from octoserve.router.tenants import tenant_settings_from_dict
     from octoserve.services.config import load_node_config, load_service_sections
@@ -239,7 +260,11 @@ def start_node(
     except BaseException:
         _stop_group(list(reversed(started)), grace_s=1.0)
         raise
-    return Node(router, scheduler, workers, run_dir, grace_s, http=http)
+    node = Node(router, scheduler, workers, run_dir, grace_s, http=http)
+    if supervise:
+        node.supervisor = Supervisor(node, on_event)
+        node.supervisor.start()
+    return node
 
 
 # ---- the `octoserve up` subcommand ----------------------------------------------------------------------------------
@@ -262,6 +287,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--startup-timeout-s", type=float, default=None,
                         help=f"default {DEFAULT_STARTUP_TIMEOUT_S:g} s, {VLLM_STARTUP_TIMEOUT_S:g} s with --engine vllm")
     parser.add_argument("--grace-s", type=float, default=DEFAULT_GRACE_S)
+    parser.add_argument("--access-log", choices=("off", "errors", "all"), default="errors",
+                        help="router access log: every request (all), failed ones + 1 in 100 ok ones (errors), off")
     add_cost_profile_argument(parser)
 
 
@@ -271,7 +298,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         node = start_node(config_source(args.config, args.cost_profile), args.time_scale, engine=args.engine, model_path=args.model, port=args.port,
                           run_dir=args.run_dir, startup_timeout_s=startup_timeout_s(args), grace_s=args.grace_s,
-                          http_port=None if args.no_http else args.http_port, http_inside=not args.http_process)
+                          http_port=None if args.no_http else args.http_port, http_inside=not args.http_process,
+                          router_args=("--access-log", args.access_log), supervise=True, on_event=_print_event)
     except LaunchError as e:
         print(f"octoserve up: {e}", file=sys.stderr)
         return 1
@@ -313,11 +341,19 @@ def _recorded_signals():
             signal.signal(s, h)
 
 
+def _print_event(e) -> None:
+    print(f"{e.service}: {e.event}" + (f" ({e.detail})" if e.detail else ""), flush=True)
+
+
 def _wait_for_signal_or_exit(node: Node, received: list[int]) -> str:
-    """Blocks until a signal is recorded ("signal") or until a service exits on its own (its name)."""
+    """Blocks until a signal is recorded ("signal") or until a service exits and is not restarted (its name)."""
     while not received:
-        for sp in node.processes:
-            if sp.proc.poll() is not None:
-                return sp.name
+        if node.supervisor is not None:
+            if node.supervisor.gave_up is not None:
+                return node.supervisor.gave_up
+        else:
+            for sp in node.processes:
+                if sp.proc.poll() is not None:
+                    return sp.name
         time.sleep(0.2)
     return "signal"

@@ -516,8 +516,9 @@ def format_summary(summary: Summary) -> str:
     """A fixed-width table: one row for all requests, then one per model and one per tier."""
     o = summary.overall
     window = summary.window or Window(0.0, summary.duration_s, "none")
-    unfinished = f" | unfinished {o.num_unfinished}" + (" (drain too short: counted as misses)"
-                                                         if o.num_unfinished else "")
+    cut_off = o.num_unfinished - o.num_errors  # errors (a lost instance, say) are unfinished too, not the drain's
+    unfinished = f" | unfinished {o.num_unfinished}" + (" (drain too short: counted as misses)" if cut_off > 0
+                                                         else " (failed: counted as misses)" if o.num_unfinished else "")
     head = (
         f"window {summary.duration_s:.1f} s | SLO TTFT {summary.slo.ttft_ms:g} ms, ITL/TPOT {summary.slo.itl_ms:g} ms"
         f" | throughput {_fmt(o.request_throughput_rps, 2)} req/s, {_fmt(o.output_throughput_tps, 0)} tok/s"

@@ -36,6 +36,14 @@ from octoserve.v1 import generate_pb2 as pb
 from octoserve.v1 import generate_pb2_grpc as pb_grpc
 
 RETRY_AFTER_MS_KEY = "retry-after-ms"
+# gRPC's own reconnect backoff grows to 120 s by default, so after a router restart a channel could stay down long
+# after the router is back, failing every retry in between; capped at 2 s, a retry finds the router within about
+# that much of its return. Options passed to a client override these.
+DEFAULT_CHANNEL_OPTIONS: tuple[tuple[str, object], ...] = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+)
 STATUS_DETAILS_KEY = "grpc-status-details-bin"
 
 # --- errors --------------------------------------------------------------------------------------------------
@@ -378,6 +386,11 @@ def build_request(
     return request
 
 
+def _channel_options(given: Sequence[tuple[str, object]]) -> list[tuple[str, object]]:
+    names = {name for name, _ in given}
+    return [*(o for o in DEFAULT_CHANNEL_OPTIONS if o[0] not in names), *given]
+
+
 def _model_info(m: pb.Model) -> ModelInfo:
     return ModelInfo(m.name, m.context_window, pb.ModelState.Name(m.state), m.num_instances)
 
@@ -414,7 +427,7 @@ class AsyncClient:
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         channel_options: Sequence[tuple[str, object]] = (),
     ) -> None:
-        self._channel = grpc.aio.insecure_channel(target, options=list(channel_options))
+        self._channel = grpc.aio.insecure_channel(target, options=_channel_options(channel_options))
         self._stub = pb_grpc.GenerationStub(self._channel)
         self._core = _RetryCore(retry, default_timeout_s, rng)
         self._sleep = sleep
@@ -517,7 +530,7 @@ class Client:
         sleep: Callable[[float], None] = time.sleep,
         channel_options: Sequence[tuple[str, object]] = (),
     ) -> None:
-        self._channel = grpc.insecure_channel(target, options=list(channel_options))
+        self._channel = grpc.insecure_channel(target, options=_channel_options(channel_options))
         self._stub = pb_grpc.GenerationStub(self._channel)
         self._core = _RetryCore(retry, default_timeout_s, rng)
         self._sleep = sleep

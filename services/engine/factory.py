@@ -46,11 +46,11 @@ def make_engine(
 
 def make_sim_engine(node_cfg: Any, instance: Any, *, time_scale: float = 1.0) -> Engine:
     """A SimEngine built from the same parts the discrete-event simulator uses (octoserve.services.core.instance)."""
-    from octoserve.services.core.instance import instance_parts
+    from octoserve.services.core.instance import gang_duty, instance_parts
     from octoserve.services.engine.sim_engine import SimEngine
 
     parts = instance_parts(node_cfg, instance)
     return SimEngine(
         instance.id, instance.model, parts.batcher_config, parts.new_kv(instance), parts.cost_model,
-        time_scale=time_scale,
+        time_scale=time_scale, duty=gang_duty(node_cfg, instance),
     )

@@ -5,6 +5,9 @@ duration multiplied by `time_scale` (k). With k > 1 a 2-core machine runs the fu
 the harness divides measured latencies by k. Step end times are absolute (start + duration * k), so the Python work
 of scheduling is hidden inside the modelled step rather than added to it.
 
+Gang members (services/scheduler/gang_live.py): with a `gate`, every step waits for the group arbiter's grant and
+is cut to its cap; the gate hears when the step started and ended.
+
 Invariants: one step loop task per engine; every batcher call happens on that loop (no locks needed); a caller that
 stops iterating `generate` or `decode` (cancellation) aborts its request, freeing its KV; `pause()` returns only at an
 iteration boundary, after which no step runs until `resume()`.
@@ -40,6 +43,7 @@ class SimEngine:
         cost_model: CostModel,
         *,
         time_scale: float = 1.0,
+        duty: float = 1.0,
     ) -> None:
         if time_scale <= 0:
             raise ValueError(f"time_scale must be > 0, got {time_scale}")
@@ -50,7 +54,8 @@ class SimEngine:
         self.batcher = Batcher(batcher_config, kv)
         self.cost_model = cost_model
         self.executor = SimExecutor(cost_model, kv.block_size, batcher_config.eos_token_id)
-        self.reporter = LoadReporter(instance_id, model, self.batcher, cost_model)
+        self.reporter = LoadReporter(instance_id, model, self.batcher, cost_model, duty)
+        self.gate = None  # a gang member's step gate (GangGate): set before start()
         self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
         self._handoffs: dict[str, asyncio.Future[KVHandoff]] = {}
         self._wakeup = asyncio.Event()
@@ -64,6 +69,8 @@ class SimEngine:
     # ---- lifecycle -----------------------------------------------------------------------------------------
 
     async def start(self) -> None:
+        if self.gate is not None:
+            await self.gate.open(self.batcher)  # the group's arbiter runs once every member is connected
         if self._loop_task is None:
             self._loop_task = asyncio.create_task(self._step_loop(), name=f"step-loop-{self.instance_id}")
 
@@ -73,6 +80,8 @@ class SimEngine:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop_task
             self._loop_task = None
+        if self.gate is not None:
+            await self.gate.close()
         for request_id in list(self._streams):
             self.batcher.abort(request_id)
             self._streams.pop(request_id).put_nowait(RequestOutput(request_id, (), FinishReason.ABORT))
@@ -105,13 +114,18 @@ class SimEngine:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
+            cap_s = await self.gate.turn(self.batcher, self._wakeup) if self.gate is not None else None
             start = loop.time()
-            plan = self.batcher.schedule(start / self.time_scale)
+            plan = self.batcher.schedule(start / self.time_scale, cap_s)
             if plan.is_empty and not self.batcher.has_pending_outputs:  # all wait on KV held elsewhere
+                if self.gate is not None:
+                    self.gate.nothing(self.batcher)
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
             result = self.executor.execute(plan, self.batcher)
+            if self.gate is not None:
+                self.gate.started(result.step_time_s)
             delay = start + result.step_time_s * self.time_scale - loop.time()
             await asyncio.sleep(max(0.0, delay))
             out = self.batcher.update(plan, result, loop.time() / self.time_scale)
@@ -120,6 +134,8 @@ class SimEngine:
             self.kv_events.extend(out.kv_events)
             for output in out.outputs:
                 self._deliver(output)
+            if self.gate is not None:
+                self.gate.ended(self.batcher)
 
     def _deliver(self, output: RequestOutput) -> None:
         if output.finish_reason is FinishReason.HANDOFF:

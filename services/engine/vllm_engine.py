@@ -9,7 +9,10 @@ Job: run real model math for one octoserve instance. octoserve's policies map on
   is the order octoserve wants too.
 - Chunked prefill: `max_num_batched_tokens` is the per-step token budget (prefill chunks + decodes).
 - Prefix caching: `enable_prefix_caching`; cached-but-evictable blocks count as free in `load()`, as in the core.
-- Gang leases: `pause()` = `pause_generation(mode="keep", clear_cache=False)`: requests and KV stay, no step runs.
+- Gang leases: `pause()` = the engine core's pause in mode "keep" without clearing caches (what
+  `pause_generation(mode="keep", clear_cache=False)` does, minus its 20 ms sleep): requests and KV stay, no step
+  runs. `step_log` records every iteration with the engine core's timestamp (services/scheduler/lease_members.py
+  drives pause/resume slices under the gang arbiter).
 - Disaggregation: a vLLM KV connector (services/engine/vllm_kv.py): producer on PREFILL, consumer on DECODE.
 
 Invariants:
@@ -49,6 +52,7 @@ DEADLINE_BUCKET_MS = 10.0
 _EMA_ALPHA = 0.2  # weight of the newest step in the timing estimates
 _MIN_PREFILL_TOKENS_FOR_RATE = 16  # smaller prefill chunks are dominated by per-step overhead
 _RECENT_REQUESTS = 64  # finished requests behind `mean_output_tokens`
+_STEPS_KEPT = 100_000  # the step log's length (a few minutes of CPU steps)
 
 _SPAWN_ENV_LOCK = threading.Lock()
 _FINISH_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
@@ -132,6 +136,36 @@ def _stat_logger_factory(tracker: _LoadTracker):
 
 
 @dataclass(frozen=True, slots=True)
+class StepTime:
+    """One engine-core iteration, on the engine core's monotonic clock (CLOCK_MONOTONIC: comparable with
+    `time.monotonic()` in this process on the same machine)."""
+
+    end_s: float  # when the core built the step's outputs, right after the model ran
+    elapsed_s: float  # the core's own measure of the step (model execution and sampling)
+    num_tokens: int  # prefill + decode tokens scheduled
+
+
+def _log_steps(llm: Any, log: collections.deque) -> None:
+    """Record every iteration's core timestamp and duration into `log` (gang-lease tests and timelines).
+
+    The stat logger sees only scheduler stats, without the core's timestamp, so this wraps the engine-core
+    client's output getter, which AsyncLLM's output loop looks up on every iteration."""
+    core = llm.engine_core
+    get_output = core.get_output_async
+
+    async def get_output_logged():
+        outputs = await get_output()
+        stats = outputs.scheduler_stats
+        details = stats.iteration_details if stats is not None else None
+        if details is not None and not details.is_dummy:
+            log.append(StepTime(outputs.timestamp, details.elapsed_ms / 1000.0,
+                                details.num_ctx_tokens + details.num_generation_tokens))
+        return outputs
+
+    core.get_output_async = get_output_logged
+
+
+@dataclass(frozen=True, slots=True)
 class _ModelShape:
     num_layers: int
     kv_bytes_per_token: int  # K+V across all layers and KV heads, at the KV cache dtype
@@ -200,6 +234,7 @@ class VllmEngine:
         self._stored_kv: dict[str, Any] = {}  # prefill role: request_id -> KV folder to delete on release
         self._recent_output_lens: collections.deque[int] = collections.deque(maxlen=_RECENT_REQUESTS)
         self.num_handoff_fallbacks = 0  # decode role: hand-offs whose KV was unusable, recomputed here
+        self.step_log: collections.deque[StepTime] = collections.deque(maxlen=_STEPS_KEPT)  # every iteration
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -222,6 +257,7 @@ class VllmEngine:
         # The constructor blocks until the engine core process is up (~20 s on CPU): a thread keeps the event
         # loop (and a second engine's start) going; AsyncLLM starts its output task on the first request.
         self._llm = await asyncio.to_thread(self._build_llm, AsyncLLM, Executor, config)
+        _log_steps(self._llm, self.step_log)
         self._read_geometry(config)
         if self._warmup:
             await self._run_warmup()
@@ -381,7 +417,9 @@ class VllmEngine:
     async def pause(self) -> None:
         """Stop stepping at an iteration boundary; requests and KV stay (gang-lease hand-over)."""
         self._require_started()
-        await self._llm.pause_generation(mode="keep", clear_cache=False)
+        # AsyncLLM.pause_generation(mode="keep", clear_cache=False) is this call plus a 20 ms sleep that only lets
+        # the last step's outputs reach their streams first; a gang lease switch would pay it every time.
+        await self._llm.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
         self._paused = True
 
     async def resume(self) -> None:
@@ -515,4 +553,4 @@ def _max_model_len(model_path: str, node_cfg: Any, model: str) -> int:
     return min(max_positions, int(node_cfg.max_context_len(model)))
 
 
-__all__ = ["VllmEngine", "make_vllm_engine", "vllm_priority", "vllm_sampling_params"]
+__all__ = ["StepTime", "VllmEngine", "make_vllm_engine", "vllm_priority", "vllm_sampling_params"]

@@ -65,14 +65,36 @@ def _stream(behavior):
     return handler
 
 
+def _bidi(behavior):
+    # Client streams (the scheduler's GangSteps): each request is checked as it arrives; a malformed one ends the
+    # call with INVALID_ARGUMENT.
+    async def handler(request_iterator, context):
+        async def checked():
+            async for request in request_iterator:
+                if type(request) is Malformed:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+                yield request
+
+        async with contextlib.aclosing(behavior(checked(), context)) as responses:
+            async for response in responses:
+                yield response
+
+    return handler
+
+
 def add_servicer(servicer, service_descriptor, server: grpc.aio.Server, *, max_message_bytes: int | None = None) -> None:
     handlers = {}
     for method in service_descriptor.methods:
-        if method.client_streaming:
-            raise NotImplementedError(f"{method.full_name}: client streaming is not used by octoserve")
+        if method.client_streaming and not method.server_streaming:
+            raise NotImplementedError(f"{method.full_name}: client-only streaming is not used by octoserve")
         request_cls = message_factory.GetMessageClass(method.input_type)
         response_cls = message_factory.GetMessageClass(method.output_type)
         behavior = getattr(servicer, method.name)
+        if method.client_streaming:
+            handlers[method.name] = grpc.stream_stream_rpc_method_handler(
+                _bidi(behavior), request_deserializer=safe_deserializer(request_cls, method.name, max_message_bytes),
+                response_serializer=response_cls.SerializeToString)
+            continue
         make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
         wrap = _stream if method.server_streaming else _unary
         handlers[method.name] = make(

@@ -2,7 +2,9 @@
 
 `python -m octoserve.decode_worker --instance llama-3-8b-0 [--config node.yaml] [--engine sim] [--time-scale K]
  [--scheduler 127.0.0.1:P] [--port 0] [--metrics-port 0] [--ready-file F] [--grace-s 10]`
-After it serves, the worker registers its address with the scheduler (when given), so the router finds it there.
+After it serves, the worker registers its address with the scheduler (when given), so the router finds it there,
+and registers again every REREGISTER_S: registration is idempotent, and a scheduler that restarted (and lost its
+state) learns the whole placement back from these heartbeats within about a second.
 """
 
 from __future__ import annotations
@@ -23,9 +25,13 @@ from octoserve.services import trust
 from octoserve.services.rpc.hardening import add_servicer
 from octoserve.services.rpc.server import RunningService, ServiceSpec, setup_logging
 from octoserve.services.rpc.worker_base import WorkerBase
+from octoserve.services.scheduler.gang_live import attach_gang_gate
 
 WORKER_SERVICE = w_pb.DESCRIPTOR.services_by_name["Worker"].full_name
 REGISTER_TIMEOUT_S = 10.0
+REREGISTER_S = 1.0
+SCHEDULER_CHANNEL_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                             ("grpc.max_reconnect_backoff_ms", 1000))
 
 
 def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,6 +58,27 @@ async def register(scheduler: str, instance_id: str, address: str) -> None:
         await stub.RegisterWorker(request, timeout=REGISTER_TIMEOUT_S, wait_for_ready=True)
 
 
+async def keep_registered(scheduler: str, instance_id: str, address: str) -> None:
+    """Re-registers every REREGISTER_S for the life of the process (a restarted scheduler rebuilds from these)."""
+    log = logging.getLogger("octoserve.worker")
+    request = s_pb.RegisterWorkerRequest(instance_id=instance_id, address=address, pid=os.getpid())
+    reachable = True
+    async with trust.channel(scheduler, options=SCHEDULER_CHANNEL_OPTIONS) as channel:
+        stub = s_grpc.SchedulerStub(channel)
+        while True:
+            await asyncio.sleep(REREGISTER_S)
+            try:
+                await stub.RegisterWorker(request, timeout=REREGISTER_S)
+                if not reachable:
+                    log.info("re-registered with the scheduler", extra={"fields": {"scheduler": scheduler}})
+                reachable = True
+            except grpc.aio.AioRpcError as e:
+                if reachable:
+                    log.warning("scheduler unreachable; registering again every second",
+                                extra={"fields": {"scheduler": scheduler, "code": e.code().name}})
+                reachable = False
+
+
 def worker_spec(args: argparse.Namespace, make_servicer: Callable[..., WorkerBase]) -> ServiceSpec:
     from octoserve.services.config import load_node_config, load_service_sections
 
@@ -61,12 +88,15 @@ def worker_spec(args: argparse.Namespace, make_servicer: Callable[..., WorkerBas
 
     node_cfg = load_node_config(args.config)
     engine = make_engine(node_cfg, args.instance, engine=args.engine, time_scale=args.time_scale, model_path=args.model)
+    attach_gang_gate(engine, node_cfg, args.instance, args.scheduler, args.time_scale)  # gang members step on grants
     servicer = make_servicer(engine)
     servicer.model_spec = node_cfg.models.get(engine.model)
 
     async def on_serving(running: RunningService) -> None:
         if args.scheduler:
             await register(args.scheduler, args.instance, running.address)
+            heartbeat = asyncio.create_task(keep_registered(args.scheduler, args.instance, running.address))
+            running.background.add(heartbeat)
 
     return ServiceSpec(
         name=f"worker:{args.instance}",

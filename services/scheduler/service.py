@@ -4,6 +4,9 @@ leases (pause a set of instances for a TP-wide job until released or expired).
 Load collection: one WatchLoad stream per registered worker keeps `loads` current; a broken stream marks the
 instance unhealthy until it reconnects. Pool balancing and model reallocation will read `loads`; they are not
 here yet.
+Registration is idempotent and workers repeat it every second, so a scheduler that restarted rebuilds its
+registry (and its load watchers) from those heartbeats; the router keeps serving on the placement it read at
+start meanwhile. A worker that registers a new address gets a new watcher.
 Invariants: `GetPlacement.complete` only when every configured instance has registered; a lease pauses each of
 its instances exactly once and resumes them exactly once (on release or at expiry).
 """
@@ -31,12 +34,15 @@ from octoserve.services.rpc.gen import worker_pb2_grpc as w_grpc
 from octoserve.services import trust
 from octoserve.services.rpc.hardening import add_servicer
 from octoserve.services.rpc.server import ServiceSpec, setup_logging
+from octoserve.services.scheduler.gang_live import GangCollector, GangHub
 
 log = logging.getLogger("octoserve.scheduler")
 
 SCHEDULER_SERVICE = s_pb.DESCRIPTOR.services_by_name["Scheduler"].full_name
 LOAD_INTERVAL_MS = 100  # the scheduler balances pools on a seconds scale; the router gets its own faster stream
 RECONNECT_S = 0.2
+WORKER_CHANNEL_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                          ("grpc.max_reconnect_backoff_ms", 1000))
 MAX_LEASE_MS = 600_000  # a gang job holds its instances at most 10 minutes per lease (renew for longer)
 PAUSE_TIMEOUT_S = 10.0
 
@@ -63,6 +69,8 @@ class SchedulerServicer(s_grpc.SchedulerServicer):
                                       registry=self.registry)
         self._kv_usage = prom.Gauge("octoserve_scheduler_kv_usage_ratio", "KV usage per instance, ratio 0-1", ["instance"],
                                     registry=self.registry)
+        self.gang = GangHub(config)  # gang groups: each member steps on its group arbiter's grants (gang_live.py)
+        self.registry.register(GangCollector(self.gang))
         self._queue = prom.Gauge("octoserve_scheduler_waiting_requests", "waiting requests per instance, count",
                                  ["instance"], registry=self.registry)
 
@@ -77,6 +85,8 @@ class SchedulerServicer(s_grpc.SchedulerServicer):
                                 f"instance {request.instance_id!r} is not in the node config; known: {known}")
         if (problem := address_problem(request.address)) is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        if self.addresses.get(request.instance_id) == request.address:
+            return s_pb.RegisterWorkerReply()  # the heartbeat of a known worker
         self.addresses[request.instance_id] = request.address
         self._registered.set(len(self.addresses))
         self._watch(request.instance_id, request.address)
@@ -109,7 +119,7 @@ class SchedulerServicer(s_grpc.SchedulerServicer):
         channel = self._channels.pop(instance_id, None)
         if channel is not None:
             asyncio.get_running_loop().create_task(channel.close())
-        self._channels[instance_id] = trust.channel(address)
+        self._channels[instance_id] = trust.channel(address, options=WORKER_CHANNEL_OPTIONS)
         self._watchers[instance_id] = asyncio.create_task(self._watch_loop(instance_id))
 
     async def _watch_loop(self, instance_id: str) -> None:
@@ -175,7 +185,12 @@ class SchedulerServicer(s_grpc.SchedulerServicer):
                              return_exceptions=True)
         return True
 
+    async def GangSteps(self, request_iterator, context):
+        async for grant in self.gang.steps(request_iterator, context):
+            yield grant
+
     async def close(self) -> None:
+        await self.gang.close()
         for lease_id in list(self.leases):
             await self._end_lease(lease_id)
         for task in self._watchers.values():

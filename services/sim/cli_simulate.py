@@ -46,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_cost_profile_argument(parser)
     parser.add_argument("--json", dest="json_path", help="write the summary and per-request records here")
     parser.add_argument("--plots", help="directory for PNG plots")
+    parser.add_argument("--fault", dest="faults", action="append", default=[], metavar="INSTANCE@T[+DOWN]",
+                        help="lose an instance at T s, back after DOWN s (default 5), e.g. sm-0@30+5; repeatable: "
+                             "reports the attainment dip and recovery time (services/sim/faults.py)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -55,8 +58,23 @@ def run(args: argparse.Namespace) -> int:
         trace = generate_trace(profile, args.seed)
     print(f"simulating {len(trace)} requests of {profile.name} at {profile.rate_rps:g} req/s "
           f"for {profile.duration_s:g} s on {len(node.instances)} instances", file=sys.stderr)
-    result = simulate_with_progress(node, trace, profile.duration_s, seed=args.seed, warmup_s=args.warmup)
+    from octoserve.services.sim.faults import parse_fault
+
+    try:
+        faults = [parse_fault(f) for f in args.faults]
+    except ValueError as e:
+        raise SystemExit(f"--fault: {e}") from None
+    result = simulate_with_progress(node, trace, profile.duration_s, seed=args.seed, warmup_s=args.warmup,
+                                    faults=faults)
     print(format_result(result))
+    if faults:
+        print("\n" + format_fault_reports(node, result, faults))
+        if args.plots:
+            from octoserve.services.sim.faults import plot_fault_attainment
+
+            for model in sorted({node.instance(f.instance_id).model for f in faults}):
+                plot_fault_attainment(result.records, SloSpec(node.slo.ttft_ms, node.slo.itl_ms), faults, model,
+                                      Path(args.plots) / f"fault_attainment_{model}.png")
     if args.json_path:
         write_json(result, args.json_path)
     if args.plots:
@@ -113,7 +131,8 @@ def load_with_overrides(path: str | None, overrides: list[str], cost_profile: st
 
 
 def simulate_with_progress(
-    node, trace, duration_s: float, *, seed: int = 0, label: str = "virtual s", warmup_s: float | None = None
+    node, trace, duration_s: float, *, seed: int = 0, label: str = "virtual s", warmup_s: float | None = None,
+    faults=(),
 ) -> SimResult:
     bar = Progress(total=int(duration_s), label=label)
     done = [0]
@@ -125,9 +144,19 @@ def simulate_with_progress(
             done[0] += step
 
     try:
-        return run_simulation(node, trace, seed=seed, progress=advance, warmup_s=warmup_s)
+        return run_simulation(node, trace, seed=seed, progress=advance, warmup_s=warmup_s, faults=faults)
     finally:
         bar.close()
+
+
+def format_fault_reports(node, result: SimResult, faults) -> str:
+    from octoserve.services.sim.faults import fault_report, format_reports
+
+    slo = SloSpec(node.slo.ttft_ms, node.slo.itl_ms)
+    reports = [fault_report(result.records, slo, f, node.instance(f.instance_id).model,
+                            rerouted=result.fault_counts.get("rerouted", 0), lost=result.fault_counts.get("lost", 0))
+               for f in faults]
+    return format_reports(reports)
 
 
 def format_result(result: SimResult) -> str:

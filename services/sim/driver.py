@@ -4,7 +4,10 @@ Pop an event, set the time, let the event produce new events (as in Vidur). Enti
 - the router policy (`octoserve.services.core.routing.RouterPolicy`): admission and routing on fresh load snapshots;
 - one `_Instance` per engine instance: a core `Batcher`, a `SimExecutor` and the instance's cost model; an instance
   is either idle or running exactly one step, whose end is an event;
-- KV hand-offs between prefill and decode instances, each an event after its modelled NVLink time.
+- KV hand-offs between prefill and decode instances, each an event after its modelled NVLink time;
+- injected faults (`services/sim/faults.py`): an instance lost at time t and back after its restart time, handled as
+  the live router does: requests with no token yet are placed again (their other instance's KV freed first), those
+  with tokens fail; the instance takes no request while down and comes back empty (a fresh batcher and KV).
 
 Invariants: virtual time never goes backwards; a request is refused, or admitted to exactly one (colocated or
 prefill) instance, with its decode KV reserved before its prefill starts when the model is disaggregated; every
@@ -35,7 +38,8 @@ from octoserve.services.metrics import MIN_WARMUP_S, RequestRecord, SloSpec, Sum
 from octoserve.services.sim.gang_sim import GangReport, build_gangs
 from octoserve.services.workload import TraceRequest
 
-_ARRIVAL, _STEP_DONE, _TRANSFER_DONE, _SAMPLE = range(4)
+_ARRIVAL, _STEP_DONE, _TRANSFER_DONE, _SAMPLE, _FAULT, _RECOVER = range(6)
+MAX_REROUTES = 3  # as the live router (router/failover.py)
 
 
 class _Instance:
@@ -60,7 +64,7 @@ class _Tracker:
     """What the simulator learns about one request as it runs."""
 
     __slots__ = ("trace", "route", "first_token_s", "token_times_s", "finish_s", "num_cached", "num_output",
-                 "preemptions", "refused", "retry_after_ms", "error", "committed")
+                 "preemptions", "refused", "retry_after_ms", "error", "committed", "reroutes")
 
     def __init__(self, trace: TraceRequest) -> None:
         self.trace = trace
@@ -75,6 +79,7 @@ class _Tracker:
         self.retry_after_ms: float | None = None
         self.error = ""
         self.committed = False  # decode side has taken the KV
+        self.reroutes = 0  # times it was placed again after losing its instance
 
     def record(self) -> RequestRecord:
         return self.trace.record(
@@ -112,6 +117,7 @@ class SimResult:
     timeseries: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     virtual_s: float = 0.0
     wall_s: float = 0.0
+    fault_counts: dict[str, int] = field(default_factory=dict)  # "rerouted", "lost": requests, over every fault
     gangs: tuple[GangReport, ...] = ()  # one per gang group (whole run)
 
     @property
@@ -126,7 +132,8 @@ class SimResult:
 
 
 class NodeSimulator:
-    def __init__(self, config: NodeConfig, *, seed: int = 0, sample_interval_s: float = 1.0, router=None) -> None:
+    def __init__(self, config: NodeConfig, *, seed: int = 0, sample_interval_s: float = 1.0, router=None,
+                 faults: Sequence = ()) -> None:
         from octoserve.services.core.routing import RouterPolicy
 
         self.config = config
@@ -144,6 +151,13 @@ class NodeSimulator:
         self._last_busy: dict[str, float] = {iid: 0.0 for iid in self.instances}
         self._in_flight = 0  # admitted, not yet finished or failed
         self.now = 0.0
+        self.faults = tuple(faults)
+        self.down: set[str] = set()
+        self.num_rerouted = 0
+        self.num_lost = 0
+        for fault in self.faults:
+            if fault.instance_id not in self.instances:
+                raise ValueError(f"fault names instance {fault.instance_id!r}; the node has {', '.join(self.instances)}")
 
     # ---- the loop -----------------------------------------------------------------------------------------
 
@@ -162,11 +176,16 @@ class NodeSimulator:
         last_arrival = trace[-1].arrival_s if trace else 0.0
         end_s = last_arrival + drain_s
         self._push(0.0, _SAMPLE, None)
+        for fault in self.faults:
+            self._push(fault.at_s, _FAULT, fault)
+            self._push(fault.at_s + fault.down_s, _RECOVER, fault)
         handlers = {
             _ARRIVAL: self._on_arrival,
             _STEP_DONE: self._on_step_done,
             _TRANSFER_DONE: self._on_transfer_done,
             _SAMPLE: self._on_sample,
+            _FAULT: self._on_fault,
+            _RECOVER: self._on_recover,
         }
         next_progress = 0.0
         while self._events:
@@ -195,12 +214,17 @@ class NodeSimulator:
     # ---- arrivals and routing ------------------------------------------------------------------------------
 
     def _on_arrival(self, req: TraceRequest) -> None:
-        from octoserve.services.core.routing import Refuse
-
         tracker = _Tracker(req)
         self._trackers[req.request_id] = tracker
+        self._place(tracker)
+
+    def _place(self, tracker: _Tracker) -> None:
+        from octoserve.services.core.routing import Refuse
+
+        req = tracker.trace
         spec = req.to_request_spec()
-        loads = {iid: inst.load() for iid, inst in self.instances.items() if inst.cfg.model == req.model}
+        loads = {iid: inst.load() for iid, inst in self.instances.items()
+                 if inst.cfg.model == req.model and iid not in self.down}
         decision = self.router.route(spec, loads, self.now)
         if isinstance(decision, Refuse):
             tracker.refused = True
@@ -251,6 +275,8 @@ class NodeSimulator:
 
     def _on_step_done(self, payload: tuple[_Instance, StepPlan, StepResult]) -> None:
         inst, plan, result = payload
+        if self.instances[inst.cfg.id] is not inst:
+            return  # a step of an instance that was lost meanwhile
         out = inst.batcher.update(plan, result, self.now)
         inst.steps += 1
         inst.reporter.note_step(plan, result.step_time_s)
@@ -299,6 +325,9 @@ class NodeSimulator:
     def _on_transfer_done(self, payload: tuple[_Instance, HandoffReady]) -> None:
         source, handoff = payload
         tracker = self._trackers[handoff.request_id]
+        if self.instances[source.cfg.id] is not source or tracker.route is None or tracker.error \
+                or tracker.route.instance_id != source.cfg.id or tracker.finish_s is not None:
+            return  # one end was lost mid-transfer: the fault already moved or failed the request
         source.batcher.release_handoff(handoff.request_id)
         self._wake(source)  # freed blocks may unblock its queue
         decode = self.instances[tracker.route.decode_instance_id]
@@ -308,6 +337,41 @@ class NodeSimulator:
             self._finish(tracker)
             return
         self._wake(decode)
+
+    # ---- faults --------------------------------------------------------------------------------------------
+
+    def _on_fault(self, fault) -> None:
+        iid = fault.instance_id
+        old = self.instances[iid]
+        fresh = _Instance(self.config, old.cfg)  # what restarts: empty queue, empty KV; routable at recovery
+        fresh.busy_s, fresh.steps = old.busy_s, old.steps
+        self.instances[iid] = fresh
+        self.down.add(iid)
+        self.router.prefix_index.remove_instance(iid)  # its cache died with it
+        for tracker in list(self._trackers.values()):
+            route = tracker.route
+            if route is None or tracker.finish_s is not None or tracker.error or tracker.refused:
+                continue
+            if iid not in (route.instance_id, route.decode_instance_id):
+                continue
+            request_id = tracker.trace.request_id
+            for other in (route.instance_id, route.decode_instance_id):
+                if other is not None and other != iid:
+                    self.instances[other].batcher.abort(request_id)  # frees its reservation / hand-off / KV
+                    self._wake(self.instances[other])
+            self._in_flight -= 1
+            self.router.on_finished(request_id)
+            if tracker.first_token_s is None and tracker.reroutes < MAX_REROUTES:
+                tracker.route, tracker.committed = None, False
+                tracker.reroutes += 1
+                self.num_rerouted += 1
+                self._place(tracker)
+            else:
+                tracker.error = f"instance {iid} was lost after the request's first token"
+                self.num_lost += 1
+
+    def _on_recover(self, fault) -> None:
+        self.down.discard(fault.instance_id)
 
     # ---- sampling and results -----------------------------------------------------------------------------
 
@@ -340,7 +404,9 @@ class NodeSimulator:
         virtual_s = max(self.now, last_arrival)
         stats = tuple(self._instance_stats(iid, inst, window) for iid, inst in self.instances.items())
         gangs = tuple({id(g): g.report(virtual_s) for g in self.gangs.values()}.values())
-        return SimResult(tuple(records), summarize(records, slo, window), stats, self._series, virtual_s, wall_s, gangs)
+        return SimResult(tuple(records), summarize(records, slo, window), stats, self._series, virtual_s, wall_s,
+                         fault_counts={"rerouted": self.num_rerouted, "lost": self.num_lost} if self.faults else {},
+                         gangs=gangs)
 
     def _instance_stats(self, iid: str, inst: _Instance, window: Window) -> InstanceStats:
         # A busy sample covers the second before it: keep those lying inside the window (all overlapping ones
@@ -371,12 +437,13 @@ def run_simulation(
     drain_s: float = 120.0,
     warmup_s: float | None = None,
     min_warmup_s: float = MIN_WARMUP_S,
+    faults: Sequence = (),
 ) -> SimResult:
     """Simulate `trace` on the node `config`; the one entry point for `simulate`, `plan` and the benchmarks.
 
     `warmup_s` None detects the warm-up (`metrics.detect_window`: MSER-5 on the occupancy series, at least
     `min_warmup_s`); a number states it. The result's summary and instance figures cover the measurement window
     (`SimResult.window`); `records` and `timeseries` hold the whole run, warm-up and drain included."""
-    return NodeSimulator(config, seed=seed).run(
+    return NodeSimulator(config, seed=seed, faults=faults).run(
         trace, drain_s=drain_s, progress=progress, warmup_s=warmup_s, min_warmup_s=min_warmup_s
     )

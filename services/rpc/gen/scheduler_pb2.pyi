@@ -1,5 +1,6 @@
 from . import worker_pb2 as _worker_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -92,3 +93,41 @@ class ReleaseLeaseRequest(_message.Message):
 class ReleaseLeaseReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class GangReport(_message.Message):
+    __slots__ = ("instance_id", "event", "has_work", "min_step_s", "has_deadline", "deadline_s", "step_s", "time_scale")
+    class Event(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        HELLO: _ClassVar[GangReport.Event]
+        BOUNDARY: _ClassVar[GangReport.Event]
+        STARTED: _ClassVar[GangReport.Event]
+        NOTHING: _ClassVar[GangReport.Event]
+        ENDED: _ClassVar[GangReport.Event]
+    HELLO: GangReport.Event
+    BOUNDARY: GangReport.Event
+    STARTED: GangReport.Event
+    NOTHING: GangReport.Event
+    ENDED: GangReport.Event
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    HAS_WORK_FIELD_NUMBER: _ClassVar[int]
+    MIN_STEP_S_FIELD_NUMBER: _ClassVar[int]
+    HAS_DEADLINE_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    STEP_S_FIELD_NUMBER: _ClassVar[int]
+    TIME_SCALE_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    event: GangReport.Event
+    has_work: bool
+    min_step_s: float
+    has_deadline: bool
+    deadline_s: float
+    step_s: float
+    time_scale: float
+    def __init__(self, instance_id: _Optional[str] = ..., event: _Optional[_Union[GangReport.Event, str]] = ..., has_work: _Optional[bool] = ..., min_step_s: _Optional[float] = ..., has_deadline: _Optional[bool] = ..., deadline_s: _Optional[float] = ..., step_s: _Optional[float] = ..., time_scale: _Optional[float] = ...) -> None: ...
+
+class GangGrant(_message.Message):
+    __slots__ = ("cap_s",)
+    CAP_S_FIELD_NUMBER: _ClassVar[int]
+    cap_s: float
+    def __init__(self, cap_s: _Optional[float] = ...) -> None: ...

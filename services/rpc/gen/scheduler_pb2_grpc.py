@@ -59,6 +59,11 @@ class SchedulerStub:
                 request_serializer=octoserve_dot_v1_dot_scheduler__pb2.ReleaseLeaseRequest.SerializeToString,
                 response_deserializer=octoserve_dot_v1_dot_scheduler__pb2.ReleaseLeaseReply.FromString,
                 _registered_method=True)
+        self.GangSteps = channel.stream_stream(
+                '/octoserve.v1.Scheduler/GangSteps',
+                request_serializer=octoserve_dot_v1_dot_scheduler__pb2.GangReport.SerializeToString,
+                response_deserializer=octoserve_dot_v1_dot_scheduler__pb2.GangGrant.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -98,6 +103,14 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GangSteps(self, request_iterator, context):
+        """Gang groups (the gang section of the node config): each member worker steps only when the group's arbiter
+        grants it. The worker reports its iteration boundaries; the scheduler answers each started step with a grant.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -125,6 +138,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.ReleaseLease,
                     request_deserializer=octoserve_dot_v1_dot_scheduler__pb2.ReleaseLeaseRequest.FromString,
                     response_serializer=octoserve_dot_v1_dot_scheduler__pb2.ReleaseLeaseReply.SerializeToString,
+            ),
+            'GangSteps': grpc.stream_stream_rpc_method_handler(
+                    servicer.GangSteps,
+                    request_deserializer=octoserve_dot_v1_dot_scheduler__pb2.GangReport.FromString,
+                    response_serializer=octoserve_dot_v1_dot_scheduler__pb2.GangGrant.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -262,6 +280,33 @@ class Scheduler:
             '/octoserve.v1.Scheduler/ReleaseLease',
             octoserve_dot_v1_dot_scheduler__pb2.ReleaseLeaseRequest.SerializeToString,
             octoserve_dot_v1_dot_scheduler__pb2.ReleaseLeaseReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GangSteps(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/octoserve.v1.Scheduler/GangSteps',
+            octoserve_dot_v1_dot_scheduler__pb2.GangReport.SerializeToString,
+            octoserve_dot_v1_dot_scheduler__pb2.GangGrant.FromString,
             options,
             channel_credentials,
             insecure,

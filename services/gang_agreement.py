@@ -1,0 +1,142 @@
+"""The time-shared (gang) node, live against virtual: the agreement check of services/agreement.py plus the gang
+figures of both sides and the live control-loop latency.
+
+    python -m octoserve.services.gang_agreement [--config services/configs/node-gang.yaml] [--profile seed-000]
+        [--rate 10] [--duration 6] [--time-scale 10] [--cost-profile default|pessimistic] [--json F]
+
+Live, the scheduler runs each gang group's arbiter over the members' sim-engine workers, one grant per step
+(services/scheduler/gang_live.py); the simulator runs the same arbiter in virtual time (services/sim/gang_sim.py).
+Printed: goodput and TTFT / ITL P95 side by side (±15 % is the agreement bar), then per group the arbiter's
+counters on both sides (steps, switches per second, the largest LM wait and SM stall against their bounds,
+overruns), and the live control-loop latency (step end -> next grant running, in modelled ms) against the mean
+modelled step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import urllib.request
+from pathlib import Path
+
+from octoserve.services.agreement import TOLERANCE, Agreement, cap_outputs
+from octoserve.services.metrics import summarize
+from octoserve.services.workload import PROFILES, generate_trace, scaled
+
+DEFAULT_CONFIG = str(Path(__file__).resolve().parent / "configs" / "node-gang.yaml")
+
+
+def scrape_gang_stats(metrics_port: int) -> dict[str, dict[str, float]]:
+    """The scheduler's `octoserve_gang_*` gauges: group (LM id) -> figure -> value."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    out: dict[str, dict[str, float]] = {}
+    for line in text.splitlines():
+        if not line.startswith("octoserve_gang_"):
+            continue
+        head, value = line.rsplit(" ", 1)
+        name, _, labels = head.partition("{")
+        group = labels.split('group="', 1)[1].split('"', 1)[0]
+        out.setdefault(group, {})[name.removeprefix("octoserve_gang_")] = float(value)
+    return out
+
+
+def with_cost_profile(config_path: str, cost_profile: str | None, run_dir: Path) -> str:
+    if not cost_profile:
+        return config_path
+    import yaml
+
+    raw = yaml.safe_load(Path(config_path).read_text())
+    raw["cost_profile"] = cost_profile
+    out = run_dir / f"node-{cost_profile}.yaml"
+    out.write_text(yaml.safe_dump(raw))
+    return str(out)
+
+
+def run(config_path: str, trace, time_scale: float, *, duration_s: float, slo) -> dict:
+    from octoserve.services.config import load_node_config
+    from octoserve.services.launcher import start_node
+    from octoserve.services.loadgen import BenchOptions, run_bench
+    from octoserve.services.sim.driver import run_simulation
+
+    node_cfg = load_node_config(config_path)
+    virtual = run_simulation(node_cfg, trace)
+    last_finish_s = max((r.finish_s for r in virtual.records if r.finish_s is not None), default=duration_s)
+    drain_s = (last_finish_s - duration_s) * time_scale * 2.0 + 60.0
+    node = start_node(config_path, time_scale)
+    try:
+        records = asyncio.run(
+            run_bench(node.router_address, trace, time_scale=time_scale, options=BenchOptions(drain_timeout_s=drain_s)))
+        live_gang = scrape_gang_stats(node.scheduler.metrics_port)
+    finally:
+        node.stop()
+    agreement = Agreement(summarize(records, slo, duration_s, warmup_s=virtual.window.start_s), virtual.summary)
+    virtual_gang = {}
+    for g in virtual.gangs:
+        s = g.stats
+        virtual_gang[g.lm] = dict(
+            lm_steps=s.num_lm_steps, sm_steps=s.num_sm_steps, switches=s.num_switches,
+            switches_per_s=g.switches_per_s, max_lm_wait_ms=1e3 * s.max_lm_wait_s,
+            max_sm_stall_ms=1e3 * s.max_sm_stall_s, overruns=s.num_overruns, lm_held_s=s.lm_held_s,
+            sm_held_s=s.sm_held_s)
+    for lm, figures in live_gang.items():
+        figures["switches_per_s"] = figures.get("switches", 0.0) / virtual.virtual_s if virtual.virtual_s else 0.0
+    return dict(agreement=agreement, virtual_gang=virtual_gang, live_gang=live_gang, policy=node_cfg.gang.policy)
+
+
+def gang_table(result: dict) -> str:
+    policy = result["policy"]
+    rows = [("LM steps", "lm_steps", "{:.0f}"), ("SM steps", "sm_steps", "{:.0f}"),
+            ("lease switches / s", "switches_per_s", "{:.1f}"),
+            (f"max LM wait ms (bound {policy.max_lm_wait_ms:g})", "max_lm_wait_ms", "{:.1f}"),
+            (f"max SM stall ms (bound {policy.max_sm_stall_ms:g})", "max_sm_stall_ms", "{:.1f}"),
+            ("overruns", "overruns", "{:.0f}")]
+    lines = []
+    for lm, virt in result["virtual_gang"].items():
+        live = result["live_gang"].get(lm, {})
+        lines.append(f"gang group {lm} ({policy.shape})     live      virtual")
+        for label, key, fmt in rows:
+            lv = fmt.format(live[key]) if key in live else "-"
+            lines.append(f"  {label:<30} {lv:>9} {fmt.format(virt[key]):>9}")
+        if live:
+            lm_step_ms = 1e3 * live["lm_held_s"] / max(1.0, live["lm_steps"])
+            lines.append(f"  control-loop latency (modelled ms): p50 {live['control_p50_ms']:.2f}, "
+                         f"p95 {live['control_p95_ms']:.2f}, max {live['control_max_ms']:.2f}; "
+                         f"LM lease time per LM step {lm_step_ms:.1f} ms")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=DEFAULT_CONFIG)
+    parser.add_argument("--profile", default="seed-000", choices=sorted(PROFILES))
+    parser.add_argument("--rate", type=float, default=10.0)
+    parser.add_argument("--duration", type=float, default=6.0)
+    parser.add_argument("--time-scale", type=float, default=10.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-output", type=int, default=96, help="cap on true output lengths (wall time)")
+    parser.add_argument("--cost-profile", choices=("default", "pessimistic"), default=None)
+    parser.add_argument("--json", dest="json_path")
+    args = parser.parse_args(argv)
+    profile = scaled(PROFILES[args.profile], rate_rps=args.rate, duration_s=args.duration)
+    trace = cap_outputs(generate_trace(profile, args.seed), args.max_output)
+    config = with_cost_profile(args.config, args.cost_profile, Path(tempfile.mkdtemp(prefix="gang-agree-")))
+    print(f"live (K={args.time_scale:g}) and virtual: {len(trace)} requests of {args.profile} at {args.rate:g} req/s "
+          f"for {args.duration:g} s, cost profile {args.cost_profile or 'of the config'}", flush=True)
+    result = run(config, trace, args.time_scale, duration_s=args.duration, slo=profile.slo)
+    agreement: Agreement = result["agreement"]
+    print(agreement.table())
+    ok = agreement.within()
+    print(f"agreement within ±{TOLERANCE:.0%}: {'yes' if ok else 'NO'}")
+    print(gang_table(result))
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps({
+            "differences": agreement.relative_differences(), "within": ok,
+            "live_gang": result["live_gang"], "virtual_gang": result["virtual_gang"]}, indent=2))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

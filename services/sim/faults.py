@@ -1,0 +1,150 @@
+"""Faults in the simulator: an instance lost at time t and back (restarted, empty) after `down_s`, and what it did
+to the SLO attainment of its model.
+
+    octoserve simulate --fault sm-0@30+5 [--fault ...]     # instance sm-0 lost at t = 30 s, serving again at 35 s
+
+The driver (`services/sim/driver.py`) applies the fault as the live router and launcher do: requests on the lost
+instance with no token yet are placed again at once, those with tokens fail, the instance is unroutable while down.
+The report, per fault, over the lost instance's model, in `bin_s` bins of outcome time (when each request's fate
+was sealed: its last token, or its refusal; by arrival time a loss would show in the bins of the requests that
+arrived up to a whole generation earlier, before the fault):
+- before: attainment (requests meeting the SLO / requests ended) over the `baseline_s` before the fault;
+- dip: the lowest bin attainment from the fault on, and when;
+- recovery: time from the fault until the end of the first rolling `hold_s` window, ending after the instance is
+  back, whose attainment is within `tolerance` of `before` (None when none is within the run);
+- rerouted / lost: requests moved off the instance, requests failed with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from octoserve.services.metrics import RequestRecord, SloSpec, TimeBin, meets_slo
+
+
+DEFAULT_DOWN_S = 5.0  # restart time: the live launcher restarts a sim worker in seconds; a vLLM engine takes longer
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceFault:
+    instance_id: str
+    at_s: float
+    down_s: float = DEFAULT_DOWN_S
+
+
+def parse_fault(text: str) -> InstanceFault:
+    """'sm-0@30' or 'sm-0@30+5' (instance, loss time s, down time s)."""
+    instance_id, at, rest = text.partition("@")
+    if not at or not instance_id:
+        raise ValueError(f"fault {text!r}: write INSTANCE@T or INSTANCE@T+DOWN, as sm-0@30+5")
+    at_text, plus, down_text = rest.partition("+")
+    try:
+        at_s = float(at_text.rstrip("s"))
+        down_s = float(down_text.rstrip("s")) if plus else DEFAULT_DOWN_S
+    except ValueError:
+        raise ValueError(f"fault {text!r}: times are seconds, as sm-0@30+5") from None
+    if at_s < 0 or down_s < 0:
+        raise ValueError(f"fault {text!r}: times must be >= 0")
+    return InstanceFault(instance_id, at_s, down_s)
+
+
+@dataclass(frozen=True, slots=True)
+class FaultReport:
+    fault: InstanceFault
+    model: str
+    before: float
+    dip: float
+    dip_at_s: float
+    recovery_s: float | None
+    rerouted: int
+    lost: int
+
+
+def outcome_time_s(record: RequestRecord) -> float:
+    """When a request's fate was sealed: finished, failed (its last token), or refused (on arrival)."""
+    if record.finish_s is not None:
+        return record.finish_s
+    if record.token_times_s:
+        return record.token_times_s[-1]
+    return record.arrival_s
+
+
+def attainment_by_outcome_time(records: Sequence[RequestRecord], slo: SloSpec, bin_s: float) -> list[TimeBin]:
+    """Requests binned by `outcome_time_s` from 0 (empty bins included), with SLO outcomes."""
+    if not records:
+        return []
+    num_bins = int(max(outcome_time_s(r) for r in records) // bin_s) + 1
+    offered, admitted, good = [0] * num_bins, [0] * num_bins, [0] * num_bins
+    for r in records:
+        b = int(outcome_time_s(r) // bin_s)
+        offered[b] += 1
+        admitted[b] += not r.refused
+        good[b] += meets_slo(r, slo)
+    return [TimeBin(b * bin_s, offered[b], admitted[b], good[b]) for b in range(num_bins)]
+
+
+def fault_report(records: Sequence[RequestRecord], slo: SloSpec, fault: InstanceFault, model: str, *,
+                 rerouted: int, lost: int, bin_s: float = 1.0, baseline_s: float = 20.0, tolerance: float = 0.05,
+                 hold_s: float = 10.0) -> FaultReport:
+    mine = [r for r in records if r.model == model]
+    last_arrival_s = max((r.arrival_s for r in mine), default=0.0)
+    # Up to the last arrival: after it only the drain's stragglers end, a handful per second.
+    bins = [b for b in attainment_by_outcome_time(mine, slo, bin_s) if b.start_s + bin_s <= last_arrival_s]
+    # A request lost with its instance has its last token (its outcome time) up to a step before the fault, so the
+    # bin before the fault's belongs to the fault too.
+    edge_s = fault.at_s - bin_s
+    before_bins = [b for b in bins if edge_s - baseline_s <= b.start_s and b.start_s + bin_s <= edge_s]
+    offered = sum(b.num_offered for b in before_bins)
+    before = sum(b.num_good for b in before_bins) / offered if offered else 1.0
+    # The bin holding the fault counts as after it: requests that arrived in it can be hit.
+    after = [b for b in bins if b.start_s + bin_s > edge_s and b.num_offered]
+    if not after:
+        return FaultReport(fault, model, before, before, fault.at_s, 0.0, rerouted, lost)
+    worst = min(after, key=lambda b: b.attainment_offered)
+    floor = before - tolerance
+    hold_bins = max(1, round(hold_s / bin_s))
+    rolling = []  # (start of the window, attainment over it)
+    for i in range(len(after) - hold_bins + 1):
+        window = after[i:i + hold_bins]
+        rolling.append((window[0].start_s, sum(w.num_good for w in window) / sum(w.num_offered for w in window)))
+    # The first window after the instance is back that is within tolerance again; later windows wander with the
+    # load as they did before the fault (the before-figure is a 20 s mean, not a bound).
+    back_s = fault.at_s + fault.down_s
+    recovery_s = next((start_s + hold_s - fault.at_s for start_s, attainment in rolling
+                       if start_s + hold_s >= back_s and attainment >= floor), None)
+    return FaultReport(fault, model, before, worst.attainment_offered, worst.start_s, recovery_s, rerouted, lost)
+
+
+def format_reports(reports: Sequence[FaultReport]) -> str:
+    lines = ["fault                 model          before    dip (at)         recovery   rerouted  lost"]
+    for r in reports:
+        name = f"{r.fault.instance_id}@{r.fault.at_s:g}+{r.fault.down_s:g}"
+        recovery = "never" if r.recovery_s is None else f"{r.recovery_s:.0f} s"
+        lines.append(f"{name:<21} {r.model:<14} {r.before:>6.1%}  {r.dip:>6.1%} ({r.dip_at_s:>5.0f} s)  "
+                     f"{recovery:>8}  {r.rerouted:>8}  {r.lost:>4}")
+    lines.append("(attainment: requests meeting the SLO / requests ended, by second of outcome; recovery: from the "
+                 "fault to the end of the first 10 s window, after the instance is back, within 5 points of before)")
+    return "\n".join(lines)
+
+
+def plot_fault_attainment(records: Sequence[RequestRecord], slo: SloSpec, faults: Sequence[InstanceFault],
+                          model: str, path, bin_s: float = 1.0):
+    """Attainment (of all and of admitted) of `model` per second of outcome time, each fault's down time shaded."""
+    from octoserve.services.plots import _save, plt
+
+    bins = attainment_by_outcome_time([r for r in records if r.model == model], slo, bin_s)
+    xs = [b.start_s for b in bins]
+    fig, ax = plt.subplots(figsize=(10, 4))
+    ax.plot(xs, [100 * b.attainment_admitted for b in bins], label="of admitted")
+    ax.plot(xs, [100 * b.attainment_offered for b in bins], label="of all (refused = miss)")
+    for f in faults:
+        ax.axvspan(f.at_s, f.at_s + f.down_s, color="red", alpha=0.12)
+        ax.axvline(f.at_s, color="red", lw=1)
+        ax.text(f.at_s, 101, f" {f.instance_id} lost", color="red", fontsize=8, va="bottom")
+    ax.set_ylim(0, 108)
+    ax.set_xlabel("outcome time (s): finish, last token of a failed request, or refusal")
+    ax.set_ylabel(f"{model} SLO attainment (%)")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower left", fontsize=8)
+    return _save(fig, path)

@@ -1,0 +1,145 @@
+"""Live gang leases: the scheduler's arbiter grants every step of the gang members' sim engines over GangSteps.
+
+In-process: the real scheduler servicer on a real gRPC server on 127.0.0.1, and node-gang.yaml's nine sim engines
+(the 70B at TP=8 and eight 8B replicas on the same GPUs), each with its GangGate, dilated so that a step is long
+against the machine's scheduling noise. Requests go straight to the engines. Checked:
+- no LM step overlaps any SM step, on the engines' own clock (the barrier holds live);
+- every step an engine ran was granted: the arbiter counted exactly the steps the engines' gates logged;
+- every request finished with its full length; both sides got steps and the holder switched;
+- a stream that does not open with a member's HELLO, or sends a malformed report, is refused; a gang member needs a
+  scheduler.
+The process-level agreement with the simulator is `python -m octoserve.services.gang_agreement` (BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+import pytest
+
+from octoserve.services.config import load_node_config
+from octoserve.services.core.types import FinishReason, RequestSpec, SamplingParams
+from octoserve.services.engine.factory import make_engine
+from octoserve.services.rpc.gen import scheduler_pb2 as s_pb
+from octoserve.services.rpc.gen import scheduler_pb2_grpc as s_grpc
+from octoserve.services.rpc.server import start_service
+from octoserve.services.scheduler.gang_live import attach_gang_gate
+from octoserve.services.scheduler.service import scheduler_spec
+
+session_loop = pytest.mark.asyncio(loop_scope="session")
+
+CONFIG = Path(__file__).resolve().parent.parent / "services" / "configs" / "node-gang.yaml"
+TIME_SCALE = 20.0
+
+
+def spec(request_id: str, model: str, num_prompt: int, max_tokens: int) -> RequestSpec:
+    prompt = tuple(100 + (i * 7 + len(request_id)) % 3000 for i in range(num_prompt))
+    return RequestSpec(request_id, model, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                       arrival_s=asyncio.get_running_loop().time() / TIME_SCALE)
+
+
+async def run(engine, s: RequestSpec):
+    last, n = None, 0
+    async for out in engine.generate(s):
+        n += len(out.new_token_ids)
+        last = out
+    return last, n
+
+
+@session_loop
+async def test_gang_members_step_only_on_grants_and_never_overlap():
+    node = load_node_config(str(CONFIG))
+    sched_spec, servicer = scheduler_spec(node, port=0, metrics_port=None, grace_s=0.5)
+    running = await start_service(sched_spec)
+    engines = {}
+    try:
+        for inst in node.instances:
+            engine = make_engine(node, inst.id, time_scale=TIME_SCALE)
+            attach_gang_gate(engine, node, inst.id, running.address, TIME_SCALE)
+            engines[inst.id] = engine
+        await asyncio.gather(*(e.start() for e in engines.values()))
+        group = servicer.gang.groups["lm-0"]
+        for _ in range(200):
+            if group.driver is not None:
+                break
+            await asyncio.sleep(0.01)
+        assert group.driver is not None, "the group's driver starts once all nine members said HELLO"
+
+        lm_model, sm_model = engines["lm-0"].model, engines["sm-0"].model
+        requests = [(engines["lm-0"], spec(f"lm-{i}", lm_model, 300 + 50 * i, 12)) for i in range(4)]
+        requests += [(engines[f"sm-{i % 8}"], spec(f"sm-{i}", sm_model, 200 + 10 * i, 16)) for i in range(16)]
+        results = await asyncio.wait_for(asyncio.gather(*(run(e, s) for e, s in requests)), timeout=240)
+        for (_, s), (last, n) in zip(requests, results):
+            assert last.finish_reason is FinishReason.LENGTH and n == s.sampling.max_tokens, s.request_id
+
+        gates = {iid: e.gate for iid, e in engines.items()}
+        lm_steps = list(gates["lm-0"].steps)
+        sm_steps = [iv for iid, g in gates.items() if iid != "lm-0" for iv in g.steps]
+        assert lm_steps and sm_steps
+        for b, e in lm_steps:
+            for sb, se in sm_steps:
+                assert se <= b or e <= sb, f"LM step {b:.4f}-{e:.4f} overlaps an SM step {sb:.4f}-{se:.4f}"
+        stats = group.arbiter.stats
+        assert stats.num_lm_steps == len(lm_steps)
+        assert stats.num_sm_steps == len(sm_steps)
+        assert stats.num_switches >= 2
+        figures = servicer.gang.stats()["lm-0"]
+        assert figures["lm_steps"] == len(lm_steps) and figures["decisions"] > 0
+    finally:
+        await asyncio.gather(*(e.stop() for e in engines.values()))
+        await running.shutdown()
+
+
+@session_loop
+async def test_a_stream_without_a_members_hello_or_malformed_is_refused():
+    node = load_node_config(str(CONFIG))
+    sched_spec, _ = scheduler_spec(node, port=0, metrics_port=None, grace_s=0.5)
+    running = await start_service(sched_spec)
+    try:
+        async with grpc.aio.insecure_channel(running.address) as channel:
+            call = s_grpc.SchedulerStub(channel).GangSteps(
+                iter([s_pb.GangReport(instance_id="not-a-member", event=s_pb.GangReport.HELLO)]))
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in call:
+                    pass
+            assert err.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+            assert "not-a-member" in err.value.details()
+            raw = channel.stream_stream("/octoserve.v1.Scheduler/GangSteps", request_serializer=lambda b: b,
+                                        response_deserializer=s_pb.GangGrant.FromString)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in raw(iter([b"\xff\xff\xff"])):  # not a GangReport
+                    pass
+            assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        await running.shutdown()
+
+
+def test_a_gang_member_needs_a_scheduler():
+    node = load_node_config(str(CONFIG))
+    engine = make_engine(node, "sm-0")
+    with pytest.raises(ValueError, match="--scheduler"):
+        attach_gang_gate(engine, node, "sm-0", "", 1.0)
+    attach_gang_gate(engine, load_node_config(None), "sm-0", "", 1.0)  # outside gang groups: nothing to attach
+    assert engine.gate is None
+
+
+@pytest.mark.slow
+def test_live_gang_node_and_simulator_agree_within_tolerance():
+    """The whole time-shared node as processes (scheduler granting every member step, nine workers, router), K = 20,
+    against the simulator on the same seed-000 trace: goodput and TTFT / ITL P95 within ±15 %. About five minutes."""
+    from octoserve.services.agreement import TOLERANCE, cap_outputs
+    from octoserve.services.gang_agreement import run
+    from octoserve.services.workload import PROFILES, generate_trace, scaled
+
+    profile = scaled(PROFILES["seed-000"], rate_rps=20.0, duration_s=10.0)
+    trace = cap_outputs(generate_trace(profile, 0), 96)
+    result = run(str(CONFIG), trace, 20.0, duration_s=10.0, slo=profile.slo)
+    agreement = result["agreement"]
+    assert agreement.live.overall.num_errors == 0, agreement.table()
+    assert agreement.live.overall.num_offered == agreement.virtual.overall.num_offered
+    assert all(abs(d) <= TOLERANCE for d in agreement.relative_differences().values()), agreement.table()
+    live, virtual = result["live_gang"]["lm-0"], result["virtual_gang"]["lm-0"]
+    assert live["lm_steps"] > 0 and live["sm_steps"] > 0 and live["switches"] > 0
+    assert live["overruns"] == 0  # every live step fit the cap the arbiter gave it

@@ -1,0 +1,68 @@
+"""The supervisor (services/supervisor.py) with real child processes: a service that keeps exiting is restarted
+with the backoff in order and on its port, then given up on; one that comes up (writes its ready file) is reported
+ready with its new pid; a stopped supervisor restarts nothing."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass
+
+from octoserve.services.launcher import ServiceProcess, _popen
+from octoserve.services.supervisor import Supervisor
+
+
+@dataclass
+class _Node:
+    processes: list[ServiceProcess]
+
+
+def _service(tmp_path, name: str, code: str) -> ServiceProcess:
+    cmd = (sys.executable, "-c", code)
+    log = tmp_path / f"{name}.log"
+    sp = ServiceProcess(name, _popen(cmd, log, None), tmp_path / f"{name}.ready.json", log, port=4321, cmd=cmd)
+    return sp
+
+
+def test_a_crash_looping_service_is_restarted_with_backoff_then_given_up(tmp_path):
+    sp = _service(tmp_path, "worker:x", "import sys; sys.exit(3)")
+    sup = Supervisor(_Node([sp]), backoff_s=(0.05, 0.1), max_restarts=3, stable_s=60)
+    sup.start()
+    try:
+        deadline = time.monotonic() + 30
+        while sup.gave_up is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        sup.stop()
+    assert sup.gave_up == "worker:x"
+    kinds = [e.event for e in sup.events]
+    assert kinds == ["exited", "restarting"] * 3 + ["exited", "gave_up"]
+    assert [e.detail for e in sup.events if e.event == "exited"] == ["exit code 3"] * 4
+    assert sup.restarts("worker:x") == 3
+    assert sp.proc.args[-2:] == ("--port", "4321")  # restarted on the port it had
+    gaps = [b.at_s - a.at_s for a, b in zip(sup.events, sup.events[1:]) if (a.event, b.event) == ("exited", "restarting")]
+    # Never sooner than the backoff slot (a lower bound: a busy machine can only make it later).
+    assert [g >= b for g, b in zip(gaps, (0.05, 0.1, 0.1))] == [True, True, True]
+
+
+def test_a_restarted_service_is_reported_ready_and_a_stopped_supervisor_restarts_nothing(tmp_path):
+    ready = tmp_path / "router.ready.json"
+    # Exits at once the first time; the restart (which gets --port) writes its ready file and stays up.
+    code = (f"import json, os, sys, time\n"
+            f"if '--port' not in sys.argv: sys.exit(1)\n"
+            f"open({str(ready)!r}, 'w').write(json.dumps({{'pid': os.getpid(), 'port': 4321, 'metrics_port': 9}}))\n"
+            f"time.sleep(60)\n")
+    sp = _service(tmp_path, "router", code)
+    sup = Supervisor(_Node([sp]), backoff_s=(0.05,))
+    sup.start()
+    try:
+        sup.wait_for("router", "ready", timeout_s=30)
+        assert [e.event for e in sup.events] == ["exited", "restarting", "ready"]
+        assert json.loads(ready.read_text())["pid"] == sp.proc.pid and sp.metrics_port == 9
+    finally:
+        sup.stop()
+        sp.proc.kill()  # the child this test started, by its PID
+        sp.proc.wait()
+    time.sleep(0.3)
+    assert sup.restarts("router") == 1 and sp.proc.poll() is not None  # not restarted after stop()
