@@ -83,7 +83,8 @@ def run(config_path: str, trace, time_scale: float, *, duration_s: float, slo) -
             sm_held_s=s.sm_held_s)
     for lm, figures in live_gang.items():
         figures["switches_per_s"] = figures.get("switches", 0.0) / virtual.virtual_s if virtual.virtual_s else 0.0
-    return dict(agreement=agreement, virtual_gang=virtual_gang, live_gang=live_gang, policy=node_cfg.gang.policy)
+    return dict(agreement=agreement, virtual_gang=virtual_gang, live_gang=live_gang, policy=node_cfg.gang.policy,
+                records=records)
 
 
 def gang_table(result: dict) -> str:
