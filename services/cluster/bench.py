@@ -61,27 +61,33 @@ def _cluster(raw: dict, n: int, picker: str, trace, squeezes=()):
     return result
 
 
-def scaling(raw: dict, nodes: list[int], duration_s: float) -> list[dict]:
+def scaling(raw: dict, nodes: list[int], duration_s: float, workload: str = "seed-000", rate_per_node: float = 300.0,
+            compare: str = "mid") -> list[dict]:
+    """One node alone, then N nodes behind the cluster picker for every N; round-robin and the ideal single pool
+    at every N (`compare="all"`) or only at the middle one ("mid")."""
     config = node_config_from_dict(raw)
-    one = run_simulation(config, generate_trace(scaled(PROFILES["seed-000"], rate_rps=300, duration_s=duration_s), 0))
+    tag = {"workload": workload, "rate_per_node": rate_per_node}
+    one = run_simulation(config, generate_trace(scaled(PROFILES[workload], rate_rps=rate_per_node,
+                                                       duration_s=duration_s), 0))
     base = one.summary.overall.goodput_rps
-    _log(f"one node: goodput {base:.1f} req/s")
-    rows = [_row("1 node alone", one.summary, extra={"nodes": 1, "efficiency": 1.0})]
+    _log(f"{workload}, one node: goodput {base:.1f} req/s")
+    rows = [_row("1 node alone", one.summary, extra={"nodes": 1, "efficiency": 1.0, **tag})]
     mid = nodes[len(nodes) // 2]
     for n in nodes:
-        trace = generate_trace(scaled(PROFILES["seed-000"], rate_rps=300 * n, duration_s=duration_s), 0)
-        runs = [("cluster picker", "cluster")] + ([("round-robin", "round_robin")] if n == mid else [])
+        trace = generate_trace(scaled(PROFILES[workload], rate_rps=rate_per_node * n, duration_s=duration_s), 0)
+        others = compare == "all" or n == mid
+        runs = [("cluster picker", "cluster")] + ([("round-robin", "round_robin")] if others else [])
         for label, picker in runs:
             r = _cluster(raw, n, picker, trace)
             rows.append(_row(f"{n} nodes, {label}", r.summary, spilled=r.num_spilled,
-                             extra={"nodes": n, "efficiency": r.summary.overall.goodput_rps / (n * base)}))
-        if n == mid:
+                             extra={"nodes": n, "efficiency": r.summary.overall.goodput_rps / (n * base), **tag}))
+        if others:
             pool = single_pool_config(config, n, raw)
             t0 = time.perf_counter()
             p = run_simulation(pool, trace)
             _log(f"ideal pool x{n}: goodput {p.summary.overall.goodput_rps:.1f} req/s ({time.perf_counter() - t0:.0f} s)")
             rows.append(_row(f"{n} nodes, ideal single pool", p.summary,
-                             extra={"nodes": n, "efficiency": p.summary.overall.goodput_rps / (n * base)}))
+                             extra={"nodes": n, "efficiency": p.summary.overall.goodput_rps / (n * base), **tag}))
     return rows
 
 
@@ -121,14 +127,23 @@ def markdown(results: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def _workload_of(row: dict) -> tuple[str, float]:
+    return row.get("workload", "seed-000"), row.get("rate_per_node", 300.0)
+
+
 def _scaling_table(rows: list[dict]) -> list[str]:
     out = []
-    out.append("Scaling, seed 000 at 300 req/s per node:\n")
-    out.append("| run | goodput req/s | efficiency | admitted within SLO | refused | prefix hit | steady |")
-    out.append("|---|---:|---:|---:|---:|---:|:-:|")
+    groups: dict[tuple[str, float], list[dict]] = {}
     for r in rows:
-        out.append(f"| {r['run']} | {r['goodput_rps']:.1f} | {r['efficiency']:.3f} | {_pct(r['attainment_admitted'])} "
-                   f"| {_pct(r['refused'])} | {_pct(r['prefix_hit'])} | {'yes' if r['steady'] else 'no'} |")
+        groups.setdefault(_workload_of(r), []).append(r)
+    for (workload, rate), group in groups.items():
+        out.append(f"\nScaling, {workload.replace('-', ' ')} at {rate:g} req/s per node:\n")
+        out.append("| run | goodput req/s | efficiency | admitted within SLO | refused | prefix hit | spilled | steady |")
+        out.append("|---|---:|---:|---:|---:|---:|---:|:-:|")
+        for r in sorted(group, key=lambda r: r["nodes"]):  # stable: picker, round-robin, pool within a node count
+            out.append(f"| {r['run']} | {r['goodput_rps']:.1f} | {r['efficiency']:.3f} "
+                       f"| {_pct(r['attainment_admitted'])} | {_pct(r['refused'])} | {_pct(r['prefix_hit'])} "
+                       f"| {r.get('spilled', 0)} | {'yes' if r['steady'] else 'no'} |")
     return out
 
 
@@ -174,6 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m octoserve.services.cluster.bench", description=__doc__.splitlines()[0])
     parser.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals per run")
     parser.add_argument("--nodes", default="2,4,8", help="node counts for the scaling table")
+    parser.add_argument("--workload", default="seed-000", choices=sorted(PROFILES), help="workload of the scaling runs")
+    parser.add_argument("--rate-per-node", type=float, default=300.0, help="offered req/s per node (scaling)")
+    parser.add_argument("--compare", default="mid", choices=["mid", "all"],
+                        help="round-robin and ideal pool at the middle node count only, or at every one")
     parser.add_argument("--cost-profile", nargs="+", default=["default", "pessimistic"])
     parser.add_argument("--parts", nargs="+", default=["scaling", "skew"], choices=["scaling", "skew"])
     parser.add_argument("--out", default="-", help="markdown output ('-': stdout)")
@@ -187,7 +206,9 @@ def main(argv: list[str] | None = None) -> int:
             with open(path) as f:
                 for profile, parts in json.load(f).items():  # files hold one part each: merge the non-empty ones
                     merged = results.setdefault(profile, {"scaling": [], "skew": []})
-                    merged.update({k: v for k, v in parts.items() if v})
+                    merged["scaling"] += parts.get("scaling", [])  # scaling files add up (node counts, workloads)
+                    if parts.get("skew"):
+                        merged["skew"] = parts["skew"]
         return _emit(results, args)
     nodes = [int(x) for x in args.nodes.split(",")]
     results = {}
@@ -195,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
         raw = raw_config_with_overrides(CONFIG, [], profile)
         _log(f"cost profile {profile}")
         results[profile] = {
-            "scaling": scaling(raw, nodes, args.duration) if "scaling" in args.parts else [],
+            "scaling": scaling(raw, nodes, args.duration, args.workload, args.rate_per_node, args.compare)
+            if "scaling" in args.parts else [],
             "skew": skew(raw, args.duration) if "skew" in args.parts else [],
         }
     return _emit(results, args)
