@@ -222,7 +222,7 @@ def test_mtls_needs_the_certificates_where_the_secret_is_mounted(tmp_path):
     config.write_text((REPO / PLACEMENTS["default"]).read_text() + "\ntls: {dir: /etc/octoserve/tls}\n")
     assert k8s.main(["--config", str(config), "--out", str(tmp_path / "k")]) == 0
     text = (tmp_path / "k" / k8s.MANIFEST_FILE).read_text()
-    assert "&id" not in text  # every probe its own object: no YAML anchors for a reader to chase
+    assert "command: *" not in text and "exec: *" not in text  # each probe spelled out, not a YAML alias
     docs = list(yaml.safe_load_all(text))
     scheduler = docs[1]["spec"]["template"]["spec"]["containers"][0]
     assert scheduler["readinessProbe"]["exec"]["command"][2] == "octoserve.services.health"
