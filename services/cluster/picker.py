@@ -28,7 +28,7 @@ the pick went elsewhere (the cross-node spill count of the benchmarks).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,6 +85,7 @@ class NodePick:
 class ClusterRefuse:
     retry_after_ms: int  # the soonest retry delay across the nodes
     reason: str
+    no_node: bool = False  # no healthy node serves the model at all (unavailable, not overloaded)
 
 
 NodeFilter = Callable[[NodeCandidate, ClusterPolicy], bool]
@@ -187,10 +188,10 @@ class ClusterPicker:
         reserve = min(spec.max_tokens, self.policy.reservation_tokens)
         return adm.blocks_for(spec.num_prompt_tokens + reserve, model.block_size)
 
-    def candidates(self, spec: RequestSpec, now: float) -> list[NodeCandidate]:
+    def candidates(self, spec: RequestSpec, now: float, among: Collection[str] | None = None) -> list[NodeCandidate]:
         slo_ms = spec.ttft_slo_ms if spec.ttft_slo_ms is not None else self.policy.tier_ttft_ms[spec.priority]
         out = []
-        for node_id in sorted(self.summaries):
+        for node_id in sorted(self.summaries if among is None else set(self.summaries) & set(among)):
             summary = self.summaries[node_id]
             model = summary.model(spec.model)
             if model is None:
@@ -218,8 +219,9 @@ class ClusterPicker:
             ))
         return out
 
-    def pick(self, spec: RequestSpec, now: float) -> NodePick | ClusterRefuse:
-        cands = self.candidates(spec, now)
+    def pick(self, spec: RequestSpec, now: float, among: Collection[str] | None = None) -> NodePick | ClusterRefuse:
+        """The node for `spec`, or the refusal; `among` restricts the choice to those node ids (a gateway's subset)."""
+        cands = self.candidates(spec, now, among)
         kept = [c for c in cands if all(f(c, self.policy) for f in self._filters)]
         if not kept:
             self.num_refused += 1
@@ -244,7 +246,7 @@ class ClusterPicker:
     def _refuse(self, spec: RequestSpec, cands: Sequence[NodeCandidate]) -> ClusterRefuse:
         live = [c for c in cands if filter_healthy(c, self.policy)]
         if not live:
-            return ClusterRefuse(self.policy.min_retry_after_ms * 20, f"no healthy node serves {spec.model}")
+            return ClusterRefuse(self.policy.min_retry_after_ms * 20, f"no healthy node serves {spec.model}", True)
         retries = []
         for c in live:
             if not c.tier.admitting and c.tier.retry_after_ms > 0:
