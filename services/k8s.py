@@ -2,9 +2,11 @@
 
     octoserve k8s [--config node.yaml] [--nodes N] [--out deploy/k8s/default] [--check]
 
-Writes two files into --out: `octoserve.yaml` (core Kubernetes kinds only: ConfigMap, StatefulSet, Services,
-PodDisruptionBudgets, the cluster picker's Deployment) and `podmonitor.yaml` (a Prometheus Operator PodMonitor,
-for clusters that run the operator; the pods also carry the plain `prometheus.io/*` scrape annotations).
+Writes three files into --out: `octoserve.yaml` (core Kubernetes kinds only: ConfigMap, StatefulSet, Services,
+PodDisruptionBudgets, the cluster picker's Deployment), `podmonitor.yaml` (a Prometheus Operator PodMonitor,
+for clusters that run the operator; the pods also carry the plain `prometheus.io/*` scrape annotations) and
+`inference-pool.yaml` (the Gateway API Inference Extension's InferencePool with the picker as its endpoint picker,
+and an HTTPRoute to it: CRD kinds, for clusters with a gateway that implements the extension).
 `--check` exits 1 when the files in --out differ from what the generator writes now.
 
 Why plain YAML rather than a Helm chart: the placement file is already the one source of truth and this module is
@@ -44,8 +46,9 @@ The shape, and why:
   the router's public port stays plaintext, so it keeps the native probe.
 - The cluster picker (`python -m octoserve.services.cluster`) runs as its own Deployment `octoserve-picker`
   with its Service; it reads each node router's headroom summary (the node list is fixed at generation time:
-  regenerate with the new --nodes when the StatefulSet is scaled) and picks a node per request. It is meant to sit
-  behind a standard gateway as its endpoint picker; see docs/CLUSTER.md.
+  regenerate with the new --nodes when the StatefulSet is scaled) and picks a node per request. With `--epp` its
+  port also speaks Envoy ext_proc: it is the endpoint picker (EPP) of the InferencePool in inference-pool.yaml, so
+  a standard gateway proxies the requests and asks it where to (services/cluster/epp.py, docs/CLUSTER.md).
 - Metrics: every container exposes Prometheus metrics on a named port `m-<container>`; the pod annotations point
   at the router's (`prometheus.io/scrape`, `/port`, `/path`), the PodMonitor scrapes them all.
 
@@ -74,6 +77,9 @@ DEFAULT_CONFIG_PATH = "services/configs/node-default.yaml"
 DEFAULT_OUT_DIR = "deploy/k8s/default"
 MANIFEST_FILE = "octoserve.yaml"
 PODMONITOR_FILE = "podmonitor.yaml"
+INFERENCE_POOL_FILE = "inference-pool.yaml"
+INFERENCE_API = "inference.networking.k8s.io/v1"
+GATEWAY_NAME = "inference-gateway"  # the Gateway the HTTPRoute attaches to: the cluster operator's, not generated
 APP = "octoserve"
 NODE_NAME = "octoserve-node"
 PICKER_NAME = "octoserve-picker"
@@ -285,8 +291,11 @@ def _node_statefulset(config: NodeConfig, nodes: int, s: K8sSettings) -> dict[st
 def _picker_deployment(nodes: int, s: K8sSettings) -> dict[str, Any]:
     labels = _labels("picker")
     targets = ",".join(f"{NODE_NAME}-{i}.octoserve-nodes:{s.router_port}" for i in range(nodes))
+    # --epp: the same port also speaks Envoy ext_proc, the Inference Extension's endpoint-picker protocol, and names
+    # the node's HTTP port as the destination (the InferencePool's target port).
     command = ["python", "-m", "octoserve.services.cluster", "--nodes", targets, "--config", CONFIG_DIR + "/node.yaml",
-               "--port", str(s.picker_port), "--metrics-port", str(s.picker_metrics_port), "--host", "0.0.0.0"]
+               "--port", str(s.picker_port), "--metrics-port", str(s.picker_metrics_port), "--host", "0.0.0.0",
+               "--epp", "--target-port", str(s.http_port)]
     resources = {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"memory": "2Gi"}}
     container = _container(s, "picker", command, [("grpc", s.picker_port)], s.picker_metrics_port, resources, 60)
     container["volumeMounts"] = [m for m in container["volumeMounts"] if m["name"] in ("config", "tls", "tmp")]
@@ -371,6 +380,38 @@ def podmonitor(config: NodeConfig, s: K8sSettings = K8sSettings()) -> dict[str, 
     }
 
 
+def inference_pool(s: K8sSettings = K8sSettings()) -> list[dict[str, Any]]:
+    """The Gateway API Inference Extension objects: an InferencePool of the node pods (their OpenAI-compatible HTTP
+    port) whose endpoint picker is the octoserve picker, and an HTTPRoute sending the gateway's traffic to it.
+    CRD kinds (the Inference Extension's and Gateway API's), so they live in their own file: apply it where those
+    CRDs and a gateway implementing the extension are installed, with the Gateway named `inference-gateway`."""
+    pool = {
+        "apiVersion": INFERENCE_API,
+        "kind": "InferencePool",
+        "metadata": {"name": APP, "labels": _labels("node")},
+        "spec": {
+            "selector": {"matchLabels": _labels("node")},
+            "targetPorts": [{"number": s.http_port}],
+            "endpointPickerRef": {"kind": "Service", "name": PICKER_NAME, "portNumber": s.picker_port,
+                                  "failureMode": "FailClose"},
+        },
+    }
+    route = {
+        "apiVersion": "gateway.networking.k8s.io/v1",
+        "kind": "HTTPRoute",
+        "metadata": {"name": APP, "labels": _labels("node")},
+        "spec": {
+            "parentRefs": [{"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": GATEWAY_NAME}],
+            "rules": [{
+                "matches": [{"path": {"type": "PathPrefix", "value": "/v1/"}}],
+                "backendRefs": [{"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": APP}],
+                "timeouts": {"request": "300s"},  # streamed generations outlive a default route timeout
+            }],
+        },
+    }
+    return [pool, route]
+
+
 def _header(config_path: str, nodes: int) -> str:
     return (f"# Generated by `octoserve k8s --config {config_path} --nodes {nodes}`; do not edit by hand.\n"
             "# tests/test_k8s.py validates every object against the Kubernetes schemas and checks it against the "
@@ -386,7 +427,8 @@ def render_files(config: NodeConfig, nodes: int, config_path: str, config_text: 
     """File name -> text, for --out."""
     header = _header(config_path, nodes)
     return {MANIFEST_FILE: render(manifests(config, nodes, config_text, s), header),
-            PODMONITOR_FILE: render([podmonitor(config, s)], header)}
+            PODMONITOR_FILE: render([podmonitor(config, s)], header),
+            INFERENCE_POOL_FILE: render(inference_pool(s), header)}
 
 
 # --- checks against the placement ---------------------------------------------------------------------------

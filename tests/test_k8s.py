@@ -273,3 +273,45 @@ async def test_the_generated_exec_probe_checks_a_real_mtls_server(tmp_path):
         assert await probe(command) == (1, f"127.0.0.1:{running.port}: NOT_SERVING\n")
     finally:
         await running.shutdown()
+
+
+# --- the Gateway API Inference Extension objects (CRD kinds: checked here, not by kubernetes-validate) ---------
+
+
+def test_inference_pool_selects_the_node_pods_http_port_and_names_the_picker_as_its_endpoint_picker():
+    """kubernetes-validate bundles only the core schemas, so the InferencePool (inference.networking.k8s.io/v1) and
+    the HTTPRoute are checked against the fields their v1 APIs require and against the objects they refer to."""
+    s = k8s.K8sSettings()
+    docs = _generated("default")
+    pool, route = k8s.inference_pool(s)
+    sts, picker_deploy, picker_svc = docs[1], docs[5], docs[6]
+    assert (pool["apiVersion"], pool["kind"]) == ("inference.networking.k8s.io/v1", "InferencePool")
+    assert set(pool["spec"]) == {"selector", "targetPorts", "endpointPickerRef"}
+    # selector: plain matchLabels (the v1 LabelSelector) that select exactly the node pods.
+    assert set(pool["spec"]["selector"]) == {"matchLabels"}
+    assert pool["spec"]["selector"]["matchLabels"] == sts["spec"]["template"]["metadata"]["labels"]
+    assert pool["spec"]["selector"]["matchLabels"] != picker_deploy["spec"]["template"]["metadata"]["labels"]
+    # targetPorts: exactly one, the router container's HTTP port, which is also where the EPP says to send.
+    (port,) = pool["spec"]["targetPorts"]
+    router = next(c for c in sts["spec"]["template"]["spec"]["containers"] if c["name"] == "router")
+    assert port == {"number": next(p["containerPort"] for p in router["ports"] if p["name"] == "http")}
+    cmd = picker_deploy["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert "--epp" in cmd and cmd[cmd.index("--target-port") + 1] == str(port["number"])
+    # endpointPickerRef: the picker's Service and one of its ports; FailClose (no silent bypass of backpressure).
+    ref = pool["spec"]["endpointPickerRef"]
+    assert ref["kind"] == "Service" and ref["name"] == picker_svc["metadata"]["name"]
+    assert ref["portNumber"] in [p["port"] for p in picker_svc["spec"]["ports"]]
+    assert ref["failureMode"] in ("FailOpen", "FailClose") and ref["failureMode"] == "FailClose"
+    picker_port = next(p for p in picker_svc["spec"]["ports"] if p["port"] == ref["portNumber"])
+    assert picker_port["appProtocol"] == "kubernetes.io/h2c"  # ext_proc is gRPC: HTTP/2 without TLS
+    # HTTPRoute: attached to a Gateway, its backend is the pool.
+    assert (route["apiVersion"], route["kind"]) == ("gateway.networking.k8s.io/v1", "HTTPRoute")
+    assert route["spec"]["parentRefs"] == [{"group": "gateway.networking.k8s.io", "kind": "Gateway",
+                                           "name": "inference-gateway"}]
+    (rule,) = route["spec"]["rules"]
+    assert rule["backendRefs"] == [{"group": "inference.networking.k8s.io", "kind": "InferencePool",
+                                    "name": pool["metadata"]["name"]}]
+    # Object metadata is still core metadata: names are DNS labels.
+    for doc in (pool, route):
+        assert kubernetes_validate.validate({"apiVersion": "v1", "kind": "ConfigMap", "metadata": doc["metadata"]},
+                                            KUBERNETES_VERSION, strict=True) == "1.33"

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Callable
 import json
 import sys
 import time
@@ -62,9 +63,10 @@ def _cluster(raw: dict, n: int, picker: str, trace, squeezes=()):
 
 
 def scaling(raw: dict, nodes: list[int], duration_s: float, workload: str = "seed-000", rate_per_node: float = 300.0,
-            compare: str = "mid") -> list[dict]:
+            compare: str = "mid", on_row: Callable[[list[dict]], None] | None = None) -> list[dict]:
     """One node alone, then N nodes behind the cluster picker for every N; round-robin and the ideal single pool
-    at every N (`compare="all"`) or only at the middle one ("mid")."""
+    at every N (`compare="all"`), only at the middle one ("mid"), or at the listed node counts ("2,4").
+    `on_row` sees the rows so far after every run (long runs save as they go)."""
     config = node_config_from_dict(raw)
     tag = {"workload": workload, "rate_per_node": rate_per_node}
     one = run_simulation(config, generate_trace(scaled(PROFILES[workload], rate_rps=rate_per_node,
@@ -73,14 +75,19 @@ def scaling(raw: dict, nodes: list[int], duration_s: float, workload: str = "see
     _log(f"{workload}, one node: goodput {base:.1f} req/s")
     rows = [_row("1 node alone", one.summary, extra={"nodes": 1, "efficiency": 1.0, **tag})]
     mid = nodes[len(nodes) // 2]
+    compare_at = set(nodes) if compare == "all" else {mid} if compare == "mid" else {int(x) for x in compare.split(",")}
     for n in nodes:
+        if on_row is not None:
+            on_row(rows)
         trace = generate_trace(scaled(PROFILES[workload], rate_rps=rate_per_node * n, duration_s=duration_s), 0)
-        others = compare == "all" or n == mid
+        others = n in compare_at
         runs = [("cluster picker", "cluster")] + ([("round-robin", "round_robin")] if others else [])
         for label, picker in runs:
             r = _cluster(raw, n, picker, trace)
             rows.append(_row(f"{n} nodes, {label}", r.summary, spilled=r.num_spilled,
                              extra={"nodes": n, "efficiency": r.summary.overall.goodput_rps / (n * base), **tag}))
+            if on_row is not None:
+                on_row(rows)
         if others:
             pool = single_pool_config(config, n, raw)
             t0 = time.perf_counter()
@@ -191,8 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nodes", default="2,4,8", help="node counts for the scaling table")
     parser.add_argument("--workload", default="seed-000", choices=sorted(PROFILES), help="workload of the scaling runs")
     parser.add_argument("--rate-per-node", type=float, default=300.0, help="offered req/s per node (scaling)")
-    parser.add_argument("--compare", default="mid", choices=["mid", "all"],
-                        help="round-robin and ideal pool at the middle node count only, or at every one")
+    parser.add_argument("--compare", default="mid",
+                        help="round-robin and ideal pool: 'mid' (the middle node count), 'all', or node counts '2,4'")
     parser.add_argument("--cost-profile", nargs="+", default=["default", "pessimistic"])
     parser.add_argument("--parts", nargs="+", default=["scaling", "skew"], choices=["scaling", "skew"])
     parser.add_argument("--out", default="-", help="markdown output ('-': stdout)")
@@ -215,8 +222,14 @@ def main(argv: list[str] | None = None) -> int:
     for profile in args.cost_profile:
         raw = raw_config_with_overrides(CONFIG, [], profile)
         _log(f"cost profile {profile}")
+
+        def save(rows, profile=profile):  # partial results survive a run cut short
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump({**results, profile: {"scaling": rows, "skew": []}}, f, indent=1, default=str)
+
         results[profile] = {
-            "scaling": scaling(raw, nodes, args.duration, args.workload, args.rate_per_node, args.compare)
+            "scaling": scaling(raw, nodes, args.duration, args.workload, args.rate_per_node, args.compare, save)
             if "scaling" in args.parts else [],
             "skew": skew(raw, args.duration) if "skew" in args.parts else [],
         }
