@@ -112,7 +112,7 @@ def skew(raw: dict, duration_s: float, n: int = 4, rate_per_node: float = 60.0, 
             attainment[burst] = sm0.attainment_offered
             rows.append(_row(f"{label}, {'LM lease on node 0' if burst else 'no lease'}", r.summary,
                              spilled=r.num_spilled,
-                             extra={"sm_node0_attainment": sm0.attainment_offered,
+                             extra={"sm_node0_attainment": sm0.attainment_offered, "rate_per_node": rate_per_node,
                                     "node_share": [round(s, 3) for s in r.node_share]}))
         if len(attainment) == 2:
             rows[-1]["sm_node0_vs_no_lease"] = attainment[True] / attainment[False] if attainment[False] else float("nan")
@@ -129,8 +129,11 @@ def markdown(results: dict) -> str:
         out.append(f"\n### Cost profile `{profile}`\n")
         if res["scaling"]:
             out += _scaling_table(res["scaling"])
-        if res["skew"]:
-            out += _skew_table(res["skew"])
+        by_rate: dict[float, list[dict]] = {}
+        for r in res["skew"]:
+            by_rate.setdefault(r.get("rate_per_node", 60.0), []).append(r)
+        for rows in by_rate.values():
+            out += _skew_table(rows)
     return "\n".join(out) + "\n"
 
 
@@ -144,7 +147,7 @@ def _scaling_table(rows: list[dict]) -> list[str]:
     for r in rows:
         groups.setdefault(_workload_of(r), []).append(r)
     for (workload, rate), group in groups.items():
-        out.append(f"\nScaling, {workload.replace('-', ' ')} at {rate:g} req/s per node:\n")
+        out.append(f"{chr(10) if out else ''}Scaling, {workload.replace('-', ' ')} at {rate:g} req/s per node:\n")
         out.append("| run | goodput req/s | efficiency | admitted within SLO | refused | prefix hit | spilled | steady |")
         out.append("|---|---:|---:|---:|---:|---:|---:|:-:|")
         for r in sorted(group, key=lambda r: r["nodes"]):  # stable: picker, round-robin, pool within a node count
@@ -156,7 +159,8 @@ def _scaling_table(rows: list[dict]) -> list[str]:
 
 def _skew_table(rows: list[dict]) -> list[str]:
     out = []
-    out.append("\nSkewed workload, 4 nodes at 60 req/s each; in the lease runs node 0's SM instances get half "
+    rate = rows[0].get("rate_per_node", 60.0)
+    out.append(f"\nSkewed workload, 4 nodes at {rate:g} req/s each; in the lease runs node 0's SM instances get half "
                "their GPU time from 5 s on:\n")
     out.append("| run | goodput req/s | admitted within SLO | refused | prefix hit | spilled | SM attainment, node 0's "
                "traffic | share served by node 0..3 |")
@@ -176,19 +180,28 @@ def plot(results: dict, path: str) -> None:
     """Scaling efficiency of every multi-node run, per cost profile, as bars (docs/bench/cluster_scaling.png)."""
     from octoserve.services.plots import _save, plt  # noqa: PLC0415 - matplotlib only when plotting
 
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    width = 0.8 / max(1, len(results))
+    def key(r: dict) -> str:
+        workload, rate = _workload_of(r)
+        return f"{workload} @{rate:g}/node\n{r['run']}"
+
     labels: list[str] = []
+    for res in results.values():
+        for r in res["scaling"]:
+            if r["nodes"] > 1 and key(r) not in labels:
+                labels.append(key(r))
+    fig, ax = plt.subplots(figsize=(max(7.0, 0.9 * len(labels)), 4.0))
+    width = 0.8 / max(1, len(results))
     for k, (profile, res) in enumerate(results.items()):
-        rows = [r for r in res["scaling"] if r["nodes"] > 1]
-        labels = labels or [r["run"] for r in rows]
-        ax.bar([i + k * width for i in range(len(rows))], [r["efficiency"] for r in rows], width,
-               label=f"{profile} profile")
+        by_key = {key(r): r["efficiency"] for r in res["scaling"] if r["nodes"] > 1}
+        xs = [i + k * width for i, label in enumerate(labels) if label in by_key]
+        ax.bar(xs, [by_key[label] for label in labels if label in by_key], width, label=f"{profile} profile")
     ax.axhline(0.95, color="grey", linestyle="--", linewidth=1, label="target 0.95")
-    ax.set_xticks([i + width * (len(results) - 1) / 2 for i in range(len(labels))], labels, fontsize=8)
+    ax.set_xticks([i + width * (len(results) - 1) / 2 for i in range(len(labels))], labels, fontsize=6, rotation=30,
+                  ha="right")
     ax.set_ylabel("goodput / (N x one node)")
-    ax.set_title("seed 000 at 300 req/s per node, steady state")
+    ax.set_title("scaling efficiency, steady state")
     ax.legend(fontsize=8)
+    fig.tight_layout()
     _save(fig, path)
 
 
@@ -198,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nodes", default="2,4,8", help="node counts for the scaling table")
     parser.add_argument("--workload", default="seed-000", choices=sorted(PROFILES), help="workload of the scaling runs")
     parser.add_argument("--rate-per-node", type=float, default=300.0, help="offered req/s per node (scaling)")
+    parser.add_argument("--skew-rate", type=float, default=60.0, help="offered req/s per node (skew runs)")
     parser.add_argument("--compare", default="mid",
                         help="round-robin and ideal pool: 'mid' (the middle node count), 'all', or node counts '2,4'")
     parser.add_argument("--cost-profile", nargs="+", default=["default", "pessimistic"])
@@ -214,8 +228,7 @@ def main(argv: list[str] | None = None) -> int:
                 for profile, parts in json.load(f).items():  # files hold one part each: merge the non-empty ones
                     merged = results.setdefault(profile, {"scaling": [], "skew": []})
                     merged["scaling"] += parts.get("scaling", [])  # scaling files add up (node counts, workloads)
-                    if parts.get("skew"):
-                        merged["skew"] = parts["skew"]
+                    merged["skew"] += parts.get("skew", [])  # skew files add up too (loads)
         return _emit(results, args)
     nodes = [int(x) for x in args.nodes.split(",")]
     results = {}
@@ -231,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         results[profile] = {
             "scaling": scaling(raw, nodes, args.duration, args.workload, args.rate_per_node, args.compare, save)
             if "scaling" in args.parts else [],
-            "skew": skew(raw, args.duration) if "skew" in args.parts else [],
+            "skew": skew(raw, args.duration, rate_per_node=args.skew_rate) if "skew" in args.parts else [],
         }
     return _emit(results, args)
 
