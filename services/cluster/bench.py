@@ -98,11 +98,14 @@ def scaling(raw: dict, nodes: list[int], duration_s: float, workload: str = "see
     return rows
 
 
-def skew(raw: dict, duration_s: float, n: int = 4, rate_per_node: float = 60.0, modes=((False, True))) -> list[dict]:
+def skew(raw: dict, duration_s: float, n: int = 4, rate_per_node: float = 60.0, modes=((False, True)),
+         pickers: tuple[str, ...] = ("cluster", "round_robin")) -> list[dict]:
     trace = generate_trace(skewed_profile(rate_per_node * n, duration_s), 0)
     squeeze = (Squeeze(node=0, model=SM, start_s=5.0, end_s=duration_s + 60.0, capacity_fraction=0.5),)
     rows = []
     for label, picker in (("cluster picker", "cluster"), ("round-robin", "round_robin")):
+        if picker not in pickers:
+            continue
         attainment = {}
         for burst in modes:
             r = _cluster(raw, n, picker, trace, squeeze if burst else ())
@@ -170,9 +173,10 @@ def _skew_table(rows: list[dict]) -> list[str]:
         out.append(f"| {r['run']} | {r['goodput_rps']:.1f} | {_pct(r['attainment_admitted'])} | {_pct(r['refused'])} "
                    f"| {_pct(r['prefix_hit'])} | {r['spilled']} | {_pct(r['sm_node0_attainment'])}{ratio} "
                    f"| {' / '.join(f'{s:.2f}' for s in r['node_share'])} |")
-    picker_goodput = next(r["goodput_rps"] for r in rows if r["run"] == "cluster picker, LM lease on node 0")
-    rr_goodput = next(r["goodput_rps"] for r in rows if r["run"] == "round-robin, LM lease on node 0")
-    out.append(f"\nWith the lease, the cluster picker's goodput is {picker_goodput / rr_goodput:.2f}x round-robin's.")
+    picker_goodput = next((r["goodput_rps"] for r in rows if r["run"] == "cluster picker, LM lease on node 0"), None)
+    rr_goodput = next((r["goodput_rps"] for r in rows if r["run"] == "round-robin, LM lease on node 0"), None)
+    if picker_goodput and rr_goodput:
+        out.append(f"\nWith the lease, the cluster picker's goodput is {picker_goodput / rr_goodput:.2f}x round-robin's.")
     return out
 
 
@@ -212,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workload", default="seed-000", choices=sorted(PROFILES), help="workload of the scaling runs")
     parser.add_argument("--rate-per-node", type=float, default=300.0, help="offered req/s per node (scaling)")
     parser.add_argument("--skew-rate", type=float, default=60.0, help="offered req/s per node (skew runs)")
+    parser.add_argument("--skew-pickers", nargs="+", default=["cluster", "round_robin"],
+                        choices=["cluster", "round_robin"], help="which pickers the skew runs compare")
     parser.add_argument("--compare", default="mid",
                         help="round-robin and ideal pool: 'mid' (the middle node count), 'all', or node counts '2,4'")
     parser.add_argument("--cost-profile", nargs="+", default=["default", "pessimistic"])
@@ -244,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
         results[profile] = {
             "scaling": scaling(raw, nodes, args.duration, args.workload, args.rate_per_node, args.compare, save)
             if "scaling" in args.parts else [],
-            "skew": skew(raw, args.duration, rate_per_node=args.skew_rate) if "skew" in args.parts else [],
+            "skew": skew(raw, args.duration, rate_per_node=args.skew_rate, pickers=tuple(args.skew_pickers))
+            if "skew" in args.parts else [],
         }
     return _emit(results, args)
 
