@@ -111,7 +111,7 @@ def filter_itl(c: NodeCandidate, policy: ClusterPolicy) -> bool:
     # the decode step this request would see (the summary's next-sequence step plus what the requests sent since
     # add, spread over the model's instances) and the step a prefill chunk is mixed into, which colocated batchers
     # size to the full ITL SLO: under any lease those pass the SLO, so a squeezed colocated node is out for new
-    # streams until the lease ends (measured: sending it its residual decode capacity met the SLO for 24 % of them).
+    # streams until the lease ends (BENCHMARKS.md, "Cluster tier": what a squeezed node's new streams then get).
     if c.model.capacity_fraction >= 1.0:
         return True
     extra = c.pending_requests / max(1, c.model.num_instances) * c.model.decode_step_per_seq_ms
