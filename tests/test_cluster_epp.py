@@ -51,7 +51,8 @@ class Cluster:
         self.a, self.b = {"summary": _summary(0.0)}, {"summary": _summary(60.0)}
         self.node_a, self.node_b = await _node(self.a), await _node(self.b)
         self.service = PickerService(ClusterPicker(ClusterPolicy(), random.Random(0)),
-                                     [self.node_a.address, self.node_b.address], poll_s=3600.0)
+                                     [self.node_a.address, self.node_b.address], poll_s=3600.0,
+                                     clock=lambda: 0.0)  # summaries never age here: no timing on a busy machine
         self.endpoint = {self.node_a.address: "10.0.0.1:8000", self.node_b.address: "10.0.0.2:8000"}
         resolved = []
 
@@ -253,3 +254,22 @@ def test_endpoint_cache_resolves_at_the_target_port_and_refreshes_after_its_ttl(
     assert cache("octoserve-node-0.octoserve-nodes:50051") == "10.0.0.8:8000"
     assert calls == [("octoserve-node-0.octoserve-nodes:50051", 8000)] * 2
     assert epp.resolve_endpoint("127.0.0.1:50051", 8000) == "127.0.0.1:8000"
+
+
+async def test_after_the_pick_the_response_phases_pass_through_unchanged():
+    """A gateway that also sends the response (the extension's gateways do, for metrics) gets every phase answered:
+    headers as they are, full-duplex body chunks streamed back byte for byte."""
+    async with Cluster() as c:
+        first = _full_duplex(_headers("/v1/completions"))
+        first.protocol_config.response_body_mode = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+        response_headers = pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(
+            headers=[base_pb2.HeaderValue(key=":status", raw_value=b"200")])))
+        chunks = [pb.ProcessingRequest(response_body=pb.HttpBody(body=b"data: {\"x\": 1}\n\n")),
+                  pb.ProcessingRequest(response_body=pb.HttpBody(body=b"data: [DONE]\n\n", end_of_stream=True))]
+        responses = await c.process([first, *_body_chunks(_completion("q" * 300)), response_headers, *chunks])
+        assert [r.WhichOneof("response") for r in responses] == [
+            "request_headers", "request_body", "response_headers", "response_body", "response_body"]
+        assert not responses[2].response_headers.response.HasField("header_mutation")
+        echoed = [r.response_body.response.body_mutation.streamed_response for r in responses[3:]]
+        assert [(e.body, e.end_of_stream) for e in echoed] == [(b"data: {\"x\": 1}\n\n", False),
+                                                               (b"data: [DONE]\n\n", True)]

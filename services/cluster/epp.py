@@ -184,13 +184,14 @@ class EndpointPicker:
     async def _process(self, request_iterator, context):
         headers: dict[str, str] = {}
         body = bytearray()
-        full_duplex = False
+        full_duplex = response_full_duplex = decided = False
         subset: list[str] | None = None
         async for message in request_iterator:
             kind = message.WhichOneof("request")
             if message.HasField("protocol_config"):
-                full_duplex = (message.protocol_config.request_body_mode
-                               == self.modes.ProcessingMode.FULL_DUPLEX_STREAMED)
+                full_duplex_mode = self.modes.ProcessingMode.FULL_DUPLEX_STREAMED
+                full_duplex = message.protocol_config.request_body_mode == full_duplex_mode
+                response_full_duplex = message.protocol_config.response_body_mode == full_duplex_mode
             if SUBSET_NAMESPACE in message.metadata_context.filter_metadata:
                 hint = message.metadata_context.filter_metadata[SUBSET_NAMESPACE]
                 if SUBSET_KEY in hint.fields:
@@ -203,19 +204,18 @@ class EndpointPicker:
                     return
                 if not full_duplex:
                     yield self.pb.ProcessingResponse(request_headers=self.pb.HeadersResponse())
-            elif kind == "request_body":
-                body += message.request_body.body
-                if not message.request_body.end_of_stream:
-                    continue
+            elif kind in ("request_body", "request_trailers") and not decided:
+                if kind == "request_body":
+                    body += message.request_body.body
+                    if not message.request_body.end_of_stream:
+                        continue
+                decided = True
                 for response in self._decide(headers, bytes(body), subset, full_duplex):
                     yield response
-                return
-            elif kind == "request_trailers":  # the body ended with trailers (gRPC)
-                for response in self._decide(headers, bytes(body), subset, full_duplex):
-                    yield response
-                return
-            else:  # response phases are not asked for; answer them unchanged
-                yield self._passthrough(kind)
+                    if response.HasField("immediate_response"):
+                        return  # the gateway answers the client itself; nothing more comes for this request
+            else:  # the response phases (when the gateway sends them): unchanged
+                yield self._passthrough(message, response_full_duplex)
 
     def _decide(self, headers: Mapping[str, str], body: bytes, subset: Sequence[str] | None, full_duplex: bool):
         try:
@@ -260,14 +260,18 @@ class EndpointPicker:
     def _endpoint(self, node_id: str) -> str:
         return self.endpoint_of(node_id)
 
-    def _passthrough(self, kind: str):
-        field = {"response_headers": "response_headers", "response_body": "response_body",
-                 "response_trailers": "response_trailers"}.get(kind)
-        if field is None:
-            return self.pb.ProcessingResponse(request_headers=self.pb.HeadersResponse())
+    def _passthrough(self, message, full_duplex: bool):
+        """Leave a response phase as it is: an empty answer, or in full-duplex body mode the chunk streamed back."""
+        kind = message.WhichOneof("request")
+        if kind == "response_body" and full_duplex:
+            chunk = message.response_body
+            return self.pb.ProcessingResponse(response_body=self.pb.BodyResponse(response=self.pb.CommonResponse(
+                body_mutation=self.pb.BodyMutation(streamed_response=self.pb.StreamedBodyResponse(
+                    body=chunk.body, end_of_stream=chunk.end_of_stream)))))
         cls = {"response_headers": self.pb.HeadersResponse, "response_body": self.pb.BodyResponse,
-               "response_trailers": self.pb.TrailersResponse}[field]
-        return self.pb.ProcessingResponse(**{field: cls()})
+               "response_trailers": self.pb.TrailersResponse, "request_trailers": self.pb.TrailersResponse,
+               "request_body": self.pb.BodyResponse}.get(kind, self.pb.HeadersResponse)
+        return self.pb.ProcessingResponse(**{kind if kind else "request_headers": cls()})
 
     def _immediate(self, status: int, message: str, grpc: bool, *, retry_after_ms: int | None = None,
                    grpc_code: int = 3):
