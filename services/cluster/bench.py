@@ -68,7 +68,7 @@ def scaling(raw: dict, nodes: list[int], duration_s: float, workload: str = "see
     at every N (`compare="all"`), only at the middle one ("mid"), or at the listed node counts ("2,4").
     `on_row` sees the rows so far after every run (long runs save as they go)."""
     config = node_config_from_dict(raw)
-    tag = {"workload": workload, "rate_per_node": rate_per_node}
+    tag = {"workload": workload, "rate_per_node": rate_per_node, "duration_s": duration_s}
     one = run_simulation(config, generate_trace(scaled(PROFILES[workload], rate_rps=rate_per_node,
                                                        duration_s=duration_s), 0))
     base = one.summary.overall.goodput_rps
@@ -140,17 +140,18 @@ def markdown(results: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-def _workload_of(row: dict) -> tuple[str, float]:
-    return row.get("workload", "seed-000"), row.get("rate_per_node", 300.0)
+def _workload_of(row: dict) -> tuple[str, float, float | None]:
+    return row.get("workload", "seed-000"), row.get("rate_per_node", 300.0), row.get("duration_s")
 
 
 def _scaling_table(rows: list[dict]) -> list[str]:
     out = []
-    groups: dict[tuple[str, float], list[dict]] = {}
+    groups: dict[tuple[str, float, float | None], list[dict]] = {}
     for r in rows:
         groups.setdefault(_workload_of(r), []).append(r)
-    for (workload, rate), group in groups.items():
-        out.append(f"{chr(10) if out else ''}Scaling, {workload.replace('-', ' ')} at {rate:g} req/s per node:\n")
+    for (workload, rate, duration), group in groups.items():
+        runs = f", {duration:g}-s runs" if duration else ""
+        out.append(f"{chr(10) if out else ''}Scaling, {workload.replace('-', ' ')} at {rate:g} req/s per node{runs}:\n")
         out.append("| run | goodput req/s | efficiency | admitted within SLO | refused | prefix hit | spilled | steady |")
         out.append("|---|---:|---:|---:|---:|---:|---:|:-:|")
         for r in sorted(group, key=lambda r: r["nodes"]):  # stable: picker, round-robin, pool within a node count
@@ -185,7 +186,7 @@ def plot(results: dict, path: str) -> None:
     from octoserve.services.plots import _save, plt  # noqa: PLC0415 - matplotlib only when plotting
 
     def key(r: dict) -> str:
-        workload, rate = _workload_of(r)
+        workload, rate, _ = _workload_of(r)
         return f"{workload} @{rate:g}/node\n{r['run']}"
 
     labels: list[str] = []
