@@ -167,7 +167,7 @@ class HeadroomPublisher:
 
         Predicted by the router's cost model from the running batch, not the engines' observed step: an observed step
         already carries a gang lease's stretch (the picker divides by `capacity_fraction` itself) and goes stale on
-        a node that gets no new work, which would keep a squeezed node out for good once it had been taken out."""
+        a node that gets no new work, which would keep a squeezed node out for the rest of its lease once taken out."""
         least = min(kept, key=lambda c: (c.load.num_running, c.instance.id))
         cost = self.policy.cost_model_of(least.instance)
         b = least.load.num_running
