@@ -271,3 +271,15 @@ def test_a_squeezed_colocated_node_is_out_for_new_streams_while_its_mixed_steps_
     assert _picker(summary("a", 0.5, 15.0)).pick(_spec(), 0.0).node_id == "a"  # steps sized for the lease: 30 ms
     assert _picker(summary("a", 0.5, 30.0), summary("b", 1.0, 30.0)).pick(_spec(), 0.0).node_id == "b"
     assert _picker(summary("a", 1.0, 30.0)).pick(_spec(), 0.0).node_id == "a"  # no lease: the node's own SLO sizing
+
+
+def test_the_queue_a_summary_reports_drains_with_its_age():
+    """The node keeps prefilling after it publishes: 100 ms queued at t=0 is 40 ms at t=0.06 (20 ms more under a
+    half-capacity lease, whose GPU share drains it at half speed), and never below zero."""
+    picker = _picker(_summary("a", wait_ms=100.0))
+    assert picker.pick(_spec(), 0.0).predicted_ttft_ms == pytest.approx(100.0 + 100.0)
+    assert picker.pick(_spec(), 0.06).predicted_ttft_ms == pytest.approx(40.0 + 100.0)
+    assert picker.pick(_spec(), 0.5).predicted_ttft_ms == pytest.approx(0.0 + 100.0)
+    squeezed = _picker(_summary("a", wait_ms=100.0, capacity=0.5))
+    late = squeezed.pick(_spec(tier=Priority.BATCH), 0.06)  # 340 ms: past STANDARD's SLO, within BATCH's
+    assert late.predicted_ttft_ms == pytest.approx((0.1 - 0.03 + 0.1) / 0.5 * 1000.0)

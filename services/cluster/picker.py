@@ -11,7 +11,8 @@ pick(spec, now):
    "itl" (on a node whose gang lease leaves the model a fraction f of GPU time, the decode step this request
    would see there, at full capacity from the summary plus the requests sent since, / f within the ITL SLO), "ttft" (predicted TTFT + the node's calibrated margin within the request's SLO).
 3. predicted TTFT on node n = (queue + uncached prompt / rate) / capacity_fraction, with queue = tier wait +
-   prefill tokens sent to n since its summary / (rate x its instances), and the idle rate instead of the loaded
+   prefill tokens sent to n since its summary / (rate x its instances), less what drained over the summary's age
+   (age x capacity_fraction; never below 0), and the idle rate instead of the loaded
    one when the queue is empty (the node router's own rule), where the uncached prompt counts the leading blocks found in n's
    hot prefix hashes as cached. A gang lease that leaves the SM instances a fraction f of GPU time stretches every
    SM prefill on that node by 1 / f, so SM work spills to nodes with headroom without any special case.
@@ -204,6 +205,12 @@ class ClusterPicker:
             # Work sent since the summary spreads over the model's instances on the node; this prompt runs on one.
             spread = max(1, model.num_instances)
             queue_s = tier.wait_ms / 1000.0 + (pending / (rate * spread) if rate > 0 else math.inf)
+            # The node kept prefilling since it wrote the summary: what it had queued then, and what was sent since,
+            # has drained by the summary's age (at the GPU share its lease leaves it). Without this the queue is
+            # counted twice at the end of every publication interval, and the picker refuses work the node would
+            # take.
+            age_s = max(0.0, now - summary.as_of_s)
+            queue_s = max(0.0, queue_s - age_s * min(1.0, model.capacity_fraction))
             # As the node predicts it: a prompt with nothing ahead prefills at the idle rate, behind a queue at the
             # rate the running decodes leave.
             own_rate = model.idle_prefill_tokens_per_s if queue_s == 0 and model.idle_prefill_tokens_per_s > 0 else rate
