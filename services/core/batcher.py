@@ -383,6 +383,9 @@ class Batcher:
         return decodes, prefills
 
     def _schedule_running(self, step: _StepBuilder, ordered: list[Request]) -> None:
+        if type(step) is _CompactBuilder:
+            self._schedule_running_compact(step, ordered)
+            return
         running = RequestStatus.RUNNING
         for req in ordered:
             if step.budget <= 0:
@@ -394,6 +397,29 @@ class Batcher:
             if req.num_computed_tokens + num_new <= req.capacity_tokens or \
                     self._make_room(req, req.num_computed_tokens + num_new, step):
                 step.add(req, num_new)
+
+    def _schedule_running_compact(self, step: _CompactBuilder, ordered: list[Request]) -> None:
+        """`_schedule_running` with `_CompactBuilder.add` inlined: the same decisions, once per running request
+        per step (the simulator's hottest loop)."""
+        running = RequestStatus.RUNNING
+        reqs, num_new_col, contexts, samples = step.reqs, step.num_new, step.contexts, step.samples
+        for req in ordered:
+            budget = step.budget
+            if budget <= 0:
+                return
+            if req.status is not running:  # preempted earlier in this step
+                continue
+            computed = req.num_computed_tokens
+            num_tokens = len(req.token_ids)
+            num_new = num_tokens - computed
+            if num_new > budget:
+                num_new = budget
+            if computed + num_new <= req.capacity_tokens or self._make_room(req, computed + num_new, step):
+                reqs.append(req)
+                num_new_col.append(num_new)
+                contexts.append(computed)
+                samples.append(computed + num_new == num_tokens)
+                step.budget -= num_new  # `_make_room` may have handed a victim's tokens back
 
     def _make_room(self, req: Request, num_tokens: int, step: _StepBuilder) -> bool:
         """Ensure `req` holds KV for `num_tokens`, preempting less important running requests if needed."""
