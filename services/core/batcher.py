@@ -243,8 +243,8 @@ class Batcher:
 
     def _plan_step(self, now: float, step_cap_s: float | None, builder: type) -> _StepBuilder:
         self.state_version += 1
-        decodes, prefills = self._split_running()
-        extra_kv_s = self._extra_kv_read_s(decodes)
+        decodes, prefills, num_decode_tokens = self._split_running_counted()
+        extra_kv_s = self._extra_kv_read_s(decodes, num_decode_tokens)
         sized_budget = self.step_budget(len(decodes))
         budget = self._shrunk(sized_budget, len(decodes), extra_kv_s)
         if self.config.tpot_target_s > 0 and (prefills or self._waiting) and self._may_run_long(decodes):
@@ -293,12 +293,15 @@ class Batcher:
         self._recent_long.append(long)
         self._num_long_steps += long
 
-    def _extra_kv_read_s(self, decodes: list[Request]) -> float:
-        """Step time the decodes' context beyond the sized one adds (0 when shorter or when off)."""
+    def _extra_kv_read_s(self, decodes: list[Request], num_decode_tokens: int | None = None) -> float:
+        """Step time the decodes' context beyond the sized one adds (0 when shorter or when off).
+        `num_decode_tokens`: the decodes' total length when the caller has it (`_split_running_counted`)."""
         cfg = self.config
         if cfg.kv_s_per_context_token <= 0 or not decodes:
             return 0.0
-        excess = sum(len(r.token_ids) for r in decodes) - len(decodes) * cfg.sized_context_tokens
+        if num_decode_tokens is None:
+            num_decode_tokens = sum(len(r.token_ids) for r in decodes)
+        excess = num_decode_tokens - len(decodes) * cfg.sized_context_tokens
         return max(0.0, excess * cfg.kv_s_per_context_token)
 
     def _shrunk(self, budget: int, num_decodes: int, extra_kv_s: float) -> int:
@@ -381,6 +384,19 @@ class Batcher:
         for r in self._running:
             (decodes if len(r.token_ids) - r.num_computed_tokens == 1 else prefills).append(r)
         return decodes, prefills
+
+    def _split_running_counted(self) -> tuple[list[Request], list[Request], int]:
+        """`_split_running` plus the decodes' total length (tokens), in the same pass."""
+        decodes, prefills = [], []
+        num_decode_tokens = 0
+        for r in self._running:
+            num_tokens = len(r.token_ids)
+            if num_tokens - r.num_computed_tokens == 1:
+                decodes.append(r)
+                num_decode_tokens += num_tokens
+            else:
+                prefills.append(r)
+        return decodes, prefills, num_decode_tokens
 
     def _schedule_running(self, step: _StepBuilder, ordered: list[Request]) -> None:
         if type(step) is _CompactBuilder:

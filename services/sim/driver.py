@@ -76,7 +76,7 @@ class _Instance:
 class _Tracker:
     """What the simulator learns about one request as it runs."""
 
-    __slots__ = ("trace", "route", "first_token_s", "token_times_s", "finish_s", "num_cached", "num_output",
+    __slots__ = ("trace", "route", "first_token_s", "token_times_s", "finish_s", "num_cached",
                  "preemptions", "refused", "retry_after_ms", "error", "committed", "reroutes")
 
     def __init__(self, trace: TraceRequest) -> None:
@@ -86,7 +86,6 @@ class _Tracker:
         self.token_times_s: list[float] = []
         self.finish_s: float | None = None
         self.num_cached = 0
-        self.num_output = 0
         self.preemptions = 0
         self.refused = False
         self.retry_after_ms: float | None = None
@@ -94,10 +93,14 @@ class _Tracker:
         self.committed = False  # decode side has taken the KV
         self.reroutes = 0  # times it was placed again after losing its instance
 
+    @property
+    def num_output(self) -> int:
+        return len(self.token_times_s)
+
     def record(self) -> RequestRecord:
         return self.trace.record(
             num_cached_prompt_tokens=self.num_cached,
-            num_output_tokens=self.num_output,
+            num_output_tokens=self.num_output,  # one time per token, so the count of times
             first_token_s=self.first_token_s,
             token_times_s=tuple(self.token_times_s),
             finish_s=self.finish_s,
@@ -328,7 +331,6 @@ class NodeSimulator:
                                                   req.num_cached_tokens, req.num_output_tokens))
                     continue
                 tracker.token_times_s.append(now)
-                tracker.num_output += 1
         else:
             out = inst.batcher.update(plan, result, self.now)
             inst.reporter.note_step(plan, result.step_time_s)
@@ -356,7 +358,6 @@ class NodeSimulator:
                 tracker.num_cached = output.num_cached_prompt_tokens
                 self.router.on_first_token(output.request_id, self.now)
             tracker.token_times_s.extend([self.now] * len(output.new_token_ids))
-            tracker.num_output += len(output.new_token_ids)
         if output.finish_reason not in (None, FinishReason.HANDOFF):
             self._finish(tracker)
 
