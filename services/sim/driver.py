@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from octoserve.services.core.batcher import Batcher
+from octoserve.services.core.batcher import Batcher, CompactStep
 from octoserve.services.core.instance import LoadReporter, gang_duty, instance_parts
 from octoserve.services.core.placement import InstanceConfig, NodeConfig
 from octoserve.services.core.sim_executor import SimExecutor
@@ -291,7 +291,7 @@ class NodeSimulator:
 
     def _start_capped_step(self, inst: _Instance, step_cap_s: float | None) -> float | None:
         """Start `inst`'s next step (cut to `step_cap_s` when given); its duration, or None when it planned nothing."""
-        if self.fast:
+        if self.fast and hasattr(inst.executor, "execute_compact"):  # a wrapped executor may offer only `execute`
             return self._start_compact_step(inst, step_cap_s)
         plan = inst.batcher.schedule(self.now, step_cap_s)
         if plan.is_empty and not inst.batcher.has_pending_outputs:
@@ -318,7 +318,7 @@ class NodeSimulator:
         inst, plan, result = payload
         if self.instances[inst.cfg.id] is not inst:
             return  # a step of an instance that was lost meanwhile
-        if self.fast:
+        if isinstance(plan, CompactStep):
             sampled, step_s = result
             out = inst.batcher.update_compact(plan, sampled, self.now)
             inst.reporter.note_step_shape(plan.num_chunks, plan.num_batched_tokens, step_s)
