@@ -19,6 +19,7 @@ from octoserve.router.access_log import DEFAULT_MODE, DEFAULT_SAMPLE_EVERY, MODE
 from octoserve.router.metrics import RouterMetrics
 from octoserve.router.pool import WorkerClient, WorkerEndpoint, WorkerPool
 from octoserve.router.servicer import DEFAULT_MAX_PENDING_DELTAS, GenerationServicer, RouterSettings
+from octoserve.router.watchdog import DEFAULT_HUNG_AFTER_S, HangWatchdog
 from octoserve.services.cluster.service import add_headroom_service, headroom_source
 from octoserve.services.core.placement import NodeConfig
 from octoserve.services.core.routing import RouterPolicy, build_cost_models
@@ -65,12 +66,14 @@ def router_spec(
     startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
     seed: int = 0,
     host: str = "127.0.0.1",
+    hung_after_s: float = DEFAULT_HUNG_AFTER_S,
 ) -> tuple[ServiceSpec, GenerationServicer]:
     metrics = RouterMetrics(served_models=list(config.models), time_scale=settings.time_scale)
     policy = RouterPolicy(config, build_cost_models(config), random.Random(seed))
     pool = WorkerPool({})
     servicer = GenerationServicer(config, policy, pool, uuid.uuid4().hex, settings, metrics)
     headroom = headroom_source(policy, pool.loads, lambda: not servicer.draining)
+    watchdog = HangWatchdog(servicer, hung_after_s)
 
     async def start() -> None:
         for instance_id, address in (await endpoints()).items():
@@ -81,8 +84,10 @@ def router_spec(
             )
         pool.start()
         await _wait_ready(pool, startup_timeout_s)
+        watchdog.start()
 
     async def close() -> None:
+        await watchdog.close()
         await servicer.close()
         await pool.close()
 
@@ -133,6 +138,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="one JSON line per request: all, errors (every failed one + 1 in --access-log-sample-every "
                              "ok ones), off")
     parser.add_argument("--access-log-sample-every", type=int, default=DEFAULT_SAMPLE_EVERY)
+    parser.add_argument("--hung-after-s", type=float, default=DEFAULT_HUNG_AFTER_S,
+                        help="route around a worker that sent no load report for this long (wall seconds) while its "
+                             "connection stayed open (stopped, or hung)")
     parser.add_argument("--log-level", default="INFO")
     from octoserve.http_front.local import add_router_arguments
 
@@ -165,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
                                     tenants=tenant_settings_from_dict(sections.get("tenants")),
                                     limits=limits_from_dict(sections.get("limits"))),
             port=args.port, metrics_port=args.metrics_port, ready_file=args.ready_file, grace_s=args.grace_s,
-            startup_timeout_s=args.startup_timeout_s, seed=args.seed, host=args.host,
+            startup_timeout_s=args.startup_timeout_s, seed=args.seed, host=args.host, hung_after_s=args.hung_after_s,
         )
         return await serve_until_signal(with_front_inside(spec, servicer, args))
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -78,6 +79,12 @@ class WorkerClient:
         self.load: EngineLoad | None = None
         self.attached = asyncio.Event()
         self.reachable = True  # False from a broken stream until the next snapshot: no cleanup RPCs are sent there
+        # The hang watchdog's view (router/watchdog.py): when the last snapshot came, whether the instance was
+        # declared hung, and the requests moved off it then, whose late deltas are dropped.
+        self.last_report_s: float | None = None
+        self.hung = False
+        self.ignored: set[str] = set()
+        self.on_resumed: Callable[[WorkerClient], None] = lambda client: None
         self._on_delta = on_delta
         self._on_down = on_down
         self._on_kv_events = on_kv_events
@@ -103,7 +110,10 @@ class WorkerClient:
                     if batch.seq == 0:
                         self.attached.set()
                         attempt = 0
+                    ignored = self.ignored
                     for delta in batch.deltas:
+                        if ignored and delta.request_id in ignored:
+                            continue  # moved off this instance while it was hung: the client has it elsewhere
                         self._on_delta(delta)
                 reason = "the worker closed the token stream"
             except grpc.aio.AioRpcError as e:
@@ -127,6 +137,9 @@ class WorkerClient:
                         load = dataclasses.replace(load, healthy=False)  # no session to stream tokens back yet
                     self.load = load
                     self.reachable = True
+                    self.last_report_s = time.monotonic()
+                    if self.hung:
+                        self.on_resumed(self)
                     attempt = 0
                     if report.kv_events:
                         self._on_kv_events(self.instance_id, convert.kv_events_from_pb(report.kv_events))
