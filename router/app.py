@@ -84,6 +84,7 @@ def router_spec(
             )
         pool.start()
         await _wait_ready(pool, startup_timeout_s)
+        pool.follow(endpoints)  # a worker restarted on another port is found again through the placement
         watchdog.start()
 
     async def close() -> None:

@@ -151,10 +151,11 @@ class Supervisor:
     def _check_started(self, sp, now: float) -> None:
         if sp.ready_file.exists():
             info = json.loads(sp.ready_file.read_text())
-            sp.metrics_port = info["metrics_port"]
+            moved = f" (port {sp.port} was taken)" if info["port"] != sp.port else ""
+            sp.port, sp.metrics_port = info["port"], info["metrics_port"]
             self._starting.discard(sp.name)
             self._up_since[sp.name] = now
-            self._emit(sp, "ready", f"pid {info['pid']} port {info['port']}")
+            self._emit(sp, "ready", f"pid {info['pid']} port {info['port']}{moved}")
         elif sp.proc.poll() is not None:  # died while starting (its port taken, say): the usual backoff applies
             self._starting.discard(sp.name)
 

@@ -42,6 +42,8 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--time-scale", type=float, default=1.0, help="dilate modelled time by this factor")
     parser.add_argument("--scheduler", default="", help="scheduler host:port to register with")
     parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--port-fallback", action="store_true",
+                        help="when --port is taken, serve on a free port (and register that address) instead of failing")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (beyond loopback: needs tls)")
     parser.add_argument("--allow-insecure", action="store_true", help="listen beyond loopback without tls anyway")
     parser.add_argument("--metrics-port", type=int, default=0)
@@ -101,6 +103,7 @@ def worker_spec(args: argparse.Namespace, make_servicer: Callable[..., WorkerBas
     return ServiceSpec(
         name=f"worker:{args.instance}",
         port=args.port,
+        port_fallback=args.port_fallback,
         host=args.host,
         server_credentials=tls.server_credentials() if tls else None,
         metrics_port=args.metrics_port,
