@@ -1,9 +1,10 @@
 """The router's progress watchdog: a worker whose process lives but says nothing (stopped by SIGSTOP, an event loop
-wedged in a blocking call, a stuck engine that withholds its reports) is treated as lost within `hung_after_s`.
+wedged in a blocking call) is treated as lost within `hung_after_s`.
 
-A worker pushes a load snapshot every 10 ms over its WatchLoad stream, and a worker whose engine has work but makes
-no step stops sending them (services/rpc/worker_base.py). A broken stream is the crash path (router/pool.py,
-router/failover.py); a silent stream that stays open is this one. When an instance that was reporting has sent
+A worker pushes a load snapshot every 10 ms over its WatchLoad stream. A broken stream is the crash path
+(router/pool.py, router/failover.py); a silent stream that stays open is this one. (A worker whose engine loop is
+stuck while the rest of the process runs exits by its own progress check, services/rpc/stall_watch.py: the crash
+path.) When an instance that was reporting has sent
 nothing for `hung_after_s` wall seconds:
 - it is unroutable (`mark_down`) and its prefix-index entries are dropped;
 - every request placed on it is ended or moved as on a crash: a worker RPC still waiting on it (a submission, a

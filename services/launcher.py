@@ -198,6 +198,7 @@ def start_node(
     on_event=None,
     http_port: int | None = None,
     http_inside: bool = True,
+    worker_args: tuple[str, ...] = (),
 ) -> Node:
     """Starts every process of the node and returns once all are SERVING (or stops them and raises LaunchError).
 
@@ -206,6 +207,7 @@ def start_node(
     front on it (0: any free port; None: no front); http_inside: served by the router process (the default, measured
     faster: docs/bench/openai_front.md) or, when False, by a process of its own. supervise: restart services that
     exit (`Supervisor`; `on_event` gets its events); `octoserve up` does, harnesses that model a lost node do not.
+    worker_args: extra flags for every worker (e.g. `--stall-after-s 2`).
     """
     from octoserve.router.tenants import tenant_settings_from_dict
     from octoserve.services.config import load_node_config, load_service_sections
@@ -235,7 +237,7 @@ def start_node(
         workers = {}
         for inst in node_cfg.instances:
             args = [*common, "--instance", inst.id, "--engine", engine, "--time-scale", str(time_scale),
-                    "--scheduler", scheduler.address, *(["--model", model_path] if model_path else [])]
+                    "--scheduler", scheduler.address, *(["--model", model_path] if model_path else []), *worker_args]
             workers[inst.id] = _spawn(f"worker:{inst.id}", WORKER_MODULES[inst.role], args, run_dir, env)
             started.append(workers[inst.id])
         # The router waits for a complete placement and every worker's session: give it the whole startup budget

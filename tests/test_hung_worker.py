@@ -7,13 +7,16 @@ What each test holds the node to:
 - a request that had no token on it is moved and served in full, exactly max_tokens tokens: none is repeated, even
   when the stopped worker resumes and finishes its old copy (its late tokens are dropped, and the router aborts
   the copy there, so every KV block comes back free);
-- the supervisor kills the stopped process (a "hung" event) and restarts it, and it serves again.
+- the supervisor kills the stopped process (a "hung" event) and restarts it, and it serves again;
+- a worker whose engine loop is stuck (injected; the process and its load reports carry on) exits by its own
+  progress check, its streams fail over as on a crash, and it is restarted.
 Nothing here asserts a duration.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 
@@ -164,5 +167,43 @@ async def test_stopped_worker_that_resumes_repeats_no_token_and_frees_its_copies
             await wait_all_free(node)
         assert node.workers["c0"].pid == pid and node.supervisor.restarts("worker:c0") == 0
         assert [e.event for e in node.supervisor.events if e.service == "worker:c0"] == []
+    finally:
+        node.stop()
+
+
+async def test_stuck_engine_loop_exits_its_worker_which_is_restarted(tmp_path):
+    """The engine's step loop stops (injected) while the process, its gRPC server and its load reports carry on:
+    the worker's own progress check exits it, its requests fail over as on a crash, and it is restarted."""
+    node = start_node(two_replica_config(), time_scale=3.0, run_dir=tmp_path, startup_timeout_s=90, grace_s=3,
+                      router_args=("--access-log", "all"), supervise=True,
+                      extra_env={"OCTOSERVE_FAULTS": "engine_stall=c0@150"}, worker_args=("--stall-after-s", "1.0"))
+    try:
+        old_pid = node.workers["c0"].pid
+        async with grpc.aio.insecure_channel(node.router_address) as channel:
+            stub = gen_grpc.GenerationStub(channel)
+            streaming = [Stream(gen_pb.GenerateRequest(model=COLOCATED_MODEL, token_ids=prompt(64, i), max_tokens=400,
+                                                       ignore_eos=True)) for i in range(8)]
+            await asyncio.gather(*(s.run(stub) for s in streaming))
+            log = access_log(node)
+            on_c0 = [s for s in streaming if log[s.request_id]["instances"] == ["c0"]]
+            assert on_c0, "no stream was on c0"
+            for s in streaming:
+                if s in on_c0:
+                    assert s.code == grpc.StatusCode.UNAVAILABLE and s.retry_after_ms and s.retry_after_ms > 0, s
+                    assert 0 < len(s.tokens) < 400
+                else:
+                    assert s.code == grpc.StatusCode.OK and len(s.tokens) == 400, s
+            node.supervisor.wait_for("worker:c0", "ready", timeout_s=60)
+            events = [(e.event, e.detail) for e in node.supervisor.events if e.service == "worker:c0"]
+            assert events[:3] == [("exited", "exit code 70"), ("restarting", f"port {node.workers['c0'].port}, "
+                                                                              "restart 1 in a row"),
+                                  ("ready", f"pid {node.workers['c0'].pid} port {node.workers['c0'].port}")], events
+            stalled = [json.loads(line) for line in node.workers["c0"].log_file.read_text().splitlines()
+                       if "engine made no step" in line]
+            assert [(e["steps"], e["exit_code"]) for e in stalled] == [(150, 70)], stalled
+            assert stalled[0]["running"] == len(on_c0)
+            assert node.workers["c0"].pid != old_pid
+            await _until(lambda: _served_by_c0(node, stub), 60, "a request is served by the restarted c0")
+            await wait_all_free(node)
     finally:
         node.stop()
