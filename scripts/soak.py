@@ -302,10 +302,12 @@ async def sample(node: Node, traffic: Traffic, samples: Samples, t0: float) -> N
     samples.t_s.append(t)
     for sp in node.processes:
         samples.add("rss_mib", sp.name, t, rss_mib(sp.pid))
-        m = await asyncio.to_thread(scrape, sp.metrics_port, ("octoserve_asyncio_tasks", "octoserve_router_in_flight_requests"))
+        m = await asyncio.to_thread(scrape, sp.metrics_port, ("octoserve_asyncio_tasks", "octoserve_router_in_flight_requests",
+                                                              "octoserve_router_hung_workers_total"))
         samples.add("asyncio_tasks", sp.name, t, m.get("octoserve_asyncio_tasks", float("nan")))
         if sp is node.router:
             samples.add("streams", "router in flight", t, m.get("octoserve_router_in_flight_requests", float("nan")))
+            samples.add("router", "workers declared hung", t, m.get("octoserve_router_hung_workers_total", 0.0))
     samples.add("streams", "client open", t, float(len(traffic.tasks)))
     samples.add("asyncio_tasks", "soak client", t, float(len(asyncio.all_tasks())))
     for iid, used in (await kv_in_use(node)).items():
@@ -408,6 +410,10 @@ async def main_async(args) -> int:
         "unbounded": sorted(k for k, g in growths.items() if not g["bounded"]),
         "kv_in_use_at_idle": idle,
         "router_in_flight_at_idle": router_idle,
+        # the router's hang watchdog (a restarted router counts from 0 again); every kill here is a SIGKILL, so a
+        # declaration would be a worker the router found silent under load
+        "router_hung_declarations": max((v for _, v in samples.group("router").get("workers declared hung", [])),
+                                        default=0.0),
     }
     passed = (lost == 0 and not verdict["unbounded"] and verdict["refusals_without_hint"] == 0
               and all(v == 0 for v in idle.values()) and router_idle == 0)
