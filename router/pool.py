@@ -90,10 +90,15 @@ class WorkerClient:
             self._tasks.append(asyncio.create_task(self._attach_loop(), name=f"attach-{self.instance_id}"))
 
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
+        self.stop_streams()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.channel.close()
+
+    def stop_streams(self) -> None:
+        """Ends the token session and load stream for good (a session replaced by a new one to the same worker must
+        not reconnect: both use this router's session id, and the worker keeps one session per id)."""
+        for task in self._tasks:
+            task.cancel()
 
     async def _attach_loop(self) -> None:
         attempt = 0
@@ -153,6 +158,7 @@ class WorkerClient:
 class WorkerPool:
     def __init__(self, clients: dict[str, WorkerClient]) -> None:
         self.clients = clients
+        self.retired: dict[str, WorkerClient] = {}  # left the placement, closed soon (router/placement_watch.py)
 
     def start(self) -> None:
         for client in self.clients.values():
@@ -168,4 +174,5 @@ class WorkerPool:
         return all(c.ready() for c in self.clients.values())
 
     def __getitem__(self, instance_id: str) -> WorkerClient:
-        return self.clients[instance_id]
+        client = self.clients.get(instance_id)
+        return client if client is not None else self.retired[instance_id]

@@ -22,6 +22,7 @@ from octoserve.services.rpc.gen import scheduler_pb2_grpc as s_grpc
 from octoserve.services.rpc.gen import worker_pb2 as w_pb
 from octoserve.services.rpc.gen import worker_pb2_grpc as w_grpc
 from octoserve.services import trust
+from octoserve.services.rpc import role_switch
 from octoserve.services.rpc.hardening import add_servicer
 from octoserve.services.rpc.server import RunningService, ServiceSpec, setup_logging
 from octoserve.services.rpc.worker_base import WorkerBase
@@ -91,6 +92,7 @@ def worker_spec(args: argparse.Namespace, make_servicer: Callable[..., WorkerBas
     attach_gang_gate(engine, node_cfg, args.instance, args.scheduler, args.time_scale)  # gang members step on grants
     servicer = make_servicer(engine)
     servicer.model_spec = node_cfg.models.get(engine.model)
+    servicer = role_switch.RoleSwitch(servicer, role_switch.rebuilder(node_cfg, args, servicer))  # elastic pools
 
     async def on_serving(running: RunningService) -> None:
         if args.scheduler:
