@@ -20,6 +20,9 @@ import asyncio
 import grpc
 import pytest
 
+from octoserve.services.cli import main as cli_main
+from octoserve.services.core.reconfig import ReconfigKind, Reconfiguration
+from octoserve.services.core.types import Role
 from octoserve.services.launcher import start_node
 from octoserve.services.rpc.gen import scheduler_pb2 as s_pb
 from octoserve.services.rpc.gen import scheduler_pb2_grpc as s_grpc
@@ -125,10 +128,10 @@ async def test_role_changes_under_load(tmp_path):
             switched_at = len(load.streams)
             await _until(lambda: load.done(DISAGG_MODEL) >= switched_at // 2 + 12, 60, "served after the change")
 
-            # ... and back: prefill -> decode (the router re-opens the token session).
-            back = await scheduler.Reconfigure(s_pb.ReconfigureRequest(
-                role_change=s_pb.RoleChange(instance_id="d1", role=w_pb.DECODE)), timeout=120)
-            assert list(back.started) == ["d1"]
+            # ... and back, by the CLI: prefill -> decode (the router re-opens the token session).
+            code = await asyncio.to_thread(cli_main, ["reconfigure", "--run-dir", str(tmp_path), "--role", "d1=decode"])
+            assert code == 0
+            assert (await _placement(scheduler))["d1"].role == w_pb.DECODE
             back_at = len(load.streams)
             await _until(lambda: sum(1 for s in load.streams[back_at:] if s.code is not None) >= 16, 60,
                          "served after the change back")
@@ -182,5 +185,54 @@ async def test_model_change_under_load(tmp_path):
         assert len(log) == len(streams) and all(e["code"] == "OK" for e in log.values())
         assert any(e["instances"] == [new_id] for e in log.values()), "the new instance served no request"
         assert reply.switch_s > 0 and reply.drain_s >= 0
+    finally:
+        node.stop()
+
+
+class FlipOnce:
+    """A Balancer for the policy-loop test: the first time the disaggregated model's decode instances run
+    requests, it turns d1 into a prefill instance; it plans nothing after that."""
+
+    def __init__(self, config) -> None:
+        self.d1 = config.instance("d1")
+        self.planned = False
+
+    def plan(self, now_s, loads, in_flight):
+        busy = sum(load.num_running for iid, load in loads.items() if iid in ("d0", "d1"))
+        if self.planned or in_flight or busy == 0:
+            return []
+        self.planned = True
+        import dataclasses
+
+        return [Reconfiguration("flip-d1", ReconfigKind.ROLE, ("d1",), (dataclasses.replace(self.d1, role=Role.PREFILL),),
+                                f"test: {busy} requests decoding, more prefill wanted")]
+
+
+async def test_balancer_loop_reconfigures_under_load(tmp_path):
+    config = {**elastic_config(), "elastic": {"balancer": "tests.test_elastic_live:FlipOnce", "period_s": 0.5}}
+    node = start_node(config, time_scale=TIME_SCALE, run_dir=tmp_path, startup_timeout_s=90, grace_s=3)
+    try:
+        async with grpc.aio.insecure_channel(node.router_address) as rch, \
+                grpc.aio.insecure_channel(node.scheduler.address) as sch:
+            scheduler = s_grpc.SchedulerStub(sch)
+            load = Load(gen_grpc.GenerationStub(rch), (DISAGG_MODEL,))
+            load.start()
+            roles: list[int] = []
+
+            async def flipped() -> bool:
+                roles.append((await _placement(scheduler))["d1"].role)
+                return roles[-1] == w_pb.PREFILL
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 60
+            while not await flipped():
+                assert loop.time() < deadline, "the balancer loop did not reconfigure d1"
+                await asyncio.sleep(0.1)
+            flipped_at = len(load.streams)
+            await _until(lambda: sum(1 for s in load.streams[flipped_at:] if s.code is not None) >= 8, 60,
+                         "served after the balancer's change")
+            streams = await load.finish()
+        _assert_all_served(streams)
+        log = node.scheduler.log_file.read_text()
+        assert "reconfiguration done" in log and "test: " in log  # the plan's reason is logged
     finally:
         node.stop()
