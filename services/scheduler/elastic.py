@@ -205,9 +205,10 @@ class ElasticRunner:
                 await self._abort(r, out, "; ".join(f"{i}: {e}" for i, e in failed))
                 raise ReconfigError(grpc.StatusCode.ABORTED, out.error)
             out.drained_requests = sum(rep.drained_requests for rep in replies)
-            out.drain_s = time.monotonic() - t0
+            # A role change switches inside SetRole: the drain is what the workers measured, the rest is switching.
+            out.drain_s = max(rep.drain_s for rep in replies)
             out.phase = Phase.SWITCHING
-            t1 = time.monotonic()
+            t1 = t0 + out.drain_s
             if r.kind is ReconfigKind.ROLE:
                 inst = r.start[0]
                 self.placement.instances[inst.id] = inst
