@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable, Mapping
 
 from octoserve.router.access_log import DEFAULT_MODE, DEFAULT_SAMPLE_EVERY, MODES, AccessLog
 from octoserve.router.metrics import RouterMetrics
+from octoserve.router.demand_report import DemandReporter
 from octoserve.router.placement_watch import PlacementFollower
 from octoserve.router.pool import WorkerClient, WorkerEndpoint, WorkerPool
 from octoserve.router.servicer import DEFAULT_MAX_PENDING_DELTAS, GenerationServicer, RouterSettings
@@ -87,6 +88,7 @@ def router_spec(
 
     follower = None if scheduler_address is None else PlacementFollower(
         scheduler_address, config, policy, pool, servicer, make_client)
+    demand = None if scheduler_address is None else DemandReporter(scheduler_address, policy)
 
     async def start() -> None:
         if follower is not None:
@@ -98,11 +100,13 @@ def router_spec(
         await _wait_ready(pool, startup_timeout_s)
         if follower is not None:
             follower.follow()
+            demand.start()
 
     async def close() -> None:
         await servicer.close()
         if follower is not None:
             await follower.close()
+            await demand.close()
         await pool.close()
         await asyncio.gather(*(c.close() for c in pool.retired.values()))
 

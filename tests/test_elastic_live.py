@@ -198,7 +198,7 @@ class FlipOnce:
         self.planned = False
 
     def plan(self, now_s, loads, in_flight):
-        busy = sum(load.num_running for iid, load in loads.items() if iid in ("d0", "d1"))
+        busy = sum(load.num_running for iid, load in loads.engine_loads.items() if iid in ("d0", "d1"))
         if self.planned or in_flight or busy == 0:
             return []
         self.planned = True

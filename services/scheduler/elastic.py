@@ -289,8 +289,8 @@ class BalancerLoop:
         while True:
             await asyncio.sleep(self.period_s * scale)
             try:
-                plans = self.balancer.plan(time.monotonic() / scale, dict(self.runner.s.loads),
-                                           list(self.runner.in_flight.values()))
+                now_s = time.monotonic() / scale
+                plans = self.balancer.plan(now_s, self.runner.s.live_view(now_s), list(self.runner.in_flight.values()))
             except Exception:
                 log.exception("balancer failed; no reconfiguration this period")
                 continue
@@ -311,16 +311,24 @@ def balancer_from_section(section: Mapping | None, config: NodeConfig):
     """(balancer, period_s) from the node config's `elastic` section, or None when no balancer is configured.
 
     elastic:
-      balancer: package.module:factory   # called with the NodeConfig; returns a Balancer
+      balancer: elastic                  # the ElasticBalancer (services/scheduler/live_balancer.py), or
+                                         # package.module:factory, called with the NodeConfig
       period_s: 10                       # modelled seconds between plans
+      window_s: 10                       # modelled seconds of demand the balancer sees (elastic only)
+      min_dwell_s: 20                    # ... and any BalancerPolicy field (elastic only)
+    The balancer's plan gets a `live_balancer.LiveView` each period.
     """
     if not section or not section.get("balancer"):
         return None
     name = str(section["balancer"])
-    module, _, attr = name.partition(":")
-    if not attr:
-        raise ValueError(f"elastic.balancer {name!r} must be package.module:factory")
     period_s = float(section.get("period_s", 10.0))
     if period_s <= 0:
         raise ValueError(f"elastic.period_s must be > 0, got {period_s}")
+    if name == "elastic":
+        from octoserve.services.scheduler.live_balancer import elastic_balancer
+
+        return elastic_balancer(config, section), period_s
+    module, _, attr = name.partition(":")
+    if not attr:
+        raise ValueError(f"elastic.balancer {name!r} must be 'elastic' or package.module:factory")
     return getattr(importlib.import_module(module), attr)(config), period_s

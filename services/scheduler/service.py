@@ -38,6 +38,7 @@ from octoserve.services.rpc.hardening import add_servicer
 from octoserve.services.rpc.server import ServiceSpec, setup_logging
 from octoserve.services.scheduler.gang_live import GangCollector, GangHub
 from octoserve.services.scheduler import elastic
+from octoserve.services.scheduler.live_balancer import DEFAULT_WINDOW_S, DemandWindow, LiveView
 
 log = logging.getLogger("octoserve.scheduler")
 
@@ -64,6 +65,8 @@ class SchedulerServicer(s_grpc.SchedulerServicer):
         self.placement = elastic.LivePlacement(config)  # what routers route on; changes with reconfigurations
         self.elastic = elastic.ElasticRunner(self, time_scale)
         planned = elastic.balancer_from_section(elastic_section, config)
+        self.demand = DemandWindow(getattr(planned[0], "window_s", DEFAULT_WINDOW_S) if planned else DEFAULT_WINDOW_S)
+        self.time_scale = time_scale
         self.balancer_loop = None if planned is None else elastic.BalancerLoop(self.elastic, *planned)
         self.addresses: dict[str, str] = {}
         self.loads: dict[str, EngineLoad] = {}
@@ -115,6 +118,18 @@ class SchedulerServicer(s_grpc.SchedulerServicer):
         except elastic.ReconfigError as e:
             await context.abort(e.code, str(e))
         return elastic.outcome_to_pb(out)
+
+    async def ReportDemand(self, request, context):
+        now_s = time.monotonic() / self.time_scale
+        for m in request.models:
+            self.demand.add(now_s, m.model, m.arrivals, m.prompt_tokens, m.output_tokens)
+        return s_pb.DemandReply()
+
+    def live_view(self, now_s: float) -> LiveView:
+        p = self.placement
+        return LiveView(tuple(p.instances.values()),
+                        {i: st is elastic.State.SERVING for i, st in p.states.items()}, dict(self.loads),
+                        self.demand.demand(now_s, sorted(self.config.models)), self.demand.window_s)
 
     async def start_elastic(self) -> None:
         if self.balancer_loop is not None:

@@ -17,6 +17,30 @@ INSTANCE_SERVING: InstanceState
 INSTANCE_DRAINING: InstanceState
 INSTANCE_STARTING: InstanceState
 
+class ModelArrivals(_message.Message):
+    __slots__ = ("model", "arrivals", "prompt_tokens", "output_tokens")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    ARRIVALS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    arrivals: int
+    prompt_tokens: int
+    output_tokens: int
+    def __init__(self, model: _Optional[str] = ..., arrivals: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ...) -> None: ...
+
+class DemandReport(_message.Message):
+    __slots__ = ("models", "interval_s")
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedCompositeFieldContainer[ModelArrivals]
+    interval_s: float
+    def __init__(self, models: _Optional[_Iterable[_Union[ModelArrivals, _Mapping]]] = ..., interval_s: _Optional[float] = ...) -> None: ...
+
+class DemandReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class InstancePlacement(_message.Message):
     __slots__ = ("instance_id", "model", "role", "gpu_ids", "tensor_parallel", "address", "context_window", "state", "instance_config_json")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]

@@ -74,6 +74,11 @@ class SchedulerStub:
                 request_serializer=octoserve_dot_v1_dot_scheduler__pb2.ReconfigureRequest.SerializeToString,
                 response_deserializer=octoserve_dot_v1_dot_scheduler__pb2.ReconfigureReply.FromString,
                 _registered_method=True)
+        self.ReportDemand = channel.unary_unary(
+                '/octoserve.v1.Scheduler/ReportDemand',
+                request_serializer=octoserve_dot_v1_dot_scheduler__pb2.DemandReport.SerializeToString,
+                response_deserializer=octoserve_dot_v1_dot_scheduler__pb2.DemandReply.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -137,6 +142,13 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportDemand(self, request, context):
+        """Elastic pools: a router's arrivals per model since its previous report (the balancer's demand input).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -179,6 +191,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.Reconfigure,
                     request_deserializer=octoserve_dot_v1_dot_scheduler__pb2.ReconfigureRequest.FromString,
                     response_serializer=octoserve_dot_v1_dot_scheduler__pb2.ReconfigureReply.SerializeToString,
+            ),
+            'ReportDemand': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportDemand,
+                    request_deserializer=octoserve_dot_v1_dot_scheduler__pb2.DemandReport.FromString,
+                    response_serializer=octoserve_dot_v1_dot_scheduler__pb2.DemandReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -397,6 +414,33 @@ class Scheduler:
             '/octoserve.v1.Scheduler/Reconfigure',
             octoserve_dot_v1_dot_scheduler__pb2.ReconfigureRequest.SerializeToString,
             octoserve_dot_v1_dot_scheduler__pb2.ReconfigureReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportDemand(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/octoserve.v1.Scheduler/ReportDemand',
+            octoserve_dot_v1_dot_scheduler__pb2.DemandReport.SerializeToString,
+            octoserve_dot_v1_dot_scheduler__pb2.DemandReply.FromString,
             options,
             channel_credentials,
             insecure,
