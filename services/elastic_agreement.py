@@ -90,7 +90,7 @@ def run(args) -> int:
             ("SLO attainment %", 100 * live.overall.attainment_offered, 100 * virt.overall.attainment_offered, True),
             ("refused %", 100 * live.overall.refused_fraction, 100 * virt.overall.refused_fraction, False),
             ("reconfigurations", live_reconfigs, len(sim.reconfigs), False),
-            ("requests lost", lost, sim.lost, False)]
+            ("errors or unfinished", lost, sim.lost, False)]
     print("\n| metric | live (dilated) | elastic simulator | difference |\n|---|---|---|---|")
     ok = True
     for name, lv, vv, checked in rows:
@@ -102,6 +102,9 @@ def run(args) -> int:
         vm = next(g for g in virt.per_model if g.name == m)
         print(f"| goodput {m} req/s | {lm.goodput_rps:.2f} | {vm.goodput_rps:.2f} | "
               f"{(lm.goodput_rps - vm.goodput_rps) / vm.goodput_rps if vm.goodput_rps else 0:+.1%} |")
+    errors = sorted({r.error[:120] for r in records if r.error and not r.refused})
+    if errors:
+        print("\nlive errors (not refusals): " + "; ".join(errors[:3]))
     print(f"\nagreement (goodput, attainment) within ±{TOLERANCE:.0%}: {'yes' if ok else 'NO'}; lost live: {lost}")
     return 0 if ok and lost == 0 else 1
 

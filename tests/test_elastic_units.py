@@ -184,3 +184,32 @@ def test_router_view_follows_a_snapshot():
         await f.close()
 
     asyncio.run(run())
+
+
+def test_demand_window_rates_lengths_and_trend():
+    from octoserve.services.scheduler.live_balancer import DemandWindow
+
+    w = DemandWindow(window_s=4.0)
+    w.add(0.5, "llama-3-8b-other", 4, 4000, 40)  # before the window at now = 5
+    for t, n in ((1.0, 2), (2.0, 4), (3.0, 6), (4.0, 8)):  # the 8B's arrivals grow by 2 req/s every second
+        w.add(t, "llama-3-8b", n, 100 * n, 10 * n)
+    small, other = w.demand(5.0, ["llama-3-8b", "llama-3-8b-other"])
+    assert (small.arrival_rps, small.mean_prompt_tokens, small.mean_output_tokens) == (20 / 4.0, 100.0, 10.0)
+    assert small.trend_rps_per_s == pytest.approx(2.0)
+    assert (other.arrival_rps, other.trend_rps_per_s) == (0.0, 0.0)
+
+
+def test_elastic_section_names_unknown_keys():
+    from octoserve.services.scheduler.live_balancer import LiveElasticBalancer
+
+    with pytest.raises(ValueError, match=r"unknown keys \['min_dwel_s'\]"):
+        elastic.balancer_from_section({"balancer": "elastic", "min_dwel_s": 5}, _config())
+    from octoserve.services.config import load_node_config
+
+    balancer, period_s = elastic.balancer_from_section({"balancer": "elastic", "period_s": 2, "min_dwell_s": 7},
+                                                       load_node_config(None))
+    assert isinstance(balancer, LiveElasticBalancer) and period_s == 2.0
+    assert balancer.inner.policy.min_dwell_s == 7
+    with pytest.raises(ValueError, match="must be 'elastic' or package.module:factory"):
+        elastic.balancer_from_section({"balancer": "mine"}, _config())
+    assert elastic.balancer_from_section(None, _config()) is None
