@@ -41,8 +41,7 @@ POLL_S = 0.05
 def instance_from_pb(p: s_pb.InstancePlacement, config: NodeConfig) -> InstanceConfig:
     if p.instance_config_json:
         d = json.loads(p.instance_config_json)
-        d["role"], d["gpu_ids"] = Role(d["role"]), tuple(d["gpu_ids"])
-        return InstanceConfig(**d)
+        return InstanceConfig(**{**d, "role": Role(d["role"]), "gpu_ids": tuple(d["gpu_ids"])})
     base = config.instance(p.instance_id)  # a scheduler that does not send the full config: the file's
     return dataclasses.replace(base, role=convert.ROLE_FROM_PB[p.role])
 

@@ -229,8 +229,8 @@ def start_node(
     deadline = time.monotonic() + startup_timeout_s
     started: list[ServiceProcess] = []
     try:
-        scheduler = _spawn("scheduler", "octoserve.services.scheduler", [*common, "--time-scale", str(time_scale)],
-                           run_dir, env)
+        scheduler = _spawn("scheduler", "octoserve.services.scheduler", [*common, "--time-scale", str(time_scale),
+                           "--placement-file", str(run_dir / "placement.json")], run_dir, env)
         started.append(scheduler)
         _wait_ready(scheduler, deadline)
         workers = {}

@@ -213,3 +213,19 @@ def test_elastic_section_names_unknown_keys():
     with pytest.raises(ValueError, match="must be 'elastic' or package.module:factory"):
         elastic.balancer_from_section({"balancer": "mine"}, _config())
     assert elastic.balancer_from_section(None, _config()) is None
+
+
+def test_live_placement_survives_a_restart_through_its_state_file(tmp_path):
+    async def run():
+        path = str(tmp_path / "placement.json")
+        cfg = _config()
+        lp = elastic.LivePlacement(cfg, path)
+        del lp.instances["c1"]
+        lp.instances["y1"] = elastic.InstanceConfig("y1", OTHER_MODEL, Role.COLOCATED, 1, (1,), gpu_memory_utilization=0.22)
+        await lp.publish()
+        again = elastic.LivePlacement(cfg, path)  # what a restarted scheduler reads
+        assert again.instances == lp.instances and list(again.instances)[-1] == "y1"
+        assert set(again.states) == set(again.instances)
+        assert elastic.LivePlacement(cfg, str(tmp_path / "none.json")).instances == {i.id: i for i in cfg.instances}
+
+    asyncio.run(run())

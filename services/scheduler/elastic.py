@@ -27,6 +27,7 @@ import enum
 import importlib
 import json
 import logging
+import os
 import time
 import uuid
 from collections.abc import Mapping
@@ -70,6 +71,10 @@ def weight_load_s(config: NodeConfig, inst: InstanceConfig) -> float:
     return config.models[inst.model].weight_bytes_per_gpu(inst.tp) / config.gpu.pcie_bytes_per_s
 
 
+def instance_from_dict(d: Mapping) -> InstanceConfig:
+    return InstanceConfig(**{**d, "role": Role(d["role"]), "gpu_ids": tuple(d["gpu_ids"])})
+
+
 def instance_to_dict(inst: InstanceConfig) -> dict:
     d = dataclasses.asdict(inst)
     d["role"] = inst.role.value
@@ -78,10 +83,19 @@ def instance_to_dict(inst: InstanceConfig) -> dict:
 
 
 class LivePlacement:
-    def __init__(self, config: NodeConfig) -> None:
+    """`state_file`: the instances are written there after every change and read back at start, so a restarted
+    scheduler serves the placement its reconfigurations made (not the config file's)."""
+
+    def __init__(self, config: NodeConfig, state_file: str | None = None) -> None:
         self.config = config
+        self.state_file = state_file
         self.instances: dict[str, InstanceConfig] = {i.id: i for i in config.instances}
-        self.states: dict[str, State] = {i.id: State.SERVING for i in config.instances}
+        if state_file and os.path.exists(state_file):
+            with open(state_file, encoding="utf-8") as f:
+                saved = [instance_from_dict(d) for d in json.load(f)["instances"]]
+            self.instances = {i.id: i for i in saved}
+            log.info("placement restored", extra={"fields": {"file": state_file, "instances": list(self.instances)}})
+        self.states: dict[str, State] = {i: State.SERVING for i in self.instances}
         self.version = 1
         self._changed = asyncio.Condition()
 
@@ -90,6 +104,11 @@ class LivePlacement:
 
     async def publish(self) -> None:
         self.version += 1
+        if self.state_file:
+            tmp = f"{self.state_file}.tmp"
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump({"instances": [instance_to_dict(i) for i in self.instances.values()]}, f)
+            os.replace(tmp, self.state_file)
         async with self._changed:
             self._changed.notify_all()
 

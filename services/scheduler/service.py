@@ -60,9 +60,10 @@ class LeaseRecord:
 
 
 class SchedulerServicer(s_grpc.SchedulerServicer):
-    def __init__(self, config: NodeConfig, time_scale: float = 1.0, elastic_section: dict | None = None) -> None:
+    def __init__(self, config: NodeConfig, time_scale: float = 1.0, elastic_section: dict | None = None,
+                 placement_file: str | None = None) -> None:
         self.config = config
-        self.placement = elastic.LivePlacement(config)  # what routers route on; changes with reconfigurations
+        self.placement = elastic.LivePlacement(config, placement_file)  # what routers route on; changes with reconfigurations
         self.elastic = elastic.ElasticRunner(self, time_scale)
         planned = elastic.balancer_from_section(elastic_section, config)
         self.demand = DemandWindow(getattr(planned[0], "window_s", DEFAULT_WINDOW_S) if planned else DEFAULT_WINDOW_S)
@@ -256,8 +257,9 @@ def address_problem(address: str) -> str | None:
 def scheduler_spec(config: NodeConfig, *, port: int = 0, metrics_port: int | None = 0,
                    ready_file: str | None = None, grace_s: float = 5.0, host: str = "127.0.0.1",
                    tls: trust.TlsFiles | None = None, time_scale: float = 1.0,
-                   elastic_section: dict | None = None) -> tuple[ServiceSpec, SchedulerServicer]:
-    servicer = SchedulerServicer(config, time_scale, elastic_section)
+                   elastic_section: dict | None = None,
+                   placement_file: str | None = None) -> tuple[ServiceSpec, SchedulerServicer]:
+    servicer = SchedulerServicer(config, time_scale, elastic_section, placement_file)
     spec = ServiceSpec(
         name="scheduler", port=port, metrics_port=metrics_port, grace_s=grace_s, ready_file=ready_file,
         host=host, server_credentials=tls.server_credentials() if tls else None,
@@ -279,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grace-s", type=float, default=5.0)
     parser.add_argument("--time-scale", type=float, default=1.0,
                         help="the node's dilation: modelled weight-load times and balancer periods are multiplied by it")
+    parser.add_argument("--placement-file", default=None,
+                        help="keep the live placement here (JSON), so a restart serves what reconfigurations made")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     setup_logging("scheduler", args.log_level)
@@ -298,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
 
         spec, _ = scheduler_spec(load_node_config(args.config), port=args.port, metrics_port=args.metrics_port,
                                  ready_file=args.ready_file, grace_s=args.grace_s, host=args.host, tls=tls,
-                                 time_scale=args.time_scale, elastic_section=sections.get("elastic"))
+                                 time_scale=args.time_scale, elastic_section=sections.get("elastic"),
+                                 placement_file=args.placement_file)
         return await serve_until_signal(spec)
 
     import uvloop
