@@ -71,7 +71,7 @@ def test_cli_bad_input_says_what_to_change(argv, message):
 
 @pytest.mark.parametrize("request_pb, message", [
     (s_pb.ReconfigureRequest(role_change=s_pb.RoleChange(instance_id="zz", role=w_pb.PREFILL)), "no instance 'zz'"),
-    (s_pb.ReconfigureRequest(role_change=s_pb.RoleChange(instance_id="d1")), "must be colocated"),
+    (s_pb.ReconfigureRequest(role_change=s_pb.RoleChange(instance_id="d1")), "is not a role; send colocated"),
     (s_pb.ReconfigureRequest(model_change=s_pb.ModelChange(retire=["c1"], model="nope")), "unknown model"),
     (s_pb.ReconfigureRequest(model_change=s_pb.ModelChange(retire=["c1"], model=OTHER_MODEL, tensor_parallel=2)),
      "not a multiple"),

@@ -142,7 +142,7 @@ def reconfiguration_from_pb(request: s_pb.ReconfigureRequest, current: Mapping[s
                                 f"no instance {rc.instance_id!r}; choose one of {', '.join(current)}")
         role = convert.ROLE_FROM_PB.get(rc.role)
         if role is None:
-            raise ReconfigError(grpc.StatusCode.INVALID_ARGUMENT, "role_change.role must be colocated, prefill or decode")
+            raise ReconfigError(grpc.StatusCode.INVALID_ARGUMENT, "role_change.role is not a role; send colocated, prefill or decode")
         inst = dataclasses.replace(current[rc.instance_id], role=role)
         return Reconfiguration(rid, ReconfigKind.ROLE, (inst.id,), (inst,), reason)
     if which == "model_change":
@@ -150,7 +150,8 @@ def reconfiguration_from_pb(request: s_pb.ReconfigureRequest, current: Mapping[s
         missing = [i for i in mc.retire if i not in current]
         if not mc.retire or missing:
             raise ReconfigError(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"model_change.retire must name instances of this node; unknown: {missing}")
+                                f"model_change.retire must name instances of this node (unknown: {missing}); choose from "
+                                f"{', '.join(current)}")
         if mc.model not in config.models:
             raise ReconfigError(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"unknown model {mc.model!r}; choose one of {', '.join(config.models)}")
@@ -159,7 +160,8 @@ def reconfiguration_from_pb(request: s_pb.ReconfigureRequest, current: Mapping[s
         gpus = sorted(g for i in mc.retire for g in current[i].gpu_ids)
         if len(gpus) % tp:
             raise ReconfigError(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"the retired instances free {len(gpus)} GPUs, not a multiple of tensor_parallel {tp}")
+                                f"the retired instances free {len(gpus)} GPUs, not a multiple of tensor_parallel {tp}; "
+                                "choose a tensor_parallel that divides it")
         like = next((i for i in current.values() if i.model == mc.model), None)
         base = {} if like is None else {k: getattr(like, k) for k in (
             "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "block_size", "enable_prefix_caching")}

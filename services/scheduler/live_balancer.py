@@ -39,10 +39,14 @@ class DemandWindow:
 
     def add(self, t_s: float, model: str, arrivals: int, prompt_tokens: int, output_tokens: int) -> None:
         self.samples.append((t_s, model, arrivals, prompt_tokens, output_tokens))
+        self._prune(t_s)  # bounded without a balancer reading it
 
-    def demand(self, now_s: float, models: Sequence[str]) -> tuple[ModelDemand, ...]:
+    def _prune(self, now_s: float) -> None:
         while self.samples and self.samples[0][0] < now_s - self.window_s:
             self.samples.popleft()
+
+    def demand(self, now_s: float, models: Sequence[str]) -> tuple[ModelDemand, ...]:
+        self._prune(now_s)
         out = []
         for m in models:
             mine = [s for s in self.samples if s[1] == m]

@@ -123,7 +123,8 @@ class SchedulerServicer(s_grpc.SchedulerServicer):
     async def ReportDemand(self, request, context):
         now_s = time.monotonic() / self.time_scale
         for m in request.models:
-            self.demand.add(now_s, m.model, m.arrivals, m.prompt_tokens, m.output_tokens)
+            if m.model in self.config.models:  # others cannot be balanced: not kept
+                self.demand.add(now_s, m.model, m.arrivals, m.prompt_tokens, m.output_tokens)
         return s_pb.DemandReply()
 
     def live_view(self, now_s: float) -> LiveView:
