@@ -11,9 +11,6 @@
   so a request is never placed on a worker that has no session to stream it back on. Reconnects back off from
   50 ms to 2 s, and the channel's own reconnect backoff is capped at 1 s, so a restarted worker rejoins within
   about a second of serving again.
-- A worker restarted on another port (its own was taken meanwhile) registers its new address with the scheduler:
-  while any worker is down, `WorkerPool.follow` asks the placement source every FOLLOW_EVERY_S and moves that
-  worker's channel to the new address (`WorkerClient.move_to`).
 Invariant: `ready()` only once every worker confirmed its session and sent a first load snapshot.
 """
 
@@ -23,7 +20,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -52,8 +49,6 @@ CHANNEL_OPTIONS = (
 )
 RECONNECT_BACKOFF_S = (0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
 LOAD_INTERVAL_MS = 10
-FOLLOW_EVERY_S = 0.5
-FOLLOW_TIMEOUT_S = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,10 +97,15 @@ class WorkerClient:
             self._tasks.append(asyncio.create_task(self._attach_loop(), name=f"attach-{self.instance_id}"))
 
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
+        self.stop_streams()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.channel.close()
+
+    def stop_streams(self) -> None:
+        """Ends the token session and load stream for good (a session replaced by a new one to the same worker must
+        not reconnect: both use this router's session id, and the worker keeps one session per id)."""
+        for task in self._tasks:
+            task.cancel()
 
     async def _attach_loop(self) -> None:
         attempt = 0
@@ -157,18 +157,6 @@ class WorkerClient:
             await asyncio.sleep(RECONNECT_BACKOFF_S[min(attempt, len(RECONNECT_BACKOFF_S) - 1)])
             attempt += 1
 
-    def move_to(self, address: str) -> None:
-        """The worker serves at a new address now: a fresh channel there, and both sessions re-opened on it."""
-        log.info("worker moved", extra={"fields": {"instance": self.instance_id, "from": self.address, "to": address}})
-        old_channel, old_tasks = self.channel, self._tasks
-        self.address = address
-        self.channel = trust.channel(address, options=CHANNEL_OPTIONS)
-        self.stub = w_grpc.WorkerStub(self.channel)
-        for task in old_tasks:
-            task.cancel()
-        self.start()
-        asyncio.get_running_loop().create_task(old_channel.close())
-
     def mark_down(self) -> None:
         """Unroutable from now until fresh snapshots arrive over a live session."""
         self.reachable = False
@@ -183,35 +171,14 @@ class WorkerClient:
 class WorkerPool:
     def __init__(self, clients: dict[str, WorkerClient]) -> None:
         self.clients = clients
-        self._follower: asyncio.Task | None = None
+        self.retired: dict[str, WorkerClient] = {}  # left the placement, closed soon (router/placement_watch.py)
 
     def start(self) -> None:
         for client in self.clients.values():
             client.start()
 
     async def close(self) -> None:
-        if self._follower is not None:
-            self._follower.cancel()
-            await asyncio.gather(self._follower, return_exceptions=True)
         await asyncio.gather(*(c.close() for c in self.clients.values()))
-
-    def follow(self, resolve: Callable[[], Awaitable[Mapping[str, str]]]) -> None:
-        """Keeps every worker's address current from `resolve` (instance id -> address) while any is down."""
-        self._follower = asyncio.create_task(self._follow(resolve), name="follow-addresses")
-
-    async def _follow(self, resolve) -> None:
-        while True:
-            await asyncio.sleep(FOLLOW_EVERY_S)
-            if all(c.reachable for c in self.clients.values()):
-                continue
-            try:
-                addresses = await asyncio.wait_for(resolve(), FOLLOW_TIMEOUT_S)
-            except (TimeoutError, asyncio.TimeoutError, grpc.aio.AioRpcError):
-                continue  # the scheduler is away: the known addresses stand
-            for iid, client in self.clients.items():
-                address = addresses.get(iid)
-                if address and address != client.address and not client.reachable:
-                    client.move_to(address)
 
     def loads(self) -> dict[str, EngineLoad]:
         return {iid: c.load for iid, c in self.clients.items() if c.load is not None}
@@ -220,4 +187,5 @@ class WorkerPool:
         return all(c.ready() for c in self.clients.values())
 
     def __getitem__(self, instance_id: str) -> WorkerClient:
-        return self.clients[instance_id]
+        client = self.clients.get(instance_id)
+        return client if client is not None else self.retired[instance_id]

@@ -48,8 +48,6 @@ class HangWatchdog:
         self._recoveries: set[asyncio.Task] = set()
 
     def start(self) -> None:
-        for client in self.s.pool.clients.values():
-            client.on_resumed = self._resumed
         self._task = asyncio.create_task(self._run(), name="hang-watchdog")
 
     async def close(self) -> None:
@@ -102,8 +100,9 @@ class HangWatchdog:
             "instance": iid, "silent_s": round(silent_s, 2), "requests": len(placed)}})
         self.s.failover.worker_down(iid, reason)
 
-    def _resumed(self, client) -> None:
-        """The instance reports again without having restarted (or after a restart): free what it still holds."""
+    def resumed(self, client) -> None:
+        """A client's `on_resumed`: its instance reports again after it was declared hung."""
+        # Without having restarted (or after a restart, on the same session): free what it still holds.
         client.hung = False
         if client.ignored:
             task = asyncio.create_task(self._abort_orphans(client, set(client.ignored)))

@@ -79,6 +79,7 @@ class Node:
     exit_codes: dict[str, int] = field(default_factory=dict)
     supervisor: Supervisor | None = None
     http: ServiceProcess | None = None  # the OpenAI-compatible front (octoserve.http_front), when started
+    keeper: object = None  # starts / stops workers of a model change (services/elastic_launch.py)
 
     @property
     def http_url(self) -> str | None:
@@ -95,6 +96,8 @@ class Node:
     def stop(self) -> dict[str, int]:
         if self.supervisor is not None:
             self.supervisor.stop()  # a stopping node is not restarted
+        if self.keeper is not None:
+            self.keeper.stop()
         for group in ([self.http] if self.http else [], [self.router], list(self.workers.values()), [self.scheduler]):
             self.exit_codes.update(_stop_group(group, self.grace_s))
         return self.exit_codes
@@ -231,7 +234,8 @@ def start_node(
     deadline = time.monotonic() + startup_timeout_s
     started: list[ServiceProcess] = []
     try:
-        scheduler = _spawn("scheduler", "octoserve.services.scheduler", common, run_dir, env)
+        scheduler = _spawn("scheduler", "octoserve.services.scheduler", [*common, "--time-scale", str(time_scale),
+                           "--placement-file", str(run_dir / "placement.json")], run_dir, env)
         started.append(scheduler)
         _wait_ready(scheduler, deadline)
         workers = {}
@@ -266,10 +270,33 @@ def start_node(
         _stop_group(list(reversed(started)), grace_s=1.0)
         raise
     node = Node(router, scheduler, workers, run_dir, grace_s, http=http)
+    node.keeper = _placement_keeper(node, cfg_path, grace_s, engine, time_scale, model_path, env)
     if supervise:
         node.supervisor = Supervisor(node, on_event)
         node.supervisor.start()
     return node
+
+
+def _placement_keeper(node: Node, cfg_path: str | None, grace_s: float, engine: str, time_scale: float,
+                      model_path: str | None, env: dict[str, str]):
+    """Starts the thread that starts and stops workers as model changes retire and start instances."""
+    import yaml
+
+    from octoserve.services.config import default_config_text
+    from octoserve.services.elastic_launch import PlacementKeeper
+    from octoserve.services.rpc import convert
+
+    base = yaml.safe_load(default_config_text() if cfg_path is None else Path(cfg_path).read_text())
+
+    def spawn_worker(instance_id: str, role_pb: int, config_path: str) -> ServiceProcess:
+        args = ["--config", config_path, "--grace-s", str(grace_s), "--instance", instance_id, "--engine", engine,
+                "--time-scale", str(time_scale), "--scheduler", node.scheduler.address,
+                *(["--model", model_path] if model_path else [])]
+        return _spawn(f"worker:{instance_id}", WORKER_MODULES[convert.ROLE_FROM_PB[role_pb]], args, node.run_dir, env)
+
+    keeper = PlacementKeeper(node, base, spawn_worker, lambda sp: _stop_group([sp], grace_s))
+    keeper.start()
+    return keeper
 
 
 # ---- the `octoserve up` subcommand ----------------------------------------------------------------------------------

@@ -8,7 +8,8 @@ services/hang_watch.py): this check runs on the worker's event loop and needs it
 
 Not judged: an engine with nothing running (requests only waiting, say for KV that reservations hold, are not
 stepped on a healthy engine either), a paused one (a gang lease holds it), and engines that do not count their
-steps as `num_steps` (the sim engine does).
+steps as `num_steps` (the sim engine does). The engine is looked up at every check: a role change (elastic pools)
+builds a new one in the same process, and the watch starts over on it.
 """
 
 from __future__ import annotations
@@ -27,19 +28,23 @@ EXIT_STALLED = 70  # EX_SOFTWARE
 
 
 class StallWatch:
-    """Tracks when the engine last stepped while it had work; `stalled_s` is how long it has not."""
+    """Tracks when the current engine last stepped while it had work; `stalled_s` is how long it has not."""
 
-    def __init__(self, engine) -> None:
-        self.engine = engine
-        self._steps = getattr(engine, "num_steps", 0)
+    def __init__(self, engine_of: Callable[[], object]) -> None:
+        self.engine_of = engine_of
+        self._engine = None
+        self._steps = 0
         self._since: float | None = None  # the first check that saw work and no new step
 
     def stalled_s(self, now: float) -> float:
-        steps = self.engine.num_steps
-        load = self.engine.load()
+        engine = self.engine_of()
+        if not hasattr(engine, "num_steps"):
+            return 0.0
+        steps = engine.num_steps
+        load = engine.load()
         has_work = load.num_running > 0 and not load.paused
-        if steps != self._steps or not has_work:
-            self._steps, self._since = steps, None
+        if engine is not self._engine or steps != self._steps or not has_work:
+            self._engine, self._steps, self._since = engine, steps, None
             return 0.0
         if self._since is None:
             self._since = now
@@ -50,15 +55,18 @@ def _exit_stalled() -> None:
     os._exit(EXIT_STALLED)  # a stuck engine's state is not trusted: no drain, the supervisor starts a fresh one
 
 
-async def watch_progress(engine, stall_after_s: float, on_stall: Callable[[], None] = _exit_stalled) -> None:
-    """Runs for the life of the worker; calls `on_stall` once the engine stalled `stall_after_s` with work."""
-    if stall_after_s <= 0 or not hasattr(engine, "num_steps"):
+async def watch_progress(engine_of: Callable[[], object], stall_after_s: float,
+                         on_stall: Callable[[], None] = _exit_stalled) -> None:
+    """Runs for the life of the worker; calls `on_stall` once the current engine (`engine_of()`) stalled
+    `stall_after_s` with work."""
+    if stall_after_s <= 0:
         return
-    watch = StallWatch(engine)
+    watch = StallWatch(engine_of)
     while True:
         await asyncio.sleep(CHECK_EVERY_S)
         stalled = watch.stalled_s(time.monotonic())
         if stalled >= stall_after_s:
+            engine = engine_of()
             load = engine.load()
             log.error("engine made no step with work queued; exiting so that a fresh process replaces it",
                       extra={"fields": {"stalled_s": round(stalled, 2), "steps": engine.num_steps,

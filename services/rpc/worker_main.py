@@ -23,6 +23,7 @@ from octoserve.services.rpc.gen import worker_pb2 as w_pb
 from octoserve.services.rpc.gen import worker_pb2_grpc as w_grpc
 from octoserve.services import trust
 from octoserve.services.faults import FaultPlan
+from octoserve.services.rpc import role_switch
 from octoserve.services.rpc.hardening import add_servicer
 from octoserve.services.rpc.server import RunningService, ServiceSpec, setup_logging
 from octoserve.services.rpc.stall_watch import DEFAULT_STALL_AFTER_S, watch_progress
@@ -99,9 +100,10 @@ def worker_spec(args: argparse.Namespace, make_servicer: Callable[..., WorkerBas
     attach_gang_gate(engine, node_cfg, args.instance, args.scheduler, args.time_scale)  # gang members step on grants
     servicer = make_servicer(engine)
     servicer.model_spec = node_cfg.models.get(engine.model)
+    servicer = role_switch.RoleSwitch(servicer, role_switch.rebuilder(node_cfg, args, servicer))  # elastic pools
 
     async def on_serving(running: RunningService) -> None:
-        running.background.add(asyncio.create_task(watch_progress(engine, args.stall_after_s)))
+        running.background.add(asyncio.create_task(watch_progress(lambda: servicer.inner.engine, args.stall_after_s)))
         if args.scheduler:
             await register(args.scheduler, args.instance, running.address)
             heartbeat = asyncio.create_task(keep_registered(args.scheduler, args.instance, running.address))
