@@ -140,7 +140,7 @@ def _popen(cmd, log: Path, env: dict[str, str]) -> subprocess.Popen:
 def respawn(sp: ServiceProcess) -> None:
     """Starts an exited service again on the port it had (its peers reconnect there); its ready file is rewritten.
     A worker whose port was taken meanwhile serves on a free one and registers that address with the scheduler,
-    where the router finds it (router/pool.py); the supervisor reads the new port from the ready file."""
+    whose placement the router follows (router/placement_watch.py); the supervisor reads the new port from the ready file."""
     sp.ready_file.unlink(missing_ok=True)
     fallback = ("--port-fallback",) if sp.name.startswith("worker:") else ()
     sp.proc = _popen((*sp.cmd, "--port", str(sp.port), *fallback), sp.log_file, sp.env)
