@@ -13,7 +13,8 @@ Job: run real model math for one octoserve instance. octoserve's policies map on
   `pause_generation(mode="keep", clear_cache=False)` does, minus its 20 ms sleep): requests and KV stay, no step
   runs. `step_log` records every iteration with the engine core's timestamp (services/scheduler/lease_members.py
   drives pause/resume slices under the gang arbiter).
-- Disaggregation: a vLLM KV connector (services/engine/vllm_kv.py): producer on PREFILL, consumer on DECODE.
+- Disaggregation: a vLLM KV connector (services/engine/vllm_kv.py): producer on PREFILL, consumer on DECODE;
+  `flippable=True` starts it as "kv_both" so the role can change later without a restart (vllm_reconfig.py).
 
 Invariants:
 - Streams carry token ids only, as `RequestOutput` deltas; `num_output_tokens` counts every token of the request
@@ -203,10 +204,12 @@ class VllmEngine:
         default_ttft_slo_ms: float = 1000.0,
         warmup: bool = True,
         seed: int = 0,
+        flippable: bool = False,
     ) -> None:
-        if role is not Role.COLOCATED and kv_transfer is None:
+        if (role is not Role.COLOCATED or flippable) and kv_transfer is None:
             raise ValueError(f"role {role.value} needs kv_transfer (a KV connector to hand the prompt KV over)")
-        if role is Role.PREFILL and kv_transfer.connector == vllm_kv.EXAMPLE and max_num_batched_tokens < max_model_len:
+        may_prefill = role is Role.PREFILL or flippable
+        if may_prefill and kv_transfer.connector == vllm_kv.EXAMPLE and max_num_batched_tokens < max_model_len:
             # The example connector saves a prompt's KV in the step that first schedules it: a chunked prompt
             # would be saved half-computed.
             raise ValueError("a prefill instance with the example connector needs max_num_batched_tokens >= "
@@ -220,7 +223,10 @@ class VllmEngine:
             max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
             kv_cache_memory_bytes=int(kv_cache_space_gib * (1 << 30)), dtype=dtype, seed=seed,
         )
-        self._kv = kv_transfer if role is not Role.COLOCATED else None
+        # A flippable instance's connector is "kv_both", so its role can change without a restart
+        # (services/engine/vllm_reconfig.py); its kv_transfer stays whatever the current role.
+        self.flippable = flippable
+        self._kv = kv_transfer if role is not Role.COLOCATED or flippable else None
         self._default_ttft_slo_ms = default_ttft_slo_ms
         self._warmup = warmup
         self._llm: Any = None
@@ -248,7 +254,7 @@ class VllmEngine:
         args = AsyncEngineArgs(
             model=self._model_path, served_model_name=self.model, enforce_eager=True,
             scheduling_policy="priority", enable_logging_iteration_details=True, disable_log_stats=True,
-            kv_transfer_config=vllm_kv.kv_transfer_config(self._kv, self.role) if self._kv else None,
+            kv_transfer_config=vllm_kv.kv_transfer_config(self._kv, self.role, both=self.flippable) if self._kv else None,
             **self._engine_kwargs,
         )
         with _without_env("VLLM_CPU_KVCACHE_SPACE"):

@@ -63,9 +63,13 @@ class KvTransfer:
         return cls(**d)
 
 
-def kv_transfer_config(kv: KvTransfer, role: Role) -> dict[str, Any]:
-    """vLLM's `kv_transfer_config` for an instance of `role` (producer on prefill, consumer on decode)."""
-    config: dict[str, Any] = {"kv_connector": _CONNECTOR_CLASS[kv.connector], "kv_role": _KV_ROLE[role]}
+def kv_transfer_config(kv: KvTransfer, role: Role, *, both: bool = False) -> dict[str, Any]:
+    """vLLM's `kv_transfer_config` for an instance of `role` (producer on prefill, consumer on decode).
+
+    `both`: the role "kv_both" whatever `role` is, for an instance that may change role without a restart.
+    """
+    kv_role = _KV_ROLE[Role.COLOCATED] if both else _KV_ROLE[role]
+    config: dict[str, Any] = {"kv_connector": _CONNECTOR_CLASS[kv.connector], "kv_role": kv_role}
     if kv.connector == EXAMPLE:
         config["kv_connector_extra_config"] = {"shared_storage_path": kv.storage_path}
     else:
