@@ -519,8 +519,8 @@ def make_vllm_engine(
     enable_prefix_caching. `max_model_len` is the node's context length for the model (when `node_cfg` is given)
     capped at the checkpoint's `max_position_embeddings`. KV space: `kv_cache_space_gib` (default: the
     VLLM_CPU_KVCACHE_SPACE variable, else 1 GiB); dtype: the OCTOSERVE_VLLM_DTYPE variable, else "auto".
-    Disaggregated roles without `kv_transfer` use the example connector under $OCTOSERVE_KV_DIR (default
-    <tmp>/octoserve-kv), which every instance on the machine shares.
+    Disaggregated roles without `kv_transfer` use the example connector under $OCTOSERVE_KV_DIR/<model> (default
+    <tmp>/octoserve-kv/<model>), which every instance of the model on the machine shares.
     `overrides` are VllmEngine keyword arguments and win over all of the above.
     """
     def get(key: str, default: Any = None) -> Any:
@@ -532,8 +532,8 @@ def make_vllm_engine(
     model = get("model")
     if kv_transfer is None and role is not Role.COLOCATED:
         kv_dir = os.environ.get("OCTOSERVE_KV_DIR") or os.path.join(tempfile.gettempdir(), "octoserve-kv")
-        os.makedirs(kv_dir, exist_ok=True)
-        kv_transfer = KvTransfer(storage_path=kv_dir)
+        kv_transfer = vllm_kv.for_model(KvTransfer(storage_path=kv_dir), model)
+        os.makedirs(kv_transfer.storage_path, exist_ok=True)
     kwargs: dict[str, Any] = dict(
         tp=get("tp", 1), max_model_len=_max_model_len(model_path, node_cfg, model),
         max_num_seqs=get("max_num_seqs", 64), max_num_batched_tokens=get("max_num_batched_tokens", 2048),

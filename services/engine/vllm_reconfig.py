@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import os
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ from typing import Any
 from octoserve.services.core.placement import InstanceConfig
 from octoserve.services.core.reconfig import Phase, ReconfigKind, Reconfiguration, check_reconfiguration
 from octoserve.services.core.types import EngineLoad, RequestOutput, RequestSpec, Role
+from octoserve.services.engine import vllm_kv
 from octoserve.services.engine.base import CapacityError, Engine, EngineError, KVHandoff
 
 EngineBuilder = Callable[[InstanceConfig], Engine]
@@ -333,7 +335,8 @@ class ReconfigurableInstance:
 def vllm_builder(model_paths: Mapping[str, str], **engine_kwargs: Any) -> EngineBuilder:
     """An EngineBuilder of VllmEngines: the model directory from `model_paths[config.model]`, the rest from the
     instance config (make_vllm_engine) and `engine_kwargs` (VllmEngine keyword arguments, e.g. kv_transfer,
-    flippable=True, kv_cache_space_gib)."""
+    flippable=True, kv_cache_space_gib). An example connector's folder gets one subfolder per model
+    (`vllm_kv.for_model`): a slot that changes model never loads the other model's KV."""
     def build(config: InstanceConfig) -> Engine:
         from octoserve.services.engine.vllm_engine import make_vllm_engine
 
@@ -341,6 +344,10 @@ def vllm_builder(model_paths: Mapping[str, str], **engine_kwargs: Any) -> Engine
             raise ReconfigError(f"no model directory for {config.model!r}: known {sorted(model_paths)}")
         kwargs = dict(engine_kwargs)
         kv_transfer = kwargs.pop("kv_transfer", None)
+        if kv_transfer is not None:
+            kv_transfer = vllm_kv.for_model(kv_transfer, config.model)  # models never share stored KV
+            if kv_transfer.connector == vllm_kv.EXAMPLE:
+                os.makedirs(kv_transfer.storage_path, exist_ok=True)
         return make_vllm_engine(config, model_paths[config.model], kv_transfer=kv_transfer, **kwargs)
 
     return build
