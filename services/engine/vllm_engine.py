@@ -305,12 +305,16 @@ class VllmEngine:
             vllm_kv.remove_example_kv(vllm_kv.example_kv_folder(self._kv.storage_path, prompt, self._block_size))
         await self._llm.reset_prefix_cache()
 
-    async def stop(self) -> None:
-        """Shut the engine core down (blocking in vLLM, so off the event loop) and drop stored hand-off KV."""
+    async def stop(self, timeout_s: float | None = None) -> None:
+        """Shut the engine core down (blocking in vLLM, so off the event loop) and drop stored hand-off KV.
+
+        `timeout_s`: how long vLLM waits for its processes to exit before killing them (its default is 5 s, which
+        the CPU engine core always uses up); a drained engine has nothing left to finish, so a short one is safe.
+        """
         if self._llm is None:
             return
         llm, self._llm = self._llm, None
-        await asyncio.to_thread(llm.shutdown)
+        await asyncio.to_thread(llm.shutdown, timeout_s)
         for folder in self._stored_kv.values():
             vllm_kv.remove_example_kv(folder)
         self._stored_kv.clear()

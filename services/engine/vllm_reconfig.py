@@ -8,8 +8,9 @@ wraps the slot's engine behind the same `Engine` protocol the workers call, and 
   in flight finish, then only the way the worker uses the engine changes: a PREFILL instance runs prompts with
   max_tokens 1 and leaves the KV for a decode instance (`prefill`), a DECODE instance reserves capacity and continues
   from received KV (`reserve` + `decode`). No restart, no weight reload.
-- MODEL (another model on the same GPUs): the gate closes, the requests in flight finish, the engine shuts down and
-  an engine for the new instance config starts on the same slot (`build(config)`). Other instances of the old model
+- MODEL (another model on the same GPUs): the gate closes, the requests in flight finish, the engine shuts down
+  (its processes get `stop_timeout_s` to exit: nothing runs any more) and an engine for the new instance config
+  starts on the same slot (`build(config)`). Other instances of the old model
   keep serving meanwhile, so that model has no downtime; this slot's downtime is reported.
 
 Phases follow `Phase`: DRAINING (new requests refused with `DrainingError`, running ones finish), SWITCHING, DONE.
@@ -32,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import inspect
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -91,6 +93,7 @@ class ReconfigurableInstance:
         config: InstanceConfig,
         *,
         build: EngineBuilder | None = None,
+        stop_timeout_s: float | None = 1.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if (engine.instance_id, engine.model, engine.role) != (config.id, config.model, config.role):
@@ -102,6 +105,9 @@ class ReconfigurableInstance:
         self.reconfig_id = ""
         self.num_refused = 0  # since start
         self._build = build
+        # How long a drained engine's processes get to exit before they are killed (VllmEngine.stop's timeout_s;
+        # vLLM's own default, 5 s, is always used up by the CPU engine core). None: the engine's default.
+        self.stop_timeout_s = stop_timeout_s
         self._clock = clock
         self._accepting = True
         self._in_flight: collections.Counter[str] = collections.Counter()  # request id -> admissions running
@@ -251,7 +257,7 @@ class ReconfigurableInstance:
             closed, drained = self._clock(), await self._drain(reconfig_id, drain_timeout_s)
             t0 = self._clock()
             self.phase = Phase.SWITCHING
-            await self.engine.stop()
+            await self._stop_drained()
             t_stopped = self._clock()
             try:
                 engine = self._build(new)
@@ -283,6 +289,13 @@ class ReconfigurableInstance:
             raise ReconfigError(f"{reconfig_id}: {self.num_in_flight} requests still ran on {self.instance_id} "
                                 f"after {timeout_s:g} s of drain; aborted, the instance serves in its old role") from None
         return drained
+
+    async def _stop_drained(self) -> None:
+        stop = self.engine.stop
+        if self.stop_timeout_s is not None and "timeout_s" in inspect.signature(stop).parameters:
+            await stop(timeout_s=self.stop_timeout_s)  # nothing runs any more: no need to wait long
+        else:
+            await stop()
 
     def _open(self) -> None:
         self.phase = Phase.DONE
