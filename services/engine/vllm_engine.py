@@ -209,7 +209,11 @@ class VllmEngine:
         if (role is not Role.COLOCATED or flippable) and kv_transfer is None:
             raise ValueError(f"role {role.value} needs kv_transfer (a KV connector to hand the prompt KV over)")
         may_prefill = role is Role.PREFILL or flippable
-        if may_prefill and kv_transfer.connector == vllm_kv.EXAMPLE and max_num_batched_tokens < max_model_len:
+        # The example connector saves a prompt's KV in the step that first schedules it, sized by the prompt but
+        # filled from the blocks of that step's chunk: a prompt chunked across steps (too long for the budget, or
+        # cut to fit what other requests left of it) would be saved half-computed and crash a later load.
+        self._no_chunking = may_prefill and kv_transfer.connector == vllm_kv.EXAMPLE
+        if self._no_chunking and max_num_batched_tokens < max_model_len:
             # The example connector saves a prompt's KV in the step that first schedules it: a chunked prompt
             # would be saved half-computed.
             raise ValueError("a prefill instance with the example connector needs max_num_batched_tokens >= "
@@ -255,6 +259,8 @@ class VllmEngine:
             model=self._model_path, served_model_name=self.model, enforce_eager=True,
             scheduling_policy="priority", enable_logging_iteration_details=True, disable_log_stats=True,
             kv_transfer_config=vllm_kv.kv_transfer_config(self._kv, self.role, both=self.flippable) if self._kv else None,
+            # A prompt that does not fit what is left of a step's budget waits for the next step whole.
+            **({"enable_chunked_prefill": False} if self._no_chunking else {}),
             **self._engine_kwargs,
         )
         with _without_env("VLLM_CPU_KVCACHE_SPACE"):
