@@ -71,6 +71,45 @@ async def test_typed_refusals_on_a_slot_that_cannot_flip():
     assert slot.accepting and slot.phase is Phase.DONE and slot.role is inst.role
 
 
+async def test_a_drain_past_its_timeout_aborts_and_the_slot_serves_on():
+    node = load_node_config(None)
+    inst = node.instances[0]
+    build = lambda cfg: make_engine(node, inst.id, engine="sim")  # noqa: E731
+    slot = ReconfigurableInstance(build(inst), inst, build=build)
+    await slot.start()
+    try:
+        running = slot.generate(spec("held-0", inst.model, (5, 6, 7), 4))  # admitted, never finished
+        with pytest.raises(ReconfigError, match="1 requests still ran .* aborted"):
+            await slot.change_model(dataclasses.replace(inst, id="x"), reconfig_id="swap", drain_timeout_s=0.05)
+        assert slot.phase is Phase.ABORTED and slot.accepting and slot.config is inst
+        assert slot.in_flight_ids == ("held-0",)
+        tokens = [t async for o in running for t in o.new_token_ids]
+        assert len(tokens) == 4 and slot.num_in_flight == 0
+    finally:
+        await slot.stop()
+
+
+async def test_a_model_that_fails_to_start_puts_the_old_config_back():
+    node = load_node_config(None)
+    inst = node.instances[0]
+
+    def build(cfg):
+        if cfg.model != inst.model:
+            raise OSError(f"no weights for {cfg.model}")
+        return make_engine(node, inst.id, engine="sim")
+
+    slot = ReconfigurableInstance(build(inst), inst, build=build)
+    await slot.start()
+    try:
+        with pytest.raises(ReconfigError, match="starting x .* failed, .* is back: OSError: no weights for other"):
+            await slot.change_model(dataclasses.replace(inst, id="x", model="other"), reconfig_id="swap")
+        assert slot.phase is Phase.ABORTED and slot.accepting and slot.config is inst and slot.model == inst.model
+        tokens = [t async for o in slot.generate(spec("after", inst.model, (5, 6, 7), 4)) for t in o.new_token_ids]
+        assert len(tokens) == 4
+    finally:
+        await slot.stop()
+
+
 def test_a_flippable_instance_runs_its_connector_as_kv_both_and_each_model_stores_kv_apart(tmp_path):
     kv = vllm_kv.KvTransfer(storage_path=str(tmp_path))
     for role in (Role.PREFILL, Role.DECODE, Role.COLOCATED):
