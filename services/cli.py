@@ -24,6 +24,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "compose": ("octoserve.services.compose", "write or check docker-compose.yml for a placement"),
     "k8s": ("octoserve.services.k8s", "write or check Kubernetes manifests for a placement and a node count"),
     "health": ("octoserve.services.health", "one gRPC health check of a server (mTLS with --tls-dir): exit 0 if SERVING"),
+    "reconfigure": ("octoserve.services.reconfigure_cli", "change an instance's role or model on a running node, without downtime"),
 }
 
 
