@@ -112,6 +112,19 @@ class GangGate:
                 await asyncio.sleep(REJOIN_S)
                 await self.open(batcher)
 
+    async def idle(self, wakeup: asyncio.Event) -> float | None:
+        """After NOTHING: wait for new work (None) or for a grant the arbiter sends meanwhile (its cap), which the
+        caller answers with one STARTED or NOTHING like any other. No BOUNDARY: the view NOTHING carried holds."""
+        grant = asyncio.ensure_future(self._grants.get())
+        woken = asyncio.ensure_future(wakeup.wait())
+        waiters = [grant, woken] + ([self._reader] if self._reader is not None else [])
+        done, _ = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        woken.cancel()
+        if grant in done:
+            return grant.result()
+        grant.cancel()
+        return None  # new work, or the stream ended (the next `turn` rejoins)
+
     def started(self, step_s: float) -> None:
         self._began = asyncio.get_running_loop().time()
         self._send(Event.STARTED, step_s=step_s)
