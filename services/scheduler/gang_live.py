@@ -10,6 +10,10 @@ Live, the steps run in the workers' processes, so each member's step loop asks b
     ... the step runs (modelled time x K) ...
     ENDED(view after the step) -------------------------->  arbiter.finished(...); decide again
 
+A member granted a cap its next step cannot fit (e.g. a prefill chunk longer than the cap) answers NOTHING and keeps
+its work; until new work arrives it still listens for grants, since the arbiter offers it again (a longer cap)
+after the next step end anywhere in the group, as the simulator's adapter does.
+
 A view is what the simulator's adapter reads from the batcher: work (waiting, running or pending outputs), the step
 floor, and the earliest deadline (`Batcher.earliest_deadline_s`), in modelled seconds on the worker's loop clock
 divided by K, which is the scheduler's clock divided by K too (one host; both read CLOCK_MONOTONIC).
