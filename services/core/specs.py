@@ -36,6 +36,12 @@ ACTIVATION_INTERMEDIATE_BUFFERS = 3
 LOGITS_BYTES_PER_VOCAB_ENTRY = 4
 
 
+# Local weight storage: one NVMe SSD on PCIe Gen4 x4, sequential read. Datacenter and client Gen4 drives are rated
+# at ~7 GB/s (e.g. Samsung PM9A3 6.9 GB/s, Samsung 990 Pro 7.45 GB/s, per their datasheets). Used for the
+# weight-load time of an instance started from disk (services/core/balancer.py, weight_load_s).
+NVME_READ_BYTES_PER_S = 7e9
+
+
 class SpecError(ValueError):
     """A model or GPU spec (or a TP / memory setting derived from one) is invalid. `field` names the culprit."""
 
@@ -212,7 +218,7 @@ GPU_PRESETS: dict[str, GpuSpec] = {
         peak_bf16_flops=989e12,
         hbm_bytes_per_s=4.8e12,
         nvlink_bytes_per_s=450e9,
-        pcie_bytes_per_s=55e9,
+        pcie_bytes_per_s=55e9,  # measured: 55.3 GB/s pinned host->GPU (scripts/gpu_load_check.py, BENCHMARKS.md)
     ),
     "a100-80gb": GpuSpec(
         name="a100-80gb",

@@ -1,0 +1,527 @@
+"""The elastic balancer: from windowed load to reconfigurations (role changes and model changes), with guards.
+
+Input (`NodeLoad`, built each balancing period by the simulator or the live scheduler):
+- per instance (`InstanceLoad`): prefill backlog against its TTFT slack, decode batch and KV use against its ITL
+  headroom, whether it still takes requests;
+- per model (`ModelDemand`): the windowed arrival rate, its trend (req/s per s, least squares over the window, see
+  `demand_trend`) and the mean prompt / output lengths of the window;
+- the current placement (the instances, draining ones included).
+
+Output: `Reconfiguration`s (services/core/reconfig.py). The balancer forecasts each model's demand over
+`forecast_window_s` (rate + trend x half the window, the mean of a linear trend over it), scores every candidate
+placement by the goodput it would serve (`placement_goodput_rps`: sum over models of min(demand, capacity)) and,
+when the best beats the current one, splits the difference into reconfigurations, one per group of GPUs that
+changes hands:
+- same GPUs, same model and TP, another role: ROLE (no weights move; `role_switch_s`);
+- anything else: MODEL, whose started instances load weights (`weight_load_s`: from pinned host memory over each
+  GPU's own PCIe link, or from one local NVMe drive shared by the loading GPUs) plus `engine_init_s`.
+
+Capacity estimate (per instance, from the cost model at the forecast mean lengths): a prefill instance serves
+prefill_tokens_per_s(its chunk) / uncached prompt req/s; a decode instance B / (step(B) x output) req/s at the
+largest B whose step fits `decode_step_fraction` x ITL SLO and whose KV fits; a colocated instance time-shares both:
+1 / (1 / prefill rate + 1 / decode rate). A disaggregated model serves min(prefill pool, decode pool) plus its
+colocated instances. It ignores queueing: the guards' margins absorb that.
+
+Guards, in the order they are checked (each refusal counted by reason in `counters`, each decision logged in `log`):
+- `hold:no_gain`: the best candidate is the current placement.
+- `hold:hysteresis`: the forecast gain is below `min_gain_fraction` of the current goodput (or `min_gain_rps`),
+  or the same target has not been best for `confirm_periods` consecutive periods.
+- `hold:cost`: the requests lost to the move (the retired instances' share of goodput x (drain + load + switch))
+  exceed the gain x `forecast_window_s`.
+- `hold:in_flight`: already `max_in_flight` reconfigurations not DONE.
+- `hold:dwell`: a GPU of the change was reconfigured less than `min_dwell_s` ago.
+- `hold:last_instance`: the change would leave a model with no instance taking requests.
+- `planned:role` / `planned:model`: a reconfiguration was emitted.
+
+Invariants: pure and clock-free (`now_s` is the caller's clock); every emitted reconfiguration passes
+`check_reconfiguration` against the placement after the in-flight ones; while it runs every model keeps at least
+one instance that takes requests; no GPU is reconfigured twice within `min_dwell_s`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+from octoserve.services.core.placement import InstanceConfig, NodeConfig, num_kv_blocks_for
+from octoserve.services.core.planner import ModelLoad, decode_capacity_rps
+from octoserve.services.core.reconfig import ReconfigKind, Reconfiguration, apply, check_reconfiguration
+from octoserve.services.core.specs import NVME_READ_BYTES_PER_S, GpuSpec, ModelSpec
+from octoserve.services.core.types import Role
+
+WEIGHT_SOURCES = ("host", "disk")
+
+
+def weight_load_s(model: ModelSpec, gpu: GpuSpec, tp: int, source: str = "host") -> float:
+    """Seconds to put one instance's weights on its GPUs.
+
+    host: the weights are kept pinned in host memory and each GPU copies its shard over its own PCIe link in
+    parallel (`gpu.pcie_bytes_per_s`): 70B at TP 4 on an H100 node, 35.3 GB per GPU / 55 GB/s = 0.64 s.
+    disk: every shard comes from one local NVMe drive (`NVME_READ_BYTES_PER_S`), shared by the loading GPUs: the
+    whole model / drive rate (70B: 141 GB / 7 GB/s = 20.2 s)."""
+    if source == "host":
+        return model.weight_bytes_per_gpu(tp) / gpu.pcie_bytes_per_s
+    if source == "disk":
+        model.check_tp(tp)
+        return model.weight_bytes / NVME_READ_BYTES_PER_S
+    raise ValueError(f"unknown weight source {source!r}; use one of {WEIGHT_SOURCES}")
+
+
+# --- the input ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceLoad:
+    """One instance over the last window."""
+
+    instance_id: str
+    prefill_backlog_tokens: float = 0.0  # uncached prompt tokens waiting or in prefill
+    ttft_slack_s: float = math.inf  # TTFT SLO minus the predicted TTFT of a request arriving now (< 0: late)
+    decode_batch: int = 0  # running decodes
+    decode_batch_limit: int = 0  # the largest batch whose step fits the ITL SLO (0: not a decoding instance)
+    kv_used: float = 0.0  # fraction of its KV blocks in use
+    itl_headroom: float = 1.0  # 1 - step time / ITL SLO over the window (< 0: steps overran)
+    accepting: bool = True  # False while it drains for a reconfiguration
+    running: int = 0  # requests admitted and not finished
+    est_drain_s: float = 0.0  # until its last running request finishes, if it stopped taking requests now
+    good_rps: float = 0.0  # requests it finished within their SLO per second over the window
+
+
+@dataclass(frozen=True, slots=True)
+class ModelDemand:
+    """One model's demand over the last window."""
+
+    model: str
+    arrival_rps: float  # requests arriving per second (refused ones included)
+    trend_rps_per_s: float = 0.0  # slope of the arrival rate over the window (`demand_trend`)
+    mean_prompt_tokens: float = 1000.0
+    mean_output_tokens: float = 400.0
+    cached_fraction: float = 0.0  # share of prompt tokens the prefix cache served
+    refused_rps: float = 0.0  # requests refused per second (shed: no instance could meet the TTFT)
+
+    def forecast_rps(self, horizon_s: float) -> float:
+        """Mean rate over the next `horizon_s` under a linear trend, never below 0."""
+        return max(0.0, self.arrival_rps + self.trend_rps_per_s * horizon_s / 2.0)
+
+    def as_model_load(self, share: float) -> ModelLoad:
+        return ModelLoad(self.model, share, max(1.0, self.mean_prompt_tokens), max(1.0, self.mean_output_tokens),
+                         self.cached_fraction)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeLoad:
+    """What `ElasticBalancer.plan` reads each period."""
+
+    window_s: float  # the length of the window the figures cover
+    placement: tuple[InstanceConfig, ...]  # every instance now on the node, draining ones included
+    instances: tuple[InstanceLoad, ...]  # one per instance of `placement` (missing ones count as idle)
+    demand: tuple[ModelDemand, ...]  # one per model
+
+    def load_of(self, instance_id: str) -> InstanceLoad:
+        for load in self.instances:
+            if load.instance_id == instance_id:
+                return load
+        return InstanceLoad(instance_id)
+
+    def demand_of(self, model: str) -> ModelDemand:
+        for d in self.demand:
+            if d.model == model:
+                return d
+        return ModelDemand(model, 0.0)
+
+
+def demand_trend(samples: Sequence[tuple[float, float]]) -> float:
+    """Least-squares slope of [(t_s, rate)] samples (req/s per s); 0 with fewer than two distinct times."""
+    n = len(samples)
+    if n < 2:
+        return 0.0
+    mt = sum(t for t, _ in samples) / n
+    mv = sum(v for _, v in samples) / n
+    var = sum((t - mt) ** 2 for t, _ in samples)
+    if var <= 0:
+        return 0.0
+    return sum((t - mt) * (v - mv) for t, v in samples) / var
+
+
+# --- the policy and the explanations -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class BalancerPolicy:
+    forecast_window_s: float = 60.0  # the horizon a move must pay for itself over
+    min_gain_fraction: float = 0.05  # hysteresis: the gain must be at least this share of the current goodput
+    min_gain_rps: float = 0.5  # ... and at least this many req/s
+    confirm_periods: int = 2  # the same target must be best this many consecutive periods
+    min_dwell_s: float = 20.0  # a GPU is not reconfigured again sooner than this after its last change
+    max_in_flight: int = 2  # reconfigurations not yet DONE, at most
+    weight_source: str = "host"  # where started instances load weights from (see `weight_load_s`)
+    engine_init_s: float = 2.0  # assumed: engine start on loaded weights (KV pool allocation, warm-up), per MODEL change
+    role_switch_s: float = 0.5  # assumed: flipping an instance's KV connector role, per ROLE change
+    decode_step_fraction: float = 0.9  # a decode instance is sized to steps of this share of the ITL SLO
+    allow_model_changes: bool = True  # False: only role changes (a fixed split of GPUs between the models)
+    allow_role_changes: bool = True
+
+    def __post_init__(self) -> None:
+        if self.weight_source not in WEIGHT_SOURCES:
+            raise ValueError(f"weight_source must be one of {WEIGHT_SOURCES}, got {self.weight_source!r}")
+        if self.max_in_flight < 1 or self.confirm_periods < 1:
+            raise ValueError("max_in_flight and confirm_periods must be >= 1")
+        for name in ("forecast_window_s", "min_gain_fraction", "min_gain_rps", "min_dwell_s", "engine_init_s",
+                     "role_switch_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0 < self.decode_step_fraction <= 1:
+            raise ValueError(f"decode_step_fraction must be in (0, 1], got {self.decode_step_fraction}")
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    now_s: float
+    reason: str  # the counter key: "planned:role", "hold:cost", ...
+    detail: str  # the log line, with the figures that decided it
+
+
+# --- capacity ------------------------------------------------------------------------------------------------------
+
+
+class CapacityModel:
+    """Per-instance req/s at given mean lengths (see the module doc), memoised."""
+
+    def __init__(self, node: NodeConfig, decode_step_fraction: float = 0.9) -> None:
+        self.node = node
+        self.fraction = decode_step_fraction
+        self._cache: dict = {}
+
+    def _rates(self, inst: InstanceConfig, load: ModelLoad) -> tuple[float, float]:
+        """(prefill req/s, decode req/s) of `inst` alone at `load`'s lengths, as if it did only that."""
+        key = (inst.model, inst.tp, inst.max_num_batched_tokens, inst.max_num_seqs, inst.gpu_memory_utilization,
+               inst.block_size, round(load.uncached_prompt_tokens), round(load.mean_prompt_tokens),
+               round(load.mean_output_tokens))
+        if key not in self._cache:
+            node = self.node
+            cost = node.cost_model(inst)
+            chunk = max(2048, inst.max_num_batched_tokens)
+            prefill = cost.prefill_tokens_per_s(chunk) / max(1.0, load.uncached_prompt_tokens)
+            kv_tokens = num_kv_blocks_for(node, inst) * inst.block_size
+            itl_s = node.slo.itl_ms / 1000.0 * self.fraction
+            decode = decode_capacity_rps(cost, kv_tokens, load, itl_s, inst.max_num_seqs)
+            self._cache[key] = (prefill, decode)
+        return self._cache[key]
+
+    def instance_rps(self, inst: InstanceConfig, load: ModelLoad) -> tuple[float, float]:
+        """(prefill req/s, decode req/s) this instance contributes in its role."""
+        p, d = self._rates(inst, load)
+        if inst.role is Role.PREFILL:
+            return p, 0.0
+        if inst.role is Role.DECODE:
+            return 0.0, d
+        both = 0.0 if p <= 0 or d <= 0 else 1.0 / (1.0 / p + 1.0 / d)
+        return both, both
+
+    def model_capacity_rps(self, instances: Sequence[InstanceConfig], load: ModelLoad) -> float:
+        colocated = prefill = decode = 0.0
+        for inst in instances:
+            p, d = self.instance_rps(inst, load)
+            if inst.role is Role.COLOCATED:
+                colocated += p
+            else:
+                prefill, decode = prefill + p, decode + d
+        return colocated + min(prefill, decode)
+
+
+def placement_goodput_rps(capacity: CapacityModel, instances: Sequence[InstanceConfig],
+                          demand: Mapping[str, ModelDemand], horizon_s: float) -> tuple[float, dict[str, float]]:
+    """Forecast goodput of a placement: sum over models of min(forecast demand, capacity); and the capacities."""
+    caps: dict[str, float] = {}
+    total = 0.0
+    for model, d in demand.items():
+        cap = capacity.model_capacity_rps([i for i in instances if i.model == model], d.as_model_load(1.0))
+        caps[model] = cap
+        total += min(d.forecast_rps(horizon_s), cap)
+    return total, caps
+
+
+def _role_splits(n: int) -> list[tuple[Role, ...]]:
+    """Roles of n same-shaped instances, in canonical order (prefill, decode, colocated): every (p, d, c) with
+    p + d + c = n (the model as a whole must have both sides or neither: `_model_instances` checks that)."""
+    out = []
+    for p in range(n + 1):
+        for d in range(n + 1 - p):
+            out.append((Role.PREFILL,) * p + (Role.DECODE,) * d + (Role.COLOCATED,) * (n - p - d))
+    return out
+
+
+def _tp_groups(num_gpus: int, tps: Sequence[int]) -> list[tuple[int, ...]]:
+    """Multisets of TP degrees (largest first) that add up to `num_gpus`."""
+    if num_gpus == 0:
+        return [()]
+    out = []
+    for tp in sorted(tps, reverse=True):
+        if tp <= num_gpus:
+            out += [(tp, *rest) for rest in _tp_groups(num_gpus - tp, [t for t in tps if t <= tp])]
+    return out
+
+
+def _model_instances(model: str, tps: tuple[int, ...], first_gpu: int) -> list[list[InstanceConfig]]:
+    """Every role assignment of instances of TP degrees `tps` laid out from `first_gpu` (same-TP instances in
+    canonical role order), as lists of instances."""
+    by_tp: dict[int, int] = {}
+    for tp in tps:
+        by_tp[tp] = by_tp.get(tp, 0) + 1
+    per_tp = [[(tp, roles) for roles in _role_splits(n)] for tp, n in sorted(by_tp.items(), reverse=True)]
+    combos: list[list[tuple[int, tuple[Role, ...]]]] = [[]]
+    for options in per_tp:
+        combos = [c + [o] for c in combos for o in options]
+    out = []
+    for combo in combos:
+        roles_all = [r for _, roles in combo for r in roles]
+        if (Role.PREFILL in roles_all) != (Role.DECODE in roles_all):
+            continue
+        insts, gpu = [], first_gpu
+        for tp, roles in combo:
+            for role in roles:
+                tokens = 8192 if role is Role.PREFILL else 2048
+                insts.append(InstanceConfig(f"{model}-{role.value}-g{gpu}", model, role, tp,
+                                            tuple(range(gpu, gpu + tp)), max_num_batched_tokens=tokens))
+                gpu += tp
+        out.append(insts)
+    return out
+
+
+def candidate_layouts(node: NodeConfig, small_tps: Sequence[int] = (1,)) -> list[tuple[InstanceConfig, ...]]:
+    """The placements the balancer may move to, for two models: the larger on the first GPUs as instances of any
+    mix of TP degrees (2, 4, 8) whose weights leave KV room, the smaller on the rest at `small_tps`, every role
+    split of each model (`_role_splits`); each model keeps at least one instance. One model alone: its layouts on
+    every GPU. Layouts that fail `check_placement` are left out."""
+    from octoserve.services.core.placement import check_placement  # noqa: PLC0415 (a cycle-free local import)
+
+    names = sorted(node.models, key=lambda n: -node.models[n].num_params)
+    large = names[0]
+
+    def tps_of(model: str, options: Sequence[int]) -> list[int]:
+        spec = node.models[model]
+        ok = []
+        for tp in options:
+            if tp > node.num_gpus or spec.num_attention_heads % tp:
+                continue
+            probe = InstanceConfig("probe", model, Role.PREFILL, tp, tuple(range(tp)), max_num_batched_tokens=8192)
+            if num_kv_blocks_for(replace(node, instances=(probe,)), probe) > 0:
+                ok.append(tp)
+        return ok
+
+    large_tps = tps_of(large, (1, 2, 4, 8))
+    layouts: list[tuple[InstanceConfig, ...]] = []
+    if len(names) == 1:
+        for groups in _tp_groups(node.num_gpus, large_tps):
+            layouts += [tuple(l) for l in _model_instances(large, groups, 0)]
+    else:
+        small = names[1]
+        s_tps = tps_of(small, small_tps)
+        for large_gpus in range(1, node.num_gpus):
+            for lg in _tp_groups(large_gpus, large_tps):
+                for sg in _tp_groups(node.num_gpus - large_gpus, s_tps):
+                    for li in _model_instances(large, lg, 0):
+                        layouts += [tuple(li + si) for si in _model_instances(small, sg, large_gpus)]
+    return [l for l in layouts if not check_placement(replace(node, instances=l, gang=None))]
+
+
+def _signature(inst: InstanceConfig) -> tuple:
+    return (inst.model, inst.role, inst.tp, inst.gpu_ids)
+
+
+def diff_components(current: Sequence[InstanceConfig], target: Sequence[InstanceConfig]
+                    ) -> list[tuple[tuple[InstanceConfig, ...], tuple[InstanceConfig, ...]]]:
+    """Groups of (current instances, target instances) that hold the same GPUs and differ; unchanged ones left out.
+
+    Two instances are in one group when their GPUs overlap, transitively; a group is unchanged when its current and
+    target instances have the same model, role, TP and GPUs. Ordered by first GPU."""
+    cur_sig = {_signature(i) for i in current}
+    tgt_sig = {_signature(i) for i in target}
+    cur = [i for i in current if _signature(i) not in tgt_sig]
+    tgt = [i for i in target if _signature(i) not in cur_sig]
+    groups: list[tuple[set[int], list[InstanceConfig], list[InstanceConfig]]] = []
+    for inst, side in [(i, 0) for i in cur] + [(i, 1) for i in tgt]:
+        gpus = set(inst.gpu_ids)
+        merged = [g for g in groups if g[0] & gpus]
+        new = (gpus, [], [])
+        for g in merged:
+            groups.remove(g)
+            new[0].update(g[0])
+            new[1].extend(g[1])
+            new[2].extend(g[2])
+        new[1 + side].append(inst)
+        groups.append(new)
+    out = [(tuple(sorted(c, key=lambda i: i.gpu_ids)), tuple(sorted(t, key=lambda i: i.gpu_ids)))
+           for _, c, t in sorted(groups, key=lambda g: min(g[0]))]
+    return [(c, t) for c, t in out if c and t]
+
+
+# --- the balancer --------------------------------------------------------------------------------------------------
+
+
+class ElasticBalancer:
+    """Implements the `Balancer` protocol of services/core/reconfig.py over `NodeLoad`.
+
+    `node` gives the GPU, the models, the SLOs and the cost profile (its instances are ignored: the placement comes
+    with every `NodeLoad`). `layouts` are the candidate placements (default: `candidate_layouts(node)`)."""
+
+    def __init__(self, node: NodeConfig, policy: BalancerPolicy = BalancerPolicy(),
+                 layouts: Sequence[Sequence[InstanceConfig]] | None = None) -> None:
+        self.node = node
+        self.policy = policy
+        self.capacity = CapacityModel(node, policy.decode_step_fraction)
+        self.layouts = [tuple(l) for l in (layouts if layouts is not None else candidate_layouts(node))]
+        if not self.layouts:
+            raise ValueError("no candidate placement: the balancer has nowhere to move")
+        self.counters: Counter[str] = Counter()
+        self.log: list[Decision] = []
+        self._gpu_changed_s: dict[int, float] = {}
+        self._streak_target: tuple | None = None
+        self._streak = 0
+        self._next_id = 0
+
+    # - helpers -
+
+    def _decide(self, now_s: float, reason: str, detail: str) -> None:
+        self.counters[reason] += 1
+        self.log.append(Decision(now_s, reason, detail))
+
+    def _allowed(self, current: Sequence[InstanceConfig], layout: Sequence[InstanceConfig]) -> bool:
+        """Whether `layout` is reachable under the policy's allowed kinds of change."""
+        for cur, tgt in diff_components(current, layout):
+            role_only = (len(cur) == len(tgt) == 1 and cur[0].gpu_ids == tgt[0].gpu_ids
+                         and cur[0].model == tgt[0].model and cur[0].tp == tgt[0].tp)
+            if role_only and not self.policy.allow_role_changes:
+                return False
+            if not role_only and not self.policy.allow_model_changes:
+                return False
+        return True
+
+    def _fresh_id(self, inst: InstanceConfig, taken: set[str]) -> str:
+        base = f"{inst.model}-{inst.role.value}-g{inst.gpu_ids[0]}"
+        name, k = base, 1
+        while name in taken:
+            k += 1
+            name = f"{base}-{k}"
+        taken.add(name)
+        return name
+
+    def _load_s(self, started: Sequence[InstanceConfig]) -> float:
+        if not started:
+            return 0.0
+        return max(weight_load_s(self.node.models[i.model], self.node.gpu, i.tp, self.policy.weight_source)
+                   for i in started) + self.policy.engine_init_s
+
+    # - the plan -
+
+    def plan(self, now_s: float, loads: NodeLoad, in_flight: Sequence[Reconfiguration]) -> list[Reconfiguration]:
+        policy = self.policy
+        horizon = policy.forecast_window_s
+        demand = {m: loads.demand_of(m) for m in sorted(self.node.models)}
+        # The placement once the in-flight reconfigurations are DONE: the base every new one is checked against.
+        current = {i.id: i for i in loads.placement}
+        for r in in_flight:
+            if not check_reconfiguration(current, r):
+                current = apply(current, r)
+        busy = {i for r in in_flight for i in r.retire}
+        now_good, now_caps = placement_goodput_rps(self.capacity, list(current.values()), demand, horizon)
+        scored = []
+        for layout in self.layouts:
+            if self._allowed(list(current.values()), layout):
+                good, caps = placement_goodput_rps(self.capacity, layout, demand, horizon)
+                scored.append((good, layout, caps))
+        if not scored:
+            self._decide(now_s, "hold:no_gain", "no candidate placement reachable under the allowed changes")
+            return []
+        best_good, best, best_caps = max(scored, key=lambda s: (s[0], -len(diff_components(list(current.values()), s[1]))))
+        components = diff_components(list(current.values()), best)
+        forecast = ", ".join(f"{m} {d.forecast_rps(horizon):.1f} req/s (cap {now_caps[m]:.1f} -> {best_caps[m]:.1f})"
+                             for m, d in demand.items())
+        gain = best_good - now_good
+        if not components or gain <= 0:
+            self._streak_target, self._streak = None, 0
+            self._decide(now_s, "hold:no_gain", f"current placement is best: goodput {now_good:.1f} req/s; {forecast}")
+            return []
+        if gain < max(policy.min_gain_rps, policy.min_gain_fraction * now_good):
+            self._streak_target, self._streak = None, 0
+            self._decide(now_s, "hold:hysteresis",
+                         f"gain {gain:.2f} req/s below max({policy.min_gain_rps:g}, {policy.min_gain_fraction:.0%} x "
+                         f"{now_good:.1f}) req/s; {forecast}")
+            return []
+        key = tuple(sorted(_signature(i) for i in best))
+        self._streak = self._streak + 1 if key == self._streak_target else 1
+        self._streak_target = key
+        if self._streak < policy.confirm_periods:
+            self._decide(now_s, "hold:hysteresis",
+                         f"target best {self._streak}/{policy.confirm_periods} periods (gain {gain:.2f} req/s); {forecast}")
+            return []
+        # Cost: what the retired instances serve now, lost for the drain + load (+ switch) of their change.
+        costs = []
+        for cur, tgt in components:
+            without = [i for i in current.values() if i not in cur]
+            good_without, _ = placement_goodput_rps(self.capacity, without, demand, horizon)
+            role = len(cur) == len(tgt) == 1 and cur[0].gpu_ids == tgt[0].gpu_ids and cur[0].model == tgt[0].model \
+                and cur[0].tp == tgt[0].tp
+            drain_s = max((loads.load_of(i.id).est_drain_s for i in cur), default=0.0)
+            load_s = 0.0 if role else self._load_s(tgt)
+            out_s = drain_s + (policy.role_switch_s if role else load_s)
+            costs.append((role, drain_s, load_s, out_s, max(0.0, now_good - good_without) * out_s))
+        benefit = gain * horizon
+        cost = sum(c[4] for c in costs)
+        if cost >= benefit:
+            self._decide(now_s, "hold:cost",
+                         f"move costs {cost:.0f} requests (drain + load), gains {benefit:.0f} over {horizon:g} s; {forecast}")
+            return []
+        out: list[Reconfiguration] = []
+        taken = set(current) | {i.id for i in loads.placement}
+        n_in_flight = len(in_flight)
+        for (cur, tgt), (role, drain_s, load_s, out_s, lost) in zip(components, costs):
+            gpus = sorted({g for i in cur for g in i.gpu_ids})
+            what = f"{'+'.join(i.id for i in cur)} -> " + "+".join(
+                f"{i.model} {i.role.value} TP{i.tp}" for i in tgt)
+            if n_in_flight >= policy.max_in_flight:
+                self._decide(now_s, "hold:in_flight", f"{what}: {n_in_flight} reconfigurations in flight "
+                                                       f"(max {policy.max_in_flight})")
+                continue
+            recent = [g for g in gpus if now_s - self._gpu_changed_s.get(g, -math.inf) < policy.min_dwell_s]
+            if recent:
+                self._decide(now_s, "hold:dwell", f"{what}: GPUs {recent} changed less than {policy.min_dwell_s:g} s ago")
+                continue
+            if any(i.id in busy for i in cur):
+                self._decide(now_s, "hold:in_flight", f"{what}: an instance is already being reconfigured")
+                continue
+            retiring = busy | {i.id for i in cur}
+            serving = {i.model for i in loads.placement if i.id not in retiring and i.id in current
+                       and loads.load_of(i.id).accepting}
+            orphaned = sorted({i.model for i in cur} - serving)
+            if orphaned:
+                self._decide(now_s, "hold:last_instance", f"{what}: would leave {orphaned} with no instance taking requests")
+                continue
+            if role:
+                started = (replace(tgt[0], id=cur[0].id),)
+                kind = ReconfigKind.ROLE
+            else:
+                started = tuple(replace(i, id=self._fresh_id(i, taken)) for i in tgt)
+                kind = ReconfigKind.MODEL
+            self._next_id += 1
+            reason = (f"{what} on GPUs {gpus}: forecast goodput {now_good:.1f} -> {best_good:.1f} req/s, gain "
+                      f"{benefit:.0f} requests over {horizon:g} s vs {lost:.0f} lost to drain {drain_s:.1f} s + "
+                      f"{'switch' if role else 'load'} {(policy.role_switch_s if role else load_s):.1f} s; {forecast}")
+            r = Reconfiguration(f"rc{self._next_id}", kind, tuple(i.id for i in cur), started, reason,
+                                est_drain_s=drain_s, load_s=0.0 if role else load_s, est_gain=benefit)
+            problems = check_reconfiguration(current, r)
+            if problems:  # defensive: the diff should never produce these
+                self._decide(now_s, "hold:invalid", "; ".join(problems))
+                continue
+            current = apply(current, r)
+            busy |= set(r.retire)
+            for g in gpus:
+                self._gpu_changed_s[g] = now_s
+            n_in_flight += 1
+            self._decide(now_s, f"planned:{kind.value}", reason)
+            out.append(r)
+        if out:
+            self._streak_target, self._streak = None, 0
+        return out

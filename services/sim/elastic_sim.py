@@ -1,0 +1,450 @@
+"""The elastic node simulator: a node under a time-varying workload, its placement changed while it serves.
+
+Three ways to run a day (`run_day`):
+- "static": one placement all day;
+- "oracle": the best placement for each (compressed) hour's true demand, switched at the hour with zero cost
+  (running requests finish where they are, the new instances start empty at once on the same GPUs);
+- "elastic": the `ElasticBalancer` (services/core/balancer.py) plans every `period_s` from the last `window_s` of
+  load, and the simulator carries out each reconfiguration: DRAINING (the retired instances take no new request;
+  running decodes migrate by KV hand-off to another instance of the same model when the hand-off is shorter than
+  their remaining decode and that instance has a free slot by then; the rest finish in place), SWITCHING
+  (`load_s` of weights, or the role switch), DONE (the started instances take requests, empty).
+
+The instance model is a queueing one, coarser than the step-level simulator (services/sim/driver.py) and much
+faster, so that a day is practical: each instance has a prefill server (FIFO, the cost model's prefill rate at its
+chunk) and B decode slots (B the largest batch whose step, at the day's mean context, fits the ITL target and whose
+KV fits; every token of a slot takes that step time). A colocated instance time-shares its GPUs: a fraction a of
+its time prefills and (1 - a) of its slots decode, with a re-balanced each period to the window's mean lengths
+(1 / (1 + (prompt / prefill rate) / (output x step / B)) ... see `_colocated_share`). A disaggregated request's KV
+moves to its decode instance in the cost model's NVLink time. A request is admitted to the instance (pair) with the
+earliest first token, and refused when its predicted TTFT or TPOT misses the SLO (as the router's admission).
+
+Invariants: arrivals are processed in order; every admitted request has one finish time, which a migration may only
+move later by its hand-off; no instance goes away before its last running request has finished or moved: the
+`lost` count (requests still running on an instance when it is removed) is checked, and it is 0.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from octoserve.services.core.balancer import (
+    BalancerPolicy,
+    CapacityModel,
+    ElasticBalancer,
+    InstanceLoad,
+    ModelDemand,
+    NodeLoad,
+    candidate_layouts,
+    demand_trend,
+    placement_goodput_rps,
+)
+from octoserve.services.core.placement import InstanceConfig, NodeConfig, num_kv_blocks_for
+from octoserve.services.core.reconfig import Phase, Reconfiguration
+from octoserve.services.core.types import Role
+from octoserve.services.metrics import RequestRecord, Summary, detect_window, summarize
+from octoserve.services.workload_day import DayProfile, DayRequest
+
+MODES = ("static", "oracle", "elastic")
+
+
+class _Req:
+    __slots__ = ("req", "first_s", "decode_start_s", "finish_s", "entry", "decoder", "migrations", "tau_s")
+
+    def __init__(self, req: DayRequest) -> None:
+        self.req = req
+        self.first_s = math.nan
+        self.decode_start_s = math.nan
+        self.finish_s = math.nan
+        self.entry = ""
+        self.decoder = ""
+        self.migrations = 0
+        self.tau_s = 0.0
+
+
+class _Inst:
+    """One engine instance in the queueing model."""
+
+    def __init__(self, node: NodeConfig, cfg: InstanceConfig, now_s: float, mean_lengths: tuple[float, float],
+                 itl_target_s: float) -> None:
+        self.cfg = cfg
+        self.cost = node.cost_model(cfg)
+        self.prefill_tok_s = self.cost.prefill_tokens_per_s(max(2048, cfg.max_num_batched_tokens))
+        prompt, output = mean_lengths
+        ctx = int(prompt + output / 2)
+        kv_tokens = num_kv_blocks_for(node, cfg) * cfg.block_size
+        b_max = min(cfg.max_num_seqs, int(kv_tokens // max(1.0, prompt + output)))
+        b = 0
+        while b < b_max and self.cost.decode_step_time_s(b + 1, ctx) <= itl_target_s:
+            b += 1
+        self.full_slots = max(1, b)
+        self.tau_s = self.cost.decode_step_time_s(self.full_slots, ctx)
+        self.accepting = True
+        self.prefill_free_s = now_s
+        self.heap: list[float] = []
+        self.share = 1.0 if cfg.role is Role.PREFILL else 0.0  # prefill's share of the GPU time
+        self.running: list[_Req] = []  # requests whose decode is (or will be) on this instance
+        self.rebalance(now_s, mean_lengths)
+
+    @property
+    def prefills(self) -> bool:
+        return self.cfg.role is not Role.DECODE
+
+    @property
+    def decodes(self) -> bool:
+        return self.cfg.role is not Role.PREFILL
+
+    def _colocated_share(self, mean_lengths: tuple[float, float]) -> float:
+        prompt, output = mean_lengths
+        prefill_s = prompt / self.prefill_tok_s
+        decode_s = output * self.tau_s / self.full_slots
+        return prefill_s / (prefill_s + decode_s)
+
+    def rebalance(self, now_s: float, mean_lengths: tuple[float, float]) -> None:
+        """A colocated instance re-splits its time between prefill and decode for the current mean lengths."""
+        if self.cfg.role is Role.COLOCATED:
+            self.share = self._colocated_share(mean_lengths)
+        slots = 0 if self.cfg.role is Role.PREFILL else max(1, round(self.full_slots * (1.0 - self.share)))
+        while len(self.heap) < slots:
+            heapq.heappush(self.heap, now_s)
+        while len(self.heap) > slots:
+            heapq.heappop(self.heap)
+
+    @property
+    def prefill_rate(self) -> float:
+        return self.prefill_tok_s * (self.share if self.cfg.role is Role.COLOCATED else 1.0)
+
+    def drain_end_s(self, now_s: float) -> float:
+        ends = [now_s, self.prefill_free_s] + [r.finish_s for r in self.running]
+        return max(ends)
+
+
+@dataclass
+class ReconfigEvent:
+    reconfig: Reconfiguration
+    planned_s: float
+    drain_end_s: float = math.nan
+    done_s: float = math.nan
+    phase: Phase = Phase.PLANNED
+    migrated: int = 0
+
+
+@dataclass
+class DayResult:
+    mode: str
+    records: list[RequestRecord]
+    summary: Summary
+    reconfigs: list[ReconfigEvent]
+    placements: list[tuple[float, str]]  # (time, placement label) each time it changed
+    lost: int  # requests still running on an instance when it was removed: must be 0
+    migrated: int
+    counters: dict[str, int] = field(default_factory=dict)  # the balancer's decisions by reason
+    decisions: list[tuple[float, str, str]] = field(default_factory=list)
+    wall_s: float = 0.0
+
+
+def label_of(instances: Sequence[InstanceConfig]) -> str:
+    parts = []
+    for model in sorted({i.model for i in instances}):
+        counts: dict[tuple[int, str], int] = {}
+        for i in instances:
+            if i.model == model:
+                counts[(i.tp, i.role.value[0].upper())] = counts.get((i.tp, i.role.value[0].upper()), 0) + 1
+        parts.append(f"{model} " + " ".join(f"TP{tp}{role}x{n}" for (tp, role), n in sorted(counts.items(), reverse=True)))
+    return " | ".join(parts)
+
+
+def demand_of(requests: Sequence[DayRequest], models: Sequence[str], start_s: float, end_s: float,
+              bins: int = 5) -> tuple[ModelDemand, ...]:
+    """Per-model windowed demand of `requests` arriving in [start_s, end_s): rate, trend over `bins` sub-windows,
+    mean lengths."""
+    span = max(end_s - start_s, 1e-9)
+    out = []
+    for m in models:
+        reqs = [r for r in requests if r.model == m and start_s <= r.arrival_s < end_s]
+        counts = [0] * bins
+        for r in reqs:
+            counts[min(bins - 1, int((r.arrival_s - start_s) / span * bins))] += 1
+        trend = demand_trend([(start_s + (k + 0.5) * span / bins, c / (span / bins)) for k, c in enumerate(counts)])
+        prompt = sum(r.prompt_tokens for r in reqs) / len(reqs) if reqs else 1000.0
+        output = sum(r.output_tokens for r in reqs) / len(reqs) if reqs else 250.0
+        out.append(ModelDemand(m, len(reqs) / span, trend, prompt, output))
+    return tuple(out)
+
+
+def best_layout(capacity: CapacityModel, layouts: Sequence[Sequence[InstanceConfig]],
+                demand: Sequence[ModelDemand]) -> tuple[InstanceConfig, ...]:
+    """The layout with the highest forecast goodput for `demand` (ties: the first)."""
+    d = {x.model: x for x in demand}
+    return tuple(max(layouts, key=lambda l: placement_goodput_rps(capacity, l, d, 0.0)[0]))
+
+
+class ElasticSim:
+    def __init__(self, node: NodeConfig, profile: DayProfile, requests: Sequence[DayRequest],
+                 placement: Sequence[InstanceConfig], *, mode: str = "static",
+                 policy: BalancerPolicy = BalancerPolicy(), layouts: Sequence[Sequence[InstanceConfig]] | None = None,
+                 period_s: float = 2.0, window_s: float = 10.0, itl_target_fraction: float = 0.9,
+                 progress: Callable[[float], None] | None = None) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.node, self.profile, self.requests, self.mode = node, profile, list(requests), mode
+        self.models = sorted(node.models)
+        self.slo = profile.slo
+        self.itl_target_s = profile.itl_slo_ms / 1000.0 * itl_target_fraction
+        self.period_s, self.window_s = period_s, window_s
+        self.layouts = [tuple(l) for l in layouts] if layouts is not None else candidate_layouts(node)
+        self.capacity = CapacityModel(node, itl_target_fraction)
+        self.balancer = ElasticBalancer(node, policy, self.layouts) if mode == "elastic" else None
+        self.progress = progress
+        self.now_s = 0.0
+        mean = self._mean_lengths(0.0)
+        self.instances: dict[str, _Inst] = {c.id: _Inst(node, c, 0.0, mean[c.model], self.itl_target_s)
+                                            for c in placement}
+        self.reconfigs: list[ReconfigEvent] = []
+        self.placements: list[tuple[float, str]] = [(0.0, label_of(placement))]
+        self.trackers: list[_Req] = []
+        self.refused: list[DayRequest] = []
+        self.lost = 0
+        self.migrated = 0
+
+    # - helpers -
+
+    def _mean_lengths(self, now_s: float) -> dict[str, tuple[float, float]]:
+        """Per model, the mean (prompt, output) of the arrivals in the last window (the whole day's first window at 0)."""
+        lo, hi = (now_s - self.window_s, now_s) if now_s > 0 else (0.0, self.window_s)
+        out = {}
+        for m in self.models:
+            reqs = [r for r in self._window(lo, hi) if r.model == m]
+            out[m] = ((sum(r.prompt_tokens for r in reqs) / len(reqs), sum(r.output_tokens for r in reqs) / len(reqs))
+                      if reqs else (1000.0, 250.0))
+        return out
+
+    def _window(self, lo: float, hi: float) -> list[DayRequest]:
+        import bisect  # noqa: PLC0415
+
+        if not hasattr(self, "_arrivals"):
+            self._arrivals = [r.arrival_s for r in self.requests]
+        return self.requests[bisect.bisect_left(self._arrivals, lo):bisect.bisect_left(self._arrivals, hi)]
+
+    def _current_configs(self) -> dict[str, InstanceConfig]:
+        return {i: inst.cfg for i, inst in self.instances.items()}
+
+    # - admission and routing -
+
+    def _admit(self, req: DayRequest) -> None:
+        t = req.arrival_s
+        best = None
+        decoders = [i for i in self.instances.values()
+                    if i.accepting and i.cfg.model == req.model and i.cfg.role is Role.DECODE and i.heap]
+        for e in self.instances.values():
+            if not (e.accepting and e.cfg.model == req.model and e.prefills):
+                continue
+            begin = max(t, e.prefill_free_s)
+            first = begin + req.prompt_tokens / e.prefill_tok_s  # its chunks run at full speed...
+            busy_until = begin + req.prompt_tokens / e.prefill_rate  # ... but hold the server for its share
+            if e.cfg.role is Role.COLOCATED:
+                if not e.heap:
+                    continue
+                d, xfer = e, 0.0
+            else:
+                if not decoders:
+                    continue
+                d = min(decoders, key=lambda x: x.heap[0])
+                xfer = e.cost.kv_transfer_time_s(req.prompt_tokens)
+            start = max(first + xfer, d.heap[0])
+            finish = start + (req.output_tokens - 1) * d.tau_s if req.output_tokens > 1 else first
+            key = (first, finish)
+            if best is None or key < best[0]:
+                best = (key, e, d, start, busy_until)
+        if best is None:
+            self.refused.append(req)
+            return
+        (first, finish), e, d, start, busy_until = best
+        tpot = (finish - first) / (req.output_tokens - 1) if req.output_tokens > 1 else 0.0
+        if (first - t) * 1000.0 > req.ttft_slo_ms or tpot * 1000.0 > self.slo.itl_ms:
+            self.refused.append(req)
+            return
+        tr = _Req(req)
+        tr.first_s, tr.decode_start_s, tr.finish_s = first, start, finish
+        tr.entry, tr.decoder, tr.tau_s = e.cfg.id, d.cfg.id, d.tau_s
+        e.prefill_free_s = busy_until
+        heapq.heapreplace(d.heap, finish)
+        d.running.append(tr)
+        self.trackers.append(tr)
+
+    # - reconfigurations -
+
+    def _start(self, r: Reconfiguration) -> ReconfigEvent:
+        ev = ReconfigEvent(r, self.now_s, phase=Phase.DRAINING)
+        for iid in r.retire:
+            self.instances[iid].accepting = False
+        for iid in r.retire:
+            ev.migrated += self._migrate_out(self.instances[iid], set(r.retire))
+        ev.drain_end_s = max(self.instances[i].drain_end_s(self.now_s) for i in r.retire)
+        self.reconfigs.append(ev)
+        return ev
+
+    def _migrate_out(self, inst: _Inst, retiring: set[str]) -> int:
+        """KV hand-off of `inst`'s running decodes to other instances of its model, when faster than finishing."""
+        now = self.now_s
+        inst.running = [x for x in inst.running if x.finish_s > now]
+        targets = [i for i in self.instances.values() if i.accepting and i.cfg.id not in retiring
+                   and i.cfg.model == inst.cfg.model and i.decodes and i.heap]
+        moved = 0
+        keep = []
+        for tr in sorted(inst.running, key=lambda x: -x.finish_s):
+            started = max(now, tr.decode_start_s)
+            remaining_s = tr.finish_s - started
+            done_tokens = max(0, int((now - tr.decode_start_s) / tr.tau_s)) if now > tr.decode_start_s else 0
+            xfer = inst.cost.kv_transfer_time_s(tr.req.prompt_tokens + done_tokens)
+            target = min(targets, key=lambda x: x.heap[0], default=None)
+            if target is None or remaining_s <= xfer:
+                keep.append(tr)
+                continue
+            new_start = max(now + xfer, target.heap[0], tr.decode_start_s)
+            tokens_left = remaining_s / tr.tau_s
+            new_finish = new_start + tokens_left * target.tau_s
+            if new_finish >= tr.finish_s:  # not faster: finish in place
+                keep.append(tr)
+                continue
+            heapq.heapreplace(target.heap, new_finish)
+            tr.finish_s, tr.decoder, tr.tau_s = new_finish, target.cfg.id, target.tau_s
+            tr.decode_start_s = new_start
+            tr.migrations += 1
+            target.running.append(tr)
+            moved += 1
+        inst.running = keep
+        self.migrated += moved
+        return moved
+
+    def _advance_reconfigs(self, until_s: float) -> None:
+        for ev in self.reconfigs:
+            r = ev.reconfig
+            if ev.phase is Phase.DRAINING:
+                # Running requests may have been migrated onto nothing new; recompute (never earlier than planned).
+                ev.drain_end_s = max(self.instances[i].drain_end_s(ev.planned_s) for i in r.retire)
+                if ev.drain_end_s <= until_s:
+                    ev.phase = Phase.SWITCHING
+                    for iid in r.retire:
+                        inst = self.instances.pop(iid)
+                        self.lost += sum(1 for x in inst.running if x.finish_s > ev.drain_end_s)
+                    ev.done_s = ev.drain_end_s + (r.load_s if r.kind.value == "model"
+                                                  else self.balancer.policy.role_switch_s)
+            if ev.phase is Phase.SWITCHING and ev.done_s <= until_s:
+                ev.phase = Phase.DONE
+                mean = self._mean_lengths(ev.done_s)
+                for c in r.start:
+                    self.instances[c.id] = _Inst(self.node, c, ev.done_s, mean[c.model], self.itl_target_s)
+                self.placements.append((ev.done_s, label_of([i.cfg for i in self.instances.values()])))
+
+    def _in_flight(self) -> list[Reconfiguration]:
+        return [ev.reconfig for ev in self.reconfigs if ev.phase in (Phase.DRAINING, Phase.SWITCHING)]
+
+    def _node_load(self) -> NodeLoad:
+        now = self.now_s
+        placement = [i.cfg for i in self.instances.values()]
+        loads = []
+        for inst in self.instances.values():
+            backlog_s = max(0.0, inst.prefill_free_s - now)
+            decoding = sum(1 for x in inst.running if x.decode_start_s <= now < x.finish_s)
+            loads.append(InstanceLoad(
+                inst.cfg.id, prefill_backlog_tokens=backlog_s * inst.prefill_rate,
+                ttft_slack_s=self.profile.ttft_slo_ms / 1000.0 - backlog_s, decode_batch=decoding,
+                decode_batch_limit=len(inst.heap), kv_used=decoding / max(1, len(inst.heap)),
+                itl_headroom=1.0 - inst.tau_s * 1000.0 / self.slo.itl_ms, accepting=inst.accepting,
+                running=sum(1 for x in inst.running if x.finish_s > now), est_drain_s=inst.drain_end_s(now) - now))
+        demand = demand_of(self._window(now - self.window_s, now), self.models, max(0.0, now - self.window_s), now)
+        return NodeLoad(self.window_s, tuple(placement), tuple(loads), demand)
+
+    def _oracle_switch(self, hour: int) -> None:
+        h = self.profile.hour_s
+        demand = demand_of(self._window(hour * h, (hour + 1) * h), self.models, hour * h, (hour + 1) * h)
+        target = best_layout(self.capacity, self.layouts, demand)
+        current = {(c.model, c.role, c.tp, c.gpu_ids): iid for iid, c in self._current_configs().items()}
+        mean = self._mean_lengths(self.now_s)
+        new: dict[str, _Inst] = {}
+        for c in target:
+            iid = current.get((c.model, c.role, c.tp, c.gpu_ids))
+            new[c.id] = self.instances[iid] if iid is not None else _Inst(self.node, c, self.now_s, mean[c.model],
+                                                                          self.itl_target_s)
+        # Zero switching cost: the replaced instances' running requests finish as planned (they are not lost).
+        if set(new) != set(self.instances) or any(new[k] is not self.instances.get(k) for k in new):
+            self.instances = new
+            self.placements.append((self.now_s, label_of(target)))
+
+    # - the run -
+
+    def _tick(self, t_s: float) -> None:
+        """Periodic work at `t_s`: rebalance colocated shares, re-plan (oracle at hours, elastic each period)."""
+        self.now_s = t_s
+        self._advance_reconfigs(t_s)
+        if self.mode == "oracle" and abs(t_s / self.profile.hour_s - round(t_s / self.profile.hour_s)) < 1e-9:
+            self._oracle_switch(round(t_s / self.profile.hour_s))
+        mean = self._mean_lengths(t_s)
+        for inst in self.instances.values():
+            inst.rebalance(t_s, mean[inst.cfg.model])
+        if self.mode == "elastic" and t_s >= self.window_s:
+            for r in self.balancer.plan(t_s, self._node_load(), self._in_flight()):
+                self._start(r)
+
+    def run(self) -> DayResult:
+        wall0 = time.perf_counter()
+        next_tick = 0.0
+        step = self.period_s if self.mode == "elastic" else min(self.period_s, self.profile.hour_s)
+        if self.mode == "oracle":
+            step = math.gcd(int(self.period_s * 1000), int(self.profile.hour_s * 1000)) / 1000.0
+        for req in self.requests:
+            while next_tick <= req.arrival_s:
+                self._tick(next_tick)
+                next_tick = round(next_tick + step, 9)
+                if self.progress:
+                    self.progress(next_tick)
+            self.now_s = req.arrival_s
+            self._advance_reconfigs(req.arrival_s)
+            self._admit(req)
+        # Drain: let the in-flight reconfigurations finish.
+        end = max([self.profile.duration_s] + [tr.finish_s for tr in self.trackers])
+        self.now_s = end
+        self._advance_reconfigs(end + 3600.0)
+        return self._result(time.perf_counter() - wall0)
+
+    def _result(self, wall_s: float) -> DayResult:
+        records = [tr.req.record(first_token_s=tr.first_s, finish_s=tr.finish_s) for tr in self.trackers]
+        records += [r.record(refused=True) for r in self.refused]
+        records.sort(key=lambda r: r.arrival_s)
+        # A day has no steady state by design: the warm-up is stated (one compressed hour), and `steady` says so.
+        window = detect_window(occupancy(records), self.profile.duration_s, warmup_s=self.profile.hour_s)
+        summary = summarize(records, self.slo, window)
+        counters = dict(self.balancer.counters) if self.balancer else {}
+        decisions = [(d.now_s, d.reason, d.detail) for d in self.balancer.log] if self.balancer else []
+        return DayResult(self.mode, records, summary, self.reconfigs, self.placements, self.lost, self.migrated,
+                         counters, decisions, wall_s)
+
+
+def occupancy(records: Sequence[RequestRecord], step_s: float = 1.0) -> list[tuple[float, float]]:
+    """Requests admitted and not finished, sampled every `step_s`."""
+    events = []
+    for r in records:
+        if r.completed and r.finish_s is not None:
+            events.append((r.arrival_s, 1))
+            events.append((r.finish_s, -1))
+    events.sort()
+    out, level, k = [], 0, 0
+    end = max((t for t, _ in events), default=0.0)
+    t = 0.0
+    while t <= end:
+        while k < len(events) and events[k][0] <= t:
+            level += events[k][1]
+            k += 1
+        out.append((t, float(level)))
+        t += step_s
+    return out
+
+
+def run_day(node: NodeConfig, profile: DayProfile, requests: Sequence[DayRequest],
+            placement: Sequence[InstanceConfig], mode: str, **kwargs) -> DayResult:
+    return ElasticSim(node, profile, requests, placement, mode=mode, **kwargs).run()

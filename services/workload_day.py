@@ -1,0 +1,175 @@
+"""Time-varying workloads: a day of traffic whose model mix and lengths change, time-compressed.
+
+`DayProfile` is a schedule: at each instant it gives the total rate, each model's share and each model's prompt and
+output length distributions. `generate_day(profile, seed)` draws the arrivals (a Poisson process, thinned second by
+second to the schedule) as light `DayRequest`s: the elastic simulator needs lengths and SLOs, not token ids.
+
+The named day "mix-shift-day" (`DAY_PROFILES`), compressed `COMPRESSION` = 240x (one hour of the day is
+`HOUR_S` = 15 simulated seconds, the day 360 s):
+- the 8B share of requests follows 0.5 + 0.4 cos(2 pi h / 24): 90 % at hour 0, 10 % at hour 12, 90 % again at 24
+  (the 70B share is the rest), at a constant total rate;
+- a step change: from hour 18 to hour 21 the 8B share drops at once to 15 % (a burst of 70B traffic), then the
+  curve resumes;
+- a P/D phase from hour 3 to hour 9: every half hour (7.5 s) the traffic alternates between long prompts with short
+  outputs (prefill-heavy: prompt mean 2,000, output mean 60) and short prompts with long outputs (decode-heavy:
+  prompt mean 200, output mean 600). Outside it, prompts average 1,000 tokens and outputs 250 (lognormal,
+  sigma 0.6).
+
+Invariants: the trace is a pure function of (profile, seed); arrivals are sorted; every length is >= 1.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from octoserve.services.core.types import Priority
+from octoserve.services.metrics import RequestRecord, SloSpec
+from octoserve.services.workload import LengthDist
+
+SMALL, LARGE = "llama-3-8b", "llama-3-70b"
+COMPRESSION = 240.0  # one real hour -> 15 simulated seconds
+HOUR_S = 3600.0 / COMPRESSION
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """What arrives at one instant: total rate, per-model share and lengths."""
+
+    rate_rps: float
+    shares: tuple[tuple[str, float], ...]  # model -> share of requests (sums to 1)
+    prompt: LengthDist
+    output: LengthDist
+    label: str = ""  # the phase it belongs to ("base", "step", "prefill-heavy", "decode-heavy")
+
+
+@dataclass(frozen=True, slots=True)
+class DayProfile:
+    name: str
+    duration_s: float
+    schedule: Callable[[float], Segment]  # t_s -> what arrives then
+    ttft_slo_ms: float = 250.0
+    itl_slo_ms: float = 30.0
+    step_s: float | None = None  # the step change's time, if the day has one
+    hour_s: float = HOUR_S
+
+    @property
+    def slo(self) -> SloSpec:
+        return SloSpec(self.ttft_slo_ms, self.itl_slo_ms)
+
+    def hourly_means(self) -> list[Segment]:
+        """Each compressed hour's mean segment (rate and shares averaged over 1-s samples; lengths of its middle)."""
+        out = []
+        n_hours = math.ceil(self.duration_s / self.hour_s)
+        for h in range(n_hours):
+            start, end = h * self.hour_s, min((h + 1) * self.hour_s, self.duration_s)
+            samples = [self.schedule(start + k + 0.5) for k in range(int(end - start))] or [self.schedule(start)]
+            rate = sum(s.rate_rps for s in samples) / len(samples)
+            models = [m for m, _ in samples[0].shares]
+            shares = tuple((m, sum(dict(s.shares)[m] for s in samples) / len(samples)) for m in models)
+            mid = samples[len(samples) // 2]
+            out.append(Segment(rate, shares, mid.prompt, mid.output, mid.label))
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class DayRequest:
+    request_id: str
+    arrival_s: float
+    model: str
+    prompt_tokens: int
+    output_tokens: int
+    ttft_slo_ms: float
+    phase: str
+
+    def record(self, first_token_s: float | None = None, finish_s: float | None = None, refused: bool = False,
+               error: str = "") -> RequestRecord:
+        return RequestRecord(
+            request_id=self.request_id, model=self.model, priority=Priority.STANDARD, arrival_s=self.arrival_s,
+            ttft_slo_ms=self.ttft_slo_ms, num_prompt_tokens=self.prompt_tokens,
+            num_output_tokens=0 if refused else self.output_tokens, first_token_s=first_token_s, finish_s=finish_s,
+            refused=refused, error=error,
+        )
+
+
+def generate_day(profile: DayProfile, seed: int = 0, *, start_s: float = 0.0,
+                 end_s: float | None = None) -> list[DayRequest]:
+    """Poisson arrivals at the schedule's rate, drawn second by second over [start_s, end_s)."""
+    rng = random.Random(seed)
+    end_s = profile.duration_s if end_s is None else end_s
+    out: list[DayRequest] = []
+    t0 = start_s
+    while t0 < end_s:
+        seg = profile.schedule(t0 + 0.5)
+        t1 = min(t0 + 1.0, end_s)
+        t = t0 + rng.expovariate(seg.rate_rps)
+        models = [m for m, _ in seg.shares]
+        cum = list(itertools_accumulate([s for _, s in seg.shares]))
+        while t < t1:
+            u = rng.random() * cum[-1]
+            model = models[next(i for i, c in enumerate(cum) if u < c)]
+            out.append(DayRequest(f"d{len(out):07d}", t - start_s, model, max(1, seg.prompt.sample(rng)),
+                                  max(1, seg.output.sample(rng)), profile.ttft_slo_ms, seg.label))
+            t += rng.expovariate(seg.rate_rps)
+        t0 = t1
+    return out
+
+
+def itertools_accumulate(values: list[float]) -> list[float]:
+    total, out = 0.0, []
+    for v in values:
+        total += v
+        out.append(total)
+    return out
+
+
+# --- the named days ---------------------------------------------------------------------------------------------
+
+BASE_PROMPT = LengthDist.lognormal(1000.0, 0.6, min_tokens=16, max_tokens=6000)
+BASE_OUTPUT = LengthDist.lognormal(250.0, 0.6, min_tokens=1, max_tokens=2000)
+PREFILL_HEAVY = (LengthDist.lognormal(2000.0, 0.5, min_tokens=64, max_tokens=6000),
+                 LengthDist.lognormal(60.0, 0.5, min_tokens=1, max_tokens=500))
+DECODE_HEAVY = (LengthDist.lognormal(200.0, 0.5, min_tokens=16, max_tokens=2000),
+                LengthDist.lognormal(600.0, 0.5, min_tokens=1, max_tokens=3000))
+
+
+def mix_shift_schedule(rate_rps: float, hour_s: float = HOUR_S, *, step: tuple[float, float, float] = (18, 21, 0.15),
+                       pd_phase: tuple[float, float] = (3, 9)) -> Callable[[float], Segment]:
+    step_from, step_to, step_share = step
+
+    def at(t_s: float) -> Segment:
+        h = t_s / hour_s
+        small = 0.5 + 0.4 * math.cos(2 * math.pi * h / 24.0)
+        label = "base"
+        prompt, output = BASE_PROMPT, BASE_OUTPUT
+        if step_from <= h < step_to:
+            small, label = step_share, "step"
+        if pd_phase[0] <= h < pd_phase[1]:
+            heavy_prefill = int((h - pd_phase[0]) * 2) % 2 == 0
+            prompt, output = PREFILL_HEAVY if heavy_prefill else DECODE_HEAVY
+            label = "prefill-heavy" if heavy_prefill else "decode-heavy"
+        return Segment(rate_rps, ((SMALL, small), (LARGE, 1.0 - small)), prompt, output, label)
+
+    return at
+
+
+def mix_shift_day(rate_rps: float = 16.0, hours: float = 24.0, hour_s: float = HOUR_S) -> DayProfile:
+    return DayProfile("mix-shift-day", hours * hour_s, mix_shift_schedule(rate_rps, hour_s), step_s=18 * hour_s,
+                      hour_s=hour_s)
+
+
+def pd_phase_day(rate_rps: float = 16.0, small_share: float = 0.5, hours: float = 8.0,
+                 hour_s: float = HOUR_S) -> DayProfile:
+    """Only the P/D phase, at a fixed model mix: prefill-heavy and decode-heavy traffic alternate every half hour."""
+    def at(t_s: float) -> Segment:
+        heavy_prefill = int(t_s / hour_s * 2) % 2 == 0
+        prompt, output = PREFILL_HEAVY if heavy_prefill else DECODE_HEAVY
+        return Segment(rate_rps, ((SMALL, small_share), (LARGE, 1.0 - small_share)), prompt, output,
+                       "prefill-heavy" if heavy_prefill else "decode-heavy")
+
+    return DayProfile("pd-phase", hours * hour_s, at, hour_s=hour_s)
+
+
+DAY_PROFILES: dict[str, Callable[..., DayProfile]] = {"mix-shift-day": mix_shift_day, "pd-phase": pd_phase_day}
