@@ -291,9 +291,9 @@ def _model_instances(model: str, tps: tuple[int, ...], first_gpu: int) -> list[l
 
 
 def candidate_layouts(node: NodeConfig, small_tps: Sequence[int] = (1,)) -> list[tuple[InstanceConfig, ...]]:
-    """The placements the balancer may move to, for two models: the larger on the first GPUs as instances of any
-    mix of TP degrees (2, 4, 8) whose weights leave KV room, the smaller on the rest at `small_tps`, every role
-    split of each model (`_role_splits`); each model keeps at least one instance. One model alone: its layouts on
+    """The placements the balancer may move to, for two models: the larger on the first (or the last) GPUs as
+    instances of any mix of TP degrees (2, 4, 8) whose weights leave KV room, the smaller on the rest at
+    `small_tps`, every role split of each model (`_role_splits`); each model keeps at least one instance. One model alone: its layouts on
     every GPU. Layouts that fail `check_placement` are left out."""
     from octoserve.services.core.placement import check_placement  # noqa: PLC0415 (a cycle-free local import)
 
@@ -320,10 +320,14 @@ def candidate_layouts(node: NodeConfig, small_tps: Sequence[int] = (1,)) -> list
         small = names[1]
         s_tps = tps_of(small, small_tps)
         for large_gpus in range(1, node.num_gpus):
+            small_gpus = node.num_gpus - large_gpus
             for lg in _tp_groups(large_gpus, large_tps):
-                for sg in _tp_groups(node.num_gpus - large_gpus, s_tps):
+                for sg in _tp_groups(small_gpus, s_tps):
                     for li in _model_instances(large, lg, 0):
                         layouts += [tuple(li + si) for si in _model_instances(small, sg, large_gpus)]
+                    # and mirrored (the smaller model first), so a pool can grow or shrink from either end
+                    for si in _model_instances(small, sg, 0):
+                        layouts += [tuple(si + li) for li in _model_instances(large, lg, small_gpus)]
     return [l for l in layouts if not check_placement(replace(node, instances=l, gang=None))]
 
 
@@ -435,7 +439,20 @@ class ElasticBalancer:
         if not scored:
             self._decide(now_s, "hold:no_gain", "no candidate placement reachable under the allowed changes")
             return []
-        best_good, best, best_caps = max(scored, key=lambda s: (s[0], -len(diff_components(list(current.values()), s[1]))))
+        top = max(s[0] for s in scored)
+        serving = {i.model for i in loads.placement if i.id not in busy and loads.load_of(i.id).accepting}
+
+        def order(layout) -> tuple[bool, int, int]:
+            """Among equally good targets: one with a change that may start now (it leaves every model an instance
+            taking requests) first, then fewer changes that must wait for another, then fewer changes."""
+            comps = diff_components(list(current.values()), layout)
+            waiting = sum(1 for cur, _ in comps
+                          if {i.model for i in cur} - {i.model for i in current.values()
+                                                       if i not in cur and i.id not in busy and i.model in serving})
+            return (waiting == len(comps), waiting, len(comps))
+
+        near = [s for s in scored if s[0] >= top - 1e-9]
+        best_good, best, best_caps = min(near, key=lambda s: order(s[1]))
         components = diff_components(list(current.values()), best)
         forecast = ", ".join(f"{m} {d.forecast_rps(horizon):.1f} req/s (cap {now_caps[m]:.1f} -> {best_caps[m]:.1f})"
                              for m, d in demand.items())
