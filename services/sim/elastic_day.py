@@ -32,6 +32,7 @@ from octoserve.services.core.planner import ModelLoad, WorkloadMix, candidate_pl
 from octoserve.services.core.specs import GPU_PRESETS, MODEL_PRESETS
 from octoserve.services.core.types import Role
 from octoserve.services.metrics import GroupStats, attainment_over_time
+from octoserve.services.usage import UsageError
 from octoserve.services.sim.elastic_sim import DayResult, demand_of, label_of, model_alone_rps, run_day
 from octoserve.services.workload_day import (
     BASE_OUTPUT,
@@ -123,7 +124,7 @@ def run_profile(cost_profile: str, *, gpu: str = "h200-141gb", mix: str = "load"
     elastic = run_day(node, day, requests, static.initial, "elastic", layouts=layouts, policy=policy)
     _say(f"[{cost_profile}]   elastic {elastic.summary.overall.goodput_rps:.1f} req/s ({time.perf_counter() - t0:.0f} s); P/D phase ...")
     # The P/D phase alone, disaggregated placements only, the GPU split between the models fixed.
-    pd_day = pd_phase_day(hours=8.0, hour_s=hour_s, rate_rps=1.0)
+    pd_day = pd_phase_day(hours=min(8.0, hours), hour_s=hour_s, rate_rps=1.0)
     pd_day = dataclasses.replace(pd_day, schedule=_pd_schedule(day, hour_s))
     pd_requests = generate_day(pd_day, seed + 1)
     disagg = [l for l in layouts if all(i.role is not Role.COLOCATED for i in l)]
@@ -307,7 +308,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.hour_s <= 0 or args.hours <= 0 or args.load <= 0 or args.rate <= 0:
-        raise ValueError("--hour-s, --hours, --load and --rate must be > 0")
+        raise UsageError("--hour-s, --hours, --load and --rate must be > 0")
     wall0 = time.perf_counter()
     profiles = ("default", "pessimistic") if args.cost_profile == "both" else (args.cost_profile,)
     runs = [run_profile(p, mix=args.mix, load=args.load, rate_rps=args.rate, hour_s=args.hour_s, hours=args.hours,

@@ -45,7 +45,7 @@ from octoserve.services.core.balancer import (
     placement_goodput_rps,
 )
 from octoserve.services.core.placement import InstanceConfig, NodeConfig, num_kv_blocks_for
-from octoserve.services.core.reconfig import Phase, Reconfiguration
+from octoserve.services.core.reconfig import Phase, ReconfigKind, Reconfiguration
 from octoserve.services.core.types import Role
 from octoserve.services.metrics import RequestRecord, Summary, detect_window, summarize
 from octoserve.services.workload_day import DayProfile, DayRequest
@@ -218,6 +218,7 @@ class ElasticSim:
         self.max_migration_pause_s = max_migration_pause_s
         self.layouts = [tuple(l) for l in layouts] if layouts is not None else candidate_layouts(node)
         self.capacity = CapacityModel(node, itl_target_fraction)
+        self.policy = policy
         self.balancer = ElasticBalancer(node, policy, self.layouts) if mode == "elastic" else None
         self.progress = progress
         self.now_s = 0.0
@@ -396,8 +397,7 @@ class ElasticSim:
                     ev.phase = Phase.SWITCHING
                     for iid in r.retire:
                         self.instances.pop(iid).removed_s = ev.drain_end_s
-                    ev.done_s = ev.drain_end_s + (r.load_s if r.kind.value == "model"
-                                                  else self.balancer.policy.role_switch_s)
+                    ev.done_s = ev.drain_end_s + (r.load_s if r.kind is ReconfigKind.MODEL else self.policy.role_switch_s)
             if ev.phase is Phase.SWITCHING and ev.done_s <= until_s:
                 ev.phase = Phase.DONE
                 mean = self._mean_lengths(ev.done_s)
