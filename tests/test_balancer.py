@@ -240,3 +240,16 @@ def test_guards_hold_over_any_load_sequence(start, steps, max_in_flight):
         retiring = {i for r in in_flight for i in r.retire}
         for model in (L, S):
             assert any(i.model == model and i.id not in retiring for i in placement.values()), model
+
+
+def test_reasons_carry_the_load_figures():
+    from octoserve.services.core.balancer import pressure
+
+    nl = load([LM, *SM_PD], [ModelDemand(S, 10.0)],
+              **{"sm-p0": {"prefill_backlog_tokens": 6000.0, "ttft_slack_s": 0.04},
+                 "sm-d0": {"decode_batch": 30, "decode_batch_limit": 64, "kv_used": 0.5, "itl_headroom": 0.1},
+                 "sm-d1": {"decode_batch": 10, "decode_batch_limit": 64, "kv_used": 0.25, "itl_headroom": 0.3},
+                 "sm-d2": {"accepting": False, "decode_batch": 99}})
+    assert pressure(nl, S) == ("prefill backlog 6000 tok, TTFT slack 40 ms, decode 40/128, KV 50%, "
+                               "ITL headroom 10%")
+    assert pressure(nl, L) == "prefill backlog 0 tok, TTFT slack inf, decode 0/0, KV 0%, ITL headroom 100%"

@@ -362,6 +362,20 @@ def diff_components(current: Sequence[InstanceConfig], target: Sequence[Instance
     return [(c, t) for c, t in out if c and t]
 
 
+def pressure(loads: NodeLoad, model: str) -> str:
+    """One model's load figures for a log line: prefill backlog against the tightest TTFT slack, decode batch
+    against its limit, KV use and the ITL headroom, over its instances that take requests."""
+    ids = {i.id for i in loads.placement if i.model == model}
+    mine = [l for l in loads.instances if l.instance_id in ids and l.accepting]
+    if not mine:
+        return "no instance taking requests"
+    slack = min(l.ttft_slack_s for l in mine)
+    limit = sum(l.decode_batch_limit for l in mine)
+    return (f"prefill backlog {sum(l.prefill_backlog_tokens for l in mine):.0f} tok, TTFT slack "
+            f"{'inf' if math.isinf(slack) else f'{slack * 1000:.0f} ms'}, decode {sum(l.decode_batch for l in mine)}/"
+            f"{limit}, KV {max(l.kv_used for l in mine):.0%}, ITL headroom {min(l.itl_headroom for l in mine):.0%}")
+
+
 # --- the balancer --------------------------------------------------------------------------------------------------
 
 
@@ -454,8 +468,8 @@ class ElasticBalancer:
         near = [s for s in scored if s[0] >= top - 1e-9]
         best_good, best, best_caps = min(near, key=lambda s: order(s[1]))
         components = diff_components(list(current.values()), best)
-        forecast = ", ".join(f"{m} {d.forecast_rps(horizon):.1f} req/s (cap {now_caps[m]:.1f} -> {best_caps[m]:.1f})"
-                             for m, d in demand.items())
+        forecast = ", ".join(f"{m} {d.forecast_rps(horizon):.1f} req/s (cap {now_caps[m]:.1f} -> {best_caps[m]:.1f}; "
+                             f"{pressure(loads, m)})" for m, d in demand.items())
         gain = best_good - now_good
         if not components or gain <= 0:
             self._streak_target, self._streak = None, 0
