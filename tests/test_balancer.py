@@ -19,7 +19,7 @@ from octoserve.services.core.balancer import (
 )
 from octoserve.services.core.placement import InstanceConfig, NodeConfig
 from octoserve.services.core.reconfig import ReconfigKind, Reconfiguration, apply, check_reconfiguration
-from octoserve.services.core.specs import GPU_PRESETS, MODEL_PRESETS, NVME_READ_BYTES_PER_S
+from octoserve.services.core.specs import GPU_PRESETS, LOCAL_DISK_READ_BYTES_PER_S, MODEL_PRESETS
 from octoserve.services.core.types import Role
 
 L, S = "llama-3-70b", "llama-3-8b"
@@ -50,12 +50,15 @@ def load(placement, demand, **per_instance):
 def test_weight_load_time_from_host_memory_and_from_disk():
     h100 = GPU_PRESETS["h100-sxm-80gb"]
     spec = MODEL_PRESETS[L]
-    # 70,553,706,496 params x 2 B = 141,107,412,992 B; / 4 GPUs = 35,276,853,248 B each over 55 GB/s PCIe.
-    assert weight_load_s(spec, h100, 4, "host") == pytest.approx(35_276_853_248 / 55e9)
-    assert weight_load_s(spec, h100, 4, "host") == pytest.approx(0.6414, abs=1e-4)
-    # One NVMe drive for the whole model, whatever the TP.
-    assert weight_load_s(spec, h100, 4, "disk") == pytest.approx(141_107_412_992 / NVME_READ_BYTES_PER_S)
-    assert weight_load_s(spec, h100, 2, "disk") == pytest.approx(20.158, abs=1e-3)
+    # 70,553,706,496 params x 2 B = 141,107,412,992 B; / 4 GPUs = 35,276,853,248 B each, at half of 55 GB/s
+    # (two GPUs per PCIe switch uplink, all four loading at once).
+    assert weight_load_s(spec, h100, 4, "host") == pytest.approx(35_276_853_248 / 27.5e9)
+    assert weight_load_s(spec, h100, 4, "host") == pytest.approx(1.2828, abs=1e-4)
+    # The 8B alone on its GPU has the link to itself: 16,060,522,496 B / 55 GB/s.
+    assert weight_load_s(MODEL_PRESETS[S], h100, 1, "host") == pytest.approx(16_060_522_496 / 55e9)
+    # One local disk for the whole model, whatever the TP.
+    assert weight_load_s(spec, h100, 4, "disk") == pytest.approx(141_107_412_992 / LOCAL_DISK_READ_BYTES_PER_S)
+    assert weight_load_s(spec, h100, 2, "disk") == pytest.approx(68.168, abs=1e-3)
     with pytest.raises(ValueError, match="unknown weight source 'nfs'"):
         weight_load_s(spec, h100, 4, "nfs")
 
@@ -130,7 +133,7 @@ def test_70b_heavy_traffic_moves_two_8b_gpus_into_a_70b_tp2_group():
     assert r.retire == ("sm-0", "sm-1")
     assert [(i.id, i.model, i.tp, i.gpu_ids) for i in r.start] == [("llama-3-70b-colocated-g4", L, 2, (4, 5))]
     assert r.load_s == pytest.approx(weight_load_s(MODELS[L], GPU, 2, "host") + FAST.engine_init_s)
-    assert r.load_s == pytest.approx(141_107_412_992 / 2 / 55e9 + 2.0)
+    assert r.load_s == pytest.approx(141_107_412_992 / 2 / 27.5e9 + 2.0)
     assert b.counters["planned:model"] == 1
     after = apply({i.id: i for i in current}, r)
     assert sorted(after) == ["llama-3-70b-colocated-g4", "lm-0", "sm-2", "sm-3"]

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field, replace
 from octoserve.services.core.placement import InstanceConfig, NodeConfig, num_kv_blocks_for
 from octoserve.services.core.planner import ModelLoad, decode_capacity_rps
 from octoserve.services.core.reconfig import ReconfigKind, Reconfiguration, apply, check_reconfiguration
-from octoserve.services.core.specs import NVME_READ_BYTES_PER_S, GpuSpec, ModelSpec
+from octoserve.services.core.specs import GPUS_PER_PCIE_UPLINK, LOCAL_DISK_READ_BYTES_PER_S, GpuSpec, ModelSpec
 from octoserve.services.core.types import Role
 
 WEIGHT_SOURCES = ("host", "disk")
@@ -57,15 +57,18 @@ WEIGHT_SOURCES = ("host", "disk")
 def weight_load_s(model: ModelSpec, gpu: GpuSpec, tp: int, source: str = "host") -> float:
     """Seconds to put one instance's weights on its GPUs.
 
-    host: the weights are kept pinned in host memory and each GPU copies its shard over its own PCIe link in
-    parallel (`gpu.pcie_bytes_per_s`): 70B at TP 4 on an H100 node, 35.3 GB per GPU / 55 GB/s = 0.64 s.
-    disk: every shard comes from one local NVMe drive (`NVME_READ_BYTES_PER_S`), shared by the loading GPUs: the
-    whole model / drive rate (70B: 141 GB / 7 GB/s = 20.2 s)."""
+    host: the weights are kept pinned in host memory and each GPU copies its shard over PCIe
+    (`gpu.pcie_bytes_per_s`, measured 55 GB/s on the H200 machine); the GPUs of a TP group load at once, and two GPUs
+    share a switch uplink (`GPUS_PER_PCIE_UPLINK`), so a group of two or more gets half that rate per GPU: 70B at
+    TP 4, 35.3 GB per GPU / 27.5 GB/s = 1.28 s; the 8B at TP 1, 16.1 GB / 55 GB/s = 0.29 s.
+    disk: every shard comes from one local disk (`LOCAL_DISK_READ_BYTES_PER_S`, measured cold: 2.07 GB/s), shared
+    by the loading GPUs, so the whole model / the disk rate (70B: 141 GB / 2.07 GB/s = 68 s); the PCIe hop overlaps."""
     if source == "host":
-        return model.weight_bytes_per_gpu(tp) / gpu.pcie_bytes_per_s
+        shared = min(tp, GPUS_PER_PCIE_UPLINK)
+        return model.weight_bytes_per_gpu(tp) / (gpu.pcie_bytes_per_s / shared)
     if source == "disk":
         model.check_tp(tp)
-        return model.weight_bytes / NVME_READ_BYTES_PER_S
+        return model.weight_bytes / LOCAL_DISK_READ_BYTES_PER_S
     raise ValueError(f"unknown weight source {source!r}; use one of {WEIGHT_SOURCES}")
 
 

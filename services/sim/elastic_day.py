@@ -272,8 +272,8 @@ def section(runs: Sequence[ProfileRun], command: str, plots: Sequence[Path], wal
         f"Reproduce: `{command}` ({wall_s:.0f} s of wall time; progress on stderr). Simulator: the elastic "
         f"queueing model (services/sim/elastic_sim.py), coarser than the step-level simulator so that a day runs in "
         f"seconds; an H200 node of 8 GPUs serving Llama-3-70B and Llama-3-8B, TTFT SLO {day.ttft_slo_ms:g} ms, ITL "
-        f"SLO {day.itl_slo_ms:g} ms. Weights load from pinned host memory over PCIe (70B at TP 2: 1.28 s) plus an "
-        f"assumed 2 s engine start; a role change is an assumed 0.5 s.",
+        f"SLO {day.itl_slo_ms:g} ms. Weights load from pinned host memory over PCIe (70B at TP 2: 2.57 s, two GPUs "
+        f"sharing a switch uplink) plus an assumed 2 s engine start; a role change is an assumed 0.5 s.",
         "",
         f"The day is compressed {3600 / day.hour_s:g}x: one hour is {day.hour_s:g} simulated seconds, the day "
         f"{day.duration_s:g} s. Each run is measured over [{r0.static.summary.window.start_s:g}, "
