@@ -156,23 +156,32 @@ def format_table(measurements: Sequence[Measurement]) -> str:
 # --- timing (torch; imported only here) ----------------------------------------------------------------------------
 
 
-def _timer(torch, device: str, repeats: int) -> Callable[[Callable[[], object]], float]:
-    def sync() -> None:
-        if device == "cuda":
-            torch.cuda.synchronize()
+def _timer(torch, device: str, repeats: int, inner: int = 20) -> Callable[[Callable[[], object]], float]:
+    """Median seconds per call. On CUDA each sample is `inner` back-to-back launches between two CUDA events, so
+    the ~20 us host launch-and-sync round trip, which a single synchronised call measures instead of a small
+    kernel, is amortised; on a CPU each sample is one call timed by the host clock."""
 
     def time_fn(fn: Callable[[], object]) -> float:
         import time
 
         for _ in range(3):
             fn()
-        sync()
+        if device == "cuda":
+            torch.cuda.synchronize()
         samples = []
         for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
-            sync()
-            samples.append(time.perf_counter() - start)
+            if device == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(inner):
+                    fn()
+                end.record()
+                end.synchronize()
+                samples.append(start.elapsed_time(end) / 1000.0 / inner)
+            else:
+                t0 = time.perf_counter()
+                fn()
+                samples.append(time.perf_counter() - t0)
         return statistics.median(samples)
 
     return time_fn
@@ -185,11 +194,14 @@ def time_op(torch, op: Op, device: str, dtype, time_fn) -> float:
         return time_fn(lambda: a @ w)
     if op.kind == "attn_prefill":
         q = torch.randn(1, op.heads, op.m, op.head_dim, device=device, dtype=dtype)
-        k = torch.randn(1, op.heads, op.m, op.head_dim, device=device, dtype=dtype)
-        return time_fn(lambda: F.scaled_dot_product_attention(q, k, k, is_causal=True))
+        k = torch.randn(1, op.kv_heads, op.m, op.head_dim, device=device, dtype=dtype)
+        v = torch.randn_like(k)
+        return time_fn(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+    # Decode: the KV cache holds kv_heads heads (grouped-query attention), as the op's byte count assumes.
     q = torch.randn(op.m, op.heads, 1, op.head_dim, device=device, dtype=dtype)
-    k = torch.randn(op.m, op.heads, op.context, op.head_dim, device=device, dtype=dtype)
-    return time_fn(lambda: F.scaled_dot_product_attention(q, k, k))
+    k = torch.randn(op.m, op.kv_heads, op.context, op.head_dim, device=device, dtype=dtype)
+    v = torch.randn_like(k)
+    return time_fn(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
 
 
 def measure_cpu_device(torch, time_fn) -> GpuSpec:

@@ -222,7 +222,7 @@ GPU_PRESETS: dict[str, GpuSpec] = {
         peak_bf16_flops=989e12,
         hbm_bytes_per_s=4.8e12,
         nvlink_bytes_per_s=450e9,
-        pcie_bytes_per_s=55e9,
+        pcie_bytes_per_s=55e9,  # measured: 55.3 GB/s pinned host->GPU (scripts/gpu_load_check.py, BENCHMARKS.md)
     ),
     "a100-80gb": GpuSpec(
         name="a100-80gb",
