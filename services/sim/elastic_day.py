@@ -283,8 +283,10 @@ def _targets(run: ProfileRun) -> str:
                f"demand, serves only {oracle_gain:.2f}x the best static placement, so the elastic scheduler would "
                f"need {1.3 / oracle_gain:.2f}x the oracle's goodput to reach 1.3x static. The 70B bounds both: alone "
                f"on all 8 GPUs it serves {run.alone_rps[1]:.1f} req/s within the 30 ms ITL (its step at TP 2 or 4 is "
-               f"mostly weight streaming), so the GPUs the 8B frees add little 70B goodput, and the best static "
-               f"placement is already right for most of the day.")
+               f"mostly weight streaming), so the GPUs the 8B frees add little 70B goodput: in the hours where the 70B "
+               f"leans heavy every placement is capped near that figure and they differ little, and in the P/D "
+               f"phase's prefill-heavy half hours (prompts twice as long at the same request rate) the node is "
+               f"overloaded whatever the placement. The gain is concentrated in the 8B-heavy hours (see the plots).")
     return f"- {run.cost_profile}, mix {mix}: " + "; ".join(parts) + "." + why
 
 
