@@ -30,12 +30,13 @@ Guards, in the order they are checked (each refusal counted by reason in `counte
   exceed the gain x `forecast_window_s`.
 - `hold:in_flight`: already `max_in_flight` reconfigurations not DONE.
 - `hold:dwell`: a GPU of the change was reconfigured less than `min_dwell_s` ago.
-- `hold:last_instance`: the change would leave a model with no instance taking requests.
+- `hold:last_instance`: the change would leave a model unable to take requests (no colocated instance, and not
+  both a prefill and a decode instance, among those still taking requests).
 - `planned:role` / `planned:model`: a reconfiguration was emitted.
 
 Invariants: pure and clock-free (`now_s` is the caller's clock); every emitted reconfiguration passes
-`check_reconfiguration` against the placement after the in-flight ones; while it runs every model keeps at least
-one instance that takes requests; no GPU is reconfigured twice within `min_dwell_s`.
+`check_reconfiguration` against the placement after the in-flight ones; while it runs every model can still take
+requests (a colocated instance, or a prefill and a decode instance, not retiring); no GPU is reconfigured twice within `min_dwell_s`.
 """
 
 from __future__ import annotations
@@ -365,6 +366,14 @@ def diff_components(current: Sequence[InstanceConfig], target: Sequence[Instance
     return [(c, t) for c, t in out if c and t]
 
 
+def serving_models(instances: Sequence[InstanceConfig]) -> set[str]:
+    """Models that `instances` can serve a request of: a colocated instance, or a prefill and a decode instance."""
+    roles: dict[str, set[Role]] = {}
+    for i in instances:
+        roles.setdefault(i.model, set()).add(i.role)
+    return {m for m, r in roles.items() if Role.COLOCATED in r or {Role.PREFILL, Role.DECODE} <= r}
+
+
 def pressure(loads: NodeLoad, model: str) -> str:
     """One model's load figures for a log line: prefill backlog against the tightest TTFT slack, decode batch
     against its limit, KV use and the ITL headroom, over its instances that take requests."""
@@ -457,15 +466,13 @@ class ElasticBalancer:
             self._decide(now_s, "hold:no_gain", "no candidate placement reachable under the allowed changes")
             return []
         top = max(s[0] for s in scored)
-        serving = {i.model for i in loads.placement if i.id not in busy and loads.load_of(i.id).accepting}
+        live = [i for i in loads.placement if i.id not in busy and i.id in current and loads.load_of(i.id).accepting]
 
         def order(layout) -> tuple[bool, int, int]:
-            """Among equally good targets: one with a change that may start now (it leaves every model an instance
-            taking requests) first, then fewer changes that must wait for another, then fewer changes."""
+            """Among equally good targets: one with a change that may start now (it leaves every model able to take
+            requests) first, then fewer changes that must wait for another, then fewer changes."""
             comps = diff_components(list(current.values()), layout)
-            waiting = sum(1 for cur, _ in comps
-                          if {i.model for i in cur} - {i.model for i in current.values()
-                                                       if i not in cur and i.id not in busy and i.model in serving})
+            waiting = sum(1 for cur, _ in comps if {i.model for i in cur} - serving_models([i for i in live if i not in cur]))
             return (waiting == len(comps), waiting, len(comps))
 
         near = [s for s in scored if s[0] >= top - 1e-9]
@@ -527,8 +534,8 @@ class ElasticBalancer:
                 self._decide(now_s, "hold:in_flight", f"{what}: an instance is already being reconfigured")
                 continue
             retiring = busy | {i.id for i in cur}
-            serving = {i.model for i in loads.placement if i.id not in retiring and i.id in current
-                       and loads.load_of(i.id).accepting}
+            serving = serving_models([i for i in loads.placement if i.id not in retiring and i.id in current
+                                      and loads.load_of(i.id).accepting])
             orphaned = sorted({i.model for i in cur} - serving)
             if orphaned:
                 self._decide(now_s, "hold:last_instance", f"{what}: would leave {orphaned} with no instance taking requests")
