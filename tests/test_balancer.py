@@ -233,6 +233,7 @@ def test_guards_hold_over_any_load_sequence(start, steps, max_in_flight):
         for r in in_flight:
             after = apply(after, r)
         for r in plans:
+            assert set(r.retire) <= set(placement)  # only instances already running, never one still starting
             assert check_reconfiguration(after, r) == []
             after = apply(after, r)
             for g in r.gpu_ids:

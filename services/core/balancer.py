@@ -466,6 +466,7 @@ class ElasticBalancer:
             self._decide(now_s, "hold:no_gain", "no candidate placement reachable under the allowed changes")
             return []
         top = max(s[0] for s in scored)
+        live_ids = {i.id for i in loads.placement}
         live = [i for i in loads.placement if i.id not in busy and i.id in current and loads.load_of(i.id).accepting]
 
         def order(layout) -> tuple[bool, int, int]:
@@ -530,8 +531,8 @@ class ElasticBalancer:
             if recent:
                 self._decide(now_s, "hold:dwell", f"{what}: GPUs {recent} changed less than {policy.min_dwell_s:g} s ago")
                 continue
-            if any(i.id in busy for i in cur):
-                self._decide(now_s, "hold:in_flight", f"{what}: an instance is already being reconfigured")
+            if any(i.id in busy or i.id not in live_ids for i in cur):
+                self._decide(now_s, "hold:in_flight", f"{what}: an instance is still being reconfigured or started")
                 continue
             retiring = busy | {i.id for i in cur}
             serving = serving_models([i for i in loads.placement if i.id not in retiring and i.id in current
