@@ -128,8 +128,11 @@ def test_drain_hands_running_decodes_off_and_switches_the_role():
     moved = [tr for tr in running if tr.migrations]
     assert len(moved) == ev.migrated
     assert all(tr.decoder != "sm-0" and tr.decoder_inst is not None for tr in moved)
-    sim._advance_reconfigs(ev.drain_end_s + sim.policy.role_switch_s)
+    drain_end = ev.drain_end_s
+    old = sim.instances["sm-0"]
+    sim._tick(drain_end + sim.policy.role_switch_s)  # forgets the finished requests first, then advances
     assert ev.phase is Phase.DONE
+    assert ev.drain_end_s == drain_end and old.removed_s == drain_end  # not pulled back to when it was planned
     assert sim.instances["sm-0"].cfg.role is Role.PREFILL
     assert sim.instances["sm-0"].accepting
     result = sim._result(0.0)

@@ -391,8 +391,9 @@ class ElasticSim:
         for ev in self.reconfigs:
             r = ev.reconfig
             if ev.phase is Phase.DRAINING:
-                # Running requests may have been migrated onto nothing new; recompute (never earlier than planned).
-                ev.drain_end_s = max(self.instances[i].drain_end_s(ev.planned_s) for i in r.retire)
+                # Nothing joins a draining instance, so its drain end only stands (finished requests are forgotten
+                # by `_tick`, which must not pull it earlier).
+                ev.drain_end_s = max([ev.drain_end_s] + [self.instances[i].drain_end_s(ev.planned_s) for i in r.retire])
                 if ev.drain_end_s <= until_s:
                     ev.phase = Phase.SWITCHING
                     for iid in r.retire:
