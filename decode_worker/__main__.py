@@ -1,6 +1,7 @@
 """`python -m octoserve.decode_worker --instance ID ...`: serve one decode or colocated instance (see octoserve.services.rpc.worker_main).
 
-Injected faults (tests and drills) come from the OCTOSERVE_FAULTS environment variable, read here only."""
+Injected KV-transfer faults (tests and drills) come from the OCTOSERVE_FAULTS environment variable, read here (engine
+faults are armed in octoserve.services.rpc.worker_main)."""
 
 import sys
 

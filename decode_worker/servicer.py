@@ -65,6 +65,7 @@ class Session:
         self._pending = []
 
     def close(self) -> None:
+        self._flush()  # outputs pushed in this loop pass (a request's last token) still leave before the end
         self.closed = True
         self.batches.put_nowait(None)
 

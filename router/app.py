@@ -17,8 +17,11 @@ from collections.abc import Awaitable, Callable, Mapping
 
 from octoserve.router.access_log import DEFAULT_MODE, DEFAULT_SAMPLE_EVERY, MODES, AccessLog
 from octoserve.router.metrics import RouterMetrics
+from octoserve.router.demand_report import DemandReporter
+from octoserve.router.placement_watch import PlacementFollower
 from octoserve.router.pool import WorkerClient, WorkerEndpoint, WorkerPool
 from octoserve.router.servicer import DEFAULT_MAX_PENDING_DELTAS, GenerationServicer, RouterSettings
+from octoserve.router.watchdog import DEFAULT_HUNG_AFTER_S, HangWatchdog
 from octoserve.services.cluster.service import add_headroom_service, headroom_source
 from octoserve.services.core.placement import NodeConfig
 from octoserve.services.core.routing import RouterPolicy, build_cost_models
@@ -65,26 +68,53 @@ def router_spec(
     startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
     seed: int = 0,
     host: str = "127.0.0.1",
+    hung_after_s: float = DEFAULT_HUNG_AFTER_S,
+    scheduler_address: str | None = None,
 ) -> tuple[ServiceSpec, GenerationServicer]:
+    """scheduler_address: follow that scheduler's placement live (router/placement_watch.py) instead of reading
+    `endpoints` once."""
     metrics = RouterMetrics(served_models=list(config.models), time_scale=settings.time_scale)
     policy = RouterPolicy(config, build_cost_models(config), random.Random(seed))
     pool = WorkerPool({})
     servicer = GenerationServicer(config, policy, pool, uuid.uuid4().hex, settings, metrics)
     headroom = headroom_source(policy, pool.loads, lambda: not servicer.draining)
+    watchdog = HangWatchdog(servicer, hung_after_s)
+
+    def make_client(inst, address: str) -> WorkerClient:
+        def on_down(instance_id: str, reason: str) -> None:
+            if pool.clients.get(instance_id) is client:  # a replaced session's end says nothing of its successor
+                servicer.on_worker_down(instance_id, reason)
+
+        client = WorkerClient(WorkerEndpoint(inst.id, address, inst.role is not Role.PREFILL), servicer.session_id,
+                              servicer.on_delta, on_down, policy.on_kv_events, policy.forget_instance)
+        client.on_resumed = watchdog.resumed
+        return client
+
+    follower = None if scheduler_address is None else PlacementFollower(
+        scheduler_address, config, policy, pool, servicer, make_client)
+    demand = None if scheduler_address is None else DemandReporter(scheduler_address, policy)
 
     async def start() -> None:
-        for instance_id, address in (await endpoints()).items():
-            pool.clients[instance_id] = WorkerClient(
-                WorkerEndpoint(instance_id, address, config.instance(instance_id).role is not Role.PREFILL),
-                servicer.session_id, servicer.on_delta,
-                servicer.on_worker_down, policy.on_kv_events, policy.forget_instance,
-            )
+        if follower is not None:
+            await follower.first(startup_timeout_s)
+        else:
+            for instance_id, address in (await endpoints()).items():
+                pool.clients[instance_id] = make_client(config.instance(instance_id), address)
         pool.start()
         await _wait_ready(pool, startup_timeout_s)
+        if follower is not None:
+            follower.follow()
+            demand.start()
+        watchdog.start()
 
     async def close() -> None:
+        await watchdog.close()
         await servicer.close()
+        if follower is not None:
+            await follower.close()
+            await demand.close()
         await pool.close()
+        await asyncio.gather(*(c.close() for c in pool.retired.values()))
 
     spec = ServiceSpec(
         name="router",
@@ -133,6 +163,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="one JSON line per request: all, errors (every failed one + 1 in --access-log-sample-every "
                              "ok ones), off")
     parser.add_argument("--access-log-sample-every", type=int, default=DEFAULT_SAMPLE_EVERY)
+    parser.add_argument("--hung-after-s", type=float, default=DEFAULT_HUNG_AFTER_S,
+                        help="route around a worker that sent no load report for this long (wall seconds) while its "
+                             "connection stayed open (stopped, or hung)")
     parser.add_argument("--log-level", default="INFO")
     from octoserve.http_front.local import add_router_arguments
 
@@ -166,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
                                     limits=limits_from_dict(sections.get("limits"))),
             port=args.port, metrics_port=args.metrics_port, ready_file=args.ready_file, grace_s=args.grace_s,
             startup_timeout_s=args.startup_timeout_s, seed=args.seed, host=args.host,
+            scheduler_address=args.scheduler, hung_after_s=args.hung_after_s,
         )
         return await serve_until_signal(with_front_inside(spec, servicer, args))
 

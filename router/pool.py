@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -78,6 +79,12 @@ class WorkerClient:
         self.load: EngineLoad | None = None
         self.attached = asyncio.Event()
         self.reachable = True  # False from a broken stream until the next snapshot: no cleanup RPCs are sent there
+        # The hang watchdog's view (router/watchdog.py): when the last snapshot came, whether the instance was
+        # declared hung, and the requests moved off it then, whose late deltas are dropped.
+        self.last_report_s: float | None = None
+        self.hung = False
+        self.ignored: set[str] = set()
+        self.on_resumed: Callable[[WorkerClient], None] = lambda client: None
         self._on_delta = on_delta
         self._on_down = on_down
         self._on_kv_events = on_kv_events
@@ -90,10 +97,15 @@ class WorkerClient:
             self._tasks.append(asyncio.create_task(self._attach_loop(), name=f"attach-{self.instance_id}"))
 
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
+        self.stop_streams()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.channel.close()
+
+    def stop_streams(self) -> None:
+        """Ends the token session and load stream for good (a session replaced by a new one to the same worker must
+        not reconnect: both use this router's session id, and the worker keeps one session per id)."""
+        for task in self._tasks:
+            task.cancel()
 
     async def _attach_loop(self) -> None:
         attempt = 0
@@ -103,7 +115,10 @@ class WorkerClient:
                     if batch.seq == 0:
                         self.attached.set()
                         attempt = 0
+                    ignored = self.ignored
                     for delta in batch.deltas:
+                        if ignored and delta.request_id in ignored:
+                            continue  # moved off this instance while it was hung: the client has it elsewhere
                         self._on_delta(delta)
                 reason = "the worker closed the token stream"
             except grpc.aio.AioRpcError as e:
@@ -127,6 +142,9 @@ class WorkerClient:
                         load = dataclasses.replace(load, healthy=False)  # no session to stream tokens back yet
                     self.load = load
                     self.reachable = True
+                    self.last_report_s = time.monotonic()
+                    if self.hung:
+                        self.on_resumed(self)
                     attempt = 0
                     if report.kv_events:
                         self._on_kv_events(self.instance_id, convert.kv_events_from_pb(report.kv_events))
@@ -153,6 +171,7 @@ class WorkerClient:
 class WorkerPool:
     def __init__(self, clients: dict[str, WorkerClient]) -> None:
         self.clients = clients
+        self.retired: dict[str, WorkerClient] = {}  # left the placement, closed soon (router/placement_watch.py)
 
     def start(self) -> None:
         for client in self.clients.values():
@@ -168,4 +187,5 @@ class WorkerPool:
         return all(c.ready() for c in self.clients.values())
 
     def __getitem__(self, instance_id: str) -> WorkerClient:
-        return self.clients[instance_id]
+        client = self.clients.get(instance_id)
+        return client if client is not None else self.retired[instance_id]

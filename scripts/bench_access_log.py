@@ -1,11 +1,13 @@
-"""What the router's access log costs: scripts/bench_router.py run with `--access-log off` and `--access-log all`
-(every request logged) in alternation, the same settings otherwise, and the two side by side.
+"""What the router's access log costs: scripts/bench_router.py run with `--access-log off`, `errors` (the default:
+every failed request and 1 in 100 ok ones, i.e. sampled) and `all` (every request), in rotation, the same settings
+otherwise, and the modes side by side.
 
-    .venv/bin/python scripts/bench_access_log.py [--rounds 2] [--levels 32,128] [--requests 100]
+    .venv/bin/python scripts/bench_access_log.py [--rounds 3] [--modes off,errors,all] [--levels 32,128] [--requests 100]
 
-Reported per mode (median over rounds): the router's added TTFT P50 on idle probes (each probe is a request, so
-`all` writes a line per probe), streamed tokens per router CPU-second at each level, and the ratio all/off.
-Nothing is asserted; on a shared machine only ratios from one run are comparable.
+Each round runs every mode once, the order rotated round by round (so no mode always runs first or last on a
+machine whose load drifts). Reported per mode (median over rounds): the router's added TTFT P50 on idle probes (each
+probe is a request, so `all` writes a line per probe), streamed tokens per router CPU-second at each level, and
+each mode's ratio to `off`. Nothing is asserted; on a shared machine only ratios from one run are comparable.
 """
 
 from __future__ import annotations
@@ -32,15 +34,17 @@ def run_once(mode: str, args: argparse.Namespace, out: Path) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--modes", default="off,errors,all", help="access-log modes; the first is the baseline")
     p.add_argument("--levels", default="32,128")
     p.add_argument("--requests", type=int, default=100)
     p.add_argument("--level-s", type=float, default=6.0)
     args = p.parse_args()
-    results: dict[str, list[dict]] = {"off": [], "all": []}
+    modes = args.modes.split(",")
+    results: dict[str, list[dict]] = {mode: [] for mode in modes}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
-            for mode in ("off", "all"):
+            for mode in modes[r % len(modes):] + modes[:r % len(modes)]:
                 results[mode].append(run_once(mode, args, Path(tmp) / f"{mode}-{r}.json"))
                 print(f"  round {r + 1}/{args.rounds} {mode} done", flush=True)
 
@@ -51,11 +55,15 @@ def main() -> None:
     for i, level in enumerate(args.levels.split(",")):
         rows.append((f"tokens per router CPU-s, {level} streams",
                      lambda res, i=i: res["levels"][i]["tokens_per_s"] / max(res["levels"][i]["router_cpu"], 1e-9)))
-    print(f"\n| metric (median of {args.rounds} rounds) | access log off | access log all | all / off |")
-    print("|---|---:|---:|---:|")
+    base = modes[0]
+    print(f"\n| metric (median of {args.rounds} rounds) | " + " | ".join(f"access log {m}" for m in modes) + " | "
+          + " | ".join(f"{m} / {base}" for m in modes[1:]) + " |")
+    print("|---|" + "---:|" * (2 * len(modes) - 1))
     for name, f in rows:
-        off, on = med("off", f), med("all", f)
-        print(f"| {name} | {off:,.3f} | {on:,.3f} | {on / off if off else float('nan'):.3f} |")
+        values = [med(m, f) for m in modes]
+        ratios = [v / values[0] if values[0] else float("nan") for v in values[1:]]
+        print(f"| {name} | " + " | ".join(f"{v:,.3f}" for v in values) + " | "
+              + " | ".join(f"{r:.3f}" for r in ratios) + " |")
 
 
 if __name__ == "__main__":

@@ -1,12 +1,14 @@
 """Live fault drill: the node as `octoserve up` runs it (default placement: a 70B at TP=4 and four 8B replicas),
-24 streams on the 8B, then one 8B worker SIGKILLed; what the clients saw, and how fast the node noticed and healed.
+24 streams on the 8B, then one 8B worker SIGKILLed (or, with `--signal stop`, SIGSTOPped: alive but silent, for the
+router's hang watchdog and the supervisor's hang check to find); what the clients saw, and how fast the node noticed
+and healed.
 
-    .venv/bin/python scripts/fault_drill.py [--time-scale 10] [--streams 24] [--victim sm-0] [--probe-s 15]
+    .venv/bin/python scripts/fault_drill.py [--time-scale 10] [--streams 24] [--victim sm-0] [--probe-s 15] [--signal kill|stop]
 
 Reported: streams finished / ended UNAVAILABLE (with a retry hint) / other; requests moved off the dead worker
 (the router's access log); new 8B requests sent every 100 ms from the kill on for --probe-s: served / failed;
 seconds from the kill until the router marked the worker down (its log), until the launcher had it serving again,
-and until the router routed a request to it again. Wall-clock seconds on this shared 2-core machine.
+and until the router routed a request to it again (with `--signal stop`, also until the supervisor killed it). Wall-clock seconds on this shared 2-core machine.
 """
 
 from __future__ import annotations
@@ -65,10 +67,11 @@ async def drill(args) -> dict:
 
             tasks = [asyncio.create_task(stream(i)) for i in range(args.streams)]
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in first)), 120)
-            print(f"{args.streams} streams running; SIGKILL {args.victim}", flush=True)
+            sig = signal.SIGKILL if args.signal == "kill" else signal.SIGSTOP
+            print(f"{args.streams} streams running; {sig.name} {args.victim}", flush=True)
             kill_wall = time.time()
             kill_t = time.monotonic()
-            os.kill(node.workers[args.victim].pid, signal.SIGKILL)
+            os.kill(node.workers[args.victim].pid, sig)
 
             probes: collections.Counter = collections.Counter()
             rejoin_s = None
@@ -100,11 +103,15 @@ async def drill(args) -> dict:
                     and access[r]["ts"] > kill_wall]
             rejoin_s = (min(back) - kill_wall) if back else None
             down = [e["ts"] for e in _log(node.router.log_file)
-                    if e["msg"] in ("load stream down",) and e.get("instance") == args.victim and e["ts"] >= kill_wall]
+                    if e["msg"] in ("load stream down", "worker hung: routing around it")
+                    and e.get("instance") == args.victim and e["ts"] >= kill_wall]
+            hung = [e.at_s - kill_t for e in node.supervisor.events
+                    if e.service == f"worker:{args.victim}" and e.event == "hung"]
             moved = sum(1 for e in access.values() if e.get("rerouted"))
             return {
                 "streams": dict(outcome), "moved": moved, "probes": dict(probes),
                 "router_marked_down_s": (min(down) - kill_wall) if down else None,
+                "supervisor_killed_hung_s": hung[0] if hung else None,
                 "restarted_serving_s": ready.at_s - kill_t,
                 "first_probe_on_restarted_s": rejoin_s,
             }
@@ -119,6 +126,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=300)
     p.add_argument("--victim", default="sm-0")
     p.add_argument("--probe-s", type=float, default=15.0)
+    p.add_argument("--signal", choices=("kill", "stop"), default="kill")
     result = asyncio.run(drill(p.parse_args()))
     print(json.dumps(result, indent=1))
 

@@ -7,8 +7,9 @@ Starts the whole node (`start_node`: scheduler, one sim-engine worker process pe
 - random client cancels (a fraction of requests is cancelled at a random moment of its stream),
 - bursts (`--burst-size` requests at once every `--burst-every-s`),
 - a worker SIGKILL every `--kill-every-s` (a random worker). The launcher's supervisor restarts it when the
-  launcher has one (`--restart launcher`); otherwise this script restarts it on the same port (`--restart soak`);
-  `--restart auto` (the default) picks; `--restart none` kills nothing.
+  launcher supervises its services (`--restart launcher`, and `--restart auto`, the default: the node is started with
+  its supervisor, as `octoserve up` does); `--restart soak`: the script restarts it on the same port itself;
+  `--restart none` kills nothing.
 Every `--sample-s` it records, per service: RSS (from /proc), live asyncio tasks (`octoserve_asyncio_tasks`), the
 router's in-flight requests, the client's open streams, KV blocks in use per worker (GetLoad), and per-minute SLO
 attainment; at the end it writes PNG plots, samples.csv and summary.json under `--out`.
@@ -301,10 +302,12 @@ async def sample(node: Node, traffic: Traffic, samples: Samples, t0: float) -> N
     samples.t_s.append(t)
     for sp in node.processes:
         samples.add("rss_mib", sp.name, t, rss_mib(sp.pid))
-        m = await asyncio.to_thread(scrape, sp.metrics_port, ("octoserve_asyncio_tasks", "octoserve_router_in_flight_requests"))
+        m = await asyncio.to_thread(scrape, sp.metrics_port, ("octoserve_asyncio_tasks", "octoserve_router_in_flight_requests",
+                                                              "octoserve_router_hung_workers_total"))
         samples.add("asyncio_tasks", sp.name, t, m.get("octoserve_asyncio_tasks", float("nan")))
         if sp is node.router:
             samples.add("streams", "router in flight", t, m.get("octoserve_router_in_flight_requests", float("nan")))
+            samples.add("router", "workers declared hung", t, m.get("octoserve_router_hung_workers_total", 0.0))
     samples.add("streams", "client open", t, float(len(traffic.tasks)))
     samples.add("asyncio_tasks", "soak client", t, float(len(asyncio.all_tasks())))
     for iid, used in (await kv_in_use(node)).items():
@@ -363,7 +366,8 @@ async def main_async(args) -> int:
     print(f"starting the node (time scale {args.time_scale:g}x); {len(trace)} trace requests at {rate:g} req/s "
           f"modelled ({rate / args.time_scale:.2f}/s wall) + {args.burst_size} every {args.burst_every_s:g} s, "
           f"{args.minutes:g} min", file=sys.stderr, flush=True)
-    node = await asyncio.to_thread(start_node, args.config, args.time_scale, run_dir=args.run_dir)
+    node = await asyncio.to_thread(start_node, args.config, args.time_scale, run_dir=args.run_dir,
+                                   supervise=args.restart in ("auto", "launcher"))
     if args.restart == "auto":
         args.restart = "launcher" if getattr(node, "supervisor", None) is not None else "soak"
     rng = random.Random(args.seed + 2)
@@ -406,12 +410,18 @@ async def main_async(args) -> int:
         "unbounded": sorted(k for k, g in growths.items() if not g["bounded"]),
         "kv_in_use_at_idle": idle,
         "router_in_flight_at_idle": router_idle,
+        # the router's hang watchdog (a restarted router counts from 0 again); every kill here is a SIGKILL, so a
+        # declaration would be a worker the router found silent under load
+        "router_hung_declarations": max((v for _, v in samples.group("router").get("workers declared hung", [])),
+                                        default=0.0),
     }
     passed = (lost == 0 and not verdict["unbounded"] and verdict["refusals_without_hint"] == 0
               and all(v == 0 for v in idle.values()) and router_idle == 0)
     summary = {"args": {k: v for k, v in vars(args).items() if k != "run_dir"},  # no machine paths in results
                "requests": len(traffic.outcomes), "statuses": statuses, "examples": examples, "kills": kills,
-               "growth": growths, "verdict": verdict, "passed": passed, "exit_codes": codes}
+               "growth": growths, "verdict": verdict, "passed": passed, "exit_codes": codes,
+               "supervisor_events": [{"t_s": round(e.at_s - t0, 1), "service": e.service, "event": e.event,
+                                      "detail": e.detail} for e in (node.supervisor.events if node.supervisor else ())]}
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     _write_csv(out_dir / "samples.csv", samples)
     for group, ylabel in (("rss_mib", "RSS (MiB)"), ("asyncio_tasks", "asyncio tasks"),

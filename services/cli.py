@@ -24,6 +24,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "certs": ("octoserve.services.trust", "make a development CA and per-service certificates for mTLS between services"),
     "compose": ("octoserve.services.compose", "write or check docker-compose.yml for a placement"),
     "k8s": ("octoserve.services.k8s", "write or check Kubernetes manifests for a placement and a node count"),
+    "reconfigure": ("octoserve.services.reconfigure_cli", "change an instance's role or model on a running node, without downtime"),
 }
 
 

@@ -18,7 +18,7 @@ from octoserve.services.core.placement import NodeConfig, PlacementError, node_c
 
 DEFAULT_CONFIG = "node-default.yaml"
 # Sections of the same file that configure the services rather than the placement (services/trust.py reads them).
-SERVICE_SECTIONS = ("limits", "tenants", "tls")
+SERVICE_SECTIONS = ("limits", "tenants", "tls", "elastic")
 
 
 def default_config_text(name: str = DEFAULT_CONFIG) -> str:

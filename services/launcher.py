@@ -79,6 +79,7 @@ class Node:
     exit_codes: dict[str, int] = field(default_factory=dict)
     supervisor: Supervisor | None = None
     http: ServiceProcess | None = None  # the OpenAI-compatible front (octoserve.http_front), when started
+    keeper: object = None  # starts / stops workers of a model change (services/elastic_launch.py)
 
     @property
     def http_url(self) -> str | None:
@@ -95,6 +96,8 @@ class Node:
     def stop(self) -> dict[str, int]:
         if self.supervisor is not None:
             self.supervisor.stop()  # a stopping node is not restarted
+        if self.keeper is not None:
+            self.keeper.stop()
         for group in ([self.http] if self.http else [], [self.router], list(self.workers.values()), [self.scheduler]):
             self.exit_codes.update(_stop_group(group, self.grace_s))
         return self.exit_codes
@@ -135,9 +138,12 @@ def _popen(cmd, log: Path, env: dict[str, str]) -> subprocess.Popen:
 
 
 def respawn(sp: ServiceProcess) -> None:
-    """Starts an exited service again on the port it had (its peers reconnect there); its ready file is rewritten."""
+    """Starts an exited service again on the port it had (its peers reconnect there); its ready file is rewritten.
+    A worker whose port was taken meanwhile serves on a free one and registers that address with the scheduler,
+    whose placement the router follows (router/placement_watch.py); the supervisor reads the new port from the ready file."""
     sp.ready_file.unlink(missing_ok=True)
-    sp.proc = _popen((*sp.cmd, "--port", str(sp.port)), sp.log_file, sp.env)
+    fallback = ("--port-fallback",) if sp.name.startswith("worker:") else ()
+    sp.proc = _popen((*sp.cmd, "--port", str(sp.port), *fallback), sp.log_file, sp.env)
 
 
 def _wait_ready(sp: ServiceProcess, deadline: float) -> None:
@@ -195,6 +201,7 @@ def start_node(
     on_event=None,
     http_port: int | None = None,
     http_inside: bool = True,
+    worker_args: tuple[str, ...] = (),
 ) -> Node:
     """Starts every process of the node and returns once all are SERVING (or stops them and raises LaunchError).
 
@@ -203,6 +210,7 @@ def start_node(
     front on it (0: any free port; None: no front); http_inside: served by the router process (the default, measured
     faster: docs/bench/openai_front.md) or, when False, by a process of its own. supervise: restart services that
     exit (`Supervisor`; `on_event` gets its events); `octoserve up` does, harnesses that model a lost node do not.
+    worker_args: extra flags for every worker (e.g. `--stall-after-s 2`).
     """
     from octoserve.router.tenants import tenant_settings_from_dict
     from octoserve.services.config import load_node_config, load_service_sections
@@ -226,13 +234,14 @@ def start_node(
     deadline = time.monotonic() + startup_timeout_s
     started: list[ServiceProcess] = []
     try:
-        scheduler = _spawn("scheduler", "octoserve.services.scheduler", common, run_dir, env)
+        scheduler = _spawn("scheduler", "octoserve.services.scheduler", [*common, "--time-scale", str(time_scale),
+                           "--placement-file", str(run_dir / "placement.json")], run_dir, env)
         started.append(scheduler)
         _wait_ready(scheduler, deadline)
         workers = {}
         for inst in node_cfg.instances:
             args = [*common, "--instance", inst.id, "--engine", engine, "--time-scale", str(time_scale),
-                    "--scheduler", scheduler.address, *(["--model", model_path] if model_path else [])]
+                    "--scheduler", scheduler.address, *(["--model", model_path] if model_path else []), *worker_args]
             workers[inst.id] = _spawn(f"worker:{inst.id}", WORKER_MODULES[inst.role], args, run_dir, env)
             started.append(workers[inst.id])
         # The router waits for a complete placement and every worker's session: give it the whole startup budget
@@ -261,10 +270,33 @@ def start_node(
         _stop_group(list(reversed(started)), grace_s=1.0)
         raise
     node = Node(router, scheduler, workers, run_dir, grace_s, http=http)
+    node.keeper = _placement_keeper(node, cfg_path, grace_s, engine, time_scale, model_path, env)
     if supervise:
         node.supervisor = Supervisor(node, on_event)
         node.supervisor.start()
     return node
+
+
+def _placement_keeper(node: Node, cfg_path: str | None, grace_s: float, engine: str, time_scale: float,
+                      model_path: str | None, env: dict[str, str]):
+    """Starts the thread that starts and stops workers as model changes retire and start instances."""
+    import yaml
+
+    from octoserve.services.config import default_config_text
+    from octoserve.services.elastic_launch import PlacementKeeper
+    from octoserve.services.rpc import convert
+
+    base = yaml.safe_load(default_config_text() if cfg_path is None else Path(cfg_path).read_text())
+
+    def spawn_worker(instance_id: str, role_pb: int, config_path: str) -> ServiceProcess:
+        args = ["--config", config_path, "--grace-s", str(grace_s), "--instance", instance_id, "--engine", engine,
+                "--time-scale", str(time_scale), "--scheduler", node.scheduler.address,
+                *(["--model", model_path] if model_path else [])]
+        return _spawn(f"worker:{instance_id}", WORKER_MODULES[convert.ROLE_FROM_PB[role_pb]], args, node.run_dir, env)
+
+    keeper = PlacementKeeper(node, base, spawn_worker, lambda sp: _stop_group([sp], grace_s))
+    keeper.start()
+    return keeper
 
 
 # ---- the `octoserve up` subcommand ----------------------------------------------------------------------------------

@@ -8,7 +8,9 @@ router) reconnect to the same address without being told anything.
 - Only processes the launcher started are watched and restarted; nothing else is signalled. An entry without a
   command of its own (the HTTP front served inside the router process) is not restarted itself: it follows the
   process that serves it.
-- Every event (exit, restart, ready, gave up) is kept in `events` and handed to `on_event`, so `octoserve up`
+- A worker that lives but does not serve (stopped, or silent to health checks) is killed by the hang check
+  (services/hang_watch.py, a "hung" event), and restarted like any exited service.
+- Every event (exit, restart, ready, gave up, hung) is kept in `events` and handed to `on_event`, so `octoserve up`
   prints it and tests read it.
 Runs in a daemon thread of the launcher; `Node.stop()` stops it first, so a stopping node is not restarted.
 """
@@ -21,6 +23,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from octoserve.services.hang_watch import DEFAULT_HUNG_AFTER_S, HangWatch
+
 RESTART_BACKOFF_S = (0.2, 0.4, 0.8, 1.6, 3.2, 6.4, 10.0)
 STABLE_S = 30.0
 MAX_RESTARTS = 8
@@ -31,14 +35,14 @@ POLL_S = 0.05
 class SupervisorEvent:
     at_s: float  # time.monotonic()
     service: str
-    event: str  # "exited", "restarting", "ready", "gave_up"
+    event: str  # "exited", "restarting", "ready", "gave_up", "hung"
     detail: str = ""
 
 
 class Supervisor:
     def __init__(self, node, on_event: Callable[[SupervisorEvent], None] | None = None, *,
                  backoff_s: tuple[float, ...] = RESTART_BACKOFF_S, max_restarts: int = MAX_RESTARTS,
-                 stable_s: float = STABLE_S) -> None:
+                 stable_s: float = STABLE_S, hung_after_s: float | None = DEFAULT_HUNG_AFTER_S) -> None:
         self.node = node
         self.backoff_s, self.max_restarts, self.stable_s = backoff_s, max_restarts, stable_s
         self.on_event = on_event
@@ -51,15 +55,20 @@ class Supervisor:
         self._restart_at: dict[str, float] = {}  # service -> when to restart it
         self._starting: set[str] = set()  # restarted, ready file not written yet
         self._lock = threading.Lock()
+        self.hang_watch = HangWatch(self, hung_after_s) if hung_after_s is not None else None
 
     def start(self) -> None:
         now = time.monotonic()
         for sp in self.node.processes:
             self._up_since[sp.name] = now
         self._thread.start()
+        if self.hang_watch is not None:
+            self.hang_watch.start()
 
     def stop(self) -> None:
         self._stop.set()
+        if self.hang_watch is not None:
+            self.hang_watch.stop()
         if self._thread.is_alive():
             self._thread.join(timeout=5.0)
 
@@ -73,6 +82,19 @@ class Supervisor:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{service} did not reach {event} x{count} in {timeout_s:g} s: {self.events}")
             time.sleep(POLL_S)
+
+    def is_up(self, sp) -> bool:
+        """Started and ready, not exited nor being restarted (what the hang check may judge)."""
+        with self._lock:
+            return not self._stop.is_set() and sp.name not in self._starting and sp.proc.poll() is None
+
+    def kill_hung(self, sp, pid: int, reason: str) -> None:
+        """SIGKILL a hung service's process (that PID only, if it is still the service's); the exit restarts it."""
+        with self._lock:
+            if self._stop.is_set() or sp.pid != pid or sp.proc.poll() is not None:
+                return
+            self._emit(sp, "hung", f"pid {pid}: {reason}; killing it")
+            sp.proc.kill()
 
     def _emit(self, sp, event: str, detail: str = "") -> None:
         e = SupervisorEvent(time.monotonic(), sp.name, event, detail)
@@ -129,10 +151,11 @@ class Supervisor:
     def _check_started(self, sp, now: float) -> None:
         if sp.ready_file.exists():
             info = json.loads(sp.ready_file.read_text())
-            sp.metrics_port = info["metrics_port"]
+            moved = f" (port {sp.port} was taken)" if info["port"] != sp.port else ""
+            sp.port, sp.metrics_port = info["port"], info["metrics_port"]
             self._starting.discard(sp.name)
             self._up_since[sp.name] = now
-            self._emit(sp, "ready", f"pid {info['pid']} port {info['port']}")
+            self._emit(sp, "ready", f"pid {info['pid']} port {info['port']}{moved}")
         elif sp.proc.poll() is not None:  # died while starting (its port taken, say): the usual backoff applies
             self._starting.discard(sp.name)
 

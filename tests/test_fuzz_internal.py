@@ -274,7 +274,18 @@ scheduler_calls = st.one_of(
                                                  instance_ids=st.lists(instance_ids, max_size=3),
                                                  duration_ms=edge_u32)),
     st.tuples(st.just("ReleaseLease"), st.builds(s_pb.ReleaseLeaseRequest, lease_id=st.text(max_size=32))),
-    st.tuples(st.just("Raw"), st.tuples(st.sampled_from(["RegisterWorker", "AcquireLease", "ReleaseLease"]),
+    st.tuples(st.just("Reconfigure"), st.one_of(
+        st.builds(s_pb.ReconfigureRequest, role_change=st.builds(s_pb.RoleChange, instance_id=instance_ids,
+                                                                 role=st.integers(0, 5)),
+                  drain_timeout_ms=st.integers(0, 2000)),
+        st.builds(s_pb.ReconfigureRequest, model_change=st.builds(
+            s_pb.ModelChange, retire=st.lists(instance_ids, max_size=3), model=st.text(max_size=12),
+            role=st.integers(0, 5), tensor_parallel=edge_u32)),
+        st.just(s_pb.ReconfigureRequest()))),
+    st.tuples(st.just("ReportDemand"), st.builds(s_pb.DemandReport, models=st.lists(st.builds(
+        s_pb.ModelArrivals, model=st.text(max_size=12), arrivals=edge_u32), max_size=3))),
+    st.tuples(st.just("Raw"), st.tuples(st.sampled_from(["RegisterWorker", "AcquireLease", "ReleaseLease", "Reconfigure",
+                                                         "ReportDemand"]),
                                         st.binary(max_size=200))),
 )
 

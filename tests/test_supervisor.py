@@ -40,7 +40,7 @@ def test_a_crash_looping_service_is_restarted_with_backoff_then_given_up(tmp_pat
     assert kinds == ["exited", "restarting"] * 3 + ["exited", "gave_up"]
     assert [e.detail for e in sup.events if e.event == "exited"] == ["exit code 3"] * 4
     assert sup.restarts("worker:x") == 3
-    assert sp.proc.args[-2:] == ("--port", "4321")  # restarted on the port it had
+    assert sp.proc.args[-3:] == ("--port", "4321", "--port-fallback")  # on the port it had (a free one if taken)
     gaps = [b.at_s - a.at_s for a, b in zip(sup.events, sup.events[1:]) if (a.event, b.event) == ("exited", "restarting")]
     # Never sooner than the backoff slot (a lower bound: a busy machine can only make it later).
     assert [g >= b for g, b in zip(gaps, (0.05, 0.1, 0.1))] == [True, True, True]

@@ -65,6 +65,7 @@ class SimEngine:
         self._loop_task: asyncio.Task[None] | None = None
         self.kv_events: list = []  # drained by the worker for the router's prefix index
         self.num_steps = 0
+        self.stall_after_steps: int | None = None  # an injected fault (services/faults.py): the loop stops here
 
     # ---- lifecycle -----------------------------------------------------------------------------------------
 
@@ -130,6 +131,8 @@ class SimEngine:
             await asyncio.sleep(max(0.0, delay))
             out = self.batcher.update(plan, result, loop.time() / self.time_scale)
             self.num_steps += 1
+            if self.num_steps == self.stall_after_steps:
+                await asyncio.Event().wait()  # injected: stuck for good, everything else in the process carries on
             self.reporter.note_step(plan, result.step_time_s)
             self.kv_events.extend(out.kv_events)
             for output in out.outputs:

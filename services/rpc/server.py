@@ -102,6 +102,7 @@ class ServiceSpec:
     grpc_options: Sequence[tuple[str, int]] = ()  # added to (or overriding) GRPC_OPTIONS
     host: str = HOST  # beyond loopback only with credentials (services/trust.py checks before building the spec)
     server_credentials: grpc.ServerCredentials | None = None  # mTLS; None: plaintext
+    port_fallback: bool = False  # `port` taken: serve on a free port instead of failing (a restarted worker)
 
 
 @dataclass
@@ -152,6 +153,17 @@ class RunningService:
         log.info("stopped", extra=log_fields(drain_s=round(time.monotonic() - t0, 3)))
 
 
+def _bind(server: grpc.aio.Server, spec: ServiceSpec, port: int) -> int:
+    """The bound port, or 0 when `port` cannot be bound (taken by another process)."""
+    address = f"{spec.host}:{port}"
+    try:
+        if spec.server_credentials is not None:
+            return server.add_secure_port(address, spec.server_credentials)
+        return server.add_insecure_port(address)
+    except RuntimeError:  # grpcio reports a failed bind by raising (older versions: by returning 0)
+        return 0
+
+
 async def start_service(spec: ServiceSpec) -> RunningService:
     server = grpc.aio.server(options=tuple({**dict(GRPC_OPTIONS), **dict(spec.grpc_options)}.items()))
     spec.add_servicers(server)
@@ -159,10 +171,11 @@ async def start_service(spec: ServiceSpec) -> RunningService:
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (*spec.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)
-    if spec.server_credentials is not None:
-        port = server.add_secure_port(f"{spec.host}:{spec.port}", spec.server_credentials)
-    else:
-        port = server.add_insecure_port(f"{spec.host}:{spec.port}")
+    port = _bind(server, spec, spec.port)
+    if port == 0 and spec.port_fallback and spec.port != 0:
+        port = _bind(server, spec, 0)
+        logging.getLogger("octoserve.server").warning("port taken; serving on a free port instead",
+                                                      extra=log_fields(wanted=spec.port, port=port))
     if port == 0:
         raise OSError(f"{spec.name}: cannot bind {spec.host}:{spec.port}; choose a free port or 0")
     await server.start()

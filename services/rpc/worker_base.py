@@ -92,7 +92,7 @@ class KVEventFanout:
         return buf
 
     def unsubscribe(self, buf: list[KVEvent]) -> None:
-        self._subscribers.remove(buf)
+        self._subscribers = [b for b in self._subscribers if b is not buf]  # by identity: empty buffers are equal
 
     def _take(self) -> list[KVEvent]:
         # Optional engine capability (not in the Engine protocol): the sim engine appends to `kv_events`.

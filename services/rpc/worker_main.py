@@ -22,8 +22,11 @@ from octoserve.services.rpc.gen import scheduler_pb2_grpc as s_grpc
 from octoserve.services.rpc.gen import worker_pb2 as w_pb
 from octoserve.services.rpc.gen import worker_pb2_grpc as w_grpc
 from octoserve.services import trust
+from octoserve.services.faults import FaultPlan
+from octoserve.services.rpc import role_switch
 from octoserve.services.rpc.hardening import add_servicer
 from octoserve.services.rpc.server import RunningService, ServiceSpec, setup_logging
+from octoserve.services.rpc.stall_watch import DEFAULT_STALL_AFTER_S, watch_progress
 from octoserve.services.rpc.worker_base import WorkerBase
 from octoserve.services.scheduler.gang_live import attach_gang_gate
 
@@ -42,11 +45,16 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--time-scale", type=float, default=1.0, help="dilate modelled time by this factor")
     parser.add_argument("--scheduler", default="", help="scheduler host:port to register with")
     parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--port-fallback", action="store_true",
+                        help="when --port is taken, serve on a free port (and register that address) instead of failing")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (beyond loopback: needs tls)")
     parser.add_argument("--allow-insecure", action="store_true", help="listen beyond loopback without tls anyway")
     parser.add_argument("--metrics-port", type=int, default=0)
     parser.add_argument("--ready-file", default=None)
     parser.add_argument("--grace-s", type=float, default=10.0)
+    parser.add_argument("--stall-after-s", type=float, default=DEFAULT_STALL_AFTER_S,
+                        help="exit (for the supervisor to restart it) when the engine made no step for this long "
+                             "with requests running; 0: never")
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -88,11 +96,14 @@ def worker_spec(args: argparse.Namespace, make_servicer: Callable[..., WorkerBas
 
     node_cfg = load_node_config(args.config)
     engine = make_engine(node_cfg, args.instance, engine=args.engine, time_scale=args.time_scale, model_path=args.model)
+    FaultPlan.from_env().apply_to_engine(engine)  # injected faults (tests and drills); none by default
     attach_gang_gate(engine, node_cfg, args.instance, args.scheduler, args.time_scale)  # gang members step on grants
     servicer = make_servicer(engine)
     servicer.model_spec = node_cfg.models.get(engine.model)
+    servicer = role_switch.RoleSwitch(servicer, role_switch.rebuilder(node_cfg, args, servicer))  # elastic pools
 
     async def on_serving(running: RunningService) -> None:
+        running.background.add(asyncio.create_task(watch_progress(lambda: servicer.inner.engine, args.stall_after_s)))
         if args.scheduler:
             await register(args.scheduler, args.instance, running.address)
             heartbeat = asyncio.create_task(keep_registered(args.scheduler, args.instance, running.address))
@@ -101,6 +112,7 @@ def worker_spec(args: argparse.Namespace, make_servicer: Callable[..., WorkerBas
     return ServiceSpec(
         name=f"worker:{args.instance}",
         port=args.port,
+        port_fallback=args.port_fallback,
         host=args.host,
         server_credentials=tls.server_credentials() if tls else None,
         metrics_port=args.metrics_port,

@@ -7,6 +7,8 @@ here yet.
 Registration is idempotent and workers repeat it every second, so a scheduler that restarted rebuilds its
 registry (and its load watchers) from those heartbeats; the router keeps serving on the placement it read at
 start meanwhile. A worker that registers a new address gets a new watcher.
+Elastic pools (services/scheduler/elastic.py): the placement is live. `WatchPlacement` streams it after every
+change, `Reconfigure` carries out a role or model change without downtime, and an optional balancer loop plans them.
 Invariants: `GetPlacement.complete` only when every configured instance has registered; a lease pauses each of
 its instances exactly once and resumes them exactly once (on release or at expiry).
 """
@@ -35,6 +37,8 @@ from octoserve.services import trust
 from octoserve.services.rpc.hardening import add_servicer
 from octoserve.services.rpc.server import ServiceSpec, setup_logging
 from octoserve.services.scheduler.gang_live import GangCollector, GangHub
+from octoserve.services.scheduler import elastic
+from octoserve.services.scheduler.live_balancer import DEFAULT_WINDOW_S, DemandWindow, LiveView
 
 log = logging.getLogger("octoserve.scheduler")
 
@@ -56,8 +60,15 @@ class LeaseRecord:
 
 
 class SchedulerServicer(s_grpc.SchedulerServicer):
-    def __init__(self, config: NodeConfig) -> None:
+    def __init__(self, config: NodeConfig, time_scale: float = 1.0, elastic_section: dict | None = None,
+                 placement_file: str | None = None) -> None:
         self.config = config
+        self.placement = elastic.LivePlacement(config, placement_file)  # what routers route on; changes with reconfigurations
+        self.elastic = elastic.ElasticRunner(self, time_scale)
+        planned = elastic.balancer_from_section(elastic_section, config)
+        self.demand = DemandWindow(getattr(planned[0], "window_s", DEFAULT_WINDOW_S) if planned else DEFAULT_WINDOW_S)
+        self.time_scale = time_scale
+        self.balancer_loop = None if planned is None else elastic.BalancerLoop(self.elastic, *planned)
         self.addresses: dict[str, str] = {}
         self.loads: dict[str, EngineLoad] = {}
         self.leases: dict[str, LeaseRecord] = {}
@@ -77,10 +88,8 @@ class SchedulerServicer(s_grpc.SchedulerServicer):
     # ---- registration and placement ----------------------------------------------------------------------------
 
     async def RegisterWorker(self, request, context):
-        try:
-            self.config.instance(request.instance_id)
-        except KeyError:
-            known = ", ".join(i.id for i in self.config.instances)
+        if request.instance_id not in self.placement.instances:
+            known = ", ".join(self.placement.instances)
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"instance {request.instance_id!r} is not in the node config; known: {known}")
         if (problem := address_problem(request.address)) is not None:
@@ -91,18 +100,54 @@ class SchedulerServicer(s_grpc.SchedulerServicer):
         self._registered.set(len(self.addresses))
         self._watch(request.instance_id, request.address)
         log.info("worker registered", extra={"fields": {"instance": request.instance_id, "address": request.address}})
+        await self.placement.publish()
         return s_pb.RegisterWorkerReply()
 
     async def GetPlacement(self, request, context):
-        instances = [
-            s_pb.InstancePlacement(
-                instance_id=i.id, model=i.model, role=convert.ROLE_TO_PB[i.role], gpu_ids=i.gpu_ids,
-                tensor_parallel=i.tp, address=self.addresses.get(i.id, ""),
-                context_window=self.config.models[i.model].max_context_len,
-            )
-            for i in self.config.instances
-        ]
-        return s_pb.Placement(instances=instances, complete=all(p.address for p in instances))
+        return self.placement.snapshot(self.addresses)
+
+    async def WatchPlacement(self, request, context):
+        while True:
+            seen = self.placement.version
+            yield self.placement.snapshot(self.addresses)
+            await self.placement.wait_change(seen)
+
+    async def Reconfigure(self, request, context):
+        try:
+            r = elastic.reconfiguration_from_pb(request, self.placement.instances, self.config)
+            out = await self.elastic.run(r, request.drain_timeout_ms / 1000.0 or None)
+        except elastic.ReconfigError as e:
+            await context.abort(e.code, str(e))
+        return elastic.outcome_to_pb(out)
+
+    async def ReportDemand(self, request, context):
+        now_s = time.monotonic() / self.time_scale
+        for m in request.models:
+            if m.model in self.config.models:  # others cannot be balanced: not kept
+                self.demand.add(now_s, m.model, m.arrivals, m.prompt_tokens, m.output_tokens)
+        return s_pb.DemandReply()
+
+    def live_view(self, now_s: float) -> LiveView:
+        p = self.placement
+        return LiveView(tuple(p.instances.values()),
+                        {i: st is elastic.State.SERVING for i, st in p.states.items()}, dict(self.loads),
+                        self.demand.demand(now_s, sorted(self.config.models)), self.demand.window_s)
+
+    async def start_elastic(self) -> None:
+        if self.balancer_loop is not None:
+            self.balancer_loop.start()
+
+    def forget_worker(self, instance_id: str) -> None:
+        """A retired instance: stop watching its load; its worker is stopped by the launcher."""
+        task = self._watchers.pop(instance_id, None)
+        if task is not None:
+            task.cancel()
+        channel = self._channels.pop(instance_id, None)
+        if channel is not None:
+            asyncio.get_running_loop().create_task(channel.close())
+        self.addresses.pop(instance_id, None)
+        self.loads.pop(instance_id, None)
+        self._registered.set(len(self.addresses))
 
     async def GetLoads(self, request, context):
         return s_pb.Loads(loads=[convert.load_to_pb(load) for _, load in sorted(self.loads.items())])
@@ -190,6 +235,8 @@ class SchedulerServicer(s_grpc.SchedulerServicer):
             yield grant
 
     async def close(self) -> None:
+        if self.balancer_loop is not None:
+            await self.balancer_loop.close()
         await self.gang.close()
         for lease_id in list(self.leases):
             await self._end_lease(lease_id)
@@ -210,14 +257,16 @@ def address_problem(address: str) -> str | None:
 
 def scheduler_spec(config: NodeConfig, *, port: int = 0, metrics_port: int | None = 0,
                    ready_file: str | None = None, grace_s: float = 5.0, host: str = "127.0.0.1",
-                   tls: trust.TlsFiles | None = None) -> tuple[ServiceSpec, SchedulerServicer]:
-    servicer = SchedulerServicer(config)
+                   tls: trust.TlsFiles | None = None, time_scale: float = 1.0,
+                   elastic_section: dict | None = None,
+                   placement_file: str | None = None) -> tuple[ServiceSpec, SchedulerServicer]:
+    servicer = SchedulerServicer(config, time_scale, elastic_section, placement_file)
     spec = ServiceSpec(
         name="scheduler", port=port, metrics_port=metrics_port, grace_s=grace_s, ready_file=ready_file,
         host=host, server_credentials=tls.server_credentials() if tls else None,
         service_names=(SCHEDULER_SERVICE,),
         add_servicers=lambda server: add_servicer(servicer, s_pb.DESCRIPTOR.services_by_name["Scheduler"], server),
-        close=servicer.close, registry=servicer.registry,
+        start=servicer.start_elastic, close=servicer.close, registry=servicer.registry,
     )
     return spec, servicer
 
@@ -231,13 +280,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--metrics-port", type=int, default=0)
     parser.add_argument("--ready-file", default=None)
     parser.add_argument("--grace-s", type=float, default=5.0)
+    parser.add_argument("--time-scale", type=float, default=1.0,
+                        help="the node's dilation: modelled weight-load times and balancer periods are multiplied by it")
+    parser.add_argument("--placement-file", default=None,
+                        help="keep the live placement here (JSON), so a restart serves what reconfigurations made")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     setup_logging("scheduler", args.log_level)
     from octoserve.services.config import load_service_sections
 
     try:
-        tls = trust.configure(load_service_sections(args.config).get("tls"), "scheduler")
+        sections = load_service_sections(args.config)
+        tls = trust.configure(sections.get("tls"), "scheduler")
         trust.check_bind(args.host, tls, args.allow_insecure, "scheduler")
     except trust.TrustError as e:
         log.error(str(e))
@@ -248,7 +302,9 @@ def main(argv: list[str] | None = None) -> int:
         from octoserve.services.rpc.server import serve_until_signal
 
         spec, _ = scheduler_spec(load_node_config(args.config), port=args.port, metrics_port=args.metrics_port,
-                                 ready_file=args.ready_file, grace_s=args.grace_s, host=args.host, tls=tls)
+                                 ready_file=args.ready_file, grace_s=args.grace_s, host=args.host, tls=tls,
+                                 time_scale=args.time_scale, elastic_section=sections.get("elastic"),
+                                 placement_file=args.placement_file)
         return await serve_until_signal(spec)
 
     import uvloop

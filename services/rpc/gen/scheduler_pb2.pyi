@@ -8,8 +8,41 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class InstanceState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    INSTANCE_SERVING: _ClassVar[InstanceState]
+    INSTANCE_DRAINING: _ClassVar[InstanceState]
+    INSTANCE_STARTING: _ClassVar[InstanceState]
+INSTANCE_SERVING: InstanceState
+INSTANCE_DRAINING: InstanceState
+INSTANCE_STARTING: InstanceState
+
+class ModelArrivals(_message.Message):
+    __slots__ = ("model", "arrivals", "prompt_tokens", "output_tokens")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    ARRIVALS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    arrivals: int
+    prompt_tokens: int
+    output_tokens: int
+    def __init__(self, model: _Optional[str] = ..., arrivals: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ...) -> None: ...
+
+class DemandReport(_message.Message):
+    __slots__ = ("models", "interval_s")
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedCompositeFieldContainer[ModelArrivals]
+    interval_s: float
+    def __init__(self, models: _Optional[_Iterable[_Union[ModelArrivals, _Mapping]]] = ..., interval_s: _Optional[float] = ...) -> None: ...
+
+class DemandReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class InstancePlacement(_message.Message):
-    __slots__ = ("instance_id", "model", "role", "gpu_ids", "tensor_parallel", "address", "context_window")
+    __slots__ = ("instance_id", "model", "role", "gpu_ids", "tensor_parallel", "address", "context_window", "state", "instance_config_json")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +50,8 @@ class InstancePlacement(_message.Message):
     TENSOR_PARALLEL_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     model: str
     role: _worker_pb2.Role
@@ -24,7 +59,61 @@ class InstancePlacement(_message.Message):
     tensor_parallel: int
     address: str
     context_window: int
-    def __init__(self, instance_id: _Optional[str] = ..., model: _Optional[str] = ..., role: _Optional[_Union[_worker_pb2.Role, str]] = ..., gpu_ids: _Optional[_Iterable[int]] = ..., tensor_parallel: _Optional[int] = ..., address: _Optional[str] = ..., context_window: _Optional[int] = ...) -> None: ...
+    state: InstanceState
+    instance_config_json: str
+    def __init__(self, instance_id: _Optional[str] = ..., model: _Optional[str] = ..., role: _Optional[_Union[_worker_pb2.Role, str]] = ..., gpu_ids: _Optional[_Iterable[int]] = ..., tensor_parallel: _Optional[int] = ..., address: _Optional[str] = ..., context_window: _Optional[int] = ..., state: _Optional[_Union[InstanceState, str]] = ..., instance_config_json: _Optional[str] = ...) -> None: ...
+
+class WatchPlacementRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RoleChange(_message.Message):
+    __slots__ = ("instance_id", "role")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    role: _worker_pb2.Role
+    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[_Union[_worker_pb2.Role, str]] = ...) -> None: ...
+
+class ModelChange(_message.Message):
+    __slots__ = ("retire", "model", "role", "tensor_parallel")
+    RETIRE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_FIELD_NUMBER: _ClassVar[int]
+    retire: _containers.RepeatedScalarFieldContainer[str]
+    model: str
+    role: _worker_pb2.Role
+    tensor_parallel: int
+    def __init__(self, retire: _Optional[_Iterable[str]] = ..., model: _Optional[str] = ..., role: _Optional[_Union[_worker_pb2.Role, str]] = ..., tensor_parallel: _Optional[int] = ...) -> None: ...
+
+class ReconfigureRequest(_message.Message):
+    __slots__ = ("role_change", "model_change", "reason", "drain_timeout_ms")
+    ROLE_CHANGE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_CHANGE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    role_change: RoleChange
+    model_change: ModelChange
+    reason: str
+    drain_timeout_ms: int
+    def __init__(self, role_change: _Optional[_Union[RoleChange, _Mapping]] = ..., model_change: _Optional[_Union[ModelChange, _Mapping]] = ..., reason: _Optional[str] = ..., drain_timeout_ms: _Optional[int] = ...) -> None: ...
+
+class ReconfigureReply(_message.Message):
+    __slots__ = ("reconfig_id", "started", "drain_s", "switch_s", "total_s", "drained_requests")
+    RECONFIG_ID_FIELD_NUMBER: _ClassVar[int]
+    STARTED_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_S_FIELD_NUMBER: _ClassVar[int]
+    SWITCH_S_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_S_FIELD_NUMBER: _ClassVar[int]
+    DRAINED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    reconfig_id: str
+    started: _containers.RepeatedScalarFieldContainer[str]
+    drain_s: float
+    switch_s: float
+    total_s: float
+    drained_requests: int
+    def __init__(self, reconfig_id: _Optional[str] = ..., started: _Optional[_Iterable[str]] = ..., drain_s: _Optional[float] = ..., switch_s: _Optional[float] = ..., total_s: _Optional[float] = ..., drained_requests: _Optional[int] = ...) -> None: ...
 
 class RegisterWorkerRequest(_message.Message):
     __slots__ = ("instance_id", "address", "pid")
@@ -45,14 +134,16 @@ class GetPlacementRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Placement(_message.Message):
-    __slots__ = ("instances", "complete", "node_config_json")
+    __slots__ = ("instances", "complete", "node_config_json", "version")
     INSTANCES_FIELD_NUMBER: _ClassVar[int]
     COMPLETE_FIELD_NUMBER: _ClassVar[int]
     NODE_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
     instances: _containers.RepeatedCompositeFieldContainer[InstancePlacement]
     complete: bool
     node_config_json: str
-    def __init__(self, instances: _Optional[_Iterable[_Union[InstancePlacement, _Mapping]]] = ..., complete: _Optional[bool] = ..., node_config_json: _Optional[str] = ...) -> None: ...
+    version: int
+    def __init__(self, instances: _Optional[_Iterable[_Union[InstancePlacement, _Mapping]]] = ..., complete: _Optional[bool] = ..., node_config_json: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class GetLoadsRequest(_message.Message):
     __slots__ = ()

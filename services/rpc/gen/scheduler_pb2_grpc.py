@@ -64,6 +64,21 @@ class SchedulerStub:
                 request_serializer=octoserve_dot_v1_dot_scheduler__pb2.GangReport.SerializeToString,
                 response_deserializer=octoserve_dot_v1_dot_scheduler__pb2.GangGrant.FromString,
                 _registered_method=True)
+        self.WatchPlacement = channel.unary_stream(
+                '/octoserve.v1.Scheduler/WatchPlacement',
+                request_serializer=octoserve_dot_v1_dot_scheduler__pb2.WatchPlacementRequest.SerializeToString,
+                response_deserializer=octoserve_dot_v1_dot_scheduler__pb2.Placement.FromString,
+                _registered_method=True)
+        self.Reconfigure = channel.unary_unary(
+                '/octoserve.v1.Scheduler/Reconfigure',
+                request_serializer=octoserve_dot_v1_dot_scheduler__pb2.ReconfigureRequest.SerializeToString,
+                response_deserializer=octoserve_dot_v1_dot_scheduler__pb2.ReconfigureReply.FromString,
+                _registered_method=True)
+        self.ReportDemand = channel.unary_unary(
+                '/octoserve.v1.Scheduler/ReportDemand',
+                request_serializer=octoserve_dot_v1_dot_scheduler__pb2.DemandReport.SerializeToString,
+                response_deserializer=octoserve_dot_v1_dot_scheduler__pb2.DemandReply.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -111,6 +126,29 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchPlacement(self, request, context):
+        """Elastic pools: the placement as it changes. The current snapshot at once, then a new one (version + 1) after
+        every change: an instance added, draining, removed, or with a new role. The router routes on the latest.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Reconfigure(self, request, context):
+        """Elastic pools, admin: carry out one reconfiguration (a role change or a model change) without downtime:
+        the retired instances drain first (published as DRAINING), then switch; returns once it is done.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportDemand(self, request, context):
+        """Elastic pools: a router's arrivals per model since its previous report (the balancer's demand input).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -143,6 +181,21 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.GangSteps,
                     request_deserializer=octoserve_dot_v1_dot_scheduler__pb2.GangReport.FromString,
                     response_serializer=octoserve_dot_v1_dot_scheduler__pb2.GangGrant.SerializeToString,
+            ),
+            'WatchPlacement': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchPlacement,
+                    request_deserializer=octoserve_dot_v1_dot_scheduler__pb2.WatchPlacementRequest.FromString,
+                    response_serializer=octoserve_dot_v1_dot_scheduler__pb2.Placement.SerializeToString,
+            ),
+            'Reconfigure': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reconfigure,
+                    request_deserializer=octoserve_dot_v1_dot_scheduler__pb2.ReconfigureRequest.FromString,
+                    response_serializer=octoserve_dot_v1_dot_scheduler__pb2.ReconfigureReply.SerializeToString,
+            ),
+            'ReportDemand': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportDemand,
+                    request_deserializer=octoserve_dot_v1_dot_scheduler__pb2.DemandReport.FromString,
+                    response_serializer=octoserve_dot_v1_dot_scheduler__pb2.DemandReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -307,6 +360,87 @@ class Scheduler:
             '/octoserve.v1.Scheduler/GangSteps',
             octoserve_dot_v1_dot_scheduler__pb2.GangReport.SerializeToString,
             octoserve_dot_v1_dot_scheduler__pb2.GangGrant.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchPlacement(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/octoserve.v1.Scheduler/WatchPlacement',
+            octoserve_dot_v1_dot_scheduler__pb2.WatchPlacementRequest.SerializeToString,
+            octoserve_dot_v1_dot_scheduler__pb2.Placement.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reconfigure(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/octoserve.v1.Scheduler/Reconfigure',
+            octoserve_dot_v1_dot_scheduler__pb2.ReconfigureRequest.SerializeToString,
+            octoserve_dot_v1_dot_scheduler__pb2.ReconfigureReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportDemand(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/octoserve.v1.Scheduler/ReportDemand',
+            octoserve_dot_v1_dot_scheduler__pb2.DemandReport.SerializeToString,
+            octoserve_dot_v1_dot_scheduler__pb2.DemandReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -26,61 +26,65 @@ from octoserve.v1 import generate_pb2 as octoserve_dot_v1_dot_generate__pb2
 from . import kv_pb2 as octoserve_dot_v1_dot_kv__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19octoserve/v1/worker.proto\x12\x0coctoserve.v1\x1a\x1boctoserve/v1/generate.proto\x1a\x15octoserve/v1/kv.proto\"\x86\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x42\x07\n\x05_seed\"\x91\x02\n\x0bRequestSpec\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.octoserve.v1.SamplingParams\x12\x11\n\tarrival_s\x18\x05 \x01(\x01\x12(\n\x08priority\x18\x06 \x01(\x0e\x32\x16.octoserve.v1.Priority\x12\x18\n\x0bttft_slo_ms\x18\x07 \x01(\x01H\x00\x88\x01\x01\x12\x1b\n\x0esim_output_len\x18\x08 \x01(\rH\x01\x88\x01\x01\x42\x0e\n\x0c_ttft_slo_msB\x11\n\x0f_sim_output_len\"#\n\rAttachRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\xe9\x01\n\nTokenDelta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.octoserve.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\x12 \n\x18num_cached_prompt_tokens\x18\x05 \x01(\r\x12\x19\n\x11num_output_tokens\x18\x06 \x01(\r\x12\x12\n\nerror_code\x18\x07 \x01(\x05\x12\x15\n\rerror_message\x18\x08 \x01(\t\"B\n\tStepBatch\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12(\n\x06\x64\x65ltas\x18\x02 \x03(\x0b\x32\x18.octoserve.v1.TokenDelta\"T\n\x15WorkerGenerateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\'\n\x04spec\x18\x02 \x01(\x0b\x32\x19.octoserve.v1.RequestSpec\"\r\n\x0bSubmitReply\"9\n\x0ePrefillRequest\x12\'\n\x04spec\x18\x01 \x01(\x0b\x32\x19.octoserve.v1.RequestSpec\"8\n\x0cPrefillReply\x12(\n\x07handoff\x18\x01 \x01(\x0b\x32\x17.octoserve.v1.KVHandoff\"I\n\x0eReserveRequest\x12\'\n\x04spec\x18\x01 \x01(\x0b\x32\x19.octoserve.v1.RequestSpec\x12\x0e\n\x06ttl_ms\x18\x02 \x01(\r\" \n\x0cReserveReply\x12\x10\n\x08reserved\x18\x01 \x01(\x08\"\x8e\x01\n\rDecodeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\'\n\x04spec\x18\x02 \x01(\x0b\x32\x19.octoserve.v1.RequestSpec\x12(\n\x07handoff\x18\x03 \x01(\x0b\x32\x17.octoserve.v1.KVHandoff\x12\x16\n\x0esource_address\x18\x04 \x01(\t\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0e\n\x0cReleaseReply\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0c\n\nAbortReply\"\x0e\n\x0cPauseRequest\"\x0c\n\nPauseReply\"\x0f\n\rResumeRequest\"\r\n\x0bResumeReply\"\xf4\x02\n\nLoadReport\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12 \n\x04role\x18\x03 \x01(\x0e\x32\x12.octoserve.v1.Role\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x06 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x1d\n\x15queued_prefill_tokens\x18\t \x01(\x04\x12\x1c\n\x14prefill_tokens_per_s\x18\n \x01(\x01\x12\x1a\n\x12\x64\x65\x63ode_step_time_s\x18\x0b \x01(\x01\x12\x0f\n\x07healthy\x18\x0c \x01(\x08\x12\x0e\n\x06paused\x18\r \x01(\x08\x12(\n\tkv_events\x18\x0e \x03(\x0b\x32\x15.octoserve.v1.KVEvent\x12\x0b\n\x03seq\x18\x0f \x01(\x04\"\x10\n\x0eGetLoadRequest\"\'\n\x10WatchLoadRequest\x12\x13\n\x0binterval_ms\x18\x01 \x01(\r*D\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\r\n\tCOLOCATED\x10\x01\x12\x0b\n\x07PREFILL\x10\x02\x12\n\n\x06\x44\x45\x43ODE\x10\x03\x32\xf3\x05\n\x06Worker\x12@\n\x06\x41ttach\x12\x1b.octoserve.v1.AttachRequest\x1a\x17.octoserve.v1.StepBatch0\x01\x12J\n\x08Generate\x12#.octoserve.v1.WorkerGenerateRequest\x1a\x19.octoserve.v1.SubmitReply\x12\x43\n\x07Prefill\x12\x1c.octoserve.v1.PrefillRequest\x1a\x1a.octoserve.v1.PrefillReply\x12\x43\n\x07Reserve\x12\x1c.octoserve.v1.ReserveRequest\x1a\x1a.octoserve.v1.ReserveReply\x12@\n\x06\x44\x65\x63ode\x12\x1b.octoserve.v1.DecodeRequest\x1a\x19.octoserve.v1.SubmitReply\x12\x43\n\x07Release\x12\x1c.octoserve.v1.ReleaseRequest\x1a\x1a.octoserve.v1.ReleaseReply\x12=\n\x05\x41\x62ort\x12\x1a.octoserve.v1.AbortRequest\x1a\x18.octoserve.v1.AbortReply\x12=\n\x05Pause\x12\x1a.octoserve.v1.PauseRequest\x1a\x18.octoserve.v1.PauseReply\x12@\n\x06Resume\x12\x1b.octoserve.v1.ResumeRequest\x1a\x19.octoserve.v1.ResumeReply\x12\x41\n\x07GetLoad\x12\x1c.octoserve.v1.GetLoadRequest\x1a\x18.octoserve.v1.LoadReport\x12G\n\tWatchLoad\x12\x1e.octoserve.v1.WatchLoadRequest\x1a\x18.octoserve.v1.LoadReport0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19octoserve/v1/worker.proto\x12\x0coctoserve.v1\x1a\x1boctoserve/v1/generate.proto\x1a\x15octoserve/v1/kv.proto\"L\n\x0eSetRoleRequest\x12 \n\x04role\x18\x01 \x01(\x0e\x32\x12.octoserve.v1.Role\x12\x18\n\x10\x64rain_timeout_ms\x18\x02 \x01(\r\"9\n\x0cSetRoleReply\x12\x18\n\x10\x64rained_requests\x18\x01 \x01(\r\x12\x0f\n\x07\x64rain_s\x18\x02 \x01(\x01\"\x86\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x42\x07\n\x05_seed\"\x91\x02\n\x0bRequestSpec\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.octoserve.v1.SamplingParams\x12\x11\n\tarrival_s\x18\x05 \x01(\x01\x12(\n\x08priority\x18\x06 \x01(\x0e\x32\x16.octoserve.v1.Priority\x12\x18\n\x0bttft_slo_ms\x18\x07 \x01(\x01H\x00\x88\x01\x01\x12\x1b\n\x0esim_output_len\x18\x08 \x01(\rH\x01\x88\x01\x01\x42\x0e\n\x0c_ttft_slo_msB\x11\n\x0f_sim_output_len\"#\n\rAttachRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\xe9\x01\n\nTokenDelta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.octoserve.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\x12 \n\x18num_cached_prompt_tokens\x18\x05 \x01(\r\x12\x19\n\x11num_output_tokens\x18\x06 \x01(\r\x12\x12\n\nerror_code\x18\x07 \x01(\x05\x12\x15\n\rerror_message\x18\x08 \x01(\t\"B\n\tStepBatch\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12(\n\x06\x64\x65ltas\x18\x02 \x03(\x0b\x32\x18.octoserve.v1.TokenDelta\"T\n\x15WorkerGenerateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\'\n\x04spec\x18\x02 \x01(\x0b\x32\x19.octoserve.v1.RequestSpec\"\r\n\x0bSubmitReply\"9\n\x0ePrefillRequest\x12\'\n\x04spec\x18\x01 \x01(\x0b\x32\x19.octoserve.v1.RequestSpec\"8\n\x0cPrefillReply\x12(\n\x07handoff\x18\x01 \x01(\x0b\x32\x17.octoserve.v1.KVHandoff\"I\n\x0eReserveRequest\x12\'\n\x04spec\x18\x01 \x01(\x0b\x32\x19.octoserve.v1.RequestSpec\x12\x0e\n\x06ttl_ms\x18\x02 \x01(\r\" \n\x0cReserveReply\x12\x10\n\x08reserved\x18\x01 \x01(\x08\"\x8e\x01\n\rDecodeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\'\n\x04spec\x18\x02 \x01(\x0b\x32\x19.octoserve.v1.RequestSpec\x12(\n\x07handoff\x18\x03 \x01(\x0b\x32\x17.octoserve.v1.KVHandoff\x12\x16\n\x0esource_address\x18\x04 \x01(\t\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0e\n\x0cReleaseReply\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0c\n\nAbortReply\"\x0e\n\x0cPauseRequest\"\x0c\n\nPauseReply\"\x0f\n\rResumeRequest\"\r\n\x0bResumeReply\"\xf4\x02\n\nLoadReport\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12 \n\x04role\x18\x03 \x01(\x0e\x32\x12.octoserve.v1.Role\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x06 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x1d\n\x15queued_prefill_tokens\x18\t \x01(\x04\x12\x1c\n\x14prefill_tokens_per_s\x18\n \x01(\x01\x12\x1a\n\x12\x64\x65\x63ode_step_time_s\x18\x0b \x01(\x01\x12\x0f\n\x07healthy\x18\x0c \x01(\x08\x12\x0e\n\x06paused\x18\r \x01(\x08\x12(\n\tkv_events\x18\x0e \x03(\x0b\x32\x15.octoserve.v1.KVEvent\x12\x0b\n\x03seq\x18\x0f \x01(\x04\"\x10\n\x0eGetLoadRequest\"\'\n\x10WatchLoadRequest\x12\x13\n\x0binterval_ms\x18\x01 \x01(\r*D\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\r\n\tCOLOCATED\x10\x01\x12\x0b\n\x07PREFILL\x10\x02\x12\n\n\x06\x44\x45\x43ODE\x10\x03\x32\xb8\x06\n\x06Worker\x12@\n\x06\x41ttach\x12\x1b.octoserve.v1.AttachRequest\x1a\x17.octoserve.v1.StepBatch0\x01\x12J\n\x08Generate\x12#.octoserve.v1.WorkerGenerateRequest\x1a\x19.octoserve.v1.SubmitReply\x12\x43\n\x07Prefill\x12\x1c.octoserve.v1.PrefillRequest\x1a\x1a.octoserve.v1.PrefillReply\x12\x43\n\x07Reserve\x12\x1c.octoserve.v1.ReserveRequest\x1a\x1a.octoserve.v1.ReserveReply\x12@\n\x06\x44\x65\x63ode\x12\x1b.octoserve.v1.DecodeRequest\x1a\x19.octoserve.v1.SubmitReply\x12\x43\n\x07Release\x12\x1c.octoserve.v1.ReleaseRequest\x1a\x1a.octoserve.v1.ReleaseReply\x12=\n\x05\x41\x62ort\x12\x1a.octoserve.v1.AbortRequest\x1a\x18.octoserve.v1.AbortReply\x12=\n\x05Pause\x12\x1a.octoserve.v1.PauseRequest\x1a\x18.octoserve.v1.PauseReply\x12@\n\x06Resume\x12\x1b.octoserve.v1.ResumeRequest\x1a\x19.octoserve.v1.ResumeReply\x12\x41\n\x07GetLoad\x12\x1c.octoserve.v1.GetLoadRequest\x1a\x18.octoserve.v1.LoadReport\x12G\n\tWatchLoad\x12\x1e.octoserve.v1.WatchLoadRequest\x1a\x18.octoserve.v1.LoadReport0\x01\x12\x43\n\x07SetRole\x12\x1c.octoserve.v1.SetRoleRequest\x1a\x1a.octoserve.v1.SetRoleReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'octoserve.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ROLE']._serialized_start=1921
-  _globals['_ROLE']._serialized_end=1989
-  _globals['_SAMPLINGPARAMS']._serialized_start=96
-  _globals['_SAMPLINGPARAMS']._serialized_end=230
-  _globals['_REQUESTSPEC']._serialized_start=233
-  _globals['_REQUESTSPEC']._serialized_end=506
-  _globals['_ATTACHREQUEST']._serialized_start=508
-  _globals['_ATTACHREQUEST']._serialized_end=543
-  _globals['_TOKENDELTA']._serialized_start=546
-  _globals['_TOKENDELTA']._serialized_end=779
-  _globals['_STEPBATCH']._serialized_start=781
-  _globals['_STEPBATCH']._serialized_end=847
-  _globals['_WORKERGENERATEREQUEST']._serialized_start=849
-  _globals['_WORKERGENERATEREQUEST']._serialized_end=933
-  _globals['_SUBMITREPLY']._serialized_start=935
-  _globals['_SUBMITREPLY']._serialized_end=948
-  _globals['_PREFILLREQUEST']._serialized_start=950
-  _globals['_PREFILLREQUEST']._serialized_end=1007
-  _globals['_PREFILLREPLY']._serialized_start=1009
-  _globals['_PREFILLREPLY']._serialized_end=1065
-  _globals['_RESERVEREQUEST']._serialized_start=1067
-  _globals['_RESERVEREQUEST']._serialized_end=1140
-  _globals['_RESERVEREPLY']._serialized_start=1142
-  _globals['_RESERVEREPLY']._serialized_end=1174
-  _globals['_DECODEREQUEST']._serialized_start=1177
-  _globals['_DECODEREQUEST']._serialized_end=1319
-  _globals['_RELEASEREQUEST']._serialized_start=1321
-  _globals['_RELEASEREQUEST']._serialized_end=1357
-  _globals['_RELEASEREPLY']._serialized_start=1359
-  _globals['_RELEASEREPLY']._serialized_end=1373
-  _globals['_ABORTREQUEST']._serialized_start=1375
-  _globals['_ABORTREQUEST']._serialized_end=1409
-  _globals['_ABORTREPLY']._serialized_start=1411
-  _globals['_ABORTREPLY']._serialized_end=1423
-  _globals['_PAUSEREQUEST']._serialized_start=1425
-  _globals['_PAUSEREQUEST']._serialized_end=1439
-  _globals['_PAUSEREPLY']._serialized_start=1441
-  _globals['_PAUSEREPLY']._serialized_end=1453
-  _globals['_RESUMEREQUEST']._serialized_start=1455
-  _globals['_RESUMEREQUEST']._serialized_end=1470
-  _globals['_RESUMEREPLY']._serialized_start=1472
-  _globals['_RESUMEREPLY']._serialized_end=1485
-  _globals['_LOADREPORT']._serialized_start=1488
-  _globals['_LOADREPORT']._serialized_end=1860
-  _globals['_GETLOADREQUEST']._serialized_start=1862
-  _globals['_GETLOADREQUEST']._serialized_end=1878
-  _globals['_WATCHLOADREQUEST']._serialized_start=1880
-  _globals['_WATCHLOADREQUEST']._serialized_end=1919
-  _globals['_WORKER']._serialized_start=1992
-  _globals['_WORKER']._serialized_end=2747
+  _globals['_ROLE']._serialized_start=2058
+  _globals['_ROLE']._serialized_end=2126
+  _globals['_SETROLEREQUEST']._serialized_start=95
+  _globals['_SETROLEREQUEST']._serialized_end=171
+  _globals['_SETROLEREPLY']._serialized_start=173
+  _globals['_SETROLEREPLY']._serialized_end=230
+  _globals['_SAMPLINGPARAMS']._serialized_start=233
+  _globals['_SAMPLINGPARAMS']._serialized_end=367
+  _globals['_REQUESTSPEC']._serialized_start=370
+  _globals['_REQUESTSPEC']._serialized_end=643
+  _globals['_ATTACHREQUEST']._serialized_start=645
+  _globals['_ATTACHREQUEST']._serialized_end=680
+  _globals['_TOKENDELTA']._serialized_start=683
+  _globals['_TOKENDELTA']._serialized_end=916
+  _globals['_STEPBATCH']._serialized_start=918
+  _globals['_STEPBATCH']._serialized_end=984
+  _globals['_WORKERGENERATEREQUEST']._serialized_start=986
+  _globals['_WORKERGENERATEREQUEST']._serialized_end=1070
+  _globals['_SUBMITREPLY']._serialized_start=1072
+  _globals['_SUBMITREPLY']._serialized_end=1085
+  _globals['_PREFILLREQUEST']._serialized_start=1087
+  _globals['_PREFILLREQUEST']._serialized_end=1144
+  _globals['_PREFILLREPLY']._serialized_start=1146
+  _globals['_PREFILLREPLY']._serialized_end=1202
+  _globals['_RESERVEREQUEST']._serialized_start=1204
+  _globals['_RESERVEREQUEST']._serialized_end=1277
+  _globals['_RESERVEREPLY']._serialized_start=1279
+  _globals['_RESERVEREPLY']._serialized_end=1311
+  _globals['_DECODEREQUEST']._serialized_start=1314
+  _globals['_DECODEREQUEST']._serialized_end=1456
+  _globals['_RELEASEREQUEST']._serialized_start=1458
+  _globals['_RELEASEREQUEST']._serialized_end=1494
+  _globals['_RELEASEREPLY']._serialized_start=1496
+  _globals['_RELEASEREPLY']._serialized_end=1510
+  _globals['_ABORTREQUEST']._serialized_start=1512
+  _globals['_ABORTREQUEST']._serialized_end=1546
+  _globals['_ABORTREPLY']._serialized_start=1548
+  _globals['_ABORTREPLY']._serialized_end=1560
+  _globals['_PAUSEREQUEST']._serialized_start=1562
+  _globals['_PAUSEREQUEST']._serialized_end=1576
+  _globals['_PAUSEREPLY']._serialized_start=1578
+  _globals['_PAUSEREPLY']._serialized_end=1590
+  _globals['_RESUMEREQUEST']._serialized_start=1592
+  _globals['_RESUMEREQUEST']._serialized_end=1607
+  _globals['_RESUMEREPLY']._serialized_start=1609
+  _globals['_RESUMEREPLY']._serialized_end=1622
+  _globals['_LOADREPORT']._serialized_start=1625
+  _globals['_LOADREPORT']._serialized_end=1997
+  _globals['_GETLOADREQUEST']._serialized_start=1999
+  _globals['_GETLOADREQUEST']._serialized_end=2015
+  _globals['_WATCHLOADREQUEST']._serialized_start=2017
+  _globals['_WATCHLOADREQUEST']._serialized_end=2056
+  _globals['_WORKER']._serialized_start=2129
+  _globals['_WORKER']._serialized_end=2953
 # @@protoc_insertion_point(module_scope)

@@ -20,6 +20,22 @@ COLOCATED: Role
 PREFILL: Role
 DECODE: Role
 
+class SetRoleRequest(_message.Message):
+    __slots__ = ("role", "drain_timeout_ms")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    role: Role
+    drain_timeout_ms: int
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., drain_timeout_ms: _Optional[int] = ...) -> None: ...
+
+class SetRoleReply(_message.Message):
+    __slots__ = ("drained_requests", "drain_s")
+    DRAINED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_S_FIELD_NUMBER: _ClassVar[int]
+    drained_requests: int
+    drain_s: float
+    def __init__(self, drained_requests: _Optional[int] = ..., drain_s: _Optional[float] = ...) -> None: ...
+
 class SamplingParams(_message.Message):
     __slots__ = ("max_tokens", "temperature", "top_p", "seed", "stop", "ignore_eos")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]

@@ -89,6 +89,11 @@ class WorkerStub:
                 request_serializer=octoserve_dot_v1_dot_worker__pb2.WatchLoadRequest.SerializeToString,
                 response_deserializer=octoserve_dot_v1_dot_worker__pb2.LoadReport.FromString,
                 _registered_method=True)
+        self.SetRole = channel.unary_unary(
+                '/octoserve.v1.Worker/SetRole',
+                request_serializer=octoserve_dot_v1_dot_worker__pb2.SetRoleRequest.SerializeToString,
+                response_deserializer=octoserve_dot_v1_dot_worker__pb2.SetRoleReply.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -171,6 +176,15 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetRole(self, request, context):
+        """Elastic pools: stop taking new requests (they answer UNAVAILABLE, so the router places them elsewhere), wait
+        for the running ones (bounded by drain_timeout_ms), then serve `role` in this same process. ROLE_UNSPECIFIED:
+        drain and stay retired (the launcher then stops the process).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -228,6 +242,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.WatchLoad,
                     request_deserializer=octoserve_dot_v1_dot_worker__pb2.WatchLoadRequest.FromString,
                     response_serializer=octoserve_dot_v1_dot_worker__pb2.LoadReport.SerializeToString,
+            ),
+            'SetRole': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetRole,
+                    request_deserializer=octoserve_dot_v1_dot_worker__pb2.SetRoleRequest.FromString,
+                    response_serializer=octoserve_dot_v1_dot_worker__pb2.SetRoleReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -527,6 +546,33 @@ class Worker:
             '/octoserve.v1.Worker/WatchLoad',
             octoserve_dot_v1_dot_worker__pb2.WatchLoadRequest.SerializeToString,
             octoserve_dot_v1_dot_worker__pb2.LoadReport.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetRole(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/octoserve.v1.Worker/SetRole',
+            octoserve_dot_v1_dot_worker__pb2.SetRoleRequest.SerializeToString,
+            octoserve_dot_v1_dot_worker__pb2.SetRoleReply.FromString,
             options,
             channel_credentials,
             insecure,

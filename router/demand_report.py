@@ -1,0 +1,60 @@
+"""The router's arrivals per model, reported to the scheduler every `REPORT_S` (`Scheduler.ReportDemand`): the
+elastic balancer's demand input (services/scheduler/live_balancer.py). Counted where the policy sees every request
+it routes (`RouterPolicy.observers`), refused ones included. A report that fails (the scheduler restarts) is
+dropped, not retried: the balancer's window is about the recent past.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+
+from octoserve.services import trust
+from octoserve.services.rpc.gen import scheduler_pb2 as s_pb
+from octoserve.services.rpc.gen import scheduler_pb2_grpc as s_grpc
+
+log = logging.getLogger("octoserve.router.demand")
+
+REPORT_S = 1.0
+
+
+class DemandReporter:
+    def __init__(self, scheduler_address: str, policy) -> None:
+        self.address = scheduler_address
+        self.counts: dict[str, list[int]] = {}  # model -> [arrivals, prompt tokens, output tokens]
+        self._task: asyncio.Task | None = None
+        policy.observers.append(self.observe)
+
+    def observe(self, spec) -> None:
+        c = self.counts.setdefault(spec.model, [0, 0, 0])
+        c[0] += 1
+        c[1] += spec.num_prompt_tokens
+        c[2] += spec.sim_output_len or spec.sampling.max_tokens
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name="demand-report")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _loop(self) -> None:
+        async with trust.channel(self.address) as channel:
+            stub = s_grpc.SchedulerStub(channel)
+            last = time.monotonic()
+            while True:
+                await asyncio.sleep(REPORT_S)
+                counts, self.counts = self.counts, {}
+                now = time.monotonic()
+                report = s_pb.DemandReport(interval_s=now - last, models=[
+                    s_pb.ModelArrivals(model=m, arrivals=c[0], prompt_tokens=c[1], output_tokens=c[2])
+                    for m, c in sorted(counts.items())])
+                last = now
+                try:
+                    await stub.ReportDemand(report, timeout=REPORT_S)
+                except grpc.aio.AioRpcError as e:
+                    log.debug("demand report dropped", extra={"fields": {"code": e.code().name}})

@@ -1,0 +1,123 @@
+"""The elastic balancer (services/core/balancer.py) on the live node: the scheduler's view turned into its input.
+
+- Demand: routers report their arrivals per model every second (`Scheduler.ReportDemand`); `DemandWindow` keeps
+  them, on the modelled clock (wall / time scale), and gives each model's rate, trend and mean lengths over the
+  last `window_s`.
+- Instances: from the workers' load streams (`EngineLoad`): prefill backlog, running decodes against the slot
+  limit, KV use, whether the instance takes requests (SERVING in the live placement), and an estimate of its drain
+  (its mean output x its recent step time).
+- `LiveElasticBalancer.plan(now_s, view, in_flight)` builds the `NodeLoad` and asks `ElasticBalancer`; every
+  decision is logged with its reason (`octoserve.scheduler.balancer`).
+Configured by the `elastic` section: `balancer: elastic` plus the `BalancerPolicy` fields to override.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+
+from octoserve.services.core.balancer import (
+    BalancerPolicy, ElasticBalancer, InstanceLoad, ModelDemand, NodeLoad, demand_trend,
+)
+from octoserve.services.core.placement import InstanceConfig, NodeConfig
+from octoserve.services.core.reconfig import Reconfiguration
+from octoserve.services.core.types import EngineLoad
+
+log = logging.getLogger("octoserve.scheduler.balancer")
+
+DEFAULT_WINDOW_S = 10.0
+
+
+class DemandWindow:
+    """Arrival samples (modelled time, model, arrivals, prompt tokens, output tokens) over the last `window_s`."""
+
+    def __init__(self, window_s: float = DEFAULT_WINDOW_S) -> None:
+        self.window_s = window_s
+        self.samples: deque[tuple[float, str, int, int, int]] = deque()
+
+    def add(self, t_s: float, model: str, arrivals: int, prompt_tokens: int, output_tokens: int) -> None:
+        self.samples.append((t_s, model, arrivals, prompt_tokens, output_tokens))
+        self._prune(t_s)  # bounded without a balancer reading it
+
+    def _prune(self, now_s: float) -> None:
+        while self.samples and self.samples[0][0] < now_s - self.window_s:
+            self.samples.popleft()
+
+    def demand(self, now_s: float, models: Sequence[str]) -> tuple[ModelDemand, ...]:
+        self._prune(now_s)
+        out = []
+        for m in models:
+            mine = [s for s in self.samples if s[1] == m]
+            n = sum(s[2] for s in mine)
+            # The rate per second of each reporting interval, for the trend (least squares over the window).
+            per_t: dict[float, int] = {}
+            for s in mine:
+                per_t[round(s[0], 3)] = per_t.get(round(s[0], 3), 0) + s[2]
+            times = sorted(per_t)
+            step = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 1.0
+            trend = demand_trend([(t, per_t[t] / step) for t in times]) if len(times) > 2 else 0.0
+            out.append(ModelDemand(
+                m, n / self.window_s, trend,
+                mean_prompt_tokens=sum(s[3] for s in mine) / n if n else 1000.0,
+                mean_output_tokens=sum(s[4] for s in mine) / n if n else 250.0))
+        return tuple(out)
+
+
+@dataclass(frozen=True, slots=True)
+class LiveView:
+    """What the scheduler knows each balancing period (handed to a configured balancer's `plan`)."""
+
+    placement: tuple[InstanceConfig, ...]
+    accepting: Mapping[str, bool]  # SERVING in the live placement
+    engine_loads: Mapping[str, EngineLoad]
+    demand: tuple[ModelDemand, ...]
+    window_s: float
+
+
+def instance_load(inst: InstanceConfig, load: EngineLoad | None, accepting: bool) -> InstanceLoad:
+    if load is None:
+        return InstanceLoad(inst.id, accepting=accepting)
+    step_s = load.decode_step_time_s
+    return InstanceLoad(
+        inst.id, prefill_backlog_tokens=float(load.queued_prefill_tokens), decode_batch=load.num_running,
+        decode_batch_limit=load.max_num_seqs or inst.max_num_seqs, kv_used=load.kv_usage, accepting=accepting,
+        running=load.num_running + load.num_waiting,
+        est_drain_s=(load.mean_output_tokens or 250.0) * step_s if load.num_running + load.num_waiting else 0.0)
+
+
+def node_load(view: LiveView) -> NodeLoad:
+    return NodeLoad(view.window_s, view.placement,
+                    tuple(instance_load(i, view.engine_loads.get(i.id), view.accepting.get(i.id, False))
+                          for i in view.placement),
+                    view.demand)
+
+
+class LiveElasticBalancer:
+    """The `Balancer` the scheduler's loop calls when the elastic section says `balancer: elastic`."""
+
+    def __init__(self, config: NodeConfig, policy: BalancerPolicy = BalancerPolicy(),
+                 window_s: float = DEFAULT_WINDOW_S) -> None:
+        self.inner = ElasticBalancer(config, policy)
+        self.window_s = window_s
+        self._logged = 0
+
+    def plan(self, now_s: float, view: LiveView, in_flight: Sequence[Reconfiguration]) -> list[Reconfiguration]:
+        planned = self.inner.plan(now_s, node_load(view), in_flight)
+        for d in self.inner.log[self._logged:]:
+            log.info("balancer decision", extra={"fields": {"reason": d.reason, "detail": d.detail}})
+        self._logged = len(self.inner.log)
+        return planned
+
+
+def elastic_balancer(config: NodeConfig, section: Mapping) -> LiveElasticBalancer:
+    """From the `elastic` section: every BalancerPolicy field may be given (forecast_window_s, min_dwell_s, ...),
+    and `window_s` (the demand window, modelled seconds)."""
+    names = {f.name for f in fields(BalancerPolicy)}
+    unknown = sorted(set(section) - names - {"balancer", "period_s", "window_s"})
+    if unknown:
+        raise ValueError(f"elastic: unknown keys {unknown}; use balancer, period_s, window_s or BalancerPolicy fields "
+                         f"({', '.join(sorted(names))})")
+    policy = BalancerPolicy(**{k: v for k, v in section.items() if k in names})
+    return LiveElasticBalancer(config, policy, float(section.get("window_s", DEFAULT_WINDOW_S)))
