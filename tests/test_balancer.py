@@ -259,3 +259,12 @@ def test_reasons_carry_the_load_figures():
     assert pressure(nl, S) == ("prefill backlog 6000 tok, TTFT slack 40 ms, decode 40/128, KV 50%, "
                                "ITL headroom 10%")
     assert pressure(nl, L) == "prefill backlog 0 tok, TTFT slack inf, decode 0/0, KV 0%, ITL headroom 100%"
+
+
+def test_trend_is_extrapolated_no_further_than_its_window():
+    current = [LM, *SM_C]
+    b = ElasticBalancer(NODE, FAST, layouts=[current])
+    # 10 req/s rising 1 req/s per s, seen over a 10-s window: the forecast is the mean over the next 10 s (15),
+    # not over the 60-s forecast window (40).
+    b.plan(0.0, load(current, [ModelDemand(L, 1.0), ModelDemand(S, 10.0, trend_rps_per_s=1.0)]), [])
+    assert "llama-3-8b 15.0 req/s" in b.log[-1].detail

@@ -7,8 +7,9 @@ Input (`NodeLoad`, built each balancing period by the simulator or the live sche
   `demand_trend`) and the mean prompt / output lengths of the window;
 - the current placement (the instances, draining ones included).
 
-Output: `Reconfiguration`s (services/core/reconfig.py). The balancer forecasts each model's demand over
-`forecast_window_s` (rate + trend x half the window, the mean of a linear trend over it), scores every candidate
+Output: `Reconfiguration`s (services/core/reconfig.py). The balancer forecasts each model's demand (rate + trend x
+half of min(`forecast_window_s`, the load window): the mean of a linear trend, extrapolated no further than it was
+measured), scores every candidate
 placement by the goodput it would serve (`placement_goodput_rps`: sum over models of min(demand, capacity)) and,
 when the best beats the current one, splits the difference into reconfigurations, one per group of GPUs that
 changes hands:
@@ -449,6 +450,10 @@ class ElasticBalancer:
     def plan(self, now_s: float, loads: NodeLoad, in_flight: Sequence[Reconfiguration]) -> list[Reconfiguration]:
         policy = self.policy
         horizon = policy.forecast_window_s
+        # The trend is extrapolated no further than the window it was measured over: a step seen through a short
+        # window looks like a steep ramp, and carrying that ramp over the whole forecast window overshoots (and the
+        # next period undoes the move).
+        trend_s = min(horizon, loads.window_s)
         demand = {m: loads.demand_of(m) for m in sorted(self.node.models)}
         # The placement once the in-flight reconfigurations are DONE: the base every new one is checked against.
         current = {i.id: i for i in loads.placement}
@@ -456,11 +461,11 @@ class ElasticBalancer:
             if not check_reconfiguration(current, r):
                 current = apply(current, r)
         busy = {i for r in in_flight for i in r.retire}
-        now_good, now_caps = placement_goodput_rps(self.capacity, list(current.values()), demand, horizon)
+        now_good, now_caps = placement_goodput_rps(self.capacity, list(current.values()), demand, trend_s)
         scored = []
         for layout in self.layouts:
             if self._allowed(list(current.values()), layout):
-                good, caps = placement_goodput_rps(self.capacity, layout, demand, horizon)
+                good, caps = placement_goodput_rps(self.capacity, layout, demand, trend_s)
                 scored.append((good, layout, caps))
         if not scored:
             self._decide(now_s, "hold:no_gain", "no candidate placement reachable under the allowed changes")
@@ -479,7 +484,7 @@ class ElasticBalancer:
         near = [s for s in scored if s[0] >= top - 1e-9]
         best_good, best, best_caps = min(near, key=lambda s: order(s[1]))
         components = diff_components(list(current.values()), best)
-        forecast = ", ".join(f"{m} {d.forecast_rps(horizon):.1f} req/s (cap {now_caps[m]:.1f} -> {best_caps[m]:.1f}; "
+        forecast = ", ".join(f"{m} {d.forecast_rps(trend_s):.1f} req/s (cap {now_caps[m]:.1f} -> {best_caps[m]:.1f}; "
                              f"{pressure(loads, m)})" for m, d in demand.items())
         gain = best_good - now_good
         if not components or gain <= 0:
@@ -503,7 +508,7 @@ class ElasticBalancer:
         costs = []
         for cur, tgt in components:
             without = [i for i in current.values() if i not in cur]
-            good_without, _ = placement_goodput_rps(self.capacity, without, demand, horizon)
+            good_without, _ = placement_goodput_rps(self.capacity, without, demand, trend_s)
             role = len(cur) == len(tgt) == 1 and cur[0].gpu_ids == tgt[0].gpu_ids and cur[0].model == tgt[0].model \
                 and cur[0].tp == tgt[0].tp
             drain_s = max((loads.load_of(i.id).est_drain_s for i in cur), default=0.0)
