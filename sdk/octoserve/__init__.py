@@ -11,24 +11,31 @@ repository. The node's services live under `octoserve.services`, `octoserve.rout
 (`octoserve/v1/generate.proto`).
 """
 
-from octoserve.client import (
-    AsyncClient,
-    Chunk,
-    Client,
-    Completion,
-    DeadlineExceededError,
-    InvalidArgumentError,
-    ModelInfo,
-    ModelNotFoundError,
-    OctoserveClientError,
-    OverloadedError,
-    RetryBudget,
-    RetryPolicy,
-    SloInfeasibleError,
-    UnavailableError,
-    Usage,
-)
-from octoserve.types import FinishReason, Priority
+# Imported on first use (PEP 562): the client pulls in grpc and asyncio, which the node's commands that never
+# talk gRPC (simulate, plan) should not pay for at start-up.
+_CLIENT_NAMES = frozenset({
+    "AsyncClient", "Chunk", "Client", "Completion", "DeadlineExceededError", "InvalidArgumentError", "ModelInfo",
+    "ModelNotFoundError", "OctoserveClientError", "OverloadedError", "RetryBudget", "RetryPolicy",
+    "SloInfeasibleError", "UnavailableError", "Usage",
+})
+_TYPES_NAMES = frozenset({"FinishReason", "Priority"})
+
+
+def __getattr__(name: str):
+    if name in _CLIENT_NAMES:
+        from octoserve import client
+
+        return getattr(client, name)
+    if name in _TYPES_NAMES:
+        from octoserve import types
+
+        return getattr(types, name)
+    raise AttributeError(f"module 'octoserve' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | _CLIENT_NAMES | _TYPES_NAMES)
+
 
 __all__ = [
     "AsyncClient", "Chunk", "Client", "Completion", "DeadlineExceededError", "FinishReason", "InvalidArgumentError",

@@ -33,7 +33,7 @@ import bisect
 import math
 import enum
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from octoserve.services.core.kv_cache import KVCacheManager
@@ -185,11 +185,15 @@ class Batcher:
         self._num_swap_blocks_used = 0
         self._step_id = 0
         self.num_preemptions_total = 0
+        # Bumped by every call that may change the queues, the batch or the KV: whoever caches a view of this
+        # batcher (the simulator's load snapshots) keys it on this.
+        self.state_version = 0
 
     # ---- intake -------------------------------------------------------------------------------------------
 
     def add_request(self, spec: RequestSpec, now: float) -> None:
         """Queue a request. Raises ValueError for a duplicate id or a request this instance can never hold."""
+        self.state_version += 1
         if spec.request_id in self._requests:
             raise ValueError(f"request id {spec.request_id!r} is already in this batcher")
         self._check_fits(spec)
@@ -219,15 +223,35 @@ class Batcher:
     def schedule(self, now: float, step_cap_s: float | None = None) -> StepPlan:
         """`step_cap_s`: a gang lease's cap on this step (services/core/gang.py): the prefill chunk shrinks so the
         step fits by the linear step model; the decodes always run (the step floor, `step_floor_s`)."""
-        decodes, prefills = self._split_running()
-        extra_kv_s = self._extra_kv_read_s(decodes)
+        step = self._plan_step(now, step_cap_s, _StepBuilder)
+        return StepPlan(
+            step_id=self._step_id,
+            chunks=tuple(step.chunks),
+            preempted_ids=tuple(step.preempted_ids),
+            swap_out_blocks=step.swap_out_blocks,
+            swap_in_blocks=step.swap_in_blocks,
+        )
+
+    def schedule_compact(self, now: float, step_cap_s: float | None = None) -> CompactStep:
+        """`schedule` for an in-process executor: the same decisions (one code path), but the step is returned as
+        parallel lists holding the `Request` objects instead of one `ScheduledChunk` message per request, which
+        is most of a large decode batch's cost in the simulator. Pair it with `update_compact`;
+        `CompactStep.to_plan()` gives the equal `StepPlan`."""
+        step = self._plan_step(now, step_cap_s, _CompactBuilder)
+        return CompactStep(self._step_id, tuple(step.reqs), tuple(step.num_new), tuple(step.contexts),
+                           tuple(step.samples), tuple(step.preempted_ids), step.swap_out_blocks, step.swap_in_blocks)
+
+    def _plan_step(self, now: float, step_cap_s: float | None, builder: type) -> _StepBuilder:
+        self.state_version += 1
+        decodes, prefills, num_decode_tokens = self._split_running_counted()
+        extra_kv_s = self._extra_kv_read_s(decodes, num_decode_tokens)
         sized_budget = self.step_budget(len(decodes))
         budget = self._shrunk(sized_budget, len(decodes), extra_kv_s)
         if self.config.tpot_target_s > 0 and (prefills or self._waiting) and self._may_run_long(decodes):
             budget = max(budget, self._slack_budget(decodes, now, extra_kv_s))
         if step_cap_s is not None:
             budget = min(budget, self._capped_budget(len(decodes), step_cap_s, extra_kv_s))
-        step = _StepBuilder(budget)
+        step = builder(budget)
         first, deferred = self._prefills_before_waiting(prefills)
         self._schedule_running(step, decodes + first)
         if not step.preempted_ids:
@@ -239,13 +263,7 @@ class Batcher:
         if decodes:
             self._note_long_step(step.used > sized_budget)
         self._step_id += 1
-        return StepPlan(
-            step_id=self._step_id,
-            chunks=tuple(step.chunks),
-            preempted_ids=tuple(step.preempted_ids),
-            swap_out_blocks=step.swap_out_blocks,
-            swap_in_blocks=step.swap_in_blocks,
-        )
+        return step
 
     def _prefills_before_waiting(self, prefills: list[Request]) -> tuple[list[Request], list[Request]]:
         """(prefill chunks that go before waiting admissions, those that go after): a running prefill of a less
@@ -275,12 +293,15 @@ class Batcher:
         self._recent_long.append(long)
         self._num_long_steps += long
 
-    def _extra_kv_read_s(self, decodes: list[Request]) -> float:
-        """Step time the decodes' context beyond the sized one adds (0 when shorter or when off)."""
+    def _extra_kv_read_s(self, decodes: list[Request], num_decode_tokens: int | None = None) -> float:
+        """Step time the decodes' context beyond the sized one adds (0 when shorter or when off).
+        `num_decode_tokens`: the decodes' total length when the caller has it (`_split_running_counted`)."""
         cfg = self.config
         if cfg.kv_s_per_context_token <= 0 or not decodes:
             return 0.0
-        excess = sum(len(r.token_ids) for r in decodes) - len(decodes) * cfg.sized_context_tokens
+        if num_decode_tokens is None:
+            num_decode_tokens = sum(len(r.token_ids) for r in decodes)
+        excess = num_decode_tokens - len(decodes) * cfg.sized_context_tokens
         return max(0.0, excess * cfg.kv_s_per_context_token)
 
     def _shrunk(self, budget: int, num_decodes: int, extra_kv_s: float) -> int:
@@ -364,7 +385,23 @@ class Batcher:
             (decodes if len(r.token_ids) - r.num_computed_tokens == 1 else prefills).append(r)
         return decodes, prefills
 
+    def _split_running_counted(self) -> tuple[list[Request], list[Request], int]:
+        """`_split_running` plus the decodes' total length (tokens), in the same pass."""
+        decodes, prefills = [], []
+        num_decode_tokens = 0
+        for r in self._running:
+            num_tokens = len(r.token_ids)
+            if num_tokens - r.num_computed_tokens == 1:
+                decodes.append(r)
+                num_decode_tokens += num_tokens
+            else:
+                prefills.append(r)
+        return decodes, prefills, num_decode_tokens
+
     def _schedule_running(self, step: _StepBuilder, ordered: list[Request]) -> None:
+        if type(step) is _CompactBuilder:
+            self._schedule_running_compact(step, ordered)
+            return
         running = RequestStatus.RUNNING
         for req in ordered:
             if step.budget <= 0:
@@ -372,8 +409,33 @@ class Batcher:
             if req.status is not running:  # preempted earlier in this step
                 continue
             num_new = min(len(req.token_ids) - req.num_computed_tokens, step.budget)
-            if self._make_room(req, req.num_computed_tokens + num_new, step):
+            # The common case first: the held blocks already cover the chunk (what `_grow` checks first).
+            if req.num_computed_tokens + num_new <= req.capacity_tokens or \
+                    self._make_room(req, req.num_computed_tokens + num_new, step):
                 step.add(req, num_new)
+
+    def _schedule_running_compact(self, step: _CompactBuilder, ordered: list[Request]) -> None:
+        """`_schedule_running` with `_CompactBuilder.add` inlined: the same decisions, once per running request
+        per step (the simulator's hottest loop)."""
+        running = RequestStatus.RUNNING
+        reqs, num_new_col, contexts, samples = step.reqs, step.num_new, step.contexts, step.samples
+        for req in ordered:
+            budget = step.budget
+            if budget <= 0:
+                return
+            if req.status is not running:  # preempted earlier in this step
+                continue
+            computed = req.num_computed_tokens
+            num_tokens = len(req.token_ids)
+            num_new = num_tokens - computed
+            if num_new > budget:
+                num_new = budget
+            if computed + num_new <= req.capacity_tokens or self._make_room(req, computed + num_new, step):
+                reqs.append(req)
+                num_new_col.append(num_new)
+                contexts.append(computed)
+                samples.append(computed + num_new == num_tokens)
+                step.budget -= num_new  # `_make_room` may have handed a victim's tokens back
 
     def _make_room(self, req: Request, num_tokens: int, step: _StepBuilder) -> bool:
         """Ensure `req` holds KV for `num_tokens`, preempting less important running requests if needed."""
@@ -505,6 +567,7 @@ class Batcher:
     # ---- update ------------------------------------------------------------------------------------------
 
     def update(self, plan: StepPlan, result: StepResult, now: float) -> StepOutputs:
+        self.state_version += 1
         outputs: list[RequestOutput] = []
         handoffs: list[HandoffReady] = []
         while self._truncated:
@@ -531,6 +594,61 @@ class Batcher:
                 elif finish is not None:
                     self._finish(req, observe=True)
         return StepOutputs(tuple(outputs), tuple(handoffs), tuple(self.kv.drain_events()))
+
+    def update_compact(self, step: CompactStep, sampled: Sequence[int | None], now: float) -> CompactOutputs:
+        """`update` for a `CompactStep`: `sampled[i]` is the token of `step.reqs[i]` (None where it samples none).
+
+        The same state changes, in the same order, as `update` on the equal `StepPlan`. The difference is in what
+        comes back: a sampled token that is neither the first this batcher produced for its request nor the last
+        (the bulk of a decode batch) gets no `RequestOutput`; its request is listed in `plain` instead."""
+        self.state_version += 1
+        outputs: list[RequestOutput] = []
+        handoffs: list[HandoffReady] = []
+        plain: list[Request] = []
+        while self._truncated:
+            req = self._truncated.pop()
+            req.status = RequestStatus.RUNNING  # _finish expects it off every queue; it was taken off running
+            self._running.append(req)
+            outputs.append(self._output(req, (), FinishReason.LENGTH))
+            self._finish(req, observe=True)
+        running = RequestStatus.RUNNING
+        block_size, kv = self.block_size, self.kv
+        eos, max_model_len = self.config.eos_token_id, self.config.max_model_len
+        prefill_role = self.config.role is Role.PREFILL
+        for req, num_new, token_id in zip(step.reqs, step.num_new, sampled):
+            if req.status is not running:
+                continue  # aborted or preempted while the step ran
+            before = req.num_computed_tokens
+            after = req.num_computed_tokens = before + num_new
+            if after // block_size > before // block_size:
+                kv.cache_computed(req.request_id, req.token_ids, after)
+            if token_id is None:
+                continue
+            tokens = req.token_ids
+            tokens.append(token_id)
+            req.last_token_s = now
+            first = req.first_token_s is None
+            if first:
+                req.first_token_s = now
+            # `_stop_reason`, inlined: this loop runs once per token of the whole simulation.
+            spec = req.spec
+            if token_id == eos and not spec.sampling.ignore_eos:
+                finish = FinishReason.STOP
+            elif len(tokens) - req.num_prompt_tokens >= spec.sampling.max_tokens or len(tokens) >= max_model_len:
+                finish = FinishReason.LENGTH
+            elif prefill_role:
+                finish = FinishReason.HANDOFF
+            else:
+                if not first:
+                    plain.append(req)
+                    continue
+                finish = None
+            outputs.append(self._output(req, (token_id,), finish))
+            if finish is FinishReason.HANDOFF:
+                handoffs.append(self._hold_for_handoff(req, token_id))
+            elif finish is not None:
+                self._finish(req, observe=True)
+        return CompactOutputs(tuple(outputs), tuple(handoffs), tuple(kv.drain_events()), tuple(plain))
 
     def _advance(self, req: Request, num_new_tokens: int) -> None:
         before = req.num_computed_tokens
@@ -581,6 +699,7 @@ class Batcher:
 
     def abort(self, request_id: str) -> bool:
         """Drop a request wherever it is and free its KV. False if the batcher does not know it."""
+        self.state_version += 1
         req = self._requests.get(request_id)
         if req is None:
             return False
@@ -591,6 +710,7 @@ class Batcher:
 
     def release_handoff(self, request_id: str) -> bool:
         """Prefill role: the KV was sent (or will never be); free the blocks (they stay prefix-cached)."""
+        self.state_version += 1
         req = self._requests.get(request_id)
         if req is None or req.status is not RequestStatus.HANDOFF:
             return False
@@ -599,6 +719,7 @@ class Batcher:
 
     def reserve(self, spec: RequestSpec, now: float) -> bool:
         """Decode role: hold KV for the prompt (plus the reservation policy's output share) before prefill."""
+        self.state_version += 1
         if spec.request_id in self._requests or self._num_active() >= self.config.max_num_seqs:
             return False
         req = self._new_request(spec)
@@ -620,6 +741,7 @@ class Batcher:
 
         Returns a final (empty) output when the first token already ends the request, else None.
         """
+        self.state_version += 1
         req = self._requests.get(request_id)
         if req is None or req.status is not RequestStatus.RESERVED:
             raise KeyError(f"no reservation for request {request_id!r}")
@@ -636,6 +758,7 @@ class Batcher:
         return self._output(req, (), finish)
 
     def release_reservation(self, request_id: str) -> bool:
+        self.state_version += 1
         req = self._requests.get(request_id)
         if req is None or req.status is not RequestStatus.RESERVED:
             return False
@@ -674,7 +797,8 @@ class Batcher:
 
     def queued_prefill_tokens(self) -> int:
         waiting = sum(r.num_uncomputed_tokens for r in self._waiting)
-        partial = sum(r.num_uncomputed_tokens for r in self._running if r.num_uncomputed_tokens > 1)
+        # Asked for at every routing decision over the whole running batch: one pass, no property calls.
+        partial = sum(u for r in self._running if (u := len(r.token_ids) - r.num_computed_tokens) > 1)
         return waiting + partial
 
     def load(self, instance_id: str, model: str, prefill_tokens_per_s: float, decode_step_time_s: float) -> EngineLoad:
@@ -693,6 +817,55 @@ class Batcher:
             max_num_seqs=self.config.max_num_seqs,
             mean_output_tokens=self.predictor.mean(),
         )
+
+
+class CompactStep:
+    """One planned step as parallel tuples (index i is one chunk): what `schedule_compact` returns.
+
+    The same content as a `StepPlan`, holding the batcher's `Request` objects instead of one message per chunk;
+    for in-process executors only (it never crosses a process or a thread). Built once, never mutated."""
+
+    __slots__ = ("step_id", "reqs", "num_new", "contexts", "samples", "preempted_ids", "swap_out_blocks",
+                 "swap_in_blocks")
+
+    def __init__(self, step_id: int, reqs: tuple[Request, ...], num_new: tuple[int, ...], contexts: tuple[int, ...],
+                 samples: tuple[bool, ...], preempted_ids: tuple[str, ...], swap_out_blocks: int,
+                 swap_in_blocks: int) -> None:
+        self.step_id = step_id
+        self.reqs = reqs
+        self.num_new = num_new  # tokens computed this step, per chunk
+        self.contexts = contexts  # tokens already in KV before this step, per chunk
+        self.samples = samples  # whether the chunk samples a token
+        self.preempted_ids = preempted_ids
+        self.swap_out_blocks = swap_out_blocks
+        self.swap_in_blocks = swap_in_blocks
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.reqs)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(self.num_new)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.reqs and not self.swap_out_blocks and not self.swap_in_blocks
+
+    def to_plan(self) -> StepPlan:
+        chunks = tuple(ScheduledChunk(r.request_id, n, c, s)
+                       for r, n, c, s in zip(self.reqs, self.num_new, self.contexts, self.samples))
+        return StepPlan(self.step_id, chunks, self.preempted_ids, self.swap_out_blocks, self.swap_in_blocks)
+
+
+@dataclass(frozen=True, slots=True)
+class CompactOutputs:
+    """What `update_compact` returns: `StepOutputs` less one `RequestOutput` per plain decode token."""
+
+    outputs: tuple[RequestOutput, ...]  # first tokens, final tokens, hand-offs, truncations (as `update`)
+    handoffs: tuple[HandoffReady, ...]
+    kv_events: tuple
+    plain: tuple[Request, ...]  # requests that got exactly one more token that neither starts nor ends them
 
 
 def _victim_order(req: Request) -> tuple:
@@ -734,4 +907,46 @@ class _StepBuilder:
             if chunk.request_id == request_id:
                 self.budget += chunk.num_new_tokens
                 del self.chunks[i]
+                return
+
+
+class _CompactBuilder:
+    """A `_StepBuilder` that keeps parallel lists instead of `ScheduledChunk` messages (`schedule_compact`)."""
+
+    __slots__ = ("budget", "initial_budget", "preempted_ids", "swap_out_blocks", "swap_in_blocks", "reqs", "num_new",
+                 "contexts", "samples")
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.initial_budget = budget
+        self.preempted_ids: list[str] = []
+        self.swap_out_blocks = 0
+        self.swap_in_blocks = 0
+        self.reqs: list[Request] = []
+        self.num_new: list[int] = []
+        self.contexts: list[int] = []
+        self.samples: list[bool] = []
+
+    def add(self, req: Request, num_new_tokens: int) -> None:
+        context = req.num_computed_tokens
+        self.reqs.append(req)
+        self.num_new.append(num_new_tokens)
+        self.contexts.append(context)
+        self.samples.append(context + num_new_tokens == len(req.token_ids))
+        self.budget -= num_new_tokens
+
+    @property
+    def used(self) -> int:
+        return self.initial_budget - self.budget
+
+    @property
+    def scheduled_ids(self) -> set[str]:  # only asked for when a request runs out of KV
+        return {r.request_id for r in self.reqs}
+
+    def unschedule(self, request_id: str) -> None:
+        for i, req in enumerate(self.reqs):
+            if req.request_id == request_id:
+                self.budget += self.num_new[i]
+                for column in (self.reqs, self.num_new, self.contexts, self.samples):
+                    del column[i]
                 return

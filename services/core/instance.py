@@ -112,7 +112,12 @@ class LoadReporter:
         self._prefill_rate: dict[int, float] = {}
 
     def note_step(self, plan: StepPlan, step_time_s: float) -> None:
-        if plan.chunks and plan.num_batched_tokens == len(plan.chunks):
+        if plan.chunks:
+            self.note_step_shape(len(plan.chunks), plan.num_batched_tokens, step_time_s)
+
+    def note_step_shape(self, num_chunks: int, num_batched_tokens: int, step_time_s: float) -> None:
+        """`note_step` from a step's counts (the simulator's compact steps carry no `StepPlan`)."""
+        if num_chunks and num_batched_tokens == num_chunks:
             self.decode_step_time_s += self.EMA * (step_time_s - self.decode_step_time_s)
 
     def prefill_tokens_per_s(self, num_running: int) -> float:

@@ -8,7 +8,7 @@ the same tokens and the same step times for the same plans.
 
 from __future__ import annotations
 
-from octoserve.services.core.batcher import Batcher
+from octoserve.services.core.batcher import Batcher, CompactStep
 from octoserve.services.core.cost_model import CostModel
 from octoserve.services.core.types import StepPlan, StepResult
 
@@ -43,3 +43,28 @@ class SimExecutor:
                 prompt = req.spec.prompt_token_ids
                 sampled[chunk.request_id] = sim_token_id(len(prompt), prompt[0] if prompt else 0, position)
         return StepResult(sampled, self.cost_model.plan_time_s(plan, self.block_size))
+
+    def execute_compact(self, step: CompactStep) -> tuple[list[int | None], float]:
+        """`execute` for a `Batcher.schedule_compact` step: (the token of each chunk, None where it samples none;
+        the step time). The same tokens and the same time as `execute` on `step.to_plan()`."""
+        sampled: list[int | None] = []
+        append = sampled.append
+        eos = self.eos_token_id
+        num_samples = 0
+        for req, samples in zip(step.reqs, step.samples):
+            if not samples:
+                append(None)
+                continue
+            num_samples += 1
+            position = len(req.token_ids) - req.num_prompt_tokens  # index of the token being sampled
+            spec = req.spec
+            true_len = spec.sim_output_len
+            if true_len is not None and position + 1 >= true_len:
+                append(eos)
+            else:
+                prompt = spec.prompt_token_ids  # sim_token_id, inlined (once per token of a simulation)
+                append(SIM_TOKEN_LO + (position * 7919 + len(prompt) * 104_729 + (prompt[0] if prompt else 0) * 31)
+                       % SIM_TOKEN_SPAN)
+        step_s = self.cost_model.chunks_time_s(step.num_new, step.contexts, num_samples,
+                                               step.swap_in_blocks + step.swap_out_blocks, self.block_size)
+        return sampled, step_s

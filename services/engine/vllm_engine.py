@@ -13,7 +13,8 @@ Job: run real model math for one octoserve instance. octoserve's policies map on
   `pause_generation(mode="keep", clear_cache=False)` does, minus its 20 ms sleep): requests and KV stay, no step
   runs. `step_log` records every iteration with the engine core's timestamp (services/scheduler/lease_members.py
   drives pause/resume slices under the gang arbiter).
-- Disaggregation: a vLLM KV connector (services/engine/vllm_kv.py): producer on PREFILL, consumer on DECODE.
+- Disaggregation: a vLLM KV connector (services/engine/vllm_kv.py): producer on PREFILL, consumer on DECODE;
+  `flippable=True` starts it as "kv_both" so the role can change later without a restart (vllm_reconfig.py).
 
 Invariants:
 - Streams carry token ids only, as `RequestOutput` deltas; `num_output_tokens` counts every token of the request
@@ -203,10 +204,16 @@ class VllmEngine:
         default_ttft_slo_ms: float = 1000.0,
         warmup: bool = True,
         seed: int = 0,
+        flippable: bool = False,
     ) -> None:
-        if role is not Role.COLOCATED and kv_transfer is None:
+        if (role is not Role.COLOCATED or flippable) and kv_transfer is None:
             raise ValueError(f"role {role.value} needs kv_transfer (a KV connector to hand the prompt KV over)")
-        if role is Role.PREFILL and kv_transfer.connector == vllm_kv.EXAMPLE and max_num_batched_tokens < max_model_len:
+        may_prefill = role is Role.PREFILL or flippable
+        # The example connector saves a prompt's KV in the step that first schedules it, sized by the prompt but
+        # filled from the blocks of that step's chunk: a prompt chunked across steps (too long for the budget, or
+        # cut to fit what other requests left of it) would be saved half-computed and crash a later load.
+        self._no_chunking = may_prefill and kv_transfer.connector == vllm_kv.EXAMPLE
+        if self._no_chunking and max_num_batched_tokens < max_model_len:
             # The example connector saves a prompt's KV in the step that first schedules it: a chunked prompt
             # would be saved half-computed.
             raise ValueError("a prefill instance with the example connector needs max_num_batched_tokens >= "
@@ -220,7 +227,10 @@ class VllmEngine:
             max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
             kv_cache_memory_bytes=int(kv_cache_space_gib * (1 << 30)), dtype=dtype, seed=seed,
         )
-        self._kv = kv_transfer if role is not Role.COLOCATED else None
+        # A flippable instance's connector is "kv_both", so its role can change without a restart
+        # (services/engine/vllm_reconfig.py); its kv_transfer stays whatever the current role.
+        self.flippable = flippable
+        self._kv = kv_transfer if role is not Role.COLOCATED or flippable else None
         self._default_ttft_slo_ms = default_ttft_slo_ms
         self._warmup = warmup
         self._llm: Any = None
@@ -248,7 +258,9 @@ class VllmEngine:
         args = AsyncEngineArgs(
             model=self._model_path, served_model_name=self.model, enforce_eager=True,
             scheduling_policy="priority", enable_logging_iteration_details=True, disable_log_stats=True,
-            kv_transfer_config=vllm_kv.kv_transfer_config(self._kv, self.role) if self._kv else None,
+            kv_transfer_config=vllm_kv.kv_transfer_config(self._kv, self.role, both=self.flippable) if self._kv else None,
+            # A prompt that does not fit what is left of a step's budget waits for the next step whole.
+            **({"enable_chunked_prefill": False} if self._no_chunking else {}),
             **self._engine_kwargs,
         )
         with _without_env("VLLM_CPU_KVCACHE_SPACE"):
@@ -299,12 +311,16 @@ class VllmEngine:
             vllm_kv.remove_example_kv(vllm_kv.example_kv_folder(self._kv.storage_path, prompt, self._block_size))
         await self._llm.reset_prefix_cache()
 
-    async def stop(self) -> None:
-        """Shut the engine core down (blocking in vLLM, so off the event loop) and drop stored hand-off KV."""
+    async def stop(self, timeout_s: float | None = None) -> None:
+        """Shut the engine core down (blocking in vLLM, so off the event loop) and drop stored hand-off KV.
+
+        `timeout_s`: how long vLLM waits for its processes to exit before killing them (its default is 5 s, which
+        the CPU engine core always uses up); a drained engine has nothing left to finish, so a short one is safe.
+        """
         if self._llm is None:
             return
         llm, self._llm = self._llm, None
-        await asyncio.to_thread(llm.shutdown)
+        await asyncio.to_thread(llm.shutdown, timeout_s)
         for folder in self._stored_kv.values():
             vllm_kv.remove_example_kv(folder)
         self._stored_kv.clear()
@@ -513,8 +529,8 @@ def make_vllm_engine(
     enable_prefix_caching. `max_model_len` is the node's context length for the model (when `node_cfg` is given)
     capped at the checkpoint's `max_position_embeddings`. KV space: `kv_cache_space_gib` (default: the
     VLLM_CPU_KVCACHE_SPACE variable, else 1 GiB); dtype: the OCTOSERVE_VLLM_DTYPE variable, else "auto".
-    Disaggregated roles without `kv_transfer` use the example connector under $OCTOSERVE_KV_DIR (default
-    <tmp>/octoserve-kv), which every instance on the machine shares.
+    Disaggregated roles without `kv_transfer` use the example connector under $OCTOSERVE_KV_DIR/<model> (default
+    <tmp>/octoserve-kv/<model>), which every instance of the model on the machine shares.
     `overrides` are VllmEngine keyword arguments and win over all of the above.
     """
     def get(key: str, default: Any = None) -> Any:
@@ -526,8 +542,8 @@ def make_vllm_engine(
     model = get("model")
     if kv_transfer is None and role is not Role.COLOCATED:
         kv_dir = os.environ.get("OCTOSERVE_KV_DIR") or os.path.join(tempfile.gettempdir(), "octoserve-kv")
-        os.makedirs(kv_dir, exist_ok=True)
-        kv_transfer = KvTransfer(storage_path=kv_dir)
+        kv_transfer = vllm_kv.for_model(KvTransfer(storage_path=kv_dir), model)
+        os.makedirs(kv_transfer.storage_path, exist_ok=True)
     kwargs: dict[str, Any] = dict(
         tp=get("tp", 1), max_model_len=_max_model_len(model_path, node_cfg, model),
         max_num_seqs=get("max_num_seqs", 64), max_num_batched_tokens=get("max_num_batched_tokens", 2048),

@@ -17,12 +17,14 @@ Invariants:
 - The example connector only moves full blocks of the prompt minus its last token: `transferable_tokens` says how
   many. Its lookup key on the decode side covers `len(prompt)` tokens rounded down to a block, so a prompt whose
   length is a multiple of the block size misses (the decode side then recomputes: correct, just not transferred).
+- Instances of different models never share a storage folder (`for_model`): the key is token ids only.
 - A folder is complete only when it holds one file per attention layer; a partial folder would crash the loader,
   so callers check `example_kv_complete` and fall back to recompute instead.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import shutil
@@ -63,9 +65,24 @@ class KvTransfer:
         return cls(**d)
 
 
-def kv_transfer_config(kv: KvTransfer, role: Role) -> dict[str, Any]:
-    """vLLM's `kv_transfer_config` for an instance of `role` (producer on prefill, consumer on decode)."""
-    config: dict[str, Any] = {"kv_connector": _CONNECTOR_CLASS[kv.connector], "kv_role": _KV_ROLE[role]}
+def for_model(kv: KvTransfer, model: str) -> KvTransfer:
+    """`kv` with the example connector's folder narrowed to `<storage_path>/<model>`.
+
+    The example connector keys stored KV by token ids only: two models sharing one folder would load each other's
+    KV for the same prompt (a shape mismatch that kills the engine core). Instances of one model share a folder.
+    """
+    if kv.connector != EXAMPLE:
+        return kv
+    return dataclasses.replace(kv, storage_path=str(Path(kv.storage_path) / model))
+
+
+def kv_transfer_config(kv: KvTransfer, role: Role, *, both: bool = False) -> dict[str, Any]:
+    """vLLM's `kv_transfer_config` for an instance of `role` (producer on prefill, consumer on decode).
+
+    `both`: the role "kv_both" whatever `role` is, for an instance that may change role without a restart.
+    """
+    kv_role = _KV_ROLE[Role.COLOCATED] if both else _KV_ROLE[role]
+    config: dict[str, Any] = {"kv_connector": _CONNECTOR_CLASS[kv.connector], "kv_role": kv_role}
     if kv.connector == EXAMPLE:
         config["kv_connector_extra_config"] = {"shared_storage_path": kv.storage_path}
     else:

@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import os
 import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from octoserve.services.core.batcher import Batcher
+from octoserve.services.core.batcher import Batcher, CompactStep
 from octoserve.services.core.instance import LoadReporter, gang_duty, instance_parts
 from octoserve.services.core.placement import InstanceConfig, NodeConfig
 from octoserve.services.core.sim_executor import SimExecutor
@@ -40,10 +41,11 @@ from octoserve.services.workload import TraceRequest
 
 _ARRIVAL, _STEP_DONE, _TRANSFER_DONE, _SAMPLE, _FAULT, _RECOVER = range(6)
 MAX_REROUTES = 3  # as the live router (router/failover.py)
+FAST_PATH_ENV = "OCTOSERVE_SIM_FAST"  # "0" turns the simulator's fast path off (NodeSimulator's `fast`)
 
 
 class _Instance:
-    __slots__ = ("cfg", "batcher", "executor", "cost", "reporter", "busy", "busy_s", "steps")
+    __slots__ = ("cfg", "batcher", "executor", "cost", "reporter", "busy", "busy_s", "steps", "_load", "_load_key")
 
     def __init__(self, node: NodeConfig, cfg: InstanceConfig) -> None:
         parts = instance_parts(node, cfg)
@@ -55,15 +57,26 @@ class _Instance:
         self.busy = False
         self.busy_s = 0.0  # modelled GPU-busy seconds so far
         self.steps = 0
+        self._load = None
+        self._load_key = None
 
     def load(self):
         return self.reporter.load()
+
+    def cached_load(self):
+        """`load()`, reused while nothing it reads has changed: every arrival asks every instance of its model,
+        and several arrivals fall inside one step. The key covers all of the snapshot's inputs: the batcher's
+        state version (bumped by each of its mutating calls), its free KV blocks, and the reporter's decode EMA."""
+        key = (self.batcher.state_version, self.batcher.kv.num_free_blocks, self.reporter.decode_step_time_s)
+        if key != self._load_key:
+            self._load, self._load_key = self.reporter.load(), key
+        return self._load
 
 
 class _Tracker:
     """What the simulator learns about one request as it runs."""
 
-    __slots__ = ("trace", "route", "first_token_s", "token_times_s", "finish_s", "num_cached", "num_output",
+    __slots__ = ("trace", "route", "first_token_s", "token_times_s", "finish_s", "num_cached",
                  "preemptions", "refused", "retry_after_ms", "error", "committed", "reroutes")
 
     def __init__(self, trace: TraceRequest) -> None:
@@ -73,7 +86,6 @@ class _Tracker:
         self.token_times_s: list[float] = []
         self.finish_s: float | None = None
         self.num_cached = 0
-        self.num_output = 0
         self.preemptions = 0
         self.refused = False
         self.retry_after_ms: float | None = None
@@ -81,10 +93,14 @@ class _Tracker:
         self.committed = False  # decode side has taken the KV
         self.reroutes = 0  # times it was placed again after losing its instance
 
+    @property
+    def num_output(self) -> int:
+        return len(self.token_times_s)
+
     def record(self) -> RequestRecord:
         return self.trace.record(
             num_cached_prompt_tokens=self.num_cached,
-            num_output_tokens=self.num_output,
+            num_output_tokens=self.num_output,  # one time per token, so the count of times
             first_token_s=self.first_token_s,
             token_times_s=tuple(self.token_times_s),
             finish_s=self.finish_s,
@@ -131,11 +147,23 @@ class SimResult:
         return self.virtual_s / self.wall_s if self.wall_s > 0 else float("inf")
 
 
+def fast_path_default() -> bool:
+    """The fast path is on unless the environment says OCTOSERVE_SIM_FAST=0 (for checking it against the plain
+    path; `NodeSimulator(fast=...)` decides per run)."""
+    return os.environ.get(FAST_PATH_ENV, "1").strip() not in ("0", "false", "no", "off")
+
+
 class NodeSimulator:
+    """`fast` (default: `fast_path_default()`): steps go through `Batcher.schedule_compact` / `update_compact` and
+    `SimExecutor.execute_compact`, load snapshots are reused while unchanged, and plain decode tokens skip their
+    per-token messages. The plain path runs the message API that the live engine uses. Both give identical
+    records (tests/test_sim_speed.py)."""
+
     def __init__(self, config: NodeConfig, *, seed: int = 0, sample_interval_s: float = 1.0, router=None,
-                 faults: Sequence = ()) -> None:
+                 faults: Sequence = (), fast: bool | None = None) -> None:
         from octoserve.services.core.routing import RouterPolicy
 
+        self.fast = fast_path_default() if fast is None else fast
         self.config = config
         self.instances = {cfg.id: _Instance(config, cfg) for cfg in config.instances}
         # Gang groups: members' steps start only through their group's arbiter (services/sim/gang_sim.py).
@@ -223,7 +251,7 @@ class NodeSimulator:
 
         req = tracker.trace
         spec = req.to_request_spec()
-        loads = {iid: inst.load() for iid, inst in self.instances.items()
+        loads = {iid: (inst.cached_load() if self.fast else inst.load()) for iid, inst in self.instances.items()
                  if inst.cfg.model == req.model and iid not in self.down}
         decision = self.router.route(spec, loads, self.now)
         if isinstance(decision, Refuse):
@@ -263,6 +291,8 @@ class NodeSimulator:
 
     def _start_capped_step(self, inst: _Instance, step_cap_s: float | None) -> float | None:
         """Start `inst`'s next step (cut to `step_cap_s` when given); its duration, or None when it planned nothing."""
+        if self.fast and hasattr(inst.executor, "execute_compact"):  # a wrapped executor may offer only `execute`
+            return self._start_compact_step(inst, step_cap_s)
         plan = inst.batcher.schedule(self.now, step_cap_s)
         if plan.is_empty and not inst.batcher.has_pending_outputs:
             inst.busy = False
@@ -273,13 +303,38 @@ class NodeSimulator:
         self._push(self.now + result.step_time_s, _STEP_DONE, (inst, plan, result))
         return result.step_time_s
 
+    def _start_compact_step(self, inst: _Instance, step_cap_s: float | None) -> float | None:
+        step = inst.batcher.schedule_compact(self.now, step_cap_s)
+        if step.is_empty and not inst.batcher.has_pending_outputs:
+            inst.busy = False
+            return None
+        sampled, step_s = inst.executor.execute_compact(step)
+        inst.busy = True
+        inst.busy_s += step_s
+        self._push(self.now + step_s, _STEP_DONE, (inst, step, (sampled, step_s)))
+        return step_s
+
     def _on_step_done(self, payload: tuple[_Instance, StepPlan, StepResult]) -> None:
         inst, plan, result = payload
         if self.instances[inst.cfg.id] is not inst:
             return  # a step of an instance that was lost meanwhile
-        out = inst.batcher.update(plan, result, self.now)
+        if isinstance(plan, CompactStep):
+            sampled, step_s = result
+            out = inst.batcher.update_compact(plan, sampled, self.now)
+            inst.reporter.note_step_shape(plan.num_chunks, plan.num_batched_tokens, step_s)
+            now = self.now
+            trackers = self._trackers
+            for req in out.plain:  # one more token, neither first nor last: only its time is recorded
+                tracker = trackers[req.request_id]
+                if tracker.first_token_s is None:  # not reached (the first token has an output); kept exact
+                    self._on_output(RequestOutput(req.request_id, (req.token_ids[-1],), None, req.num_prompt_tokens,
+                                                  req.num_cached_tokens, req.num_output_tokens))
+                    continue
+                tracker.token_times_s.append(now)
+        else:
+            out = inst.batcher.update(plan, result, self.now)
+            inst.reporter.note_step(plan, result.step_time_s)
         inst.steps += 1
-        inst.reporter.note_step(plan, result.step_time_s)
         for request_id in plan.preempted_ids:
             self._trackers[request_id].preemptions += 1
         for output in out.outputs:
@@ -303,7 +358,6 @@ class NodeSimulator:
                 tracker.num_cached = output.num_cached_prompt_tokens
                 self.router.on_first_token(output.request_id, self.now)
             tracker.token_times_s.extend([self.now] * len(output.new_token_ids))
-            tracker.num_output += len(output.new_token_ids)
         if output.finish_reason not in (None, FinishReason.HANDOFF):
             self._finish(tracker)
 
@@ -438,12 +492,14 @@ def run_simulation(
     warmup_s: float | None = None,
     min_warmup_s: float = MIN_WARMUP_S,
     faults: Sequence = (),
+    fast: bool | None = None,
 ) -> SimResult:
     """Simulate `trace` on the node `config`; the one entry point for `simulate`, `plan` and the benchmarks.
 
     `warmup_s` None detects the warm-up (`metrics.detect_window`: MSER-5 on the occupancy series, at least
     `min_warmup_s`); a number states it. The result's summary and instance figures cover the measurement window
-    (`SimResult.window`); `records` and `timeseries` hold the whole run, warm-up and drain included."""
-    return NodeSimulator(config, seed=seed, faults=faults).run(
+    (`SimResult.window`); `records` and `timeseries` hold the whole run, warm-up and drain included. `fast`: see
+    `NodeSimulator` (None: on unless OCTOSERVE_SIM_FAST=0)."""
+    return NodeSimulator(config, seed=seed, faults=faults, fast=fast).run(
         trace, drain_s=drain_s, progress=progress, warmup_s=warmup_s, min_warmup_s=min_warmup_s
     )
