@@ -426,7 +426,9 @@ def calibration_section() -> str:
         "vs measured per operation, fits `linear_eff`, `hbm_eff` and `attn_eff`, and writes a profile JSON that",
         "`CostModel.from_profile` reads. On a CPU it does the same for the tiny test model's shapes against a measured",
         "CPU roofline and, with `--e2e`, times the vLLM engine on the tiny model end to end to fit `step_overhead_s`.",
-        "No GPU was lent to this task, so no H100 profile is included; CPU timings on this shared 2-core machine are",
-        "dominated by scheduler noise (10 ms slices) and are not reported as calibration.",
+        "Profiles measured on one H200 (8B TP=1, 70B TP=4 and TP=8 shards) are in `docs/bench/h200/`, with whole-step",
+        "timings against both cost profiles in \"Cost model against a real GPU (H200)\" below; no H100 was measured.",
+        "CPU timings on this shared 2-core machine are dominated by scheduler noise (10 ms slices) and are not reported",
+        "as calibration.",
     ]
     return "\n".join(lines)

@@ -26,7 +26,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from octoserve.services.core.balancer import BalancerPolicy, CapacityModel, candidate_layouts, placement_goodput_rps
+from octoserve.services.core.balancer import (
+    BalancerPolicy,
+    CapacityModel,
+    candidate_layouts,
+    placement_goodput_rps,
+    weight_load_s,
+)
 from octoserve.services.core.placement import InstanceConfig, NodeConfig
 from octoserve.services.core.planner import ModelLoad, WorkloadMix, candidate_placements, rank_placements
 from octoserve.services.core.specs import GPU_PRESETS, MODEL_PRESETS
@@ -60,6 +66,7 @@ class ProfileRun:
     elastic: DayResult
     pd_fixed: DayResult
     pd_elastic: DayResult
+    gpu: str  # the GPU preset of the node
     adapt_s: float  # step change -> last reconfiguration started within 60 s of it DONE (NaN: none)
     first_adapt_s: float  # step change -> first reconfiguration after it DONE (NaN: none)
 
@@ -67,6 +74,10 @@ class ProfileRun:
 def _node(cost_profile: str, gpu: str) -> NodeConfig:
     models = {name: dataclasses.replace(MODEL_PRESETS[name], name=name) for name in (LARGE, SMALL)}
     return NodeConfig(GPU_PRESETS[gpu], 8, models, (), cost_profile=cost_profile)
+
+
+def _load_s(run: "ProfileRun", tp: int) -> float:
+    return weight_load_s(MODEL_PRESETS[LARGE], GPU_PRESETS[run.gpu], tp)
 
 
 def _say(msg: str) -> None:
@@ -107,7 +118,7 @@ def _adapt_s(res: DayResult, step_s: float | None, within_s: float = 60.0, first
     return (min(after) if first else max(after)) - step_s
 
 
-def run_profile(cost_profile: str, *, gpu: str = "h200-141gb", mix: str = "load", load: float = 0.9,
+def run_profile(cost_profile: str, *, gpu: str = "h100-sxm-80gb", mix: str = "load", load: float = 0.9,
                 rate_rps: float = 40.0, hour_s: float = 60.0, hours: float = 24.0, seed: int = 0,
                 policy: BalancerPolicy = BalancerPolicy()) -> ProfileRun:
     node = _node(cost_profile, gpu)
@@ -140,7 +151,7 @@ def run_profile(cost_profile: str, *, gpu: str = "h200-141gb", mix: str = "load"
                          policy=dataclasses.replace(policy, allow_model_changes=False))
     _say(f"[{cost_profile}]   P/D fixed {pd_fixed.summary.overall.goodput_rps:.1f}, balanced "
          f"{pd_elastic.summary.overall.goodput_rps:.1f} req/s ({time.perf_counter() - t0:.0f} s)")
-    return ProfileRun(cost_profile, day, alone, static, tried, oracle, elastic, pd_fixed, pd_elastic,
+    return ProfileRun(cost_profile, day, alone, static, tried, oracle, elastic, pd_fixed, pd_elastic, gpu,
                       _adapt_s(elastic, day.step_s), _adapt_s(elastic, day.step_s, first=True))
 
 
@@ -304,9 +315,10 @@ def section(runs: Sequence[ProfileRun], command: str, plots: Sequence[Path], wal
     out = [
         f"Reproduce: `{command}` ({wall_s:.0f} s of wall time; progress on stderr). Simulator: the elastic "
         f"queueing model (services/sim/elastic_sim.py), coarser than the step-level simulator so that a day runs in "
-        f"seconds; an H200 node of 8 GPUs serving Llama-3-70B and Llama-3-8B, TTFT SLO {day.ttft_slo_ms:g} ms, ITL "
-        f"SLO {day.itl_slo_ms:g} ms. Weights load from pinned host memory over PCIe (70B at TP 2: 2.57 s, two GPUs "
-        f"sharing a switch uplink) plus an assumed 2 s engine start; a role change is an assumed 0.5 s.",
+        f"seconds; a node of 8 {r0.gpu} GPUs serving Llama-3-70B and Llama-3-8B, TTFT SLO {day.ttft_slo_ms:g} ms, "
+        f"ITL SLO {day.itl_slo_ms:g} ms. Weights load from pinned host memory over PCIe at the measured 55 GB/s, two "
+        f"GPUs sharing a switch uplink (the 70B at TP 4: {_load_s(r0, 4):.2f} s), plus an assumed 2 s engine start; "
+        f"a role change is an assumed 0.5 s.",
         "",
         f"The day is compressed {3600 / day.hour_s:g}x: one hour is {day.hour_s:g} simulated seconds, the day "
         f"{day.duration_s:g} s. Each run is measured over [{r0.static.summary.window.start_s:g}, "
@@ -356,6 +368,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rate", type=float, default=40.0, help="with --mix requests: total req/s")
     parser.add_argument("--hour-s", type=float, default=60.0, help="simulated seconds per hour of the day")
     parser.add_argument("--hours", type=float, default=24.0)
+    parser.add_argument("--gpu", default="h100-sxm-80gb", choices=sorted(GPU_PRESETS),
+                        help="the node's GPU preset (the project's node: h100-sxm-80gb)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plots", default="docs/bench", help="folder for the PNG plots ('' for none)")
     parser.add_argument("--benchmarks", default="", help="write the section into this BENCHMARKS.md")
@@ -370,7 +384,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--hour-s, --hours, --load and --rate must be > 0")
     wall0 = time.perf_counter()
     profiles = ("default", "pessimistic") if args.cost_profile == "both" else (args.cost_profile,)
-    common = dict(load=args.load, rate_rps=args.rate, hour_s=args.hour_s, hours=args.hours, seed=args.seed)
+    common = dict(load=args.load, rate_rps=args.rate, hour_s=args.hour_s, hours=args.hours, seed=args.seed, gpu=args.gpu)
     runs = [run_profile(p, mix=args.mix, **common) for p in profiles]
     request_runs = ([run_profile(p, mix="requests", **common) for p in profiles]
                     if args.also_requests and args.mix == "load" else [])
@@ -381,7 +395,7 @@ def run(args: argparse.Namespace) -> int:
         if args.plots:
             plots += plot_run(r, Path(args.plots))
     if args.benchmarks:
-        from octoserve.services.bench_suite import replace_section  # noqa: PLC0415
+        from octoserve.services.bench_report import replace_section  # noqa: PLC0415
 
         path = Path(args.benchmarks)
         text = path.read_text() if path.exists() else "# Benchmarks\n"
