@@ -144,3 +144,47 @@ def test_schedule_compact_plans_and_applies_the_same_steps_as_schedule(preemptio
             break
     assert not plain.has_work and not compact.has_work
     assert num_preempted > 0
+
+
+# ---- the router's lazy prompt hashing -----------------------------------------------------------------------
+
+def test_prompt_overlap_blocks_equals_overlap_of_every_prompt_hash():
+    from octoserve.services.core.kv_cache import PrefixIndex, prefix_block_hashes
+    from octoserve.services.core.types import BlockRemoved, BlockStored
+
+    rng = random.Random(5)
+    index = PrefixIndex()
+    prompts = [[rng.randint(0, 3) for _ in range(rng.randint(0, 40))] for _ in range(60)]
+    for round_no in range(40):
+        # Instances cache random prefixes of random prompts, and drop random blocks (holes in a chain).
+        for _ in range(5):
+            iid = f"i{rng.randint(0, 4)}"
+            hashes = prefix_block_hashes(rng.choice(prompts), 4, "m")
+            if hashes:
+                index.apply(iid, BlockStored(tuple(hashes[: rng.randint(1, len(hashes))]), None))
+                if rng.random() < 0.3:
+                    index.apply(iid, BlockRemoved((rng.choice(hashes),)))
+        for prompt in prompts:
+            expected = index.overlap_blocks(prefix_block_hashes(prompt, 4, "m"))
+            assert index.prompt_overlap_blocks(prompt, 4, "m") == expected
+            assert index.prompt_overlap_blocks(prompt, 4, "other") == index.overlap_blocks(
+                prefix_block_hashes(prompt, 4, "other"))
+    assert any(index.prompt_overlap_blocks(p, 4, "m") for p in prompts)
+
+
+def test_lazy_prompt_hashing_routes_as_hashing_every_block():
+    # A router given a hasher of its own hashes every block of every prompt (the code before the lazy path).
+    from octoserve.services.core.kv_cache import prefix_block_hashes
+    from octoserve.services.core.routing import RouterPolicy
+
+    config = node_config_from_text(default_config_text())
+    trace = short_trace("seed-000", 3.0, 150.0)
+    lazy = NodeSimulator(config, seed=3)
+    assert lazy.router._lazy_overlap is not None
+    sim = NodeSimulator(config, seed=3)
+    sim.router = RouterPolicy(config, {iid: inst.cost for iid, inst in sim.instances.items()}, random.Random(3),
+                              block_hasher=lambda *args: prefix_block_hashes(*args))
+    assert sim.router._lazy_overlap is None
+    a, b = lazy.run(trace, drain_s=30.0), sim.run(trace, drain_s=30.0)
+    assert_identical(a, b)
+    assert sum(r.num_cached_prompt_tokens for r in a.records) > 0

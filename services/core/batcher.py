@@ -134,6 +134,8 @@ class Request:
         "victim_key",
         "first_token_s",
         "last_token_s",
+        "stop_len",
+        "executor_key",
     )
 
     def __init__(self, spec: RequestSpec, queue_key: tuple, victim_key: tuple) -> None:
@@ -151,6 +153,12 @@ class Request:
         self.victim_key = victim_key
         self.first_token_s: float | None = None  # when its first output token was produced here (slack accounting)
         self.last_token_s: float | None = None  # when its latest output token was produced here (gang deadlines)
+        # Length (prompt + output tokens) at which it stops for length: min(prompt + max_tokens, max_model_len);
+        # set by the batcher, which knows max_model_len.
+        self.stop_len = self.num_prompt_tokens + spec.sampling.max_tokens
+        # Opaque to the batcher: what an in-process executor derives once per request and caches here
+        # (SimExecutor: the constants of its token formula). None until the executor first sees the request.
+        self.executor_key: tuple | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -213,7 +221,9 @@ class Batcher:
 
     def _new_request(self, spec: RequestSpec) -> Request:
         prefill_s = spec.num_prompt_tokens * self.config.prefill_s_per_token  # 0 when no cost estimate is given
-        return Request(spec, self._queue_key(spec, self.config.tier_ttft_slo_ms, prefill_s), self._victim_key(spec))
+        req = Request(spec, self._queue_key(spec, self.config.tier_ttft_slo_ms, prefill_s), self._victim_key(spec))
+        req.stop_len = min(req.stop_len, self.config.max_model_len)
+        return req
 
     def request(self, request_id: str) -> Request | None:
         return self._requests.get(request_id)
@@ -613,7 +623,7 @@ class Batcher:
             self._finish(req, observe=True)
         running = RequestStatus.RUNNING
         block_size, kv = self.block_size, self.kv
-        eos, max_model_len = self.config.eos_token_id, self.config.max_model_len
+        eos = self.config.eos_token_id
         prefill_role = self.config.role is Role.PREFILL
         for req, num_new, token_id in zip(step.reqs, step.num_new, sampled):
             if req.status is not running:
@@ -631,10 +641,9 @@ class Batcher:
             if first:
                 req.first_token_s = now
             # `_stop_reason`, inlined: this loop runs once per token of the whole simulation.
-            spec = req.spec
-            if token_id == eos and not spec.sampling.ignore_eos:
+            if token_id == eos and not req.spec.sampling.ignore_eos:
                 finish = FinishReason.STOP
-            elif len(tokens) - req.num_prompt_tokens >= spec.sampling.max_tokens or len(tokens) >= max_model_len:
+            elif len(tokens) >= req.stop_len:  # output >= max_tokens or whole length >= max_model_len
                 finish = FinishReason.LENGTH
             elif prefill_role:
                 finish = FinishReason.HANDOFF

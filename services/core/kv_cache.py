@@ -420,6 +420,31 @@ class PrefixIndex:
         self._record(overlap, alive, depth)
         return overlap
 
+    def prompt_overlap_blocks(self, token_ids: Sequence[int], block_size: int, extra_key: str = "") -> dict[str, int]:
+        """`overlap_blocks(prefix_block_hashes(token_ids, block_size, extra_key))`, hashing the prompt's blocks
+        only as far as some instance still caches the chain (a chain hash that no instance holds ends every
+        match, so the blocks after it cannot change the answer): the router asks this at every arrival."""
+        holders = self._holders
+        overlap: dict[str, int] = {}
+        num_full = len(token_ids) // block_size
+        if not holders or not num_full:
+            return overlap
+        extra = _extra_key_bytes(extra_key)
+        data = _token_bytes(token_ids[: num_full * block_size])
+        step = block_size * _TOKEN_BYTES
+        alive, depth, parent_hash = -1, 0, None
+        for offset in range(0, len(data), step):
+            parent_hash = _digest(parent_hash, extra, data[offset : offset + step])
+            still = alive & holders.get(parent_hash, 0)
+            if still != alive:
+                self._record(overlap, alive & ~still, depth)
+                if not still:
+                    return overlap
+                alive = still
+            depth += 1
+        self._record(overlap, alive, depth)
+        return overlap
+
     def _record(self, overlap: dict[str, int], mask: int, depth: int) -> None:
         if depth == 0:
             return

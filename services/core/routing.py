@@ -194,6 +194,11 @@ class RouterPolicy:
             block_hasher = block_hasher or kv_cache.prefix_block_hashes
         self.prefix_index = prefix_index
         self.block_hasher = block_hasher
+        # With the default hasher, an index that can hash a prompt itself stops at the first block nobody caches.
+        from octoserve.services.core.kv_cache import prefix_block_hashes  # noqa: PLC0415
+
+        self._lazy_overlap = (getattr(prefix_index, "prompt_overlap_blocks", None)
+                              if block_hasher is prefix_block_hashes else None)
         self.extra_key = extra_key
         self.ledger = adm.InFlightLedger()
         p = config.policies
@@ -316,8 +321,11 @@ class RouterPolicy:
                 overlaps.setdefault(inst.block_size, {})
             if inst.block_size not in overlaps:
                 key = spec.model if self.extra_key is None else self.extra_key
-                hashes = self.block_hasher(spec.prompt_token_ids, inst.block_size, key)
-                overlaps[inst.block_size] = self.prefix_index.overlap_blocks(hashes)
+                if self._lazy_overlap is not None:  # the default hasher: hash only as far as the index matches
+                    overlaps[inst.block_size] = self._lazy_overlap(spec.prompt_token_ids, inst.block_size, key)
+                else:
+                    hashes = self.block_hasher(spec.prompt_token_ids, inst.block_size, key)
+                    overlaps[inst.block_size] = self.prefix_index.overlap_blocks(hashes)
             out.append(self._candidate(spec, inst, load, overlaps[inst.block_size].get(inst.id, 0)))
         return out
 

@@ -21,6 +21,17 @@ def sim_token_id(prompt_len: int, first_prompt_token: int, position: int) -> int
     return SIM_TOKEN_LO + (position * 7919 + prompt_len * 104_729 + first_prompt_token * 31) % SIM_TOKEN_SPAN
 
 
+def _token_key(spec, num_prompt_tokens: int) -> tuple[int | float, int]:
+    """(request length at which the sampled token is EOS, offset): for a request of `num_tokens` tokens below
+    that length, `sim_token_id` of its next output position is SIM_TOKEN_LO + (num_tokens * 7919 + offset) %
+    SIM_TOKEN_SPAN. Position p = num_tokens - prompt is EOS when p + 1 >= sim_output_len."""
+    prompt = spec.prompt_token_ids
+    true_len = spec.sim_output_len
+    eos_at = float("inf") if true_len is None else num_prompt_tokens + true_len - 1
+    offset = (len(prompt) * 104_729 + (prompt[0] if prompt else 0) * 31 - num_prompt_tokens * 7919) % SIM_TOKEN_SPAN
+    return eos_at, offset
+
+
 class SimExecutor:
     def __init__(self, cost_model: CostModel, block_size: int, eos_token_id: int = 2) -> None:
         self.cost_model = cost_model
@@ -56,15 +67,13 @@ class SimExecutor:
                 append(None)
                 continue
             num_samples += 1
-            position = len(req.token_ids) - req.num_prompt_tokens  # index of the token being sampled
-            spec = req.spec
-            true_len = spec.sim_output_len
-            if true_len is not None and position + 1 >= true_len:
-                append(eos)
-            else:
-                prompt = spec.prompt_token_ids  # sim_token_id, inlined (once per token of a simulation)
-                append(SIM_TOKEN_LO + (position * 7919 + len(prompt) * 104_729 + (prompt[0] if prompt else 0) * 31)
-                       % SIM_TOKEN_SPAN)
+            key = req.executor_key
+            if key is None:
+                key = req.executor_key = _token_key(req.spec, req.num_prompt_tokens)
+            eos_at, offset = key
+            num_tokens = len(req.token_ids)
+            # sim_token_id of output position num_tokens - prompt length, in the key's terms (once per token)
+            append(eos if num_tokens >= eos_at else SIM_TOKEN_LO + (num_tokens * 7919 + offset) % SIM_TOKEN_SPAN)
         step_s = self.cost_model.chunks_time_s(step.num_new, step.contexts, num_samples,
                                                step.swap_in_blocks + step.swap_out_blocks, self.block_size)
         return sampled, step_s
