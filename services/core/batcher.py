@@ -263,7 +263,11 @@ class Batcher:
             budget = min(budget, self._capped_budget(len(decodes), step_cap_s, extra_kv_s))
         step = builder(budget)
         first, deferred = self._prefills_before_waiting(prefills)
-        self._schedule_running(step, decodes + first)
+        if builder is _CompactBuilder:
+            self._schedule_decodes_compact(step, decodes)
+            self._schedule_running_compact(step, first)
+        else:
+            self._schedule_running(step, decodes + first)
         if not step.preempted_ids:
             self._schedule_swapped(step)
         if not step.preempted_ids and not self._swapped:
@@ -446,6 +450,25 @@ class Batcher:
                 contexts.append(computed)
                 samples.append(computed + num_new == num_tokens)
                 step.budget -= num_new  # `_make_room` may have handed a victim's tokens back
+
+    def _schedule_decodes_compact(self, step: _CompactBuilder, decodes: list[Request]) -> None:
+        """`_schedule_running_compact` over the decodes of `_split_running`: each has exactly one token to compute
+        (a decode preempted earlier in the step is skipped by its status; the others are untouched), and the
+        budget is positive whenever one is added, so its chunk is one sampled token."""
+        running = RequestStatus.RUNNING
+        reqs, num_new_col, contexts, samples = step.reqs, step.num_new, step.contexts, step.samples
+        for req in decodes:
+            if step.budget <= 0:
+                return
+            if req.status is not running:
+                continue
+            computed = req.num_computed_tokens
+            if computed < req.capacity_tokens or self._make_room(req, computed + 1, step):
+                reqs.append(req)
+                num_new_col.append(1)
+                contexts.append(computed)
+                samples.append(True)
+                step.budget -= 1
 
     def _make_room(self, req: Request, num_tokens: int, step: _StepBuilder) -> bool:
         """Ensure `req` holds KV for `num_tokens`, preempting less important running requests if needed."""
