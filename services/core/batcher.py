@@ -454,21 +454,39 @@ class Batcher:
     def _schedule_decodes_compact(self, step: _CompactBuilder, decodes: list[Request]) -> None:
         """`_schedule_running_compact` over the decodes of `_split_running`: each has exactly one token to compute
         (a decode preempted earlier in the step is skipped by its status; the others are untouched), and the
-        budget is positive whenever one is added, so its chunk is one sampled token."""
+        budget is positive whenever one is added, so its chunk is one sampled token. The loop appends only the
+        request and its context; the constant columns are filled up to them before `_make_room` (which may take
+        chunks back out of every column) and at the end."""
         running = RequestStatus.RUNNING
         reqs, num_new_col, contexts, samples = step.reqs, step.num_new, step.contexts, step.samples
+        append_req, append_context = reqs.append, contexts.append
+        budget = step.budget
         for req in decodes:
-            if step.budget <= 0:
-                return
+            if budget <= 0:
+                break
             if req.status is not running:
                 continue
             computed = req.num_computed_tokens
-            if computed < req.capacity_tokens or self._make_room(req, computed + 1, step):
+            if computed < req.capacity_tokens:
+                append_req(req)
+                append_context(computed)
+                budget -= 1
+                continue
+            missing = len(reqs) - len(num_new_col)
+            num_new_col.extend([1] * missing)
+            samples.extend([True] * missing)
+            step.budget = budget
+            if self._make_room(req, computed + 1, step):
                 reqs.append(req)
                 num_new_col.append(1)
                 contexts.append(computed)
                 samples.append(True)
-                step.budget -= 1
+                step.budget -= 1  # `_make_room` may have handed a victim's tokens back
+            budget = step.budget
+        missing = len(reqs) - len(num_new_col)
+        num_new_col.extend([1] * missing)
+        samples.extend([True] * missing)
+        step.budget = budget
 
     def _make_room(self, req: Request, num_tokens: int, step: _StepBuilder) -> bool:
         """Ensure `req` holds KV for `num_tokens`, preempting less important running requests if needed."""
