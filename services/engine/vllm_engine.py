@@ -529,7 +529,7 @@ def make_vllm_engine(
     enable_prefix_caching. `max_model_len` is the node's context length for the model (when `node_cfg` is given)
     capped at the checkpoint's `max_position_embeddings`. KV space: `kv_cache_space_gib` (default: the
     VLLM_CPU_KVCACHE_SPACE variable, else 1 GiB); dtype: the OCTOSERVE_VLLM_DTYPE variable, else "auto".
-    Disaggregated roles without `kv_transfer` use the example connector under $OCTOSERVE_KV_DIR/<model> (default
+    Disaggregated and flippable (`flippable=True`) instances without `kv_transfer` use the example connector under $OCTOSERVE_KV_DIR/<model> (default
     <tmp>/octoserve-kv/<model>), which every instance of the model on the machine shares.
     `overrides` are VllmEngine keyword arguments and win over all of the above.
     """
@@ -540,7 +540,7 @@ def make_vllm_engine(
 
     role = Role(get("role", Role.COLOCATED))
     model = get("model")
-    if kv_transfer is None and role is not Role.COLOCATED:
+    if kv_transfer is None and (role is not Role.COLOCATED or overrides.get("flippable")):
         kv_dir = os.environ.get("OCTOSERVE_KV_DIR") or os.path.join(tempfile.gettempdir(), "octoserve-kv")
         kv_transfer = vllm_kv.for_model(KvTransfer(storage_path=kv_dir), model)
         os.makedirs(kv_transfer.storage_path, exist_ok=True)
