@@ -105,7 +105,7 @@ def assert_complete(deltas: dict[str, list], prompts: dict[str, tuple]) -> None:
         assert (last.num_output_tokens, last.num_prompt_tokens) == (MAX_TOKENS, len(prompts[rid])), rid
 
 
-async def _flip_under_load(address: str, pid: int) -> None:
+async def _flip_under_load(address: str, pid: int, kv_dir: Path) -> None:
     engine_children = children(pid)
     assert engine_children, "the vLLM engine core runs as a child of the worker process"
     async with grpc.aio.insecure_channel(address) as channel:
@@ -142,11 +142,14 @@ async def _flip_under_load(address: str, pid: int) -> None:
         assert_complete(await read_until_finished(stream, {"c0"}), {"c0": PROMPTS[4]})
         call.cancel()
         assert children(pid) == engine_children
+    # A flippable engine's connector stores every prompt's KV it computes: what the colocated requests stored and
+    # the released hand-off are gone from the model's folder, nothing piles up on disk.
+    assert sorted(p.name for p in (kv_dir / MODEL).iterdir()) == []
 
 
-def test_vllm_worker_flips_role_by_set_role_on_the_same_engine(worker):
+def test_vllm_worker_flips_role_by_set_role_on_the_same_engine(worker, tmp_path):
     pid = worker.pid
-    asyncio.run(_flip_under_load(worker.address, pid))
+    asyncio.run(_flip_under_load(worker.address, pid, tmp_path / "kv"))
     assert worker.proc.poll() is None and worker.pid == pid  # no restart
     worker.proc.send_signal(signal.SIGTERM)
     assert worker.proc.wait(timeout=60) == 0
