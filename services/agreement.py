@@ -69,18 +69,19 @@ def cap_outputs(trace: list[TraceRequest], max_output_tokens: int) -> list[Trace
 
 
 def compare(config_path: str | None, trace: list[TraceRequest], time_scale: float, *, duration_s: float,
-            slo: SloSpec) -> Agreement:
-    """Simulate `trace`, then replay it live on a node started from the same config file (None: the default)."""
-    from octoserve.services.config import load_node_config
+            slo: SloSpec, cost_profile: str | None = None) -> Agreement:
+    """Simulate `trace`, then replay it live on a node started from the same config file (None: the default), both
+    under `cost_profile` when given (else the config's)."""
     from octoserve.services.launcher import start_node
     from octoserve.services.loadgen import BenchOptions, run_bench
+    from octoserve.services.sim.cli_simulate import config_source, load_with_overrides
     from octoserve.services.sim.driver import run_simulation
 
-    virtual = run_simulation(load_node_config(config_path), trace)
+    virtual = run_simulation(load_with_overrides(config_path, [], cost_profile), trace)
     # Wait for the slowest stream the simulator saw to finish, dilated, with room for the live overheads.
     last_finish_s = max((r.finish_s for r in virtual.records if r.finish_s is not None), default=duration_s)
     drain_s = (last_finish_s - duration_s) * time_scale * 2.0 + 60.0
-    node = start_node(config_path, time_scale)
+    node = start_node(config_source(config_path, cost_profile), time_scale)
     try:
         records = asyncio.run(
             run_bench(node.router_address, trace, time_scale=time_scale, options=BenchOptions(drain_timeout_s=drain_s))
@@ -101,10 +102,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-output", type=int, default=96, help="cap on true output lengths (wall time)")
     parser.add_argument("--json", dest="json_path")
+    from octoserve.services.sim.cli_simulate import add_cost_profile_argument
+
+    add_cost_profile_argument(parser)
     args = parser.parse_args(argv)
     profile = scaled(PROFILES[args.profile], rate_rps=args.rate, duration_s=args.duration)
     trace = cap_outputs(generate_trace(profile, args.seed), args.max_output)
-    result = compare(args.config, trace, args.time_scale, duration_s=args.duration, slo=profile.slo)
+    result = compare(args.config, trace, args.time_scale, duration_s=args.duration, slo=profile.slo,
+                     cost_profile=args.cost_profile)
     print(result.table())
     ok = result.within()
     print(f"agreement within ±{TOLERANCE:.0%}: {'yes' if ok else 'NO'}")

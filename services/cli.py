@@ -14,6 +14,7 @@ import sys
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("octoserve.services.demo", "start the node live, drive it with the seed-000 peak, report live vs simulated"),
     "simulate": ("octoserve.services.sim.cli_simulate", "run the node in the discrete-event simulator and report SLO metrics"),
+    "elastic-day": ("octoserve.services.sim.elastic_day", "simulate the mix-shift day: best static vs hourly oracle vs the elastic balancer"),
     "plan": ("octoserve.services.sim.cli_plan", "size the node for a workload: roofline bound, verdict, ranked placements"),
     "up": ("octoserve.services.launcher", "start the whole node as separate gRPC services on 127.0.0.1"),
     "bench": ("octoserve.services.loadgen", "drive a running router with an open-loop workload and report SLO metrics"),
@@ -23,6 +24,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "certs": ("octoserve.services.trust", "make a development CA and per-service certificates for mTLS between services"),
     "compose": ("octoserve.services.compose", "write or check docker-compose.yml for a placement"),
     "k8s": ("octoserve.services.k8s", "write or check Kubernetes manifests for a placement and a node count"),
+    "health": ("octoserve.services.health", "one gRPC health check of a server (mTLS with --tls-dir): exit 0 if SERVING"),
     "reconfigure": ("octoserve.services.reconfigure_cli", "change an instance's role or model on a running node, without downtime"),
 }
 

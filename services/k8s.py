@@ -2,9 +2,11 @@
 
     octoserve k8s [--config node.yaml] [--nodes N] [--out deploy/k8s/default] [--check]
 
-Writes two files into --out: `octoserve.yaml` (core Kubernetes kinds only: ConfigMap, StatefulSet, Services,
-PodDisruptionBudgets, the cluster picker's Deployment) and `podmonitor.yaml` (a Prometheus Operator PodMonitor,
-for clusters that run the operator; the pods also carry the plain `prometheus.io/*` scrape annotations).
+Writes three files into --out: `octoserve.yaml` (core Kubernetes kinds only: ConfigMap, StatefulSet, Services,
+PodDisruptionBudgets, the cluster picker's Deployment), `podmonitor.yaml` (a Prometheus Operator PodMonitor,
+for clusters that run the operator; the pods also carry the plain `prometheus.io/*` scrape annotations) and
+`inference-pool.yaml` (the Gateway API Inference Extension's InferencePool with the picker as its endpoint picker,
+and an HTTPRoute to it: CRD kinds, for clusters with a gateway that implements the extension).
 `--check` exits 1 when the files in --out differ from what the generator writes now.
 
 Why plain YAML rather than a Helm chart: the placement file is already the one source of truth and this module is
@@ -37,18 +39,22 @@ The shape, and why:
 - mTLS: the Secret `octoserve-mtls` holding what `octoserve certs DIR` writes (ca.pem and <service>.pem/.key for
   scheduler, worker, router) is mounted read-only at /etc/octoserve/tls in every container; `tls: {dir:
   /etc/octoserve/tls}` in the placement turns it on. The volume is optional, so a cluster without it starts with
-  plaintext inside the pod. With mTLS on, the internal ports demand client certificates, which the kubelet's gRPC
-  probe cannot present: the scheduler's and workers' probes then have to become exec probes (not generated yet).
+  plaintext inside the pod. With mTLS on (the placement's tls.dir must then be /etc/octoserve/tls), the Secret
+  is required, the scheduler and workers drop --allow-insecure, and since their ports demand client certificates,
+  which the kubelet's native gRPC probe cannot present, their probes are exec probes running
+  `python -m octoserve.services.health` (the same grpc.health.v1 Check, presenting the container's own key pair);
+  the router's public port stays plaintext, so it keeps the native probe.
 - The cluster picker (`python -m octoserve.services.cluster`) runs as its own Deployment `octoserve-picker`
   with its Service; it reads each node router's headroom summary (the node list is fixed at generation time:
-  regenerate with the new --nodes when the StatefulSet is scaled) and picks a node per request. It is meant to sit
-  behind a standard gateway as its endpoint picker; see docs/CLUSTER.md.
+  regenerate with the new --nodes when the StatefulSet is scaled) and picks a node per request. With `--epp` its
+  port also speaks Envoy ext_proc: it is the endpoint picker (EPP) of the InferencePool in inference-pool.yaml, so
+  a standard gateway proxies the requests and asks it where to (services/cluster/epp.py, docs/CLUSTER.md).
 - Metrics: every container exposes Prometheus metrics on a named port `m-<container>`; the pod annotations point
   at the router's (`prometheus.io/scrape`, `/port`, `/path`), the PodMonitor scrapes them all.
 
 Invariants of `manifests(config, nodes)`: exactly one worker container per instance, requesting len(gpu_ids)
 GPUs; the pod's GPU total equals the placement's num_gpus; every port unique in the pod; every container has
-readiness, liveness and startup gRPC probes on its own port, a read-only root filesystem and non-root user.
+readiness, liveness and startup probes on its own port (native gRPC, or the mTLS health exec), a read-only root filesystem and non-root user.
 `check_manifests` checks exactly these and returns the problems found.
 """
 
@@ -71,6 +77,9 @@ DEFAULT_CONFIG_PATH = "services/configs/node-default.yaml"
 DEFAULT_OUT_DIR = "deploy/k8s/default"
 MANIFEST_FILE = "octoserve.yaml"
 PODMONITOR_FILE = "podmonitor.yaml"
+INFERENCE_POOL_FILE = "inference-pool.yaml"
+INFERENCE_API = "inference.networking.k8s.io/v1"
+GATEWAY_NAME = "inference-gateway"  # the Gateway the HTTPRoute attaches to: the cluster operator's, not generated
 APP = "octoserve"
 NODE_NAME = "octoserve-node"
 PICKER_NAME = "octoserve-picker"
@@ -98,6 +107,7 @@ class K8sSettings:
     tls_secret: str = "octoserve-mtls"
     run_as_user: int = 10001
     picker_replicas: int = 2
+    mtls: bool = False  # the placement's `tls:` is on: scheduler and workers demand client certificates
 
     @property
     def termination_grace_s(self) -> int:
@@ -125,12 +135,30 @@ def _security_context(s: K8sSettings) -> dict[str, Any]:
     }
 
 
-def _probes(port: int, startup_s: int) -> dict[str, Any]:
-    grpc_probe = {"port": port, "service": ""}
+HEALTH_CHECK_TIMEOUT_S = 3  # `octoserve health --timeout`; the exec probe's own timeout is 2 s longer (Python start)
+
+
+def health_command(port: int, cert: str) -> list[str]:
+    """The exec probe of a container whose port demands client certificates: one grpc.health.v1 Check over mTLS
+    with the container's own key pair from the mounted Secret (services/health.py)."""
+    return ["python", "-m", "octoserve.services.health", "--port", str(port), "--tls-dir", TLS_DIR, "--cert", cert,
+            "--timeout", str(HEALTH_CHECK_TIMEOUT_S)]
+
+
+def _probes(port: int, startup_s: int, exec_cert: str | None = None) -> dict[str, Any]:
+    """Startup, readiness and liveness: the kubelet's native gRPC probe, or with `exec_cert` (mTLS on) an exec probe
+    running the same standard health check with that service's client certificate."""
+    def check() -> dict[str, Any]:  # a fresh object per probe: shared ones would be YAML anchors in the output
+        if exec_cert is None:
+            return {"grpc": {"port": port, "service": ""}}
+        return {"exec": {"command": health_command(port, exec_cert)}}
+
+    quick, slow = (3, 5) if exec_cert is None else (HEALTH_CHECK_TIMEOUT_S + 2, HEALTH_CHECK_TIMEOUT_S + 2)
     return {
-        "startupProbe": {"grpc": grpc_probe, "periodSeconds": 5, "failureThreshold": max(1, startup_s // 5)},
-        "readinessProbe": {"grpc": grpc_probe, "periodSeconds": 5, "failureThreshold": 1, "timeoutSeconds": 3},
-        "livenessProbe": {"grpc": grpc_probe, "periodSeconds": 10, "failureThreshold": 6, "timeoutSeconds": 5},
+        "startupProbe": {**check(), "periodSeconds": 5, "failureThreshold": max(1, startup_s // 5),
+                         "timeoutSeconds": slow},
+        "readinessProbe": {**check(), "periodSeconds": 5, "failureThreshold": 1, "timeoutSeconds": quick},
+        "livenessProbe": {**check(), "periodSeconds": 10, "failureThreshold": 6, "timeoutSeconds": slow},
     }
 
 
@@ -146,7 +174,8 @@ def _mounts(models: bool) -> list[dict[str, Any]]:
 
 
 def _container(s: K8sSettings, name: str, command: list[str], ports: Sequence[tuple[str, int]], metrics_port: int,
-               resources: Mapping[str, Any], startup_s: int, models: bool = False) -> dict[str, Any]:
+               resources: Mapping[str, Any], startup_s: int, models: bool = False,
+               exec_cert: str | None = None) -> dict[str, Any]:
     grpc_port = ports[0][1]
     return {
         "name": name,
@@ -157,7 +186,7 @@ def _container(s: K8sSettings, name: str, command: list[str], ports: Sequence[tu
         "resources": dict(resources),
         "volumeMounts": _mounts(models),
         "securityContext": _security_context(s),
-        **_probes(grpc_port, startup_s),
+        **_probes(grpc_port, startup_s, exec_cert),
     }
 
 
@@ -171,14 +200,20 @@ def _port_name(prefix: str, container: str) -> str:
 # placement that needs --allow-insecure (services/trust.py); the pod's network namespace is the boundary, and a
 # NetworkPolicy should close these ports to the rest of the cluster.
 _INTERNAL_BIND = ("--host", "0.0.0.0", "--allow-insecure")
+_INTERNAL_BIND_MTLS = ("--host", "0.0.0.0")  # with tls: the certificates are the boundary
+
+
+def _internal_bind(s: K8sSettings) -> tuple[str, ...]:
+    return _INTERNAL_BIND_MTLS if s.mtls else _INTERNAL_BIND
 
 _SMALL = {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "4Gi"}}
 
 
 def _scheduler(s: K8sSettings) -> dict[str, Any]:
     command = ["python", "-m", "octoserve.services.scheduler", "--config", CONFIG_DIR + "/node.yaml",
-               "--port", str(s.scheduler_port), "--metrics-port", str(s.first_metrics_port), *_INTERNAL_BIND]
-    return _container(s, "scheduler", command, [("grpc-sched", s.scheduler_port)], s.first_metrics_port, _SMALL, 60)
+               "--port", str(s.scheduler_port), "--metrics-port", str(s.first_metrics_port), *_internal_bind(s)]
+    return _container(s, "scheduler", command, [("grpc-sched", s.scheduler_port)], s.first_metrics_port, _SMALL, 60,
+                      exec_cert="scheduler" if s.mtls else None)
 
 
 def _router(s: K8sSettings) -> dict[str, Any]:
@@ -197,7 +232,7 @@ def _worker(s: K8sSettings, index: int, instance: InstanceConfig) -> dict[str, A
     command = ["python", "-m", module, "--instance", instance.id, "--config", CONFIG_DIR + "/node.yaml",
                "--engine", s.engine, "--model", f"{MODELS_DIR}/{instance.model}",
                "--scheduler", f"127.0.0.1:{s.scheduler_port}", "--port", str(port), "--metrics-port", str(metrics_port),
-               *_INTERNAL_BIND]
+               *_internal_bind(s)]
     gpus = str(instance.tp)
     # Host memory for pinned KV buffers and weight loading scales with the GPUs; 2 CPU cores per GPU feed it.
     resources = {
@@ -206,13 +241,14 @@ def _worker(s: K8sSettings, index: int, instance: InstanceConfig) -> dict[str, A
     }
     name = container_name(instance)
     return _container(s, name, command, [(_port_name("g", name), port)], metrics_port, resources,
-                      s.worker_startup_s, models=True)
+                      s.worker_startup_s, models=True, exec_cert="worker" if s.mtls else None)
 
 
 def _volumes(s: K8sSettings) -> list[dict[str, Any]]:
     return [
         {"name": "config", "configMap": {"name": "octoserve-config"}},
-        {"name": "tls", "secret": {"secretName": s.tls_secret, "optional": True, "defaultMode": 0o440}},
+        # Optional while mTLS is off (the pod starts without the Secret); required once the placement turns it on.
+        {"name": "tls", "secret": {"secretName": s.tls_secret, "optional": not s.mtls, "defaultMode": 0o440}},
         {"name": "models", "persistentVolumeClaim": {"claimName": s.models_claim, "readOnly": True}},
         {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},
         {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}},
@@ -255,8 +291,11 @@ def _node_statefulset(config: NodeConfig, nodes: int, s: K8sSettings) -> dict[st
 def _picker_deployment(nodes: int, s: K8sSettings) -> dict[str, Any]:
     labels = _labels("picker")
     targets = ",".join(f"{NODE_NAME}-{i}.octoserve-nodes:{s.router_port}" for i in range(nodes))
+    # --epp: the same port also speaks Envoy ext_proc, the Inference Extension's endpoint-picker protocol, and names
+    # the node's HTTP port as the destination (the InferencePool's target port).
     command = ["python", "-m", "octoserve.services.cluster", "--nodes", targets, "--config", CONFIG_DIR + "/node.yaml",
-               "--port", str(s.picker_port), "--metrics-port", str(s.picker_metrics_port), "--host", "0.0.0.0"]
+               "--port", str(s.picker_port), "--metrics-port", str(s.picker_metrics_port), "--host", "0.0.0.0",
+               "--epp", "--target-port", str(s.http_port)]
     resources = {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"memory": "2Gi"}}
     container = _container(s, "picker", command, [("grpc", s.picker_port)], s.picker_metrics_port, resources, 60)
     container["volumeMounts"] = [m for m in container["volumeMounts"] if m["name"] in ("config", "tls", "tmp")]
@@ -341,6 +380,38 @@ def podmonitor(config: NodeConfig, s: K8sSettings = K8sSettings()) -> dict[str, 
     }
 
 
+def inference_pool(s: K8sSettings = K8sSettings()) -> list[dict[str, Any]]:
+    """The Gateway API Inference Extension objects: an InferencePool of the node pods (their OpenAI-compatible HTTP
+    port) whose endpoint picker is the octoserve picker, and an HTTPRoute sending the gateway's traffic to it.
+    CRD kinds (the Inference Extension's and Gateway API's), so they live in their own file: apply it where those
+    CRDs and a gateway implementing the extension are installed, with the Gateway named `inference-gateway`."""
+    pool = {
+        "apiVersion": INFERENCE_API,
+        "kind": "InferencePool",
+        "metadata": {"name": APP, "labels": _labels("node")},
+        "spec": {
+            "selector": {"matchLabels": _labels("node")},
+            "targetPorts": [{"number": s.http_port}],
+            "endpointPickerRef": {"kind": "Service", "name": PICKER_NAME, "portNumber": s.picker_port,
+                                  "failureMode": "FailClose"},
+        },
+    }
+    route = {
+        "apiVersion": "gateway.networking.k8s.io/v1",
+        "kind": "HTTPRoute",
+        "metadata": {"name": APP, "labels": _labels("node")},
+        "spec": {
+            "parentRefs": [{"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": GATEWAY_NAME}],
+            "rules": [{
+                "matches": [{"path": {"type": "PathPrefix", "value": "/v1/"}}],
+                "backendRefs": [{"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": APP}],
+                "timeouts": {"request": "300s"},  # streamed generations outlive a default route timeout
+            }],
+        },
+    }
+    return [pool, route]
+
+
 def _header(config_path: str, nodes: int) -> str:
     return (f"# Generated by `octoserve k8s --config {config_path} --nodes {nodes}`; do not edit by hand.\n"
             "# tests/test_k8s.py validates every object against the Kubernetes schemas and checks it against the "
@@ -356,7 +427,8 @@ def render_files(config: NodeConfig, nodes: int, config_path: str, config_text: 
     """File name -> text, for --out."""
     header = _header(config_path, nodes)
     return {MANIFEST_FILE: render(manifests(config, nodes, config_text, s), header),
-            PODMONITOR_FILE: render([podmonitor(config, s)], header)}
+            PODMONITOR_FILE: render([podmonitor(config, s)], header),
+            INFERENCE_POOL_FILE: render(inference_pool(s), header)}
 
 
 # --- checks against the placement ---------------------------------------------------------------------------
@@ -369,6 +441,13 @@ def _pod_containers(docs: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]
 
 def _gpus(container: Mapping[str, Any]) -> int:
     return int(container.get("resources", {}).get("limits", {}).get(GPU_RESOURCE, 0))
+
+
+def _is_health_exec(probe: Mapping[str, Any], port: int | None) -> bool:
+    """An exec probe running the standard health check (`octoserve.services.health`) on the container's own port."""
+    command = probe.get("exec", {}).get("command", [])
+    return (command[:3] == ["python", "-m", "octoserve.services.health"] and "--port" in command
+            and command[command.index("--port") + 1:][:1] == [str(port)])
 
 
 def check_manifests(docs: Sequence[Mapping[str, Any]], config: NodeConfig) -> list[str]:
@@ -393,8 +472,9 @@ def check_manifests(docs: Sequence[Mapping[str, Any]], config: NodeConfig) -> li
                 if key in seen:
                     problems.append(f"port {key} is used by both {seen[key]} and {name}; rename the instance")
                 seen.setdefault(key, name)
+        own_port = c.get("ports", [{}])[0].get("containerPort")
         for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
-            if "grpc" not in c.get(probe, {}):
+            if "grpc" not in c.get(probe, {}) and not _is_health_exec(c.get(probe, {}), own_port):
                 problems.append(f"{name}: add a gRPC {probe} (grpc.health.v1)")
         sc = c.get("securityContext", {})
         if not (sc.get("readOnlyRootFilesystem") and sc.get("runAsNonRoot")):
@@ -403,6 +483,17 @@ def check_manifests(docs: Sequence[Mapping[str, Any]], config: NodeConfig) -> li
 
 
 # --- command ------------------------------------------------------------------------------------------------
+
+
+def mtls_from_sections(sections: Mapping[str, Any]) -> bool:
+    """Whether the placement turns mTLS on; its certificates must then be where the pod mounts the Secret."""
+    tls = sections.get("tls")
+    if not tls:
+        return False
+    if tls.get("dir") != TLS_DIR:
+        raise ValueError(f"tls.dir is {tls.get('dir')!r}; in the pods the Secret is mounted at {TLS_DIR}: set "
+                         f"`tls: {{dir: {TLS_DIR}}}` in the placement")
+    return True
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -415,12 +506,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Write (or, with --check, compare) the manifests for the placement in --config and --nodes nodes."""
-    from octoserve.services.config import load_node_config
+    from octoserve.services.config import load_node_config, load_service_sections
 
     config = load_node_config(args.config)
     problems = []
     try:
-        files = render_files(config, args.nodes, args.config, Path(args.config).read_text(), K8sSettings(image=args.image))
+        settings = K8sSettings(image=args.image, mtls=mtls_from_sections(load_service_sections(args.config)))
+        files = render_files(config, args.nodes, args.config, Path(args.config).read_text(), settings)
     except ValueError as e:
         print(f"octoserve k8s: {e}", file=sys.stderr)
         return 2

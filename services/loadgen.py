@@ -8,7 +8,8 @@ Invariants:
 - Open loop: request i is sent at t0 + arrival_s(i) * time_scale on the real clock whatever the node is doing;
   each request is one task on one asyncio loop, sharing `num_channels` channels.
 - Every dispatched request yields exactly one `RequestRecord`, in trace order: completed, refused (with the
-  retry hint it carried), failed (`error` says how), or cut off at the drain timeout (`error` = DRAIN_TIMEOUT).
+  retry hint it carried; a prompt no idle instance can serve within its SLOs, FAILED_PRECONDITION, is refused with
+  none, as the simulator counts it), failed (`error` says how), or cut off at the drain timeout (`error` = DRAIN_TIMEOUT).
 - Times are measured on `time.monotonic` from t0 and divided by `time_scale`, so records are on the modelled
   clock of the simulator. A record's arrival is when its request was actually sent: harness lag is not
   charged to the node.
@@ -31,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from octoserve.client import AsyncClient, OctoserveClientError, OverloadedError, RetryPolicy
+from octoserve.client import AsyncClient, OctoserveClientError, OverloadedError, RetryPolicy, SloInfeasibleError
 from octoserve.services.rpc.convert import SIM_OUTPUT_LEN_KEY  # one definition, shared with the router
 from octoserve.services.metrics import (
     RequestRecord,
@@ -115,6 +116,8 @@ async def _send(client: AsyncClient, req: TraceRequest, t0: float, options: Benc
         out[index] = stream.record(req, options.time_scale)
     except OverloadedError as e:
         out[index] = stream.record(req, options.time_scale, refused=True, retry_after_ms=e.retry_after_ms)
+    except SloInfeasibleError:  # refused at admission like the simulator's; retrying cannot help, so no hint
+        out[index] = stream.record(req, options.time_scale, refused=True)
     except OctoserveClientError as e:
         out[index] = stream.record(req, options.time_scale, error=f"{e.code.name}: {e.message}")
     except asyncio.CancelledError:

@@ -20,6 +20,7 @@ Invariants: the trace is a pure function of (profile, seed); arrivals are sorted
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from collections.abc import Callable
@@ -59,20 +60,6 @@ class DayProfile:
     def slo(self) -> SloSpec:
         return SloSpec(self.ttft_slo_ms, self.itl_slo_ms)
 
-    def hourly_means(self) -> list[Segment]:
-        """Each compressed hour's mean segment (rate and shares averaged over 1-s samples; lengths of its middle)."""
-        out = []
-        n_hours = math.ceil(self.duration_s / self.hour_s)
-        for h in range(n_hours):
-            start, end = h * self.hour_s, min((h + 1) * self.hour_s, self.duration_s)
-            samples = [self.schedule(start + k + 0.5) for k in range(int(end - start))] or [self.schedule(start)]
-            rate = sum(s.rate_rps for s in samples) / len(samples)
-            models = [m for m, _ in samples[0].shares]
-            shares = tuple((m, sum(dict(s.shares)[m] for s in samples) / len(samples)) for m in models)
-            mid = samples[len(samples) // 2]
-            out.append(Segment(rate, shares, mid.prompt, mid.output, mid.label))
-        return out
-
 
 @dataclass(frozen=True, slots=True)
 class DayRequest:
@@ -106,7 +93,7 @@ def generate_day(profile: DayProfile, seed: int = 0, *, start_s: float = 0.0,
         t1 = min(t0 + 1.0, end_s)
         t = t0 + rng.expovariate(seg.rate_rps)
         models = [m for m, _ in seg.shares]
-        cum = list(itertools_accumulate([s for _, s in seg.shares]))
+        cum = list(itertools.accumulate(s for _, s in seg.shares))
         while t < t1:
             u = rng.random() * cum[-1]
             model = models[next(i for i, c in enumerate(cum) if u < c)]
@@ -114,14 +101,6 @@ def generate_day(profile: DayProfile, seed: int = 0, *, start_s: float = 0.0,
                                   max(1, seg.output.sample(rng)), profile.ttft_slo_ms, seg.label))
             t += rng.expovariate(seg.rate_rps)
         t0 = t1
-    return out
-
-
-def itertools_accumulate(values: list[float]) -> list[float]:
-    total, out = 0.0, []
-    for v in values:
-        total += v
-        out.append(total)
     return out
 
 
@@ -136,7 +115,11 @@ DECODE_HEAVY = (LengthDist.lognormal(200.0, 0.5, min_tokens=16, max_tokens=2000)
 
 
 def mix_shift_schedule(rate_rps: float, hour_s: float = HOUR_S, *, step: tuple[float, float, float] = (18, 21, 0.15),
-                       pd_phase: tuple[float, float] = (3, 9)) -> Callable[[float], Segment]:
+                       pd_phase: tuple[float, float] = (3, 9),
+                       load_rps: tuple[float, float] | None = None) -> Callable[[float], Segment]:
+    """The mix-shift day's schedule. The 8B share s(t) is of requests at `rate_rps` when `load_rps` is None; with
+    `load_rps` = (8B alone, 70B alone), the req/s each model would need the whole node for, s(t) is the 8B's share of
+    the node's load instead: the 8B offers s x 8B-alone and the 70B (1 - s) x 70B-alone req/s, `rate_rps` unused."""
     step_from, step_to, step_share = step
 
     def at(t_s: float) -> Segment:
@@ -150,14 +133,21 @@ def mix_shift_schedule(rate_rps: float, hour_s: float = HOUR_S, *, step: tuple[f
             heavy_prefill = int((h - pd_phase[0]) * 2) % 2 == 0
             prompt, output = PREFILL_HEAVY if heavy_prefill else DECODE_HEAVY
             label = "prefill-heavy" if heavy_prefill else "decode-heavy"
-        return Segment(rate_rps, ((SMALL, small), (LARGE, 1.0 - small)), prompt, output, label)
+        if load_rps is None:
+            return Segment(rate_rps, ((SMALL, small), (LARGE, 1.0 - small)), prompt, output, label)
+        r_small, r_large = small * load_rps[0], (1.0 - small) * load_rps[1]
+        total = r_small + r_large
+        return Segment(total, ((SMALL, r_small / total), (LARGE, r_large / total)), prompt, output, label)
 
     return at
 
 
-def mix_shift_day(rate_rps: float = 16.0, hours: float = 24.0, hour_s: float = HOUR_S) -> DayProfile:
-    return DayProfile("mix-shift-day", hours * hour_s, mix_shift_schedule(rate_rps, hour_s), step_s=18 * hour_s,
-                      hour_s=hour_s)
+def mix_shift_day(rate_rps: float = 40.0, hours: float = 24.0, hour_s: float = HOUR_S,
+                  load_rps: tuple[float, float] | None = None) -> DayProfile:
+    """The mix-shift day (module doc); `load_rps` switches the mix from requests to load (`mix_shift_schedule`)."""
+    name = "mix-shift-day" if load_rps is None else "mix-shift-day-load"
+    return DayProfile(name, hours * hour_s, mix_shift_schedule(rate_rps, hour_s, load_rps=load_rps),
+                      step_s=18 * hour_s if hours > 18 else None, hour_s=hour_s)
 
 
 def pd_phase_day(rate_rps: float = 16.0, small_share: float = 0.5, hours: float = 8.0,

@@ -6,13 +6,14 @@ import math
 
 import pytest
 
+from octoserve.services import bench_report as br
 from octoserve.services import bench_suite as bs
 from octoserve.services.baselines import BASELINES, configure
 from octoserve.services.core import planner
 from octoserve.services.core.placement import node_config_from_dict
 from octoserve.services.core.types import Role
 from octoserve.services.metrics import SloSpec
-from octoserve.services.sim.capacity import Probe, bisect_capacity, passes, start_search
+from octoserve.services.sim.capacity import CapacitySearch, Probe, bisect_capacity, passes, start_search
 
 
 class ToyCost:
@@ -163,9 +164,9 @@ def test_capacity_criterion_needs_both_slo_definitions(attainment, fleet_ok, exp
 
 def test_replace_section_keeps_other_sections():
     text = "# Title\n\n## Policy comparison (simulator)\n\nold\n\n## Someone else's\n\ntheirs\n"
-    out = bs.replace_section(text, bs.SECTION_POLICY, "new body")
+    out = br.replace_section(text, br.SECTION_POLICY, "new body")
     assert out == "# Title\n\n## Policy comparison (simulator)\n\nnew body\n\n## Someone else's\n\ntheirs\n"
-    assert bs.replace_section("# T\n", "## X", "b") == "# T\n\n## X\n\nb\n"
+    assert br.replace_section("# T\n", "## X", "b") == "# T\n\n## X\n\nb\n"
 
 
 def _row(policy="octoserve", workload="w", goodput=10.0, **kw):
@@ -176,9 +177,9 @@ def _row(policy="octoserve", workload="w", goodput=10.0, **kw):
 
 
 def test_table_row_formats_every_column():
-    assert bs.table_row(_row()) == ("| octoserve | w | 20.0 | 10.0 | 0.50 | 0.62 | 96.0 | 50.0 | 120 | 24.3 | 40.0 | 3 "
+    assert br.table_row(_row()) == ("| octoserve | w | 20.0 | 10.0 | 0.50 | 0.62 | 96.0 | 50.0 | 120 | 24.3 | 40.0 | 3 "
                                     "| 12.3 | 90.0 |")
-    assert bs.table_row(_row(slo_estimate_rps=0.0)).split(" | ")[5] == "-"
+    assert br.table_row(_row(slo_estimate_rps=0.0)).split(" | ")[5] == "-"
 
 
 def _profile(rows, capacity, name="default"):
@@ -197,13 +198,13 @@ def test_headline_and_targets_read_the_run():
                  groups=_groups(**{"llama-3-70b": (5.0, 0.93), "llama-3-8b": (20.0, 0.99)})),
             _row("octoserve", "seed-003 625 req/s", goodput=200.0,
                  groups=_groups(**{"llama-3-8b": (180.0, 0.96), "INTERACTIVE": (170.0, 0.96), "BATCH": (30.0, 0.9)}))]
-    capacity = {"octoserve": bs.CapacitySearch(25.0, 28.8), "vllm-default": bs.CapacitySearch(10.0, 12.0)}
-    h = bs.headline(_profile(rows, capacity))
+    capacity = {"octoserve": CapacitySearch(25.0, 28.8), "vllm-default": CapacitySearch(10.0, 12.0)}
+    h = br.headline(_profile(rows, capacity))
     assert h["octoserve_over_vllm"] == 2.5 and h["peak_goodput_rps"] == 98.0
     assert h["peak_admitted_by_model"] == {"llama-3-70b": 0.97, "llama-3-8b": 0.99}
     assert h["worst_model_admitted"] == (0.93, "llama-3-70b", "seed-000 0.25x roofline")
     assert h["seed003_interactive_share"] == 0.85 and h["seed003_batch_share"] == 0.15
-    verdicts = [(round(v, 3), th, v >= th) for _, v, th, _ in bs.targets(_profile(rows, capacity))]
+    verdicts = [(round(v, 3), th, v >= th) for _, v, th, _ in br.targets(_profile(rows, capacity))]
     assert verdicts == [(0.93, 0.95, False), (0.85, 0.8, True), (0.96, 0.95, True), (0.15, 0.1, True),
                         (98.0, 97.0, True), (2.5, 2.0, True)]
 
@@ -211,9 +212,9 @@ def test_headline_and_targets_read_the_run():
 def test_quick_mode_stamps_every_table_and_full_mode_none():
     rows = [_row("octoserve", "seed-000 peak 300")]
     choice = bs.PlacementChoice({"p": (0.0, 90.0)}, {"p": (0.0, 0.0, 0.0)}, "p", "p")
-    results = bs.SuiteResults({c: dataclasses.replace(_profile(rows, {"octoserve": bs.CapacitySearch(0.0, 5.0)}, c),
+    results = bs.SuiteResults({c: dataclasses.replace(_profile(rows, {"octoserve": CapacitySearch(0.0, 5.0)}, c),
                                                       choice=choice) for c in bs.COST_PROFILES}, 60.0)
-    quick = bs.policy_section(results, bs.quick_settings(policies=("octoserve",)))
+    quick = br.policy_section(results, bs.quick_settings(policies=("octoserve",)))
     lines = quick.splitlines()
     tables = [i for i, line in enumerate(lines) if line.startswith("|") and not lines[i - 1].startswith("|")]
     assert len(tables) == 10  # targets, figures; per cost profile: placements, capacity, per group, every run
@@ -221,7 +222,7 @@ def test_quick_mode_stamps_every_table_and_full_mode_none():
         heading = max(j for j in range(i) if lines[j].startswith("#"))
         assert sum(bs.QUICK_BANNER in line for line in lines[heading:i]) == 1, lines[heading]
     assert lines[0] == f"**{bs.QUICK_BANNER}**"
-    full = bs.policy_section(results, bs.Settings(policies=("octoserve",)))
+    full = br.policy_section(results, bs.Settings(policies=("octoserve",)))
     assert bs.QUICK_BANNER not in full and "/ SLO-aware est." in full and "SLO bound" not in full
 
 

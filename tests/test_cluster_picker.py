@@ -219,3 +219,67 @@ def test_a_lease_that_pushes_decode_steps_past_the_itl_slo_takes_the_node_out():
     # 18 ms steps at half capacity are 36 ms: every stream there would miss its ITL SLO.
     assert isinstance(_picker(summary("a", 0.5, 18.0)).pick(_spec(), 0.0), ClusterRefuse)
     assert _picker(summary("a", 1.0, 40.0)).pick(_spec(), 0.0).node_id == "a"  # only a lease triggers it
+
+
+def test_published_decode_step_is_the_cost_models_next_sequence_step_not_the_observed_one():
+    """The observed step (0.5 s here) is ignored: it carries a lease's stretch and goes stale on an idle node."""
+    from octoserve.services.cluster.headroom import DECODE_CONTEXT_TOKENS
+
+    config, policy = _policy()
+    publisher = HeadroomPublisher("n", policy)
+    running = iter((7, 3, 9, 5, 4))  # sequences each instance runs; every observed decode step was 0.5 s
+    loads = {i.id: dataclasses.replace(_load(i), num_running=next(running), decode_step_time_s=0.5)
+             for i in config.instances}
+    sm = publisher.summary(loads, 0.0).model(SM)
+    sm_inst = min((i for i in config.instances if i.model == SM), key=lambda i: loads[i.id].num_running)
+    assert loads[sm_inst.id].num_running == 3
+    cost = policy.cost_model_of(sm_inst)  # the router's own (the least busy 8B instance: 3 running)
+    assert sm.decode_step_ms == pytest.approx(cost.decode_step_time_s(4, DECODE_CONTEXT_TOKENS) * 1000.0)
+    per_seq = (cost.decode_step_time_s(5, DECODE_CONTEXT_TOKENS) - cost.decode_step_time_s(4, DECODE_CONTEXT_TOKENS))
+    assert sm.decode_step_per_seq_ms == pytest.approx(per_seq * 1000.0) and sm.decode_step_per_seq_ms > 0
+    assert sm.mixed_step_ms == config.slo.itl_ms  # colocated: prefill chunks fill steps up to the ITL SLO
+    assert sm.decode_step_ms < 100.0
+
+
+def test_requests_sent_since_the_summary_lengthen_the_step_a_squeezed_node_is_judged_by():
+    def summary(node, capacity):
+        s = _summary(node, capacity=capacity, instances=2, rate=1_000_000.0)  # TTFT never binds here
+        return HeadroomSummary(node, True, 0.0, (dataclasses.replace(
+            s.models[0], decode_step_ms=12.0, decode_step_per_seq_ms=1.0),), frozenset())
+
+    picker = _picker(summary("a", 0.5))
+    taken = []
+    for k in range(8):
+        chosen = picker.pick(_spec(rid=f"r{k}"), 0.0)
+        if isinstance(chosen, ClusterRefuse):
+            break
+        picker.on_dispatched(chosen.node_id, _spec(rid=f"r{k}"), chosen)
+        taken.append(chosen.node_id)
+    # (12 + n / 2 instances x 1 ms) / 0.5 <= 30 ms holds for n <= 6 requests sent since the summary: 7 fit.
+    assert taken == ["a"] * 7
+    picker.on_summary(summary("a", 0.5))  # a new summary counts them: the node takes work again
+    assert picker.pick(_spec(), 0.0).node_id == "a"
+
+
+def test_a_squeezed_colocated_node_is_out_for_new_streams_while_its_mixed_steps_pass_the_slo():
+    def summary(node, capacity, mixed_ms):
+        s = _summary(node, capacity=capacity)
+        return HeadroomSummary(node, True, 0.0, (dataclasses.replace(
+            s.models[0], decode_step_ms=10.0, mixed_step_ms=mixed_ms),), frozenset())
+
+    assert isinstance(_picker(summary("a", 0.5, 30.0)).pick(_spec(), 0.0), ClusterRefuse)  # 60 ms mixed steps
+    assert _picker(summary("a", 0.5, 15.0)).pick(_spec(), 0.0).node_id == "a"  # steps sized for the lease: 30 ms
+    assert _picker(summary("a", 0.5, 30.0), summary("b", 1.0, 30.0)).pick(_spec(), 0.0).node_id == "b"
+    assert _picker(summary("a", 1.0, 30.0)).pick(_spec(), 0.0).node_id == "a"  # no lease: the node's own SLO sizing
+
+
+def test_the_queue_a_summary_reports_drains_with_its_age():
+    """The node keeps prefilling after it publishes: 100 ms queued at t=0 is 40 ms at t=0.06 (20 ms more under a
+    half-capacity lease, whose GPU share drains it at half speed), and never below zero."""
+    picker = _picker(_summary("a", wait_ms=100.0))
+    assert picker.pick(_spec(), 0.0).predicted_ttft_ms == pytest.approx(100.0 + 100.0)
+    assert picker.pick(_spec(), 0.06).predicted_ttft_ms == pytest.approx(40.0 + 100.0)
+    assert picker.pick(_spec(), 0.5).predicted_ttft_ms == pytest.approx(0.0 + 100.0)
+    squeezed = _picker(_summary("a", wait_ms=100.0, capacity=0.5))
+    late = squeezed.pick(_spec(tier=Priority.BATCH), 0.06)  # 340 ms: past STANDARD's SLO, within BATCH's
+    assert late.predicted_ttft_ms == pytest.approx((0.1 - 0.03 + 0.1) / 0.5 * 1000.0)

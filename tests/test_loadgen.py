@@ -50,6 +50,7 @@ def _refusal_trailers() -> tuple:
 class TokenServer(pb_grpc.GenerationServicer):
     refuse_model: str = "llama-3-70b-refused"
     broken_model: str = "broken"
+    infeasible_model: str = "llama-3-70b-infeasible"
     hang_ids: frozenset = frozenset()
     chunk_tokens: int = 2
     requests: list = field(default_factory=list)  # (request, metadata dict, peer)
@@ -65,6 +66,8 @@ class TokenServer(pb_grpc.GenerationServicer):
         self.requests.append((request, metadata, context.peer()))
         if request.priority == pb.BATCH or request.model == self.refuse_model:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "shed", trailing_metadata=_refusal_trailers())
+        if request.model == self.infeasible_model:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the prompt alone takes 300 ms, over its SLO")
         if request.model == self.broken_model:
             await context.abort(grpc.StatusCode.INTERNAL, "worker lost")
         if request.request_id in self.hang_ids:
@@ -130,6 +133,17 @@ async def test_records_one_per_request_with_exact_outcomes():
     summary = summarize(records, SloSpec(), duration_s=0.01)
     o = summary.overall
     assert (o.num_offered, o.num_refused, o.num_completed, o.num_errors) == (6, 2, 3, 1)
+
+
+async def test_a_prompt_no_idle_instance_serves_in_time_is_a_refusal_without_a_hint():
+    # FAILED_PRECONDITION (SloInfeasible / ItlInfeasible) is refused at admission, as the simulator records it: not
+    # an error of an admitted request, and with no retry hint (retrying cannot help).
+    trace = [trace_req(0, 0.0, model="llama-3-70b-infeasible"), trace_req(1, 0.001)]
+    async with serve(TokenServer()) as target:
+        records = await run_bench(target, trace, time_scale=1.0)
+    assert [(r.refused, r.retry_after_ms, r.error) for r in records] == [(True, None, ""), (False, None, "")]
+    o = summarize(records, SloSpec(), duration_s=0.01).overall
+    assert (o.num_offered, o.num_refused, o.num_completed, o.num_errors) == (2, 1, 1, 0)
 
 
 async def test_wire_requests_carry_the_trace():

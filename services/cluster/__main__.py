@@ -27,6 +27,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--grace-s", type=float, default=5.0)
     parser.add_argument("--poll-s", type=float, default=0.1, help="how often each node's summary is read")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--epp", action="store_true", help="also serve the Gateway API Inference Extension's "
+                        "endpoint-picker protocol (Envoy ext_proc) on --port (services/cluster/epp.py)")
+    parser.add_argument("--target-port", type=int, default=8000,
+                        help="with --epp: the node port the gateway sends to (the InferencePool's target port)")
+    parser.add_argument("--model-dir", action="append", default=[], metavar="MODEL=DIR",
+                        help="with --epp: a checkpoint whose tokenizer turns MODEL's prompts into token ids "
+                             "(prefix locality); without one, the front's byte rule")
     parser.add_argument("--log-level", default="INFO")
     return parser
 
@@ -44,8 +51,17 @@ def main(argv: list[str] | None = None) -> int:
     picker = ClusterPicker(policy_from_node(config.policies, config.slo.tier_ttft_ms, config.slo.itl_ms),
                            random.Random(args.seed))
     service = PickerService(picker, nodes, poll_s=args.poll_s)
+    add, names = service.add_to_server, (PICKER_SERVICE,)
+    if args.epp:
+        from octoserve.services.cluster import epp  # noqa: PLC0415 - the Envoy protos only when asked for
+
+        try:
+            add, names = epp.with_endpoint_picker(service, args.target_port, args.model_dir), names + (epp.EXT_PROC_SERVICE,)
+        except (epp.EppUnavailable, ValueError) as e:
+            print(f"picker: {e}", file=sys.stderr)
+            return 2
     spec = ServiceSpec(name="picker", host=args.host, port=args.port, metrics_port=args.metrics_port, grace_s=args.grace_s,
-                       ready_file=args.ready_file, service_names=(PICKER_SERVICE,), add_servicers=service.add_to_server,
+                       ready_file=args.ready_file, service_names=names, add_servicers=add,
                        start=service.start, close=service.close)
     return run_main(spec)
 

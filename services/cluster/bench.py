@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Callable
 import json
 import sys
 import time
@@ -61,35 +62,50 @@ def _cluster(raw: dict, n: int, picker: str, trace, squeezes=()):
     return result
 
 
-def scaling(raw: dict, nodes: list[int], duration_s: float) -> list[dict]:
+def scaling(raw: dict, nodes: list[int], duration_s: float, workload: str = "seed-000", rate_per_node: float = 300.0,
+            compare: str = "mid", on_row: Callable[[list[dict]], None] | None = None) -> list[dict]:
+    """One node alone, then N nodes behind the cluster picker for every N; round-robin and the ideal single pool
+    at every N (`compare="all"`), only at the middle one ("mid"), or at the listed node counts ("2,4").
+    `on_row` sees the rows so far after every run (long runs save as they go)."""
     config = node_config_from_dict(raw)
-    one = run_simulation(config, generate_trace(scaled(PROFILES["seed-000"], rate_rps=300, duration_s=duration_s), 0))
+    tag = {"workload": workload, "rate_per_node": rate_per_node, "duration_s": duration_s}
+    one = run_simulation(config, generate_trace(scaled(PROFILES[workload], rate_rps=rate_per_node,
+                                                       duration_s=duration_s), 0))
     base = one.summary.overall.goodput_rps
-    _log(f"one node: goodput {base:.1f} req/s")
-    rows = [_row("1 node alone", one.summary, extra={"nodes": 1, "efficiency": 1.0})]
+    _log(f"{workload}, one node: goodput {base:.1f} req/s")
+    rows = [_row("1 node alone", one.summary, extra={"nodes": 1, "efficiency": 1.0, **tag})]
     mid = nodes[len(nodes) // 2]
+    compare_at = set(nodes) if compare == "all" else {mid} if compare == "mid" else {int(x) for x in compare.split(",")}
     for n in nodes:
-        trace = generate_trace(scaled(PROFILES["seed-000"], rate_rps=300 * n, duration_s=duration_s), 0)
-        runs = [("cluster picker", "cluster")] + ([("round-robin", "round_robin")] if n == mid else [])
+        if on_row is not None:
+            on_row(rows)
+        trace = generate_trace(scaled(PROFILES[workload], rate_rps=rate_per_node * n, duration_s=duration_s), 0)
+        others = n in compare_at
+        runs = [("cluster picker", "cluster")] + ([("round-robin", "round_robin")] if others else [])
         for label, picker in runs:
             r = _cluster(raw, n, picker, trace)
             rows.append(_row(f"{n} nodes, {label}", r.summary, spilled=r.num_spilled,
-                             extra={"nodes": n, "efficiency": r.summary.overall.goodput_rps / (n * base)}))
-        if n == mid:
+                             extra={"nodes": n, "efficiency": r.summary.overall.goodput_rps / (n * base), **tag}))
+            if on_row is not None:
+                on_row(rows)
+        if others:
             pool = single_pool_config(config, n, raw)
             t0 = time.perf_counter()
             p = run_simulation(pool, trace)
             _log(f"ideal pool x{n}: goodput {p.summary.overall.goodput_rps:.1f} req/s ({time.perf_counter() - t0:.0f} s)")
             rows.append(_row(f"{n} nodes, ideal single pool", p.summary,
-                             extra={"nodes": n, "efficiency": p.summary.overall.goodput_rps / (n * base)}))
+                             extra={"nodes": n, "efficiency": p.summary.overall.goodput_rps / (n * base), **tag}))
     return rows
 
 
-def skew(raw: dict, duration_s: float, n: int = 4, rate_per_node: float = 60.0, modes=((False, True))) -> list[dict]:
+def skew(raw: dict, duration_s: float, n: int = 4, rate_per_node: float = 60.0, modes=((False, True)),
+         pickers: tuple[str, ...] = ("cluster", "round_robin")) -> list[dict]:
     trace = generate_trace(skewed_profile(rate_per_node * n, duration_s), 0)
     squeeze = (Squeeze(node=0, model=SM, start_s=5.0, end_s=duration_s + 60.0, capacity_fraction=0.5),)
     rows = []
     for label, picker in (("cluster picker", "cluster"), ("round-robin", "round_robin")):
+        if picker not in pickers:
+            continue
         attainment = {}
         for burst in modes:
             r = _cluster(raw, n, picker, trace, squeeze if burst else ())
@@ -99,7 +115,7 @@ def skew(raw: dict, duration_s: float, n: int = 4, rate_per_node: float = 60.0, 
             attainment[burst] = sm0.attainment_offered
             rows.append(_row(f"{label}, {'LM lease on node 0' if burst else 'no lease'}", r.summary,
                              spilled=r.num_spilled,
-                             extra={"sm_node0_attainment": sm0.attainment_offered,
+                             extra={"sm_node0_attainment": sm0.attainment_offered, "rate_per_node": rate_per_node,
                                     "node_share": [round(s, 3) for s in r.node_share]}))
         if len(attainment) == 2:
             rows[-1]["sm_node0_vs_no_lease"] = attainment[True] / attainment[False] if attainment[False] else float("nan")
@@ -116,25 +132,39 @@ def markdown(results: dict) -> str:
         out.append(f"\n### Cost profile `{profile}`\n")
         if res["scaling"]:
             out += _scaling_table(res["scaling"])
-        if res["skew"]:
-            out += _skew_table(res["skew"])
+        by_rate: dict[float, list[dict]] = {}
+        for r in res["skew"]:
+            by_rate.setdefault(r.get("rate_per_node", 60.0), []).append(r)
+        for rows in by_rate.values():
+            out += _skew_table(rows)
     return "\n".join(out) + "\n"
+
+
+def _workload_of(row: dict) -> tuple[str, float, float | None]:
+    return row.get("workload", "seed-000"), row.get("rate_per_node", 300.0), row.get("duration_s")
 
 
 def _scaling_table(rows: list[dict]) -> list[str]:
     out = []
-    out.append("Scaling, seed 000 at 300 req/s per node:\n")
-    out.append("| run | goodput req/s | efficiency | admitted within SLO | refused | prefix hit | steady |")
-    out.append("|---|---:|---:|---:|---:|---:|:-:|")
+    groups: dict[tuple[str, float, float | None], list[dict]] = {}
     for r in rows:
-        out.append(f"| {r['run']} | {r['goodput_rps']:.1f} | {r['efficiency']:.3f} | {_pct(r['attainment_admitted'])} "
-                   f"| {_pct(r['refused'])} | {_pct(r['prefix_hit'])} | {'yes' if r['steady'] else 'no'} |")
+        groups.setdefault(_workload_of(r), []).append(r)
+    for (workload, rate, duration), group in groups.items():
+        runs = f", {duration:g}-s runs" if duration else ""
+        out.append(f"{chr(10) if out else ''}Scaling, {workload.replace('-', ' ')} at {rate:g} req/s per node{runs}:\n")
+        out.append("| run | goodput req/s | efficiency | admitted within SLO | refused | prefix hit | spilled | steady |")
+        out.append("|---|---:|---:|---:|---:|---:|---:|:-:|")
+        for r in sorted(group, key=lambda r: r["nodes"]):  # stable: picker, round-robin, pool within a node count
+            out.append(f"| {r['run']} | {r['goodput_rps']:.1f} | {r['efficiency']:.3f} "
+                       f"| {_pct(r['attainment_admitted'])} | {_pct(r['refused'])} | {_pct(r['prefix_hit'])} "
+                       f"| {r.get('spilled', 0)} | {'yes' if r['steady'] else 'no'} |")
     return out
 
 
 def _skew_table(rows: list[dict]) -> list[str]:
     out = []
-    out.append("\nSkewed workload, 4 nodes at 60 req/s each; in the lease runs node 0's SM instances get half "
+    rate = rows[0].get("rate_per_node", 60.0)
+    out.append(f"\nSkewed workload, 4 nodes at {rate:g} req/s each; in the lease runs node 0's SM instances get half "
                "their GPU time from 5 s on:\n")
     out.append("| run | goodput req/s | admitted within SLO | refused | prefix hit | spilled | SM attainment, node 0's "
                "traffic | share served by node 0..3 |")
@@ -144,9 +174,10 @@ def _skew_table(rows: list[dict]) -> list[str]:
         out.append(f"| {r['run']} | {r['goodput_rps']:.1f} | {_pct(r['attainment_admitted'])} | {_pct(r['refused'])} "
                    f"| {_pct(r['prefix_hit'])} | {r['spilled']} | {_pct(r['sm_node0_attainment'])}{ratio} "
                    f"| {' / '.join(f'{s:.2f}' for s in r['node_share'])} |")
-    picker_goodput = next(r["goodput_rps"] for r in rows if r["run"] == "cluster picker, LM lease on node 0")
-    rr_goodput = next(r["goodput_rps"] for r in rows if r["run"] == "round-robin, LM lease on node 0")
-    out.append(f"\nWith the lease, the cluster picker's goodput is {picker_goodput / rr_goodput:.2f}x round-robin's.")
+    picker_goodput = next((r["goodput_rps"] for r in rows if r["run"] == "cluster picker, LM lease on node 0"), None)
+    rr_goodput = next((r["goodput_rps"] for r in rows if r["run"] == "round-robin, LM lease on node 0"), None)
+    if picker_goodput and rr_goodput:
+        out.append(f"\nWith the lease, the cluster picker's goodput is {picker_goodput / rr_goodput:.2f}x round-robin's.")
     return out
 
 
@@ -154,19 +185,28 @@ def plot(results: dict, path: str) -> None:
     """Scaling efficiency of every multi-node run, per cost profile, as bars (docs/bench/cluster_scaling.png)."""
     from octoserve.services.plots import _save, plt  # noqa: PLC0415 - matplotlib only when plotting
 
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    width = 0.8 / max(1, len(results))
+    def key(r: dict) -> str:
+        workload, rate, _ = _workload_of(r)
+        return f"{workload} @{rate:g}/node\n{r['run']}"
+
     labels: list[str] = []
+    for res in results.values():
+        for r in res["scaling"]:
+            if r["nodes"] > 1 and key(r) not in labels:
+                labels.append(key(r))
+    fig, ax = plt.subplots(figsize=(max(7.0, 0.9 * len(labels)), 4.0))
+    width = 0.8 / max(1, len(results))
     for k, (profile, res) in enumerate(results.items()):
-        rows = [r for r in res["scaling"] if r["nodes"] > 1]
-        labels = labels or [r["run"] for r in rows]
-        ax.bar([i + k * width for i in range(len(rows))], [r["efficiency"] for r in rows], width,
-               label=f"{profile} profile")
+        by_key = {key(r): r["efficiency"] for r in res["scaling"] if r["nodes"] > 1}
+        xs = [i + k * width for i, label in enumerate(labels) if label in by_key]
+        ax.bar(xs, [by_key[label] for label in labels if label in by_key], width, label=f"{profile} profile")
     ax.axhline(0.95, color="grey", linestyle="--", linewidth=1, label="target 0.95")
-    ax.set_xticks([i + width * (len(results) - 1) / 2 for i in range(len(labels))], labels, fontsize=8)
+    ax.set_xticks([i + width * (len(results) - 1) / 2 for i in range(len(labels))], labels, fontsize=6, rotation=30,
+                  ha="right")
     ax.set_ylabel("goodput / (N x one node)")
-    ax.set_title("seed 000 at 300 req/s per node, steady state")
+    ax.set_title("scaling efficiency, steady state")
     ax.legend(fontsize=8)
+    fig.tight_layout()
     _save(fig, path)
 
 
@@ -174,6 +214,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m octoserve.services.cluster.bench", description=__doc__.splitlines()[0])
     parser.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals per run")
     parser.add_argument("--nodes", default="2,4,8", help="node counts for the scaling table")
+    parser.add_argument("--workload", default="seed-000", choices=sorted(PROFILES), help="workload of the scaling runs")
+    parser.add_argument("--rate-per-node", type=float, default=300.0, help="offered req/s per node (scaling)")
+    parser.add_argument("--skew-rate", type=float, default=60.0, help="offered req/s per node (skew runs)")
+    parser.add_argument("--skew-pickers", nargs="+", default=["cluster", "round_robin"],
+                        choices=["cluster", "round_robin"], help="which pickers the skew runs compare")
+    parser.add_argument("--compare", default="mid",
+                        help="round-robin and ideal pool: 'mid' (the middle node count), 'all', or node counts '2,4'")
     parser.add_argument("--cost-profile", nargs="+", default=["default", "pessimistic"])
     parser.add_argument("--parts", nargs="+", default=["scaling", "skew"], choices=["scaling", "skew"])
     parser.add_argument("--out", default="-", help="markdown output ('-': stdout)")
@@ -187,16 +234,25 @@ def main(argv: list[str] | None = None) -> int:
             with open(path) as f:
                 for profile, parts in json.load(f).items():  # files hold one part each: merge the non-empty ones
                     merged = results.setdefault(profile, {"scaling": [], "skew": []})
-                    merged.update({k: v for k, v in parts.items() if v})
+                    merged["scaling"] += parts.get("scaling", [])  # scaling files add up (node counts, workloads)
+                    merged["skew"] += parts.get("skew", [])  # skew files add up too (loads)
         return _emit(results, args)
     nodes = [int(x) for x in args.nodes.split(",")]
     results = {}
     for profile in args.cost_profile:
         raw = raw_config_with_overrides(CONFIG, [], profile)
         _log(f"cost profile {profile}")
+
+        def save(rows, profile=profile):  # partial results survive a run cut short
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump({**results, profile: {"scaling": rows, "skew": []}}, f, indent=1, default=str)
+
         results[profile] = {
-            "scaling": scaling(raw, nodes, args.duration) if "scaling" in args.parts else [],
-            "skew": skew(raw, args.duration) if "skew" in args.parts else [],
+            "scaling": scaling(raw, nodes, args.duration, args.workload, args.rate_per_node, args.compare, save)
+            if "scaling" in args.parts else [],
+            "skew": skew(raw, args.duration, rate_per_node=args.skew_rate, pickers=tuple(args.skew_pickers))
+            if "skew" in args.parts else [],
         }
     return _emit(results, args)
 

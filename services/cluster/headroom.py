@@ -27,9 +27,10 @@ from dataclasses import dataclass
 
 from octoserve.services.core import admission as adm
 from octoserve.services.core.kv_cache import prefix_block_hashes
-from octoserve.services.core.types import EngineLoad, Priority, RequestSpec, SamplingParams
+from octoserve.services.core.types import EngineLoad, Priority, RequestSpec, Role, SamplingParams
 
 TIERS = (Priority.INTERACTIVE, Priority.STANDARD, Priority.BATCH)
+DECODE_CONTEXT_TOKENS = 1200  # typical decode context for the published step (as the instances' own rate estimate)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +53,11 @@ class ModelHeadroom:
     capacity_fraction: float = 1.0  # share of GPU time the model's instances get (< 1 under a gang lease)
     num_instances: int = 1  # entry instances that can take a request now (what new work spreads over)
     idle_prefill_tokens_per_s: float = 0.0  # a prompt alone in prefill (slack-extended chunks); 0: as loaded
-    decode_step_ms: float = 0.0  # the slowest entry instance's recent decode step at full capacity (ITL proxy)
+    decode_step_ms: float = 0.0  # full capacity: the decode step one more sequence would see on the least busy
+    #                              entry instance (the router's cost model at its running batch + 1; ITL proxy)
+    decode_step_per_seq_ms: float = 0.0  # full capacity: what each further sequence adds to that step
+    mixed_step_ms: float = 0.0  # full capacity: what a step carrying a prefill chunk is sized to (the ITL SLO on
+    #                             colocated instances, whose batchers fill steps up to it; 0: no prefill mixed in)
 
     def tier(self, tier: Priority) -> TierHeadroom:
         return next(t for t in self.tiers if t.tier == tier)
@@ -125,7 +130,7 @@ class HeadroomPublisher:
 
     def _model(self, model: str, loads: Mapping[str, EngineLoad], capacity: float) -> ModelHeadroom:
         tiers = []
-        rate, free, total, block_size, num, idle_rate, step_ms = 0.0, 0, 0, 16, 0, 0.0, 0.0
+        rate, free, total, block_size, num, idle_rate, step_ms, per_seq_ms = 0.0, 0, 0, 16, 0, 0.0, 0.0, 0.0
         for tier in TIERS:
             spec = self._reference(model, tier)
             cands = self.policy.candidates(spec, loads)
@@ -151,8 +156,24 @@ class HeadroomPublisher:
                 free, total, block_size = top.headroom_blocks, top.load.num_total_blocks, top.instance.block_size
                 num = len(kept)
                 idle_rate = spec.num_prompt_tokens / max(best.own_prefill_s, 1e-9)
-                step_ms = max(c.load.decode_step_time_s for c in kept) * 1000.0
-        return ModelHeadroom(model, tuple(tiers), rate, free, total, block_size, capacity, num, idle_rate, step_ms)
+                step_ms, per_seq_ms = self._decode_step_ms(kept)
+                mixed_ms = max((self.policy.config.slo.itl_ms for c in kept if c.instance.role is Role.COLOCATED),
+                               default=0.0)
+        return ModelHeadroom(model, tuple(tiers), rate, free, total, block_size, capacity, num, idle_rate, step_ms,
+                             per_seq_ms, mixed_ms)
+
+    def _decode_step_ms(self, kept) -> tuple[float, float]:
+        """(step with one more sequence, what each further one adds), at full capacity, on the least busy instance.
+
+        Predicted by the router's cost model from the running batch, not the engines' observed step: an observed step
+        already carries a gang lease's stretch (the picker divides by `capacity_fraction` itself) and goes stale on
+        a node that gets no new work, which would keep a squeezed node out for the rest of its lease once taken out."""
+        least = min(kept, key=lambda c: (c.load.num_running, c.instance.id))
+        cost = self.policy.cost_model_of(least.instance)
+        b = least.load.num_running
+        one = cost.decode_step_time_s(b + 1, DECODE_CONTEXT_TOKENS)
+        two = cost.decode_step_time_s(b + 2, DECODE_CONTEXT_TOKENS)
+        return one * 1000.0, max(0.0, two - one) * 1000.0
 
     def _reference(self, model: str, tier: Priority) -> RequestSpec:
         n = self.reference_prompt_tokens.get(model, 1024)

@@ -8,10 +8,11 @@ pick(spec, now):
 1. candidates = nodes whose latest summary serves the model.
 2. filters (`ClusterPolicy.filters`): "healthy" (the node says so and its summary is at most `max_summary_age_s`
    old), "kv_headroom" (prompt + reservation fits the node's largest free KV, less what was sent since),
-   "itl" (on a node whose gang lease leaves the model a fraction f of GPU time, its decode step / f within the
-   ITL SLO), "ttft" (predicted TTFT + the node's calibrated margin within the request's SLO).
+   "itl" (on a node whose gang lease leaves the model a fraction f of GPU time, the decode step this request
+   would see there, at full capacity from the summary plus the requests sent since, / f within the ITL SLO), "ttft" (predicted TTFT + the node's calibrated margin within the request's SLO).
 3. predicted TTFT on node n = (queue + uncached prompt / rate) / capacity_fraction, with queue = tier wait +
-   prefill tokens sent to n since its summary / (rate x its instances), and the idle rate instead of the loaded
+   prefill tokens sent to n since its summary / (rate x its instances), less what drained over the summary's age
+   (age x capacity_fraction; never below 0), and the idle rate instead of the loaded
    one when the queue is empty (the node router's own rule), where the uncached prompt counts the leading blocks found in n's
    hot prefix hashes as cached. A gang lease that leaves the SM instances a fraction f of GPU time stretches every
    SM prefill on that node by 1 / f, so SM work spills to nodes with headroom without any special case.
@@ -28,7 +29,7 @@ the pick went elsewhere (the cross-node spill count of the benchmarks).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +62,7 @@ class NodeCandidate:
     cached_tokens: int  # prompt tokens the node's hot hashes say it caches
     required_blocks: int
     pending_blocks: int  # KV sent since the summary
+    pending_requests: int  # requests sent since the summary
     predicted_ttft_s: float  # with the capacity fraction applied
     unsqueezed_ttft_s: float  # as if the node had its full capacity
     slo_ms: float
@@ -84,6 +86,7 @@ class NodePick:
 class ClusterRefuse:
     retry_after_ms: int  # the soonest retry delay across the nodes
     reason: str
+    no_node: bool = False  # no healthy node serves the model at all (unavailable, not overloaded)
 
 
 NodeFilter = Callable[[NodeCandidate, ClusterPolicy], bool]
@@ -105,8 +108,16 @@ def filter_kv_headroom(c: NodeCandidate, policy: ClusterPolicy) -> bool:
 @NODE_FILTERS.register("itl")
 def filter_itl(c: NodeCandidate, policy: ClusterPolicy) -> bool:
     # A gang lease stretches every decode step of the squeezed instances by 1 / capacity: once that passes the ITL
-    # SLO, every request decoding there misses it, however soon its first token comes.
-    return c.model.capacity_fraction >= 1.0 or c.model.decode_step_ms / max(c.model.capacity_fraction, 1e-6) <= policy.itl_ms
+    # SLO, every request decoding there misses it, however soon its first token comes. The step is the longer of
+    # the decode step this request would see (the summary's next-sequence step plus what the requests sent since
+    # add, spread over the model's instances) and the step a prefill chunk is mixed into, which colocated batchers
+    # size to the full ITL SLO: under any lease those pass the SLO, so a squeezed colocated node is out for new
+    # streams until the lease ends (BENCHMARKS.md, "Cluster tier": what a squeezed node's new streams then get).
+    if c.model.capacity_fraction >= 1.0:
+        return True
+    extra = c.pending_requests / max(1, c.model.num_instances) * c.model.decode_step_per_seq_ms
+    step_ms = max(c.model.decode_step_ms + extra, c.model.mixed_step_ms)
+    return step_ms / max(c.model.capacity_fraction, 1e-6) <= policy.itl_ms
 
 
 @NODE_FILTERS.register("ttft")
@@ -151,6 +162,7 @@ class ClusterPicker:
         self._scorers = [(NODE_SCORERS.get(n), w) for n, w in sorted(policy.scorer_weights.items()) if w > 0]
         self._pending_tokens: dict[tuple[str, str], float] = {}  # (node, model) -> prefill tokens since its summary
         self._pending_blocks: dict[tuple[str, str], int] = {}
+        self._pending_requests: dict[tuple[str, str], int] = {}
         self.num_spilled = 0
         self.num_refused = 0
 
@@ -160,6 +172,7 @@ class ClusterPicker:
         for key in [k for k in self._pending_tokens if k[0] == summary.node_id]:
             del self._pending_tokens[key]
             self._pending_blocks.pop(key, None)
+            self._pending_requests.pop(key, None)
 
     def forget(self, node_id: str) -> None:
         """The node is gone (its connection failed): stop picking it until it publishes again."""
@@ -170,15 +183,16 @@ class ClusterPicker:
         self._pending_tokens[key] = self._pending_tokens.get(key, 0.0) + spec.num_prompt_tokens - chosen.expected_cached_tokens
         model = self.summaries[node_id].model(spec.model)
         self._pending_blocks[key] = self._pending_blocks.get(key, 0) + self._blocks(spec, model)
+        self._pending_requests[key] = self._pending_requests.get(key, 0) + 1
 
     def _blocks(self, spec: RequestSpec, model: ModelHeadroom) -> int:
         reserve = min(spec.max_tokens, self.policy.reservation_tokens)
         return adm.blocks_for(spec.num_prompt_tokens + reserve, model.block_size)
 
-    def candidates(self, spec: RequestSpec, now: float) -> list[NodeCandidate]:
+    def candidates(self, spec: RequestSpec, now: float, among: Collection[str] | None = None) -> list[NodeCandidate]:
         slo_ms = spec.ttft_slo_ms if spec.ttft_slo_ms is not None else self.policy.tier_ttft_ms[spec.priority]
         out = []
-        for node_id in sorted(self.summaries):
+        for node_id in sorted(self.summaries if among is None else set(self.summaries) & set(among)):
             summary = self.summaries[node_id]
             model = summary.model(spec.model)
             if model is None:
@@ -191,6 +205,12 @@ class ClusterPicker:
             # Work sent since the summary spreads over the model's instances on the node; this prompt runs on one.
             spread = max(1, model.num_instances)
             queue_s = tier.wait_ms / 1000.0 + (pending / (rate * spread) if rate > 0 else math.inf)
+            # The node kept prefilling since it wrote the summary: what it had queued then, and what was sent since,
+            # has drained by the summary's age (at the GPU share its lease leaves it). Without this the queue is
+            # counted twice at the end of every publication interval, and the picker refuses work the node would
+            # take.
+            age_s = max(0.0, now - summary.as_of_s)
+            queue_s = max(0.0, queue_s - age_s * min(1.0, model.capacity_fraction))
             # As the node predicts it: a prompt with nothing ahead prefills at the idle rate, behind a queue at the
             # rate the running decodes leave.
             own_rate = model.idle_prefill_tokens_per_s if queue_s == 0 and model.idle_prefill_tokens_per_s > 0 else rate
@@ -200,13 +220,15 @@ class ClusterPicker:
                 node_id=node_id, summary=summary, model=model, tier=tier, cached_tokens=cached,
                 required_blocks=self._blocks(spec, model),
                 pending_blocks=self._pending_blocks.get((node_id, spec.model), 0),
+                pending_requests=self._pending_requests.get((node_id, spec.model), 0),
                 predicted_ttft_s=full_s / capacity, unsqueezed_ttft_s=full_s, slo_ms=slo_ms,
                 age_s=now - summary.as_of_s, num_prompt_tokens=spec.num_prompt_tokens,
             ))
         return out
 
-    def pick(self, spec: RequestSpec, now: float) -> NodePick | ClusterRefuse:
-        cands = self.candidates(spec, now)
+    def pick(self, spec: RequestSpec, now: float, among: Collection[str] | None = None) -> NodePick | ClusterRefuse:
+        """The node for `spec`, or the refusal; `among` restricts the choice to those node ids (a gateway's subset)."""
+        cands = self.candidates(spec, now, among)
         kept = [c for c in cands if all(f(c, self.policy) for f in self._filters)]
         if not kept:
             self.num_refused += 1
@@ -231,7 +253,7 @@ class ClusterPicker:
     def _refuse(self, spec: RequestSpec, cands: Sequence[NodeCandidate]) -> ClusterRefuse:
         live = [c for c in cands if filter_healthy(c, self.policy)]
         if not live:
-            return ClusterRefuse(self.policy.min_retry_after_ms * 20, f"no healthy node serves {spec.model}")
+            return ClusterRefuse(self.policy.min_retry_after_ms * 20, f"no healthy node serves {spec.model}", True)
         retries = []
         for c in live:
             if not c.tier.admitting and c.tier.retry_after_ms > 0:

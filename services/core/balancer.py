@@ -7,8 +7,9 @@ Input (`NodeLoad`, built each balancing period by the simulator or the live sche
   `demand_trend`) and the mean prompt / output lengths of the window;
 - the current placement (the instances, draining ones included).
 
-Output: `Reconfiguration`s (services/core/reconfig.py). The balancer forecasts each model's demand over
-`forecast_window_s` (rate + trend x half the window, the mean of a linear trend over it), scores every candidate
+Output: `Reconfiguration`s (services/core/reconfig.py). The balancer forecasts each model's demand (rate + trend x
+half of min(`forecast_window_s`, the load window): the mean of a linear trend, extrapolated no further than it was
+measured), scores every candidate
 placement by the goodput it would serve (`placement_goodput_rps`: sum over models of min(demand, capacity)) and,
 when the best beats the current one, splits the difference into reconfigurations, one per group of GPUs that
 changes hands:
@@ -30,12 +31,13 @@ Guards, in the order they are checked (each refusal counted by reason in `counte
   exceed the gain x `forecast_window_s`.
 - `hold:in_flight`: already `max_in_flight` reconfigurations not DONE.
 - `hold:dwell`: a GPU of the change was reconfigured less than `min_dwell_s` ago.
-- `hold:last_instance`: the change would leave a model with no instance taking requests.
+- `hold:last_instance`: the change would leave a model unable to take requests (no colocated instance, and not
+  both a prefill and a decode instance, among those still taking requests).
 - `planned:role` / `planned:model`: a reconfiguration was emitted.
 
 Invariants: pure and clock-free (`now_s` is the caller's clock); every emitted reconfiguration passes
-`check_reconfiguration` against the placement after the in-flight ones; while it runs every model keeps at least
-one instance that takes requests; no GPU is reconfigured twice within `min_dwell_s`.
+`check_reconfiguration` against the placement after the in-flight ones; while it runs every model can still take
+requests (a colocated instance, or a prefill and a decode instance, not retiring); no GPU is reconfigured twice within `min_dwell_s`.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from dataclasses import dataclass, field, replace
 from octoserve.services.core.placement import InstanceConfig, NodeConfig, num_kv_blocks_for
 from octoserve.services.core.planner import ModelLoad, decode_capacity_rps
 from octoserve.services.core.reconfig import ReconfigKind, Reconfiguration, apply, check_reconfiguration
-from octoserve.services.core.specs import NVME_READ_BYTES_PER_S, GpuSpec, ModelSpec
+from octoserve.services.core.specs import GPUS_PER_PCIE_UPLINK, LOCAL_DISK_READ_BYTES_PER_S, GpuSpec, ModelSpec
 from octoserve.services.core.types import Role
 
 WEIGHT_SOURCES = ("host", "disk")
@@ -57,15 +59,18 @@ WEIGHT_SOURCES = ("host", "disk")
 def weight_load_s(model: ModelSpec, gpu: GpuSpec, tp: int, source: str = "host") -> float:
     """Seconds to put one instance's weights on its GPUs.
 
-    host: the weights are kept pinned in host memory and each GPU copies its shard over its own PCIe link in
-    parallel (`gpu.pcie_bytes_per_s`): 70B at TP 4 on an H100 node, 35.3 GB per GPU / 55 GB/s = 0.64 s.
-    disk: every shard comes from one local NVMe drive (`NVME_READ_BYTES_PER_S`), shared by the loading GPUs: the
-    whole model / drive rate (70B: 141 GB / 7 GB/s = 20.2 s)."""
+    host: the weights are kept pinned in host memory and each GPU copies its shard over PCIe
+    (`gpu.pcie_bytes_per_s`, measured 55 GB/s on the H200 machine); the GPUs of a TP group load at once, and two GPUs
+    share a switch uplink (`GPUS_PER_PCIE_UPLINK`), so a group of two or more gets half that rate per GPU: 70B at
+    TP 4, 35.3 GB per GPU / 27.5 GB/s = 1.28 s; the 8B at TP 1, 16.1 GB / 55 GB/s = 0.29 s.
+    disk: every shard comes from one local disk (`LOCAL_DISK_READ_BYTES_PER_S`, measured cold: 2.07 GB/s), shared
+    by the loading GPUs, so the whole model / the disk rate (70B: 141 GB / 2.07 GB/s = 68 s); the PCIe hop overlaps."""
     if source == "host":
-        return model.weight_bytes_per_gpu(tp) / gpu.pcie_bytes_per_s
+        shared = min(tp, GPUS_PER_PCIE_UPLINK)
+        return model.weight_bytes_per_gpu(tp) / (gpu.pcie_bytes_per_s / shared)
     if source == "disk":
         model.check_tp(tp)
-        return model.weight_bytes / NVME_READ_BYTES_PER_S
+        return model.weight_bytes / LOCAL_DISK_READ_BYTES_PER_S
     raise ValueError(f"unknown weight source {source!r}; use one of {WEIGHT_SOURCES}")
 
 
@@ -291,9 +296,9 @@ def _model_instances(model: str, tps: tuple[int, ...], first_gpu: int) -> list[l
 
 
 def candidate_layouts(node: NodeConfig, small_tps: Sequence[int] = (1,)) -> list[tuple[InstanceConfig, ...]]:
-    """The placements the balancer may move to, for two models: the larger on the first GPUs as instances of any
-    mix of TP degrees (2, 4, 8) whose weights leave KV room, the smaller on the rest at `small_tps`, every role
-    split of each model (`_role_splits`); each model keeps at least one instance. One model alone: its layouts on
+    """The placements the balancer may move to, for two models: the larger on the first (or the last) GPUs as
+    instances of any mix of TP degrees (2, 4, 8) whose weights leave KV room, the smaller on the rest at
+    `small_tps`, every role split of each model (`_role_splits`); each model keeps at least one instance. One model alone: its layouts on
     every GPU. Layouts that fail `check_placement` are left out."""
     from octoserve.services.core.placement import check_placement  # noqa: PLC0415 (a cycle-free local import)
 
@@ -320,10 +325,14 @@ def candidate_layouts(node: NodeConfig, small_tps: Sequence[int] = (1,)) -> list
         small = names[1]
         s_tps = tps_of(small, small_tps)
         for large_gpus in range(1, node.num_gpus):
+            small_gpus = node.num_gpus - large_gpus
             for lg in _tp_groups(large_gpus, large_tps):
-                for sg in _tp_groups(node.num_gpus - large_gpus, s_tps):
+                for sg in _tp_groups(small_gpus, s_tps):
                     for li in _model_instances(large, lg, 0):
                         layouts += [tuple(li + si) for si in _model_instances(small, sg, large_gpus)]
+                    # and mirrored (the smaller model first), so a pool can grow or shrink from either end
+                    for si in _model_instances(small, sg, 0):
+                        layouts += [tuple(si + li) for li in _model_instances(large, lg, small_gpus)]
     return [l for l in layouts if not check_placement(replace(node, instances=l, gang=None))]
 
 
@@ -356,6 +365,28 @@ def diff_components(current: Sequence[InstanceConfig], target: Sequence[Instance
     out = [(tuple(sorted(c, key=lambda i: i.gpu_ids)), tuple(sorted(t, key=lambda i: i.gpu_ids)))
            for _, c, t in sorted(groups, key=lambda g: min(g[0]))]
     return [(c, t) for c, t in out if c and t]
+
+
+def serving_models(instances: Sequence[InstanceConfig]) -> set[str]:
+    """Models that `instances` can serve a request of: a colocated instance, or a prefill and a decode instance."""
+    roles: dict[str, set[Role]] = {}
+    for i in instances:
+        roles.setdefault(i.model, set()).add(i.role)
+    return {m for m, r in roles.items() if Role.COLOCATED in r or {Role.PREFILL, Role.DECODE} <= r}
+
+
+def pressure(loads: NodeLoad, model: str) -> str:
+    """One model's load figures for a log line: prefill backlog against the tightest TTFT slack, decode batch
+    against its limit, KV use and the ITL headroom, over its instances that take requests."""
+    ids = {i.id for i in loads.placement if i.model == model}
+    mine = [l for l in loads.instances if l.instance_id in ids and l.accepting]
+    if not mine:
+        return "no instance taking requests"
+    slack = min(l.ttft_slack_s for l in mine)
+    limit = sum(l.decode_batch_limit for l in mine)
+    return (f"prefill backlog {sum(l.prefill_backlog_tokens for l in mine):.0f} tok, TTFT slack "
+            f"{'inf' if math.isinf(slack) else f'{slack * 1000:.0f} ms'}, decode {sum(l.decode_batch for l in mine)}/"
+            f"{limit}, KV {max(l.kv_used for l in mine):.0%}, ITL headroom {min(l.itl_headroom for l in mine):.0%}")
 
 
 # --- the balancer --------------------------------------------------------------------------------------------------
@@ -419,6 +450,10 @@ class ElasticBalancer:
     def plan(self, now_s: float, loads: NodeLoad, in_flight: Sequence[Reconfiguration]) -> list[Reconfiguration]:
         policy = self.policy
         horizon = policy.forecast_window_s
+        # The trend is extrapolated no further than the window it was measured over: a step seen through a short
+        # window looks like a steep ramp, and carrying that ramp over the whole forecast window overshoots (and the
+        # next period undoes the move).
+        trend_s = min(horizon, loads.window_s)
         demand = {m: loads.demand_of(m) for m in sorted(self.node.models)}
         # The placement once the in-flight reconfigurations are DONE: the base every new one is checked against.
         current = {i.id: i for i in loads.placement}
@@ -426,19 +461,31 @@ class ElasticBalancer:
             if not check_reconfiguration(current, r):
                 current = apply(current, r)
         busy = {i for r in in_flight for i in r.retire}
-        now_good, now_caps = placement_goodput_rps(self.capacity, list(current.values()), demand, horizon)
+        now_good, now_caps = placement_goodput_rps(self.capacity, list(current.values()), demand, trend_s)
         scored = []
         for layout in self.layouts:
             if self._allowed(list(current.values()), layout):
-                good, caps = placement_goodput_rps(self.capacity, layout, demand, horizon)
+                good, caps = placement_goodput_rps(self.capacity, layout, demand, trend_s)
                 scored.append((good, layout, caps))
         if not scored:
             self._decide(now_s, "hold:no_gain", "no candidate placement reachable under the allowed changes")
             return []
-        best_good, best, best_caps = max(scored, key=lambda s: (s[0], -len(diff_components(list(current.values()), s[1]))))
+        top = max(s[0] for s in scored)
+        live_ids = {i.id for i in loads.placement}
+        live = [i for i in loads.placement if i.id not in busy and i.id in current and loads.load_of(i.id).accepting]
+
+        def order(layout) -> tuple[bool, int, int]:
+            """Among equally good targets: one with a change that may start now (it leaves every model able to take
+            requests) first, then fewer changes that must wait for another, then fewer changes."""
+            comps = diff_components(list(current.values()), layout)
+            waiting = sum(1 for cur, _ in comps if {i.model for i in cur} - serving_models([i for i in live if i not in cur]))
+            return (waiting == len(comps), waiting, len(comps))
+
+        near = [s for s in scored if s[0] >= top - 1e-9]
+        best_good, best, best_caps = min(near, key=lambda s: order(s[1]))
         components = diff_components(list(current.values()), best)
-        forecast = ", ".join(f"{m} {d.forecast_rps(horizon):.1f} req/s (cap {now_caps[m]:.1f} -> {best_caps[m]:.1f})"
-                             for m, d in demand.items())
+        forecast = ", ".join(f"{m} {d.forecast_rps(trend_s):.1f} req/s (cap {now_caps[m]:.1f} -> {best_caps[m]:.1f}; "
+                             f"{pressure(loads, m)})" for m, d in demand.items())
         gain = best_good - now_good
         if not components or gain <= 0:
             self._streak_target, self._streak = None, 0
@@ -461,7 +508,7 @@ class ElasticBalancer:
         costs = []
         for cur, tgt in components:
             without = [i for i in current.values() if i not in cur]
-            good_without, _ = placement_goodput_rps(self.capacity, without, demand, horizon)
+            good_without, _ = placement_goodput_rps(self.capacity, without, demand, trend_s)
             role = len(cur) == len(tgt) == 1 and cur[0].gpu_ids == tgt[0].gpu_ids and cur[0].model == tgt[0].model \
                 and cur[0].tp == tgt[0].tp
             drain_s = max((loads.load_of(i.id).est_drain_s for i in cur), default=0.0)
@@ -489,12 +536,12 @@ class ElasticBalancer:
             if recent:
                 self._decide(now_s, "hold:dwell", f"{what}: GPUs {recent} changed less than {policy.min_dwell_s:g} s ago")
                 continue
-            if any(i.id in busy for i in cur):
-                self._decide(now_s, "hold:in_flight", f"{what}: an instance is already being reconfigured")
+            if any(i.id in busy or i.id not in live_ids for i in cur):
+                self._decide(now_s, "hold:in_flight", f"{what}: an instance is still being reconfigured or started")
                 continue
             retiring = busy | {i.id for i in cur}
-            serving = {i.model for i in loads.placement if i.id not in retiring and i.id in current
-                       and loads.load_of(i.id).accepting}
+            serving = serving_models([i for i in loads.placement if i.id not in retiring and i.id in current
+                                      and loads.load_of(i.id).accepting])
             orphaned = sorted({i.model for i in cur} - serving)
             if orphaned:
                 self._decide(now_s, "hold:last_instance", f"{what}: would leave {orphaned} with no instance taking requests")

@@ -356,6 +356,10 @@ class RouterPolicy:
     def _cost_model(self, inst: InstanceConfig) -> CostModelLike:
         return self.cost_models[inst.id] if inst.id in self.cost_models else self.cost_models[inst.model]
 
+    def cost_model_of(self, inst: InstanceConfig) -> CostModelLike:
+        """The cost model the router predicts `inst`'s steps with (the cluster headroom summary uses it too)."""
+        return self._cost_model(inst)
+
     def _pick(self, cands: Sequence[Candidate]) -> Candidate:
         if self.config.policies.picker == "round_robin":
             return self._pick_round_robin(cands)

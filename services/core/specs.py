@@ -36,10 +36,14 @@ ACTIVATION_INTERMEDIATE_BUFFERS = 3
 LOGITS_BYTES_PER_VOCAB_ENTRY = 4
 
 
-# Local weight storage: one NVMe SSD on PCIe Gen4 x4, sequential read. Datacenter and client Gen4 drives are rated
-# at ~7 GB/s (e.g. Samsung PM9A3 6.9 GB/s, Samsung 990 Pro 7.45 GB/s, per their datasheets). Used for the
-# weight-load time of an instance started from disk (services/core/balancer.py, weight_load_s).
-NVME_READ_BYTES_PER_S = 7e9
+# Local weight storage: sequential read of one local disk with a cold page cache, as measured on the H200 machine
+# (scripts/gpu_load_check.py, BENCHMARKS.md "Cost model against a real GPU (H200)": 2.07 GB/s; 5.9 GB/s from the page
+# cache). A datacenter PCIe Gen4 NVMe drive is rated at ~7 GB/s, so this is the slow end. Used for the weight-load
+# time of an instance started from disk (services/core/balancer.py, weight_load_s).
+LOCAL_DISK_READ_BYTES_PER_S = 2.07e9
+# GPUs per PCIe switch uplink on an 8-GPU HGX board: a TP group that loads all its shards at once shares each uplink
+# between two GPUs, so each sees half the pinned host->GPU rate (same BENCHMARKS section).
+GPUS_PER_PCIE_UPLINK = 2
 
 
 class SpecError(ValueError):

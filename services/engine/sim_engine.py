@@ -106,23 +106,36 @@ class SimEngine:
 
     async def _step_loop(self) -> None:
         loop = asyncio.get_running_loop()
+        granted: float | None = None  # a gang grant that came while idle after NOTHING: the next step's cap
         while True:
             if not self._running.is_set():
                 self._idle_at_boundary.set()
                 await self._running.wait()
             if not self.batcher.has_work:
+                if granted is not None:  # the work went (aborted) before the grant could be used
+                    self.gate.nothing(self.batcher)
+                    granted = None
                 self._idle_at_boundary.set()
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            cap_s = await self.gate.turn(self.batcher, self._wakeup) if self.gate is not None else None
+            if self.gate is None:
+                cap_s = None
+            elif granted is not None:
+                cap_s, granted = granted, None
+            else:
+                cap_s = await self.gate.turn(self.batcher, self._wakeup)
             start = loop.time()
             plan = self.batcher.schedule(start / self.time_scale, cap_s)
-            if plan.is_empty and not self.batcher.has_pending_outputs:  # all wait on KV held elsewhere
-                if self.gate is not None:
-                    self.gate.nothing(self.batcher)
+            if plan.is_empty and not self.batcher.has_pending_outputs:  # nothing fits the cap, or all wait on KV
                 self._wakeup.clear()
-                await self._wakeup.wait()
+                if self.gate is not None:
+                    # Still a member with work: the arbiter may grant it again (a longer cap) before anything
+                    # arrives here, and every grant must be answered, so wait for a grant as well as for new work.
+                    self.gate.nothing(self.batcher)
+                    granted = await self.gate.idle(self._wakeup)
+                else:
+                    await self._wakeup.wait()
                 continue
             result = self.executor.execute(plan, self.batcher)
             if self.gate is not None:

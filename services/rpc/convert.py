@@ -226,6 +226,8 @@ def load_to_pb(load: EngineLoad, seq: int = 0, kv_events: Iterable[KVEvent] = ()
         paused=load.paused,
         kv_events=kv_events_to_pb(kv_events),
         seq=seq,
+        max_num_seqs=load.max_num_seqs,
+        mean_output_tokens=load.mean_output_tokens,
     )
 
 
@@ -244,4 +246,6 @@ def load_from_pb(m: w_pb.LoadReport) -> EngineLoad:
         decode_step_time_s=m.decode_step_time_s,
         healthy=m.healthy,
         paused=m.paused,
+        max_num_seqs=m.max_num_seqs,
+        mean_output_tokens=m.mean_output_tokens,
     )

@@ -20,7 +20,8 @@ small against a step (reported in `DriverStats`, in virtual milliseconds).
 
 Invariants: the arbiter is the only one that starts member steps; a member is started only when the arbiter says
 so and is reported finished exactly once per start; a member that planned nothing is reported `nothing_to_run`
-and not offered again until something changes (`wake`).
+and not offered again until something changes: work arrives (`wake`) or any member's step ends, when the arbiter's
+caps move (the simulator's adapter, services/sim/gang_sim.py, offers it again at the same events).
 """
 
 from __future__ import annotations
@@ -150,5 +151,5 @@ class GangDriver:
                 del self._running[member_id]
                 ended_at = task.result()  # a member that failed its step stops the driver loudly
                 self.arbiter.finished(member_id, ended_at / self.time_scale - self._origin_s)
-                self._blocked.discard(member_id)
+                self._blocked.clear()  # a step end changes the caps: a member that planned nothing may fit now
                 self._ended_at = ended_at if self._ended_at is None else min(self._ended_at, ended_at)

@@ -10,6 +10,10 @@ Live, the steps run in the workers' processes, so each member's step loop asks b
     ... the step runs (modelled time x K) ...
     ENDED(view after the step) -------------------------->  arbiter.finished(...); decide again
 
+A member granted a cap its next step cannot fit (e.g. a prefill chunk longer than the cap) answers NOTHING and keeps
+its work; until new work arrives it still listens for grants, since the arbiter offers it again (a longer cap)
+after the next step end anywhere in the group, as the simulator's adapter does.
+
 A view is what the simulator's adapter reads from the batcher: work (waiting, running or pending outputs), the step
 floor, and the earliest deadline (`Batcher.earliest_deadline_s`), in modelled seconds on the worker's loop clock
 divided by K, which is the scheduler's clock divided by K too (one host; both read CLOCK_MONOTONIC).
@@ -111,6 +115,19 @@ class GangGate:
                 await self.close()
                 await asyncio.sleep(REJOIN_S)
                 await self.open(batcher)
+
+    async def idle(self, wakeup: asyncio.Event) -> float | None:
+        """After NOTHING: wait for new work (None) or for a grant the arbiter sends meanwhile (its cap), which the
+        caller answers with one STARTED or NOTHING like any other. No BOUNDARY: the view NOTHING carried holds."""
+        grant = asyncio.ensure_future(self._grants.get())
+        woken = asyncio.ensure_future(wakeup.wait())
+        waiters = [grant, woken] + ([self._reader] if self._reader is not None else [])
+        done, _ = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        woken.cancel()
+        if grant in done:
+            return grant.result()
+        grant.cancel()
+        return None  # new work, or the stream ended (the next `turn` rejoins)
 
     def started(self, step_s: float) -> None:
         self._began = asyncio.get_running_loop().time()

@@ -26,6 +26,7 @@ move later by its hand-off; no instance goes away before its last running reques
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 import time
@@ -44,7 +45,7 @@ from octoserve.services.core.balancer import (
     placement_goodput_rps,
 )
 from octoserve.services.core.placement import InstanceConfig, NodeConfig, num_kv_blocks_for
-from octoserve.services.core.reconfig import Phase, Reconfiguration
+from octoserve.services.core.reconfig import Phase, ReconfigKind, Reconfiguration
 from octoserve.services.core.types import Role
 from octoserve.services.metrics import RequestRecord, Summary, detect_window, summarize
 from octoserve.services.workload_day import DayProfile, DayRequest
@@ -53,10 +54,16 @@ MODES = ("static", "oracle", "elastic")
 
 
 class _Req:
-    __slots__ = ("req", "first_s", "decode_start_s", "finish_s", "entry", "decoder", "migrations", "tau_s")
+    __slots__ = ("req", "first_s", "decode_start_s", "finish_s", "entry", "decoder", "migrations", "tau_s",
+                 "prefill_begin_s", "busy_until_s", "reroutes", "entry_inst", "decoder_inst")
 
     def __init__(self, req: DayRequest) -> None:
         self.req = req
+        self.prefill_begin_s = math.nan
+        self.busy_until_s = math.nan  # when its prefill releases the entry instance's prefill server
+        self.reroutes = 0
+        self.entry_inst: _Inst | None = None
+        self.decoder_inst: _Inst | None = None
         self.first_s = math.nan
         self.decode_start_s = math.nan
         self.finish_s = math.nan
@@ -88,6 +95,8 @@ class _Inst:
         self.heap: list[float] = []
         self.share = 1.0 if cfg.role is Role.PREFILL else 0.0  # prefill's share of the GPU time
         self.running: list[_Req] = []  # requests whose decode is (or will be) on this instance
+        self.queued: list[_Req] = []  # requests whose prefill is (or will be) on this instance
+        self.removed_s = math.inf  # when a reconfiguration took it away
         self.rebalance(now_s, mean_lengths)
 
     @property
@@ -119,8 +128,8 @@ class _Inst:
         return self.prefill_tok_s * (self.share if self.cfg.role is Role.COLOCATED else 1.0)
 
     def drain_end_s(self, now_s: float) -> float:
-        ends = [now_s, self.prefill_free_s] + [r.finish_s for r in self.running]
-        return max(ends)
+        """When its last prefill and its last running decode end."""
+        return max([now_s, self.prefill_free_s] + [r.finish_s for r in self.running])
 
 
 @dataclass
@@ -130,7 +139,8 @@ class ReconfigEvent:
     drain_end_s: float = math.nan
     done_s: float = math.nan
     phase: Phase = Phase.PLANNED
-    migrated: int = 0
+    migrated: int = 0  # running decodes moved by KV hand-off
+    rerouted: int = 0  # requests with no token yet placed again elsewhere
 
 
 @dataclass
@@ -145,6 +155,7 @@ class DayResult:
     counters: dict[str, int] = field(default_factory=dict)  # the balancer's decisions by reason
     decisions: list[tuple[float, str, str]] = field(default_factory=list)
     wall_s: float = 0.0
+    initial: tuple[InstanceConfig, ...] = ()  # the placement it started from
 
 
 def label_of(instances: Sequence[InstanceConfig]) -> str:
@@ -176,6 +187,14 @@ def demand_of(requests: Sequence[DayRequest], models: Sequence[str], start_s: fl
     return tuple(out)
 
 
+def model_alone_rps(node: NodeConfig, model: str, prompt_tokens: float, output_tokens: float) -> float:
+    """The req/s `model` would serve with the whole node to itself (the best of its one-model layouts)."""
+    alone = dataclasses.replace(node, models={model: node.models[model]}, instances=())
+    capacity = CapacityModel(alone)
+    load = ModelDemand(model, 0.0, 0.0, prompt_tokens, output_tokens).as_model_load(1.0)
+    return max(capacity.model_capacity_rps(layout, load) for layout in candidate_layouts(alone))
+
+
 def best_layout(capacity: CapacityModel, layouts: Sequence[Sequence[InstanceConfig]],
                 demand: Sequence[ModelDemand]) -> tuple[InstanceConfig, ...]:
     """The layout with the highest forecast goodput for `demand` (ties: the first)."""
@@ -188,7 +207,7 @@ class ElasticSim:
                  placement: Sequence[InstanceConfig], *, mode: str = "static",
                  policy: BalancerPolicy = BalancerPolicy(), layouts: Sequence[Sequence[InstanceConfig]] | None = None,
                  period_s: float = 2.0, window_s: float = 10.0, itl_target_fraction: float = 0.9,
-                 progress: Callable[[float], None] | None = None) -> None:
+                 max_migration_pause_s: float = 1.0, progress: Callable[[float], None] | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.node, self.profile, self.requests, self.mode = node, profile, list(requests), mode
@@ -196,8 +215,10 @@ class ElasticSim:
         self.slo = profile.slo
         self.itl_target_s = profile.itl_slo_ms / 1000.0 * itl_target_fraction
         self.period_s, self.window_s = period_s, window_s
+        self.max_migration_pause_s = max_migration_pause_s
         self.layouts = [tuple(l) for l in layouts] if layouts is not None else candidate_layouts(node)
         self.capacity = CapacityModel(node, itl_target_fraction)
+        self.policy = policy
         self.balancer = ElasticBalancer(node, policy, self.layouts) if mode == "elastic" else None
         self.progress = progress
         self.now_s = 0.0
@@ -205,6 +226,7 @@ class ElasticSim:
         self.instances: dict[str, _Inst] = {c.id: _Inst(node, c, 0.0, mean[c.model], self.itl_target_s)
                                             for c in placement}
         self.reconfigs: list[ReconfigEvent] = []
+        self.initial = tuple(placement)
         self.placements: list[tuple[float, str]] = [(0.0, label_of(placement))]
         self.trackers: list[_Req] = []
         self.refused: list[DayRequest] = []
@@ -236,7 +258,16 @@ class ElasticSim:
     # - admission and routing -
 
     def _admit(self, req: DayRequest) -> None:
-        t = req.arrival_s
+        tr = _Req(req)
+        if self._place(tr, req.arrival_s, force=False):
+            self.trackers.append(tr)
+        else:
+            self.refused.append(req)
+
+    def _place(self, tr: _Req, t: float, *, force: bool) -> bool:
+        """Put `tr` on the instance (pair) with the earliest first token from `t`. Unless `force` (a request already
+        admitted, placed again), refuse when its predicted TTFT or TPOT misses the SLO."""
+        req = tr.req
         best = None
         decoders = [i for i in self.instances.values()
                     if i.accepting and i.cfg.model == req.model and i.cfg.role is Role.DECODE and i.heap]
@@ -259,22 +290,53 @@ class ElasticSim:
             finish = start + (req.output_tokens - 1) * d.tau_s if req.output_tokens > 1 else first
             key = (first, finish)
             if best is None or key < best[0]:
-                best = (key, e, d, start, busy_until)
+                best = (key, e, d, start, begin, busy_until)
         if best is None:
-            self.refused.append(req)
-            return
-        (first, finish), e, d, start, busy_until = best
+            if force:
+                raise AssertionError(f"{req.request_id}: no instance of {req.model} takes requests")
+            return False
+        (first, finish), e, d, start, begin, busy_until = best
         tpot = (finish - first) / (req.output_tokens - 1) if req.output_tokens > 1 else 0.0
-        if (first - t) * 1000.0 > req.ttft_slo_ms or tpot * 1000.0 > self.slo.itl_ms:
-            self.refused.append(req)
-            return
-        tr = _Req(req)
+        if not force and ((first - req.arrival_s) * 1000.0 > req.ttft_slo_ms or tpot * 1000.0 > self.slo.itl_ms):
+            return False
         tr.first_s, tr.decode_start_s, tr.finish_s = first, start, finish
+        tr.prefill_begin_s, tr.busy_until_s = begin, busy_until
         tr.entry, tr.decoder, tr.tau_s = e.cfg.id, d.cfg.id, d.tau_s
+        tr.entry_inst, tr.decoder_inst = e, d
         e.prefill_free_s = busy_until
         heapq.heapreplace(d.heap, finish)
         d.running.append(tr)
-        self.trackers.append(tr)
+        e.queued.append(tr)
+        return True
+
+    def _unplace(self, tr: _Req) -> None:
+        """Take back a request that has no token yet: free its prefill turn and its decode slot."""
+        e, d = tr.entry_inst, tr.decoder_inst
+        if e is not None:
+            e.queued.remove(tr)
+            e.prefill_free_s = max([self.now_s] + [x.busy_until_s for x in e.queued])
+        if d is not None:
+            d.running.remove(tr)
+            if tr.finish_s in d.heap:  # the slot is free again from when this request would have taken it
+                d.heap[d.heap.index(tr.finish_s)] = max(self.now_s, tr.decode_start_s)
+                heapq.heapify(d.heap)
+
+    def _reroute(self, retiring: set[str]) -> int:
+        """Requests with no token yet whose prefill or decode was to run on a retiring instance are placed again on
+        the instances that still take requests (as the router does for an instance that goes away)."""
+        now = self.now_s
+        moved = []
+        for iid in retiring:
+            inst = self.instances[iid]
+            for tr in inst.queued + inst.running:
+                if tr.first_s > now and tr.prefill_begin_s >= now and tr not in moved:
+                    moved.append(tr)
+        for tr in sorted(moved, key=lambda x: x.req.arrival_s):
+            self._unplace(tr)
+        for tr in sorted(moved, key=lambda x: x.req.arrival_s):
+            self._place(tr, now, force=True)
+            tr.reroutes += 1
+        return len(moved)
 
     # - reconfigurations -
 
@@ -282,6 +344,7 @@ class ElasticSim:
         ev = ReconfigEvent(r, self.now_s, phase=Phase.DRAINING)
         for iid in r.retire:
             self.instances[iid].accepting = False
+        ev.rerouted = self._reroute(set(r.retire))
         for iid in r.retire:
             ev.migrated += self._migrate_out(self.instances[iid], set(r.retire))
         ev.drain_end_s = max(self.instances[i].drain_end_s(self.now_s) for i in r.retire)
@@ -306,13 +369,16 @@ class ElasticSim:
                 keep.append(tr)
                 continue
             new_start = max(now + xfer, target.heap[0], tr.decode_start_s)
-            tokens_left = remaining_s / tr.tau_s
-            new_finish = new_start + tokens_left * target.tau_s
-            if new_finish >= tr.finish_s:  # not faster: finish in place
+            pause_s = new_start - started  # the gap the hand-off adds to this request's stream
+            out = max(1, tr.req.output_tokens - 1)
+            tpot_slack_s = (self.slo.itl_ms / 1000.0 - (tr.finish_s - tr.first_s) / out) * out  # its TPOT's room
+            if pause_s >= remaining_s or pause_s > max(tpot_slack_s, self.max_migration_pause_s):
                 keep.append(tr)
                 continue
+            new_finish = tr.finish_s + pause_s + remaining_s / tr.tau_s * (target.tau_s - tr.tau_s)
             heapq.heapreplace(target.heap, new_finish)
             tr.finish_s, tr.decoder, tr.tau_s = new_finish, target.cfg.id, target.tau_s
+            tr.decoder_inst = target
             tr.decode_start_s = new_start
             tr.migrations += 1
             target.running.append(tr)
@@ -325,15 +391,14 @@ class ElasticSim:
         for ev in self.reconfigs:
             r = ev.reconfig
             if ev.phase is Phase.DRAINING:
-                # Running requests may have been migrated onto nothing new; recompute (never earlier than planned).
-                ev.drain_end_s = max(self.instances[i].drain_end_s(ev.planned_s) for i in r.retire)
+                # Nothing joins a draining instance, so its drain end only stands (finished requests are forgotten
+                # by `_tick`, which must not pull it earlier).
+                ev.drain_end_s = max([ev.drain_end_s] + [self.instances[i].drain_end_s(ev.planned_s) for i in r.retire])
                 if ev.drain_end_s <= until_s:
                     ev.phase = Phase.SWITCHING
                     for iid in r.retire:
-                        inst = self.instances.pop(iid)
-                        self.lost += sum(1 for x in inst.running if x.finish_s > ev.drain_end_s)
-                    ev.done_s = ev.drain_end_s + (r.load_s if r.kind.value == "model"
-                                                  else self.balancer.policy.role_switch_s)
+                        self.instances.pop(iid).removed_s = ev.drain_end_s
+                    ev.done_s = ev.drain_end_s + (r.load_s if r.kind is ReconfigKind.MODEL else self.policy.role_switch_s)
             if ev.phase is Phase.SWITCHING and ev.done_s <= until_s:
                 ev.phase = Phase.DONE
                 mean = self._mean_lengths(ev.done_s)
@@ -379,8 +444,12 @@ class ElasticSim:
     # - the run -
 
     def _tick(self, t_s: float) -> None:
-        """Periodic work at `t_s`: rebalance colocated shares, re-plan (oracle at hours, elastic each period)."""
+        """Periodic work at `t_s`: forget finished work, rebalance colocated shares, re-plan (oracle at hours,
+        elastic each period)."""
         self.now_s = t_s
+        for inst in self.instances.values():
+            inst.queued = [x for x in inst.queued if x.busy_until_s > t_s or x.first_s > t_s]
+            inst.running = [x for x in inst.running if x.finish_s > t_s]
         self._advance_reconfigs(t_s)
         if self.mode == "oracle" and abs(t_s / self.profile.hour_s - round(t_s / self.profile.hour_s)) < 1e-9:
             self._oracle_switch(round(t_s / self.profile.hour_s))
@@ -413,6 +482,10 @@ class ElasticSim:
         return self._result(time.perf_counter() - wall0)
 
     def _result(self, wall_s: float) -> DayResult:
+        # Lost: a request whose prefill or decode instance was taken away before that work was done. Counted from
+        # the requests' own times and the instances' removal times, independently of the drain bookkeeping.
+        self.lost = sum(1 for tr in self.trackers
+                        if tr.entry_inst.removed_s < tr.first_s or tr.decoder_inst.removed_s < tr.finish_s)
         records = [tr.req.record(first_token_s=tr.first_s, finish_s=tr.finish_s) for tr in self.trackers]
         records += [r.record(refused=True) for r in self.refused]
         records.sort(key=lambda r: r.arrival_s)
@@ -422,7 +495,7 @@ class ElasticSim:
         counters = dict(self.balancer.counters) if self.balancer else {}
         decisions = [(d.now_s, d.reason, d.detail) for d in self.balancer.log] if self.balancer else []
         return DayResult(self.mode, records, summary, self.reconfigs, self.placements, self.lost, self.migrated,
-                         counters, decisions, wall_s)
+                         counters, decisions, wall_s, self.initial)
 
 
 def occupancy(records: Sequence[RequestRecord], step_s: float = 1.0) -> list[tuple[float, float]]:

@@ -1,0 +1,270 @@
+"""The elastic balancer: what it plans for a given load, why, and the guards that hold it back."""
+
+import dataclasses
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from octoserve.services.core.balancer import (
+    BalancerPolicy,
+    ElasticBalancer,
+    InstanceLoad,
+    ModelDemand,
+    NodeLoad,
+    candidate_layouts,
+    demand_trend,
+    diff_components,
+    weight_load_s,
+)
+from octoserve.services.core.placement import InstanceConfig, NodeConfig
+from octoserve.services.core.reconfig import ReconfigKind, Reconfiguration, apply, check_reconfiguration
+from octoserve.services.core.specs import GPU_PRESETS, LOCAL_DISK_READ_BYTES_PER_S, MODEL_PRESETS
+from octoserve.services.core.types import Role
+
+L, S = "llama-3-70b", "llama-3-8b"
+GPU = GPU_PRESETS["h200-141gb"]
+MODELS = {L: MODEL_PRESETS[L], S: MODEL_PRESETS[S]}
+
+
+def inst(iid, model, role, gpus, tp=None):
+    tokens = 8192 if role is Role.PREFILL else 2048
+    return InstanceConfig(iid, model, role, tp or len(gpus), tuple(gpus), max_num_batched_tokens=tokens)
+
+
+LM = inst("lm-0", L, Role.COLOCATED, (0, 1, 2, 3))
+SM_PD = [inst("sm-p0", S, Role.PREFILL, (4,)), *(inst(f"sm-d{k}", S, Role.DECODE, (5 + k,)) for k in range(3))]
+SM_C = [inst(f"sm-{k}", S, Role.COLOCATED, (4 + k,)) for k in range(4)]
+NODE = NodeConfig(GPU, 8, MODELS, (LM, *SM_C))
+FAST = BalancerPolicy(confirm_periods=1, min_dwell_s=20.0)
+
+
+def load(placement, demand, **per_instance):
+    return NodeLoad(10.0, tuple(placement), tuple(InstanceLoad(i.id, **per_instance.get(i.id, {})) for i in placement),
+                    tuple(demand))
+
+
+# --- pieces ---------------------------------------------------------------------------------------------------------
+
+
+def test_weight_load_time_from_host_memory_and_from_disk():
+    h100 = GPU_PRESETS["h100-sxm-80gb"]
+    spec = MODEL_PRESETS[L]
+    # 70,553,706,496 params x 2 B = 141,107,412,992 B; / 4 GPUs = 35,276,853,248 B each, at half of 55 GB/s
+    # (two GPUs per PCIe switch uplink, all four loading at once).
+    assert weight_load_s(spec, h100, 4, "host") == pytest.approx(35_276_853_248 / 27.5e9)
+    assert weight_load_s(spec, h100, 4, "host") == pytest.approx(1.2828, abs=1e-4)
+    # The 8B alone on its GPU has the link to itself: 16,060,522,496 B / 55 GB/s.
+    assert weight_load_s(MODEL_PRESETS[S], h100, 1, "host") == pytest.approx(16_060_522_496 / 55e9)
+    # One local disk for the whole model, whatever the TP.
+    assert weight_load_s(spec, h100, 4, "disk") == pytest.approx(141_107_412_992 / LOCAL_DISK_READ_BYTES_PER_S)
+    assert weight_load_s(spec, h100, 2, "disk") == pytest.approx(68.168, abs=1e-3)
+    with pytest.raises(ValueError, match="unknown weight source 'nfs'"):
+        weight_load_s(spec, h100, 4, "nfs")
+
+
+def test_demand_trend_is_the_least_squares_slope():
+    assert demand_trend([(0.0, 10.0), (1.0, 12.0), (2.0, 14.0)]) == pytest.approx(2.0)
+    assert demand_trend([(0.0, 5.0), (2.0, 4.0), (4.0, 1.0), (6.0, 2.0)]) == pytest.approx(-0.6)
+    assert demand_trend([(3.0, 7.0)]) == 0.0
+    assert demand_trend([(3.0, 7.0), (3.0, 9.0)]) == 0.0
+    d = ModelDemand(S, arrival_rps=10.0, trend_rps_per_s=-1.0)
+    assert d.forecast_rps(4.0) == 8.0  # the mean over the next 4 s of a line falling 1 req/s per s
+    assert d.forecast_rps(40.0) == 0.0  # never below 0
+
+
+def test_diff_groups_instances_by_shared_gpus_and_drops_unchanged_ones():
+    target = [LM, inst("lm-x", L, Role.COLOCATED, (4, 5)), SM_C[2], SM_C[3]]
+    comps = diff_components([LM, *SM_C], target)
+    assert [([c.id for c in cur], [t.id for t in tgt]) for cur, tgt in comps] == [(["sm-0", "sm-1"], ["lm-x"])]
+    role = [LM, dataclasses.replace(SM_PD[1], role=Role.PREFILL), *SM_PD[:1], *SM_PD[2:]]
+    comps = diff_components([LM, *SM_PD], role)
+    assert [([c.id for c in cur], [t.role for t in tgt]) for cur, tgt in comps] == [(["sm-d0"], [Role.PREFILL])]
+
+
+def test_candidate_layouts_cover_mixed_tp_and_both_ends_and_all_validate():
+    layouts = candidate_layouts(NODE)
+    shapes = {tuple((i.model, i.role, i.tp, i.gpu_ids) for i in l) for l in layouts}
+    assert len(shapes) == len(layouts)
+    # 70B on six GPUs as TP4 + TP2, 8B on the two left, from either end.
+    assert ((L, Role.COLOCATED, 4, (0, 1, 2, 3)), (L, Role.COLOCATED, 2, (4, 5)),
+            (S, Role.COLOCATED, 1, (6,)), (S, Role.COLOCATED, 1, (7,))) in shapes
+    assert ((S, Role.COLOCATED, 1, (0,)), (S, Role.COLOCATED, 1, (1,)),
+            (L, Role.COLOCATED, 4, (2, 3, 4, 5)), (L, Role.COLOCATED, 2, (6, 7))) in shapes
+    for layout in layouts:
+        assert {i.model for i in layout} == {L, S}
+        assert sorted(g for i in layout for g in i.gpu_ids) == list(range(8))
+        for model in (L, S):
+            roles = {i.role for i in layout if i.model == model}
+            assert (Role.PREFILL in roles) == (Role.DECODE in roles)
+    # The 70B never runs at TP 1 on an H200 (its 141 GB of weights do not fit one GPU).
+    assert all(i.tp >= 2 for l in layouts for i in l if i.model == L)
+
+
+# --- plans ----------------------------------------------------------------------------------------------------------
+
+
+def test_prefill_heavy_traffic_turns_a_decode_instance_into_a_prefill_one():
+    current = [LM, *SM_PD]
+    two_two = [LM, SM_PD[0], dataclasses.replace(SM_PD[1], id="x", role=Role.PREFILL), SM_PD[2], SM_PD[3]]
+    b = ElasticBalancer(NODE, BalancerPolicy(confirm_periods=2), layouts=[current, two_two])
+    demand = [ModelDemand(L, 2.0), ModelDemand(S, 45.0, mean_prompt_tokens=3000, mean_output_tokens=50)]
+    assert b.plan(100.0, load(current, demand), []) == []
+    assert dict(b.counters) == {"hold:hysteresis": 1}
+    assert "target best 1/2 periods" in b.log[-1].detail
+    (r,) = b.plan(102.0, load(current, demand), [])
+    assert r.kind is ReconfigKind.ROLE
+    assert r.retire == ("sm-d0",)
+    assert [(i.id, i.role, i.gpu_ids) for i in r.start] == [("sm-d0", Role.PREFILL, (5,))]
+    assert r.load_s == 0.0
+    assert dict(b.counters) == {"hold:hysteresis": 1, "planned:role": 1}
+    assert r.reason.startswith("sm-d0 -> llama-3-8b prefill TP1 on GPUs [5]: forecast goodput ")
+    assert "llama-3-8b 45.0 req/s" in r.reason
+    assert check_reconfiguration({i.id: i for i in current}, r) == []
+
+
+def test_70b_heavy_traffic_moves_two_8b_gpus_into_a_70b_tp2_group():
+    current = [LM, *SM_C]
+    grown = [LM, inst("lm-1", L, Role.COLOCATED, (4, 5)), SM_C[2], SM_C[3]]
+    b = ElasticBalancer(NODE, FAST, layouts=[current, grown])
+    demand = [ModelDemand(L, 9.0), ModelDemand(S, 5.0)]
+    (r,) = b.plan(50.0, load(current, demand), [])
+    assert r.kind is ReconfigKind.MODEL
+    assert r.retire == ("sm-0", "sm-1")
+    assert [(i.id, i.model, i.tp, i.gpu_ids) for i in r.start] == [("llama-3-70b-colocated-g4", L, 2, (4, 5))]
+    assert r.load_s == pytest.approx(weight_load_s(MODELS[L], GPU, 2, "host") + FAST.engine_init_s)
+    assert r.load_s == pytest.approx(141_107_412_992 / 2 / 27.5e9 + 2.0)
+    assert b.counters["planned:model"] == 1
+    after = apply({i.id: i for i in current}, r)
+    assert sorted(after) == ["llama-3-70b-colocated-g4", "lm-0", "sm-2", "sm-3"]
+
+
+def test_no_gain_and_hysteresis_hold():
+    current = [LM, *SM_C]
+    grown = [LM, inst("lm-1", L, Role.COLOCATED, (4, 5)), SM_C[2], SM_C[3]]
+    b = ElasticBalancer(NODE, FAST, layouts=[current, grown])
+    assert b.plan(0.0, load(current, [ModelDemand(L, 1.0), ModelDemand(S, 10.0)]), []) == []
+    assert b.log[-1].reason == "hold:no_gain"
+    # 70B demand just above the TP4's capacity: a gain under 5 % of the goodput is not worth a move.
+    cap = b.capacity.model_capacity_rps([LM], ModelDemand(L, 0).as_model_load(1.0))
+    assert b.plan(2.0, load(current, [ModelDemand(L, cap + 0.6), ModelDemand(S, 30.0)]), []) == []
+    assert b.log[-1].reason == "hold:hysteresis"
+    assert "below max(0.5, 5% x" in b.log[-1].detail
+
+
+def test_cost_guard_holds_a_move_whose_drain_outweighs_its_gain():
+    grown = [LM, inst("lm-1", L, Role.COLOCATED, (4, 5)), SM_C[2], SM_C[3]]
+    b = ElasticBalancer(NODE, FAST, layouts=[grown, [LM, *SM_C]])
+    demand = [ModelDemand(L, 9.0), ModelDemand(S, 60.0)]  # the 8B wants GPUs 4-5 back; the 70B serves on them now
+    assert b.plan(0.0, load(grown, demand, **{"lm-1": {"est_drain_s": 5000.0}}), []) == []
+    assert b.log[-1].reason == "hold:cost"
+    assert b.log[-1].detail.startswith("move costs ")
+    # The same move with a short drain pays for itself.
+    (r,) = b.plan(2.0, load(grown, demand, **{"lm-1": {"est_drain_s": 5.0}}), [])
+    assert r.retire == ("lm-1",)
+    assert r.est_drain_s == 5.0
+
+
+def test_last_instance_guard_never_retires_a_models_only_serving_instance():
+    current = [LM, *SM_C]
+    shrunk = [inst("lm-s", L, Role.COLOCATED, (0, 1)), inst("a", S, Role.COLOCATED, (2,)),
+              inst("b", S, Role.COLOCATED, (3,)), *SM_C]
+    b = ElasticBalancer(NODE, FAST, layouts=[current, shrunk])
+    demand = [ModelDemand(L, 0.5), ModelDemand(S, 90.0)]
+    assert b.plan(0.0, load(current, demand), []) == []
+    assert b.log[-1].reason == "hold:last_instance"
+    assert "would leave ['llama-3-70b'] with no instance taking requests" in b.log[-1].detail
+
+
+def test_in_flight_cap_and_dwell():
+    current = [LM, *SM_C]
+    grown = [LM, inst("lm-1", L, Role.COLOCATED, (4, 5)), SM_C[2], SM_C[3]]
+    other = Reconfiguration("elsewhere", ReconfigKind.ROLE, ("sm-3",),
+                            (dataclasses.replace(SM_C[3], role=Role.COLOCATED),), "x")
+    demand = [ModelDemand(L, 9.0), ModelDemand(S, 5.0)]
+    b = ElasticBalancer(NODE, dataclasses.replace(FAST, max_in_flight=1), layouts=[current, grown])
+    assert b.plan(0.0, load(current, demand), [other]) == []
+    assert b.log[-1].reason == "hold:in_flight"
+    # Dwell: GPUs 4 and 5 changed at t=10; the move back is refused until t=30.
+    b = ElasticBalancer(NODE, FAST, layouts=[current, grown])
+    (r,) = b.plan(10.0, load(current, demand), [])
+    after = list(apply({i.id: i for i in current}, r).values())
+    back = [ModelDemand(L, 1.0), ModelDemand(S, 60.0)]
+    assert b.plan(29.0, load(after, back), []) == []
+    assert b.log[-1].reason == "hold:dwell"
+    assert b.plan(30.0, load(after, back), [])[0].retire == ("llama-3-70b-colocated-g4",)
+
+
+# --- properties -----------------------------------------------------------------------------------------------------
+
+LAYOUTS = candidate_layouts(NODE)
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    start=st.integers(0, len(LAYOUTS) - 1),
+    steps=st.lists(st.tuples(st.floats(0.0, 20.0), st.floats(0.0, 120.0), st.sampled_from([150, 1000, 3000]),
+                             st.sampled_from([30, 250, 800]), st.floats(0.0, 30.0), st.booleans()),
+                   min_size=1, max_size=8),
+    max_in_flight=st.integers(1, 3),
+)
+def test_guards_hold_over_any_load_sequence(start, steps, max_in_flight):
+    """Over any sequence of loads: every plan applies cleanly to the placement after what is in flight, never more
+    than max_in_flight are in flight, every model can still take requests (colocated, or prefill and decode), no
+    GPU changes twice within the dwell time, and every decision is counted."""
+    policy = BalancerPolicy(confirm_periods=1, min_dwell_s=15.0, max_in_flight=max_in_flight)
+    b = ElasticBalancer(NODE, policy, layouts=LAYOUTS)
+    placement = {i.id: i for i in LAYOUTS[start]}
+    in_flight: list[Reconfiguration] = []
+    changed: dict[int, float] = {}
+    now = 0.0
+    for large_rps, small_rps, prompt, output, gap, finish in steps:
+        if finish and in_flight:  # the oldest one completes
+            placement = apply(placement, in_flight.pop(0))
+        now += 2.0 + gap
+        accepting = {i for r in in_flight for i in r.retire}
+        nl = NodeLoad(10.0, tuple(placement.values()),
+                      tuple(InstanceLoad(i, accepting=i not in accepting) for i in placement),
+                      (ModelDemand(L, large_rps, 0.0, prompt, output), ModelDemand(S, small_rps, 0.0, prompt, output)))
+        before = sum(b.counters.values())
+        plans = b.plan(now, nl, list(in_flight))
+        assert sum(b.counters.values()) > before
+        after = dict(placement)
+        for r in in_flight:
+            after = apply(after, r)
+        for r in plans:
+            assert set(r.retire) <= set(placement)  # only instances already running, never one still starting
+            assert check_reconfiguration(after, r) == []
+            after = apply(after, r)
+            for g in r.gpu_ids:
+                assert now - changed.get(g, -1e9) >= policy.min_dwell_s
+                changed[g] = now
+        in_flight += plans
+        assert len(in_flight) <= max_in_flight
+        retiring = {i for r in in_flight for i in r.retire}
+        left = [i for i in placement.values() if i.id not in retiring]
+        for model in (L, S):  # a colocated instance, or both a prefill and a decode one, still takes requests
+            roles = {i.role for i in left if i.model == model}
+            assert Role.COLOCATED in roles or {Role.PREFILL, Role.DECODE} <= roles, (model, roles)
+
+
+def test_reasons_carry_the_load_figures():
+    from octoserve.services.core.balancer import pressure
+
+    nl = load([LM, *SM_PD], [ModelDemand(S, 10.0)],
+              **{"sm-p0": {"prefill_backlog_tokens": 6000.0, "ttft_slack_s": 0.04},
+                 "sm-d0": {"decode_batch": 30, "decode_batch_limit": 64, "kv_used": 0.5, "itl_headroom": 0.1},
+                 "sm-d1": {"decode_batch": 10, "decode_batch_limit": 64, "kv_used": 0.25, "itl_headroom": 0.3},
+                 "sm-d2": {"accepting": False, "decode_batch": 99}})
+    assert pressure(nl, S) == ("prefill backlog 6000 tok, TTFT slack 40 ms, decode 40/128, KV 50%, "
+                               "ITL headroom 10%")
+    assert pressure(nl, L) == "prefill backlog 0 tok, TTFT slack inf, decode 0/0, KV 0%, ITL headroom 100%"
+
+
+def test_trend_is_extrapolated_no_further_than_its_window():
+    current = [LM, *SM_C]
+    b = ElasticBalancer(NODE, FAST, layouts=[current])
+    # 10 req/s rising 1 req/s per s, seen over a 10-s window: the forecast is the mean over the next 10 s (15),
+    # not over the 60-s forecast window (40).
+    b.plan(0.0, load(current, [ModelDemand(L, 1.0), ModelDemand(S, 10.0, trend_rps_per_s=1.0)]), [])
+    assert "llama-3-8b 15.0 req/s" in b.log[-1].detail

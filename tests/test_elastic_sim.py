@@ -1,0 +1,170 @@
+"""The elastic simulator and the mix-shift day: reconfigurations under load lose no request."""
+
+import dataclasses
+import math
+
+import pytest
+
+from octoserve.services.cli import main
+from octoserve.services.core.balancer import BalancerPolicy, candidate_layouts
+from octoserve.services.core.placement import InstanceConfig, NodeConfig
+from octoserve.services.core.reconfig import Phase, ReconfigKind, Reconfiguration
+from octoserve.services.core.specs import GPU_PRESETS, MODEL_PRESETS
+from octoserve.services.core.types import Role
+from octoserve.services.sim.elastic_sim import ElasticSim, model_alone_rps, run_day
+from octoserve.services.workload_day import (
+    HOUR_S,
+    LARGE,
+    SMALL,
+    generate_day,
+    mix_shift_day,
+    mix_shift_schedule,
+)
+
+NODE = NodeConfig(GPU_PRESETS["h200-141gb"], 8, {LARGE: MODEL_PRESETS[LARGE], SMALL: MODEL_PRESETS[SMALL]}, ())
+LM = InstanceConfig("lm-0", LARGE, Role.COLOCATED, 4, (0, 1, 2, 3))
+SMS = tuple(InstanceConfig(f"sm-{k}", SMALL, Role.COLOCATED, 1, (4 + k,)) for k in range(4))
+LAYOUTS = candidate_layouts(NODE)
+
+
+def small_share(t_s, schedule):
+    return dict(schedule(t_s).shares)[SMALL]
+
+
+# --- the workload ---------------------------------------------------------------------------------------------------
+
+
+def test_mix_shift_schedule_moves_90_10_to_10_90_and_back_with_a_step_and_a_pd_phase():
+    at = mix_shift_schedule(40.0)
+    assert HOUR_S == 15.0  # 240x compression by default
+    assert small_share(0.0, at) == pytest.approx(0.9)
+    assert small_share(12 * HOUR_S, at) == pytest.approx(0.1)
+    assert small_share(24 * HOUR_S - 1e-9, at) == pytest.approx(0.9)
+    assert small_share(17.9 * HOUR_S, at) == pytest.approx(0.5 + 0.4 * math.cos(2 * math.pi * 17.9 / 24))
+    assert small_share(18.0 * HOUR_S, at) == 0.15  # the step, until hour 21
+    assert at(18.5 * HOUR_S).label == "step"
+    assert small_share(21.0 * HOUR_S, at) == pytest.approx(0.5 + 0.4 * math.cos(2 * math.pi * 21 / 24))
+    assert at(3.2 * HOUR_S).label == "prefill-heavy" and at(3.2 * HOUR_S).prompt.mean == 2000.0
+    assert at(3.7 * HOUR_S).label == "decode-heavy" and at(3.7 * HOUR_S).output.mean == 600.0
+    assert at(9.0 * HOUR_S).label == "base"
+    # By load: each model offers its share of what it alone would need the node for.
+    by_load = mix_shift_schedule(0.0, load_rps=(100.0, 10.0))
+    seg = by_load(0.0)
+    assert seg.rate_rps == pytest.approx(0.9 * 100 + 0.1 * 10)
+    assert small_share(0.0, by_load) == pytest.approx(90 / 91)
+
+
+def test_day_trace_is_seeded_sorted_and_follows_the_mix():
+    day = mix_shift_day(40.0, hours=24, hour_s=2.0)
+    a, b = generate_day(day, 3), generate_day(day, 3)
+    assert a == b
+    assert a != generate_day(day, 4)
+    assert [r.arrival_s for r in a] == sorted(r.arrival_s for r in a)
+    assert len(a) == pytest.approx(40.0 * 48, rel=0.08)
+    early = [r for r in a if r.arrival_s < 4.0]
+    noon = [r for r in a if 22.0 <= r.arrival_s < 26.0]
+    assert sum(r.model == SMALL for r in early) / len(early) > 0.8
+    assert sum(r.model == SMALL for r in noon) / len(noon) < 0.2
+    assert all(r.prompt_tokens >= 1 and r.output_tokens >= 1 for r in a)
+
+
+# --- the simulator --------------------------------------------------------------------------------------------------
+
+
+def _day(hours=24.0, hour_s=6.0, load=0.9, seed=0):
+    alone = (model_alone_rps(NODE, SMALL, 1000, 250), model_alone_rps(NODE, LARGE, 1000, 250))
+    day = mix_shift_day(hours=hours, hour_s=hour_s, load_rps=(load * alone[0], load * alone[1]))
+    return day, generate_day(day, seed)
+
+
+def test_elastic_day_reconfigures_under_load_and_loses_no_request():
+    day, requests = _day()
+    res = run_day(NODE, day, requests, (LM, *SMS), "elastic", layouts=LAYOUTS,
+                  policy=BalancerPolicy(min_dwell_s=10.0))
+    assert res.lost == 0
+    assert len(res.reconfigs) >= 3
+    assert all(ev.phase is Phase.DONE for ev in res.reconfigs)
+    assert sum(ev.migrated for ev in res.reconfigs) > 0  # some drains moved running decodes by KV hand-off
+    assert {ev.reconfig.kind for ev in res.reconfigs} >= {ReconfigKind.MODEL}
+    # Every request is accounted for: refused at arrival, or admitted and finished; none failed.
+    assert len(res.records) == len(requests)
+    assert all(r.refused or (r.completed and r.arrival_s <= r.first_token_s <= r.finish_s) for r in res.records)
+    assert not any(r.error for r in res.records)
+    # Each reconfiguration drains before it switches and switches for its stated time.
+    for ev in res.reconfigs:
+        assert ev.planned_s <= ev.drain_end_s <= ev.done_s
+        if ev.reconfig.kind is ReconfigKind.MODEL:
+            assert ev.done_s - ev.drain_end_s == pytest.approx(ev.reconfig.load_s)
+    assert sum(res.counters.values()) == len(res.decisions)
+    assert res.counters["planned:model"] + res.counters.get("planned:role", 0) == len(res.reconfigs)
+
+
+def test_oracle_and_static_bracket_the_elastic_day():
+    day, requests = _day()
+    static = run_day(NODE, day, requests, (LM, *SMS), "static", layouts=LAYOUTS)
+    oracle = run_day(NODE, day, requests, (LM, *SMS), "oracle", layouts=LAYOUTS)
+    assert static.lost == oracle.lost == 0
+    assert static.reconfigs == [] and len(static.placements) == 1
+    assert len(oracle.placements) > 2  # re-planned during the day
+    assert oracle.summary.overall.goodput_rps > static.summary.overall.goodput_rps
+
+
+def test_drain_hands_running_decodes_off_and_switches_the_role():
+    day, requests = _day(hours=2.0, hour_s=30.0)  # hours 0-2: 8B heavy, base lengths
+    sim = ElasticSim(NODE, day, requests, (LM, *SMS), mode="static", layouts=LAYOUTS)
+    upto = [r for r in requests if r.arrival_s < 20.0]
+    for req in upto:
+        sim.now_s = req.arrival_s
+        sim._admit(req)
+    sim.now_s = 20.0
+    running = [tr for tr in sim.instances["sm-0"].running if tr.finish_s > 20.0]
+    assert len(running) > 5
+    last_before = max(tr.finish_s for tr in running)
+    flip = Reconfiguration("t1", ReconfigKind.ROLE, ("sm-0",), (dataclasses.replace(SMS[0], role=Role.PREFILL),), "test")
+    ev = sim._start(flip)
+    assert not sim.instances["sm-0"].accepting
+    assert ev.migrated > 0
+    assert ev.drain_end_s < last_before  # the hand-off shortened the drain
+    moved = [tr for tr in running if tr.migrations]
+    assert len(moved) == ev.migrated
+    assert all(tr.decoder != "sm-0" and tr.decoder_inst is not None for tr in moved)
+    drain_end = ev.drain_end_s
+    old = sim.instances["sm-0"]
+    sim._tick(drain_end + sim.policy.role_switch_s)  # forgets the finished requests first, then advances
+    assert ev.phase is Phase.DONE
+    assert ev.drain_end_s == drain_end and old.removed_s == drain_end  # not pulled back to when it was planned
+    assert sim.instances["sm-0"].cfg.role is Role.PREFILL
+    assert sim.instances["sm-0"].accepting
+    result = sim._result(0.0)
+    assert result.lost == 0
+
+
+def test_lost_counter_sees_a_request_whose_instance_went_away_under_it():
+    day, requests = _day(hours=1.0, hour_s=20.0)
+    sim = ElasticSim(NODE, day, requests, (LM, *SMS), mode="static", layouts=LAYOUTS)
+    sim.run()
+    assert sim._result(0.0).lost == 0
+    victim = max(sim.trackers, key=lambda tr: tr.finish_s)
+    victim.decoder_inst.removed_s = victim.finish_s - 1.0
+    assert sim._result(0.0).lost >= 1
+
+
+def test_elastic_day_command_writes_its_section_and_plots(tmp_path, capsys):
+    bench = tmp_path / "BENCHMARKS.md"
+    bench.write_text("# Benchmarks\n\n## Other\n\nkept\n")
+    rc = main(["elastic-day", "--cost-profile", "default", "--hours", "3", "--hour-s", "4",
+               "--plots", str(tmp_path / "plots"), "--benchmarks", str(bench)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "| best static | all |" in out and "| elastic | llama-3-8b |" in out
+    text = bench.read_text()
+    assert "## Other\n\nkept" in text
+    assert "## Elastic pools (simulator)" in text
+    assert "| default |" in text
+    assert (tmp_path / "plots" / "elastic-day-default.png").stat().st_size > 0
+    assert (tmp_path / "plots" / "elastic-pd-default.png").stat().st_size > 0
+
+
+def test_elastic_day_command_refuses_bad_numbers(capsys):
+    assert main(["elastic-day", "--hour-s", "0"]) == 2
+    assert "--hour-s, --hours, --load and --rate must be > 0" in capsys.readouterr().err
