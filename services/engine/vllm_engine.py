@@ -341,12 +341,13 @@ class VllmEngine:
 
     @staticmethod
     async def _removing_stored_kv(
-        stream: AsyncIterator[RequestOutput], folder: Any, existed: bool
+        stream: Any, folder: Any, existed: bool
     ) -> AsyncIterator[RequestOutput]:
         try:
             async for out in stream:
                 yield out
         finally:
+            await stream.aclose()  # an abort or cancel: the request's own clean-up runs first
             if not existed:  # a folder found before the request is another instance's hand-off: left alone
                 vllm_kv.remove_example_kv(folder)
 
