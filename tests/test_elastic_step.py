@@ -91,3 +91,19 @@ def test_the_balancer_moves_gpus_to_the_70b_when_its_demand_dominates():
     assert set(final) == set(res.placements[-1][1])
     assert sorted(final.values()).count(LARGE) == 2 and SMALL in final.values()  # the 8B kept instances
     assert res.counters.get("planned:model", 0) + res.counters.get("planned:role", 0) == len(res.reconfigs)
+
+
+def test_a_prefill_instance_without_a_decode_partner_leaves_the_model_served_by_its_colocated_ones():
+    # Mid-reconfiguration a model can hold a prefill instance and no decode one yet: the router sends its
+    # requests to the colocated instances (before, its admission check raised on the empty decoder list).
+    to_prefill = Reconfiguration("r1", ReconfigKind.ROLE, ("sm-0",),
+                                 (dataclasses.replace(SMS[0], role=Role.PREFILL),), "test: colocated -> prefill")
+    trace = _trace(duration_s=6.0)
+    sim = ElasticStepSim(NODE, balance=False, plan_at=[(2.0, to_prefill)])
+    res = sim.run(trace)
+    (ev,) = res.reconfigs
+    assert ev.phase is Phase.DONE and res.lost == 0
+    assert sum(1 for r in res.sim.records if r.finish_s is not None and not r.refused) == len(trace) == 6 * 45
+    late = [t for t in sim.sim._trackers.values() if t.trace.model == SMALL and t.trace.arrival_s >= ev.done_s]
+    assert late and all(t.route.instance_id in ("sm-1", "sm-2", "sm-3") and t.route.decode_instance_id is None
+                        for t in late)

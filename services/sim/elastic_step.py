@@ -23,6 +23,7 @@ ended with an error.
 from __future__ import annotations
 
 import math
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -192,3 +193,76 @@ def run_elastic_step(node: NodeConfig, trace: Sequence[TraceRequest], **kwargs) 
     """`ElasticStepSim(node, **kwargs).run(trace)`; `drain_s` and `warmup_s` go to the run."""
     run_kwargs = {k: kwargs.pop(k) for k in ("drain_s", "warmup_s") if k in kwargs}
     return ElasticStepSim(node, **kwargs).run(trace, **run_kwargs)
+
+
+# --- the shortened mix-shift day at step level (`python -m octoserve.services.sim.elastic_step`) -----------------
+
+
+def day_rows(cost_profile: str, *, hour_s: float, load: float, gpu: str, seed: int = 0,
+             policy: BalancerPolicy = BalancerPolicy(), window_s: float = 10.0) -> list[tuple[str, object, int, int]]:
+    """The mix-shift day (offered `load` x each model's capacity alone, `hour_s` per hour): the best static
+    placement and the elastic balancer, each on the queueing-level simulator (services/sim/elastic_sim.py) and on
+    this step-level one, from the same start placement. Rows: (name, Summary over the arrivals, reconfigurations
+    done, requests lost)."""
+    import dataclasses
+
+    from octoserve.services.core.balancer import candidate_layouts
+    from octoserve.services.elastic_agreement import day_trace
+    from octoserve.services.metrics import summarize
+    from octoserve.services.sim.driver import run_simulation
+    from octoserve.services.sim.elastic_day import _best_static, _node
+    from octoserve.services.sim.elastic_sim import model_alone_rps, run_day
+    from octoserve.services.workload_day import BASE_OUTPUT, BASE_PROMPT, LARGE, SMALL, generate_day, mix_shift_day
+
+    node = _node(cost_profile, gpu)
+    alone = [model_alone_rps(node, m, BASE_PROMPT.mean, BASE_OUTPUT.mean) for m in (SMALL, LARGE)]
+    day = mix_shift_day(hours=24.0, hour_s=hour_s, load_rps=(load * alone[0], load * alone[1]))
+    requests = generate_day(day, seed)
+    layouts = candidate_layouts(node)
+    static, _ = _best_static(node, day, requests, layouts, "day")
+    elastic = run_day(node, day, requests, static.initial, "elastic", layouts=layouts, policy=policy)
+    start = dataclasses.replace(node, instances=tuple(static.initial))
+    trace = day_trace(requests)
+    step_static = run_simulation(start, trace)
+    step_elastic = ElasticStepSim(start, policy=policy, window_s=window_s).run(trace)
+
+    def summary(records):
+        return summarize(records, day.slo, day.duration_s)
+
+    step_static_lost = sum(1 for r in step_static.records if r.error and not r.refused)
+    return [("best static, queueing", summary(static.records), 0, static.lost),
+            ("elastic, queueing", summary(elastic.records), len(elastic.reconfigs), elastic.lost),
+            ("best static, step level", summary(step_static.records), 0, step_static_lost),
+            ("elastic, step level", summary(step_elastic.sim.records), len(step_elastic.done), step_elastic.lost)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    from octoserve.services.core.specs import GPU_PRESETS
+
+    parser = argparse.ArgumentParser(description="the shortened mix-shift day: queueing-level vs step-level "
+                                                 "simulator, best static placement and the elastic balancer")
+    parser.add_argument("--cost-profile", choices=("default", "pessimistic", "both"), default="both")
+    parser.add_argument("--hour-s", type=float, default=5.0, help="simulated seconds per hour of the day")
+    parser.add_argument("--load", type=float, default=0.9, help="offered load / each model's capacity alone")
+    parser.add_argument("--gpu", default="h100-sxm-80gb", choices=sorted(GPU_PRESETS))
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.hour_s <= 0 or args.load <= 0:
+        parser.error("--hour-s and --load must be > 0")
+    profiles = ("default", "pessimistic") if args.cost_profile == "both" else (args.cost_profile,)
+    print("| cost profile | configuration | goodput req/s | attainment | refused | reconfigurations | lost |\n"
+          "|---|---|---|---|---|---|---|")
+    for profile in profiles:
+        t0 = time.perf_counter()
+        for name, s, n, lost in day_rows(profile, hour_s=args.hour_s, load=args.load, gpu=args.gpu, seed=args.seed):
+            g = s.overall
+            print(f"| {profile} | {name} | {g.goodput_rps:.2f} | {g.attainment_offered:.3f} | "
+                  f"{g.refused_fraction:.3f} | {n} | {lost} |", flush=True)
+        print(f"({profile}: {time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
