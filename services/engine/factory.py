@@ -22,8 +22,13 @@ def make_engine(
     time_scale: float = 1.0,
     model_path: str | None = None,
     seed: int = 0,
+    flippable: bool = False,
 ) -> Engine:
-    """The Engine for `instance_id` of `node_cfg` (a octoserve.services.core.placement.NodeConfig)."""
+    """The Engine for `instance_id` of `node_cfg` (a octoserve.services.core.placement.NodeConfig).
+
+    `flippable`: a vllm engine whose role can change later without a restart (KV connector role "kv_both"); a sim
+    engine's role change builds a new sim engine, so it ignores this.
+    """
     try:
         instance = node_cfg.instance(instance_id)
     except KeyError:
@@ -36,7 +41,7 @@ def make_engine(
             raise ValueError("the vllm engine needs --model DIR (a local model directory)")
         from octoserve.services.engine.vllm_engine import make_vllm_engine
 
-        return make_vllm_engine(instance, model_path, node_cfg=node_cfg)
+        return make_vllm_engine(instance, model_path, node_cfg=node_cfg, flippable=flippable)
     if ":" in engine:
         module_name, _, attr = engine.partition(":")
         factory = getattr(importlib.import_module(module_name), attr)

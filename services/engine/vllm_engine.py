@@ -331,7 +331,25 @@ class VllmEngine:
         """COLOCATED (or a DECODE instance recomputing): stream every token of the request."""
         self._require_started()
         params = vllm_sampling_params(spec.sampling)
-        return self._stream(spec, spec.prompt_token_ids, params, num_prior_output_tokens=0)
+        stream = self._stream(spec, spec.prompt_token_ids, params, num_prior_output_tokens=0)
+        if self._kv is None or self._kv.connector != vllm_kv.EXAMPLE:
+            return stream
+        # The example connector stores the KV of every prompt it computes, whatever the role (a flippable or
+        # recomputing instance): what this request stored is deleted when it ends, or the folder grows without end.
+        folder = vllm_kv.example_kv_folder(self._kv.storage_path, spec.prompt_token_ids, self._block_size)
+        return self._removing_stored_kv(stream, folder, folder is not None and folder.exists())
+
+    @staticmethod
+    async def _removing_stored_kv(
+        stream: Any, folder: Any, existed: bool
+    ) -> AsyncIterator[RequestOutput]:
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            await stream.aclose()  # an abort or cancel: the request's own clean-up runs first
+            if not existed:  # a folder found before the request is another instance's hand-off: left alone
+                vllm_kv.remove_example_kv(folder)
 
     async def prefill(self, spec: RequestSpec) -> KVHandoff:
         """PREFILL: compute the prompt, sample the first token, leave the KV for the decode side to take."""
@@ -529,8 +547,9 @@ def make_vllm_engine(
     enable_prefix_caching. `max_model_len` is the node's context length for the model (when `node_cfg` is given)
     capped at the checkpoint's `max_position_embeddings`. KV space: `kv_cache_space_gib` (default: the
     VLLM_CPU_KVCACHE_SPACE variable, else 1 GiB); dtype: the OCTOSERVE_VLLM_DTYPE variable, else "auto".
-    Disaggregated roles without `kv_transfer` use the example connector under $OCTOSERVE_KV_DIR/<model> (default
-    <tmp>/octoserve-kv/<model>), which every instance of the model on the machine shares.
+    Disaggregated and flippable (`flippable=True`) instances without `kv_transfer` use the example connector under
+    $OCTOSERVE_KV_DIR/<model> (default <tmp>/octoserve-kv/<model>), which every instance of the model on the
+    machine shares.
     `overrides` are VllmEngine keyword arguments and win over all of the above.
     """
     def get(key: str, default: Any = None) -> Any:
@@ -540,7 +559,7 @@ def make_vllm_engine(
 
     role = Role(get("role", Role.COLOCATED))
     model = get("model")
-    if kv_transfer is None and role is not Role.COLOCATED:
+    if kv_transfer is None and (role is not Role.COLOCATED or overrides.get("flippable")):
         kv_dir = os.environ.get("OCTOSERVE_KV_DIR") or os.path.join(tempfile.gettempdir(), "octoserve-kv")
         kv_transfer = vllm_kv.for_model(KvTransfer(storage_path=kv_dir), model)
         os.makedirs(kv_transfer.storage_path, exist_ok=True)

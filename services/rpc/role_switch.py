@@ -5,12 +5,16 @@ prefill_worker's for prefill), and swaps that servicer on SetRole.
 SetRole: the current servicer stops taking new work (its start RPCs answer UNAVAILABLE, so the router places
 those requests elsewhere; Decode of an existing reservation is still served), the running requests, held
 hand-offs and reservations finish (bounded by `drain_timeout_ms`; past it the role is kept, the instance takes
-requests again and the call fails DEADLINE_EXCEEDED), then a fresh engine of the new role for the same model is
-built and started in this process, and the old one stopped. Its load stream and token sessions end with the old
-servicer: peers reconnect to the new one (the router opens new ones when the placement shows the new role).
+requests again and the call fails DEADLINE_EXCEEDED), then the worker serves in the new role. A sim engine is
+rebuilt: a fresh engine of the new role for the same model is started in this process, and the old one stopped. A
+vLLM engine started flippable (`--flippable`: KV connector role kv_both) keeps running: its role is set and it is
+wrapped in the new role's servicer, with no engine stop or start (services/engine/vllm_reconfig.py). The old
+servicer's load stream and token sessions end with it: peers reconnect to the new one (the router opens new ones
+when the placement shows the new role).
 ROLE_UNSPECIFIED drains and stays retired (a model change: the launcher then stops the process).
 
-Only the sim engine rebuilds in place; a role change of another engine answers FAILED_PRECONDITION.
+Any other engine (a vLLM engine not started flippable, a plug-in engine, a gang member) answers
+FAILED_PRECONDITION to a role change.
 """
 
 from __future__ import annotations
@@ -98,13 +102,17 @@ class RoleSwitch(w_grpc.WorkerServicer):
                 self.retired = True
                 log.info("worker retired", extra={"fields": {"drained": drained, "drain_s": round(drain_s, 3)}})
                 return w_pb.SetRoleReply(drained_requests=drained, drain_s=drain_s)
+            old_role = old.engine.role
             new = self._rebuild(role)
             if new is None:
                 old.draining = False
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                    f"{old.engine.instance_id} runs an engine that cannot change role in place; "
-                                    "use a model change (drained stop and start) instead")
-            await new.start()
+                                    f"{old.engine.instance_id} runs an engine that cannot change role in place "
+                                    "(a vllm worker needs --flippable); use a model change (drained stop and "
+                                    "start) instead")
+            same_engine = new.engine is old.engine  # a flippable vLLM engine: it keeps running
+            if not same_engine:
+                await new.start()
             while not self._idle(old):  # nothing may have started on the old servicer while the new one started
                 await asyncio.sleep(IDLE_POLL_S)
             self._calls[id(new)] = _Calls()
@@ -112,9 +120,11 @@ class RoleSwitch(w_grpc.WorkerServicer):
             self._calls.pop(id(old), None)
             for session in list(getattr(old, "sessions", {}).values()):
                 session.close()  # ends the old token streams: routers re-attach to the new servicer
-            await old.close()
+            if not same_engine:
+                await old.close()
             log.info("worker role changed", extra={"fields": {
-                "from": old.engine.role.value, "to": role.value, "drained": drained, "drain_s": round(drain_s, 3)}})
+                "from": old_role.value, "to": role.value, "drained": drained, "drain_s": round(drain_s, 3),
+                "same_engine": same_engine}})
             return w_pb.SetRoleReply(drained_requests=drained, drain_s=drain_s)
 
     # ---- forwarded RPCs -----------------------------------------------------------------------------------------
@@ -187,22 +197,42 @@ def servicer_for_role(role: Role, engine, like=None):
     return DecodeWorkerServicer(engine, **({"faults": faults} if faults is not None else {}))
 
 
+def elastic_node(config_path: str | None) -> bool:
+    """Whether the node config's `elastic` section names a balancer (its workers may be told to change role)."""
+    from octoserve.services.config import load_service_sections
+
+    section = load_service_sections(config_path).get("elastic") or {}
+    return bool(section.get("balancer"))
+
+
 def rebuilder(node_cfg, args, first) -> Callable[[Role], object | None]:
     """SetRole's factory for a worker process started with `args` (worker_main): a sim engine of the new role for
-    the same instance and model, or None for any other engine and for gang members (their GPUs are time-shared)."""
+    the same instance and model; for a flippable vLLM engine, the same running engine in the new role; None for
+    any other engine and for gang members (their GPUs are time-shared)."""
     import dataclasses
 
     from octoserve.services.engine.factory import make_engine
 
     def rebuild(role: Role):
-        if args.engine != "sim" or (node_cfg.gang is not None and node_cfg.gang.group_of(args.instance) is not None):
+        if node_cfg.gang is not None and node_cfg.gang.group_of(args.instance) is not None:
+            return None
+        if args.engine == "vllm":
+            engine = first.engine
+            if not getattr(engine, "flippable", False):
+                return None
+            engine.role = role  # the caller drained: nothing runs on the engine while its role changes
+            return _wrap(servicer_for_role(role, engine, like=first), first)
+        if args.engine != "sim":
             return None
         inst = dataclasses.replace(node_cfg.instance(args.instance), role=role)
         cfg = dataclasses.replace(node_cfg, instances=tuple(inst if i.id == inst.id else i for i in node_cfg.instances))
         engine = make_engine(cfg, args.instance, engine="sim", time_scale=args.time_scale)
-        servicer = servicer_for_role(role, engine, like=first)
-        servicer.model_spec = first.model_spec
-        servicer.metrics = first.metrics  # one registry for the process: the /metrics endpoint keeps its series
-        return servicer
+        return _wrap(servicer_for_role(role, engine, like=first), first)
 
     return rebuild
+
+
+def _wrap(servicer, first):
+    servicer.model_spec = first.model_spec
+    servicer.metrics = first.metrics  # one registry for the process: the /metrics endpoint keeps its series
+    return servicer

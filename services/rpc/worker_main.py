@@ -1,7 +1,7 @@
 """The process entry point shared by prefill_worker and decode_worker: one engine instance, one gRPC server.
 
 `python -m octoserve.decode_worker --instance llama-3-8b-0 [--config node.yaml] [--engine sim] [--time-scale K]
- [--scheduler 127.0.0.1:P] [--port 0] [--metrics-port 0] [--ready-file F] [--grace-s 10]`
+ [--flippable] [--scheduler 127.0.0.1:P] [--port 0] [--metrics-port 0] [--ready-file F] [--grace-s 10]`
 After it serves, the worker registers its address with the scheduler (when given), so the router finds it there,
 and registers again every REREGISTER_S: registration is idempotent, and a scheduler that restarted (and lost its
 state) learns the whole placement back from these heartbeats within about a second.
@@ -42,6 +42,10 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None, help="node config YAML (default: the embedded placement)")
     parser.add_argument("--engine", default="sim", help="sim | vllm | module:callable")
     parser.add_argument("--model", default=None, help="model directory (vllm engine)")
+    parser.add_argument("--flippable", action="store_true",
+                        help="vllm engine: start its KV connector as kv_both so SetRole can change the role of the "
+                             "running engine without a restart (implied when the node config's elastic section "
+                             "names a balancer)")
     parser.add_argument("--time-scale", type=float, default=1.0, help="dilate modelled time by this factor")
     parser.add_argument("--scheduler", default="", help="scheduler host:port to register with")
     parser.add_argument("--port", type=int, default=0)
@@ -95,7 +99,9 @@ def worker_spec(args: argparse.Namespace, make_servicer: Callable[..., WorkerBas
     from octoserve.services.engine.factory import make_engine
 
     node_cfg = load_node_config(args.config)
-    engine = make_engine(node_cfg, args.instance, engine=args.engine, time_scale=args.time_scale, model_path=args.model)
+    flippable = getattr(args, "flippable", False) or role_switch.elastic_node(args.config)
+    engine = make_engine(node_cfg, args.instance, engine=args.engine, time_scale=args.time_scale, model_path=args.model,
+                         flippable=flippable)
     FaultPlan.from_env().apply_to_engine(engine)  # injected faults (tests and drills); none by default
     attach_gang_gate(engine, node_cfg, args.instance, args.scheduler, args.time_scale)  # gang members step on grants
     servicer = make_servicer(engine)

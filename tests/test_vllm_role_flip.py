@@ -1,0 +1,155 @@
+"""A live vLLM worker changes role through its `SetRole` RPC without a restart, on the same running engine.
+
+One worker process (`octoserve.decode_worker --engine vllm --flippable`, the tiny Llama, colocated) on 127.0.0.1,
+driven over gRPC: three requests run, SetRole(PREFILL) drains them (each finishes with all its tokens), the worker
+then serves a Prefill and refuses a Generate as the wrong role; SetRole(COLOCATED) flips it back and a Generate is
+served again. The process and its vLLM engine-core child are the same throughout (the engine was neither stopped
+nor started). Engine budget: one vLLM instance.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from vllm_fixtures import PROMPTS, import_vllm_or_reason, vllm_skip_reason
+
+from octoserve.services.core.types import FinishReason, RequestSpec, Role, SamplingParams
+from octoserve.services.launcher import REPO_ROOT, WORKER_MODULES, _spawn, _wait_ready
+from octoserve.services.rpc import convert
+from octoserve.services.rpc.gen import worker_pb2 as w_pb
+from octoserve.services.rpc.gen import worker_pb2_grpc as w_grpc
+
+_SKIP = vllm_skip_reason()
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")]
+
+TINY_CONFIG = REPO_ROOT / "services" / "configs" / "tiny-vllm.yaml"  # tiny-0: colocated
+MODEL = "tiny-llama"
+MAX_TOKENS = 96  # long enough that the three requests are still running when SetRole arrives
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    if (reason := import_vllm_or_reason()) is not None:
+        pytest.skip(reason)
+    from octoserve.services.engine.test_model import build_test_model
+
+    return build_test_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture
+def worker(model_dir, tmp_path):
+    env = {**os.environ, "OCTOSERVE_VLLM_DTYPE": "float32", "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+           "OCTOSERVE_KV_DIR": str(tmp_path / "kv")}
+    args = ["--config", str(TINY_CONFIG), "--instance", "tiny-0", "--engine", "vllm", "--model", str(model_dir),
+            "--flippable", "--port", "0", "--grace-s", "10"]
+    sp = _spawn("worker:tiny-0", WORKER_MODULES[Role.COLOCATED], args, tmp_path, env)
+    try:
+        _wait_ready(sp, time.monotonic() + 300.0)
+        yield sp
+    finally:
+        if sp.proc.poll() is None:
+            sp.proc.send_signal(signal.SIGTERM)  # this process only, by its PID
+            try:
+                sp.proc.wait(timeout=60)
+            except Exception:
+                sp.proc.kill()
+                sp.proc.wait()
+
+
+def children(pid: int) -> set[int]:
+    """The child processes of `pid` (the vLLM engine core among them)."""
+    out: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        out |= {int(c) for c in (task / "children").read_text().split()}
+    return out
+
+
+def spec_pb(request_id: str, prompt, max_tokens: int = MAX_TOKENS):
+    spec = RequestSpec(request_id, MODEL, tuple(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                       arrival_s=time.monotonic(), ttft_slo_ms=60_000)
+    return convert.spec_to_pb(spec)
+
+
+async def attach(stub, session_id: str):
+    call = stub.Attach(w_pb.AttachRequest(session_id=session_id))
+    stream = call.__aiter__()
+    assert (await stream.__anext__()).seq == 0
+    return call, stream
+
+
+async def read_until_finished(stream, request_ids: set[str]) -> dict[str, list]:
+    """request_id -> its deltas, until every one of them finished."""
+    deltas: dict[str, list] = {i: [] for i in request_ids}
+    open_ids = set(request_ids)
+    while open_ids:
+        batch = await asyncio.wait_for(stream.__anext__(), timeout=120)
+        for d in batch.deltas:
+            deltas[d.request_id].append(d)
+            if d.finish_reason:
+                open_ids.discard(d.request_id)
+    return deltas
+
+
+def assert_complete(deltas: dict[str, list], prompts: dict[str, tuple]) -> None:
+    for rid, ds in deltas.items():
+        last = ds[-1]
+        assert (last.error_code, last.error_message) == (0, ""), rid
+        assert convert.FINISH_FROM_PB[last.finish_reason] is FinishReason.LENGTH, rid
+        assert sum(len(d.token_ids) for d in ds) == MAX_TOKENS, rid
+        assert (last.num_output_tokens, last.num_prompt_tokens) == (MAX_TOKENS, len(prompts[rid])), rid
+
+
+async def _flip_under_load(address: str, pid: int, kv_dir: Path) -> None:
+    engine_children = children(pid)
+    assert engine_children, "the vLLM engine core runs as a child of the worker process"
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = w_grpc.WorkerStub(channel)
+        call, stream = await attach(stub, "flip")
+        prompts = {f"r{k}": PROMPTS[k] for k in range(3)}
+        for rid, prompt in prompts.items():
+            await stub.Generate(w_pb.WorkerGenerateRequest(session_id="flip", spec=spec_pb(rid, prompt)))
+        reply, deltas = await asyncio.gather(
+            stub.SetRole(w_pb.SetRoleRequest(role=convert.ROLE_TO_PB[Role.PREFILL], drain_timeout_ms=120_000),
+                         timeout=180),
+            read_until_finished(stream, set(prompts)),
+        )
+        call.cancel()
+        assert reply.drained_requests == 3  # all three were running when the drain began ...
+        assert_complete(deltas, prompts)  # ... and each finished with its full token count
+
+        # Now a prefill worker, same process, same engine core: a Prefill is served, a Generate is the wrong role.
+        assert children(pid) == engine_children
+        spec = spec_pb("p0", PROMPTS[3])
+        handoff = (await stub.Prefill(w_pb.PrefillRequest(spec=spec), timeout=120)).handoff
+        assert (handoff.request_id, handoff.num_prompt_tokens, handoff.source_instance_id) == (
+            "p0", len(PROMPTS[3]), "tiny-0")
+        await stub.Release(w_pb.ReleaseRequest(request_id="p0"))
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.Generate(w_pb.WorkerGenerateRequest(session_id="flip", spec=spec_pb("g0", PROMPTS[0])))
+        assert info.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+
+        # And back to colocated, still on the same engine: a Generate is served with all its tokens.
+        back = await stub.SetRole(w_pb.SetRoleRequest(role=convert.ROLE_TO_PB[Role.COLOCATED]), timeout=60)
+        assert back.drained_requests == 0
+        call, stream = await attach(stub, "back")
+        await stub.Generate(w_pb.WorkerGenerateRequest(session_id="back", spec=spec_pb("c0", PROMPTS[4])))
+        assert_complete(await read_until_finished(stream, {"c0"}), {"c0": PROMPTS[4]})
+        call.cancel()
+        assert children(pid) == engine_children
+    # A flippable engine's connector stores every prompt's KV it computes: what the colocated requests stored and
+    # the released hand-off are gone from the model's folder, nothing piles up on disk.
+    assert sorted(p.name for p in (kv_dir / MODEL).iterdir()) == []
+
+
+def test_vllm_worker_flips_role_by_set_role_on_the_same_engine(worker, tmp_path):
+    pid = worker.pid
+    asyncio.run(_flip_under_load(worker.address, pid, tmp_path / "kv"))
+    assert worker.proc.poll() is None and worker.pid == pid  # no restart
+    worker.proc.send_signal(signal.SIGTERM)
+    assert worker.proc.wait(timeout=60) == 0
