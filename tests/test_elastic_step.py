@@ -107,3 +107,15 @@ def test_a_prefill_instance_without_a_decode_partner_leaves_the_model_served_by_
     late = [t for t in sim.sim._trackers.values() if t.trace.model == SMALL and t.trace.arrival_s >= ev.done_s]
     assert late and all(t.route.instance_id in ("sm-1", "sm-2", "sm-3") and t.route.decode_instance_id is None
                         for t in late)
+
+
+def test_the_shortened_day_runs_at_both_levels_and_loses_nothing():
+    from octoserve.services.sim.elastic_step import day_rows
+
+    rows = day_rows("default", hour_s=1.0, load=0.9, gpu="h100-sxm-80gb")
+    assert [name for name, *_ in rows] == ["best static, queueing", "elastic, queueing", "best static, step level",
+                                           "elastic, step level"]
+    assert [lost for *_, lost in rows] == [0, 0, 0, 0]
+    assert rows[0][2] == rows[2][2] == 0 and rows[3][2] > 0  # the step-level balancer reconfigured
+    offered = {s.overall.num_offered for _, s, _, _ in rows}
+    assert len(offered) == 1  # the same requests everywhere
