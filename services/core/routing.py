@@ -299,7 +299,11 @@ class RouterPolicy:
         if self.config.is_disaggregated(spec.model):
             decode_id = self._pick_decode(spec, loads, require_fit=admit)
             if decode_id is None:
-                return self._refuse(spec, kept, "no decode instance has KV headroom for prompt + reservation")
+                # A colocated instance needs no decode side (a placement in mid-reconfiguration can hold both).
+                colocated = [c for c in kept if c.instance.role is Role.COLOCATED]
+                if not colocated:
+                    return self._refuse(spec, kept, "no decode instance has KV headroom for prompt + reservation")
+                kept = colocated
         if admit:
             correction_s = self.ttft_correction_s(spec.model, spec.priority, slo_ms)
             feasible = [c for c in kept if adm.ttft_excess_s(c.predicted_ttft_s, correction_s, slo_ms) <= 0]
@@ -423,7 +427,7 @@ class RouterPolicy:
         if not cands:
             return None
         decoders = (self.config.instances_of(spec.model, (Role.DECODE,)) if self.config.is_disaggregated(spec.model)
-                    else [c.instance for c in cands])
+                    else ()) or [c.instance for c in cands]  # no decode instance (mid-reconfiguration): its own
         step_s = min(self._cost_model(i).decode_step_time_s(1, spec.num_prompt_tokens) for i in decoders)
         if step_s * 1000.0 > self.config.slo.itl_ms:
             error = ItlInfeasible(spec.model, spec.priority, spec.num_prompt_tokens, step_s * 1000.0,

@@ -22,6 +22,7 @@ arrival, never the drain.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import os
@@ -39,7 +40,7 @@ from octoserve.services.metrics import MIN_WARMUP_S, RequestRecord, SloSpec, Sum
 from octoserve.services.sim.gang_sim import GangReport, build_gangs
 from octoserve.services.workload import TraceRequest
 
-_ARRIVAL, _STEP_DONE, _TRANSFER_DONE, _SAMPLE, _FAULT, _RECOVER = range(6)
+_ARRIVAL, _STEP_DONE, _TRANSFER_DONE, _SAMPLE, _FAULT, _RECOVER, _CALL = range(7)
 MAX_REROUTES = 3  # as the live router (router/failover.py)
 FAST_PATH_ENV = "OCTOSERVE_SIM_FAST"  # "0" turns the simulator's fast path off (NodeSimulator's `fast`)
 
@@ -214,6 +215,7 @@ class NodeSimulator:
             _SAMPLE: self._on_sample,
             _FAULT: self._on_fault,
             _RECOVER: self._on_recover,
+            _CALL: lambda fn: fn(),
         }
         next_progress = 0.0
         while self._events:
@@ -426,6 +428,50 @@ class NodeSimulator:
 
     def _on_recover(self, fault) -> None:
         self.down.discard(fault.instance_id)
+
+    # ---- reconfiguration hooks (the elastic balancer on this simulator: services/sim/elastic_step.py) ------------
+
+    def call_at(self, t_s: float, fn: Callable[[], None]) -> None:
+        """Run `fn()` at virtual time `t_s` (>= now), in order with the other events."""
+        self._push(max(t_s, self.now), _CALL, fn)
+
+    def route_only_to(self, instances: Sequence[InstanceConfig]) -> None:
+        """New requests go to `instances` only (draining ones left out), as the live router follows the placement;
+        requests already placed keep their instances."""
+        self.router.config = dataclasses.replace(self.config, instances=tuple(instances))
+
+    def requests_on(self, instance_id: str) -> int:
+        """Requests admitted and not ended that still hold `instance_id` (its queue, KV, a decode reservation or a
+        hand-off in flight); 0 once it has drained."""
+        n = 0
+        for t in self._trackers.values():
+            route = t.route
+            if route is None or t.finish_s is not None or t.error or t.refused:
+                continue
+            if route.decode_instance_id == instance_id or (route.instance_id == instance_id and not t.committed):
+                n += 1
+        return n
+
+    def remove_instance(self, instance_id: str) -> int:
+        """Take `instance_id` off the node (its GPUs switch); returns the requests it still held (lost: they end
+        with an error). Its steps and figures stop with it."""
+        held = [t for t in self._trackers.values() if t.route is not None and t.finish_s is None and not t.error
+                and not t.refused and (t.route.decode_instance_id == instance_id
+                                       or (t.route.instance_id == instance_id and not t.committed))]
+        for t in held:
+            t.error = f"instance {instance_id} was removed by a reconfiguration"
+            self._in_flight -= 1
+            self.router.on_finished(t.trace.request_id)
+        self.instances.pop(instance_id)
+        self.router.prefix_index.remove_instance(instance_id)
+        return len(held)
+
+    def add_instance(self, cfg: InstanceConfig) -> None:
+        """A fresh instance (empty queue and KV) on the node; routable once `route_only_to` names it."""
+        inst = _Instance(self.config, cfg)
+        self.instances[cfg.id] = inst
+        self.router.cost_models[cfg.id] = inst.cost
+        self._last_busy[cfg.id] = 0.0
 
     # ---- sampling and results -----------------------------------------------------------------------------
 

@@ -1,0 +1,268 @@
+"""The elastic balancer on the step-level simulator: `NodeSimulator` (services/sim/driver.py) with an
+`ElasticBalancer` (services/core/balancer.py) re-planning every balancing period, its reconfigurations carried out
+in simulated time.
+
+Each period (from the first full demand window on) the balancer reads the same input the live scheduler builds
+(services/scheduler/live_balancer.py): each instance's load snapshot (`EngineLoad`, from its `LoadReporter`) through
+`instance_load`, and the demand of the last `window_s` through a `DemandWindow` fed once per period with the
+arrivals of that period, as the routers report theirs.
+
+A reconfiguration runs as on the live node (services/core/reconfig.py):
+- DRAINING: its retired instances leave the router's placement at once (no new request reaches them); their
+  running requests finish there (no KV migration here: a drain, never a hand-off). Polled every `poll_s`.
+- SWITCHING: once none holds a request, the retired instances leave the node; after the switch time (the role
+  switch, or the weight load + engine init the plan states as `load_s`) the started instances join it empty and the
+  router's placement names them.
+- DONE.
+Requests lost: those still held by an instance when it left the node (the drain waits, so 0), plus any request that
+ended with an error.
+
+    python -m octoserve.services.sim.elastic_step   (see `main`: the shortened mix-shift day, step level)
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from octoserve.services.core.balancer import BalancerPolicy, ElasticBalancer, NodeLoad
+from octoserve.services.core.placement import InstanceConfig, NodeConfig
+from octoserve.services.core.reconfig import Phase, ReconfigKind, Reconfiguration
+from octoserve.services.scheduler.live_balancer import DemandWindow, instance_load
+from octoserve.services.sim.driver import NodeSimulator, SimResult
+from octoserve.services.workload import TraceRequest
+
+
+@dataclass
+class StepReconfig:
+    """One reconfiguration's life on the step-level simulator (virtual seconds)."""
+
+    reconfig: Reconfiguration
+    planned_s: float
+    phase: Phase = Phase.DRAINING
+    drain_end_s: float = math.nan
+    done_s: float = math.nan
+    held: int = 0  # requests on the retired instances when the drain began
+    lost: int = 0  # requests still on a retired instance when it left the node: must be 0
+
+
+@dataclass
+class ElasticStepResult:
+    sim: SimResult
+    reconfigs: list[StepReconfig]
+    placements: list[tuple[float, tuple[str, ...]]]  # (time, instance ids) each time the node changed
+    counters: dict[str, int] = field(default_factory=dict)  # the balancer's decisions by reason
+    wall_s: float = 0.0
+
+    @property
+    def lost(self) -> int:
+        """Requests lost: held by a removed instance, or ended with an error (refusals are not losses)."""
+        return sum(r.lost for r in self.reconfigs) + sum(1 for r in self.sim.records if r.error and not r.refused)
+
+    @property
+    def done(self) -> list[StepReconfig]:
+        return [r for r in self.reconfigs if r.phase is Phase.DONE]
+
+
+class ElasticStepSim:
+    """`NodeSimulator` plus an `ElasticBalancer` each `period_s`. `plan_at` (tests): reconfigurations to start at
+    given times instead of (or besides) the balancer's, as (time, Reconfiguration)."""
+
+    def __init__(self, node: NodeConfig, *, policy: BalancerPolicy = BalancerPolicy(), period_s: float = 1.0,
+                 window_s: float = 10.0, seed: int = 0, balance: bool = True,
+                 plan_at: Sequence[tuple[float, Reconfiguration]] = (), poll_s: float = 0.05) -> None:
+        if node.gang is not None:
+            raise ValueError("elastic_step: gang groups are not supported; drop the `gang` section")
+        if period_s <= 0 or window_s <= 0 or poll_s <= 0:
+            raise ValueError("elastic_step: period_s, window_s and poll_s must be > 0")
+        self.node = node
+        self.policy = policy
+        self.period_s, self.window_s, self.poll_s = period_s, window_s, poll_s
+        self.sim = NodeSimulator(node, seed=seed)
+        self.balancer = ElasticBalancer(node, policy) if balance else None
+        self.demand = DemandWindow(window_s)
+        self.plan_at = sorted(plan_at, key=lambda p: p[0])
+        self.reconfigs: list[StepReconfig] = []
+        self.starting: dict[str, InstanceConfig] = {}  # started instances of SWITCHING reconfigurations
+        self.placements: list[tuple[float, tuple[str, ...]]] = []
+        self._trace: list[TraceRequest] = []
+        self._next_arrival = 0  # index of the first arrival not yet reported to the demand window
+        self._end_s = 0.0
+
+    # - the placement -
+
+    def _draining(self) -> set[str]:
+        return {i for r in self.reconfigs if r.phase is Phase.DRAINING for i in r.reconfig.retire}
+
+    def _publish(self) -> None:
+        draining = self._draining()
+        self.sim.route_only_to([inst.cfg for iid, inst in self.sim.instances.items() if iid not in draining])
+        self.placements.append((self.sim.now, tuple(self.sim.instances)))
+
+    def _in_flight(self) -> list[Reconfiguration]:
+        return [r.reconfig for r in self.reconfigs if r.phase in (Phase.DRAINING, Phase.SWITCHING)]
+
+    def node_load(self, now_s: float) -> NodeLoad:
+        """The balancer's input, built as the live scheduler builds it (`live_balancer.instance_load`)."""
+        draining = self._draining()
+        placement = [inst.cfg for inst in self.sim.instances.values()] + list(self.starting.values())
+        loads = [instance_load(inst.cfg, inst.load(), iid not in draining) for iid, inst in self.sim.instances.items()]
+        loads += [instance_load(cfg, None, False) for cfg in self.starting.values()]
+        return NodeLoad(self.window_s, tuple(placement), tuple(loads),
+                        self.demand.demand(now_s, sorted(self.node.models)))
+
+    # - the balancing period -
+
+    def _report_arrivals(self, now_s: float) -> None:
+        """The period's arrivals per model into the demand window (the routers' `ReportDemand`)."""
+        per: dict[str, list[int]] = {}
+        while self._next_arrival < len(self._trace) and self._trace[self._next_arrival].arrival_s <= now_s:
+            req = self._trace[self._next_arrival]
+            acc = per.setdefault(req.model, [0, 0, 0])
+            acc[0] += 1
+            acc[1] += len(req.prompt_token_ids)
+            acc[2] += req.max_tokens
+            self._next_arrival += 1
+        for model, (n, prompt, output) in sorted(per.items()):
+            self.demand.add(now_s, model, n, prompt, output)
+
+    def _tick(self) -> None:
+        now = self.sim.now
+        self._report_arrivals(now)
+        while self.plan_at and self.plan_at[0][0] <= now + 1e-12:
+            self.start(self.plan_at.pop(0)[1])
+        if self.balancer is not None and now >= self.window_s:
+            for r in self.balancer.plan(now, self.node_load(now), self._in_flight()):
+                self.start(r)
+        if now + self.period_s <= self._end_s or self._in_flight() or self.plan_at:
+            self.sim.call_at(now + self.period_s, self._tick)
+
+    # - carrying out a reconfiguration -
+
+    def start(self, r: Reconfiguration) -> StepReconfig:
+        unknown = [i for i in r.retire if i not in self.sim.instances or i in self._draining()]
+        if unknown:
+            raise ValueError(f"{r.reconfig_id}: retires {unknown}, not serving on the node")
+        ev = StepReconfig(r, self.sim.now, held=sum(self.sim.requests_on(i) for i in r.retire))
+        self.reconfigs.append(ev)
+        self._publish()  # the retired instances take no new request from now on
+        self.sim.call_at(self.sim.now, lambda: self._poll(ev))
+        return ev
+
+    def _poll(self, ev: StepReconfig) -> None:
+        r = ev.reconfig
+        if any(self.sim.requests_on(i) or self.sim.instances[i].busy for i in r.retire):
+            self.sim.call_at(self.sim.now + self.poll_s, lambda: self._poll(ev))
+            return
+        ev.drain_end_s = self.sim.now
+        ev.phase = Phase.SWITCHING
+        for iid in r.retire:
+            ev.lost += self.sim.remove_instance(iid)
+        for cfg in r.start:
+            self.starting[cfg.id] = cfg
+        self._publish()
+        switch_s = r.load_s if r.kind is ReconfigKind.MODEL else self.policy.role_switch_s
+        ev.done_s = self.sim.now + switch_s
+        self.sim.call_at(ev.done_s, lambda: self._finish(ev))
+
+    def _finish(self, ev: StepReconfig) -> None:
+        for cfg in ev.reconfig.start:
+            self.starting.pop(cfg.id, None)
+            self.sim.add_instance(cfg)
+        ev.phase = Phase.DONE
+        self._publish()
+
+    # - the run -
+
+    def run(self, trace: Sequence[TraceRequest], *, drain_s: float = 120.0, warmup_s: float | None = None
+            ) -> ElasticStepResult:
+        wall0 = time.perf_counter()
+        self._trace = sorted(trace, key=lambda t: t.arrival_s)
+        self._end_s = self._trace[-1].arrival_s if self._trace else 0.0
+        self.placements.append((0.0, tuple(self.sim.instances)))
+        self.sim.call_at(0.0, self._tick)
+        result = self.sim.run(self._trace, drain_s=drain_s, warmup_s=warmup_s)
+        counters = dict(self.balancer.counters) if self.balancer else {}
+        return ElasticStepResult(result, self.reconfigs, self.placements, counters, time.perf_counter() - wall0)
+
+
+def run_elastic_step(node: NodeConfig, trace: Sequence[TraceRequest], **kwargs) -> ElasticStepResult:
+    """`ElasticStepSim(node, **kwargs).run(trace)`; `drain_s` and `warmup_s` go to the run."""
+    run_kwargs = {k: kwargs.pop(k) for k in ("drain_s", "warmup_s") if k in kwargs}
+    return ElasticStepSim(node, **kwargs).run(trace, **run_kwargs)
+
+
+# --- the shortened mix-shift day at step level (`python -m octoserve.services.sim.elastic_step`) -----------------
+
+
+def day_rows(cost_profile: str, *, hour_s: float, load: float, gpu: str, seed: int = 0,
+             policy: BalancerPolicy = BalancerPolicy(), window_s: float = 10.0) -> list[tuple[str, object, int, int]]:
+    """The mix-shift day (offered `load` x each model's capacity alone, `hour_s` per hour): the best static
+    placement and the elastic balancer, each on the queueing-level simulator (services/sim/elastic_sim.py) and on
+    this step-level one, from the same start placement. Rows: (name, Summary over the arrivals, reconfigurations
+    done, requests lost)."""
+    import dataclasses
+
+    from octoserve.services.core.balancer import candidate_layouts
+    from octoserve.services.elastic_agreement import day_trace
+    from octoserve.services.metrics import summarize
+    from octoserve.services.sim.driver import run_simulation
+    from octoserve.services.sim.elastic_day import _best_static, _node
+    from octoserve.services.sim.elastic_sim import model_alone_rps, run_day
+    from octoserve.services.workload_day import BASE_OUTPUT, BASE_PROMPT, LARGE, SMALL, generate_day, mix_shift_day
+
+    node = _node(cost_profile, gpu)
+    alone = [model_alone_rps(node, m, BASE_PROMPT.mean, BASE_OUTPUT.mean) for m in (SMALL, LARGE)]
+    day = mix_shift_day(hours=24.0, hour_s=hour_s, load_rps=(load * alone[0], load * alone[1]))
+    requests = generate_day(day, seed)
+    layouts = candidate_layouts(node)
+    static, _ = _best_static(node, day, requests, layouts, "day")
+    elastic = run_day(node, day, requests, static.initial, "elastic", layouts=layouts, policy=policy)
+    start = dataclasses.replace(node, instances=tuple(static.initial))
+    trace = day_trace(requests)
+    step_static = run_simulation(start, trace)
+    step_elastic = ElasticStepSim(start, policy=policy, window_s=window_s).run(trace)
+
+    def summary(records):
+        return summarize(records, day.slo, day.duration_s)
+
+    step_static_lost = sum(1 for r in step_static.records if r.error and not r.refused)
+    return [("best static, queueing", summary(static.records), 0, static.lost),
+            ("elastic, queueing", summary(elastic.records), len(elastic.reconfigs), elastic.lost),
+            ("best static, step level", summary(step_static.records), 0, step_static_lost),
+            ("elastic, step level", summary(step_elastic.sim.records), len(step_elastic.done), step_elastic.lost)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    from octoserve.services.core.specs import GPU_PRESETS
+
+    parser = argparse.ArgumentParser(description="the shortened mix-shift day: queueing-level vs step-level "
+                                                 "simulator, best static placement and the elastic balancer")
+    parser.add_argument("--cost-profile", choices=("default", "pessimistic", "both"), default="both")
+    parser.add_argument("--hour-s", type=float, default=5.0, help="simulated seconds per hour of the day")
+    parser.add_argument("--load", type=float, default=0.9, help="offered load / each model's capacity alone")
+    parser.add_argument("--gpu", default="h100-sxm-80gb", choices=sorted(GPU_PRESETS))
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.hour_s <= 0 or args.load <= 0:
+        parser.error("--hour-s and --load must be > 0")
+    profiles = ("default", "pessimistic") if args.cost_profile == "both" else (args.cost_profile,)
+    print("| cost profile | configuration | goodput req/s | attainment | refused | reconfigurations | lost |\n"
+          "|---|---|---|---|---|---|---|")
+    for profile in profiles:
+        t0 = time.perf_counter()
+        for name, s, n, lost in day_rows(profile, hour_s=args.hour_s, load=args.load, gpu=args.gpu, seed=args.seed):
+            g = s.overall
+            print(f"| {profile} | {name} | {g.goodput_rps:.2f} | {g.attainment_offered:.3f} | "
+                  f"{g.refused_fraction:.3f} | {n} | {lost} |", flush=True)
+        print(f"({profile}: {time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
