@@ -132,8 +132,11 @@ async def test_colocated_worker_killed_mid_stream(live_node):
         assert all("rerouted" not in log[s.request_id] for s in after)
 
         # c0 was restarted on its port; the router routes to it again.
+        salts = iter(range(300, 10_000))
+
         async def c0_serves():
-            s = _stream(COLOCATED_MODEL, 32, 300, 2)
+            # A fresh prompt each try: a repeated one would be cached on c1, and prefix-aware routing would keep it there.
+            s = _stream(COLOCATED_MODEL, 32, next(salts), 2)
             await s.run(stub)
             return s.code == grpc.StatusCode.OK and access_log(node)[s.request_id]["instances"] == ["c0"]
         await _until(c0_serves, 60, "a request is served by the restarted c0")
