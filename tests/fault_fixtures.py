@@ -110,3 +110,13 @@ async def wait_all_free(node, timeout_s: float = 30.0) -> dict[str, w_pb.LoadRep
         if loop.time() > deadline:
             raise AssertionError(f"KV not freed within {timeout_s} s: {loads}")
         await asyncio.sleep(0.1)
+
+
+async def until(predicate, timeout_s: float, what: str) -> None:
+    """Polls the async `predicate` every 50 ms; AssertionError naming `what` past `timeout_s`."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not await predicate():
+        if loop.time() > deadline:
+            raise AssertionError(f"not within {timeout_s} s: {what}")
+        await asyncio.sleep(0.05)

@@ -26,6 +26,7 @@ from octoserve.services.launcher import start_node
 from octoserve.v1 import generate_pb2 as gen_pb
 from octoserve.v1 import generate_pb2_grpc as gen_grpc
 from tests.fault_fixtures import (
+    until,
     Stream, access_log, disagg_config, load, prompt, two_replica_config, wait_all_free,
 )
 from tests.service_fixtures import COLOCATED_MODEL, DISAGG_MODEL
@@ -74,15 +75,6 @@ async def _streaming(stub, streams: list[Stream]) -> list[asyncio.Task]:
     return tasks
 
 
-async def _until(predicate, timeout_s: float, what: str) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not await predicate():
-        if loop.time() > deadline:
-            raise AssertionError(f"not within {timeout_s} s: {what}")
-        await asyncio.sleep(0.05)
-
-
 async def test_colocated_worker_killed_mid_stream(live_node):
     node = live_node(two_replica_config(), time_scale=3.0)
     async with _generation(node) as stub:
@@ -96,14 +88,14 @@ async def test_colocated_worker_killed_mid_stream(live_node):
         async def c0_is_prefilling():
             l = await load(node.workers["c0"].address)
             return l.queued_prefill_tokens > 0 or l.num_waiting > 0
-        await _until(c0_is_prefilling, 30, "c0 has a prompt in prefill")
+        await until(c0_is_prefilling, 30, "c0 has a prompt in prefill")
         no_token_at_kill = [s for s in waiting if not s.tokens]
         os.kill(node.workers["c0"].pid, signal.SIGKILL)
 
         # Once the router has noticed (a stream on c0 ended), no new request may be placed on the dead instance.
         async def a_stream_ended():
             return any(s.code is not None for s in streaming)
-        await _until(a_stream_ended, 30, "a stream on c0 ends")
+        await until(a_stream_ended, 30, "a stream on c0 ends")
         after = [_stream(COLOCATED_MODEL, 32, 200 + i, 4, priority=gen_pb.BATCH) for i in range(6)]
         await asyncio.gather(*(s.run(stub) for s in after))
         await asyncio.gather(*tasks)
@@ -139,7 +131,7 @@ async def test_colocated_worker_killed_mid_stream(live_node):
             s = _stream(COLOCATED_MODEL, 32, next(salts), 2)
             await s.run(stub)
             return s.code == grpc.StatusCode.OK and access_log(node)[s.request_id]["instances"] == ["c0"]
-        await _until(c0_serves, 60, "a request is served by the restarted c0")
+        await until(c0_serves, 60, "a request is served by the restarted c0")
         await wait_all_free(node)
     assert node.supervisor.restarts("worker:c0") == 1
 
@@ -172,7 +164,7 @@ async def test_disaggregated_prefill_then_decode_worker_killed(live_node):
                     busy.append(iid)
                     return True
             return False
-        await _until(a_prefill_is_busy, 30, "a prefill worker has a prompt in prefill")
+        await until(a_prefill_is_busy, 30, "a prefill worker has a prompt in prefill")
         victim = busy[0]
         os.kill(node.workers[victim].pid, signal.SIGKILL)
         await asyncio.gather(*waiting_tasks)
@@ -230,7 +222,7 @@ async def test_scheduler_then_router_killed(live_node):
             p = await scheduler.GetPlacement(s_pb.GetPlacementRequest(), timeout=5)
             loads = await scheduler.GetLoads(s_pb.GetLoadsRequest(), timeout=5)
             return p.complete and len(loads.loads) == 2
-        await _until(placement_rebuilt, 30, "the restarted scheduler has every worker back")
+        await until(placement_rebuilt, 30, "the restarted scheduler has every worker back")
         after = await scheduler.GetPlacement(s_pb.GetPlacementRequest(), timeout=5)
     assert {p.instance_id: p.address for p in after.instances} == {p.instance_id: p.address for p in before.instances}
 

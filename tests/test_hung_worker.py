@@ -26,7 +26,7 @@ import pytest
 from octoserve.services.launcher import start_node
 from octoserve.v1 import generate_pb2 as gen_pb
 from octoserve.v1 import generate_pb2_grpc as gen_grpc
-from tests.fault_fixtures import Stream, access_log, load, prompt, router_log, two_replica_config, wait_all_free
+from tests.fault_fixtures import until, Stream, access_log, load, prompt, router_log, two_replica_config, wait_all_free
 from tests.service_fixtures import COLOCATED_MODEL
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="function")]
@@ -38,15 +38,6 @@ HUNG_DETAIL = "sent no load report"
 def _start(tmp_path):
     return start_node(two_replica_config(), time_scale=3.0, run_dir=tmp_path, startup_timeout_s=90, grace_s=3,
                       router_args=ROUTER_ARGS, supervise=True)
-
-
-async def _until(predicate, timeout_s: float, what: str) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not await predicate():
-        if loop.time() > deadline:
-            raise AssertionError(f"not within {timeout_s} s: {what}")
-        await asyncio.sleep(0.05)
 
 
 async def _load_c0_then_stop(node, stub):
@@ -64,7 +55,7 @@ async def _load_c0_then_stop(node, stub):
     async def c0_is_prefilling():
         l = await load(node.workers["c0"].address)
         return l.queued_prefill_tokens > 0 or l.num_waiting > 0
-    await _until(c0_is_prefilling, 30, "c0 has a prompt in prefill")
+    await until(c0_is_prefilling, 30, "c0 has a prompt in prefill")
     no_token_at_stop = [s for s in waiting if not s.tokens]
     os.kill(node.workers["c0"].pid, signal.SIGSTOP)
     return streaming, waiting, no_token_at_stop, tasks
@@ -74,7 +65,7 @@ async def _routed_around(stub, streaming) -> list[Stream]:
     """Once the router declared c0 hung (a stream on it ended), new requests are all served, and not on c0."""
     async def a_stream_ended():
         return any(s.code is not None for s in streaming)
-    await _until(a_stream_ended, 30, "a stream on the stopped c0 ends")
+    await until(a_stream_ended, 30, "a stream on the stopped c0 ends")
     after = [Stream(gen_pb.GenerateRequest(model=COLOCATED_MODEL, token_ids=prompt(32, 200 + i), max_tokens=4,
                                            ignore_eos=True, priority=gen_pb.BATCH)) for i in range(6)]
     await asyncio.gather(*(s.run(stub) for s in after))
@@ -135,7 +126,7 @@ async def test_stopped_worker_is_routed_around_then_killed_and_restarted(tmp_pat
             assert events[0][1].startswith(f"pid {old_pid}: process stopped for ")
             assert events[1][1] == f"exit code {-signal.SIGKILL}"
             assert node.workers["c0"].pid != old_pid
-            await _until(lambda: _served_by_c0(node, stub), 60, "a request is served by the restarted c0")
+            await until(lambda: _served_by_c0(node, stub), 60, "a request is served by the restarted c0")
             await wait_all_free(node)
         assert node.supervisor.restarts("worker:c0") == 1
     finally:
@@ -158,12 +149,12 @@ async def test_stopped_worker_that_resumes_repeats_no_token_and_frees_its_copies
             # The router aborts its copies on c0 as soon as it reports again, and routes to it (not restarted).
             async def copies_aborted():
                 return any(e.get("msg") == "requests moved off a hung worker aborted there" for e in router_log(node))
-            await _until(copies_aborted, 30, "the router aborts the moved requests on c0")
+            await until(copies_aborted, 30, "the router aborts the moved requests on c0")
             aborted = [e for e in router_log(node) if e.get("msg") == "requests moved off a hung worker aborted there"]
             on_c0 = [s for s in streaming if access_log(node)[s.request_id]["instances"] == ["c0"]]
             assert [(e["instance"], e["requests"], e["failed"]) for e in aborted] == \
                 [("c0", len(on_c0) + len(moved), 0)]
-            await _until(lambda: _served_by_c0(node, stub), 60, "a request is served by the resumed c0")
+            await until(lambda: _served_by_c0(node, stub), 60, "a request is served by the resumed c0")
             await wait_all_free(node)
         assert node.workers["c0"].pid == pid and node.supervisor.restarts("worker:c0") == 0
         assert [e.event for e in node.supervisor.events if e.service == "worker:c0"] == []
@@ -203,7 +194,7 @@ async def test_stuck_engine_loop_exits_its_worker_which_is_restarted(tmp_path):
             assert [(e["steps"], e["exit_code"]) for e in stalled] == [(150, 70)], stalled
             assert stalled[0]["running"] == len(on_c0)
             assert node.workers["c0"].pid != old_pid
-            await _until(lambda: _served_by_c0(node, stub), 60, "a request is served by the restarted c0")
+            await until(lambda: _served_by_c0(node, stub), 60, "a request is served by the restarted c0")
             await wait_all_free(node)
     finally:
         node.stop()

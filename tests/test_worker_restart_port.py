@@ -22,19 +22,10 @@ from octoserve.services.rpc.gen import scheduler_pb2 as s_pb
 from octoserve.services.rpc.gen import scheduler_pb2_grpc as s_grpc
 from octoserve.v1 import generate_pb2 as gen_pb
 from octoserve.v1 import generate_pb2_grpc as gen_grpc
-from tests.fault_fixtures import Stream, access_log, prompt, two_replica_config, wait_all_free
+from tests.fault_fixtures import until, Stream, access_log, prompt, two_replica_config, wait_all_free
 from tests.service_fixtures import COLOCATED_MODEL
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="function")]
-
-
-async def _until(predicate, timeout_s: float, what: str) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not await predicate():
-        if loop.time() > deadline:
-            raise AssertionError(f"not within {timeout_s} s: {what}")
-        await asyncio.sleep(0.05)
 
 
 _salt = iter(range(1000, 100_000))
@@ -83,7 +74,7 @@ async def test_worker_restarts_on_its_port_then_on_a_free_one_when_taken(tmp_pat
             await asyncio.to_thread(node.supervisor.wait_for, "worker:c0", "ready", 1, 60)
             ready = [e.detail for e in node.supervisor.events if e.service == "worker:c0" and e.event == "ready"]
             assert ready == [f"pid {c0.pid} port {port}"]
-            await _until(lambda: _served_by(node, stub, "c0"), 60, "c0 serves again on its port")
+            await until(lambda: _served_by(node, stub, "c0"), 60, "c0 serves again on its port")
 
             # 2. Its port taken while it is down: it serves on another one, and the router follows it there.
             node.supervisor.backoff_s = (1.0,)  # time for this test to take the port before the restart
@@ -98,8 +89,8 @@ async def test_worker_restarts_on_its_port_then_on_a_free_one_when_taken(tmp_pat
                     async def registered_there():
                         p = await s_grpc.SchedulerStub(sch).GetPlacement(s_pb.GetPlacementRequest(), timeout=5)
                         return {i.instance_id: i.address for i in p.instances}["c0"] == f"127.0.0.1:{c0.port}"
-                    await _until(registered_there, 30, "the scheduler has c0's new address")
-                await _until(lambda: _served_by(node, stub, "c0"), 60, "c0 serves again on its new port")
+                    await until(registered_there, 30, "the scheduler has c0's new address")
+                await until(lambda: _served_by(node, stub, "c0"), 60, "c0 serves again on its new port")
                 await wait_all_free(node)
             finally:
                 blocker.close()
