@@ -13,6 +13,18 @@ step-level simulator with the same balancer, fed the same load figures as the li
 its reconfigurations in simulated time). Two diagnostic columns: the queueing-level elastic simulator
 (services/sim/elastic_sim.py, per-instance prefill server and decode slots, exact queues as the balancer's input),
 and the step-level simulator with the start placement and no balancer.
+
+A scripted model change instead of the balancer (`--model-change`):
+
+    python -m octoserve.services.elastic_agreement --model-change [--change-at-h 8] [--back-at-h 20] ...
+
+The same shortened day on the node without a balancer; at hour `--change-at-h` the scheduler's `Reconfigure` moves
+two 8B GPUs (`sm-2`, `sm-3`) to the 70B as one TP-2 instance, and at hour `--back-at-h` (0: never) that instance goes
+back to two 8B instances. The step-level elastic simulator carries out the same two reconfigurations at the same
+simulated times (the same `Reconfiguration`s: the scheduler's `reconfiguration_from_pb` builds both sides' plans,
+weight-load time included). Reported per model: goodput (agreement within ±15 %), and per change the downtime of
+the moved instance: its drain (it takes no new request but still serves its running ones) and its switch (its GPUs
+serve nothing: stop, start, weight load), in simulated seconds on both sides.
 """
 
 from __future__ import annotations
@@ -126,11 +138,203 @@ def run(args) -> int:
     return 0 if ok and lost == 0 else 1
 
 
+# --- the scripted model change (--model-change) ------------------------------------------------------------------
+
+# (hour of the day, instances retired (None: those the previous change started), model started, its TP)
+MOVED = ("sm-2", "sm-3")
+
+
+def change_script(change_at_h: float, back_at_h: float) -> list[tuple[float, tuple[str, ...] | None, str, int]]:
+    """Two 8B GPUs join the 70B as one TP-2 instance at `change_at_h`, and go back to two 8B at `back_at_h` (0: not)."""
+    from octoserve.services.workload_day import LARGE, SMALL
+
+    script = [(change_at_h, MOVED, LARGE, 2)]
+    if back_at_h:
+        if back_at_h <= change_at_h:
+            raise ValueError(f"--back-at-h {back_at_h:g} must be after --change-at-h {change_at_h:g} "
+                             "(or 0: no move back)")
+        script.append((back_at_h, None, SMALL, 1))
+    return script
+
+
+def change_request(retire: tuple[str, ...], model: str, tp: int, reason: str):
+    from octoserve.services.rpc.gen import scheduler_pb2 as s_pb
+    from octoserve.services.rpc.gen import worker_pb2 as w_pb
+
+    return s_pb.ReconfigureRequest(reason=reason, model_change=s_pb.ModelChange(
+        retire=list(retire), model=model, role=w_pb.COLOCATED, tensor_parallel=tp))
+
+
+@dataclasses.dataclass(frozen=True)
+class ChangeTiming:
+    """One model change as carried out, simulated seconds: when it began (the retired instances stop taking new
+    requests), its drain (they finish their running ones) and its switch (their GPUs serve nothing until the
+    started instances serve)."""
+
+    label: str
+    at_s: float
+    drain_s: float
+    switch_s: float
+    drained: int
+
+    @property
+    def downtime_s(self) -> float:
+        return self.switch_s
+
+
+def sim_plan(node_cfg, script, hour_s: float):
+    """The script as (time, Reconfiguration) for the step-level simulator, built by the scheduler's own parser."""
+    from octoserve.services.scheduler.elastic import reconfiguration_from_pb
+
+    current = {i.id: i for i in node_cfg.instances}
+    plan, previous = [], ()
+    for at_h, retire, model, tp in script:
+        request = change_request(retire or previous, model, tp, f"scripted at hour {at_h:g}")
+        r = reconfiguration_from_pb(request, current, node_cfg)
+        for i in r.retire:
+            current.pop(i)
+        current.update({i.id: i for i in r.start})
+        previous = tuple(i.id for i in r.start)
+        plan.append((at_h * hour_s, r))
+    return plan
+
+
+async def scripted_changes(scheduler_address: str, script, hour_s: float, time_scale: float, t0: float
+                           ) -> list[ChangeTiming]:
+    """The script on the live node through `Scheduler.Reconfigure`, each at its hour after `t0` (monotonic, the
+    load harness's start); times reported in simulated seconds (wall / time scale)."""
+    import grpc
+
+    from octoserve.services.rpc.gen import scheduler_pb2_grpc as s_grpc
+
+    out: list[ChangeTiming] = []
+    previous: tuple[str, ...] = ()
+    async with grpc.aio.insecure_channel(scheduler_address) as channel:
+        stub = s_grpc.SchedulerStub(channel)
+        for at_h, retire, model, tp in script:
+            await asyncio.sleep(max(0.0, t0 + at_h * hour_s * time_scale - time.monotonic()))
+            began = (time.monotonic() - t0) / time_scale
+            reply = await stub.Reconfigure(change_request(retire or previous, model, tp, f"scripted at hour {at_h:g}"),
+                                           timeout=600)
+            out.append(ChangeTiming(_change_label((at_h, retire, model, tp)), began, reply.drain_s / time_scale,
+                                    reply.switch_s / time_scale, reply.drained_requests))
+            previous = tuple(reply.started)
+            print(f"  live: {out[-1].label} at {began:.2f} s: drained {reply.drained_requests} requests in "
+                  f"{out[-1].drain_s:.2f} s, switched in {out[-1].switch_s:.2f} s (simulated)", flush=True)
+    return out
+
+
+def _change_label(entry) -> str:
+    """A script entry in words: its GPUs and what they serve after it."""
+    _, retire, model, tp = entry
+    return f"{'+'.join(retire) if retire else 'the moved GPUs'} -> {model} TP {tp}"
+
+
+@dataclasses.dataclass
+class ModelChangeResult:
+    live: object  # metrics.Summary
+    sim: object
+    live_changes: list[ChangeTiming]
+    sim_changes: list[ChangeTiming]
+    live_lost: int
+    sim_lost: int
+
+    def goodput_diffs(self) -> dict[str, float]:
+        """Relative goodput difference live vs step-level simulator, overall and per model."""
+        out = {"all": _rel(self.live.overall.goodput_rps, self.sim.overall.goodput_rps)}
+        for g in self.live.per_model:
+            ref = next(s for s in self.sim.per_model if s.name == g.name)
+            out[g.name] = _rel(g.goodput_rps, ref.goodput_rps)
+        return out
+
+    @property
+    def agrees(self) -> bool:
+        return all(abs(d) <= TOLERANCE for d in self.goodput_diffs().values())
+
+    def table(self) -> str:
+        lines = ["| metric | live (dilated) | step-level elastic sim | live vs sim |", "|---|---|---|---|"]
+        diffs = self.goodput_diffs()
+        lines.append(f"| goodput req/s | {self.live.overall.goodput_rps:.2f} | {self.sim.overall.goodput_rps:.2f} | "
+                     f"{diffs['all']:+.1%} |")
+        for g in self.live.per_model:
+            ref = next(s for s in self.sim.per_model if s.name == g.name)
+            lines.append(f"| goodput {g.name} req/s | {g.goodput_rps:.2f} | {ref.goodput_rps:.2f} | "
+                         f"{diffs[g.name]:+.1%} |")
+        lines.append(f"| SLO attainment % | {100 * self.live.overall.attainment_offered:.2f} | "
+                     f"{100 * self.sim.overall.attainment_offered:.2f} | |")
+        lines.append(f"| refused % | {100 * self.live.overall.refused_fraction:.2f} | "
+                     f"{100 * self.sim.overall.refused_fraction:.2f} | |")
+        lines.append(f"| requests lost | {self.live_lost} | {self.sim_lost} | |")
+        for lv, sv in zip(self.live_changes, self.sim_changes):
+            lines.append(f"| {lv.label}: began at s | {lv.at_s:.2f} | {sv.at_s:.2f} | |")
+            lines.append(f"| ... requests drained | {lv.drained} | {sv.drained} | |")
+            lines.append(f"| ... drain s (instance takes no new request) | {lv.drain_s:.2f} | {sv.drain_s:.2f} | |")
+            lines.append(f"| ... switch s = downtime of the instance | {lv.switch_s:.2f} | {sv.switch_s:.2f} | |")
+        return "\n".join(lines)
+
+
+def run_model_change(args) -> ModelChangeResult:
+    from octoserve.services.config import node_config_from_text
+    from octoserve.services.launcher import start_node
+    from octoserve.services.loadgen import BenchOptions, run_bench
+    from octoserve.services.sim.elastic_step import ElasticStepSim
+
+    import yaml
+
+    profile = mix_shift_day(rate_rps=args.rate, hours=24.0, hour_s=args.hour_s)
+    requests = [dataclasses.replace(r, output_tokens=min(r.output_tokens, args.max_output))
+                for r in generate_day(profile, args.seed)]
+    trace = day_trace(requests)
+    config = node_config(args.config)
+    config.pop("elastic")  # no balancer: the script reconfigures
+    node_cfg = node_config_from_text(yaml.safe_dump(config))
+    missing = [i for i in MOVED if i not in {inst.id for inst in node_cfg.instances}]
+    if missing:
+        raise ValueError(f"--model-change moves {', '.join(MOVED)}: the config has no {', '.join(missing)}; use a "
+                         "placement with those 8B instances (the default one)")
+    script = change_script(args.change_at_h, args.back_at_h)
+    plan = sim_plan(node_cfg, script, args.hour_s)
+    t0 = time.perf_counter()
+    estep = ElasticStepSim(node_cfg, balance=False, plan_at=plan, period_s=PERIOD_S, window_s=WINDOW_S).run(trace)
+    sim_changes = [ChangeTiming(_change_label(entry), ev.planned_s, ev.drain_end_s - ev.planned_s,
+                                ev.done_s - ev.drain_end_s, ev.held)
+                   for entry, ev in zip(script, estep.reconfigs)]
+    print(f"step-level elastic simulator: {len(requests)} requests over {profile.duration_s:g} s in "
+          f"{time.perf_counter() - t0:.1f} s; {len(estep.done)} of {len(plan)} model changes done", flush=True)
+    print(f"live: {profile.duration_s * args.time_scale:.0f} s of arrivals at time scale {args.time_scale:g} ...",
+          flush=True)
+    node = start_node(config, args.time_scale, startup_timeout_s=180, grace_s=5)
+    try:
+        async def live():
+            t_start = time.monotonic()
+            return await asyncio.gather(
+                run_bench(node.router_address, trace, time_scale=args.time_scale,
+                          options=BenchOptions(drain_timeout_s=120.0)),
+                scripted_changes(node.scheduler.address, script, args.hour_s, args.time_scale, t_start))
+
+        records, live_changes = asyncio.run(live())
+    finally:
+        node.stop()
+    live_sum = summarize(records, profile.slo, profile.duration_s)
+    sim_sum = summarize(estep.sim.records, profile.slo, profile.duration_s)
+    return ModelChangeResult(live_sum, sim_sum, live_changes, sim_changes,
+                             live_sum.overall.num_errors + live_sum.overall.num_unfinished,
+                             estep.lost + sim_sum.overall.num_unfinished + (len(plan) - len(estep.done)))
+
+
+def _print_model_change(result: ModelChangeResult) -> int:
+    print("\n" + result.table())
+    print(f"\nagreement with the step-level elastic simulator (goodput overall and per model) within "
+          f"±{TOLERANCE:.0%}: {'yes' if result.agrees else 'NO'}; lost live: {result.live_lost}, "
+          f"simulated: {result.sim_lost}")
+    return 0 if result.agrees and result.live_lost == 0 and result.sim_lost == 0 else 1
+
+
 def _rel(live: float, ref: float) -> float:
     return (live - ref) / ref if ref else (0.0 if live == ref else float("inf"))
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=None, help="node config YAML (default: the embedded default)")
     parser.add_argument("--rate", type=float, default=8.0)
@@ -138,7 +342,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--time-scale", type=float, default=8.0)
     parser.add_argument("--max-output", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
-    return run(parser.parse_args(argv))
+    parser.add_argument("--model-change", action="store_true",
+                        help="no balancer: a scripted model change (two 8B GPUs -> a 70B TP 2 and back) instead")
+    parser.add_argument("--change-at-h", type=float, default=8.0, help="--model-change: hour of the move to the 70B")
+    parser.add_argument("--back-at-h", type=float, default=20.0,
+                        help="--model-change: hour of the move back to two 8B (0: none)")
+    args = parser.parse_args(argv)
+    if args.model_change:
+        try:
+            change_script(args.change_at_h, args.back_at_h)
+        except ValueError as e:
+            parser.error(str(e))
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    return _print_model_change(run_model_change(args)) if args.model_change else run(args)
 
 
 if __name__ == "__main__":
