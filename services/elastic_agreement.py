@@ -3,6 +3,7 @@ elastic balancer on in its scheduler, against the elastic simulator (services/si
 on the same trace with the same balancer policy.
 
     python -m octoserve.services.elastic_agreement [--rate 8] [--hour-s 1.0] [--time-scale 8] [--max-output 64]
+        [--cost-profile default|pessimistic]
 
 The day (services/workload_day.py, "mix-shift-day") is compressed further: one hour of the day is `--hour-s`
 simulated seconds (the named day uses 15 s), and true output lengths are capped at `--max-output` on both sides, so
@@ -56,13 +57,15 @@ def day_trace(requests: list[DayRequest]) -> list[TraceRequest]:
             for n, r in enumerate(requests)]
 
 
-def node_config(base_path: str | None) -> dict:
+def node_config(base_path: str | None, cost_profile: str | None = None) -> dict:
     import yaml
 
     from octoserve.services.config import default_config_text
 
     text = default_config_text() if base_path is None else open(base_path, encoding="utf-8").read()
     config = yaml.safe_load(text)
+    if cost_profile:
+        config["cost_profile"] = cost_profile
     config["elastic"] = {"balancer": "elastic", "period_s": PERIOD_S, "window_s": WINDOW_S, **POLICY}
     return config
 
@@ -80,7 +83,7 @@ def run(args) -> int:
     profile = mix_shift_day(rate_rps=args.rate, hours=24.0, hour_s=args.hour_s)
     requests = [dataclasses.replace(r, output_tokens=min(r.output_tokens, args.max_output))
                 for r in generate_day(profile, args.seed)]
-    config = node_config(args.config)
+    config = node_config(args.config, getattr(args, "cost_profile", None))
     node_cfg = node_config_from_text(yaml.safe_dump(config))
     t0 = time.perf_counter()
     sim = run_day(node_cfg, profile, requests, node_cfg.instances, "elastic", policy=BalancerPolicy(**POLICY),
@@ -285,7 +288,7 @@ def run_model_change(args) -> ModelChangeResult:
     requests = [dataclasses.replace(r, output_tokens=min(r.output_tokens, args.max_output))
                 for r in generate_day(profile, args.seed)]
     trace = day_trace(requests)
-    config = node_config(args.config)
+    config = node_config(args.config, getattr(args, "cost_profile", None))
     config.pop("elastic")  # no balancer: the script reconfigures
     node_cfg = node_config_from_text(yaml.safe_dump(config))
     missing = [i for i in MOVED if i not in {inst.id for inst in node_cfg.instances}]
@@ -342,6 +345,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--time-scale", type=float, default=8.0)
     parser.add_argument("--max-output", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    from octoserve.services.sim.cli_simulate import add_cost_profile_argument
+
+    add_cost_profile_argument(parser)
     parser.add_argument("--model-change", action="store_true",
                         help="no balancer: a scripted model change (two 8B GPUs -> a 70B TP 2 and back) instead")
     parser.add_argument("--change-at-h", type=float, default=8.0, help="--model-change: hour of the move to the 70B")
