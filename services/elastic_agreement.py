@@ -237,6 +237,7 @@ def _change_label(entry) -> str:
 class ModelChangeResult:
     live: object  # metrics.Summary
     sim: object
+    static: object  # the step-level simulator with no change (a diagnostic: what the changes were worth)
     live_changes: list[ChangeTiming]
     sim_changes: list[ChangeTiming]
     live_lost: int
@@ -255,24 +256,26 @@ class ModelChangeResult:
         return all(abs(d) <= TOLERANCE for d in self.goodput_diffs().values())
 
     def table(self) -> str:
-        lines = ["| metric | live (dilated) | step-level elastic sim | live vs sim |", "|---|---|---|---|"]
+        lines = ["| metric | live (dilated) | step-level elastic sim | live vs sim | step-level, no change "
+                 "(diagnostic) |", "|---|---|---|---|---|"]
         diffs = self.goodput_diffs()
         lines.append(f"| goodput req/s | {self.live.overall.goodput_rps:.2f} | {self.sim.overall.goodput_rps:.2f} | "
-                     f"{diffs['all']:+.1%} |")
+                     f"{diffs['all']:+.1%} | {self.static.overall.goodput_rps:.2f} |")
         for g in self.live.per_model:
             ref = next(s for s in self.sim.per_model if s.name == g.name)
+            static = next(s for s in self.static.per_model if s.name == g.name)
             lines.append(f"| goodput {g.name} req/s | {g.goodput_rps:.2f} | {ref.goodput_rps:.2f} | "
-                         f"{diffs[g.name]:+.1%} |")
-        lines.append(f"| SLO attainment % | {100 * self.live.overall.attainment_offered:.2f} | "
-                     f"{100 * self.sim.overall.attainment_offered:.2f} | |")
-        lines.append(f"| refused % | {100 * self.live.overall.refused_fraction:.2f} | "
-                     f"{100 * self.sim.overall.refused_fraction:.2f} | |")
-        lines.append(f"| requests lost | {self.live_lost} | {self.sim_lost} | |")
+                         f"{diffs[g.name]:+.1%} | {static.goodput_rps:.2f} |")
+        for name, get in (("SLO attainment %", lambda s: s.overall.attainment_offered),
+                          ("refused %", lambda s: s.overall.refused_fraction)):
+            lines.append(f"| {name} | " + " | ".join(f"{100 * get(s):.2f}" for s in (self.live, self.sim)) +
+                         f" | | {100 * get(self.static):.2f} |")
+        lines.append(f"| requests lost | {self.live_lost} | {self.sim_lost} | | |")
         for lv, sv in zip(self.live_changes, self.sim_changes):
-            lines.append(f"| {lv.label}: began at s | {lv.at_s:.2f} | {sv.at_s:.2f} | |")
-            lines.append(f"| ... requests drained | {lv.drained} | {sv.drained} | |")
-            lines.append(f"| ... drain s (instance takes no new request) | {lv.drain_s:.2f} | {sv.drain_s:.2f} | |")
-            lines.append(f"| ... switch s = downtime of the instance | {lv.switch_s:.2f} | {sv.switch_s:.2f} | |")
+            lines.append(f"| {lv.label}: began at s | {lv.at_s:.2f} | {sv.at_s:.2f} | | |")
+            lines.append(f"| ... requests drained | {lv.drained} | {sv.drained} | | |")
+            lines.append(f"| ... drain s (instance takes no new request) | {lv.drain_s:.2f} | {sv.drain_s:.2f} | | |")
+            lines.append(f"| ... switch s = downtime of the instance | {lv.switch_s:.2f} | {sv.switch_s:.2f} | | |")
         return "\n".join(lines)
 
 
@@ -320,7 +323,9 @@ def run_model_change(args) -> ModelChangeResult:
         node.stop()
     live_sum = summarize(records, profile.slo, profile.duration_s)
     sim_sum = summarize(estep.sim.records, profile.slo, profile.duration_s)
-    return ModelChangeResult(live_sum, sim_sum, live_changes, sim_changes,
+    static = ElasticStepSim(node_cfg, balance=False, period_s=PERIOD_S, window_s=WINDOW_S).run(trace)
+    return ModelChangeResult(live_sum, sim_sum, summarize(static.sim.records, profile.slo, profile.duration_s),
+                             live_changes, sim_changes,
                              live_sum.overall.num_errors + live_sum.overall.num_unfinished,
                              estep.lost + sim_sum.overall.num_unfinished + (len(plan) - len(estep.done)))
 
