@@ -83,7 +83,7 @@ def run(args) -> int:
     profile = mix_shift_day(rate_rps=args.rate, hours=24.0, hour_s=args.hour_s)
     requests = [dataclasses.replace(r, output_tokens=min(r.output_tokens, args.max_output))
                 for r in generate_day(profile, args.seed)]
-    config = node_config(args.config, getattr(args, "cost_profile", None))
+    config = node_config(args.config, args.cost_profile)
     node_cfg = node_config_from_text(yaml.safe_dump(config))
     t0 = time.perf_counter()
     sim = run_day(node_cfg, profile, requests, node_cfg.instances, "elastic", policy=BalancerPolicy(**POLICY),
@@ -143,14 +143,18 @@ def run(args) -> int:
 
 # --- the scripted model change (--model-change) ------------------------------------------------------------------
 
-# (hour of the day, instances retired (None: those the previous change started), model started, its TP)
-MOVED = ("sm-2", "sm-3")
+MOVED = ("sm-2", "sm-3")  # the 8B instances whose GPUs (6, 7) move to the 70B
 
 
 def change_script(change_at_h: float, back_at_h: float) -> list[tuple[float, tuple[str, ...] | None, str, int]]:
-    """Two 8B GPUs join the 70B as one TP-2 instance at `change_at_h`, and go back to two 8B at `back_at_h` (0: not)."""
+    """Two 8B GPUs join the 70B as one TP-2 instance at `change_at_h`, and go back to two 8B at `back_at_h` (0: not).
+    Entries: (hour of the day, instances retired (None: those the previous change started), model started, its TP)."""
     from octoserve.services.workload_day import LARGE, SMALL
 
+    if not 0 <= change_at_h < 24:
+        raise ValueError(f"--change-at-h {change_at_h:g} must be an hour of the day, in [0, 24)")
+    if back_at_h >= 24:
+        raise ValueError(f"--back-at-h {back_at_h:g} must be an hour of the day, under 24 (or 0: no move back)")
     script = [(change_at_h, MOVED, LARGE, 2)]
     if back_at_h:
         if back_at_h <= change_at_h:
@@ -291,7 +295,7 @@ def run_model_change(args) -> ModelChangeResult:
     requests = [dataclasses.replace(r, output_tokens=min(r.output_tokens, args.max_output))
                 for r in generate_day(profile, args.seed)]
     trace = day_trace(requests)
-    config = node_config(args.config, getattr(args, "cost_profile", None))
+    config = node_config(args.config, args.cost_profile)
     config.pop("elastic")  # no balancer: the script reconfigures
     node_cfg = node_config_from_text(yaml.safe_dump(config))
     missing = [i for i in MOVED if i not in {inst.id for inst in node_cfg.instances}]

@@ -35,6 +35,9 @@ def test_a_move_back_before_the_move_is_refused_with_what_to_change():
         ea.parse_args(["--model-change", "--change-at-h", "10", "--back-at-h", "5"])
     with pytest.raises(ValueError, match="--back-at-h 5 must be after --change-at-h 10"):
         ea.change_script(10.0, 5.0)
+    with pytest.raises(ValueError, match=r"--change-at-h 30 must be an hour of the day, in \[0, 24\)"):
+        ea.change_script(30.0, 0.0)
+    assert [entry[0] for entry in ea.change_script(8.0, 0.0)] == [8.0]  # 0: no move back
 
 
 def test_a_live_model_change_agrees_with_the_step_level_simulator_and_loses_nothing():
