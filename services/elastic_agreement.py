@@ -40,7 +40,7 @@ from octoserve.services.core.balancer import BalancerPolicy
 from octoserve.services.core.types import Priority
 from octoserve.services.metrics import summarize
 from octoserve.services.workload import TraceRequest
-from octoserve.services.workload_day import DayRequest, generate_day, mix_shift_day
+from octoserve.services.workload_day import LARGE, SMALL, DayRequest, generate_day, mix_shift_day
 
 TOLERANCE = 0.15
 # The balancer's policy on both sides, sized for a shortened day (a move must pay for itself over 30 s).
@@ -149,8 +149,6 @@ MOVED = ("sm-2", "sm-3")  # the 8B instances whose GPUs (6, 7) move to the 70B
 def change_script(change_at_h: float, back_at_h: float) -> list[tuple[float, tuple[str, ...] | None, str, int]]:
     """Two 8B GPUs join the 70B as one TP-2 instance at `change_at_h`, and go back to two 8B at `back_at_h` (0: not).
     Entries: (hour of the day, instances retired (None: those the previous change started), model started, its TP)."""
-    from octoserve.services.workload_day import LARGE, SMALL
-
     if not 0 <= change_at_h < 24:
         raise ValueError(f"--change-at-h {change_at_h:g} must be an hour of the day, in [0, 24)")
     if back_at_h >= 24:
@@ -246,6 +244,8 @@ class ModelChangeResult:
     sim_changes: list[ChangeTiming]
     live_lost: int
     sim_lost: int
+    live_records: list = dataclasses.field(default_factory=list)  # metrics.RequestRecord, for the plot
+    sim_records: list = dataclasses.field(default_factory=list)
 
     def goodput_diffs(self) -> dict[str, float]:
         """Relative goodput difference live vs step-level simulator, overall and per model."""
@@ -328,10 +328,39 @@ def run_model_change(args) -> ModelChangeResult:
     live_sum = summarize(records, profile.slo, profile.duration_s)
     sim_sum = summarize(estep.sim.records, profile.slo, profile.duration_s)
     static = ElasticStepSim(node_cfg, balance=False, period_s=PERIOD_S, window_s=WINDOW_S).run(trace)
-    return ModelChangeResult(live_sum, sim_sum, summarize(static.sim.records, profile.slo, profile.duration_s),
-                             live_changes, sim_changes,
-                             live_sum.overall.num_errors + live_sum.overall.num_unfinished,
-                             estep.lost + sim_sum.overall.num_unfinished + (len(plan) - len(estep.done)))
+    result = ModelChangeResult(live_sum, sim_sum, summarize(static.sim.records, profile.slo, profile.duration_s),
+                               live_changes, sim_changes,
+                               live_sum.overall.num_errors + live_sum.overall.num_unfinished,
+                               estep.lost + sim_sum.overall.num_unfinished + (len(plan) - len(estep.done)),
+                               records, estep.sim.records)
+    if getattr(args, "plot", None):
+        plot_model_change(result, profile.slo, args.plot, bin_s=2 * args.hour_s)
+    return result
+
+
+def plot_model_change(result: ModelChangeResult, slo, path: str, bin_s: float) -> None:
+    """Goodput per model over the day (by arrival, `bin_s` bins), live and simulated, with each change's drain
+    (light) and switch (dark) shaded: live above the axis' middle, simulated below."""
+    from octoserve.services import plots
+    from octoserve.services.metrics import attainment_over_time
+
+    fig, ax = plots.plt.subplots(figsize=(10, 4.5))
+    for model, colour in ((SMALL, "tab:blue"), (LARGE, "tab:red")):
+        for name, records, style in (("live", result.live_records, "-"), ("step-level sim", result.sim_records, "--")):
+            bins = attainment_over_time([r for r in records if r.model == model], slo, bin_s)
+            ax.plot([b.start_s + bin_s / 2 for b in bins], [b.num_good / bin_s for b in bins], style, color=colour,
+                    label=f"{model}, {name}")
+    for changes, (y0, y1) in ((result.live_changes, (0.5, 1.0)), (result.sim_changes, (0.0, 0.5))):
+        for c in changes:
+            ax.axvspan(c.at_s, c.at_s + c.drain_s, y0, y1, color="grey", alpha=0.2)
+            ax.axvspan(c.at_s + c.drain_s, c.at_s + c.drain_s + c.switch_s, y0, y1, color="grey", alpha=0.5)
+    ax.set_xlabel("simulated seconds (arrival time)")
+    ax.set_ylabel("goodput (req/s meeting every SLO)")
+    ax.set_title("A model change live vs the step-level simulator (shaded: drain, then switch; top live, bottom sim)",
+                 fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper right")
+    print(f"plot: {plots._save(fig, path)}")
 
 
 def _print_model_change(result: ModelChangeResult) -> int:
@@ -360,6 +389,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model-change", action="store_true",
                         help="no balancer: a scripted model change (two 8B GPUs -> a 70B TP 2 and back) instead")
     parser.add_argument("--change-at-h", type=float, default=8.0, help="--model-change: hour of the move to the 70B")
+    parser.add_argument("--plot", default=None, help="--model-change: PNG of goodput per model over the day")
     parser.add_argument("--back-at-h", type=float, default=20.0,
                         help="--model-change: hour of the move back to two 8B (0: none)")
     args = parser.parse_args(argv)
