@@ -10,7 +10,8 @@ flips it back. Held to:
 - the router followed the placement: before the first flip both instances served requests; between the flips only
   `tiny-0` did (a prefill instance with no decode partner takes no request); after the flip back `tiny-1` served
   requests again, as a colocated instance (one instance per request). Requests sent while a flip ran may go either
-  way (the router learns of the drain by its watch stream); every one of them is served in full all the same.
+  way (the router learns of the drain by its watch stream; one that reaches `tiny-1` as its drain begins is refused
+  before its first token and placed on `tiny-0`); every one of them is served in full all the same.
 Nothing here asserts a duration. Engine budget: two vLLM instances.
 """
 
@@ -56,6 +57,8 @@ def test_a_vllm_worker_flips_role_through_the_node_under_load_and_the_router_fol
     before = run.routed(0.0, to_prefill.began_s)
     between = run.routed(to_prefill.ended_s, back.began_s)
     after = run.routed(back.ended_s)
-    assert set(before) == {"tiny-0", FLIPPED}, before
+    # A request sent as the first flip began may reach tiny-1 as it starts draining: refused before its first token,
+    # the router places it on tiny-0 (its access-log line lists both, the refusing one first).
+    assert {"tiny-0", FLIPPED} <= set(before) <= {"tiny-0", FLIPPED, f"{FLIPPED}>tiny-0"}, before
     assert set(between) == {"tiny-0"}, between
     assert FLIPPED in after and set(after) <= {"tiny-0", FLIPPED}, after
