@@ -7,6 +7,8 @@
   drops the instance's prefix-index entries (the new engine starts with an empty cache).
 - A removed instance leaves routing, its prefix-index entries are dropped, and its session is closed after
   `RETIRE_GRACE_S` (cleanup RPCs of requests that just finished there still find it).
+- After a role change or a removal the old session is read until the worker ends it (or the grace passes): the
+  last tokens of requests that finished in the drain can arrive after the placement change that follows it.
 - The routing view is `config` with the SERVING instances only: `policy.config` and `servicer.config` are
   replaced together, between two requests (one event loop).
 If the stream breaks (the scheduler died or restarts), the router keeps serving on the last placement and
@@ -116,7 +118,7 @@ class PlacementFollower:
             role_changed = old is not None and old.role is not inst.role
             if p.address and (client is None or client.address != p.address or role_changed):
                 if client is not None:
-                    self._retire_client(inst.id)
+                    self._retire_client(inst.id, graceful=client.address == p.address)
                 if role_changed:
                     self.policy.forget_instance(inst.id)
                 new = self.make_client(inst, p.address)
@@ -125,7 +127,7 @@ class PlacementFollower:
                     new.start()
         for iid in [i for i in self.pool.clients if i not in seen]:
             self.policy.forget_instance(iid)
-            self._retire_client(iid)
+            self._retire_client(iid, graceful=True)
         for iid, inst in seen.items():
             if iid not in self.policy.cost_models:
                 self.policy.cost_models[iid] = self.base.cost_model(inst)
@@ -143,9 +145,14 @@ class PlacementFollower:
                 "draining": [i for i, s in states.items() if s == s_pb.INSTANCE_DRAINING],
                 "starting": [i for i, s in states.items() if s == s_pb.INSTANCE_STARTING]}})
 
-    def _retire_client(self, instance_id: str) -> None:
+    def _retire_client(self, instance_id: str, graceful: bool) -> None:
+        """graceful: the instance drained (a role change, a removal), its last tokens may still be on the way; else
+        (a new address: the worker restarted) its old streams are dead and end now."""
         client = self.pool.clients.pop(instance_id)
-        client.stop_streams()
+        if graceful:
+            client.retire()
+        else:
+            client.stop_streams()
         client.mark_down()
         self.pool.retired[instance_id] = client
 

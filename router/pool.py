@@ -85,6 +85,7 @@ class WorkerClient:
         self.hung = False
         self.ignored: set[str] = set()
         self.on_resumed: Callable[[WorkerClient], None] = lambda client: None
+        self.retiring = False  # changed role or left the placement: the token stream ends when the worker ends it
         self._on_delta = on_delta
         self._on_down = on_down
         self._on_kv_events = on_kv_events
@@ -107,6 +108,17 @@ class WorkerClient:
         for task in self._tasks:
             task.cancel()
 
+    def retire(self) -> None:
+        """A graceful end, for an instance that drained and then changed role or left the placement: the load
+        stream stops now; the token stream is read until the worker ends it, so the last tokens of requests that
+        finished in the drain still arrive (they may be behind the placement change), and its end is neither
+        reported as a lost worker nor reconnected (a new session to the same worker uses this router's session
+        id). `close` ends whatever is left."""
+        self.retiring = True
+        for task in self._tasks:
+            if task.get_name().startswith("load-"):
+                task.cancel()
+
     async def _attach_loop(self) -> None:
         attempt = 0
         while True:
@@ -126,6 +138,8 @@ class WorkerClient:
             except Exception:  # a bug in delta handling must not silently end the session for every request
                 log.exception("token session handling failed", extra={"fields": {"instance": self.instance_id}})
                 reason = f"the router failed handling tokens from {self.instance_id}"
+            if self.retiring:
+                return
             self.attached.clear()
             self.mark_down()
             self._on_down(self.instance_id, reason)
