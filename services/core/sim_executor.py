@@ -21,7 +21,7 @@ def sim_token_id(prompt_len: int, first_prompt_token: int, position: int) -> int
     return SIM_TOKEN_LO + (position * 7919 + prompt_len * 104_729 + first_prompt_token * 31) % SIM_TOKEN_SPAN
 
 
-def _token_key(spec, num_prompt_tokens: int) -> tuple[int | float, int]:
+def token_key(spec, num_prompt_tokens: int) -> tuple[int | float, int]:
     """(request length at which the sampled token is EOS, offset): for a request of `num_tokens` tokens below
     that length, `sim_token_id` of its next output position is SIM_TOKEN_LO + (num_tokens * 7919 + offset) %
     SIM_TOKEN_SPAN. Position p = num_tokens - prompt is EOS when p + 1 >= sim_output_len."""
@@ -69,11 +69,13 @@ class SimExecutor:
             num_samples += 1
             key = req.executor_key
             if key is None:
-                key = req.executor_key = _token_key(req.spec, req.num_prompt_tokens)
+                key = req.executor_key = token_key(req.spec, req.num_prompt_tokens)
             eos_at, offset = key
             num_tokens = len(req.token_ids)
             # sim_token_id of output position num_tokens - prompt length, in the key's terms (once per token)
             append(eos if num_tokens >= eos_at else SIM_TOKEN_LO + (num_tokens * 7919 + offset) % SIM_TOKEN_SPAN)
+        # A steady batcher's implicit decodes (steady_batcher.py) sample their tokens there, from `token_key`.
         step_s = self.cost_model.chunks_time_s(step.num_new, step.contexts, num_samples,
-                                               step.swap_in_blocks + step.swap_out_blocks, self.block_size)
+                                               step.swap_in_blocks + step.swap_out_blocks, self.block_size,
+                                               step.num_steady, step.steady_tokens)
         return sampled, step_s
