@@ -48,12 +48,14 @@ SLACK_TIE_S = 1e-6  # keys closer than this to the smallest are evaluated exactl
 class _Steady:
     """A steady request's state: its length is c + s at the plan of step s (s0 <= s)."""
 
-    __slots__ = ("c", "s0", "next_update", "next_grow", "slack_key")
+    __slots__ = ("c", "s0", "order", "stop_step", "next_update", "next_grow", "slack_key")
 
-    def __init__(self, c: int, s0: int) -> None:
+    def __init__(self, c: int, s0: int, order: tuple) -> None:
         self.c = c  # length minus step count: fixed while steady
         self.s0 = s0  # step up to which its tokens and times are written out
-        self.next_update = 0  # step whose update has an event for it (block full, finish)
+        self.order = order  # (victim key, run_seq): its place in the running list
+        self.stop_step = 0  # step whose sampled token ends it (EOS or length)
+        self.next_update = 0  # step whose update has an event for it (block full, stop)
         self.next_grow = 0  # step whose plan finds its KV full
         self.slack_key: tuple = ()  # its entry in SteadyBatcher._slack
 
@@ -90,17 +92,23 @@ class SteadyBatcher(Batcher):
         if upto <= s0:
             return
         tokens = req.token_ids
-        start, end = len(tokens), st.c + upto
-        eos_at, offset = req.executor_key
-        plain_end = end if end <= eos_at else max(start, int(eos_at))  # past eos_at: EOS ids (ignore_eos only)
-        tokens.extend([SIM_TOKEN_LO + (n * 7919 + offset) % SIM_TOKEN_SPAN for n in range(start, plain_end)])
-        if plain_end < end:
-            tokens.extend([self.config.eos_token_id] * (end - plain_end))
+        end = st.c + upto
+        tokens.extend(self._tokens(req, len(tokens), end))
         req.num_computed_tokens = end - 1
         times = self._times[s0:upto]
         req.last_token_s = times[-1]
         self._flushed.append((req.request_id, times))
         st.s0 = upto
+
+    def _tokens(self, req: Request, start: int, end: int) -> list[int]:
+        """The tokens `req` samples at lengths start..end-1 (SimExecutor's formula; EOS past eos_at, which only
+        an ignore_eos request reaches)."""
+        eos_at, offset = req.executor_key
+        if end <= eos_at:
+            return [SIM_TOKEN_LO + (n * 7919 + offset) % SIM_TOKEN_SPAN for n in range(start, end)]
+        plain_end = max(start, int(eos_at))
+        return ([SIM_TOKEN_LO + (n * 7919 + offset) % SIM_TOKEN_SPAN for n in range(start, plain_end)]
+                + [self.config.eos_token_id] * (end - plain_end))
 
     def _leave(self, req: Request) -> None:
         """Write `req` out (up to now) and make it explicit again."""
@@ -122,9 +130,15 @@ class SteadyBatcher(Batcher):
 
     def _join(self, req: Request, s: int) -> None:
         num_tokens = len(req.token_ids)
-        st = req.steady = _Steady(num_tokens - s, s)
+        st = req.steady = _Steady(num_tokens - s, s, (req.victim_key, req.run_seq))
         if req.executor_key is None:
             req.executor_key = token_key(req.spec, req.num_prompt_tokens)
+        eos_at = req.executor_key[0]
+        # Update of step k samples at length c + k: EOS from eos_at on, and the length stop at stop_len - 1.
+        stop = req.stop_len - 1 - st.c
+        if not req.spec.sampling.ignore_eos and eos_at != float("inf"):
+            stop = min(stop, int(eos_at) - st.c)
+        st.stop_step = max(s, stop)
         self._num_steady += 1
         self._sum_c += st.c
         st.slack_key = (req.first_token_s + (st.c - req.num_prompt_tokens) * self.config.tpot_target_s,
@@ -135,13 +149,10 @@ class SteadyBatcher(Batcher):
 
     def _plan_update(self, req: Request, st: _Steady, s: int) -> None:
         """Bucket `req`'s next update event from step `s` on: the first of a block filling and its stop."""
-        c = st.c
         # Update of step k: its computed count reaches c + k; a multiple of the block size fills a block.
-        k = s + (-(c + s)) % self.block_size
-        eos_at = req.executor_key[0]
-        if not req.spec.sampling.ignore_eos and eos_at != float("inf"):
-            k = min(k, max(s, int(eos_at) - c))  # the token sampled at length eos_at is EOS
-        k = min(k, max(s, req.stop_len - 1 - c))  # the token that brings its length to stop_len
+        k = s + (-(st.c + s)) % self.block_size
+        if k > st.stop_step:
+            k = st.stop_step
         st.next_update = k
         self._update_at.setdefault(k, []).append((req, st))
 
@@ -157,10 +168,10 @@ class SteadyBatcher(Batcher):
         entries = bucket.pop(s, None)
         if not entries:
             return []
-        due = [r for r, st in entries if r.steady is st and getattr(st, attr) == s]
+        due = [(st.order, r) for r, st in entries if r.steady is st and getattr(st, attr) == s]
         if len(due) > 1:
-            due.sort(key=_run_order)
-        return due
+            due.sort()  # orders are unique: never compares requests
+        return [r for _, r in due]
 
     # ---- hooks: everything that reads or changes a request one by one writes a steady one out first ----------
 
@@ -294,34 +305,39 @@ class SteadyBatcher(Batcher):
                        plain: list[Request], left: list[Request]) -> None:
         """The update of step `k` for the steady requests with an event in it, and those of its decodes written
         out since its plan, in running-list order."""
-        kv = self.kv
         block_size = self.block_size
-        eos = self.config.eos_token_id
         due = self._due(self._update_at, k, "next_update")
         if left:
             due = sorted(due + left, key=_run_order)
+        kv = self.kv
         for req in due:
             st = req.steady
             if st is None:  # written out since the plan: the plain path's update, for it alone
-                eos_at, offset = req.executor_key
                 num_tokens = len(req.token_ids)
-                token = eos if num_tokens >= eos_at else SIM_TOKEN_LO + (num_tokens * 7919 + offset) % SIM_TOKEN_SPAN
-                self._apply_chunks((req,), (1,), (token,), now, outputs, handoffs, plain)
+                self._apply_chunks((req,), (1,), self._tokens(req, num_tokens, num_tokens + 1), now, outputs,
+                                   handoffs, plain)
                 continue
-            self._sync(req, k)
-            num_tokens = st.c + k
-            eos_at, offset = req.executor_key
-            token = eos if num_tokens >= eos_at else SIM_TOKEN_LO + (num_tokens * 7919 + offset) % SIM_TOKEN_SPAN
-            stops = (token == eos and not req.spec.sampling.ignore_eos) or num_tokens + 1 >= req.stop_len
-            if stops:
+            num_tokens = st.c + k  # its length at this step's plan; its computed count reaches it now
+            if k == st.stop_step:
                 self._leave(req)
-                self._apply_chunks((req,), (1,), (token,), now, outputs, handoffs, plain)
+                self._apply_chunks((req,), (1,), self._tokens(req, num_tokens, num_tokens + 1), now, outputs,
+                                   handoffs, plain)
                 continue
-            # A block became full: the one thing of this step's update that is not implicit.
-            req.num_computed_tokens = num_tokens
-            if num_tokens % block_size == 0:
-                kv.cache_computed(req.request_id, req.token_ids, num_tokens)
-            self._plan_update(req, st, k + 1)
+            # A block became full: the one thing of this step's update that is not implicit. Its tokens come
+            # from the formula where not written out yet; the request itself stays as it was.
+            tokens = req.token_ids
+            start = num_tokens - block_size
+            if len(tokens) >= num_tokens:
+                block = tokens[start:num_tokens]
+            else:
+                block = tokens[start:] + self._tokens(req, max(start, len(tokens)), num_tokens)
+            if not kv.cache_next_block(req.request_id, num_tokens // block_size, block):
+                self._sync(req, k)
+                req.num_computed_tokens = num_tokens
+                kv.cache_computed(req.request_id, tokens, num_tokens)
+            next_update = k + block_size
+            st.next_update = next_update if next_update < st.stop_step else st.stop_step
+            self._update_at.setdefault(st.next_update, []).append((req, st))
 
 
 class _SteadyBuilder(_CompactBuilder):
