@@ -77,6 +77,9 @@ class SteadyBatcher(Batcher):
         self._in_flight = False
         self._left_in_flight: list[Request] = []
         self._steady_ok = config.role is not Role.PREFILL  # prefill-role requests stop at their first token
+        # Every running request that is not steady, and maybe some that left the running list since (their status
+        # says so): what `queued_prefill_tokens` reads, at each routing decision, instead of the whole batch.
+        self._explicit: set[Request] = set()
 
     # ---- write-out -------------------------------------------------------------------------------------------
 
@@ -119,6 +122,7 @@ class SteadyBatcher(Batcher):
         slack = self._slack
         del slack[bisect.bisect_left(slack, st.slack_key)]
         req.steady = None
+        self._explicit.add(req)
 
     def sync_all(self) -> None:
         """Make every request explicit (before anything reads or changes them request by request)."""
@@ -131,6 +135,7 @@ class SteadyBatcher(Batcher):
     def _join(self, req: Request, s: int) -> None:
         num_tokens = len(req.token_ids)
         st = req.steady = _Steady(num_tokens - s, s, (req.victim_key, req.run_seq))
+        self._explicit.discard(req)
         if req.executor_key is None:
             req.executor_key = token_key(req.spec, req.num_prompt_tokens)
         eos_at = req.executor_key[0]
@@ -185,7 +190,28 @@ class SteadyBatcher(Batcher):
     def _finish(self, req: Request, *, observe: bool) -> None:
         if req.steady is not None:
             self._leave(req)
+        self._explicit.discard(req)
         super()._finish(req, observe=observe)
+
+    def _set_running(self, req: Request) -> None:
+        super()._set_running(req)
+        self._explicit.add(req)
+
+    def _make_room(self, req: Request, num_tokens: int, step) -> bool:
+        fits = super()._make_room(req, num_tokens, step)
+        if not fits and self._truncated and self._truncated[-1] is req:
+            self._explicit.discard(req)  # off the running list, still marked running until the update ends it
+        return fits
+
+    def queued_prefill_tokens(self) -> int:
+        waiting = sum(r.num_uncomputed_tokens for r in self._waiting)
+        running = RequestStatus.RUNNING
+        gone = [r for r in self._explicit if r.status is not running]
+        for r in gone:
+            self._explicit.discard(r)
+        # A steady request has exactly one token to compute: it adds nothing here.
+        partial = sum(u for r in self._explicit if (u := len(r.token_ids) - r.num_computed_tokens) > 1)
+        return waiting + partial
 
     def schedule(self, now: float, step_cap_s: float | None = None):
         self.sync_all()
@@ -327,10 +353,10 @@ class SteadyBatcher(Batcher):
             # from the formula where not written out yet; the request itself stays as it was.
             tokens = req.token_ids
             start = num_tokens - block_size
-            if len(tokens) >= num_tokens:
-                block = tokens[start:num_tokens]
-            else:
-                block = tokens[start:] + self._tokens(req, max(start, len(tokens)), num_tokens)
+            if len(tokens) < num_tokens:
+                # Written out ahead of the request's count, once: `_sync` carries on from the end of the list.
+                tokens.extend(self._tokens(req, len(tokens), num_tokens))
+            block = tokens[start:num_tokens]
             if not kv.cache_next_block(req.request_id, num_tokens // block_size, block):
                 self._sync(req, k)
                 req.num_computed_tokens = num_tokens
