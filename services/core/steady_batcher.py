@@ -247,9 +247,10 @@ class SteadyBatcher(Batcher):
         s = len(self._times)
         prefills: list[Request] = []
         if len(self._running) != self._num_steady:
-            for r in self._running:
-                if r.steady is not None:
-                    continue
+            running = RequestStatus.RUNNING
+            explicit = [r for r in self._explicit if r.status is running]
+            explicit.sort(key=_run_order)  # the running list's order, without a pass over the batch
+            for r in explicit:
                 if len(r.token_ids) - r.num_computed_tokens != 1:
                     prefills.append(r)
                 elif r.first_token_s is not None:
