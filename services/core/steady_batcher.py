@@ -107,11 +107,13 @@ class SteadyBatcher(Batcher):
         """The tokens `req` samples at lengths start..end-1 (SimExecutor's formula; EOS past eos_at, which only
         an ignore_eos request reaches)."""
         eos_at, offset = req.executor_key
-        if end <= eos_at:
-            return [SIM_TOKEN_LO + (n * 7919 + offset) % SIM_TOKEN_SPAN for n in range(start, end)]
-        plain_end = max(start, int(eos_at))
-        return ([SIM_TOKEN_LO + (n * 7919 + offset) % SIM_TOKEN_SPAN for n in range(start, plain_end)]
-                + [self.config.eos_token_id] * (end - plain_end))
+        plain_end = end if end <= eos_at else max(start, int(eos_at))
+        # n * 7919 + offset for n in start..plain_end-1, stepped instead of multiplied
+        tokens = [SIM_TOKEN_LO + x % SIM_TOKEN_SPAN
+                  for x in range(start * 7919 + offset, plain_end * 7919 + offset, 7919)]
+        if plain_end < end:
+            tokens.extend([self.config.eos_token_id] * (end - plain_end))
+        return tokens
 
     def _leave(self, req: Request) -> None:
         """Write `req` out (up to now) and make it explicit again."""
