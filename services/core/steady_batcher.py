@@ -4,13 +4,17 @@ In a large decode batch almost every request does the same thing every step: it 
 (deterministic, `sim_executor.token_key`) and goes on. `SteadyBatcher` runs the same policy as `Batcher` (it is
 one, with the same `schedule_compact` / `update_compact` calls) but keeps such requests, the *steady* set, off the
 per-step path: a steady request's length is `c + s`, where `s` counts this batcher's updates (`self._times`, the
-end time of each) and `c` is fixed while it stays steady. Its token ids, `num_computed_tokens`, `last_token_s` and
-token times are written out (`_sync`) only at its events, each found in advance and bucketed by step:
+end time of each) and `c` is fixed while it stays steady. Work for it happens only at its events, each found in
+advance and bucketed by step:
 - at planning: its KV blocks are full (it needs one more block: `_grow`, as the plain path does);
-- at update: a block became full (`KVCacheManager.cache_computed`, the prefix cache), or its token ends it (EOS,
-  length), where the plain path's code (`_apply_chunks`) runs for it alone;
-and whenever anything else is about to read or change it (preemption, abort, a fallback step). The step's context
-totals come from `sum(c) + n * s`, so the cost model sees the same integers and gives the same float.
+- at update: a block became full (its tokens are written into `token_ids` up to there and the block is hashed into
+  the prefix cache, `KVCacheManager.cache_next_block`), or its token ends it (EOS, length), where the plain path's
+  code (`_apply_chunks`) runs for it alone.
+Its `num_computed_tokens`, `last_token_s` and token times are written out (`_sync`) when it stops and whenever
+anything else is about to read or change it (preemption, abort, a fallback step, the caller's `sync_all`); until
+then they are stale (its `token_ids` may run ahead of them), so `queued_prefill_tokens` and the plan read only the
+explicit requests. The step's context totals come from `sum(c) + n * s`, so the cost model sees the same integers
+and gives the same float.
 
 Exactness: every decision the plain batcher makes, in the same order. Steady requests at an event are handled in
 running-list order (victim key, then `run_seq`) before the step's explicit chunks, as the plain path handles
@@ -39,7 +43,7 @@ from octoserve.services.core.batcher import (
     RequestStatus,
     _CompactBuilder,
 )
-from octoserve.services.core.sim_executor import SIM_TOKEN_LO, SIM_TOKEN_SPAN, token_key
+from octoserve.services.core.sim_executor import SIM_TOKEN_LO, SIM_TOKEN_SPAN, SIM_TOKEN_STEP, token_key
 from octoserve.services.core.types import HandoffReady, RequestOutput, Role
 
 SLACK_TIE_S = 1e-6  # keys closer than this to the smallest are evaluated exactly (float rounding is ~1e-14 s)
@@ -66,8 +70,10 @@ class SteadyBatcher(Batcher):
         self._times: list[float] = []  # end time of each update so far; step s is the (s+1)-th
         self._num_steady = 0
         self._sum_c = 0  # sum of the steady requests' c: their lengths sum to _sum_c + _num_steady * s
-        self._grow_at: dict[int, list[Request]] = {}  # step -> steady requests whose plan needs a block
-        self._update_at: dict[int, list[Request]] = {}  # step -> steady requests with an event in its update
+        # step -> (request, its steady state) whose plan needs a block / with an event in its update; an entry of an
+        # earlier steady spell, or one moved to another step, is stale and skipped (`_due`)
+        self._grow_at: dict[int, list[tuple[Request, _Steady]]] = {}
+        self._update_at: dict[int, list[tuple[Request, _Steady]]] = {}
         # (first_token_s + (c - prompt) * tpot target, run order, request) of every steady request, sorted: the
         # smallest keys give the tightest TPOT deadline (`_slack_budget`) without a pass over the batch.
         self._slack: list[tuple] = []
@@ -108,9 +114,9 @@ class SteadyBatcher(Batcher):
         an ignore_eos request reaches)."""
         eos_at, offset = req.executor_key
         plain_end = end if end <= eos_at else max(start, int(eos_at))
-        # n * 7919 + offset for n in start..plain_end-1, stepped instead of multiplied
-        tokens = [SIM_TOKEN_LO + x % SIM_TOKEN_SPAN
-                  for x in range(start * 7919 + offset, plain_end * 7919 + offset, 7919)]
+        # n * SIM_TOKEN_STEP + offset for n in start..plain_end-1, stepped instead of multiplied
+        tokens = [SIM_TOKEN_LO + x % SIM_TOKEN_SPAN for x in range(
+            start * SIM_TOKEN_STEP + offset, plain_end * SIM_TOKEN_STEP + offset, SIM_TOKEN_STEP)]
         if plain_end < end:
             tokens.extend([self.config.eos_token_id] * (end - plain_end))
         return tokens
