@@ -31,6 +31,7 @@ from octoserve.services.core.balancer import (
     CapacityModel,
     candidate_layouts,
     placement_goodput_rps,
+    unserved,
     weight_load_s,
 )
 from octoserve.services.core.placement import InstanceConfig, NodeConfig
@@ -87,7 +88,10 @@ def _say(msg: str) -> None:
 def _best_static(node: NodeConfig, day: DayProfile, requests, layouts, label: str) -> tuple[DayResult, list]:
     demand = {d.model: d for d in demand_of(requests, sorted(node.models), 0.0, day.duration_s)}
     capacity = CapacityModel(node)
-    ranked = sorted(layouts, key=lambda l: -placement_goodput_rps(capacity, l, demand, 0.0)[0])
+    scored = [(placement_goodput_rps(capacity, l, demand, 0.0), l) for l in layouts]
+    # Every configuration must serve every model (`unserved`): a placement whose only 70B instance cannot decode
+    # within the ITL is not a placement for this day.
+    ranked = [l for (g, caps), l in sorted(scored, key=lambda x: -x[0][0]) if not unserved(caps)]
     trials: list[Sequence[InstanceConfig]] = list(ranked[:STATIC_TRIALS])
     # The planner's own pick for the day's average mix, when it is a plain (not time-shared) placement serving both.
     total = sum(d.arrival_rps for d in demand.values())

@@ -40,9 +40,13 @@ from octoserve.services.core.balancer import (
     InstanceLoad,
     ModelDemand,
     NodeLoad,
+    alone_capacity_rps,
     candidate_layouts,
     demand_trend,
+    objective_weights,
     placement_goodput_rps,
+    step_score,
+    unserved,
 )
 from octoserve.services.core.placement import InstanceConfig, NodeConfig, num_kv_blocks_for
 from octoserve.services.core.reconfig import Phase, ReconfigKind, Reconfiguration
@@ -172,7 +176,8 @@ def label_of(instances: Sequence[InstanceConfig]) -> str:
 def demand_of(requests: Sequence[DayRequest], models: Sequence[str], start_s: float, end_s: float,
               bins: int = 5) -> tuple[ModelDemand, ...]:
     """Per-model windowed demand of `requests` arriving in [start_s, end_s): rate, trend over `bins` sub-windows,
-    mean lengths."""
+    the recent rate and its step score (`step_score`: the last two sub-windows against the earlier ones), mean
+    lengths."""
     span = max(end_s - start_s, 1e-9)
     out = []
     for m in models:
@@ -183,23 +188,22 @@ def demand_of(requests: Sequence[DayRequest], models: Sequence[str], start_s: fl
         trend = demand_trend([(start_s + (k + 0.5) * span / bins, c / (span / bins)) for k, c in enumerate(counts)])
         prompt = sum(r.prompt_tokens for r in reqs) / len(reqs) if reqs else 1000.0
         output = sum(r.output_tokens for r in reqs) / len(reqs) if reqs else 250.0
-        out.append(ModelDemand(m, len(reqs) / span, trend, prompt, output))
+        recent, z = step_score(counts, span / bins)
+        out.append(ModelDemand(m, len(reqs) / span, trend, prompt, output, recent_rps=recent, step_z=z))
     return tuple(out)
 
 
-def model_alone_rps(node: NodeConfig, model: str, prompt_tokens: float, output_tokens: float) -> float:
-    """The req/s `model` would serve with the whole node to itself (the best of its one-model layouts)."""
-    alone = dataclasses.replace(node, models={model: node.models[model]}, instances=())
-    capacity = CapacityModel(alone)
-    load = ModelDemand(model, 0.0, 0.0, prompt_tokens, output_tokens).as_model_load(1.0)
-    return max(capacity.model_capacity_rps(layout, load) for layout in candidate_layouts(alone))
+model_alone_rps = alone_capacity_rps  # the req/s a model would serve with the whole node to itself
 
 
 def best_layout(capacity: CapacityModel, layouts: Sequence[Sequence[InstanceConfig]],
-                demand: Sequence[ModelDemand]) -> tuple[InstanceConfig, ...]:
-    """The layout with the highest forecast goodput for `demand` (ties: the first)."""
+                demand: Sequence[ModelDemand], weights: dict[str, float] | None = None) -> tuple[InstanceConfig, ...]:
+    """The layout with the highest forecast score for `demand` among those that give every model some capacity
+    (`unserved`), as the balancer chooses (ties: the first)."""
     d = {x.model: x for x in demand}
-    return tuple(max(layouts, key=lambda l: placement_goodput_rps(capacity, l, d, 0.0)[0]))
+    scored = [(placement_goodput_rps(capacity, l, d, 0.0, weights), l) for l in layouts]
+    serving = [(g, l) for (g, caps), l in scored if not unserved(caps)] or [(g, l) for (g, _), l in scored]
+    return tuple(max(serving, key=lambda x: x[0])[1])
 
 
 class ElasticSim:
@@ -219,6 +223,7 @@ class ElasticSim:
         self.layouts = [tuple(l) for l in layouts] if layouts is not None else candidate_layouts(node)
         self.capacity = CapacityModel(node, itl_target_fraction)
         self.policy = policy
+        self.weights = objective_weights(node, policy.objective)  # the oracle scores placements as the balancer does
         self.balancer = ElasticBalancer(node, policy, self.layouts) if mode == "elastic" else None
         self.progress = progress
         self.now_s = 0.0
@@ -428,7 +433,7 @@ class ElasticSim:
     def _oracle_switch(self, hour: int) -> None:
         h = self.profile.hour_s
         demand = demand_of(self._window(hour * h, (hour + 1) * h), self.models, hour * h, (hour + 1) * h)
-        target = best_layout(self.capacity, self.layouts, demand)
+        target = best_layout(self.capacity, self.layouts, demand, self.weights)
         current = {(c.model, c.role, c.tp, c.gpu_ids): iid for iid, c in self._current_configs().items()}
         mean = self._mean_lengths(self.now_s)
         new: dict[str, _Inst] = {}
