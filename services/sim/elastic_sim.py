@@ -55,6 +55,7 @@ from octoserve.services.metrics import RequestRecord, Summary, detect_window, su
 from octoserve.services.workload_day import DayProfile, DayRequest
 
 MODES = ("static", "oracle", "elastic")
+_SIZES: dict[tuple, dict[tuple[int, int], tuple[int, float]]] = {}  # `_Inst._size` memo, per instance shape
 
 
 class _Req:
@@ -85,15 +86,11 @@ class _Inst:
         self.cfg = cfg
         self.cost = node.cost_model(cfg)
         self.prefill_tok_s = self.cost.prefill_tokens_per_s(max(2048, cfg.max_num_batched_tokens))
-        prompt, output = mean_lengths
-        ctx = int(prompt + output / 2)
-        kv_tokens = num_kv_blocks_for(node, cfg) * cfg.block_size
-        b_max = min(cfg.max_num_seqs, int(kv_tokens // max(1.0, prompt + output)))
-        b = 0
-        while b < b_max and self.cost.decode_step_time_s(b + 1, ctx) <= itl_target_s:
-            b += 1
-        self.full_slots = max(1, b)
-        self.tau_s = self.cost.decode_step_time_s(self.full_slots, ctx)
+        self.kv_tokens = num_kv_blocks_for(node, cfg) * cfg.block_size
+        self.itl_target_s = itl_target_s
+        self._sizes: dict[tuple[int, int], tuple[int, float]] = _SIZES.setdefault(
+            (node.cost_profile, node.gpu.name, cfg.model, cfg.tp, cfg.max_num_seqs, self.kv_tokens, itl_target_s), {})
+        self.full_slots, self.tau_s = self._size(mean_lengths)
         self.accepting = True
         self.prefill_free_s = now_s
         self.heap: list[float] = []
@@ -102,6 +99,26 @@ class _Inst:
         self.queued: list[_Req] = []  # requests whose prefill is (or will be) on this instance
         self.removed_s = math.inf  # when a reconfiguration took it away
         self.rebalance(now_s, mean_lengths)
+
+    def _size(self, mean_lengths: tuple[float, float]) -> tuple[int, float]:
+        """(B, step time): B the largest batch whose step, at the mean context, fits the ITL target and whose KV
+        fits; memoised per 10-token length bucket (an engine's batch follows the lengths it is given)."""
+        prompt, output = mean_lengths
+        key = (int(prompt // 10), int(output // 10))
+        if key not in self._sizes:
+            prompt, output = key[0] * 10 + 5, key[1] * 10 + 5
+            ctx = int(prompt + output / 2)
+            b_max = min(self.cfg.max_num_seqs, int(self.kv_tokens // max(1.0, prompt + output)))
+            lo, hi = 0, max(0, b_max)  # the step time grows with the batch: the largest fitting B by bisection
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if self.cost.decode_step_time_s(mid, ctx) <= self.itl_target_s:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            b = max(1, lo)
+            self._sizes[key] = (b, self.cost.decode_step_time_s(b, ctx))
+        return self._sizes[key]
 
     @property
     def prefills(self) -> bool:
@@ -118,7 +135,9 @@ class _Inst:
         return prefill_s / (prefill_s + decode_s)
 
     def rebalance(self, now_s: float, mean_lengths: tuple[float, float]) -> None:
-        """A colocated instance re-splits its time between prefill and decode for the current mean lengths."""
+        """The batch follows the current mean lengths (`_size`), and a colocated instance re-splits its time
+        between prefill and decode for them."""
+        self.full_slots, self.tau_s = self._size(mean_lengths)
         if self.cfg.role is Role.COLOCATED:
             self.share = self._colocated_share(mean_lengths)
         slots = 0 if self.cfg.role is Role.PREFILL else max(1, round(self.full_slots * (1.0 - self.share)))
