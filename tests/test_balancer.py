@@ -15,6 +15,7 @@ from octoserve.services.core.balancer import (
     candidate_layouts,
     demand_trend,
     diff_components,
+    reachable,
     weight_load_s,
 )
 from octoserve.services.core.placement import InstanceConfig, NodeConfig
@@ -171,9 +172,20 @@ def test_last_instance_guard_never_retires_a_models_only_serving_instance():
               inst("b", S, Role.COLOCATED, (3,)), *SM_C]
     b = ElasticBalancer(NODE, FAST, layouts=[current, shrunk])
     demand = [ModelDemand(L, 0.5), ModelDemand(S, 90.0)]
+    # The shrunk 70B would serve more 8B, but reaching it retires the 70B's only instance first: not a target.
+    assert not reachable(current, shrunk)
     assert b.plan(0.0, load(current, demand), []) == []
+    assert b.log[-1].reason == "hold:no_gain"
+    # While another change retires the 8B's other instances, the one left is never retired either.
+    grown = [LM, inst("lm-1", L, Role.COLOCATED, (4, 5)), SM_C[2], SM_C[3]]
+    b = ElasticBalancer(NODE, FAST, layouts=[current, grown])
+    other = Reconfiguration("elsewhere", ReconfigKind.ROLE, ("sm-2", "sm-3"),
+                            (dataclasses.replace(SM_C[2], role=Role.PREFILL), dataclasses.replace(SM_C[3], role=Role.DECODE)), "x")
+    nl = NodeLoad(10.0, tuple(current), tuple(InstanceLoad(i.id, accepting=i.id not in ("sm-2", "sm-3")) for i in current),
+                  (ModelDemand(L, 9.0), ModelDemand(S, 5.0)))
+    assert b.plan(0.0, nl, [other]) == []
     assert b.log[-1].reason == "hold:last_instance"
-    assert "would leave ['llama-3-70b'] with no instance taking requests" in b.log[-1].detail
+    assert "would leave ['llama-3-8b'] with no instance taking requests" in b.log[-1].detail
 
 
 def test_in_flight_cap_and_dwell():

@@ -472,6 +472,7 @@ class ElasticBalancer:
         self._next_id = 0
         self.weights = objective_weights(node, policy.objective)  # per-model weight of the score (`OBJECTIVES`)
         self._step_until_s = -math.inf  # forecasts follow the recent rates until then (a step was seen)
+        self._committed: tuple | None = None  # the target of a move under way
 
     # - helpers -
 
@@ -516,6 +517,7 @@ class ElasticBalancer:
         out = self._emit(now_s, ctx, target)
         if out:
             self._streak_target, self._streak = None, 0
+            self._committed = _key(target.layout)
         return out
 
     def _score(self, instances: Sequence[InstanceConfig], ctx: "_Context") -> tuple[float, dict[str, float]]:
@@ -550,12 +552,22 @@ class ElasticBalancer:
         for layout in self.layouts:
             if self._allowed(current, layout):
                 good, caps = self._score(layout, ctx)
-                if not unserved(caps):
+                if not unserved(caps) and reachable(current, layout):
                     scored.append((good, layout, caps))
         if not scored:
             self._decide(now_s, "hold:no_gain", "no candidate placement reachable under the allowed changes")
             return None
         top = max(s[0] for s in scored)
+        policy = self.policy
+        margin = max(policy.min_gain_rps, policy.min_gain_fraction * ctx.now_good)
+        committed = [s for s in scored if self._committed is not None and _key(s[1]) == self._committed]
+        if committed and committed[0][0] >= top - margin and _key(current) != self._committed:
+            # A move under way (some of its changes done or in flight) keeps its target while that stays within the
+            # hysteresis margin of the best: a noisy forecast must not turn it around halfway.
+            scored = committed
+            top = committed[0][0]
+        else:
+            self._committed = None
 
         def order(layout) -> tuple[bool, int, int]:
             """Among equally good targets: one with a change that may start now (it leaves every model able to take
@@ -568,7 +580,6 @@ class ElasticBalancer:
         good, layout, caps = min((s for s in scored if s[0] >= top - 1e-9), key=lambda s: order(s[1]))
         target = _Target(good, layout, caps, diff_components(current, layout), good - ctx.now_good,
                          self._forecast_text(ctx, caps))
-        policy = self.policy
         if not target.components or target.gain <= 0:
             self._streak_target, self._streak = None, 0
             self._decide(now_s, "hold:no_gain",
@@ -594,7 +605,9 @@ class ElasticBalancer:
 
     def _confirmed(self, now_s: float, ctx: "_Context", target: "_Target") -> bool:
         """Hysteresis in time: the same target best `confirm_periods` periods running (one, after a step)."""
-        key = tuple(sorted(_signature(i) for i in target.layout))
+        key = _key(target.layout)
+        if key == self._committed:
+            return True
         self._streak = self._streak + 1 if key == self._streak_target else 1
         self._streak_target = key
         need = 1 if ctx.step else self.policy.confirm_periods
@@ -654,8 +667,8 @@ class ElasticBalancer:
         return False
 
     def _emit(self, now_s: float, ctx: "_Context", target: "_Target") -> list[Reconfiguration]:
-        """The target's changes that may start now, as reconfigurations; none when those alone (the rest waiting
-        on a guard) would leave the node worse than it is (`hold:partial`): half a move must not be a loss."""
+        """The target's changes that may start now, as reconfigurations (the rest wait on a guard; the target is
+        reachable, `reachable`, and stays the target while it is near the best: `_choose`)."""
         policy = self.policy
         current, busy, n_in_flight = dict(ctx.current), set(ctx.busy), ctx.n_in_flight
         taken = set(current) | {i.id for i in ctx.loads.placement}
@@ -685,20 +698,36 @@ class ElasticBalancer:
             busy |= set(r.retire)
             n_in_flight += 1
             ready.append((r, gpus))
-        if ready and len(ready) < len(target.components):
-            partial, _ = self._score(list(current.values()), ctx)
-            if partial < ctx.now_good - 1e-9:
-                self._decide(now_s, "hold:partial",
-                             f"only {len(ready)} of the {len(target.components)} changes to the target may start now "
-                             f"and alone they lower the forecast goodput {ctx.now_good:.1f} -> {partial:.1f} "
-                             f"{self._unit}: waiting for the rest; {target.forecast}")
-                return []
         for r, gpus in ready:
             self._next_id += 1
             for g in gpus:
                 self._gpu_changed_s[g] = now_s
             self._decide(now_s, f"planned:{r.kind.value}", r.reason)
         return [r for r, _ in ready]
+
+
+def _key(layout: Sequence[InstanceConfig]) -> tuple:
+    return tuple(sorted(_signature(i) for i in layout))
+
+
+def reachable(current: Sequence[InstanceConfig], target: Sequence[InstanceConfig]) -> bool:
+    """Whether `target` can be reached from `current` one change (`diff_components`) at a time with every model
+    served throughout: each change, started once the ones before it are done, leaves the models of the instances it
+    retires served by the rest (`serving_models`). A 70B whose only decoding instance must change role while its
+    other instance goes cannot (it would be unserved for a moment): such a target is never chosen, rather than
+    started halfway."""
+    placement = list(current)
+    comps = diff_components(current, target)
+    while comps:
+        for k, (cur, tgt) in enumerate(comps):
+            rest = [i for i in placement if i not in cur]
+            if not ({i.model for i in cur} - serving_models(rest)):
+                placement = rest + list(tgt)
+                comps.pop(k)
+                break
+        else:
+            return False
+    return True
 
 
 def _role_only(cur: Sequence[InstanceConfig], tgt: Sequence[InstanceConfig]) -> bool:

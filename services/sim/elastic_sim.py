@@ -179,6 +179,7 @@ class DayResult:
     decisions: list[tuple[float, str, str]] = field(default_factory=list)
     wall_s: float = 0.0
     initial: tuple[InstanceConfig, ...] = ()  # the placement it started from
+    layouts: list[tuple[float, tuple[InstanceConfig, ...]]] = field(default_factory=list)  # (time, placement) each change
 
 
 def label_of(instances: Sequence[InstanceConfig]) -> str:
@@ -252,6 +253,7 @@ class ElasticSim:
         self.reconfigs: list[ReconfigEvent] = []
         self.initial = tuple(placement)
         self.placements: list[tuple[float, str]] = [(0.0, label_of(placement))]
+        self.layout_log: list[tuple[float, tuple[InstanceConfig, ...]]] = [(0.0, tuple(placement))]
         self.trackers: list[_Req] = []
         self.refused: list[DayRequest] = []
         self.lost = 0
@@ -428,7 +430,12 @@ class ElasticSim:
                 mean = self._mean_lengths(ev.done_s)
                 for c in r.start:
                     self.instances[c.id] = _Inst(self.node, c, ev.done_s, mean[c.model], self.itl_target_s)
-                self.placements.append((ev.done_s, label_of([i.cfg for i in self.instances.values()])))
+                self._placed(ev.done_s)
+
+    def _placed(self, t_s: float) -> None:
+        configs = tuple(i.cfg for i in self.instances.values())
+        self.placements.append((t_s, label_of(configs)))
+        self.layout_log.append((t_s, configs))
 
     def _in_flight(self) -> list[Reconfiguration]:
         return [ev.reconfig for ev in self.reconfigs if ev.phase in (Phase.DRAINING, Phase.SWITCHING)]
@@ -463,7 +470,7 @@ class ElasticSim:
         # Zero switching cost: the replaced instances' running requests finish as planned (they are not lost).
         if set(new) != set(self.instances) or any(new[k] is not self.instances.get(k) for k in new):
             self.instances = new
-            self.placements.append((self.now_s, label_of(target)))
+            self._placed(self.now_s)
 
     # - the run -
 
@@ -519,7 +526,7 @@ class ElasticSim:
         counters = dict(self.balancer.counters) if self.balancer else {}
         decisions = [(d.now_s, d.reason, d.detail) for d in self.balancer.log] if self.balancer else []
         return DayResult(self.mode, records, summary, self.reconfigs, self.placements, self.lost, self.migrated,
-                         counters, decisions, wall_s, self.initial)
+                         counters, decisions, wall_s, self.initial, self.layout_log)
 
 
 def occupancy(records: Sequence[RequestRecord], step_s: float = 1.0) -> list[tuple[float, float]]:
