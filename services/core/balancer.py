@@ -4,15 +4,19 @@ Input (`NodeLoad`, built each balancing period by the simulator or the live sche
 - per instance (`InstanceLoad`): prefill backlog against its TTFT slack, decode batch and KV use against its ITL
   headroom, whether it still takes requests;
 - per model (`ModelDemand`): the windowed arrival rate, its trend (req/s per s, least squares over the window, see
-  `demand_trend`) and the mean prompt / output lengths of the window;
+  `demand_trend`), the recent rate and its step score (`step_score`, optional) and the mean prompt / output lengths
+  of the window;
 - the current placement (the instances, draining ones included).
 
 Output: `Reconfiguration`s (services/core/reconfig.py). The balancer forecasts each model's demand (rate + trend x
 half of min(`forecast_window_s`, the load window): the mean of a linear trend, extrapolated no further than it was
-measured), scores every candidate
-placement by the goodput it would serve (`placement_goodput_rps`: sum over models of min(demand, capacity)) and,
-when the best beats the current one, splits the difference into reconfigurations, one per group of GPUs that
-changes hands:
+measured; within `step_hold_s` of a step, a recent rate `step_z` standard errors off the window's earlier part, the
+recent rate itself), scores every candidate placement by the goodput it would serve (`placement_goodput_rps`: sum
+over models of weight x min(demand, capacity), the weights from `objective`: 1 for request goodput, or the largest
+alone capacity over the model's own for load-weighted goodput), keeps only candidates that give every model some
+capacity (`unserved`) and that are `reachable` from the current placement with every model served at each step,
+and, when the best beats the current one, splits the difference into reconfigurations, one per group of GPUs that
+changes hands (a move under way keeps its target while that stays within the hysteresis margin of the best):
 - same GPUs, same model and TP, another role: ROLE (no weights move; `role_switch_s`);
 - anything else: MODEL, whose started instances load weights (`weight_load_s`: from pinned host memory over each
   GPU's own PCIe link, or from one local NVMe drive shared by the loading GPUs) plus `engine_init_s`.
@@ -26,9 +30,9 @@ colocated instances. It ignores queueing: the guards' margins absorb that.
 Guards, in the order they are checked (each refusal counted by reason in `counters`, each decision logged in `log`):
 - `hold:no_gain`: the best candidate is the current placement.
 - `hold:hysteresis`: the forecast gain is below `min_gain_fraction` of the current goodput (or `min_gain_rps`),
-  or the same target has not been best for `confirm_periods` consecutive periods.
+  or the same target has not been best for `confirm_periods` consecutive periods (one period after a step).
 - `hold:cost`: the requests lost to the move (the retired instances' share of goodput x (drain + load + switch))
-  exceed the gain x `forecast_window_s`.
+  exceed the gain x what is left of `forecast_window_s` once its slowest change is done.
 - `hold:in_flight`: already `max_in_flight` reconfigurations not DONE.
 - `hold:dwell`: a GPU of the change was reconfigured less than `min_dwell_s` ago.
 - `hold:last_instance`: the change would leave a model unable to take requests (no colocated instance, and not
@@ -37,7 +41,8 @@ Guards, in the order they are checked (each refusal counted by reason in `counte
 
 Invariants: pure and clock-free (`now_s` is the caller's clock); every emitted reconfiguration passes
 `check_reconfiguration` against the placement after the in-flight ones; while it runs every model can still take
-requests (a colocated instance, or a prefill and a decode instance, not retiring); no GPU is reconfigured twice within `min_dwell_s`.
+requests (a colocated instance, or a prefill and a decode instance, not retiring); no GPU is reconfigured twice
+within `min_dwell_s`; every target gives every model capacity.
 """
 
 from __future__ import annotations

@@ -268,7 +268,7 @@ def print_run(run: ProfileRun) -> None:
     print("decisions by reason:", dict(sorted(run.elastic.counters.items())))
 
 
-def plot_run(run: ProfileRun, out_dir: Path) -> list[Path]:
+def plot_run(run: ProfileRun, out_dir: Path, suffix: str = "") -> list[Path]:
     import matplotlib  # noqa: PLC0415
 
     matplotlib.use("Agg")
@@ -305,9 +305,9 @@ def plot_run(run: ProfileRun, out_dir: Path) -> list[Path]:
     for ax in axes:
         ax.legend(loc="upper right", fontsize=8)
         ax.grid(alpha=0.3)
-    fig.suptitle(f"Mix-shift day, {run.cost_profile} cost profile")
+    fig.suptitle(f"Mix-shift day, {run.cost_profile} cost profile, 8 {run.gpu} GPUs")
     fig.tight_layout()
-    path = out_dir / f"elastic-day-{run.cost_profile}.png"
+    path = out_dir / f"elastic-day-{run.cost_profile}{suffix}.png"
     fig.savefig(path, dpi=90)
     plt.close(fig)
     # The P/D phase: goodput over time, fixed vs balanced ratio.
@@ -322,7 +322,7 @@ def plot_run(run: ProfileRun, out_dir: Path) -> list[Path]:
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    pd_path = out_dir / f"elastic-pd-{run.cost_profile}.png"
+    pd_path = out_dir / f"elastic-pd-{run.cost_profile}{suffix}.png"
     fig.savefig(pd_path, dpi=90)
     plt.close(fig)
     return [path, pd_path]
@@ -339,7 +339,7 @@ def _adapt_text(h: dict) -> str:
 def _headline_row(run: ProfileRun, mix: str) -> str:
     h = headline(run)
     att = "; ".join(f"{a:.3f}" for a in h["att_large"])
-    return (f"| {run.cost_profile} | {mix} | {h['static']:.2f} | {h['oracle']:.2f} | {h['elastic']:.2f} | "
+    return (f"| 8 {run.gpu} | {run.cost_profile} | {mix} | {h['static']:.2f} | {h['oracle']:.2f} | {h['elastic']:.2f} | "
             f"{h['vs_static']:.2f}x | {h['vs_oracle']:.2f}x | {h['load_static']:.3f}; {h['load_oracle']:.3f}; "
             f"{h['load_elastic']:.3f} ({h['load_vs_static']:.2f}x, {h['load_vs_oracle']:.2f}x) | {att} | "
             f"{h['lost']['static']}, {h['lost']['oracle']}, {h['lost']['elastic']}, {h['lost']['pd']} | "
@@ -359,7 +359,7 @@ def _targets(run: ProfileRun) -> str:
         f"elastic >= 0.9x oracle (request goodput): {'met' if h['vs_oracle'] >= 0.9 else 'missed'} "
         f"({h['vs_oracle']:.2f}x; load-weighted {h['load_vs_oracle']:.2f}x)",
         f"0 lost: {'met' if all(v == 0 for v in h['lost'].values()) else 'MISSED'}",
-        f"adapted within 30 s of the step: {'met' if adapted <= 30 else 'missed'} ({_adapt_text(h)})",
+        f"adapted within 30 s of the step: {'met' if adapted <= 30 else 'missed'}, {_adapt_text(h)}",
         f"balanced P:D beats the fixed ratio: {'met' if h['pd_factor'] > 1 else 'missed'} ({h['pd_factor']:.2f}x)",
         f"elastic never well below static: {'met' if h['vs_static'] >= 0.97 else 'MISSED'} ({h['vs_static']:.2f}x)",
     ]
@@ -367,14 +367,14 @@ def _targets(run: ProfileRun) -> str:
     if h["vs_static"] < 1.3 and oracle_gain < 1.3:
         why = (f" Why 1.3x is out of reach here: the hourly oracle, which switches for free and knows each hour's "
                f"demand, serves {oracle_gain:.2f}x the best static placement, so the elastic scheduler would need "
-               f"{1.3 / oracle_gain:.2f}x the oracle's goodput to reach 1.3x static (see \"Why the placements differ "
-               f"so little\" below).")
+               f"{1.3 / oracle_gain:.2f}x the oracle's goodput to reach 1.3x static"
+               + (" (see \"Why the placements differ so little\" below)." if run.gpu == "h100-sxm-80gb" else "."))
     elif h["vs_static"] < 1.3:
         why = (f" A better placement exists: the hourly oracle serves {oracle_gain:.2f}x the best static placement; "
                f"the balancer reaches {h['vs_oracle']:.2f}x of it (its guards, the decisions by reason below, and the "
                f"drains and loads of its {h['reconfigs']} changes cost what the oracle gets for free, and a move that "
                f"needs a model to stop serving for a moment is never made).")
-    return f"- {run.cost_profile}, mix {mix}: " + "; ".join(parts) + "." + why
+    return f"- {run.gpu}, {run.cost_profile}, mix {mix}: " + "; ".join(parts) + "." + why
 
 
 def why_little(run: ProfileRun) -> str:
@@ -415,8 +415,20 @@ def why_little(run: ProfileRun) -> str:
             f"serves it: the balancer never makes such a move (no downtime), so it stays where it started there.")
 
 
+def tp2_text(run: ProfileRun) -> str:
+    """The 70B at TP 2 on this run's GPU: its decode step at batch 1 against the ITL target, and what it serves."""
+    node = day_node(run.cost_profile, run.gpu)
+    capacity = CapacityModel(node)
+    load = ModelLoad(LARGE, 1.0, BASE_PROMPT.mean, BASE_OUTPUT.mean)
+    inst = InstanceConfig("x", LARGE, Role.COLOCATED, 2, (0, 1), max_num_batched_tokens=2048)
+    step = node.cost_model(inst).decode_step_time_s(1, int(BASE_PROMPT.mean + BASE_OUTPUT.mean / 2)) * 1000
+    return (f"a 70B TP 2 instance's decode step at batch 1 takes {step:.1f} ms against the "
+            f"{run.day.itl_slo_ms * capacity.fraction:.0f} ms target, and colocated it serves "
+            f"{capacity.model_capacity_rps([inst], load):.2f} req/s ({run.cost_profile} cost profile).")
+
+
 def section(runs: Sequence[ProfileRun], command: str, plots: Sequence[Path], wall_s: float,
-            request_runs: Sequence[ProfileRun] = ()) -> str:
+            request_runs: Sequence[ProfileRun] = (), gpu_runs: Sequence[ProfileRun] = ()) -> str:
     r0 = runs[0]
     day = r0.day
     out = [
@@ -446,13 +458,14 @@ def section(runs: Sequence[ProfileRun], command: str, plots: Sequence[Path], wal
         f"capacity served within the SLOs) and the 70B's attainment are reported beside it so that a model starved "
         f"for the other's request count shows.",
         "",
-        "| cost profile | mix | best static req/s | hourly oracle req/s | elastic req/s | elastic / static | "
+        "| GPUs | cost profile | mix | best static req/s | hourly oracle req/s | elastic req/s | elastic / static | "
         "elastic / oracle | load-weighted goodput: static; oracle; elastic (elastic / static, / oracle) | "
         "70B attainment: static; oracle; elastic | lost (static, oracle, elastic, P/D) | adapted after the step | "
         "reconfigurations | P/D phase, 8B disaggregated: fixed -> balanced ratio |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         *[_headline_row(run, "load") for run in runs],
         *[_headline_row(run, "requests") for run in request_runs],
+        *[_headline_row(run, "load") for run in gpu_runs],
         "",
         "\"Adapted\" is measured on the placement: from the step change until the node's placement (a change counts "
         "once done) scores within 5 % of the best serving placement for the step period's true demand (hours 18-21), "
@@ -462,12 +475,16 @@ def section(runs: Sequence[ProfileRun], command: str, plots: Sequence[Path], wal
         "instances are all prefill or decode) and lets the balancer change roles only.",
     ]
     out += ["", "Targets, stated against these runs (request goodput unless said):"]
-    for run in list(runs) + list(request_runs):
+    for run in list(runs) + list(request_runs) + list(gpu_runs):
         out.append(_targets(run))
     out += ["", "### Why the placements differ so little", "", why_little(runs[0])]
-    for run in runs:
+    for run in gpu_runs[:1]:
+        out += ["", f"On 8 {run.gpu} GPUs the space is wider: " + tp2_text(run) + " There the hourly oracle and the "
+                "balancer can give the 8B six GPUs in its heavy hours while the 70B keeps serving on two, and the "
+                "balancer reaches that placement by starting the 70B's TP 2 instance before retiring its TP 4 one."]
+    for run in list(runs) + list(gpu_runs):
         h = headline(run)
-        out += ["", f"### {run.cost_profile} cost profile, mix by load", "",
+        out += ["", f"### {run.cost_profile} cost profile, mix by load, 8 {run.gpu} GPUs", "",
                 f"Each model alone on the node: 8B {run.alone_rps[0]:.1f} req/s, 70B {run.alone_rps[1]:.1f} req/s "
                 f"(balancer capacity estimate at the base lengths). Static placements simulated: "
                 + "; ".join(f"{label} {g:.2f} req/s" for label, g in run.static_tried) + ". Best placement for the "
@@ -498,6 +515,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "load-weighted goodput (each model's req/s over its alone capacity)")
     parser.add_argument("--plots", default="docs/bench", help="folder for the PNG plots ('' for none)")
     parser.add_argument("--benchmarks", default="", help="write the section into this BENCHMARKS.md")
+    parser.add_argument("--also-gpu", action="append", default=[], choices=sorted(GPU_PRESETS),
+                        help="also run the day on a node of this GPU preset (repeatable): a second placement space")
     parser.add_argument("--also-requests", action="store_true",
                         help="with --mix load: also run the day with the mix by requests (a second table row)")
     parser.add_argument("--command-line", default="octoserve elastic-day --benchmarks BENCHMARKS.md",
@@ -514,18 +533,20 @@ def run(args: argparse.Namespace) -> int:
     runs = [run_profile(p, mix=args.mix, **common) for p in profiles]
     request_runs = ([run_profile(p, mix="requests", **common) for p in profiles]
                     if args.also_requests and args.mix == "load" else [])
+    gpu_runs = [run_profile(p, mix=args.mix, **{**common, "gpu": g})
+                for g in dict.fromkeys(args.also_gpu) if g != args.gpu for p in profiles]
     plots: list[Path] = []
-    for r in runs + request_runs:
+    for r in runs + request_runs + gpu_runs:
         print_run(r)
-    for r in runs:
+    for r in runs + gpu_runs:
         if args.plots:
-            plots += plot_run(r, Path(args.plots))
+            plots += plot_run(r, Path(args.plots), "" if r.gpu == args.gpu else f"-{r.gpu}")
     if args.benchmarks:
         from octoserve.services.bench_report import replace_section  # noqa: PLC0415
 
         path = Path(args.benchmarks)
         text = path.read_text() if path.exists() else "# Benchmarks\n"
-        body = section(runs, args.command_line, plots, time.perf_counter() - wall0, request_runs)
+        body = section(runs, args.command_line, plots, time.perf_counter() - wall0, request_runs, gpu_runs)
         path.write_text(replace_section(text, SECTION, body))
         _say(f"wrote {SECTION!r} into {path}")
     return 0
