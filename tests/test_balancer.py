@@ -181,10 +181,10 @@ def test_last_instance_guard_never_retires_a_models_only_serving_instance():
     # While another change retires the 8B's other instances, the one left is never retired either.
     grown = [LM, inst("lm-1", L, Role.COLOCATED, (4, 5)), SM_C[2], SM_C[3]]
     b = ElasticBalancer(NODE, FAST, layouts=[current, grown])
-    other = Reconfiguration("elsewhere", ReconfigKind.ROLE, ("sm-2", "sm-3"),
-                            (dataclasses.replace(SM_C[2], role=Role.PREFILL), dataclasses.replace(SM_C[3], role=Role.DECODE)), "x")
-    nl = NodeLoad(10.0, tuple(current), tuple(InstanceLoad(i.id, accepting=i.id not in ("sm-2", "sm-3")) for i in current),
-                  (ModelDemand(L, 9.0), ModelDemand(S, 5.0)))
+    flipped = (dataclasses.replace(SM_C[2], role=Role.PREFILL), dataclasses.replace(SM_C[3], role=Role.DECODE))
+    other = Reconfiguration("elsewhere", ReconfigKind.ROLE, ("sm-2", "sm-3"), flipped, "x")
+    loads = tuple(InstanceLoad(i.id, accepting=i.id not in ("sm-2", "sm-3")) for i in current)
+    nl = NodeLoad(10.0, tuple(current), loads, (ModelDemand(L, 9.0), ModelDemand(S, 5.0)))
     assert b.plan(0.0, nl, [other]) == []
     assert b.log[-1].reason == "hold:last_instance"
     assert "would leave ['llama-3-8b'] with no instance taking requests" in b.log[-1].detail

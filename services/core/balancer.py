@@ -640,7 +640,8 @@ class ElasticBalancer:
         cost = sum(c.lost for c in target.costs)
         if cost >= target.benefit:
             self._decide(now_s, "hold:cost",
-                         f"move costs {cost:.0f} requests (drain + load), gains {target.benefit:.0f} over {horizon:g} s "
+                         f"move costs {cost:.0f} requests (drain + load), gains {target.benefit:.0f} over "
+                         f"{horizon:g} s "
                          f"less its slowest change ({slowest:.1f} s); {target.forecast}")
             return False
         return True
@@ -667,7 +668,8 @@ class ElasticBalancer:
                                   and ctx.loads.load_of(i.id).accepting])
         orphaned = sorted({i.model for i in cur} - serving)
         if orphaned:
-            self._decide(now_s, "hold:last_instance", f"{what}: would leave {orphaned} with no instance taking requests")
+            self._decide(now_s, "hold:last_instance",
+                         f"{what}: would leave {orphaned} with no instance taking requests")
             return True
         return False
 

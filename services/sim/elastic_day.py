@@ -75,6 +75,7 @@ class ProfileRun:
     placement_adapt_s: float = math.nan  # step change -> the placement within 5 % of the best for the step's demand
     step_best: str = ""  # the best placement for the step's demand (label)
     step_gap: float = 0.0  # 1 - (the placement at the step's score / the best's), for the step's demand
+    pd_tried: list[tuple[str, float]] = dataclasses.field(default_factory=list)  # the P/D phase's static trials
 
 
 def day_node(cost_profile: str, gpu: str) -> NodeConfig:
@@ -158,7 +159,7 @@ def run_profile(cost_profile: str, *, gpu: str = "h100-sxm-80gb", mix: str = "lo
     pd_day = dataclasses.replace(pd_day, schedule=_pd_schedule(day, hour_s))
     pd_requests = generate_day(pd_day, seed + 1)
     disagg = [l for l in layouts if all(i.role is not Role.COLOCATED for i in l if i.model == SMALL)]
-    pd_fixed, _ = best_static(node, pd_day, pd_requests, disagg, "pd")
+    pd_fixed, pd_tried = best_static(node, pd_day, pd_requests, disagg, "pd")
     fixed_layout = pd_fixed.initial
     split = [l for l in disagg if _gpu_split(l) == _gpu_split(fixed_layout)]
     pd_elastic = run_day(node, pd_day, pd_requests, fixed_layout, "elastic", layouts=split,
@@ -166,7 +167,7 @@ def run_profile(cost_profile: str, *, gpu: str = "h100-sxm-80gb", mix: str = "lo
     _say(f"[{cost_profile}]   P/D fixed {pd_fixed.summary.overall.goodput_rps:.1f}, balanced "
          f"{pd_elastic.summary.overall.goodput_rps:.1f} req/s ({time.perf_counter() - t0:.0f} s)")
     run = ProfileRun(cost_profile, day, alone, static, tried, oracle, elastic, pd_fixed, pd_elastic, gpu,
-                     _adapt_s(elastic, day.step_s), _adapt_s(elastic, day.step_s, first=True))
+                     _adapt_s(elastic, day.step_s), _adapt_s(elastic, day.step_s, first=True), pd_tried=pd_tried)
     if day.step_s is not None:
         run.placement_adapt_s, run.step_best, run.step_gap = placement_adapt_s(node, day, requests, layouts, elastic,
                                                                               policy)
@@ -339,7 +340,8 @@ def _adapt_text(h: dict) -> str:
 def _headline_row(run: ProfileRun, mix: str) -> str:
     h = headline(run)
     att = "; ".join(f"{a:.3f}" for a in h["att_large"])
-    return (f"| 8 {run.gpu} | {run.cost_profile} | {mix} | {h['static']:.2f} | {h['oracle']:.2f} | {h['elastic']:.2f} | "
+    return (f"| 8 {run.gpu} | {run.cost_profile} | {mix} | {h['static']:.2f} | {h['oracle']:.2f} | "
+            f"{h['elastic']:.2f} | "
             f"{h['vs_static']:.2f}x | {h['vs_oracle']:.2f}x | {h['load_static']:.3f}; {h['load_oracle']:.3f}; "
             f"{h['load_elastic']:.3f} ({h['load_vs_static']:.2f}x, {h['load_vs_oracle']:.2f}x) | {att} | "
             f"{h['lost']['static']}, {h['lost']['oracle']}, {h['lost']['elastic']}, {h['lost']['pd']} | "
@@ -374,6 +376,14 @@ def _targets(run: ProfileRun) -> str:
                f"the balancer reaches {h['vs_oracle']:.2f}x of it (its guards, the decisions by reason below, and the "
                f"drains and loads of its {h['reconfigs']} changes cost what the oracle gets for free, and a move that "
                f"needs a model to stop serving for a moment is never made).")
+    for name, tried, worse in (("day", run.static_tried, h["vs_static"] < 0.97), ("P/D phase", run.pd_tried,
+                                                                                  h["pd_factor"] < 1.0)):
+        best = max(tried, key=lambda x: x[1], default=None)
+        if worse and best and tried[0][0] != best[0]:
+            why += (f" Where the balancer loses ({name}): its capacity estimate ranks {tried[0][0]} first for the "
+                    f"{name}'s mix, while the simulator serves {best[1] / tried[0][1]:.2f}x as much on {best[0]}; the "
+                    f"balancer moves toward what the estimate prefers (it ignores queueing: a colocated instance's "
+                    f"prefill holds its GPU for longer than its share suggests, and TTFT suffers under load).")
     return f"- {run.gpu}, {run.cost_profile}, mix {mix}: " + "; ".join(parts) + "." + why
 
 
@@ -385,13 +395,15 @@ def why_little(run: ProfileRun) -> str:
     itl_ms = run.day.itl_slo_ms * capacity.fraction
 
     def one(role: Role, tp: int) -> InstanceConfig:
-        return InstanceConfig("x", LARGE, role, tp, tuple(range(tp)), max_num_batched_tokens=8192 if role is Role.PREFILL else 2048)
+        tokens = 8192 if role is Role.PREFILL else 2048
+        return InstanceConfig("x", LARGE, role, tp, tuple(range(tp)), max_num_batched_tokens=tokens)
 
     def cap(*insts: InstanceConfig) -> float:
         return capacity.model_capacity_rps(list(insts), load)
 
     def step_ms(tp: int, batch: int) -> float:
-        return node.cost_model(one(Role.DECODE, tp)).decode_step_time_s(batch, int(BASE_PROMPT.mean + BASE_OUTPUT.mean / 2)) * 1000
+        ctx = int(BASE_PROMPT.mean + BASE_OUTPUT.mean / 2)
+        return node.cost_model(one(Role.DECODE, tp)).decode_step_time_s(batch, ctx) * 1000
 
     p2 = dataclasses.replace(one(Role.PREFILL, 2), gpu_ids=(4, 5))
     tp2_decodes = capacity.instance_rps(one(Role.DECODE, 2), load)[1] > 0
@@ -528,8 +540,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--hour-s, --hours, --load and --rate must be > 0")
     wall0 = time.perf_counter()
     profiles = ("default", "pessimistic") if args.cost_profile == "both" else (args.cost_profile,)
-    common = dict(load=args.load, rate_rps=args.rate, hour_s=args.hour_s, hours=args.hours, seed=args.seed, gpu=args.gpu,
-                  policy=BalancerPolicy(objective=args.objective))
+    common = dict(load=args.load, rate_rps=args.rate, hour_s=args.hour_s, hours=args.hours, seed=args.seed,
+                  gpu=args.gpu, policy=BalancerPolicy(objective=args.objective))
     runs = [run_profile(p, mix=args.mix, **common) for p in profiles]
     request_runs = ([run_profile(p, mix="requests", **common) for p in profiles]
                     if args.also_requests and args.mix == "load" else [])

@@ -26,7 +26,6 @@ move later by its hand-off; no instance goes away before its last running reques
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import math
 import time
@@ -179,7 +178,7 @@ class DayResult:
     decisions: list[tuple[float, str, str]] = field(default_factory=list)
     wall_s: float = 0.0
     initial: tuple[InstanceConfig, ...] = ()  # the placement it started from
-    layouts: list[tuple[float, tuple[InstanceConfig, ...]]] = field(default_factory=list)  # (time, placement) each change
+    layouts: list[tuple[float, tuple[InstanceConfig, ...]]] = field(default_factory=list)  # (time, placement)
 
 
 def label_of(instances: Sequence[InstanceConfig]) -> str:
