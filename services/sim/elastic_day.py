@@ -382,8 +382,8 @@ def _targets(run: ProfileRun) -> str:
         if worse and best and tried[0][0] != best[0]:
             why += (f" Where the balancer loses ({name}): its capacity estimate ranks {tried[0][0]} first for the "
                     f"{name}'s mix, while the simulator serves {best[1] / tried[0][1]:.2f}x as much on {best[0]}; the "
-                    f"balancer moves toward what the estimate prefers (it ignores queueing: a colocated instance's "
-                    f"prefill holds its GPU for longer than its share suggests, and TTFT suffers under load).")
+                    f"balancer moves toward what the estimate prefers (the estimate counts capacity and ignores "
+                    f"queueing, which decides TTFT under load).")
     return f"- {run.gpu}, {run.cost_profile}, mix {mix}: " + "; ".join(parts) + "." + why
 
 
