@@ -3,8 +3,9 @@ which forwards every Worker RPC to the servicer of the current role (decode_work
 prefill_worker's for prefill), and swaps that servicer on SetRole.
 
 SetRole: the current servicer stops taking new work (its start RPCs answer UNAVAILABLE, so the router places
-those requests elsewhere; Decode of an existing reservation is still served), the running requests, held
-hand-offs and reservations finish (bounded by `drain_timeout_ms`; past it the role is kept, the instance takes
+those requests elsewhere; Decode of an existing reservation is still served), the running decodes that the
+scheduler's migration targets should take move there by KV hand-off (services/rpc/migration.py), the other running
+requests, held hand-offs and reservations finish (bounded by `drain_timeout_ms`; past it the role is kept, the instance takes
 requests again and the call fails DEADLINE_EXCEEDED), then the worker serves in the new role. A sim engine is
 rebuilt: a fresh engine of the new role for the same model is started in this process, and the old one stopped. A
 vLLM engine started flippable (`--flippable`: KV connector role kv_both) keeps running: its role is set and it is
@@ -27,10 +28,12 @@ from collections.abc import Callable
 
 import grpc
 
+from octoserve.services.core.migration import DEFAULT_MAX_PAUSE_S
 from octoserve.services.core.types import Role
 from octoserve.services.rpc import convert
 from octoserve.services.rpc.gen import worker_pb2 as w_pb
 from octoserve.services.rpc.gen import worker_pb2_grpc as w_grpc
+from octoserve.services.rpc.migration import migrate_out
 
 log = logging.getLogger("octoserve.worker")
 
@@ -89,6 +92,10 @@ class RoleSwitch(w_grpc.WorkerServicer):
             old.draining = True
             drained = old.in_flight + len(getattr(old, "reservations", ()) or ())
             t0 = time.monotonic()
+            migrated, kept = 0, {}
+            if request.migration_targets:  # running decodes that should move go by KV hand-off first
+                migrated, kept = await migrate_out(old, list(request.migration_targets),
+                                                   request.max_migration_pause_s or DEFAULT_MAX_PAUSE_S)
             while not self._idle(old):
                 if time.monotonic() - t0 > timeout_s:
                     old.draining = False
@@ -101,7 +108,8 @@ class RoleSwitch(w_grpc.WorkerServicer):
             if role is None:
                 self.retired = True
                 log.info("worker retired", extra={"fields": {"drained": drained, "drain_s": round(drain_s, 3)}})
-                return w_pb.SetRoleReply(drained_requests=drained, drain_s=drain_s)
+                return w_pb.SetRoleReply(drained_requests=drained, drain_s=drain_s, migrated_requests=migrated,
+                                         kept_by_reason=kept)
             old_role = old.engine.role
             new = self._rebuild(role)
             if new is None:
@@ -125,7 +133,8 @@ class RoleSwitch(w_grpc.WorkerServicer):
             log.info("worker role changed", extra={"fields": {
                 "from": old_role.value, "to": role.value, "drained": drained, "drain_s": round(drain_s, 3),
                 "same_engine": same_engine}})
-            return w_pb.SetRoleReply(drained_requests=drained, drain_s=drain_s)
+            return w_pb.SetRoleReply(drained_requests=drained, drain_s=drain_s, migrated_requests=migrated,
+                                     kept_by_reason=kept)
 
     # ---- forwarded RPCs -----------------------------------------------------------------------------------------
 

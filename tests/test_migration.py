@@ -1,0 +1,182 @@
+"""Live migration of running decodes off a draining instance (services/core/migration.py, services/rpc/migration.py,
+router/migration.py).
+
+- The rule: drain vs migrate per request, with its reasons, and the plan's use of the targets' headroom.
+- The batcher hooks: a suspended request resumes where it stopped; a migrated one decodes on from its last token.
+- In-process node on 127.0.0.1 (real gRPC servers: router, two colocated workers): a draining worker hands its running
+  decodes to the other replica; every client stream completes with the same request id and exactly the tokens an
+  unmigrated run produces (the sim engine's tokens are a pure function of the request and the position); a target
+  that refuses leaves the requests to drain where they are, also exact.
+Nothing here asserts a duration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from octoserve.services.core import migration
+from octoserve.services.core.batcher import RequestStatus
+from octoserve.services.core.placement import node_config_from_dict
+from octoserve.services.core.sim_executor import sim_token_id
+from octoserve.services.rpc.gen import worker_pb2 as w_pb
+from octoserve.services.rpc.migration import migrate_out
+from octoserve.v1 import generate_pb2 as gen_pb
+from tests.fault_fixtures import Stream, prompt, two_replica_config
+from tests.service_fixtures import COLOCATED_MODEL, start_inprocess_node
+from tests.test_batcher import make_batcher, spec, step
+
+
+def expected_tokens(prompt_ids, n: int) -> list[int]:
+    return [sim_token_id(len(prompt_ids), prompt_ids[0], p) for p in range(n)]
+
+
+# ---- the rule ------------------------------------------------------------------------------------------------------
+
+def test_decide_reasons():
+    assert migration.decide(2.0, 0.01, 0.01) == migration.MIGRATE
+    assert migration.decide(0.01, 0.01, 0.01) == migration.DRAIN_SHORTER  # the drain is no longer than the hand-off
+    assert migration.decide(0.5, 0.01, 0.6) == migration.DRAIN_SHORTER  # the stall outlasts the decode left
+    assert migration.decide(10.0, 0.01, 2.0, max_pause_s=1.0) == migration.PAUSE_TOO_LONG
+    assert migration.decide(10.0, 0.01, 2.0, max_pause_s=1.0, tpot_slack_s=3.0) == migration.MIGRATE
+
+
+def test_plan_uses_headroom_longest_first():
+    running = [migration.RunningDecode("short", 100, 1), migration.RunningDecode("a", 160, 500),
+               migration.RunningDecode("b", 160, 400), migration.RunningDecode("c", 160, 300)]
+    # t0 has room for one 161-token context (11 blocks of 16) and t1 for one more; nothing is left for "c".
+    targets = [migration.Target("t0", 11, 16, 4), migration.Target("t1", 15, 16, 1)]
+    got = migration.plan(running, targets, step_s=0.01, transfer_s=lambda n: n * 1e-4)
+    assert [(d.request_id, d.reason, d.target) for d in got] == [
+        ("a", migration.MIGRATE, "t1"), ("b", migration.MIGRATE, "t0"), ("c", migration.TARGET_FULL, ""),
+        ("short", migration.DRAIN_SHORTER, "")]
+    assert [d.reason for d in migration.plan(running[:1], [], step_s=1.0, transfer_s=lambda n: 0.0)] == [
+        migration.NO_TARGET]
+
+
+# ---- the batcher hooks -----------------------------------------------------------------------------------------------
+
+def test_suspend_resume_and_migrate_in():
+    b = make_batcher(max_num_seqs=4)
+    b.add_request(spec("r", max_tokens=30), 0.0)
+    assert b.suspend_running("r") is None  # still waiting for its prefill: not a running decode
+    step(b, token=7)  # prefill + first token
+    assert b.suspend_running("r") == (7,)
+    assert b.num_running == 0 and not b.has_work and b.request("r").status is RequestStatus.HANDOFF
+    plan, _ = step(b)
+    assert plan.is_empty  # a suspended request is not scheduled
+    assert b.resume_suspended("r") and b.num_running == 1
+    step(b, token=8)
+    free = b.kv.num_free_blocks
+    assert b.suspend_running("r") == (7, 8) and b.release_handoff("r")  # migrated away: its KV is freed
+    assert b.kv.num_free_blocks > free and b.request("r") is None
+
+    target = make_batcher(max_num_seqs=4)
+    assert target.reserve_migrated(spec("r", max_tokens=30), (7, 8), 1.0)
+    assert not target.reserve_migrated(spec("r", max_tokens=30), (7, 8), 1.0)  # one reservation per request
+    target.commit_migrated("r", 1.0)
+    r = target.request("r")
+    assert r.num_output_tokens == 2 and r.num_uncomputed_tokens == 1 and target.num_running == 1
+    plan, out = step(target, token=9)  # one decode step: the next token, counted after the migrated ones
+    assert [c.num_new_tokens for c in plan.chunks] == [1]
+    assert [(o.new_token_ids, o.num_output_tokens) for o in out.outputs] == [((9,), 3)]
+
+
+# ---- in-process node -------------------------------------------------------------------------------------------------
+
+MAX_TOKENS = 160
+TIME_SCALE = 4.0
+
+
+async def _running_on_both(node, streams) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 30
+    while True:
+        loads = {i: await node.load(i) for i in ("c0", "c1")}
+        if all(l.num_running >= 1 for l in loads.values()) and all(len(s.tokens) >= 4 for s in streams):
+            return
+        assert loop.time() < deadline, f"requests not running on both replicas: {loads}"
+        await asyncio.sleep(0.02)
+
+
+def _targets(node, free_blocks: int = 700) -> list[w_pb.MigrationTarget]:
+    return [w_pb.MigrationTarget(instance_id="c0", address=node.workers["c0"].address, free_blocks=free_blocks,
+                                 block_size=16, free_slots=64)]
+
+
+async def _start(node, n: int) -> tuple[list[Stream], list[asyncio.Task]]:
+    stub = node.generation()
+    streams = [Stream(gen_pb.GenerateRequest(model=COLOCATED_MODEL, token_ids=prompt(40 + k, k), max_tokens=MAX_TOKENS,
+                                             ignore_eos=True)) for k in range(n)]
+    tasks = [asyncio.create_task(s.run(stub, timeout_s=120)) for s in streams]
+    await _running_on_both(node, streams)
+    return streams, tasks
+
+
+def _assert_exact(streams) -> None:
+    for s in streams:
+        assert s.code is grpc.StatusCode.OK, (s.code, s.details)
+        assert s.tokens == expected_tokens(list(s.request.token_ids.ids), MAX_TOKENS), s.request_id
+
+
+@pytest.mark.asyncio(loop_scope="function")
+async def test_draining_worker_migrates_running_decodes_exactly():
+    node = await start_inprocess_node(node_config_from_dict(two_replica_config()), time_scale=TIME_SCALE)
+    try:
+        streams, tasks = await _start(node, 6)
+        source = node.servicers["c1"]
+        on_c1 = set(source.tasks)
+        assert on_c1
+        source.draining = True  # as SetRole does: no new request reaches it
+        moved, kept = await migrate_out(source, _targets(node), 1.0)
+        assert moved == len(on_c1) and not kept
+        await asyncio.wait_for(asyncio.gather(*tasks), 120)
+        _assert_exact(streams)
+        # The source's part ended once the router released the hand-off: no request, no KV left there.
+        assert source.in_flight == 0 and not source.migrating
+        load = await node.load("c1")
+        assert load.num_free_blocks == load.num_total_blocks and load.num_running == 0
+        servicer = node.router_servicer
+        decisions = source.metrics.migration_decisions.labels("c1", migration.MIGRATE)._value.get()
+        assert decisions == len(on_c1)
+        assert not servicer.requests  # every request finished at the router
+    finally:
+        await node.stop()
+
+
+@pytest.mark.asyncio(loop_scope="function")
+async def test_refused_migration_falls_back_to_drain():
+    node = await start_inprocess_node(node_config_from_dict(two_replica_config()), time_scale=TIME_SCALE)
+    try:
+        streams, tasks = await _start(node, 4)
+        source, target = node.servicers["c1"], node.servicers["c0"]
+        on_c1 = set(source.tasks)
+        target.draining = True  # the target refuses every reservation (UNAVAILABLE), whatever the plan thought
+        source.draining = True
+        moved, kept = await migrate_out(source, _targets(node), 1.0)
+        assert moved == 0 and dict(kept) == {migration.TARGET_REFUSED: len(on_c1)}
+        assert set(source.tasks) == on_c1  # they decode on where they were
+        target.draining = False
+        await asyncio.wait_for(asyncio.gather(*tasks), 120)
+        _assert_exact(streams)
+        # A plan that sees no room keeps them too (target_full), without asking the target.
+    finally:
+        await node.stop()
+
+
+@pytest.mark.asyncio(loop_scope="function")
+async def test_no_room_in_the_plan_keeps_requests():
+    node = await start_inprocess_node(node_config_from_dict(two_replica_config()), time_scale=TIME_SCALE)
+    try:
+        streams, tasks = await _start(node, 4)
+        source = node.servicers["c1"]
+        on_c1 = set(source.tasks)
+        source.draining = True
+        moved, kept = await migrate_out(source, _targets(node, free_blocks=1), 1.0)
+        assert moved == 0 and dict(kept) == {migration.TARGET_FULL: len(on_c1)}
+        await asyncio.wait_for(asyncio.gather(*tasks), 120)
+        _assert_exact(streams)
+    finally:
+        await node.stop()
