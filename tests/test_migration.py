@@ -180,3 +180,65 @@ async def test_no_room_in_the_plan_keeps_requests():
         _assert_exact(streams)
     finally:
         await node.stop()
+
+
+# ---- the node as processes: the scheduler's reconfiguration migrates, the router follows -----------------------------
+
+def _migrate_config() -> dict:
+    """The colocated 8B on c0, c1, and another 8B on y0 (the model c1's GPU goes to)."""
+    from tests.fault_fixtures import INSTANCE
+    from tests.service_fixtures import MAX_CONTEXT
+
+    spec = {"preset": "llama-3-8b", "max_context_len": MAX_CONTEXT}
+    return {
+        "gpu": "h100-sxm-80gb", "num_gpus": 8,
+        "models": {COLOCATED_MODEL: spec, OTHER_MODEL: spec},
+        "instances": [
+            {"id": "c0", "model": COLOCATED_MODEL, "role": "colocated", "gpu_ids": [0], **INSTANCE},
+            {"id": "c1", "model": COLOCATED_MODEL, "role": "colocated", "gpu_ids": [1], **INSTANCE},
+            {"id": "y0", "model": OTHER_MODEL, "role": "colocated", "gpu_ids": [2], **INSTANCE},
+        ],
+    }
+
+
+OTHER_MODEL = "llama-3-8b-other"
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio(loop_scope="function")
+async def test_model_change_under_load_migrates_and_router_follows(tmp_path):
+    from octoserve.services.launcher import start_node
+    from octoserve.services.rpc.gen import scheduler_pb2 as s_pb
+    from octoserve.services.rpc.gen import scheduler_pb2_grpc as s_grpc
+    from octoserve.v1 import generate_pb2_grpc as gen_grpc
+    from tests.fault_fixtures import access_log, load
+
+    node = start_node(_migrate_config(), time_scale=TIME_SCALE, run_dir=tmp_path, startup_timeout_s=90, grace_s=3,
+                      router_args=("--access-log", "all"))
+    try:
+        async with grpc.aio.insecure_channel(node.router_address) as rch, \
+                grpc.aio.insecure_channel(node.scheduler.address) as sch:
+            router, scheduler = gen_grpc.GenerationStub(rch), s_grpc.SchedulerStub(sch)
+            streams = [Stream(gen_pb.GenerateRequest(model=COLOCATED_MODEL, token_ids=prompt(40 + k, 100 + k),
+                                                     max_tokens=MAX_TOKENS, ignore_eos=True)) for k in range(8)]
+            tasks = [asyncio.create_task(s.run(router, timeout_s=180)) for s in streams]
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 60
+            while (await load(node.workers["c1"].address)).num_running < 2 or any(len(s.tokens) < 4 for s in streams):
+                assert loop.time() < deadline, "c1 never ran two requests"
+                await asyncio.sleep(0.05)
+            reply = await scheduler.Reconfigure(s_pb.ReconfigureRequest(model_change=s_pb.ModelChange(
+                retire=["c1"], model=OTHER_MODEL, role=w_pb.COLOCATED, tensor_parallel=1), reason="test: migrate"),
+                timeout=180)
+            # The running decodes on c1 moved to c0: c1's drain did not wait for them to finish.
+            assert 2 <= reply.migrated_requests <= reply.drained_requests
+            unfinished = sum(1 for s in streams if s.code is None)
+            assert unfinished >= reply.migrated_requests  # they were still running when the change completed
+            await asyncio.wait_for(asyncio.gather(*tasks), 180)
+        _assert_exact(streams)
+        log = access_log(node)
+        moved = [e for e in log.values() if e["instances"] == ["c1", "c0"]]
+        assert len(moved) == reply.migrated_requests, [e["instances"] for e in log.values()]
+        assert all(e["code"] == "OK" for e in log.values()) and len(log) == len(streams)
+    finally:
+        node.stop()
