@@ -185,7 +185,7 @@ class DecodeWorkerServicer(WorkerBase):
     async def Reserve(self, request, context):
         migrated = bool(request.output_token_ids)
         if not self._takes(migrated):
-            await self._wrong_role(context, "Reserve", "decode (or, for a migration, colocated)")
+            await self._wrong_role(context, "Reserve", "decode or colocated" if migrated else "decode")
         await self._refuse_if_draining(context)
         spec = await self._checked_spec(request.spec, context)
         if request.ttl_ms > MAX_RESERVE_TTL_MS:
@@ -212,8 +212,9 @@ class DecodeWorkerServicer(WorkerBase):
             asyncio.get_running_loop().create_task(self.engine.release(request_id))
 
     async def Decode(self, request, context):
-        if not self._takes(bool(request.handoff.output_token_ids)):
-            await self._wrong_role(context, "Decode", "decode (or, for a migration, colocated)")
+        migrated = bool(request.handoff.output_token_ids)
+        if not self._takes(migrated):
+            await self._wrong_role(context, "Decode", "decode or colocated" if migrated else "decode")
         session = await self._session(request.session_id, context)
         spec = await self._checked_spec(request.spec, context)
         timer = self.reservations.pop(spec.request_id, None)
