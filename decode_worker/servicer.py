@@ -11,6 +11,11 @@ and replies; the rest streams on the session. A failed or timed-out transfer rel
 UNAVAILABLE (the router ends the request with a retry hint; its prefill side is released) and is counted in
 `octoserve_worker_kv_transfer_failures_total{reason=timeout|corrupt|error}`. Injected transfer faults
 (services/faults.py) are applied here.
+
+Live migration (services/rpc/migration.py) uses the same two RPCs: `Reserve` with the output tokens a running
+request already produced elsewhere, then `Decode` with a hand-off carrying them (colocated instances take these
+too); the request decodes on from its last token. On the source, a handed-over request's stream ends with the
+migration marker, and its KV is held until the router's `Release`.
 """
 
 from __future__ import annotations

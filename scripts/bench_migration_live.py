@@ -74,6 +74,7 @@ async def bench(args) -> int:
     node = start_node(_migrate_config(), time_scale=args.time_scale, run_dir=run_dir, startup_timeout_s=120,
                       grace_s=3, router_args=("--access-log", "all"))
     rows, streams, salt = [], [], [0]
+    print(f"node logs: {run_dir}", flush=True)
     stop = asyncio.Event()
     try:
         async with grpc.aio.insecure_channel(node.router_address) as rch, \
@@ -116,7 +117,7 @@ async def bench(args) -> int:
                                                           tensor_parallel=1),
                             drain_only=mode == "drain", reason=f"bench: {mode}"), timeout=600)
                         label = f"{'8B -> other' if model == OTHER_MODEL else 'other -> 8B'}"
-                        rows.append((mode, label, reply, time.monotonic() - t0))
+                        rows.append((mode, label, reply, t0, on_gpu1))
                         print(f"  round {n + 1} {mode:7s} {label:12s} drain {reply.drain_s / args.time_scale:7.3f} s "
                               f"switch {reply.switch_s / args.time_scale:6.3f} s (modelled); in flight "
                               f"{reply.drained_requests}, migrated {reply.migrated_requests}", flush=True)
@@ -125,12 +126,14 @@ async def bench(args) -> int:
             await asyncio.gather(*tasks)
     finally:
         node.stop()
-    log = {}
+    log, handed_at = {}, {}
     for line in node.router.log_file.read_text().splitlines():
         if line.startswith("{"):
             e = json.loads(line)
             if e.get("logger") == "octoserve.router.access":
                 log[e["request_id"]] = e
+            elif e.get("msg") == "request migrated":
+                handed_at[e["request_id"]] = e["tokens"]  # the first token the target produced has this index
     k = args.time_scale
     migrated = [s for s in streams if len(log.get(s.request_id, {}).get("instances", [])) > 1]
     others = [s for s in streams if s not in migrated]
@@ -150,20 +153,73 @@ async def bench(args) -> int:
                   f"{statistics.median(r.total_s for r in mine) / k:.3f} | {sum(r.drained_requests for r in mine)} | "
                   f"{sum(r.migrated_requests for r in mine)} |")
     print()
-    max_gap = [max(s.gaps()) / k * 1000 for s in migrated if s.gaps()]
+    at_handoff = [g for s in migrated if (g := handoff_gap_s(s, handed_at.get(s.request_id))) is not None]
+    between = [t1 - t0 for s in streams for (t0, _), (t1, _) in zip(s.times, s.times[1:])]
+    print(f"median gap between two responses of a stream: {statistics.median(between) / k * 1000:.2f} ms; "
+          f"per token: {median_itl_ms:.2f} ms (modelled)")
+    if at_handoff:
+        ms = sorted(g / k * 1000 for g in at_handoff)
+        print(f"gap at the hand-off (last token from the source -> first from the target), {len(ms)} migrated "
+              f"requests: median {statistics.median(ms):.2f} ms, max {ms[-1]:.2f} ms (modelled)")
     max_gap_other = [max(s.gaps()) / k * 1000 for s in others if s.gaps()]
-    print(f"median inter-token gap of the run: {median_itl_ms:.2f} ms (modelled)")
-    if max_gap:
-        print(f"largest gap per migrated request: median {statistics.median(max_gap):.2f} ms, max {max(max_gap):.2f} ms "
-              f"({len(max_gap)} requests)")
     if max_gap_other:
-        print(f"largest gap per other request: median {statistics.median(max_gap_other):.2f} ms, max "
-              f"{max(max_gap_other):.2f} ms ({len(max_gap_other)} requests)")
+        print(f"largest per-token gap of each request not migrated: median {statistics.median(max_gap_other):.2f} ms, "
+              f"max {max(max_gap_other):.2f} ms ({len(max_gap_other)} requests)")
+    if args.plot:
+        plot(args.plot, rows, streams, log, k)
+        print(f"plot: {args.plot}")
     final = [s for s in streams if s.code is not None]
     lost = sum(1 for s in final if s.code is not grpc.StatusCode.OK or not s.exact())
     print(f"requests: {len(final)} with a final status of {len(streams)} sent; migrated {len(migrated)}; "
           f"not OK or tokens not exact: {lost}")
     return 0 if lost == 0 and len(final) == len(streams) else 1
+
+
+def handoff_gap_s(s: Timed, first_on_target: int | None) -> float | None:
+    """Wall seconds between the response that carried the source's last token and the one with the target's first."""
+    if first_on_target is None:
+        return None
+    seen = 0
+    for i, (t, n) in enumerate(s.times):
+        if seen <= first_on_target < seen + n:
+            return t - s.times[i - 1][0] if i else None
+        seen += n
+    return None
+
+
+def plot(path: str, rows, streams: list[Timed], log: dict, k: float) -> None:
+    """Tokens received over time by the requests running on the retired instance, for the first reconfiguration of
+    each mode; vertical lines at the drain's end and the switch's end."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4), sharey=True)
+    for ax, mode in zip(axes, ("drain", "migrate")):
+        mode_label, label, reply, t0, retired = next(r for r in rows if r[0] == mode)
+        for s in streams:
+            if not s.times or retired not in log.get(s.request_id, {}).get("instances", []):
+                continue
+            if not s.times[0][0] < t0 < s.times[-1][0]:
+                continue
+            xs, ys, n = [], [], 0
+            for t, m in s.times:
+                n += m
+                xs.append((t - t0) / k)
+                ys.append(n)
+            ax.plot(xs, ys, drawstyle="steps-post", lw=1)
+        ax.axvline(reply.drain_s / k, color="k", ls="--", lw=0.8, label="drain ends")
+        ax.axvline((reply.drain_s + reply.switch_s) / k, color="r", ls=":", lw=0.8, label="new instance serves")
+        ax.set_title(f"{mode}: {label}, {reply.migrated_requests} of {reply.drained_requests} migrated")
+        ax.set_xlabel("modelled s since the reconfiguration started")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0].set_ylabel("tokens received")
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main() -> int:
@@ -172,6 +228,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--streams", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=400)
+    parser.add_argument("--plot", default="docs/bench/migration_live.png", help="PNG of the token timelines ('' for none)")
     return asyncio.run(bench(parser.parse_args()))
 
 
