@@ -17,6 +17,7 @@ import asyncio
 import logging
 
 import grpc
+import prometheus_client as prom
 
 from octoserve.services.rpc import convert
 from octoserve.services.rpc.gen import worker_pb2 as w_pb
@@ -24,6 +25,16 @@ from octoserve.services.rpc.gen import worker_pb2 as w_pb
 log = logging.getLogger("octoserve.router.migration")
 
 DECODE_TIMEOUT_S = 30.0
+
+
+def _counter(metrics):
+    counter = getattr(metrics, "migrations", None)
+    if counter is None:
+        counter = prom.Counter("octoserve_router_migrations", "running requests handed from a draining instance to "
+                               "another, by outcome (followed: the target decodes on; failed: the request ended "
+                               "UNAVAILABLE), count", ["model", "outcome"], registry=metrics.registry)
+        metrics.migrations = counter
+    return counter
 
 
 def follow(s, st, delta: w_pb.TokenDelta) -> None:
@@ -35,6 +46,7 @@ def follow(s, st, delta: w_pb.TokenDelta) -> None:
         _release(s, source, st.spec.request_id)
         return
     if target is None:
+        _counter(s.metrics).labels(st.spec.model, "failed").inc()
         st.fail(s.failover.lost_status(f"{source_id} handed the request to {target_id}, which this router does not "
                                        "know yet"))
         _release(s, source, st.spec.request_id)
@@ -54,7 +66,9 @@ async def _hand_over(s, st, delta: w_pb.TokenDelta, source, target) -> None:
                                  source_address=source.address if source is not None else "")
     try:
         await target.stub.Decode(request, timeout=DECODE_TIMEOUT_S)
+        _counter(s.metrics).labels(st.spec.model, "followed").inc()
     except grpc.aio.AioRpcError as e:
+        _counter(s.metrics).labels(st.spec.model, "failed").inc()
         log.warning("migration hand-off failed", extra={"fields": {
             "request_id": st.spec.request_id, "to": target.instance_id, "code": e.code().name, "details": e.details()}})
         st.fail(s.failover.lost_status(f"the hand-off of this running request to {target.instance_id} failed "

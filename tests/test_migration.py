@@ -142,6 +142,8 @@ async def test_draining_worker_migrates_running_decodes_exactly():
         decisions = source.metrics.migration_decisions.labels("c1", migration.MIGRATE)._value.get()
         assert decisions == len(on_c1)
         assert not servicer.requests  # every request finished at the router
+        followed = servicer.metrics.migrations.labels(COLOCATED_MODEL, "followed")._value.get()
+        assert followed == len(on_c1)
     finally:
         await node.stop()
 
@@ -178,6 +180,44 @@ async def test_no_room_in_the_plan_keeps_requests():
         assert moved == 0 and dict(kept) == {migration.TARGET_FULL: len(on_c1)}
         await asyncio.wait_for(asyncio.gather(*tasks), 120)
         _assert_exact(streams)
+    finally:
+        await node.stop()
+
+
+@pytest.mark.asyncio(loop_scope="function")
+async def test_disaggregated_decode_migrates_to_the_other_decode_instance():
+    from tests.fault_fixtures import disagg_config, until
+    from tests.service_fixtures import DISAGG_MODEL
+
+    node = await start_inprocess_node(node_config_from_dict(disagg_config()), time_scale=TIME_SCALE)
+    try:
+        stub = node.generation()
+        streams = [Stream(gen_pb.GenerateRequest(model=DISAGG_MODEL, token_ids=prompt(40 + k, 50 + k),
+                                                 max_tokens=MAX_TOKENS, ignore_eos=True)) for k in range(6)]
+        tasks = [asyncio.create_task(s.run(stub, timeout_s=120)) for s in streams]
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 30
+        while not all(len(s.tokens) >= 4 for s in streams) or not node.servicers["d1"].tasks:
+            assert loop.time() < deadline, "the decode instances never ran the requests"
+            await asyncio.sleep(0.02)
+        source = node.servicers["d1"]
+        on_d1 = set(source.tasks)
+        source.draining = True
+        targets = [w_pb.MigrationTarget(instance_id="d0", address=node.workers["d0"].address, free_blocks=700,
+                                        block_size=16, free_slots=64)]
+        moved, kept = await migrate_out(source, targets, 1.0)
+        assert moved == len(on_d1) and not kept
+        # The router now knows them on (their prefill instance, d0): d1 could go away without concerning them.
+        # (the markers reach the router on d1's session after migrate_out returned)
+        def placed() -> dict:
+            return {rid: st.instance_ids for rid, st in node.router_servicer.requests.items() if rid in on_d1}
+        async def followed() -> bool:
+            return all(ids[-1] == "d0" and "d1" not in ids for ids in placed().values())
+        await until(followed, 30, "the router follows the hand-offs")
+        assert len(placed()) == len(on_d1)
+        await asyncio.wait_for(asyncio.gather(*tasks), 120)
+        _assert_exact(streams)
+        assert source.in_flight == 0
     finally:
         await node.stop()
 
