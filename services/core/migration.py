@@ -46,6 +46,15 @@ def decide(remaining_s: float, transfer_s: float, pause_s: float, *, max_pause_s
     return MIGRATE
 
 
+def expected_remaining_tokens(spec, num_output_tokens: int) -> int:
+    """Output tokens still to come for a RequestSpec: the true length when the request carries one (the sim engine's
+    `sim_output_len`, unless it ignores EOS), else what max_tokens allows."""
+    total = spec.max_tokens
+    if spec.sim_output_len is not None and not spec.sampling.ignore_eos:
+        total = min(total, spec.sim_output_len)
+    return max(0, total - num_output_tokens)
+
+
 @dataclass(frozen=True, slots=True)
 class RunningDecode:
     request_id: str

@@ -60,15 +60,6 @@ def _decisions_counter(metrics):
     return counter
 
 
-def expected_remaining_tokens(spec, num_output_tokens: int) -> int:
-    """Output tokens still to come: the true length when the request carries one (the sim engine's
-    `sim_output_len`, unless it ignores EOS), else what max_tokens allows."""
-    total = spec.max_tokens
-    if spec.sim_output_len is not None and not spec.sampling.ignore_eos:
-        total = min(total, spec.sim_output_len)
-    return max(0, total - num_output_tokens)
-
-
 async def migrate_out(servicer, targets: list[w_pb.MigrationTarget], max_pause_s: float) -> tuple[int, Counter]:
     """Hands the running decodes that should move to `targets`; returns (how many moved, the kept ones by reason)."""
     engine = servicer.engine
@@ -88,7 +79,7 @@ async def migrate_out(servicer, targets: list[w_pb.MigrationTarget], max_pause_s
             continue
         specs[rid] = req.spec
         running.append(migration.RunningDecode(rid, req.num_tokens,
-                                               expected_remaining_tokens(req.spec, req.num_output_tokens)))
+                                               migration.expected_remaining_tokens(req.spec, req.num_output_tokens)))
     by_id = {t.instance_id: t for t in targets}
     decisions = migration.plan(
         running, [migration.Target(t.instance_id, t.free_blocks, t.block_size, t.free_slots) for t in targets],
