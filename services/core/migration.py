@@ -3,13 +3,14 @@
 The instance takes no new request. Each of its running decodes either finishes there (a drain) or moves by KV
 hand-off to another instance of the same model (a migration, as Llumnix does), whichever ends the instance's part
 sooner without hurting the request. One clock-free rule, shared by the queueing simulator
-(services/sim/elastic_sim.py) and the live node (services/rpc/migration.py):
+(services/sim/elastic_sim.py), the step-level simulator (services/sim/elastic_step.py) and the live node
+(services/rpc/migration.py):
 
 - `decide(remaining_s, transfer_s, pause_s, ...)`: migrate only when the hand-off is shorter than the decode left
   (`remaining_s`, what the drain would wait for this request) and the stall it adds to the request's stream
   (`pause_s`: the transfer, plus any wait for a slot on the target) is shorter than that too and within the larger
   of the request's TPOT slack and `max_pause_s`.
-- `plan(running, targets, ...)`: the live node's per-instance plan. Longest remaining decode first (the drain waits
+- `plan(running, targets, ...)`: the per-instance plan of the live node and the step-level simulator. Longest remaining decode first (the drain waits
   for the longest one), each to the target with the most free KV that has a free slot and room for the request's
   context; a target's headroom shrinks with every request given to it. A request no target has room for stays.
 
