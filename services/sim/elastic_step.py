@@ -242,7 +242,8 @@ def run_elastic_step(node: NodeConfig, trace: Sequence[TraceRequest], **kwargs) 
 
 
 def day_rows(cost_profile: str, *, hour_s: float, load: float, gpu: str, seed: int = 0,
-             policy: BalancerPolicy = BalancerPolicy(), window_s: float = 10.0) -> list[tuple[str, object, int, int]]:
+             policy: BalancerPolicy = BalancerPolicy(), window_s: float = 10.0,
+             migrate: bool = True) -> list[tuple[str, object, int, int]]:
     """The mix-shift day (offered `load` x each model's capacity alone, `hour_s` per hour): the best static
     placement and the elastic balancer, each on the queueing-level simulator (services/sim/elastic_sim.py) and on
     this step-level one, from the same start placement. Rows: (name, Summary over the arrivals, reconfigurations
@@ -267,7 +268,7 @@ def day_rows(cost_profile: str, *, hour_s: float, load: float, gpu: str, seed: i
     start = dataclasses.replace(node, instances=tuple(static.initial))
     trace = day_trace(requests)
     step_static = run_simulation(start, trace)
-    step_elastic = ElasticStepSim(start, policy=policy, window_s=window_s).run(trace)
+    step_elastic = ElasticStepSim(start, policy=policy, window_s=window_s, migrate=migrate).run(trace)
 
     def summary(records):
         return summarize(records, day.slo, day.duration_s)
@@ -291,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--load", type=float, default=0.9, help="offered load / each model's capacity alone")
     parser.add_argument("--gpu", default="h100-sxm-80gb", choices=sorted(GPU_PRESETS))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--drain-only", action="store_true",
+                        help="the step-level elastic run drains retired instances, migrating no running decode")
     args = parser.parse_args(argv)
     if args.hour_s <= 0 or args.load <= 0:
         parser.error("--hour-s and --load must be > 0")
@@ -299,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
           "|---|---|---|---|---|---|---|")
     for profile in profiles:
         t0 = time.perf_counter()
-        for name, s, n, lost in day_rows(profile, hour_s=args.hour_s, load=args.load, gpu=args.gpu, seed=args.seed):
+        for name, s, n, lost in day_rows(profile, hour_s=args.hour_s, load=args.load, gpu=args.gpu, seed=args.seed,
+                                         migrate=not args.drain_only):
             g = s.overall
             print(f"| {profile} | {name} | {g.goodput_rps:.2f} | {g.attainment_offered:.3f} | "
                   f"{g.refused_fraction:.3f} | {n} | {lost} |", flush=True)
