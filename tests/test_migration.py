@@ -52,7 +52,7 @@ def test_plan_uses_headroom_longest_first():
     assert [(d.request_id, d.reason, d.target) for d in got] == [
         ("a", migration.MIGRATE, "t1"), ("b", migration.MIGRATE, "t0"), ("c", migration.TARGET_FULL, ""),
         ("short", migration.DRAIN_SHORTER, "")]
-    assert [d.reason for d in migration.plan(running[:1], [], step_s=1.0, transfer_s=lambda n: 0.0)] == [
+    assert [d.reason for d in migration.plan(running[1:2], [], step_s=1.0, transfer_s=lambda n: 0.0)] == [
         migration.NO_TARGET]
 
 

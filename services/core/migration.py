@@ -10,7 +10,8 @@ sooner without hurting the request. One clock-free rule, shared by the queueing 
   (`remaining_s`, what the drain would wait for this request) and the stall it adds to the request's stream
   (`pause_s`: the transfer, plus any wait for a slot on the target) is shorter than that too and within the larger
   of the request's TPOT slack and `max_pause_s`.
-- `plan(running, targets, ...)`: the per-instance plan of the live node and the step-level simulator. Longest remaining decode first (the drain waits
+- `plan(running, targets, ...)`: the per-instance plan of the live node and the step-level simulator, with a
+  hand-off's stall taken as the transfer plus one decode step. Longest remaining decode first (the drain waits
   for the longest one), each to the target with the most free KV that has a free slot and room for the request's
   context; a target's headroom shrinks with every request given to it. A request no target has room for stays.
 
@@ -95,7 +96,9 @@ def plan(running: Sequence[RunningDecode], targets: Sequence[Target], *, step_s:
     for r in sorted(running, key=lambda r: (-r.remaining_tokens, r.request_id)):
         remaining_s = r.remaining_tokens * step_s
         xfer = transfer_s(r.context_tokens)
-        reason = decide(remaining_s, xfer, xfer, max_pause_s=max_pause_s)
+        # The stall: the transfer, plus about one decode step (the request leaves at a step boundary and joins the
+        # target's batch at the target's next one), as the live node measures it.
+        reason = decide(remaining_s, xfer, xfer + step_s, max_pause_s=max_pause_s)
         if reason != MIGRATE:
             out.append(Decision(r.request_id, reason, remaining_s=remaining_s, transfer_s=xfer))
             continue
