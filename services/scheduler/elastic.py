@@ -267,7 +267,7 @@ class ElasticRunner:
         request = w_pb.SetRoleRequest(role=convert.ROLE_TO_PB[role] if role else w_pb.ROLE_UNSPECIFIED,
                                       drain_timeout_ms=int(timeout_s * 1000),
                                       max_migration_pause_s=self.max_migration_pause_s)
-        if migrate:
+        if migrate and self.placement.instances[instance_id].role is not Role.PREFILL:  # prefills have no decodes
             request.migration_targets.extend(self.migration_targets(instance_id, retiring))
         return await self.s._stub(instance_id).SetRole(request, timeout=timeout_s + 10.0)
 
