@@ -222,6 +222,50 @@ async def test_disaggregated_decode_migrates_to_the_other_decode_instance():
         await node.stop()
 
 
+@pytest.mark.asyncio(loop_scope="function")
+async def test_after_a_role_change_a_stale_route_is_unavailable_so_the_router_places_it_elsewhere():
+    """A drain that migrates ends within milliseconds, possibly before a router saw the DRAINING placement: a
+    start RPC for the old role then answers UNAVAILABLE (the router re-routes a request with no token yet), not
+    FAILED_PRECONDITION (which would fail it). A worker that never changed role keeps the FAILED_PRECONDITION."""
+    import argparse
+
+    from octoserve.services.engine.factory import make_engine
+    from octoserve.services.rpc import convert, role_switch
+    from octoserve.services.rpc.gen import worker_pb2_grpc as w_grpc
+    from octoserve.services.rpc.hardening import add_servicer
+    from octoserve.services.rpc.server import ServiceSpec, start_service
+    from octoserve.services.rpc.worker_main import WORKER_SERVICE
+    from octoserve.services.core.types import Role
+    from tests.service_fixtures import WORKER_DESCRIPTOR, request as public_request
+
+    config = node_config_from_dict(two_replica_config())
+    first = role_switch.servicer_for_role(Role.COLOCATED, make_engine(config, "c0", engine="sim", time_scale=1.0))
+    first.model_spec = config.models[COLOCATED_MODEL]
+    args = argparse.Namespace(engine="sim", instance="c0", time_scale=1.0)
+    switch = role_switch.RoleSwitch(first, role_switch.rebuilder(config, args, first))
+    spec = ServiceSpec(name="worker:c0", metrics_port=None, grace_s=1.0, service_names=(WORKER_SERVICE,),
+                       add_servicers=lambda server: add_servicer(switch, WORKER_DESCRIPTOR, server),
+                       start=switch.start, drain=switch.drain, close=switch.close, registry=switch.metrics.registry)
+    running = await start_service(spec)
+    try:
+        async with grpc.aio.insecure_channel(running.address) as channel:
+            stub = w_grpc.WorkerStub(channel)
+            pb_spec = convert.spec_to_pb(convert.spec_from_public(public_request(), "r1", 0.0, None))
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.Prefill(w_pb.PrefillRequest(spec=pb_spec), timeout=5)
+            assert e.value.code() is grpc.StatusCode.FAILED_PRECONDITION  # never changed role: a caller's mistake
+            await stub.SetRole(w_pb.SetRoleRequest(role=convert.ROLE_TO_PB[Role.DECODE]), timeout=10)
+            for call in (stub.Generate(w_pb.WorkerGenerateRequest(session_id="s", spec=pb_spec), timeout=5),
+                         stub.Prefill(w_pb.PrefillRequest(spec=pb_spec), timeout=5)):
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await call
+                assert e.value.code() is grpc.StatusCode.UNAVAILABLE and "route elsewhere" in e.value.details()
+            reply = await stub.Reserve(w_pb.ReserveRequest(spec=pb_spec), timeout=5)  # the new role serves it
+            assert reply.reserved
+    finally:
+        await running.shutdown()
+
+
 # ---- the node as processes: the scheduler's reconfiguration migrates, the router follows -----------------------------
 
 def _migrate_config() -> dict:

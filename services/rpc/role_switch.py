@@ -64,6 +64,7 @@ class RoleSwitch(w_grpc.WorkerServicer):
         self._calls: dict[int, _Calls] = {id(inner): _Calls()}
         self._lock = asyncio.Lock()
         self.retired = False
+        self.role_changes = 0
 
     # ---- lifecycle (ServiceSpec hooks) and attributes the process reads ----------------------------------------
 
@@ -125,6 +126,7 @@ class RoleSwitch(w_grpc.WorkerServicer):
                 await asyncio.sleep(IDLE_POLL_S)
             self._calls[id(new)] = _Calls()
             self.inner = new  # no await between the last idle check and here
+            self.role_changes += 1
             self._calls.pop(id(old), None)
             for session in list(getattr(old, "sessions", {}).values()):
                 session.close()  # ends the old token streams: routers re-attach to the new servicer
@@ -144,6 +146,12 @@ class RoleSwitch(w_grpc.WorkerServicer):
 
     async def _starting(self, name: str, request, context):
         inner = self.inner
+        if self.role_changes and not serves(name, request, inner.engine.role):
+            # A router whose placement still shows the old role (a drain can now end within milliseconds, before the
+            # placement update reached it): UNAVAILABLE before any token, so it places the request elsewhere.
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"{inner.engine.instance_id} now serves the {inner.engine.role.value} role; route "
+                                "elsewhere (the placement changed)")
         calls = self._calls[id(inner)]
         calls.count += 1
         try:
@@ -192,6 +200,16 @@ class RoleSwitch(w_grpc.WorkerServicer):
 
     def __getattr__(self, name: str):  # fields tests and the process read (engine, sessions, in_flight, ...)
         return getattr(self.__dict__["inner"], name)
+
+
+def serves(rpc: str, request, role: Role) -> bool:
+    """Whether a worker of `role` serves this work-starting RPC (a migration's Reserve / Decode: colocated too)."""
+    if rpc == "Generate":
+        return role is Role.COLOCATED
+    if rpc == "Prefill":
+        return role is Role.PREFILL
+    migrated = bool(request.output_token_ids) if rpc == "Reserve" else bool(request.handoff.output_token_ids)
+    return role is Role.DECODE or (migrated and role is Role.COLOCATED)
 
 
 def servicer_for_role(role: Role, engine, like=None):
