@@ -123,7 +123,7 @@ def test_the_shortened_day_runs_at_both_levels_and_loses_nothing():
     assert len(offered) == 1  # the same requests everywhere
 
 
-def test_a_model_change_migrates_running_decodes_and_ends_its_drain_sooner():
+def test_a_model_change_migrates_running_decodes_and_ends_its_drain_sooner(monkeypatch):
     """The same model change on the same trace, drain only and with migration (services/core/migration.py): the
     running decodes of the retired 8B instances move to the other 8B ones, every request still produces its 40
     tokens, none is lost, and the drain (virtual time) ends sooner."""
@@ -139,3 +139,9 @@ def test_a_model_change_migrates_running_decodes_and_ends_its_drain_sooner():
     assert drained.migrated == 0 and migrated.migrated > 0
     assert migrated.migrated + sum(migrated.kept.values()) <= migrated.held
     assert migrated.drain_end_s < drained.drain_end_s
+    # The simulator's plain path (every decode explicit) gives the same records as its fast one, migrations included.
+    monkeypatch.setenv("OCTOSERVE_SIM_FAST", "0")
+    plain = ElasticStepSim(NODE, balance=False, plan_at=[(3.0, join)], migrate=True).run(trace)
+    assert plain.reconfigs[0].migrated == migrated.migrated
+    assert sorted((r.request_id, r.token_times_s, r.finish_s) for r in plain.sim.records) == \
+        sorted((r.request_id, r.token_times_s, r.finish_s) for r in runs[True].sim.records)

@@ -501,6 +501,7 @@ class NodeSimulator:
     def running_decodes(self, instance_id: str) -> list:
         """The batcher requests decoding on `instance_id` now (prompt done, one token to compute each step)."""
         inst = self.instances[instance_id]
+        self._write_out(inst)  # a steady batcher's implicit decodes: explicit, with their tokens, before reading
         out = []
         for t in self._trackers.values():
             route = t.route
@@ -525,7 +526,10 @@ class NodeSimulator:
             self._start_migrations(source)
 
     def _start_migrations(self, source: _Instance) -> None:
-        for request_id, target_id, on_done in self._migrations.pop(source.cfg.id, ()):
+        pending = self._migrations.pop(source.cfg.id, ())
+        if pending:
+            self._write_out(source)  # (at a step boundary) every request explicit before one leaves the batch
+        for request_id, target_id, on_done in pending:
             tracker = self._trackers[request_id]
             target = self.instances.get(target_id)
             tokens = source.batcher.suspend_running(request_id)
