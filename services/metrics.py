@@ -288,21 +288,29 @@ def fleet_ttft_p95_ms(records: Iterable[RequestRecord], slo: SloSpec) -> tuple[t
     return tuple((slo_ms, percentile_inf(v, 95)) for slo_ms, v in sorted(by_slo.items()))
 
 
-def _record_gaps(record: RequestRecord, cache: dict | None) -> list[float]:
-    """`itl_gaps_s` of a record, computed once per `summarize` (every record sits in 3-4 of its groups)."""
-    if cache is None:
-        return itl_gaps_s(record.token_times_s)
-    gaps = cache.get(id(record))
+_NO_GAPS = np.zeros(0)
+
+
+def _record_gaps(record: RequestRecord, cache: dict | None) -> np.ndarray:
+    """`itl_gaps_s` of a record as an array, computed once per `summarize` (every record sits in 3-4 of its
+    groups): the plain differences (the same floats) unless some message carried several tokens."""
+    gaps = None if cache is None else cache.get(id(record))
     if gaps is None:
-        gaps = cache[id(record)] = itl_gaps_s(record.token_times_s)
+        times = record.token_times_s
+        gaps = np.diff(np.asarray(times, dtype=float)) if len(times) > 1 else _NO_GAPS
+        if not gaps.all():  # a 0.0 gap: tokens delivered together
+            gaps = np.asarray(itl_gaps_s(times), dtype=float)
+        if cache is not None:
+            cache[id(record)] = gaps
     return gaps
 
 
 def fleet_itl_p95_ms(records: Iterable[RequestRecord], gaps_cache: dict | None = None) -> float:
     """ITL P95 over every token streamed to an admitted request (pooled); NaN when no gap was streamed.
     `gaps_cache`: a dict shared by calls over the same records (keyed by record identity), or None."""
-    gaps = [g for r in records if not r.refused for g in _record_gaps(r, gaps_cache)]
-    return float(np.percentile(np.asarray(gaps) * 1000.0, 95)) if gaps else math.nan
+    parts = [_record_gaps(r, gaps_cache) for r in records if not r.refused]
+    gaps = np.concatenate(parts) if parts else _NO_GAPS
+    return float(np.percentile(gaps * 1000.0, 95)) if gaps.size else math.nan
 
 
 @dataclass(frozen=True, slots=True)
@@ -368,9 +376,7 @@ def group_stats(name: str, records: Sequence[RequestRecord], slo: SloSpec, durat
     admitted = sum(not r.refused for r in records)
     good = sum(meets_slo(r, slo) for r in done)
     ttft_ok = sum(r.ttft_s * 1000.0 <= _ttft_slo_ms(r, slo) for r in done)
-    itl: list[float] = []
-    for r in done:
-        itl.extend(_record_gaps(r, gaps_cache))
+    itl = np.concatenate([_record_gaps(r, gaps_cache) for r in done]) if done else _NO_GAPS
     fleet_ttft = fleet_ttft_p95_ms(records, slo)
     fleet_itl = fleet_itl_p95_ms(records, gaps_cache)
     fleet_ttft_ok = bool(fleet_ttft) and all(p95 < slo_ms for slo_ms, p95 in fleet_ttft)

@@ -61,6 +61,9 @@ class Dispatched:
     predicted_ttft_s: float = 0.0
 
 
+_TIERS = tuple(Priority)  # iterating the enum class itself costs a generator per call (once per candidate)
+
+
 @dataclass
 class InFlightLedger:
     """Router-side accounting of dispatched work; see the module docstring."""
@@ -83,7 +86,7 @@ class InFlightLedger:
         for iid in (record.instance_id, record.decode_instance_id):
             if iid is not None:
                 self.pending.setdefault(iid, {})[record.request_id] = record
-                counts = self.by_tier.setdefault(iid, dict.fromkeys(Priority, 0))
+                counts = self.by_tier.setdefault(iid, dict.fromkeys(_TIERS, 0))
                 counts[record.tier] += 1
 
     def on_first_token(self, request_id: str) -> Dispatched | None:
@@ -116,10 +119,10 @@ class InFlightLedger:
 
     def num_dispatched_by_tier(self, instance_id: str) -> dict[Priority, int]:
         """Requests admitted to the instance (entry or decode side) and not finished, per tier."""
-        return self.by_tier.get(instance_id) or dict.fromkeys(Priority, 0)
+        return self.by_tier.get(instance_id) or dict.fromkeys(_TIERS, 0)
 
     def outstanding_tokens_by_tier(self, instance_id: str) -> dict[Priority, int]:
-        out = {t: 0 for t in Priority}
+        out = dict.fromkeys(_TIERS, 0)
         for r in self.outstanding.values():
             if r.instance_id == instance_id:
                 out[r.tier] += r.uncached_prefill_tokens

@@ -136,6 +136,8 @@ class Request:
         "last_token_s",
         "stop_len",
         "executor_key",
+        "run_seq",
+        "steady",
     )
 
     def __init__(self, spec: RequestSpec, queue_key: tuple, victim_key: tuple) -> None:
@@ -159,6 +161,12 @@ class Request:
         # Opaque to the batcher: what an in-process executor derives once per request and caches here
         # (SimExecutor: the constants of its token formula). None until the executor first sees the request.
         self.executor_key: tuple | None = None
+        # Order among running requests of equal victim key (bisect puts a newcomer after its equals): stamped when
+        # it starts running, so (victim_key, run_seq) sorts like the running list.
+        self.run_seq = 0
+        # Opaque to this module: a batcher that advances steady decodes implicitly (steady_batcher.py) keeps its
+        # per-request state here; None while the request's tokens are explicit.
+        self.steady = None
 
     @property
     def num_tokens(self) -> int:
@@ -192,6 +200,7 @@ class Batcher:
         self._num_long_steps = 0
         self._num_swap_blocks_used = 0
         self._step_id = 0
+        self._run_seq = 0
         self.num_preemptions_total = 0
         # Bumped by every call that may change the queues, the batch or the KV: whoever caches a view of this
         # batcher (the simulator's load snapshots) keys it on this.
@@ -656,17 +665,28 @@ class Batcher:
         outputs: list[RequestOutput] = []
         handoffs: list[HandoffReady] = []
         plain: list[Request] = []
+        self._finish_truncated(outputs)
+        self._apply_chunks(step.reqs, step.num_new, sampled, now, outputs, handoffs, plain)
+        return CompactOutputs(tuple(outputs), tuple(handoffs), tuple(self.kv.drain_events()), tuple(plain))
+
+    def _finish_truncated(self, outputs: list[RequestOutput]) -> None:
+        """Requests stopped for lack of KV while planning this step end with LENGTH (first thing in an update)."""
         while self._truncated:
             req = self._truncated.pop()
             req.status = RequestStatus.RUNNING  # _finish expects it off every queue; it was taken off running
             self._running.append(req)
             outputs.append(self._output(req, (), FinishReason.LENGTH))
             self._finish(req, observe=True)
+
+    def _apply_chunks(self, reqs: Sequence[Request], num_new_col: Sequence[int], sampled: Sequence[int | None],
+                      now: float, outputs: list[RequestOutput], handoffs: list[HandoffReady],
+                      plain: list[Request]) -> None:
+        """`update_compact`'s loop over the step's chunks, in step order."""
         running = RequestStatus.RUNNING
         block_size, kv = self.block_size, self.kv
         eos = self.config.eos_token_id
         prefill_role = self.config.role is Role.PREFILL
-        for req, num_new, token_id in zip(step.reqs, step.num_new, sampled):
+        for req, num_new, token_id in zip(reqs, num_new_col, sampled):
             if req.status is not running:
                 continue  # aborted or preempted while the step ran
             before = req.num_computed_tokens
@@ -698,7 +718,6 @@ class Batcher:
                 handoffs.append(self._hold_for_handoff(req, token_id))
             elif finish is not None:
                 self._finish(req, observe=True)
-        return CompactOutputs(tuple(outputs), tuple(handoffs), tuple(kv.drain_events()), tuple(plain))
 
     def _advance(self, req: Request, num_new_tokens: int) -> None:
         before = req.num_computed_tokens
@@ -819,6 +838,8 @@ class Batcher:
 
     def _set_running(self, req: Request) -> None:
         req.status = RequestStatus.RUNNING
+        self._run_seq += 1
+        req.run_seq = self._run_seq
         bisect.insort(self._running, req, key=_victim_order)
 
     def _num_active(self) -> int:
@@ -876,11 +897,11 @@ class CompactStep:
     for in-process executors only (it never crosses a process or a thread). Built once, never mutated."""
 
     __slots__ = ("step_id", "reqs", "num_new", "contexts", "samples", "preempted_ids", "swap_out_blocks",
-                 "swap_in_blocks")
+                 "swap_in_blocks", "num_steady", "steady_tokens")
 
     def __init__(self, step_id: int, reqs: tuple[Request, ...], num_new: tuple[int, ...], contexts: tuple[int, ...],
                  samples: tuple[bool, ...], preempted_ids: tuple[str, ...], swap_out_blocks: int,
-                 swap_in_blocks: int) -> None:
+                 swap_in_blocks: int, num_steady: int = 0, steady_tokens: int = 0) -> None:
         self.step_id = step_id
         self.reqs = reqs
         self.num_new = num_new  # tokens computed this step, per chunk
@@ -889,18 +910,22 @@ class CompactStep:
         self.preempted_ids = preempted_ids
         self.swap_out_blocks = swap_out_blocks
         self.swap_in_blocks = swap_in_blocks
+        # Steady decodes (steady_batcher.py) in the step besides the columns: each computes one token on top of
+        # its context and samples it; `steady_tokens` is the sum of their lengths (context + 1).
+        self.num_steady = num_steady
+        self.steady_tokens = steady_tokens
 
     @property
     def num_chunks(self) -> int:
-        return len(self.reqs)
+        return len(self.reqs) + self.num_steady
 
     @property
     def num_batched_tokens(self) -> int:
-        return sum(self.num_new)
+        return sum(self.num_new) + self.num_steady
 
     @property
     def is_empty(self) -> bool:
-        return not self.reqs and not self.swap_out_blocks and not self.swap_in_blocks
+        return not self.reqs and not self.num_steady and not self.swap_out_blocks and not self.swap_in_blocks
 
     def to_plan(self) -> StepPlan:
         chunks = tuple(ScheduledChunk(r.request_id, n, c, s)

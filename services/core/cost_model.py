@@ -231,16 +231,20 @@ class CostModel:
         num_samples: int,
         swap_blocks: int = 0,
         block_size: int = 16,
+        num_steady: int = 0,
+        steady_tokens: int = 0,
     ) -> float:
         """`plan_time_s` of a step given as parallel columns (`Batcher.schedule_compact`): chunk i computes
-        `num_new[i]` tokens on top of `contexts[i]`; `num_samples` chunks sample. The same integer totals as
-        `plan_time_s`, so the same float."""
+        `num_new[i]` tokens on top of `contexts[i]`; `num_samples` chunks sample. Plus `num_steady` one-token
+        decode chunks (not counted in `num_samples`) whose lengths (context + 1) sum to `steady_tokens`: each is
+        context + 1 pairs and as many KV tokens. The same integer totals as `plan_time_s`, so the same float."""
         num_tokens = sum(num_new)
-        num_pairs = 0
+        num_pairs = steady_tokens
         for new, context in zip(num_new, contexts):
             num_pairs += new * context + new * (new + 1) // 2
-        num_kv_tokens = sum(contexts) + num_tokens
-        return self._time_s(num_tokens, num_pairs, num_kv_tokens, num_samples, swap_blocks * block_size)
+        num_kv_tokens = sum(contexts) + num_tokens + steady_tokens
+        return self._time_s(num_tokens + num_steady, num_pairs, num_kv_tokens, num_samples + num_steady,
+                            swap_blocks * block_size)
 
     def prefill_time_s(self, num_tokens: int, num_context_tokens: int = 0) -> float:
         """One chunk of `num_tokens` new tokens on top of `num_context_tokens` cached ones, alone in its step."""

@@ -280,6 +280,28 @@ class KVCacheManager:
         req.block_hashes.extend(hashes)
         self._register(parent, req.block_ids[first:num_full], hashes)
 
+    def cache_next_block(self, request_id: str, num_full: int, block_token_ids: Sequence[int]) -> bool:
+        """`cache_computed` for a request whose computed tokens just filled block `num_full - 1` when the blocks
+        before it are cached already (a decode, block by block): `block_token_ids` are that block's tokens.
+        Returns False, changing nothing, when that is not the case (call `cache_computed`)."""
+        req = self._requests[request_id]
+        if not self.enable_prefix_caching:
+            return True
+        hashes = req.block_hashes
+        first = len(hashes)
+        if first != num_full - 1 or num_full > len(req.block_ids):
+            return False
+        parent = hashes[-1] if first else None
+        block_hash = _digest(parent, self._extra, _token_bytes(block_token_ids))
+        hashes.append(block_hash)
+        if block_hash in self._hash_to_block:
+            return True  # cached in another block already: this copy stays anonymous (see `_register`)
+        block = req.block_ids[first]
+        self._hash_to_block[block_hash] = block
+        self._block_hashes[block] = block_hash
+        self._events.append(BlockStored((block_hash,), parent))
+        return True
+
     def _register(self, parent: int | None, blocks: list[int], hashes: list[int]) -> None:
         """Map each new hash to its block; one BlockStored event per contiguous run of newly stored hashes."""
         run: list[int] = []

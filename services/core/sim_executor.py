@@ -14,21 +14,24 @@ from octoserve.services.core.types import StepPlan, StepResult
 
 SIM_TOKEN_LO = 1000  # sampled ids live in [SIM_TOKEN_LO, SIM_TOKEN_LO + SIM_TOKEN_SPAN): never EOS or a special
 SIM_TOKEN_SPAN = 29_000
+SIM_TOKEN_STEP = 7919  # from one output position to the next
 
 
 def sim_token_id(prompt_len: int, first_prompt_token: int, position: int) -> int:
     """Deterministic token for output position `position` of a request (same on every instance)."""
-    return SIM_TOKEN_LO + (position * 7919 + prompt_len * 104_729 + first_prompt_token * 31) % SIM_TOKEN_SPAN
+    return SIM_TOKEN_LO + (position * SIM_TOKEN_STEP + prompt_len * 104_729 + first_prompt_token * 31) % SIM_TOKEN_SPAN
 
 
-def _token_key(spec, num_prompt_tokens: int) -> tuple[int | float, int]:
+def token_key(spec, num_prompt_tokens: int) -> tuple[int | float, int]:
     """(request length at which the sampled token is EOS, offset): for a request of `num_tokens` tokens below
-    that length, `sim_token_id` of its next output position is SIM_TOKEN_LO + (num_tokens * 7919 + offset) %
-    SIM_TOKEN_SPAN. Position p = num_tokens - prompt is EOS when p + 1 >= sim_output_len."""
+    that length, `sim_token_id` of its next output position is
+    SIM_TOKEN_LO + (num_tokens * SIM_TOKEN_STEP + offset) % SIM_TOKEN_SPAN.
+    Position p = num_tokens - prompt is EOS when p + 1 >= sim_output_len."""
     prompt = spec.prompt_token_ids
     true_len = spec.sim_output_len
     eos_at = float("inf") if true_len is None else num_prompt_tokens + true_len - 1
-    offset = (len(prompt) * 104_729 + (prompt[0] if prompt else 0) * 31 - num_prompt_tokens * 7919) % SIM_TOKEN_SPAN
+    offset = (len(prompt) * 104_729 + (prompt[0] if prompt else 0) * 31
+              - num_prompt_tokens * SIM_TOKEN_STEP) % SIM_TOKEN_SPAN
     return eos_at, offset
 
 
@@ -69,11 +72,14 @@ class SimExecutor:
             num_samples += 1
             key = req.executor_key
             if key is None:
-                key = req.executor_key = _token_key(req.spec, req.num_prompt_tokens)
+                key = req.executor_key = token_key(req.spec, req.num_prompt_tokens)
             eos_at, offset = key
             num_tokens = len(req.token_ids)
             # sim_token_id of output position num_tokens - prompt length, in the key's terms (once per token)
-            append(eos if num_tokens >= eos_at else SIM_TOKEN_LO + (num_tokens * 7919 + offset) % SIM_TOKEN_SPAN)
+            append(eos if num_tokens >= eos_at
+                   else SIM_TOKEN_LO + (num_tokens * SIM_TOKEN_STEP + offset) % SIM_TOKEN_SPAN)
+        # A steady batcher's implicit decodes (steady_batcher.py) sample their tokens there, from `token_key`.
         step_s = self.cost_model.chunks_time_s(step.num_new, step.contexts, num_samples,
-                                               step.swap_in_blocks + step.swap_out_blocks, self.block_size)
+                                               step.swap_in_blocks + step.swap_out_blocks, self.block_size,
+                                               step.num_steady, step.steady_tokens)
         return sampled, step_s

@@ -35,6 +35,7 @@ from octoserve.services.core.batcher import Batcher, CompactStep
 from octoserve.services.core.instance import LoadReporter, gang_duty, instance_parts
 from octoserve.services.core.placement import InstanceConfig, NodeConfig
 from octoserve.services.core.sim_executor import SimExecutor
+from octoserve.services.core.steady_batcher import SteadyBatcher
 from octoserve.services.core.types import FinishReason, HandoffReady, RequestOutput, StepPlan, StepResult
 from octoserve.services.metrics import MIN_WARMUP_S, RequestRecord, SloSpec, Summary, Window, detect_window, summarize
 from octoserve.services.sim.gang_sim import GangReport, build_gangs
@@ -48,10 +49,13 @@ FAST_PATH_ENV = "OCTOSERVE_SIM_FAST"  # "0" turns the simulator's fast path off 
 class _Instance:
     __slots__ = ("cfg", "batcher", "executor", "cost", "reporter", "busy", "busy_s", "steps", "_load", "_load_key")
 
-    def __init__(self, node: NodeConfig, cfg: InstanceConfig) -> None:
+    def __init__(self, node: NodeConfig, cfg: InstanceConfig, steady: bool = False) -> None:
         parts = instance_parts(node, cfg)
         self.cfg = cfg
-        self.batcher = Batcher(parts.batcher_config, parts.new_kv(cfg))
+        # steady: decodes advanced implicitly (services/core/steady_batcher.py), on the fast path outside gangs
+        # (an arbiter asks each member for its requests' deadlines every step).
+        batcher_type = SteadyBatcher if steady else Batcher
+        self.batcher = batcher_type(parts.batcher_config, parts.new_kv(cfg))
         self.cost = parts.cost_model
         self.executor = SimExecutor(self.cost, cfg.block_size, parts.batcher_config.eos_token_id)
         self.reporter = LoadReporter(cfg.id, cfg.model, self.batcher, self.cost, gang_duty(node, cfg))
@@ -166,7 +170,7 @@ class NodeSimulator:
 
         self.fast = fast_path_default() if fast is None else fast
         self.config = config
-        self.instances = {cfg.id: _Instance(config, cfg) for cfg in config.instances}
+        self.instances = {cfg.id: self._new_instance(cfg) for cfg in config.instances}
         # Gang groups: members' steps start only through their group's arbiter (services/sim/gang_sim.py).
         self.gangs = build_gangs(config, self.instances, self._start_capped_step)
         cost_models = {iid: inst.cost for iid, inst in self.instances.items()}
@@ -187,6 +191,25 @@ class NodeSimulator:
         for fault in self.faults:
             if fault.instance_id not in self.instances:
                 raise ValueError(f"fault names instance {fault.instance_id!r}; the node has {', '.join(self.instances)}")
+
+    def _new_instance(self, cfg: InstanceConfig) -> _Instance:
+        gang = self.config.gang
+        return _Instance(self.config, cfg, steady=self.fast and (gang is None or gang.group_of(cfg.id) is None))
+
+    def _drain_token_times(self, inst: _Instance) -> None:
+        """Append the token times a steady batcher wrote out (its implicit decode tokens) to their trackers."""
+        drain = getattr(inst.batcher, "drain_token_times", None)
+        if drain is not None:
+            trackers = self._trackers
+            for request_id, times in drain():
+                trackers[request_id].token_times_s.extend(times)
+
+    def _write_out(self, inst: _Instance) -> None:
+        """Every request of `inst` explicit, and its token times with their trackers (before reading them)."""
+        sync_all = getattr(inst.batcher, "sync_all", None)
+        if sync_all is not None:
+            sync_all()
+            self._drain_token_times(inst)
 
     # ---- the loop -----------------------------------------------------------------------------------------
 
@@ -324,6 +347,7 @@ class NodeSimulator:
             sampled, step_s = result
             out = inst.batcher.update_compact(plan, sampled, self.now)
             inst.reporter.note_step_shape(plan.num_chunks, plan.num_batched_tokens, step_s)
+            self._drain_token_times(inst)  # earlier tokens of the requests below first
             now = self.now
             trackers = self._trackers
             for req in out.plain:  # one more token, neither first nor last: only its time is recorded
@@ -399,7 +423,9 @@ class NodeSimulator:
     def _on_fault(self, fault) -> None:
         iid = fault.instance_id
         old = self.instances[iid]
-        fresh = _Instance(self.config, old.cfg)  # what restarts: empty queue, empty KV; routable at recovery
+        for inst in self.instances.values():
+            self._write_out(inst)
+        fresh = self._new_instance(old.cfg)  # what restarts: empty queue, empty KV; routable at recovery
         fresh.busy_s, fresh.steps = old.busy_s, old.steps
         self.instances[iid] = fresh
         self.down.add(iid)
@@ -425,6 +451,8 @@ class NodeSimulator:
             else:
                 tracker.error = f"instance {iid} was lost after the request's first token"
                 self.num_lost += 1
+        for inst in self.instances.values():
+            self._drain_token_times(inst)
 
     def _on_recover(self, fault) -> None:
         self.down.discard(fault.instance_id)
@@ -455,6 +483,7 @@ class NodeSimulator:
     def remove_instance(self, instance_id: str) -> int:
         """Take `instance_id` off the node (its GPUs switch); returns the requests it still held (lost: they end
         with an error). Its steps and figures stop with it."""
+        self._write_out(self.instances[instance_id])
         held = [t for t in self._trackers.values() if t.route is not None and t.finish_s is None and not t.error
                 and not t.refused and (t.route.decode_instance_id == instance_id
                                        or (t.route.instance_id == instance_id and not t.committed))]
@@ -468,7 +497,7 @@ class NodeSimulator:
 
     def add_instance(self, cfg: InstanceConfig) -> None:
         """A fresh instance (empty queue and KV) on the node; routable once `route_only_to` names it."""
-        inst = _Instance(self.config, cfg)
+        inst = self._new_instance(cfg)
         self.instances[cfg.id] = inst
         self.router.cost_models[cfg.id] = inst.cost
         self._last_busy[cfg.id] = 0.0
@@ -489,6 +518,8 @@ class NodeSimulator:
         self, trace: Sequence[TraceRequest], last_arrival: float, wall_s: float, warmup_s: float | None,
         min_warmup_s: float,
     ) -> SimResult:
+        for inst in self.instances.values():
+            self._write_out(inst)
         records = []
         for req in trace:
             tracker = self._trackers.get(req.request_id)
