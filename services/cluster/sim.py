@@ -211,6 +211,9 @@ class ClusterSimulator:
 
     def _result(self, trace, last_arrival: float, wall_s: float, warmup_s: float | None) -> ClusterResult:
         n = len(self.nodes)
+        for node in self.nodes:  # every request explicit, its token times with its tracker (as a node's own result)
+            for inst in node.instances.values():
+                node._write_out(inst)
         series = [n_._series.get("occupancy", []) for n_ in self.nodes]
         occupancy = [(pts[0][0], sum(s[k][1] for s in series)) for k, pts in enumerate(zip(*series))]
         window = detect_window(occupancy, max(last_arrival, 1e-9), warmup_s=warmup_s, min_warmup_s=MIN_WARMUP_S)
