@@ -181,6 +181,7 @@ class ChangeTiming:
     drain_s: float
     switch_s: float
     drained: int
+    migrated: int = 0  # running decodes handed to another instance of the model by KV hand-off in the drain
 
     @property
     def downtime_s(self) -> float:
@@ -222,7 +223,7 @@ async def scripted_changes(scheduler_address: str, script, hour_s: float, time_s
             reply = await stub.Reconfigure(change_request(retire or previous, model, tp, f"scripted at hour {at_h:g}"),
                                            timeout=600)
             out.append(ChangeTiming(_change_label((at_h, retire, model, tp)), began, reply.drain_s / time_scale,
-                                    reply.switch_s / time_scale, reply.drained_requests))
+                                    reply.switch_s / time_scale, reply.drained_requests, reply.migrated_requests))
             previous = tuple(reply.started)
             print(f"  live: {out[-1].label} at {began:.2f} s: drained {reply.drained_requests} requests in "
                   f"{out[-1].drain_s:.2f} s, switched in {out[-1].switch_s:.2f} s (simulated)", flush=True)
@@ -278,6 +279,7 @@ class ModelChangeResult:
         for lv, sv in zip(self.live_changes, self.sim_changes):
             lines.append(f"| {lv.label}: began at s | {lv.at_s:.2f} | {sv.at_s:.2f} | | |")
             lines.append(f"| ... requests drained | {lv.drained} | {sv.drained} | | |")
+            lines.append(f"| ... of them migrated by KV hand-off | {lv.migrated} | {sv.migrated} | | |")
             lines.append(f"| ... drain s (instance takes no new request) | {lv.drain_s:.2f} | {sv.drain_s:.2f} | | |")
             lines.append(f"| ... switch s = downtime of the instance | {lv.switch_s:.2f} | {sv.switch_s:.2f} | | |")
         return "\n".join(lines)
@@ -307,7 +309,7 @@ def run_model_change(args) -> ModelChangeResult:
     t0 = time.perf_counter()
     estep = ElasticStepSim(node_cfg, balance=False, plan_at=plan, period_s=PERIOD_S, window_s=WINDOW_S).run(trace)
     sim_changes = [ChangeTiming(_change_label(entry), ev.planned_s, ev.drain_end_s - ev.planned_s,
-                                ev.done_s - ev.drain_end_s, ev.held)
+                                ev.done_s - ev.drain_end_s, ev.held, ev.migrated)
                    for entry, ev in zip(script, estep.reconfigs)]
     print(f"step-level elastic simulator: {len(requests)} requests over {profile.duration_s:g} s in "
           f"{time.perf_counter() - t0:.1f} s; {len(estep.done)} of {len(plan)} model changes done", flush=True)
