@@ -26,6 +26,7 @@ move later by its hand-off; no instance goes away before its last running reques
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 import time
@@ -452,7 +453,18 @@ class ElasticSim:
                 decode_batch_limit=len(inst.heap), kv_used=decoding / max(1, len(inst.heap)),
                 itl_headroom=1.0 - inst.tau_s * 1000.0 / self.slo.itl_ms, accepting=inst.accepting,
                 running=sum(1 for x in inst.running if x.finish_s > now), est_drain_s=inst.drain_end_s(now) - now))
-        demand = demand_of(self._window(now - self.window_s, now), self.models, max(0.0, now - self.window_s), now)
+        lo = max(0.0, now - self.window_s)
+        demand = demand_of(self._window(now - self.window_s, now), self.models, lo, now)
+        # What was measured: the requests refused in the window, per model (the router's refusal counts live), so
+        # the balancer can correct its estimate by what the placement served (`Corrections`).
+        refused: dict[str, int] = {}
+        for r in reversed(self.refused):
+            if r.arrival_s < lo:
+                break
+            if r.arrival_s < now:
+                refused[r.model] = refused.get(r.model, 0) + 1
+        span = max(now - lo, 1e-9)
+        demand = tuple(dataclasses.replace(d, refused_rps=refused.get(d.model, 0) / span) for d in demand)
         return NodeLoad(self.window_s, tuple(placement), tuple(loads), demand)
 
     def _oracle_switch(self, hour: int) -> None:
