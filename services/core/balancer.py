@@ -289,9 +289,9 @@ def placement_goodput_rps(capacity: CapacityModel, instances: Sequence[InstanceC
                           demand: Mapping[str, ModelDemand], horizon_s: float,
                           weights: Mapping[str, float] | None = None, step: bool = False,
                           corrections: "Corrections | None" = None) -> tuple[float, dict[str, float]]:
-    """Forecast goodput of a placement: sum over models of weight x correction x min(forecast demand, capacity)
+    """Forecast goodput of a placement: sum over models of weight x min(forecast demand, correction x capacity)
     (weights default to 1: req/s; the correction, `Corrections.factor`, is what this model's shape was measured to
-    serve against the estimate, 1 without); and the (uncorrected) capacities. `step`: forecast from the recent
+    serve when saturated against its estimated capacity, 1 without); and the (uncorrected) capacities. `step`: forecast from the recent
     rates (`ModelDemand.forecast_rps`)."""
     caps: dict[str, float] = {}
     total = 0.0
@@ -300,8 +300,11 @@ def placement_goodput_rps(capacity: CapacityModel, instances: Sequence[InstanceC
         cap = capacity.model_capacity_rps(mine, d.as_model_load(1.0))
         caps[model] = cap
         f = 1.0 if corrections is None else corrections.factor(model, shape_of(mine, model))
-        total += (1.0 if weights is None else weights.get(model, 1.0)) * f * min(d.forecast_rps(horizon_s, step), cap)
+        total += (1.0 if weights is None else weights.get(model, 1.0)) * min(d.forecast_rps(horizon_s, step), f * cap)
     return total, caps
+
+
+SATURATED = 0.05  # a model refusing at least this share of its arrivals is serving all it can
 
 
 class Corrections:
@@ -309,9 +312,10 @@ class Corrections:
 
     The estimate counts capacity and ignores queueing, so it can rank two placements the other way round from what
     they serve. Each period, a model whose shape has held (no instance of it changed, none draining) for a whole load
-    window, and whose demand is at least `min_load` of the shape's estimated capacity (below that the window says
-    little about capacity), is observed: ratio = measured goodput (arrivals - refusals) / estimated goodput
-    (min(arrivals, capacity)), clamped to [0.2, 1.5], blended into the shape's factor with `weight`. A shape not yet
+    window and that was saturated over it (refusals >= `SATURATED` of its arrivals, and demand >= `min_load` of the
+    shape's estimated capacity: only then does what it served say what it can serve) is observed: ratio = measured
+    goodput (arrivals - refusals) / estimated capacity, clamped to [0.2, 1.5], blended into the shape's factor
+    with `weight`; the factor scales the shape's capacity in `placement_goodput_rps`. A shape not yet
     observed gets the mean factor of the model's observed shapes (1 with none), so measurements shift the ranking
     only between shapes that were seen. Clock-free: the caller passes its time."""
 
@@ -344,13 +348,14 @@ class Corrections:
                 continue
             d = loads.demand_of(model)
             cap = capacity.model_capacity_rps(mine, d.as_model_load(1.0))
-            if cap <= 0 or d.arrival_rps < self.min_load * cap:
+            if cap <= 0 or d.arrival_rps < self.min_load * cap or d.refused_rps < SATURATED * d.arrival_rps:
                 continue
-            ratio = min(1.5, max(0.2, max(0.0, d.arrival_rps - d.refused_rps) / min(d.arrival_rps, cap)))
+            ratio = min(1.5, max(0.2, max(0.0, d.arrival_rps - d.refused_rps) / cap))
             old = self.factors.get((model, shape))
             new = ratio if old is None else old + self.weight * (ratio - old)
             self.factors[(model, shape)] = new
-            out.append(f"{model} {_shape_text(shape)} served {ratio:.2f} of its estimate (factor {new:.2f})")
+            out.append(f"{model} {_shape_text(shape)} served {ratio:.2f} of its estimated capacity, saturated "
+                       f"(factor {new:.2f})")
         return out
 
     def text(self) -> str:
