@@ -15,6 +15,7 @@ Configured by the `elastic` section: `balancer: elastic` plus the `BalancerPolic
 from __future__ import annotations
 
 import logging
+import math
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -60,11 +61,14 @@ class DemandWindow:
             times = sorted(per_t)
             step = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 1.0
             trend = demand_trend([(t, per_t[t] / step) for t in times]) if len(times) > 2 else 0.0
-            # The recent rate and its step score: the window's reports in STEP_BINS bins by time.
+            # The recent rate and its step score: the window's reports in STEP_BINS bins by time (a report at t
+            # counts the arrivals up to t, so a bin is closed on its right: a report on a boundary is the earlier
+            # bin's).
             bin_s = self.window_s / STEP_BINS
             counts = [0] * STEP_BINS
             for s in mine:
-                counts[min(STEP_BINS - 1, max(0, int((s[0] - (now_s - self.window_s)) / bin_s)))] += s[2]
+                k = math.ceil((s[0] - (now_s - self.window_s)) / bin_s - 1e-9) - 1
+                counts[min(STEP_BINS - 1, max(0, k))] += s[2]
             recent, z = step_score(counts, bin_s)
             out.append(ModelDemand(
                 m, n / self.window_s, trend,
