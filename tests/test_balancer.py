@@ -393,7 +393,12 @@ def test_a_placement_observed_to_serve_less_than_its_estimate_is_ranked_by_what_
     assert b.corrections.factor(S, (((1, "colocated"), 4),)) == pytest.approx(1.0)  # unobserved: the model's mean
     b.corrections.observe(40.0, b.capacity, load(colocated, served_colocated), set())
     b.corrections.observe(50.0, b.capacity, load(colocated, served_colocated), set())
-    assert b.corrections.factor(S, (((1, "colocated"), 4),)) == pytest.approx(40.0 / cap_c)
+    raw = 40.0 / cap_c
+    assert b.corrections.factors[(S, (((1, "colocated"), 4),))] == pytest.approx(raw)
+    # Relative to the mean of the 8B's observed shapes on four GPUs: the colocated one below 1, the split above.
+    assert b.corrections.factor(S, (((1, "colocated"), 4),)) == pytest.approx(raw / ((raw + 1.0) / 2))
+    assert b.corrections.factor(S, (((1, "decode"), 2), ((1, "prefill"), 2))) == pytest.approx(1.0 / ((raw + 1.0) / 2))
+    assert b.corrections.factor(S, (((1, "colocated"), 2),)) == 1.0  # never observed
     planned = b.plan(60.0, load(colocated, served_colocated), [])
     assert [r.kind for r in planned] == [ReconfigKind.ROLE, ReconfigKind.ROLE]  # toward the split, two at a time
     assert {r.start[0].role for r in planned} == {Role.PREFILL}
@@ -424,15 +429,17 @@ def test_cost_check_uses_the_configured_or_observed_horizon():
     demand = [ModelDemand(L, 9.0), ModelDemand(S, 60.0)]
     drain = {"lm-1": {"est_drain_s": 5.0}}
     b = ElasticBalancer(NODE, FAST, layouts=[grown, [LM, *SM_C]])
-    (r,) = b.plan(0.0, load(grown, demand, **drain), [])  # pays for itself over the 60-s forecast window
-    assert "(forecast window: no mix change seen yet)" in r.reason
+    for t in range(0, 60, 2):  # a mix that has held 60 s: the horizon is the whole forecast window
+        b.dwell.update(float(t), {L: 9.0, S: 60.0})
+    (r,) = b.plan(60.0, load(grown, demand, **drain), [])  # pays for itself over 60 s
+    assert "over 60 s (forecast window: no mix change seen yet)" in r.reason
     short = ElasticBalancer(NODE, dataclasses.replace(FAST, cost_horizon_s=6.0), layouts=[grown, [LM, *SM_C]])
     assert short.plan(0.0, load(grown, demand, **drain), []) == []
     assert short.log[-1].reason == "hold:cost" and "over 6 s (cost_horizon_s)" in short.log[-1].detail
     # Observed: a mix that changed every 4 s gives a horizon of about 4 s, and the same move holds.
     seen = ElasticBalancer(NODE, FAST, layouts=[grown, [LM, *SM_C]])
     for t in range(0, 24, 2):
-        seen.dwell.update(float(t), {L: 9.0, S: 60.0 if (t // 4) % 2 else 20.0})
+        seen.dwell.update(float(t), {L: 9.0, S: 60.0 if (t // 4) % 2 else 0.0})
     assert seen.horizon_s(24.0) == pytest.approx(4.0)
     assert seen.plan(24.0, load(grown, demand, **drain), []) == []
-    assert seen.log[-1].reason == "hold:cost" and "demand dwell, mean" in seen.log[-1].detail
+    assert seen.log[-1].reason == "hold:cost" and "demand dwell, mean 4 s" in seen.log[-1].detail

@@ -79,8 +79,10 @@ def _day(hours=24.0, hour_s=6.0, load=0.9, seed=0):
 
 def test_elastic_day_reconfigures_under_load_and_loses_no_request():
     day, requests = _day()
+    # The horizon is fixed at 60 s here (not the 6-s hours' dwell) so that the balancer moves several times: this
+    # test is about the mechanics of moving under load.
     res = run_day(NODE, day, requests, (LM, *SMS), "elastic", layouts=LAYOUTS,
-                  policy=BalancerPolicy(min_dwell_s=10.0))
+                  policy=BalancerPolicy(min_dwell_s=10.0, cost_horizon_s=60.0))
     assert res.lost == 0
     assert len(res.reconfigs) >= 3
     assert all(ev.phase is Phase.DONE for ev in res.reconfigs)

@@ -200,7 +200,8 @@ class BalancerPolicy:
     # The horizon of the cost check: a fixed one in seconds, or None to derive it from the observed demand dwell
     # (`DwellTracker`: how long the node's mix has held, at most `forecast_window_s`).
     cost_horizon_s: float | None = None
-    dwell_tolerance: float = 0.15  # the mix has moved when the load-weighted rates change by this share of the load
+    dwell_tolerance: float = 0.3  # the mix has moved when the load-weighted rates change by this share of the load
+    measured_corrections: bool = True  # correct the capacity estimate by what each placement shape served (`Corrections`)
     correction_weight: float = 0.3  # the weight of each new observation in a measured correction factor (EMA)
     correction_min_load: float = 0.5  # a model's shape is observed only at demand >= this share of its estimate
 
@@ -315,9 +316,9 @@ class Corrections:
     window and that was saturated over it (refusals >= `SATURATED` of its arrivals, and demand >= `min_load` of the
     shape's estimated capacity: only then does what it served say what it can serve) is observed: ratio = measured
     goodput (arrivals - refusals) / estimated capacity, clamped to [0.2, 1.5], blended into the shape's factor
-    with `weight`; the factor scales the shape's capacity in `placement_goodput_rps`. A shape not yet
-    observed gets the mean factor of the model's observed shapes (1 with none), so measurements shift the ranking
-    only between shapes that were seen. Clock-free: the caller passes its time."""
+    with `weight`; `factor` (relative to the model's other observed shapes) scales the shape's capacity in
+    `placement_goodput_rps`. A shape not yet observed, or the only one observed on its number of GPUs, is left
+    at 1: the measurements shift the ranking only between splits of the same GPUs that were seen. Clock-free: the caller passes its time."""
 
     def __init__(self, weight: float = 0.3, min_load: float = 0.5) -> None:
         self.weight, self.min_load = weight, min_load
@@ -325,11 +326,16 @@ class Corrections:
         self._held: dict[str, tuple[tuple, float]] = {}  # model -> (shape, since when it has held)
 
     def factor(self, model: str, shape: tuple) -> float:
+        """The shape's measured factor over the mean of the observed ones of the model on as many GPUs (1 when
+        unobserved): relative, so the measurements re-rank the role and TP splits of a model's GPUs that were seen,
+        and leave how many GPUs each model gets to the estimate (shapes on other GPU counts were seen at other
+        times of the day, under other loads, and their factors do not compare)."""
         f = self.factors.get((model, shape))
-        if f is not None:
-            return f
-        seen = [v for (m, _), v in self.factors.items() if m == model]
-        return sum(seen) / len(seen) if seen else 1.0
+        if f is None:
+            return 1.0
+        gpus = _gpus(shape)
+        seen = [v for (m, sh), v in self.factors.items() if m == model and _gpus(sh) == gpus]
+        return f / (sum(seen) / len(seen))
 
     def observe(self, now_s: float, capacity: CapacityModel, loads: NodeLoad, changing: set[str]) -> list[str]:
         """Update from one window; `changing`: models with a reconfiguration in flight. The lines it observed."""
@@ -360,6 +366,10 @@ class Corrections:
 
     def text(self) -> str:
         return ", ".join(f"{m} {_shape_text(sh)} x{f:.2f}" for (m, sh), f in sorted(self.factors.items()))
+
+
+def _gpus(shape: tuple) -> int:
+    return sum(tp * n for (tp, _), n in shape)
 
 
 def _shape_text(shape: tuple) -> str:
@@ -662,7 +672,8 @@ class ElasticBalancer:
         self.dwell.update(now_s, {m: d.arrival_rps for m, d in demand.items()})
         changing = {i.model for r in in_flight for i in r.start} | {
             i.model for i in loads.placement for r in in_flight if i.id in r.retire}
-        for line in self.corrections.observe(now_s, self.capacity, loads, changing):
+        observed = self.corrections.observe(now_s, self.capacity, loads, changing) if policy.measured_corrections else []
+        for line in observed:
             self.counters["measured:observed"] += 1
             self.log.append(Decision(now_s, "measured:observed", line))
         # The placement once the in-flight reconfigurations are DONE: the base every new one is checked against.
