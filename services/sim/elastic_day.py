@@ -385,8 +385,9 @@ def _targets(run: ProfileRun) -> str:
         if worse and best and tried[0][0] != best[0]:
             why += (f" Where the balancer loses ({name}): its capacity estimate ranks {tried[0][0]} first for the "
                     f"{name}'s mix, while the simulator serves {best[1] / tried[0][1]:.2f}x as much on {best[0]}; the "
-                    f"balancer moves toward what the estimate prefers (the estimate counts capacity and ignores "
-                    f"queueing, which decides TTFT under load).")
+                    f"balancer starts from what the estimate prefers (the estimate counts capacity and ignores "
+                    f"queueing, which decides TTFT under load) and corrects it only between splits of a model's GPUs "
+                    f"that it has run saturated.")
     return f"- {run.gpu}, {run.cost_profile}, mix {mix}: " + "; ".join(parts) + "." + why
 
 
@@ -472,6 +473,16 @@ def section(runs: Sequence[ProfileRun], command: str, plots: Sequence[Path], wal
         f"goodput (each model's goodput over what it alone would serve on the node, summed: the share of the node's "
         f"capacity served within the SLOs) and the 70B's attainment are reported beside it so that a model starved "
         f"for the other's request count shows.",
+        "",
+        "The hourly oracle picks each hour's placement by measurement: the capacity estimate's best three for that "
+        "hour's true demand, the best static placement and the placement in place are each simulated over that hour, "
+        "and the one that serves the most is switched to (for free). The balancer plans by its capacity estimate, "
+        "corrected by what it measures: each period, a model whose placement shape (its instances' TP degrees and "
+        "roles) has held a whole load window while refusing requests (saturated) is observed, its served rate over "
+        "its estimated capacity blended into a factor for that shape; the factors re-rank the role and TP splits of "
+        "the same number of a model's GPUs that were observed (`measured:observed` counts the observations). The cost "
+        "check's horizon is the observed demand dwell (how long the load-weighted mix has held within 30 %, mean over "
+        "the past segments, at most the 60-s forecast window), not a fixed 60 s.",
         "",
         "| GPUs | cost profile | mix | best static req/s | hourly oracle req/s | elastic req/s | elastic / static | "
         "elastic / oracle | load-weighted goodput: static; oracle; elastic (elastic / static, / oracle) | "
