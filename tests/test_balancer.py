@@ -371,7 +371,8 @@ SM_P2D2 = [inst("sm-p0", S, Role.PREFILL, (4,)), inst("sm-p1", S, Role.PREFILL, 
 
 def test_a_placement_observed_to_serve_less_than_its_estimate_is_ranked_by_what_it_served():
     colocated, split = [LM, *SM_C], [LM, *SM_P2D2]
-    fresh = ElasticBalancer(NODE, FAST, layouts=[colocated, split])
+    measured = dataclasses.replace(FAST, measured_corrections=True)
+    fresh = ElasticBalancer(NODE, measured, layouts=[colocated, split])
     cap_c = fresh.capacity.model_capacity_rps(SM_C, ModelDemand(S, 0).as_model_load(1.0))
     cap_pd = fresh.capacity.model_capacity_rps(SM_P2D2, ModelDemand(S, 0).as_model_load(1.0))
     assert cap_c > cap_pd > 50.0  # the estimate ranks the colocated 8B first (64.0 against 59.2 req/s)
@@ -379,7 +380,7 @@ def test_a_placement_observed_to_serve_less_than_its_estimate_is_ranked_by_what_
     assert fresh.plan(0.0, load(colocated, [ModelDemand(L, 1.0), ModelDemand(S, 100.0)]), []) == []
     assert fresh.log[-1].reason == "hold:no_gain"
 
-    b = ElasticBalancer(NODE, FAST, layouts=[colocated, split])
+    b = ElasticBalancer(NODE, measured, layouts=[colocated, split])
     # The split served its estimate (100 arriving, 100 - cap_pd refused); the colocated one only 40 req/s of it.
     served_split = [ModelDemand(L, 1.0), ModelDemand(S, 100.0, refused_rps=100.0 - cap_pd)]
     served_colocated = [ModelDemand(L, 1.0), ModelDemand(S, 100.0, refused_rps=60.0)]

@@ -201,7 +201,9 @@ class BalancerPolicy:
     # (`DwellTracker`: how long the node's mix has held, at most `forecast_window_s`).
     cost_horizon_s: float | None = None
     dwell_tolerance: float = 0.3  # the mix has moved when the load-weighted rates change by this share of the load
-    measured_corrections: bool = True  # correct the capacity estimate by what each placement shape served (`Corrections`)
+    # Correct the capacity estimate by what each placement shape served (`Corrections`). Off by default: in the
+    # mix-shift day runs it made the balancer worse (the factors compare shapes seen under different loads).
+    measured_corrections: bool = False
     correction_weight: float = 0.3  # the weight of each new observation in a measured correction factor (EMA)
     correction_min_load: float = 0.5  # a model's shape is observed only at demand >= this share of its estimate
 

@@ -385,9 +385,8 @@ def _targets(run: ProfileRun) -> str:
         if worse and best and tried[0][0] != best[0]:
             why += (f" Where the balancer loses ({name}): its capacity estimate ranks {tried[0][0]} first for the "
                     f"{name}'s mix, while the simulator serves {best[1] / tried[0][1]:.2f}x as much on {best[0]}; the "
-                    f"balancer starts from what the estimate prefers (the estimate counts capacity and ignores "
-                    f"queueing, which decides TTFT under load) and corrects it only between splits of a model's GPUs "
-                    f"that it has run saturated.")
+                    f"balancer moves toward what the estimate prefers (the estimate counts capacity and ignores "
+                    f"queueing, which decides TTFT under load).")
     return f"- {run.gpu}, {run.cost_profile}, mix {mix}: " + "; ".join(parts) + "." + why
 
 
@@ -476,8 +475,9 @@ def section(runs: Sequence[ProfileRun], command: str, plots: Sequence[Path], wal
         "",
         "The hourly oracle picks each hour's placement by measurement: the capacity estimate's best three for that "
         "hour's true demand, the best static placement and the placement in place are each simulated over that hour, "
-        "and the one that serves the most is switched to (for free). The balancer plans by its capacity estimate, "
-        "corrected by what it measures: each period, a model whose placement shape (its instances' TP degrees and "
+        "and the one that serves the most is switched to (for free). The balancer plans by its capacity estimate; "
+        "with `measured_corrections` (off in these runs: with it on, the H200 rows lost to static, see the section "
+        "on measured corrections below) it corrects the estimate by what it measures: each period, a model whose placement shape (its instances' TP degrees and "
         "roles) has held a whole load window while refusing requests (saturated) is observed, its served rate over "
         "its estimated capacity blended into a factor for that shape; the factors re-rank the role and TP splits of "
         "the same number of a model's GPUs that were observed (`measured:observed` counts the observations). The cost "
