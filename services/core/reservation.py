@@ -38,16 +38,20 @@ class OutputLengthPredictor:
         self.min_samples = min_samples
         self._recent: deque[int] = deque(maxlen=window)
         self._cached: int | None = None
+        self._mean: float | None = None  # mean() since the last observe (every load snapshot asks for it)
 
     def observe(self, num_output_tokens: int) -> None:
         self._recent.append(num_output_tokens)
         self._cached = None
+        self._mean = None
 
     def mean(self) -> float:
         """Mean of the recent completions (the prior until enough are seen): slot turnover for admission."""
         if len(self._recent) < self.min_samples:
             return float(self.prior_tokens)
-        return sum(self._recent) / len(self._recent)
+        if self._mean is None:
+            self._mean = sum(self._recent) / len(self._recent)
+        return self._mean
 
     def predict(self) -> int:
         if len(self._recent) < self.min_samples:
