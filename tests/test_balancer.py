@@ -1,6 +1,7 @@
 """The elastic balancer: what it plans for a given load, why, and the guards that hold it back."""
 
 import dataclasses
+import math
 
 import pytest
 from hypothesis import given, settings
@@ -15,6 +16,8 @@ from octoserve.services.core.balancer import (
     candidate_layouts,
     demand_trend,
     diff_components,
+    placement_goodput_rps,
+    reachable,
     weight_load_s,
 )
 from octoserve.services.core.placement import InstanceConfig, NodeConfig
@@ -171,9 +174,20 @@ def test_last_instance_guard_never_retires_a_models_only_serving_instance():
               inst("b", S, Role.COLOCATED, (3,)), *SM_C]
     b = ElasticBalancer(NODE, FAST, layouts=[current, shrunk])
     demand = [ModelDemand(L, 0.5), ModelDemand(S, 90.0)]
+    # The shrunk 70B would serve more 8B, but reaching it retires the 70B's only instance first: not a target.
+    assert not reachable(current, shrunk)
     assert b.plan(0.0, load(current, demand), []) == []
+    assert b.log[-1].reason == "hold:no_gain"
+    # While another change retires the 8B's other instances, the one left is never retired either.
+    grown = [LM, inst("lm-1", L, Role.COLOCATED, (4, 5)), SM_C[2], SM_C[3]]
+    b = ElasticBalancer(NODE, FAST, layouts=[current, grown])
+    flipped = (dataclasses.replace(SM_C[2], role=Role.PREFILL), dataclasses.replace(SM_C[3], role=Role.DECODE))
+    other = Reconfiguration("elsewhere", ReconfigKind.ROLE, ("sm-2", "sm-3"), flipped, "x")
+    loads = tuple(InstanceLoad(i.id, accepting=i.id not in ("sm-2", "sm-3")) for i in current)
+    nl = NodeLoad(10.0, tuple(current), loads, (ModelDemand(L, 9.0), ModelDemand(S, 5.0)))
+    assert b.plan(0.0, nl, [other]) == []
     assert b.log[-1].reason == "hold:last_instance"
-    assert "would leave ['llama-3-70b'] with no instance taking requests" in b.log[-1].detail
+    assert "would leave ['llama-3-8b'] with no instance taking requests" in b.log[-1].detail
 
 
 def test_in_flight_cap_and_dwell():
@@ -268,3 +282,82 @@ def test_trend_is_extrapolated_no_further_than_its_window():
     # not over the 60-s forecast window (40).
     b.plan(0.0, load(current, [ModelDemand(L, 1.0), ModelDemand(S, 10.0, trend_rps_per_s=1.0)]), [])
     assert "llama-3-8b 15.0 req/s" in b.log[-1].detail
+
+
+# --- steps, serving, reachability, the objective --------------------------------------------------------------------
+
+H100_NODE = NodeConfig(GPU_PRESETS["h100-sxm-80gb"], 8, MODELS, ())
+
+
+def test_step_score_is_the_recent_rate_against_the_earlier_part_in_standard_errors():
+    from octoserve.services.core.balancer import step_score
+
+    # 5 bins of 2 s: 20, 20, 20 arrivals, then 40, 40: recent 20 req/s vs earlier 10 req/s.
+    recent, z = step_score([20, 20, 20, 40, 40], 2.0)
+    assert recent == 20.0
+    assert z == pytest.approx((20.0 - 10.0) / math.sqrt(20.0 / 4.0 + 10.0 / 6.0))
+    assert step_score([20, 20, 20, 20, 20], 2.0) == (10.0, 0.0)
+    assert step_score([5, 5], 1.0) == (5.0, 0.0)  # too few bins for a recent part: the mean rate, no step
+
+
+def test_a_step_is_forecast_from_the_recent_rate_and_needs_no_confirmation():
+    current = [LM, *SM_C]
+    grown = [LM, inst("lm-1", L, Role.COLOCATED, (4, 5)), SM_C[2], SM_C[3]]
+    policy = BalancerPolicy(confirm_periods=3)
+    # The window mean (5 req/s) fits the TP 4; the last 4 s ran at 11 req/s: a step up, 6 standard errors out.
+    stepped = [ModelDemand(L, 5.0, 0.0, recent_rps=11.0, step_z=6.0), ModelDemand(S, 5.0)]
+    b = ElasticBalancer(NODE, policy, layouts=[current, grown])
+    (r,) = b.plan(0.0, load(current, stepped), [])
+    assert r.retire == ("sm-0", "sm-1")
+    assert "step seen in llama-3-70b: recent rates; llama-3-70b 11.0 req/s" in r.reason
+    # The same figures without the step score wait for three periods of confirmation (and see 5 req/s).
+    b = ElasticBalancer(NODE, policy, layouts=[current, grown])
+    calm = [ModelDemand(L, 5.0, 0.0, recent_rps=11.0, step_z=1.0), ModelDemand(S, 5.0)]
+    assert b.plan(0.0, load(current, calm), []) == []
+    assert "llama-3-70b 5.0 req/s" in b.log[-1].detail
+
+
+def test_a_placement_that_leaves_a_model_no_capacity_is_never_a_target():
+    """On 80-GB GPUs a 70B TP 2 instance cannot decode within the ITL SLO: a placement whose only 70B instance is
+    one would free six GPUs for the 8B (more request goodput) while refusing every 70B request."""
+    from octoserve.services.core.balancer import unserved
+
+    lm4 = inst("lm-0", L, Role.COLOCATED, (0, 1, 2, 3))
+    current = [lm4, *SM_C]
+    starve = [inst("lm-s", L, Role.COLOCATED, (0, 1)), *(inst(f"x{k}", S, Role.COLOCATED, (k,)) for k in (2, 3)), *SM_C]
+    b = ElasticBalancer(H100_NODE, FAST, layouts=[current, starve])
+    demand = {L: ModelDemand(L, 1.0), S: ModelDemand(S, 120.0)}
+    starve_good, starve_caps = placement_goodput_rps(b.capacity, starve, demand, 0.0)
+    now_good, _ = placement_goodput_rps(b.capacity, current, demand, 0.0)
+    assert starve_good > now_good + 20  # by request goodput alone it would win
+    assert starve_caps[L] == 0.0 and unserved(starve_caps) == [L]
+    assert b.plan(0.0, load(current, demand.values()), []) == []
+    assert b.log[-1].reason == "hold:no_gain"
+
+
+def test_a_move_that_would_leave_a_model_unserved_halfway_is_unreachable():
+    """70B as TP 4 decode + TP 2 prefill back to one TP 4 colocated: the decode instance must change role while
+    the prefill one goes; whichever goes first, the 70B has no serving instance for a moment."""
+    d4 = inst("lm-d", L, Role.DECODE, (0, 1, 2, 3))
+    p2 = inst("lm-p", L, Role.PREFILL, (4, 5))
+    six = [d4, p2, SM_C[2], SM_C[3]]
+    four = [dataclasses.replace(d4, role=Role.COLOCATED), inst("a", S, Role.COLOCATED, (4,)),
+            inst("b", S, Role.COLOCATED, (5,)), SM_C[2], SM_C[3]]
+    assert not reachable(six, four)
+    assert reachable(four, [*four[:1], p2, *four[3:]])  # growing a prefill instance beside the colocated one is fine
+    # TP 4 colocated to TP 2 colocated (on an H200 a TP 2 70B decodes): start the TP 2 on 8B GPUs, then retire.
+    grown = [LM, inst("lm-1", L, Role.COLOCATED, (4, 5)), SM_C[2], SM_C[3]]
+    small = [inst("a", S, Role.COLOCATED, (0,)), inst("b", S, Role.COLOCATED, (1,)), inst("c", S, Role.COLOCATED, (2,)),
+             inst("d", S, Role.COLOCATED, (3,)), inst("lm-1", L, Role.COLOCATED, (4, 5)), SM_C[2], SM_C[3]]
+    assert reachable([LM, *SM_C], grown) and reachable(grown, small)
+
+
+def test_load_objective_weighs_each_model_by_its_alone_capacity():
+    from octoserve.services.core.balancer import alone_capacity_rps, objective_weights
+
+    alone = {m: alone_capacity_rps(H100_NODE, m, 1000.0, 250.0) for m in (L, S)}
+    assert alone[S] > 10 * alone[L]
+    assert objective_weights(H100_NODE, "load") == pytest.approx({S: 1.0, L: alone[S] / alone[L]})
+    assert objective_weights(H100_NODE, "requests") == {S: 1.0, L: 1.0}
+    with pytest.raises(ValueError, match="objective must be one of"):
+        BalancerPolicy(objective="tokens")

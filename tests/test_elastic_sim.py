@@ -168,3 +168,74 @@ def test_elastic_day_command_writes_its_section_and_plots(tmp_path, capsys):
 def test_elastic_day_command_refuses_bad_numbers(capsys):
     assert main(["elastic-day", "--hour-s", "0"]) == 2
     assert "--hour-s, --hours, --load and --rate must be > 0" in capsys.readouterr().err
+
+
+# --- steps, batch sizing, the serving rule, adaptation ---------------------------------------------------------------
+
+
+def test_demand_window_scores_a_step_and_not_a_steady_rate():
+    from octoserve.services.sim.elastic_sim import demand_of
+    from octoserve.services.workload_day import DayRequest
+
+    def reqs(rates):  # rates[k] arrivals evenly spread over second k
+        out = []
+        for k, n in enumerate(rates):
+            out += [DayRequest(f"r{k}-{j}", k + (j + 0.5) / n, SMALL, 100, 10, 250.0, "base") for j in range(n)]
+        return out
+
+    (steady,) = demand_of(reqs([10] * 10), [SMALL], 0.0, 10.0)
+    assert steady.arrival_rps == 10.0 and steady.recent_rps == 10.0 and steady.step_z == 0.0
+    (jump,) = demand_of(reqs([10] * 6 + [40] * 4), [SMALL], 0.0, 10.0)
+    assert jump.recent_rps == 40.0  # the last two of five 2-s bins
+    assert jump.step_z == pytest.approx((40.0 - 10.0) / math.sqrt(40.0 / 4.0 + 10.0 / 6.0))
+    assert jump.step_z > BalancerPolicy().step_z
+
+
+def test_an_instances_decode_batch_follows_the_mean_lengths():
+    from octoserve.services.sim.elastic_sim import _Inst
+
+    inst = _Inst(NODE, SMS[0], 0.0, (1000.0, 250.0), 0.027)
+    base = (inst.full_slots, inst.tau_s)
+    inst.rebalance(1.0, (2000.0, 60.0))  # prefill-heavy: longer contexts, fewer slots fit
+    assert inst.full_slots < base[0]
+    inst.rebalance(2.0, (1000.0, 250.0))  # and back: an instance started in one phase is not stuck with its batch
+    assert (inst.full_slots, inst.tau_s) == base
+    assert inst.cost.decode_step_time_s(inst.full_slots, 1125) <= 0.027
+
+
+def test_oracle_never_picks_a_placement_that_cannot_serve_a_model():
+    """On 80-GB GPUs the 70B's TP 2 instance cannot decode within the ITL SLO; by request goodput alone the oracle
+    would put the 70B there in the 8B-heavy hours and refuse every 70B request."""
+    from octoserve.services.core.balancer import CapacityModel, ModelDemand, placement_goodput_rps, unserved
+    from octoserve.services.sim.elastic_sim import best_layout
+
+    h100 = NodeConfig(GPU_PRESETS["h100-sxm-80gb"], 8, {LARGE: MODEL_PRESETS[LARGE], SMALL: MODEL_PRESETS[SMALL]}, ())
+    layouts = candidate_layouts(h100)
+    capacity = CapacityModel(h100)
+    demand = (ModelDemand(LARGE, 1.2), ModelDemand(SMALL, 120.0))
+    d = {x.model: x for x in demand}
+    by_goodput = max(layouts, key=lambda l: placement_goodput_rps(capacity, l, d, 0.0)[0])
+    assert unserved(placement_goodput_rps(capacity, by_goodput, d, 0.0)[1]) == [LARGE]
+    chosen = best_layout(capacity, layouts, demand)
+    caps = placement_goodput_rps(capacity, chosen, d, 0.0)[1]
+    assert unserved(caps) == [] and caps[LARGE] >= 1.2
+
+
+def test_elastic_day_on_h200_adapts_to_the_step_and_beats_static():
+    """On H200s (the 70B decodes at TP 2) the balancer moves GPUs between the models, reaches its targets without
+    ever leaving a model unserved, adapts to the step within 30 simulated seconds, and beats the static placement
+    it starts from."""
+    from octoserve.services.sim.elastic_day import placement_adapt_s
+
+    day, requests = _day(hour_s=20.0)
+    policy = BalancerPolicy()
+    static = run_day(NODE, day, requests, (LM, *SMS), "static", layouts=LAYOUTS)
+    elastic = run_day(NODE, day, requests, (LM, *SMS), "elastic", layouts=LAYOUTS, policy=policy)
+    assert static.lost == elastic.lost == 0
+    assert len(elastic.reconfigs) > 0
+    assert elastic.summary.overall.goodput_rps > 1.05 * static.summary.overall.goodput_rps
+    adapt_s, best, gap = placement_adapt_s(NODE, day, requests, LAYOUTS, elastic, policy)
+    assert 0.0 <= adapt_s <= 30.0 and best
+    for _, layout in elastic.layouts:  # every placement it passed through serves both models
+        roles = {m: {i.role for i in layout if i.model == m} for m in (LARGE, SMALL)}
+        assert all(Role.COLOCATED in r or {Role.PREFILL, Role.DECODE} <= r for r in roles.values())

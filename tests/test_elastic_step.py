@@ -112,7 +112,8 @@ def test_a_prefill_instance_without_a_decode_partner_leaves_the_model_served_by_
 def test_the_shortened_day_runs_at_both_levels_and_loses_nothing():
     from octoserve.services.sim.elastic_step import day_rows
 
-    rows = day_rows("default", hour_s=1.0, load=0.9, gpu="h100-sxm-80gb")
+    rows = day_rows("default", hour_s=1.0, load=0.9, gpu="h200-141gb")  # on 80-GB GPUs the 70B has no
+    # smaller serving placement than TP 4, and on this short day the balancer finds no move worth making there
     assert [name for name, *_ in rows] == ["best static, queueing", "elastic, queueing", "best static, step level",
                                            "elastic, step level"]
     assert [lost for *_, lost in rows] == [0, 0, 0, 0]

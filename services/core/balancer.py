@@ -4,15 +4,19 @@ Input (`NodeLoad`, built each balancing period by the simulator or the live sche
 - per instance (`InstanceLoad`): prefill backlog against its TTFT slack, decode batch and KV use against its ITL
   headroom, whether it still takes requests;
 - per model (`ModelDemand`): the windowed arrival rate, its trend (req/s per s, least squares over the window, see
-  `demand_trend`) and the mean prompt / output lengths of the window;
+  `demand_trend`), the recent rate and its step score (`step_score`, optional) and the mean prompt / output lengths
+  of the window;
 - the current placement (the instances, draining ones included).
 
 Output: `Reconfiguration`s (services/core/reconfig.py). The balancer forecasts each model's demand (rate + trend x
 half of min(`forecast_window_s`, the load window): the mean of a linear trend, extrapolated no further than it was
-measured), scores every candidate
-placement by the goodput it would serve (`placement_goodput_rps`: sum over models of min(demand, capacity)) and,
-when the best beats the current one, splits the difference into reconfigurations, one per group of GPUs that
-changes hands:
+measured; within `step_hold_s` of a step, a recent rate `step_z` standard errors off the window's earlier part, the
+recent rate itself), scores every candidate placement by the goodput it would serve (`placement_goodput_rps`: sum
+over models of weight x min(demand, capacity), the weights from `objective`: 1 for request goodput, or the largest
+alone capacity over the model's own for load-weighted goodput), keeps only candidates that give every model some
+capacity (`unserved`) and that are `reachable` from the current placement with every model served at each step,
+and, when the best beats the current one, splits the difference into reconfigurations, one per group of GPUs that
+changes hands (a move under way keeps its target while that stays within the hysteresis margin of the best):
 - same GPUs, same model and TP, another role: ROLE (no weights move; `role_switch_s`);
 - anything else: MODEL, whose started instances load weights (`weight_load_s`: from pinned host memory over each
   GPU's own PCIe link, or from one local NVMe drive shared by the loading GPUs) plus `engine_init_s`.
@@ -26,9 +30,9 @@ colocated instances. It ignores queueing: the guards' margins absorb that.
 Guards, in the order they are checked (each refusal counted by reason in `counters`, each decision logged in `log`):
 - `hold:no_gain`: the best candidate is the current placement.
 - `hold:hysteresis`: the forecast gain is below `min_gain_fraction` of the current goodput (or `min_gain_rps`),
-  or the same target has not been best for `confirm_periods` consecutive periods.
+  or the same target has not been best for `confirm_periods` consecutive periods (one period after a step).
 - `hold:cost`: the requests lost to the move (the retired instances' share of goodput x (drain + load + switch))
-  exceed the gain x `forecast_window_s`.
+  exceed the gain x what is left of `forecast_window_s` once its slowest change is done.
 - `hold:in_flight`: already `max_in_flight` reconfigurations not DONE.
 - `hold:dwell`: a GPU of the change was reconfigured less than `min_dwell_s` ago.
 - `hold:last_instance`: the change would leave a model unable to take requests (no colocated instance, and not
@@ -37,7 +41,8 @@ Guards, in the order they are checked (each refusal counted by reason in `counte
 
 Invariants: pure and clock-free (`now_s` is the caller's clock); every emitted reconfiguration passes
 `check_reconfiguration` against the placement after the in-flight ones; while it runs every model can still take
-requests (a colocated instance, or a prefill and a decode instance, not retiring); no GPU is reconfigured twice within `min_dwell_s`.
+requests (a colocated instance, or a prefill and a decode instance, not retiring); no GPU is reconfigured twice
+within `min_dwell_s`; every target gives every model capacity.
 """
 
 from __future__ import annotations
@@ -54,6 +59,9 @@ from octoserve.services.core.specs import GPUS_PER_PCIE_UPLINK, LOCAL_DISK_READ_
 from octoserve.services.core.types import Role
 
 WEIGHT_SOURCES = ("host", "disk")
+# "requests": goodput in req/s, every request alike; "load": each model's req/s over the req/s it would serve with
+# the whole node to itself (`alone_capacity_rps`), so a 70B request weighs what it costs in GPU time.
+OBJECTIVES = ("requests", "load")
 
 
 def weight_load_s(model: ModelSpec, gpu: GpuSpec, tp: int, source: str = "host") -> float:
@@ -105,9 +113,14 @@ class ModelDemand:
     mean_output_tokens: float = 400.0
     cached_fraction: float = 0.0  # share of prompt tokens the prefix cache served
     refused_rps: float = 0.0  # requests refused per second (shed: no instance could meet the TTFT)
+    recent_rps: float | None = None  # the rate over the window's last part (`step_score`); None: not measured
+    step_z: float = 0.0  # how many standard errors the recent rate is off the earlier part's (`step_score`)
 
-    def forecast_rps(self, horizon_s: float) -> float:
-        """Mean rate over the next `horizon_s` under a linear trend, never below 0."""
+    def forecast_rps(self, horizon_s: float, step: bool = False) -> float:
+        """Mean rate over the next `horizon_s` under a linear trend, never below 0; with `step` (a step change was
+        seen) the recent rate, held flat: a ramp fitted across a step is neither the old level nor the new one."""
+        if step and self.recent_rps is not None:
+            return max(0.0, self.recent_rps)
         return max(0.0, self.arrival_rps + self.trend_rps_per_s * horizon_s / 2.0)
 
     def as_model_load(self, share: float) -> ModelLoad:
@@ -150,6 +163,20 @@ def demand_trend(samples: Sequence[tuple[float, float]]) -> float:
     return sum((t - mt) * (v - mv) for t, v in samples) / var
 
 
+def step_score(counts: Sequence[int], bin_s: float, recent_bins: int = 2) -> tuple[float, float]:
+    """(recent rate, z) from per-bin arrival counts of one window: the rate over the last `recent_bins` bins and how
+    many Poisson standard errors it lies from the rate over the earlier bins (signed: > 0 when demand jumped up).
+    A step change shows as a large |z| at once, where the window's least-squares trend only tilts; a steady or
+    slowly drifting rate keeps |z| near 1."""
+    n = len(counts)
+    if n <= recent_bins or bin_s <= 0:
+        return (sum(counts) / (n * bin_s) if n and bin_s > 0 else 0.0), 0.0
+    recent_s, early_s = recent_bins * bin_s, (n - recent_bins) * bin_s
+    recent, early = sum(counts[-recent_bins:]) / recent_s, sum(counts[:-recent_bins]) / early_s
+    var = max(recent, 1.0 / recent_s) / recent_s + max(early, 1.0 / early_s) / early_s
+    return recent, (recent - early) / math.sqrt(var)
+
+
 # --- the policy and the explanations -----------------------------------------------------------------------------
 
 
@@ -167,8 +194,15 @@ class BalancerPolicy:
     decode_step_fraction: float = 0.9  # a decode instance is sized to steps of this share of the ITL SLO
     allow_model_changes: bool = True  # False: only role changes (a fixed split of GPUs between the models)
     allow_role_changes: bool = True
+    objective: str = "requests"  # what a placement is scored by: see `OBJECTIVES`
+    step_z: float = 4.0  # a model's recent rate this many standard errors off the window's earlier part is a step
+    step_hold_s: float = 20.0  # after a step, forecasts use the recent rate and need no confirmation for this long
 
     def __post_init__(self) -> None:
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
+        if self.step_z <= 0 or self.step_hold_s < 0:
+            raise ValueError("step_z must be > 0 and step_hold_s >= 0")
         if self.weight_source not in WEIGHT_SOURCES:
             raise ValueError(f"weight_source must be one of {WEIGHT_SOURCES}, got {self.weight_source!r}")
         if self.max_in_flight < 1 or self.confirm_periods < 1:
@@ -237,15 +271,44 @@ class CapacityModel:
 
 
 def placement_goodput_rps(capacity: CapacityModel, instances: Sequence[InstanceConfig],
-                          demand: Mapping[str, ModelDemand], horizon_s: float) -> tuple[float, dict[str, float]]:
-    """Forecast goodput of a placement: sum over models of min(forecast demand, capacity); and the capacities."""
+                          demand: Mapping[str, ModelDemand], horizon_s: float,
+                          weights: Mapping[str, float] | None = None, step: bool = False
+                          ) -> tuple[float, dict[str, float]]:
+    """Forecast goodput of a placement: sum over models of weight x min(forecast demand, capacity) (weights default
+    to 1: req/s); and the capacities. `step`: forecast from the recent rates (`ModelDemand.forecast_rps`)."""
     caps: dict[str, float] = {}
     total = 0.0
     for model, d in demand.items():
         cap = capacity.model_capacity_rps([i for i in instances if i.model == model], d.as_model_load(1.0))
         caps[model] = cap
-        total += min(d.forecast_rps(horizon_s), cap)
+        total += (1.0 if weights is None else weights.get(model, 1.0)) * min(d.forecast_rps(horizon_s, step), cap)
     return total, caps
+
+
+def unserved(caps: Mapping[str, float]) -> list[str]:
+    """Models a placement gives no capacity at all (say a 70B TP 2 instance whose decode step cannot meet the ITL
+    SLO at any batch): such a placement keeps an instance of the model but serves none of its requests."""
+    return sorted(m for m, c in caps.items() if c <= 0)
+
+
+def alone_capacity_rps(node: NodeConfig, model: str, prompt_tokens: float, output_tokens: float) -> float:
+    """The req/s `model` would serve with the whole node to itself (the best of its one-model layouts)."""
+    alone = replace(node, models={model: node.models[model]}, instances=())
+    capacity = CapacityModel(alone)
+    load = ModelDemand(model, 0.0, 0.0, prompt_tokens, output_tokens).as_model_load(1.0)
+    return max((capacity.model_capacity_rps(layout, load) for layout in candidate_layouts(alone)), default=0.0)
+
+
+def objective_weights(node: NodeConfig, objective: str, prompt_tokens: float = 1000.0,
+                      output_tokens: float = 250.0) -> dict[str, float]:
+    """Per-model weights of a placement's score (`OBJECTIVES`). "load": the largest alone capacity over each model's
+    own (at the given mean lengths), so the score stays in req/s of the fastest model: on 8 H100s at 1000/250
+    tokens, the 8B weighs 1 and the 70B 142.2 / 13.5 = 10.5."""
+    if objective == "requests":
+        return {m: 1.0 for m in node.models}
+    alone = {m: alone_capacity_rps(node, m, prompt_tokens, output_tokens) for m in node.models}
+    top = max(alone.values())
+    return {m: (top / a if a > 0 else 1.0) for m, a in alone.items()}
 
 
 def _role_splits(n: int) -> list[tuple[Role, ...]]:
@@ -412,6 +475,9 @@ class ElasticBalancer:
         self._streak_target: tuple | None = None
         self._streak = 0
         self._next_id = 0
+        self.weights = objective_weights(node, policy.objective)  # per-model weight of the score (`OBJECTIVES`)
+        self._step_until_s = -math.inf  # forecasts follow the recent rates until then (a step was seen)
+        self._committed: tuple | None = None  # the target of a move under way
 
     # - helpers -
 
@@ -448,127 +514,267 @@ class ElasticBalancer:
     # - the plan -
 
     def plan(self, now_s: float, loads: NodeLoad, in_flight: Sequence[Reconfiguration]) -> list[Reconfiguration]:
+        """The reconfigurations to start now (often none), each decision counted and logged (module doc)."""
+        ctx = self._context(now_s, loads, in_flight)
+        target = self._choose(now_s, ctx)
+        if target is None or not self._confirmed(now_s, ctx, target) or not self._pays_off(now_s, ctx, target):
+            return []
+        out = self._emit(now_s, ctx, target)
+        if out:
+            self._streak_target, self._streak = None, 0
+            self._committed = _key(target.layout)
+        return out
+
+    def _score(self, instances: Sequence[InstanceConfig], ctx: "_Context") -> tuple[float, dict[str, float]]:
+        return placement_goodput_rps(self.capacity, instances, ctx.demand, ctx.trend_s, self.weights, ctx.step)
+
+    def _context(self, now_s: float, loads: NodeLoad, in_flight: Sequence[Reconfiguration]) -> "_Context":
         policy = self.policy
-        horizon = policy.forecast_window_s
-        # The trend is extrapolated no further than the window it was measured over: a step seen through a short
-        # window looks like a steep ramp, and carrying that ramp over the whole forecast window overshoots (and the
-        # next period undoes the move).
-        trend_s = min(horizon, loads.window_s)
         demand = {m: loads.demand_of(m) for m in sorted(self.node.models)}
+        stepped = [m for m, d in demand.items() if abs(d.step_z) >= policy.step_z and d.recent_rps is not None]
+        if stepped:
+            self._step_until_s = now_s + policy.step_hold_s
         # The placement once the in-flight reconfigurations are DONE: the base every new one is checked against.
         current = {i.id: i for i in loads.placement}
         for r in in_flight:
             if not check_reconfiguration(current, r):
                 current = apply(current, r)
         busy = {i for r in in_flight for i in r.retire}
-        now_good, now_caps = placement_goodput_rps(self.capacity, list(current.values()), demand, trend_s)
+        live = [i for i in loads.placement if i.id not in busy and i.id in current and loads.load_of(i.id).accepting]
+        # The trend is extrapolated no further than the window it was measured over: a step seen through a short
+        # window looks like a steep ramp, and carrying that ramp over the whole forecast window overshoots (and the
+        # next period undoes the move). Within `step_hold_s` of a step the recent rates are the forecast instead.
+        ctx = _Context(loads, demand, min(policy.forecast_window_s, loads.window_s), now_s < self._step_until_s,
+                       stepped, current, busy, live, 0.0, {}, len(in_flight))
+        ctx.now_good, ctx.now_caps = self._score(list(current.values()), ctx)
+        return ctx
+
+    def _choose(self, now_s: float, ctx: "_Context") -> "_Target | None":
+        """The best reachable candidate that serves every model (ties: the one whose changes can start now, then the
+        fewest changes); None (and the hold decided) when it is not worth moving to."""
+        current = list(ctx.current.values())
         scored = []
         for layout in self.layouts:
-            if self._allowed(list(current.values()), layout):
-                good, caps = placement_goodput_rps(self.capacity, layout, demand, trend_s)
-                scored.append((good, layout, caps))
+            if self._allowed(current, layout):
+                good, caps = self._score(layout, ctx)
+                if not unserved(caps) and reachable(current, layout):
+                    scored.append((good, layout, caps))
         if not scored:
             self._decide(now_s, "hold:no_gain", "no candidate placement reachable under the allowed changes")
-            return []
+            return None
         top = max(s[0] for s in scored)
-        live_ids = {i.id for i in loads.placement}
-        live = [i for i in loads.placement if i.id not in busy and i.id in current and loads.load_of(i.id).accepting]
+        policy = self.policy
+        margin = max(policy.min_gain_rps, policy.min_gain_fraction * ctx.now_good)
+        committed = [s for s in scored if self._committed is not None and _key(s[1]) == self._committed]
+        if committed and committed[0][0] >= top - margin and _key(current) != self._committed:
+            # A move under way (some of its changes done or in flight) keeps its target while that stays within the
+            # hysteresis margin of the best: a noisy forecast must not turn it around halfway.
+            scored = committed
+            top = committed[0][0]
+        else:
+            self._committed = None
 
         def order(layout) -> tuple[bool, int, int]:
             """Among equally good targets: one with a change that may start now (it leaves every model able to take
             requests) first, then fewer changes that must wait for another, then fewer changes."""
-            comps = diff_components(list(current.values()), layout)
-            waiting = sum(1 for cur, _ in comps if {i.model for i in cur} - serving_models([i for i in live if i not in cur]))
+            comps = diff_components(current, layout)
+            waiting = sum(1 for cur, _ in comps
+                          if {i.model for i in cur} - serving_models([i for i in ctx.live if i not in cur]))
             return (waiting == len(comps), waiting, len(comps))
 
-        near = [s for s in scored if s[0] >= top - 1e-9]
-        best_good, best, best_caps = min(near, key=lambda s: order(s[1]))
-        components = diff_components(list(current.values()), best)
-        forecast = ", ".join(f"{m} {d.forecast_rps(trend_s):.1f} req/s (cap {now_caps[m]:.1f} -> {best_caps[m]:.1f}; "
-                             f"{pressure(loads, m)})" for m, d in demand.items())
-        gain = best_good - now_good
-        if not components or gain <= 0:
+        good, layout, caps = min((s for s in scored if s[0] >= top - 1e-9), key=lambda s: order(s[1]))
+        target = _Target(good, layout, caps, diff_components(current, layout), good - ctx.now_good,
+                         self._forecast_text(ctx, caps))
+        if not target.components or target.gain <= 0:
             self._streak_target, self._streak = None, 0
-            self._decide(now_s, "hold:no_gain", f"current placement is best: goodput {now_good:.1f} req/s; {forecast}")
-            return []
-        if gain < max(policy.min_gain_rps, policy.min_gain_fraction * now_good):
+            self._decide(now_s, "hold:no_gain",
+                         f"current placement is best: goodput {ctx.now_good:.1f} {self._unit}; {target.forecast}")
+            return None
+        if target.gain < max(policy.min_gain_rps, policy.min_gain_fraction * ctx.now_good):
             self._streak_target, self._streak = None, 0
             self._decide(now_s, "hold:hysteresis",
-                         f"gain {gain:.2f} req/s below max({policy.min_gain_rps:g}, {policy.min_gain_fraction:.0%} x "
-                         f"{now_good:.1f}) req/s; {forecast}")
-            return []
-        key = tuple(sorted(_signature(i) for i in best))
+                         f"gain {target.gain:.2f} {self._unit} below max({policy.min_gain_rps:g}, "
+                         f"{policy.min_gain_fraction:.0%} x {ctx.now_good:.1f}) {self._unit}; {target.forecast}")
+            return None
+        return target
+
+    @property
+    def _unit(self) -> str:
+        return "req/s" if self.policy.objective == "requests" else "load-weighted req/s"
+
+    def _forecast_text(self, ctx: "_Context", caps: Mapping[str, float]) -> str:
+        step = f"step seen in {', '.join(ctx.stepped)}: recent rates; " if ctx.stepped else ""
+        return step + ", ".join(
+            f"{m} {d.forecast_rps(ctx.trend_s, ctx.step):.1f} req/s (cap {ctx.now_caps[m]:.1f} -> {caps[m]:.1f}; "
+            f"{pressure(ctx.loads, m)})" for m, d in ctx.demand.items())
+
+    def _confirmed(self, now_s: float, ctx: "_Context", target: "_Target") -> bool:
+        """Hysteresis in time: the same target best `confirm_periods` periods running (one, after a step)."""
+        key = _key(target.layout)
+        if key == self._committed:
+            return True
         self._streak = self._streak + 1 if key == self._streak_target else 1
         self._streak_target = key
-        if self._streak < policy.confirm_periods:
-            self._decide(now_s, "hold:hysteresis",
-                         f"target best {self._streak}/{policy.confirm_periods} periods (gain {gain:.2f} req/s); {forecast}")
-            return []
-        # Cost: what the retired instances serve now, lost for the drain + load (+ switch) of their change.
-        costs = []
-        for cur, tgt in components:
-            without = [i for i in current.values() if i not in cur]
-            good_without, _ = placement_goodput_rps(self.capacity, without, demand, trend_s)
-            role = len(cur) == len(tgt) == 1 and cur[0].gpu_ids == tgt[0].gpu_ids and cur[0].model == tgt[0].model \
-                and cur[0].tp == tgt[0].tp
-            drain_s = max((loads.load_of(i.id).est_drain_s for i in cur), default=0.0)
+        need = 1 if ctx.step else self.policy.confirm_periods
+        if self._streak < need:
+            self._decide(now_s, "hold:hysteresis", f"target best {self._streak}/{need} periods (gain "
+                                                   f"{target.gain:.2f} {self._unit}); {target.forecast}")
+            return False
+        return True
+
+    def _pays_off(self, now_s: float, ctx: "_Context", target: "_Target") -> bool:
+        """Cost/benefit: what the retired instances serve now is lost for the drain + load (+ switch) of their
+        change; the gain only counts from when the slowest change is done to the end of the forecast window."""
+        policy = self.policy
+        horizon = policy.forecast_window_s
+        for cur, tgt in target.components:
+            without = [i for i in ctx.current.values() if i not in cur]
+            good_without, _ = self._score(without, ctx)
+            role = _role_only(cur, tgt)
+            drain_s = max((ctx.loads.load_of(i.id).est_drain_s for i in cur), default=0.0)
             load_s = 0.0 if role else self._load_s(tgt)
             out_s = drain_s + (policy.role_switch_s if role else load_s)
-            costs.append((role, drain_s, load_s, out_s, max(0.0, now_good - good_without) * out_s))
-        benefit = gain * horizon
-        cost = sum(c[4] for c in costs)
-        if cost >= benefit:
+            target.costs.append(_Cost(role, drain_s, load_s, max(0.0, ctx.now_good - good_without) * out_s))
+        slowest = max(c.drain_s + (policy.role_switch_s if c.role else c.load_s) for c in target.costs)
+        target.benefit = target.gain * max(0.0, horizon - slowest)
+        cost = sum(c.lost for c in target.costs)
+        if cost >= target.benefit:
             self._decide(now_s, "hold:cost",
-                         f"move costs {cost:.0f} requests (drain + load), gains {benefit:.0f} over {horizon:g} s; {forecast}")
-            return []
-        out: list[Reconfiguration] = []
-        taken = set(current) | {i.id for i in loads.placement}
-        n_in_flight = len(in_flight)
-        for (cur, tgt), (role, drain_s, load_s, out_s, lost) in zip(components, costs):
+                         f"move costs {cost:.0f} requests (drain + load), gains {target.benefit:.0f} over "
+                         f"{horizon:g} s "
+                         f"less its slowest change ({slowest:.1f} s); {target.forecast}")
+            return False
+        return True
+
+    def _blocked(self, now_s: float, ctx: "_Context", cur: Sequence[InstanceConfig], what: str, busy: set[str],
+                 n_in_flight: int) -> bool:
+        """Whether a component must wait (the guard decided and logged)."""
+        policy = self.policy
+        gpus = sorted({g for i in cur for g in i.gpu_ids})
+        if n_in_flight >= policy.max_in_flight:
+            self._decide(now_s, "hold:in_flight", f"{what}: {n_in_flight} reconfigurations in flight "
+                                                   f"(max {policy.max_in_flight})")
+            return True
+        recent = [g for g in gpus if now_s - self._gpu_changed_s.get(g, -math.inf) < policy.min_dwell_s]
+        if recent:
+            self._decide(now_s, "hold:dwell", f"{what}: GPUs {recent} changed less than {policy.min_dwell_s:g} s ago")
+            return True
+        live_ids = {i.id for i in ctx.loads.placement}
+        if any(i.id in busy or i.id not in live_ids for i in cur):
+            self._decide(now_s, "hold:in_flight", f"{what}: an instance is still being reconfigured or started")
+            return True
+        retiring = busy | {i.id for i in cur}
+        serving = serving_models([i for i in ctx.loads.placement if i.id not in retiring and i.id in ctx.current
+                                  and ctx.loads.load_of(i.id).accepting])
+        orphaned = sorted({i.model for i in cur} - serving)
+        if orphaned:
+            self._decide(now_s, "hold:last_instance",
+                         f"{what}: would leave {orphaned} with no instance taking requests")
+            return True
+        return False
+
+    def _emit(self, now_s: float, ctx: "_Context", target: "_Target") -> list[Reconfiguration]:
+        """The target's changes that may start now, as reconfigurations (the rest wait on a guard; the target is
+        reachable, `reachable`, and stays the target while it is near the best: `_choose`)."""
+        policy = self.policy
+        current, busy, n_in_flight = dict(ctx.current), set(ctx.busy), ctx.n_in_flight
+        taken = set(current) | {i.id for i in ctx.loads.placement}
+        ready: list[tuple[Reconfiguration, list[int]]] = []
+        for (cur, tgt), cost in zip(target.components, target.costs):
             gpus = sorted({g for i in cur for g in i.gpu_ids})
-            what = f"{'+'.join(i.id for i in cur)} -> " + "+".join(
-                f"{i.model} {i.role.value} TP{i.tp}" for i in tgt)
-            if n_in_flight >= policy.max_in_flight:
-                self._decide(now_s, "hold:in_flight", f"{what}: {n_in_flight} reconfigurations in flight "
-                                                       f"(max {policy.max_in_flight})")
+            what = f"{'+'.join(i.id for i in cur)} -> " + "+".join(f"{i.model} {i.role.value} TP{i.tp}" for i in tgt)
+            if self._blocked(now_s, ctx, cur, what, busy, n_in_flight):
                 continue
-            recent = [g for g in gpus if now_s - self._gpu_changed_s.get(g, -math.inf) < policy.min_dwell_s]
-            if recent:
-                self._decide(now_s, "hold:dwell", f"{what}: GPUs {recent} changed less than {policy.min_dwell_s:g} s ago")
-                continue
-            if any(i.id in busy or i.id not in live_ids for i in cur):
-                self._decide(now_s, "hold:in_flight", f"{what}: an instance is still being reconfigured or started")
-                continue
-            retiring = busy | {i.id for i in cur}
-            serving = serving_models([i for i in loads.placement if i.id not in retiring and i.id in current
-                                      and loads.load_of(i.id).accepting])
-            orphaned = sorted({i.model for i in cur} - serving)
-            if orphaned:
-                self._decide(now_s, "hold:last_instance", f"{what}: would leave {orphaned} with no instance taking requests")
-                continue
-            if role:
-                started = (replace(tgt[0], id=cur[0].id),)
-                kind = ReconfigKind.ROLE
+            if cost.role:
+                started, kind = (replace(tgt[0], id=cur[0].id),), ReconfigKind.ROLE
             else:
-                started = tuple(replace(i, id=self._fresh_id(i, taken)) for i in tgt)
-                kind = ReconfigKind.MODEL
-            self._next_id += 1
-            reason = (f"{what} on GPUs {gpus}: forecast goodput {now_good:.1f} -> {best_good:.1f} req/s, gain "
-                      f"{benefit:.0f} requests over {horizon:g} s vs {lost:.0f} lost to drain {drain_s:.1f} s + "
-                      f"{'switch' if role else 'load'} {(policy.role_switch_s if role else load_s):.1f} s; {forecast}")
-            r = Reconfiguration(f"rc{self._next_id}", kind, tuple(i.id for i in cur), started, reason,
-                                est_drain_s=drain_s, load_s=0.0 if role else load_s, est_gain=benefit)
+                started, kind = tuple(replace(i, id=self._fresh_id(i, taken)) for i in tgt), ReconfigKind.MODEL
+            switch = policy.role_switch_s if cost.role else cost.load_s
+            reason = (f"{what} on GPUs {gpus}: forecast goodput {ctx.now_good:.1f} -> {target.good:.1f} {self._unit}, "
+                      f"gain {target.benefit:.0f} requests over {policy.forecast_window_s:g} s vs {cost.lost:.0f} "
+                      f"lost to drain {cost.drain_s:.1f} s + {'switch' if cost.role else 'load'} {switch:.1f} s; "
+                      f"{target.forecast}")
+            r = Reconfiguration(f"rc{self._next_id + len(ready) + 1}", kind, tuple(i.id for i in cur), started,
+                                reason, est_drain_s=cost.drain_s, load_s=0.0 if cost.role else cost.load_s,
+                                est_gain=target.benefit)
             problems = check_reconfiguration(current, r)
             if problems:  # defensive: the diff should never produce these
                 self._decide(now_s, "hold:invalid", "; ".join(problems))
                 continue
             current = apply(current, r)
             busy |= set(r.retire)
+            n_in_flight += 1
+            ready.append((r, gpus))
+        for r, gpus in ready:
+            self._next_id += 1
             for g in gpus:
                 self._gpu_changed_s[g] = now_s
-            n_in_flight += 1
-            self._decide(now_s, f"planned:{kind.value}", reason)
-            out.append(r)
-        if out:
-            self._streak_target, self._streak = None, 0
-        return out
+            self._decide(now_s, f"planned:{r.kind.value}", r.reason)
+        return [r for r, _ in ready]
+
+
+def _key(layout: Sequence[InstanceConfig]) -> tuple:
+    return tuple(sorted(_signature(i) for i in layout))
+
+
+def reachable(current: Sequence[InstanceConfig], target: Sequence[InstanceConfig]) -> bool:
+    """Whether `target` can be reached from `current` one change (`diff_components`) at a time with every model
+    served throughout: each change, started once the ones before it are done, leaves the models of the instances it
+    retires served by the rest (`serving_models`). A 70B whose only decoding instance must change role while its
+    other instance goes cannot (it would be unserved for a moment): such a target is never chosen, rather than
+    started halfway."""
+    placement = list(current)
+    comps = diff_components(current, target)
+    while comps:
+        for k, (cur, tgt) in enumerate(comps):
+            rest = [i for i in placement if i not in cur]
+            if not ({i.model for i in cur} - serving_models(rest)):
+                placement = rest + list(tgt)
+                comps.pop(k)
+                break
+        else:
+            return False
+    return True
+
+
+def _role_only(cur: Sequence[InstanceConfig], tgt: Sequence[InstanceConfig]) -> bool:
+    """A change of one instance's role on the same GPUs, model and TP (no weights move)."""
+    return (len(cur) == len(tgt) == 1 and cur[0].gpu_ids == tgt[0].gpu_ids and cur[0].model == tgt[0].model
+            and cur[0].tp == tgt[0].tp)
+
+
+@dataclass
+class _Context:
+    """What one `plan` call works from."""
+
+    loads: NodeLoad
+    demand: dict[str, ModelDemand]
+    trend_s: float  # how far the trend is extrapolated
+    step: bool  # within `step_hold_s` of a step: forecasts are the recent rates
+    stepped: list[str]  # the models whose step was seen in this window
+    current: dict[str, InstanceConfig]  # the placement once the in-flight reconfigurations are done
+    busy: set[str]  # instances retired by an in-flight reconfiguration
+    live: list[InstanceConfig]  # instances taking requests and not retiring
+    now_good: float
+    now_caps: dict[str, float]
+    n_in_flight: int = 0
+
+
+@dataclass
+class _Cost:
+    role: bool
+    drain_s: float
+    load_s: float
+    lost: float  # requests (score units) lost while the change is out
+
+
+@dataclass
+class _Target:
+    good: float
+    layout: tuple[InstanceConfig, ...]
+    caps: dict[str, float]
+    components: list[tuple[tuple[InstanceConfig, ...], tuple[InstanceConfig, ...]]]
+    gain: float
+    forecast: str
+    costs: list[_Cost] = field(default_factory=list)
+    benefit: float = 0.0

@@ -26,7 +26,6 @@ move later by its hand-off; no instance goes away before its last running reques
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import math
 import time
@@ -40,9 +39,13 @@ from octoserve.services.core.balancer import (
     InstanceLoad,
     ModelDemand,
     NodeLoad,
+    alone_capacity_rps,
     candidate_layouts,
     demand_trend,
+    objective_weights,
     placement_goodput_rps,
+    step_score,
+    unserved,
 )
 from octoserve.services.core.placement import InstanceConfig, NodeConfig, num_kv_blocks_for
 from octoserve.services.core.reconfig import Phase, ReconfigKind, Reconfiguration
@@ -51,6 +54,7 @@ from octoserve.services.metrics import RequestRecord, Summary, detect_window, su
 from octoserve.services.workload_day import DayProfile, DayRequest
 
 MODES = ("static", "oracle", "elastic")
+_SIZES: dict[tuple, dict[tuple[int, int], tuple[int, float]]] = {}  # `_Inst._size` memo, per instance shape
 
 
 class _Req:
@@ -81,15 +85,11 @@ class _Inst:
         self.cfg = cfg
         self.cost = node.cost_model(cfg)
         self.prefill_tok_s = self.cost.prefill_tokens_per_s(max(2048, cfg.max_num_batched_tokens))
-        prompt, output = mean_lengths
-        ctx = int(prompt + output / 2)
-        kv_tokens = num_kv_blocks_for(node, cfg) * cfg.block_size
-        b_max = min(cfg.max_num_seqs, int(kv_tokens // max(1.0, prompt + output)))
-        b = 0
-        while b < b_max and self.cost.decode_step_time_s(b + 1, ctx) <= itl_target_s:
-            b += 1
-        self.full_slots = max(1, b)
-        self.tau_s = self.cost.decode_step_time_s(self.full_slots, ctx)
+        self.kv_tokens = num_kv_blocks_for(node, cfg) * cfg.block_size
+        self.itl_target_s = itl_target_s
+        self._sizes: dict[tuple[int, int], tuple[int, float]] = _SIZES.setdefault(
+            (node.cost_profile, node.gpu.name, cfg.model, cfg.tp, cfg.max_num_seqs, self.kv_tokens, itl_target_s), {})
+        self.full_slots, self.tau_s = self._size(mean_lengths)
         self.accepting = True
         self.prefill_free_s = now_s
         self.heap: list[float] = []
@@ -98,6 +98,26 @@ class _Inst:
         self.queued: list[_Req] = []  # requests whose prefill is (or will be) on this instance
         self.removed_s = math.inf  # when a reconfiguration took it away
         self.rebalance(now_s, mean_lengths)
+
+    def _size(self, mean_lengths: tuple[float, float]) -> tuple[int, float]:
+        """(B, step time): B the largest batch whose step, at the mean context, fits the ITL target and whose KV
+        fits; memoised per 10-token length bucket (an engine's batch follows the lengths it is given)."""
+        prompt, output = mean_lengths
+        key = (int(prompt // 10), int(output // 10))
+        if key not in self._sizes:
+            prompt, output = key[0] * 10 + 5, key[1] * 10 + 5
+            ctx = int(prompt + output / 2)
+            b_max = min(self.cfg.max_num_seqs, int(self.kv_tokens // max(1.0, prompt + output)))
+            lo, hi = 0, max(0, b_max)  # the step time grows with the batch: the largest fitting B by bisection
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if self.cost.decode_step_time_s(mid, ctx) <= self.itl_target_s:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            b = max(1, lo)
+            self._sizes[key] = (b, self.cost.decode_step_time_s(b, ctx))
+        return self._sizes[key]
 
     @property
     def prefills(self) -> bool:
@@ -114,7 +134,9 @@ class _Inst:
         return prefill_s / (prefill_s + decode_s)
 
     def rebalance(self, now_s: float, mean_lengths: tuple[float, float]) -> None:
-        """A colocated instance re-splits its time between prefill and decode for the current mean lengths."""
+        """The batch follows the current mean lengths (`_size`), and a colocated instance re-splits its time
+        between prefill and decode for them."""
+        self.full_slots, self.tau_s = self._size(mean_lengths)
         if self.cfg.role is Role.COLOCATED:
             self.share = self._colocated_share(mean_lengths)
         slots = 0 if self.cfg.role is Role.PREFILL else max(1, round(self.full_slots * (1.0 - self.share)))
@@ -156,6 +178,7 @@ class DayResult:
     decisions: list[tuple[float, str, str]] = field(default_factory=list)
     wall_s: float = 0.0
     initial: tuple[InstanceConfig, ...] = ()  # the placement it started from
+    layouts: list[tuple[float, tuple[InstanceConfig, ...]]] = field(default_factory=list)  # (time, placement)
 
 
 def label_of(instances: Sequence[InstanceConfig]) -> str:
@@ -172,7 +195,8 @@ def label_of(instances: Sequence[InstanceConfig]) -> str:
 def demand_of(requests: Sequence[DayRequest], models: Sequence[str], start_s: float, end_s: float,
               bins: int = 5) -> tuple[ModelDemand, ...]:
     """Per-model windowed demand of `requests` arriving in [start_s, end_s): rate, trend over `bins` sub-windows,
-    mean lengths."""
+    the recent rate and its step score (`step_score`: the last two sub-windows against the earlier ones), mean
+    lengths."""
     span = max(end_s - start_s, 1e-9)
     out = []
     for m in models:
@@ -183,23 +207,22 @@ def demand_of(requests: Sequence[DayRequest], models: Sequence[str], start_s: fl
         trend = demand_trend([(start_s + (k + 0.5) * span / bins, c / (span / bins)) for k, c in enumerate(counts)])
         prompt = sum(r.prompt_tokens for r in reqs) / len(reqs) if reqs else 1000.0
         output = sum(r.output_tokens for r in reqs) / len(reqs) if reqs else 250.0
-        out.append(ModelDemand(m, len(reqs) / span, trend, prompt, output))
+        recent, z = step_score(counts, span / bins)
+        out.append(ModelDemand(m, len(reqs) / span, trend, prompt, output, recent_rps=recent, step_z=z))
     return tuple(out)
 
 
-def model_alone_rps(node: NodeConfig, model: str, prompt_tokens: float, output_tokens: float) -> float:
-    """The req/s `model` would serve with the whole node to itself (the best of its one-model layouts)."""
-    alone = dataclasses.replace(node, models={model: node.models[model]}, instances=())
-    capacity = CapacityModel(alone)
-    load = ModelDemand(model, 0.0, 0.0, prompt_tokens, output_tokens).as_model_load(1.0)
-    return max(capacity.model_capacity_rps(layout, load) for layout in candidate_layouts(alone))
+model_alone_rps = alone_capacity_rps  # the req/s a model would serve with the whole node to itself
 
 
 def best_layout(capacity: CapacityModel, layouts: Sequence[Sequence[InstanceConfig]],
-                demand: Sequence[ModelDemand]) -> tuple[InstanceConfig, ...]:
-    """The layout with the highest forecast goodput for `demand` (ties: the first)."""
+                demand: Sequence[ModelDemand], weights: dict[str, float] | None = None) -> tuple[InstanceConfig, ...]:
+    """The layout with the highest forecast score for `demand` among those that give every model some capacity
+    (`unserved`), as the balancer chooses (ties: the first)."""
     d = {x.model: x for x in demand}
-    return tuple(max(layouts, key=lambda l: placement_goodput_rps(capacity, l, d, 0.0)[0]))
+    scored = [(placement_goodput_rps(capacity, l, d, 0.0, weights), l) for l in layouts]
+    serving = [(g, l) for (g, caps), l in scored if not unserved(caps)] or [(g, l) for (g, _), l in scored]
+    return tuple(max(serving, key=lambda x: x[0])[1])
 
 
 class ElasticSim:
@@ -219,6 +242,7 @@ class ElasticSim:
         self.layouts = [tuple(l) for l in layouts] if layouts is not None else candidate_layouts(node)
         self.capacity = CapacityModel(node, itl_target_fraction)
         self.policy = policy
+        self.weights = objective_weights(node, policy.objective)  # the oracle scores placements as the balancer does
         self.balancer = ElasticBalancer(node, policy, self.layouts) if mode == "elastic" else None
         self.progress = progress
         self.now_s = 0.0
@@ -228,6 +252,7 @@ class ElasticSim:
         self.reconfigs: list[ReconfigEvent] = []
         self.initial = tuple(placement)
         self.placements: list[tuple[float, str]] = [(0.0, label_of(placement))]
+        self.layout_log: list[tuple[float, tuple[InstanceConfig, ...]]] = [(0.0, tuple(placement))]
         self.trackers: list[_Req] = []
         self.refused: list[DayRequest] = []
         self.lost = 0
@@ -404,7 +429,12 @@ class ElasticSim:
                 mean = self._mean_lengths(ev.done_s)
                 for c in r.start:
                     self.instances[c.id] = _Inst(self.node, c, ev.done_s, mean[c.model], self.itl_target_s)
-                self.placements.append((ev.done_s, label_of([i.cfg for i in self.instances.values()])))
+                self._placed(ev.done_s)
+
+    def _placed(self, t_s: float) -> None:
+        configs = tuple(i.cfg for i in self.instances.values())
+        self.placements.append((t_s, label_of(configs)))
+        self.layout_log.append((t_s, configs))
 
     def _in_flight(self) -> list[Reconfiguration]:
         return [ev.reconfig for ev in self.reconfigs if ev.phase in (Phase.DRAINING, Phase.SWITCHING)]
@@ -428,7 +458,7 @@ class ElasticSim:
     def _oracle_switch(self, hour: int) -> None:
         h = self.profile.hour_s
         demand = demand_of(self._window(hour * h, (hour + 1) * h), self.models, hour * h, (hour + 1) * h)
-        target = best_layout(self.capacity, self.layouts, demand)
+        target = best_layout(self.capacity, self.layouts, demand, self.weights)
         current = {(c.model, c.role, c.tp, c.gpu_ids): iid for iid, c in self._current_configs().items()}
         mean = self._mean_lengths(self.now_s)
         new: dict[str, _Inst] = {}
@@ -439,7 +469,7 @@ class ElasticSim:
         # Zero switching cost: the replaced instances' running requests finish as planned (they are not lost).
         if set(new) != set(self.instances) or any(new[k] is not self.instances.get(k) for k in new):
             self.instances = new
-            self.placements.append((self.now_s, label_of(target)))
+            self._placed(self.now_s)
 
     # - the run -
 
@@ -495,7 +525,7 @@ class ElasticSim:
         counters = dict(self.balancer.counters) if self.balancer else {}
         decisions = [(d.now_s, d.reason, d.detail) for d in self.balancer.log] if self.balancer else []
         return DayResult(self.mode, records, summary, self.reconfigs, self.placements, self.lost, self.migrated,
-                         counters, decisions, wall_s, self.initial)
+                         counters, decisions, wall_s, self.initial, self.layout_log)
 
 
 def occupancy(records: Sequence[RequestRecord], step_s: float = 1.0) -> list[tuple[float, float]]:

@@ -210,16 +210,16 @@ def day_rows(cost_profile: str, *, hour_s: float, load: float, gpu: str, seed: i
     from octoserve.services.elastic_agreement import day_trace
     from octoserve.services.metrics import summarize
     from octoserve.services.sim.driver import run_simulation
-    from octoserve.services.sim.elastic_day import _best_static, _node
+    from octoserve.services.sim.elastic_day import best_static, day_node
     from octoserve.services.sim.elastic_sim import model_alone_rps, run_day
     from octoserve.services.workload_day import BASE_OUTPUT, BASE_PROMPT, LARGE, SMALL, generate_day, mix_shift_day
 
-    node = _node(cost_profile, gpu)
+    node = day_node(cost_profile, gpu)
     alone = [model_alone_rps(node, m, BASE_PROMPT.mean, BASE_OUTPUT.mean) for m in (SMALL, LARGE)]
     day = mix_shift_day(hours=24.0, hour_s=hour_s, load_rps=(load * alone[0], load * alone[1]))
     requests = generate_day(day, seed)
     layouts = candidate_layouts(node)
-    static, _ = _best_static(node, day, requests, layouts, "day")
+    static, _ = best_static(node, day, requests, layouts, "day")
     elastic = run_day(node, day, requests, static.initial, "elastic", layouts=layouts, policy=policy)
     start = dataclasses.replace(node, instances=tuple(static.initial))
     trace = day_trace(requests)
