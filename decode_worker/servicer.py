@@ -11,6 +11,11 @@ and replies; the rest streams on the session. A failed or timed-out transfer rel
 UNAVAILABLE (the router ends the request with a retry hint; its prefill side is released) and is counted in
 `octoserve_worker_kv_transfer_failures_total{reason=timeout|corrupt|error}`. Injected transfer faults
 (services/faults.py) are applied here.
+
+Live migration (services/rpc/migration.py) uses the same two RPCs: `Reserve` with the output tokens a running
+request already produced elsewhere, then `Decode` with a hand-off carrying them (colocated instances take these
+too); the request decodes on from its last token. On the source, a handed-over request's stream ends with the
+migration marker, and its KV is held until the router's `Release`.
 """
 
 from __future__ import annotations
@@ -23,10 +28,11 @@ from collections.abc import AsyncIterator
 import grpc
 import prometheus_client as prom
 
-from octoserve.services.core.types import RequestOutput, Role
+from octoserve.services.core.types import FinishReason, RequestOutput, Role
 from octoserve.services.engine.base import EngineError, HandoffError
 from octoserve.services.faults import FaultPlan
 from octoserve.services.rpc import convert
+from octoserve.services.rpc import migration
 from octoserve.services.rpc import status as rpc_status
 from octoserve.v1 import generate_pb2 as gen_pb
 from octoserve.services.rpc.gen import worker_pb2 as w_pb
@@ -85,6 +91,7 @@ class DecodeWorkerServicer(WorkerBase):
         self.reservations: dict[str, asyncio.TimerHandle] = {}  # request_id -> TTL timer
         self.reserve_ttl_ms = reserve_ttl_ms
         self.transfer_timeout_s = transfer_timeout_s
+        self.migrating: dict[str, migration.Handover] = {}  # handed to another instance, KV held until Release
 
     # ---- sessions ---------------------------------------------------------------------------------------------
 
@@ -146,6 +153,10 @@ class DecodeWorkerServicer(WorkerBase):
             if first is not None:
                 self._push(session, first)
             async for out in outputs:
+                if out.finish_reason is FinishReason.HANDOFF:  # migrated away (services/rpc/migration.py)
+                    outcome = "migrated"
+                    await migration.wait_released(self, session, request_id)
+                    break
                 self._push(session, out)
         except asyncio.CancelledError:
             outcome = "aborted"
@@ -172,15 +183,28 @@ class DecodeWorkerServicer(WorkerBase):
 
     # ---- decode: reserve -> (prefill elsewhere) -> transfer + commit -> stream ---------------------------------
 
+    def _takes(self, migrated: bool) -> bool:
+        """Decode instances take hand-offs; a migrated running decode may also go to a colocated one."""
+        return self.engine.role is Role.DECODE or (migrated and self.engine.role is Role.COLOCATED)
+
     async def Reserve(self, request, context):
-        if self.engine.role is not Role.DECODE:
-            await self._wrong_role(context, "Reserve", "decode")
+        migrated = bool(request.output_token_ids)
+        if not self._takes(migrated):
+            await self._wrong_role(context, "Reserve", "decode or colocated" if migrated else "decode")
         await self._refuse_if_draining(context)
         spec = await self._checked_spec(request.spec, context)
         if request.ttl_ms > MAX_RESERVE_TTL_MS:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"ttl_ms {request.ttl_ms} is over {MAX_RESERVE_TTL_MS}; send at most that (0: the default)")
-        if not await self.engine.reserve(spec):
+        if migrated:
+            reserve_migrated = getattr(self.engine, "reserve_migrated", None)
+            if reserve_migrated is None:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"{self.engine.instance_id} runs an engine that cannot take a migrated request")
+            ok = await reserve_migrated(spec, tuple(request.output_token_ids))
+        else:
+            ok = await self.engine.reserve(spec)
+        if not ok:
             return w_pb.ReserveReply(reserved=False)
         ttl_s = (request.ttl_ms or self.reserve_ttl_ms) / 1000.0
         loop = asyncio.get_running_loop()
@@ -193,8 +217,9 @@ class DecodeWorkerServicer(WorkerBase):
             asyncio.get_running_loop().create_task(self.engine.release(request_id))
 
     async def Decode(self, request, context):
-        if self.engine.role is not Role.DECODE:
-            await self._wrong_role(context, "Decode", "decode")
+        migrated = bool(request.handoff.output_token_ids)
+        if not self._takes(migrated):
+            await self._wrong_role(context, "Decode", "decode or colocated" if migrated else "decode")
         session = await self._session(request.session_id, context)
         spec = await self._checked_spec(request.spec, context)
         timer = self.reservations.pop(spec.request_id, None)
@@ -238,6 +263,9 @@ class DecodeWorkerServicer(WorkerBase):
         timer = self.reservations.pop(request.request_id, None)
         if timer is not None:
             timer.cancel()
+        if request.request_id in self.migrating:  # a migrated request's KV: freed when its stream task ends
+            migration.released(self, request.request_id)
+            return w_pb.ReleaseReply()
         await self.engine.release(request.request_id)
         return w_pb.ReleaseReply()
 
@@ -248,6 +276,7 @@ class DecodeWorkerServicer(WorkerBase):
         if timer is not None:
             timer.cancel()
             await self.engine.release(request_id)
+        migration.released(self, request_id)
         task = self.tasks.pop(request_id, None)
         await self.engine.abort(request_id)
         if task is not None:

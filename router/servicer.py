@@ -40,6 +40,7 @@ from octoserve.services.rpc import status as rpc_status
 from octoserve.v1 import generate_pb2 as gen_pb
 from octoserve.v1 import generate_pb2_grpc as gen_grpc
 from octoserve.services.rpc.gen import worker_pb2 as w_pb
+from octoserve.router import migration
 from octoserve.router.access_log import AccessLog
 from octoserve.router.failover import Failover, WorkerLost, remaining_s as time_left_s
 from octoserve.router.metrics import RouterMetrics
@@ -134,7 +135,11 @@ class GenerationServicer(gen_grpc.GenerationServicer):
 
     def on_delta(self, delta: w_pb.TokenDelta) -> None:
         st = self.requests.get(delta.request_id)
-        if st is not None and not st.deliver(delta):
+        if st is None:
+            return
+        if delta.migration_target:  # a draining worker handed it over (router/migration.py)
+            migration.follow(self, st, delta)
+        elif not st.deliver(delta):
             self._cut_off(st)
 
     def on_worker_down(self, instance_id: str, reason: str) -> None:

@@ -6,7 +6,8 @@
 --role ID=ROLE changes an instance's role (colocated, prefill, decode) in its worker process. --model IDS=MODEL
 [:ROLE[:TP]] retires the listed instances and starts instances of MODEL (TP GPUs each, default 1; role default
 colocated) on the GPUs they free; the launcher (`octoserve up`) starts their workers. Either way the retired
-instances drain first: no request is dropped. Prints what happened (drain and switch times, requests drained).
+instances drain first (their running decodes migrate to other instances of the model by KV hand-off when that is
+faster, unless --drain-only): no request is dropped. Prints what happened (drain and switch times, requests drained).
 The scheduler's address is in its ready file (`scheduler.ready.json` in the node's run directory).
 """
 
@@ -38,11 +39,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reason", default="", help="logged with the reconfiguration")
     parser.add_argument("--drain-timeout-s", type=float, default=0.0,
                         help="abort (and keep the old placement) if the drain takes longer (0: the scheduler's 60 s)")
+    parser.add_argument("--drain-only", action="store_true",
+                        help="wait for every running request; migrate none to another instance by KV hand-off")
     parser.add_argument("--config", default=None, help="node config YAML with a tls section (mTLS between services)")
 
 
 def request_from_args(args: argparse.Namespace) -> s_pb.ReconfigureRequest:
-    request = s_pb.ReconfigureRequest(reason=args.reason, drain_timeout_ms=int(args.drain_timeout_s * 1000))
+    request = s_pb.ReconfigureRequest(reason=args.reason, drain_timeout_ms=int(args.drain_timeout_s * 1000),
+                                      drain_only=args.drain_only)
     if args.role:
         iid, sep, role = args.role.partition("=")
         if not sep or not iid or role not in ROLES:
@@ -88,6 +92,6 @@ def run(args: argparse.Namespace) -> int:
             print(f"reconfigure failed: {e.code().name}: {e.details()}")
             return 1
     print(f"reconfiguration {reply.reconfig_id} done: serving {', '.join(reply.started)}; drained "
-          f"{reply.drained_requests} running requests in {reply.drain_s:.3f} s, switched in {reply.switch_s:.3f} s "
-          f"(total {reply.total_s:.3f} s wall)")
+          f"{reply.drained_requests} running requests ({reply.migrated_requests} migrated by KV hand-off) in "
+          f"{reply.drain_s:.3f} s, switched in {reply.switch_s:.3f} s (total {reply.total_s:.3f} s wall)")
     return 0

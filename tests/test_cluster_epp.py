@@ -121,10 +121,11 @@ async def test_full_duplex_openai_request_gets_the_picked_node_in_header_and_met
         responses = await c.process([_full_duplex(_headers("/v1/completions")), *_body_chunks(body)])
         # Headers answer (with the destination) only once the body is complete, then the body streamed back whole.
         assert [r.WhichOneof("response") for r in responses] == ["request_headers", "request_body"]
-        assert _destination(responses[0], "request_headers") == ("10.0.0.1:8000", "10.0.0.1:8000")
+        # The pick, then its fallback (the other node also has room), as the protocol's endpoint list.
+        assert _destination(responses[0], "request_headers") == ("10.0.0.1:8000,10.0.0.2:8000",) * 2
         streamed = responses[1].request_body.response.body_mutation.streamed_response
         assert streamed.body == body and streamed.end_of_stream
-        assert c.resolved == [(c.node_a.address, 8000)]
+        assert c.resolved == [(c.node_a.address, 8000), (c.node_b.address, 8000)]
         assert c.picker.num_picked == 1
 
 
@@ -137,7 +138,7 @@ async def test_buffered_mode_answers_headers_at_once_and_decides_on_the_body():
                                      pb.ProcessingRequest(request_body=pb.HttpBody(body=chat, end_of_stream=True))])
         assert [r.WhichOneof("response") for r in responses] == ["request_headers", "request_body"]
         assert not responses[0].request_headers.response.HasField("header_mutation")
-        assert _destination(responses[1], "request_body") == ("10.0.0.2:8000", "10.0.0.2:8000")
+        assert _destination(responses[1], "request_body") == ("10.0.0.2:8000,10.0.0.1:8000",) * 2
 
 
 async def test_prefix_locality_reaches_through_the_gateway():
@@ -149,10 +150,10 @@ async def test_prefix_locality_reaches_through_the_gateway():
         await c.service.poll_once()
         responses = await c.process([_full_duplex(_headers("/v1/completions")),
                                      *_body_chunks(_completion(HOT_PROMPT + "What now?"))])
-        assert _destination(responses[0], "request_headers")[0] == "10.0.0.2:8000"
+        assert _destination(responses[0], "request_headers")[0].split(",")[0] == "10.0.0.2:8000"
         other = await c.process([_full_duplex(_headers("/v1/completions")),
                                  *_body_chunks(_completion("Unrelated question " * 60))])
-        assert _destination(other[0], "request_headers")[0] == "10.0.0.1:8000"
+        assert _destination(other[0], "request_headers")[0].split(",")[0] == "10.0.0.1:8000"
 
 
 async def test_grpc_generate_call_is_read_from_its_length_prefixed_message():
@@ -163,8 +164,18 @@ async def test_grpc_generate_call_is_read_from_its_length_prefixed_message():
         framed = b"\x00" + len(raw).to_bytes(4, "big") + raw
         responses = await c.process([_full_duplex(_headers("/octoserve.v1.Generation/Generate", "application/grpc")),
                                      *_body_chunks(framed, 2)])
-        assert _destination(responses[0], "request_headers")[0] == "10.0.0.1:8000"
+        assert _destination(responses[0], "request_headers")[0].split(",")[0] == "10.0.0.1:8000"
         assert responses[1].request_body.response.body_mutation.streamed_response.body == framed
+
+
+async def test_a_node_past_the_slo_is_no_fallback():
+    """Only nodes that pass the filters follow the pick: b's 400-ms queue puts the prompt past the TTFT SLO there,
+    so the endpoint list is a alone."""
+    async with Cluster() as c:
+        c.b["summary"] = _summary(400.0, admitting=False, retry_ms=700)
+        await c.service.poll_once()
+        responses = await c.process([_full_duplex(_headers("/v1/completions")), *_body_chunks(_completion("w" * 600))])
+        assert _destination(responses[0], "request_headers") == ("10.0.0.1:8000",) * 2
 
 
 async def test_every_node_refusing_is_an_immediate_429_with_the_soonest_retry():
@@ -196,7 +207,7 @@ async def test_no_node_bad_body_and_the_gateways_subset():
         hint.update({"x-gateway-destination-endpoint-subset": ["10.0.0.2:8000"]})
         first.metadata_context.filter_metadata["envoy.lb.subset_hint"].CopyFrom(hint)
         responses = await c.process([first, *_body_chunks(_completion("z" * 500))])
-        assert _destination(responses[0], "request_headers")[0] == "10.0.0.2:8000"
+        assert _destination(responses[0], "request_headers") == ("10.0.0.2:8000",) * 2  # no fallback outside it
         # A subset of unknown endpoints: no node to pick from -> 503.
         first = _full_duplex(_headers("/v1/completions"))
         hint.update({"x-gateway-destination-endpoint-subset": ["10.9.9.9:8000"]})

@@ -47,6 +47,19 @@ def _picker(*summaries, **policy):
     return p
 
 
+def test_fallbacks_are_the_next_cheapest_nodes_that_pass_the_filters():
+    # Predicted TTFT 100 + wait ms against a 250-ms SLO: d (200 ms of queue) is past it, so never a fallback.
+    nodes = [_summary("a", wait_ms=40.0), _summary("b", wait_ms=0.0), _summary("c", wait_ms=20.0),
+             _summary("d", wait_ms=200.0), _summary("e", wait_ms=60.0)]
+    chosen = _picker(*nodes, max_node_tries=3).pick(_spec(), 0.0)
+    assert chosen.node_id == "b"
+    assert [(f.node_id, f.predicted_ttft_ms) for f in chosen.fallbacks] == [("c", 120.0), ("a", 140.0)]
+    assert [f.node_id for f in _picker(*nodes).pick(_spec(), 0.0).fallbacks] == ["c", "a", "e"]  # default: 4 tries
+    assert _picker(*nodes, max_node_tries=1).pick(_spec(), 0.0).fallbacks == ()
+    with pytest.raises(ValueError, match="max_node_tries must be >= 1"):
+        ClusterPolicy(max_node_tries=0)
+
+
 @pytest.mark.parametrize("waits, expected", [
     ((0.0, 50.0), "a"),
     ((80.0, 10.0), "b"),

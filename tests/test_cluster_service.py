@@ -76,7 +76,9 @@ async def test_picker_service_picks_backpressures_and_drops_a_dead_node():
     try:
         async with grpc.aio.insecure_channel(front.address) as channel:
             chosen = await pick_node(channel, SM, prompt)
-            assert chosen == {"node": node_a.address, "predicted_ttft_ms": 80.0, "expected_cached_tokens": 0}
+            # b has room too (60 ms of queue): it follows as the fallback if a's own admission refuses.
+            assert chosen == {"node": node_a.address, "predicted_ttft_ms": 80.0, "expected_cached_tokens": 0,
+                              "fallbacks": [node_b.address]}
 
             a["summary"], b["summary"] = _summary(900.0, False, 700), _summary(400.0, False, 250)
             await service.poll_once()

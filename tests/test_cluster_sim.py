@@ -57,3 +57,14 @@ def test_single_pool_holds_every_nodes_instances_on_distinct_gpus():
     assert pool.num_gpus == 24 and len(pool.instances) == 3 * len(CONFIG.instances)
     assert sorted(g for i in pool.instances for g in i.gpu_ids) == list(range(24))
     assert [i.id for i in pool.instances][:6] == ["lm-0@0", "sm-0@0", "sm-1@0", "sm-2@0", "sm-3@0", "lm-0@1"]
+
+
+def test_a_node_refusal_goes_on_to_the_picks_fallback():
+    trace = _trace(rate=600.0, duration=2.0)  # twice what two nodes serve: their own admission refuses some picks
+    single = ClusterSimulator(CONFIG, 2, max_node_tries=1).run(trace)
+    tried = ClusterSimulator(CONFIG, 2).run(trace)
+    assert single.num_node_refusals == 0 and tried.num_node_refusals > 0
+    on_nodes = [r.request_id for rs in tried.records_by_node for r in rs]
+    assert len(on_nodes) == len(set(on_nodes)) == len(trace) - tried.num_cluster_refused
+    # Whatever a node refused and a fallback then took is recorded on that fallback alone.
+    assert all(not r.refused or r.retry_after_ms is not None for r in tried.records)

@@ -37,7 +37,8 @@ def test_role_and_model_changes_under_load_lose_no_request_and_the_models_keep_s
     join = Reconfiguration("m1", ReconfigKind.MODEL, ("sm-2", "sm-3"), (LM_NEW,), "test: two 8B GPUs join a 70B",
                            load_s=1.5)
     trace = _trace()
-    sim = ElasticStepSim(NODE, balance=False, plan_at=[(2.0, to_decode), (3.0, join), (6.0, back)])
+    # Drain only: the routes checked below are where each request was placed (a migration would move them).
+    sim = ElasticStepSim(NODE, balance=False, plan_at=[(2.0, to_decode), (3.0, join), (6.0, back)], migrate=False)
     res = sim.run(trace)
     records = res.sim.records
     # Exact counts: every request of the trace finished; none refused, failed or lost.
@@ -120,3 +121,27 @@ def test_the_shortened_day_runs_at_both_levels_and_loses_nothing():
     assert rows[0][2] == rows[2][2] == 0 and rows[3][2] > 0  # the step-level balancer reconfigured
     offered = {s.overall.num_offered for _, s, _, _ in rows}
     assert len(offered) == 1  # the same requests everywhere
+
+
+def test_a_model_change_migrates_running_decodes_and_ends_its_drain_sooner(monkeypatch):
+    """The same model change on the same trace, drain only and with migration (services/core/migration.py): the
+    running decodes of the retired 8B instances move to the other 8B ones, every request still produces its 40
+    tokens, none is lost, and the drain (virtual time) ends sooner."""
+    join = Reconfiguration("m1", ReconfigKind.MODEL, ("sm-2", "sm-3"), (LM_NEW,), "test: two 8B GPUs join a 70B",
+                           load_s=1.5)
+    trace = _trace(duration_s=8.0, small_rps=40.0, large_rps=2.0)
+    runs = {m: ElasticStepSim(NODE, balance=False, plan_at=[(3.0, join)], migrate=m).run(trace) for m in (False, True)}
+    for res in runs.values():
+        records = res.sim.records
+        assert res.lost == 0 and len(records) == len(trace)
+        assert all(r.finish_s is not None and not r.error and r.num_output_tokens == 40 for r in records)
+    drained, migrated = runs[False].reconfigs[0], runs[True].reconfigs[0]
+    assert drained.migrated == 0 and migrated.migrated > 0
+    assert migrated.migrated + sum(migrated.kept.values()) <= migrated.held
+    assert migrated.drain_end_s < drained.drain_end_s
+    # The simulator's plain path (every decode explicit) gives the same records as its fast one, migrations included.
+    monkeypatch.setenv("OCTOSERVE_SIM_FAST", "0")
+    plain = ElasticStepSim(NODE, balance=False, plan_at=[(3.0, join)], migrate=True).run(trace)
+    assert plain.reconfigs[0].migrated == migrated.migrated
+    assert sorted((r.request_id, r.token_times_s, r.finish_s) for r in plain.sim.records) == \
+        sorted((r.request_id, r.token_times_s, r.finish_s) for r in runs[True].sim.records)

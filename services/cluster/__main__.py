@@ -27,6 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--grace-s", type=float, default=5.0)
     parser.add_argument("--poll-s", type=float, default=0.1, help="how often each node's summary is read")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-node-tries", type=int, default=4,
+                        help="nodes a request may be offered to: the pick and up to this - 1 fallbacks, tried in "
+                             "order when a node's own admission refuses (1: no fallbacks)")
     parser.add_argument("--epp", action="store_true", help="also serve the Gateway API Inference Extension's "
                         "endpoint-picker protocol (Envoy ext_proc) on --port (services/cluster/epp.py)")
     parser.add_argument("--target-port", type=int, default=8000,
@@ -48,8 +51,11 @@ def main(argv: list[str] | None = None) -> int:
     if not nodes:
         print("--nodes needs at least one host:port", file=sys.stderr)
         return 2
-    picker = ClusterPicker(policy_from_node(config.policies, config.slo.tier_ttft_ms, config.slo.itl_ms),
-                           random.Random(args.seed))
+    if args.max_node_tries < 1:
+        print(f"--max-node-tries must be >= 1 (the pick itself), got {args.max_node_tries}", file=sys.stderr)
+        return 2
+    picker = ClusterPicker(policy_from_node(config.policies, config.slo.tier_ttft_ms, config.slo.itl_ms,
+                                            max_node_tries=args.max_node_tries), random.Random(args.seed))
     service = PickerService(picker, nodes, poll_s=args.poll_s)
     add, names = service.add_to_server, (PICKER_SERVICE,)
     if args.epp:

@@ -11,7 +11,9 @@ Per cost profile:
   per node on 4 nodes (below the cluster's capacity, so other nodes have room to take spilled work), with an LM gang lease squeezing node 0's SM instances to half their GPU time from 5 s on;
   cluster picker vs round-robin, and each without the squeeze: SM attainment of node 0's traffic (requests round-robin
   would send there) with and without it, spill counts, prefix hit rate.
-Every figure is over the steady-state window (services/metrics.py) of its run.
+The cluster picker's runs go down each pick's fallbacks when a node refuses (`ClusterPolicy.max_node_tries`, 4);
+round-robin's do not (independent nodes). Every figure is over the steady-state window (services/metrics.py) of
+its run.
 """
 
 from __future__ import annotations

@@ -12,8 +12,10 @@ Per request (one Process stream), as the endpoint-picker protocol specifies:
    the prompt becomes token ids as the node's front makes them (a checkpoint's tokenizer with `--model-dir`,
    else the front's byte rule, which is what the sim engine's nodes cache by);
 3. the pick: the chosen node's address as `x-gateway-destination-endpoint` (`ip:port`, the pool's target port)
-   in a header mutation AND in the dynamic metadata namespace `envoy.lb` (the two must agree); the body goes back
-   unchanged. With a `x-gateway-destination-endpoint-subset` list in the request's `envoy.lb.subset_hint`
+   in a header mutation AND in the dynamic metadata namespace `envoy.lb` (the two must agree), followed by the
+   pick's fallbacks, comma-separated (`ip:port,ip:port,...`: the protocol's fallback endpoints; a gateway with a
+   retry policy on 429 / RESOURCE_EXHAUSTED goes down the list when a node's own admission refuses); the body
+   goes back unchanged. With a `x-gateway-destination-endpoint-subset` list in the request's `envoy.lb.subset_hint`
    metadata only those endpoints are considered;
 4. every node refusing (backpressure): an immediate response 429 with `retry-after` (seconds, rounded up) and
    `retry-after-ms` headers, the soonest retry delay across nodes; for a gRPC request the gRPC status
@@ -240,7 +242,7 @@ class EndpointPicker:
             return
         picker.on_dispatched(decision.node_id, spec, decision)
         self.num_picked += 1
-        endpoint = self._endpoint(decision.node_id)
+        endpoint = ",".join(self._endpoint(p.node_id) for p in (decision, *decision.fallbacks))
         mutation = self.pb.CommonResponse(
             header_mutation=self.pb.HeaderMutation(set_headers=[self.base.HeaderValueOption(
                 header=self.base.HeaderValue(key=DESTINATION_HEADER, raw_value=endpoint.encode()))]),

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -109,7 +110,20 @@ async def replay(cluster: LiveCluster, trace: Sequence[TraceRequest], time_scale
                                         error="" if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED else e.code().name)
             return
         picks.append(Pick(req.request_id, chosen["node"], sent))
-        await _send(clients[chosen["node"]], req, t0, options, records, index)
+        offers = [chosen["node"], *chosen.get("fallbacks", ())]
+        first_arrival_s, retries = None, []
+        for k, node in enumerate(offers):
+            await _send(clients[node], req, t0, options, records, index)
+            record = records[index]
+            first_arrival_s = record.arrival_s if first_arrival_s is None else first_arrival_s
+            if not record.refused or record.retry_after_ms is None or k == len(offers) - 1:
+                break
+            retries.append(record.retry_after_ms)  # the node's admission refused: its next-best fallback
+        if k > 0:  # latencies from the first try; a refusal after every try carries the soonest delay
+            fields = {"arrival_s": first_arrival_s}
+            if record.refused and record.retry_after_ms is not None:
+                fields["retry_after_ms"] = min([*retries, record.retry_after_ms])
+            records[index] = dataclasses.replace(record, **fields)
 
     async with grpc.aio.insecure_channel(cluster.picker_address) as picker_channel:
         for i, req in enumerate(trace):

@@ -18,7 +18,14 @@ pick(spec, now):
    SM prefill on that node by 1 / f, so SM work spills to nodes with headroom without any special case.
 4. scorers: "ttft" (relative to the slowest candidate), "prefix" (uncached share of the prompt: locality keeps
    hot prefixes where they are cached), "kv_headroom" (KV use after taking it); the cost is their weighted sum.
-5. none left -> ClusterRefuse: RESOURCE_EXHAUSTED with the soonest retry delay across the nodes that serve the
+5. fallbacks: the next-best kept nodes, cheapest first, up to `max_node_tries` - 1 of them. The picker predicts
+   from summaries up to one publication old; the node's own admission sees its exact queue, and may refuse what the
+   prediction let through while another node had room. The caller then tries the fallbacks in order (the cluster
+   simulator; the lookaside client; a gateway behind the endpoint picker, which gets them as the comma-separated
+   endpoint list of the Gateway API Inference Extension's protocol and goes down it on retry). Without them a node's
+   refusal was final, and the picker trailed independent nodes behind round-robin on uniform load (BENCHMARKS.md,
+   "Cluster tier").
+6. none left -> ClusterRefuse: RESOURCE_EXHAUSTED with the soonest retry delay across the nodes that serve the
    model (each node's own retry delay for the tier, or the time until its prediction would fit).
 `spilled` on a pick: the node the picker would have chosen with every capacity_fraction at 1 is squeezed, and
 the pick went elsewhere (the cross-node spill count of the benchmarks).
@@ -51,6 +58,11 @@ class ClusterPolicy:
     min_retry_after_ms: int = 50
     reservation_tokens: int = 512  # output tokens a request reserves in KV (as the nodes' predicted reservation)
     itl_ms: float = 30.0  # the nodes' ITL SLO
+    max_node_tries: int = 4  # nodes a request may be offered to: the pick and up to this - 1 fallbacks
+
+    def __post_init__(self) -> None:
+        if self.max_node_tries < 1:
+            raise ValueError(f"max_node_tries must be >= 1 (the pick itself), got {self.max_node_tries}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +92,7 @@ class NodePick:
     predicted_ttft_ms: float
     expected_cached_tokens: int
     spilled: bool  # moved off a squeezed node it would otherwise have gone to
+    fallbacks: tuple[NodePick, ...] = ()  # the next-best nodes, to try in order when this one refuses
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,7 +254,11 @@ class ClusterPicker:
         chosen = next(c for c in kept if c.node_id == chosen_id)
         spilled = self._spilled(cands, chosen)
         self.num_spilled += spilled
-        return NodePick(chosen.node_id, round(chosen.predicted_ttft_s * 1000.0, 3), chosen.cached_tokens, spilled)
+        rest = sorted((c for c in kept if c.node_id != chosen_id), key=lambda c: (round(costs[c.node_id], 12), c.node_id))
+        fallbacks = tuple(NodePick(c.node_id, round(c.predicted_ttft_s * 1000.0, 3), c.cached_tokens, spilled)
+                          for c in rest[: self.policy.max_node_tries - 1])
+        return NodePick(chosen.node_id, round(chosen.predicted_ttft_s * 1000.0, 3), chosen.cached_tokens, spilled,
+                        fallbacks)
 
     def _spilled(self, cands: Sequence[NodeCandidate], chosen: NodeCandidate) -> bool:
         if all(c.model.capacity_fraction >= 1.0 for c in cands):
@@ -292,7 +309,8 @@ class RoundRobinPicker:
         self.down.add(node_id)
 
 
-def policy_from_node(policies: PolicyConfig, tier_ttft_ms: Mapping[Priority, float], itl_ms: float = 30.0) -> ClusterPolicy:
-    """Cluster policy with the nodes' own retry floor, reservation and SLOs."""
+def policy_from_node(policies: PolicyConfig, tier_ttft_ms: Mapping[Priority, float], itl_ms: float = 30.0,
+                     **overrides: Any) -> ClusterPolicy:
+    """Cluster policy with the nodes' own retry floor, reservation and SLOs (`overrides`: other ClusterPolicy fields)."""
     return ClusterPolicy(tier_ttft_ms=dict(tier_ttft_ms), min_retry_after_ms=policies.min_retry_after_ms,
-                         reservation_tokens=policies.predicted_output_tokens, itl_ms=itl_ms)
+                         reservation_tokens=policies.predicted_output_tokens, itl_ms=itl_ms, **overrides)

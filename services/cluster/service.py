@@ -5,7 +5,8 @@ Two small gRPC services whose messages are JSON (generic handlers, no generated 
   `HeadroomSummary`.
 - `octoserve.cluster.v1.Picker/Pick` on the picker (`PickerService`, `python -m octoserve.services.cluster`):
   request {"model", "prompt_token_ids", "priority", "max_tokens"} -> {"node": "host:port", "predicted_ttft_ms",
-  "expected_cached_tokens"}; when every node refuses, RESOURCE_EXHAUSTED with the soonest retry delay across the
+  "expected_cached_tokens", "fallbacks": ["host:port", ...]} (the nodes to try next, in order, if the node's own
+  admission refuses: RESOURCE_EXHAUSTED with a retry delay); when every node refuses, RESOURCE_EXHAUSTED with the soonest retry delay across the
   nodes (google.rpc.RetryInfo and the `retry-after-ms` trailer, as the node routers send it).
 This is lookaside load balancing: the client (or a gateway) asks the picker, then sends the request to the node;
 the picker never carries tokens. Behind a gateway the picker's decision is the endpoint-picker step of the Gateway
@@ -151,7 +152,8 @@ class PickerService:
                                                                                        decision.retry_after_ms))
         self.picker.on_dispatched(decision.node_id, spec, decision)
         return _encode({"node": decision.node_id, "predicted_ttft_ms": decision.predicted_ttft_ms,
-                        "expected_cached_tokens": decision.expected_cached_tokens})
+                        "expected_cached_tokens": decision.expected_cached_tokens,
+                        "fallbacks": [p.node_id for p in decision.fallbacks]})
 
     def _spec(self, body: Mapping) -> RequestSpec:
         self._seq += 1

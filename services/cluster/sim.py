@@ -3,7 +3,7 @@
 One event heap and one virtual clock for all nodes. Every node is an `octoserve.services.sim.driver.NodeSimulator`
 (its own router policy, instances, batchers, KV) whose events go onto the shared heap tagged with the node; the
 cluster adds two events of its own: an arrival (the picker chooses a node, then that node's router admits or
-refuses it as it would alone) and a publication (every `publish_interval_s` each node's `HeadroomPublisher`
+refuses it as it would alone; one it refuses goes on to the pick's fallbacks in order) and a publication (every `publish_interval_s` each node's `HeadroomPublisher`
 builds a summary and the picker reads it, so the picker always works from summaries up to one interval old).
 
 Pickers: "cluster" (services/cluster/picker.py) or "round_robin" (independent nodes, each request to the next
@@ -107,6 +107,7 @@ class ClusterResult:
     records: tuple[RequestRecord, ...]
     num_spilled: int
     num_cluster_refused: int  # refused by the picker before reaching a node
+    num_node_refusals: int  # offers a node's own admission refused before a fallback took the request
     node_share: tuple[float, ...]  # share of admitted requests each node served (window)
     virtual_s: float
     wall_s: float
@@ -114,7 +115,8 @@ class ClusterResult:
 
 class ClusterSimulator:
     def __init__(self, config: NodeConfig, num_nodes: int, *, picker: str = "cluster", seed: int = 0,
-                 squeezes: Sequence[Squeeze] = (), publish_interval_s: float = 0.05) -> None:
+                 squeezes: Sequence[Squeeze] = (), publish_interval_s: float = 0.05, max_node_tries: int = 4) -> None:
+        self.num_node_refusals = 0  # offers a node's own admission refused (the request went on to a fallback)
         self.squeezes = tuple(squeezes)
         self.publish_interval_s = publish_interval_s
         self._events: list = []
@@ -123,7 +125,8 @@ class ClusterSimulator:
         self.nodes = [_Node(self, i, config, seed + 1000 * i) for i in range(num_nodes)]
         self.slo = SloSpec(ttft_ms=config.slo.ttft_ms, itl_ms=config.slo.itl_ms)
         if picker == "cluster":
-            policy = policy_from_node(config.policies, config.slo.tier_ttft_ms, config.slo.itl_ms)
+            policy = policy_from_node(config.policies, config.slo.tier_ttft_ms, config.slo.itl_ms,
+                                      max_node_tries=max_node_tries)
             self.picker = ClusterPicker(policy, random.Random(seed))
         elif picker == "round_robin":
             self.picker = RoundRobinPicker([n.node_id for n in self.nodes])
@@ -185,15 +188,32 @@ class ClusterSimulator:
         if isinstance(decision, ClusterRefuse):
             self._refused[req.request_id] = req.record(refused=True, retry_after_ms=decision.retry_after_ms)
             return
-        node = self._by_id[decision.node_id]
-        self._node_of[req.request_id] = node
-        node.now = self.now
-        node._on_arrival(req)
-        if not node._trackers[req.request_id].refused:
-            self.picker.on_dispatched(node.node_id, spec, decision)
+        offers = (decision, *decision.fallbacks)
+        retries = []
+        for k, offer in enumerate(offers):
+            node = self._by_id[offer.node_id]
+            node.now = self.now
+            node._on_arrival(req)
+            tracker = node._trackers[req.request_id]
+            if not tracker.refused:
+                self._node_of[req.request_id] = node
+                self.picker.on_dispatched(node.node_id, spec, offer)
+                return
+            retries.append(tracker.retry_after_ms)
+            if k == len(offers) - 1:  # the last node's refusal is the answer, with the soonest delay of all
+                tracker.retry_after_ms = min(retries)
+                self._node_of[req.request_id] = node
+                return
+            # The node's own admission refused what the picker predicted it would take: the next-best node, as a
+            # gateway going down the endpoint list would.
+            self.num_node_refusals += 1
+            del node._trackers[req.request_id]
 
     def _result(self, trace, last_arrival: float, wall_s: float, warmup_s: float | None) -> ClusterResult:
         n = len(self.nodes)
+        for node in self.nodes:  # every request explicit, its token times with its tracker (as a node's own result)
+            for inst in node.instances.values():
+                node._write_out(inst)
         series = [n_._series.get("occupancy", []) for n_ in self.nodes]
         occupancy = [(pts[0][0], sum(s[k][1] for s in series)) for k, pts in enumerate(zip(*series))]
         window = detect_window(occupancy, max(last_arrival, 1e-9), warmup_s=warmup_s, min_warmup_s=MIN_WARMUP_S)
@@ -220,6 +240,7 @@ class ClusterSimulator:
             records=tuple(records),
             num_spilled=self.picker.num_spilled,
             num_cluster_refused=len(self._refused),
+            num_node_refusals=self.num_node_refusals,
             node_share=share,
             virtual_s=self.now,
             wall_s=wall_s,

@@ -834,6 +834,62 @@ class Batcher:
         self._finish(req, observe=False)
         return True
 
+    # ---- live migration (services/core/migration.py): a running decode leaves one batcher for another -------
+
+    def suspend_running(self, request_id: str) -> tuple[int, ...] | None:
+        """Migration out, at an iteration boundary: a running decode leaves the batch and keeps its KV (HANDOFF,
+        freed by `release_handoff`, or back in the batch by `resume_suspended`). Returns its output tokens so far,
+        or None when it is not a running decode (unknown, queued, or still prefilling)."""
+        req = self._requests.get(request_id)
+        if req is None or req.status is not RequestStatus.RUNNING or req.num_uncomputed_tokens != 1 \
+                or req.num_output_tokens < 1:
+            return None
+        self.state_version += 1
+        self._running.remove(req)
+        req.status = RequestStatus.HANDOFF
+        return tuple(req.token_ids[req.num_prompt_tokens:])
+
+    def resume_suspended(self, request_id: str) -> bool:
+        """A migration that did not happen: the suspended request rejoins the batch where it stopped."""
+        req = self._requests.get(request_id)
+        if req is None or req.status is not RequestStatus.HANDOFF:
+            return False
+        self.state_version += 1
+        self._set_running(req)
+        return True
+
+    def reserve_migrated(self, spec: RequestSpec, output_token_ids: Sequence[int], now: float) -> bool:
+        """Migration in: as `reserve`, for a request that already produced `output_token_ids` elsewhere."""
+        self.state_version += 1
+        if spec.request_id in self._requests or self._num_active() >= self.config.max_num_seqs:
+            return False
+        req = self._new_request(spec)
+        req.token_ids.extend(output_token_ids)
+        ctx = self._reservation_context()
+        num_tokens = min(self.config.max_model_len, self._reservation.initial_tokens(spec, req.num_tokens + 1, ctx))
+        if num_tokens < req.num_tokens + 1 or not self._reservation.may_admit(-(-num_tokens // self.block_size), ctx):
+            return False
+        if self.kv.allocate(req.request_id, req.token_ids, num_tokens) is None:
+            return False
+        req.capacity_tokens = len(self.kv.block_ids(req.request_id)) * self.block_size
+        req.num_cached_tokens = self.kv.num_cached_tokens(req.request_id)
+        req.status = RequestStatus.RESERVED
+        self._requests[req.request_id] = req
+        self._num_reserved += 1
+        return True
+
+    def commit_migrated(self, request_id: str, now: float) -> None:
+        """Migration in: the KV arrived (all but the last output token's); the request decodes on from there."""
+        self.state_version += 1
+        req = self._requests.get(request_id)
+        if req is None or req.status is not RequestStatus.RESERVED:
+            raise KeyError(f"no reservation for request {request_id!r}")
+        self._num_reserved -= 1
+        req.num_computed_tokens = req.num_tokens - 1
+        req.first_token_s = req.last_token_s = now
+        self.kv.cache_computed(req.request_id, req.token_ids, req.num_computed_tokens)
+        self._set_running(req)
+
     # ---- state ---------------------------------------------------------------------------------------------
 
     def _set_running(self, req: Request) -> None:

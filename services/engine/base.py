@@ -34,6 +34,8 @@ class KVHandoff:
     finish_reason: str = ""
     # Engine-specific connector parameters, e.g. vLLM's kv_transfer_params serialised as JSON.
     connector_params_json: str = ""
+    # A live migration of a running decode: its output tokens so far (the KV covers all but the last).
+    output_token_ids: tuple[int, ...] = ()
 
 
 class EngineError(Exception):

@@ -227,7 +227,44 @@ class SimEngine:
 
     async def transfer_time_s(self, handoff: KVHandoff) -> float:
         """Modelled wall time of moving the hand-off's KV over NVLink (already dilated by time_scale)."""
-        return self.cost_model.kv_transfer_time_s(handoff.num_prompt_tokens) * self.time_scale
+        num_tokens = handoff.num_prompt_tokens + max(0, len(handoff.output_token_ids) - 1)
+        return self.cost_model.kv_transfer_time_s(num_tokens) * self.time_scale
+
+    # ---- live migration (services/rpc/migration.py drives these) ---------------------------------------------
+
+    async def suspend_for_migration(self, request_ids) -> dict[str, tuple[int, ...]]:
+        """Stops the given running decodes at an iteration boundary, keeping their KV; returns the output tokens
+        of each one that was a running decode (the others carry on)."""
+        await self.pause()
+        try:
+            return {rid: toks for rid in request_ids if (toks := self.batcher.suspend_running(rid)) is not None}
+        finally:
+            await self.resume()
+
+    def resume_suspended(self, request_id: str) -> None:
+        """The migration did not happen: the request decodes on here."""
+        if self.batcher.resume_suspended(request_id):
+            self._wakeup.set()
+
+    def hand_over(self, request_id: str) -> None:
+        """The target reserved room: the request's stream here ends with a HANDOFF output (after every token it
+        produced here); its KV stays until `release`."""
+        queue = self._streams.pop(request_id, None)
+        if queue is not None:
+            queue.put_nowait(RequestOutput(request_id, (), FinishReason.HANDOFF))
+
+    def migration_handoff(self, request_id: str, output_token_ids: tuple[int, ...]) -> KVHandoff:
+        req = self.batcher.request(request_id)
+        num_prompt = req.num_prompt_tokens if req is not None else 0
+        return KVHandoff(
+            request_id=request_id, source_instance_id=self.instance_id, num_prompt_tokens=num_prompt,
+            first_token_id=output_token_ids[0],
+            num_kv_bytes=(num_prompt + len(output_token_ids) - 1) * self.cost_model.model.kv_bytes_per_token,
+            num_cached_prompt_tokens=req.num_cached_tokens if req is not None else 0,
+            output_token_ids=output_token_ids)
+
+    async def reserve_migrated(self, spec: RequestSpec, output_token_ids: tuple[int, ...]) -> bool:
+        return self.batcher.reserve_migrated(spec, output_token_ids, asyncio.get_running_loop().time() / self.time_scale)
 
     async def decode(self, spec: RequestSpec, handoff: KVHandoff) -> AsyncIterator[RequestOutput]:
         request = self.batcher.request(spec.request_id)
@@ -235,9 +272,12 @@ class SimEngine:
             raise CapacityError(f"no KV reservation for {spec.request_id} on {self.instance_id}: call reserve first")
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._streams[spec.request_id] = queue
-        done = self.batcher.commit_handoff(
-            spec.request_id, handoff.first_token_id, asyncio.get_running_loop().time() / self.time_scale
-        )
+        now = asyncio.get_running_loop().time() / self.time_scale
+        if handoff.output_token_ids:  # a migrated running decode: it carries on from its last token
+            self.batcher.commit_migrated(spec.request_id, now)
+            done = None
+        else:
+            done = self.batcher.commit_handoff(spec.request_id, handoff.first_token_id, now)
         if done is not None:
             self._streams.pop(spec.request_id, None)
             yield done

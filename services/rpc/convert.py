@@ -154,6 +154,7 @@ def handoff_to_pb(h: KVHandoff) -> kv_pb.KVHandoff:
         num_cached_prompt_tokens=h.num_cached_prompt_tokens,
         connector_params_json=h.connector_params_json,
         finish_reason=h.finish_reason,
+        output_token_ids=h.output_token_ids,
     )
 
 
@@ -167,6 +168,7 @@ def handoff_from_pb(m: kv_pb.KVHandoff) -> KVHandoff:
         num_cached_prompt_tokens=m.num_cached_prompt_tokens,
         connector_params_json=m.connector_params_json,
         finish_reason=m.finish_reason,
+        output_token_ids=tuple(m.output_token_ids),
     )
 
 

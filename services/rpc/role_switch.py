@@ -3,8 +3,9 @@ which forwards every Worker RPC to the servicer of the current role (decode_work
 prefill_worker's for prefill), and swaps that servicer on SetRole.
 
 SetRole: the current servicer stops taking new work (its start RPCs answer UNAVAILABLE, so the router places
-those requests elsewhere; Decode of an existing reservation is still served), the running requests, held
-hand-offs and reservations finish (bounded by `drain_timeout_ms`; past it the role is kept, the instance takes
+those requests elsewhere; Decode of an existing reservation is still served), the running decodes that the
+scheduler's migration targets should take move there by KV hand-off (services/rpc/migration.py), the other running
+requests, held hand-offs and reservations finish (bounded by `drain_timeout_ms`; past it the role is kept, the instance takes
 requests again and the call fails DEADLINE_EXCEEDED), then the worker serves in the new role. A sim engine is
 rebuilt: a fresh engine of the new role for the same model is started in this process, and the old one stopped. A
 vLLM engine started flippable (`--flippable`: KV connector role kv_both) keeps running: its role is set and it is
@@ -27,10 +28,12 @@ from collections.abc import Callable
 
 import grpc
 
+from octoserve.services.core.migration import DEFAULT_MAX_PAUSE_S
 from octoserve.services.core.types import Role
 from octoserve.services.rpc import convert
 from octoserve.services.rpc.gen import worker_pb2 as w_pb
 from octoserve.services.rpc.gen import worker_pb2_grpc as w_grpc
+from octoserve.services.rpc.migration import migrate_out
 
 log = logging.getLogger("octoserve.worker")
 
@@ -61,6 +64,7 @@ class RoleSwitch(w_grpc.WorkerServicer):
         self._calls: dict[int, _Calls] = {id(inner): _Calls()}
         self._lock = asyncio.Lock()
         self.retired = False
+        self.role_changes = 0
 
     # ---- lifecycle (ServiceSpec hooks) and attributes the process reads ----------------------------------------
 
@@ -89,6 +93,10 @@ class RoleSwitch(w_grpc.WorkerServicer):
             old.draining = True
             drained = old.in_flight + len(getattr(old, "reservations", ()) or ())
             t0 = time.monotonic()
+            migrated, kept = 0, {}
+            if request.migration_targets:  # running decodes that should move go by KV hand-off first
+                migrated, kept = await migrate_out(old, list(request.migration_targets),
+                                                   request.max_migration_pause_s or DEFAULT_MAX_PAUSE_S)
             while not self._idle(old):
                 if time.monotonic() - t0 > timeout_s:
                     old.draining = False
@@ -101,7 +109,8 @@ class RoleSwitch(w_grpc.WorkerServicer):
             if role is None:
                 self.retired = True
                 log.info("worker retired", extra={"fields": {"drained": drained, "drain_s": round(drain_s, 3)}})
-                return w_pb.SetRoleReply(drained_requests=drained, drain_s=drain_s)
+                return w_pb.SetRoleReply(drained_requests=drained, drain_s=drain_s, migrated_requests=migrated,
+                                         kept_by_reason=kept)
             old_role = old.engine.role
             new = self._rebuild(role)
             if new is None:
@@ -117,6 +126,7 @@ class RoleSwitch(w_grpc.WorkerServicer):
                 await asyncio.sleep(IDLE_POLL_S)
             self._calls[id(new)] = _Calls()
             self.inner = new  # no await between the last idle check and here
+            self.role_changes += 1
             self._calls.pop(id(old), None)
             for session in list(getattr(old, "sessions", {}).values()):
                 session.close()  # ends the old token streams: routers re-attach to the new servicer
@@ -125,7 +135,8 @@ class RoleSwitch(w_grpc.WorkerServicer):
             log.info("worker role changed", extra={"fields": {
                 "from": old_role.value, "to": role.value, "drained": drained, "drain_s": round(drain_s, 3),
                 "same_engine": same_engine}})
-            return w_pb.SetRoleReply(drained_requests=drained, drain_s=drain_s)
+            return w_pb.SetRoleReply(drained_requests=drained, drain_s=drain_s, migrated_requests=migrated,
+                                     kept_by_reason=kept)
 
     # ---- forwarded RPCs -----------------------------------------------------------------------------------------
 
@@ -135,6 +146,12 @@ class RoleSwitch(w_grpc.WorkerServicer):
 
     async def _starting(self, name: str, request, context):
         inner = self.inner
+        if self.role_changes and not serves(name, request, inner.engine.role):
+            # A router whose placement still shows the old role (a drain can now end within milliseconds, before the
+            # placement update reached it): UNAVAILABLE before any token, so it places the request elsewhere.
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"{inner.engine.instance_id} now serves the {inner.engine.role.value} role; route "
+                                "elsewhere (the placement changed)")
         calls = self._calls[id(inner)]
         calls.count += 1
         try:
@@ -183,6 +200,16 @@ class RoleSwitch(w_grpc.WorkerServicer):
 
     def __getattr__(self, name: str):  # fields tests and the process read (engine, sessions, in_flight, ...)
         return getattr(self.__dict__["inner"], name)
+
+
+def serves(rpc: str, request, role: Role) -> bool:
+    """Whether a worker of `role` serves this work-starting RPC (a migration's Reserve / Decode: colocated too)."""
+    if rpc == "Generate":
+        return role is Role.COLOCATED
+    if rpc == "Prefill":
+        return role is Role.PREFILL
+    migrated = bool(request.output_token_ids) if rpc == "Reserve" else bool(request.handoff.output_token_ids)
+    return role is Role.DECODE or (migrated and role is Role.COLOCATED)
 
 
 def servicer_for_role(role: Role, engine, like=None):

@@ -6,7 +6,11 @@
 - `ElasticRunner.run(r)`: one `Reconfiguration` (services/core/reconfig.py), one at a time per instance:
   1. DRAINING: the retired instances are published as draining (routers stop placing new requests there) and told
      to drain (`Worker.SetRole`): requests that reach them anyway answer UNAVAILABLE before their first token, so
-     the router places them elsewhere; running requests, held hand-offs and reservations finish there.
+     the router places them elsewhere. Their running decodes migrate by KV hand-off to the other serving
+     instances of the same model named in the SetRole (`migration_targets`, with the headroom this scheduler last
+     saw) when the hand-off is shorter than their remaining decode and a target has room (the rule in
+     services/core/migration.py, decided on the worker, which knows each request); the other running requests,
+     held hand-offs and reservations finish there. `drain_only` (or `elastic.migrate: false`) migrates none.
   2. SWITCHING: a role change switches the worker's role in its process and publishes the new role. A model change
      removes the retired instances from the placement (the launcher stops their processes) and adds the started
      ones as STARTING (the launcher starts their workers on the freed GPUs); once each registered, it waits the
@@ -16,7 +20,6 @@
   No request is dropped in any phase.
 - `BalancerLoop`: every `period_s`, hands the windowed loads to a `Balancer` (the protocol in core/reconfig.py) and
   runs what it plans. Off unless the `elastic` section of the node config names a balancer.
-Migration of running requests by KV hand-off is not done here: a drained instance waits for them.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from collections.abc import Mapping
 
 import grpc
 
+from octoserve.services.core.migration import DEFAULT_MAX_PAUSE_S
 from octoserve.services.core.placement import InstanceConfig, NodeConfig
 from octoserve.services.core.reconfig import Phase, ReconfigKind, Reconfiguration, check_reconfiguration
 from octoserve.services.core.types import Role
@@ -181,16 +185,21 @@ class Outcome:
     drain_s: float = 0.0
     switch_s: float = 0.0
     drained_requests: int = 0
+    migrated_requests: int = 0
+    kept_by_reason: dict = dataclasses.field(default_factory=dict)  # running decodes that did not migrate, why
     error: str = ""
 
 
 class ElasticRunner:
     """Carries out reconfigurations on the scheduler `s` (its placement, worker stubs, addresses, loads)."""
 
-    def __init__(self, scheduler, time_scale: float = 1.0, drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> None:
+    def __init__(self, scheduler, time_scale: float = 1.0, drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S, *,
+                 migrate: bool = True, max_migration_pause_s: float = DEFAULT_MAX_PAUSE_S) -> None:
         self.s = scheduler
         self.time_scale = time_scale
         self.drain_timeout_s = drain_timeout_s
+        self.migrate = migrate
+        self.max_migration_pause_s = max_migration_pause_s
         self.in_flight: dict[str, Reconfiguration] = {}
         self.history: list[Outcome] = []
 
@@ -198,7 +207,7 @@ class ElasticRunner:
     def placement(self) -> LivePlacement:
         return self.s.placement
 
-    async def run(self, r: Reconfiguration, drain_timeout_s: float | None = None) -> Outcome:
+    async def run(self, r: Reconfiguration, drain_timeout_s: float | None = None, drain_only: bool = False) -> Outcome:
         current = self.placement.instances
         problems = check_reconfiguration(current, r)
         busy = sorted({i for f in self.in_flight.values() for i in f.retire} & set(r.retire))
@@ -220,12 +229,17 @@ class ElasticRunner:
             await self.placement.publish()
             timeout_s = drain_timeout_s or self.drain_timeout_s
             role = r.start[0].role if r.kind is ReconfigKind.ROLE else None
-            replies = await asyncio.gather(*(self._set_role(i, role, timeout_s) for i in r.retire),
-                                           return_exceptions=True)
+            migrate = self.migrate and not drain_only
+            replies = await asyncio.gather(*(self._set_role(i, role, timeout_s, migrate, set(r.retire))
+                                             for i in r.retire), return_exceptions=True)
             if failed := [(i, e) for i, e in zip(r.retire, replies) if isinstance(e, BaseException)]:
                 await self._abort(r, out, "; ".join(f"{i}: {e}" for i, e in failed))
                 raise ReconfigError(grpc.StatusCode.ABORTED, out.error)
             out.drained_requests = sum(rep.drained_requests for rep in replies)
+            out.migrated_requests = sum(rep.migrated_requests for rep in replies)
+            for rep in replies:
+                for reason, n in rep.kept_by_reason.items():
+                    out.kept_by_reason[reason] = out.kept_by_reason.get(reason, 0) + n
             # A role change switches inside SetRole: the drain is what the workers measured, the rest is switching.
             out.drain_s = max(rep.drain_s for rep in replies)
             out.phase = Phase.SWITCHING
@@ -241,16 +255,37 @@ class ElasticRunner:
             out.phase = Phase.DONE
             log.info("reconfiguration done", extra={"fields": {
                 "id": r.reconfig_id, "drain_s": round(out.drain_s, 3), "switch_s": round(out.switch_s, 3),
-                "drained_requests": out.drained_requests}})
+                "drained_requests": out.drained_requests, "migrated_requests": out.migrated_requests,
+                "kept_by_reason": out.kept_by_reason}})
             return out
         finally:
             self.in_flight.pop(r.reconfig_id, None)
             self.history.append(out)
 
-    async def _set_role(self, instance_id: str, role: Role | None, timeout_s: float):
+    async def _set_role(self, instance_id: str, role: Role | None, timeout_s: float, migrate: bool = False,
+                        retiring: set[str] = frozenset()):
         request = w_pb.SetRoleRequest(role=convert.ROLE_TO_PB[role] if role else w_pb.ROLE_UNSPECIFIED,
-                                      drain_timeout_ms=int(timeout_s * 1000))
+                                      drain_timeout_ms=int(timeout_s * 1000),
+                                      max_migration_pause_s=self.max_migration_pause_s)
+        if migrate and self.placement.instances[instance_id].role is not Role.PREFILL:  # prefills have no decodes
+            request.migration_targets.extend(self.migration_targets(instance_id, retiring))
         return await self.s._stub(instance_id).SetRole(request, timeout=timeout_s + 10.0)
+
+    def migration_targets(self, instance_id: str, retiring: set[str]) -> list[w_pb.MigrationTarget]:
+        """The instances that may take `instance_id`'s running decodes: same model, serving, not retiring, decoding
+        (colocated or decode role), healthy, with their last reported headroom."""
+        model = self.placement.instances[instance_id].model
+        targets = []
+        for iid, inst in self.placement.instances.items():
+            load = self.s.loads.get(iid)
+            if (iid in retiring or inst.model != model or inst.role is Role.PREFILL or load is None or not load.healthy
+                    or self.placement.states.get(iid) is not State.SERVING or iid not in self.s.addresses):
+                continue
+            slots = max(0, load.max_num_seqs - load.num_running) if load.max_num_seqs else 1 << 16
+            targets.append(w_pb.MigrationTarget(instance_id=iid, address=self.s.addresses[iid],
+                                                free_blocks=load.num_free_blocks, block_size=load.block_size,
+                                                free_slots=slots))
+        return targets
 
     async def _abort(self, r: Reconfiguration, out: Outcome, why: str) -> None:
         out.phase, out.error = Phase.ABORTED, f"reconfiguration {r.reconfig_id} aborted: {why}"
@@ -285,7 +320,8 @@ class ElasticRunner:
 def outcome_to_pb(out: Outcome) -> s_pb.ReconfigureReply:
     return s_pb.ReconfigureReply(
         reconfig_id=out.reconfig.reconfig_id, started=[i.id for i in out.reconfig.start], drain_s=out.drain_s,
-        switch_s=out.switch_s, total_s=out.drain_s + out.switch_s, drained_requests=out.drained_requests)
+        switch_s=out.switch_s, total_s=out.drain_s + out.switch_s, drained_requests=out.drained_requests,
+        migrated_requests=out.migrated_requests)
 
 
 class BalancerLoop:
@@ -337,7 +373,8 @@ def balancer_from_section(section: Mapping | None, config: NodeConfig):
       period_s: 10                       # modelled seconds between plans
       window_s: 10                       # modelled seconds of demand the balancer sees (elastic only)
       min_dwell_s: 20                    # ... and any BalancerPolicy field (elastic only)
-    The balancer's plan gets a `live_balancer.LiveView` each period.
+    The balancer's plan gets a `live_balancer.LiveView` each period. (`migrate` and `max_migration_pause_s`
+    configure the runner, with or without a balancer: see `migration_settings`.)
     """
     if not section or not section.get("balancer"):
         return None
@@ -353,3 +390,21 @@ def balancer_from_section(section: Mapping | None, config: NodeConfig):
     if not attr:
         raise ValueError(f"elastic.balancer {name!r} must be 'elastic' or package.module:factory")
     return getattr(importlib.import_module(module), attr)(config), period_s
+
+
+def migration_settings(section: Mapping | None) -> dict:
+    """ElasticRunner keyword arguments from the node config's `elastic` section.
+
+    elastic:
+      migrate: true                      # a draining instance hands running decodes to other instances of its model
+                                         # by KV hand-off when that is faster than finishing them (false: drain only)
+      max_migration_pause_s: 1.0         # modelled seconds one hand-off may stall a request's stream
+    """
+    section = section or {}
+    pause_s = float(section.get("max_migration_pause_s", DEFAULT_MAX_PAUSE_S))
+    if pause_s <= 0:
+        raise ValueError(f"elastic.max_migration_pause_s must be > 0, got {pause_s}")
+    migrate = section.get("migrate", True)
+    if not isinstance(migrate, bool):
+        raise ValueError(f"elastic.migrate must be true or false, got {migrate!r}")
+    return {"migrate": migrate, "max_migration_pause_s": pause_s}

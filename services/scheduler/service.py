@@ -64,7 +64,7 @@ class SchedulerServicer(s_grpc.SchedulerServicer):
                  placement_file: str | None = None) -> None:
         self.config = config
         self.placement = elastic.LivePlacement(config, placement_file)  # what routers route on; changes with reconfigurations
-        self.elastic = elastic.ElasticRunner(self, time_scale)
+        self.elastic = elastic.ElasticRunner(self, time_scale, **elastic.migration_settings(elastic_section))
         planned = elastic.balancer_from_section(elastic_section, config)
         self.demand = DemandWindow(getattr(planned[0], "window_s", DEFAULT_WINDOW_S) if planned else DEFAULT_WINDOW_S)
         self.time_scale = time_scale
@@ -115,7 +115,7 @@ class SchedulerServicer(s_grpc.SchedulerServicer):
     async def Reconfigure(self, request, context):
         try:
             r = elastic.reconfiguration_from_pb(request, self.placement.instances, self.config)
-            out = await self.elastic.run(r, request.drain_timeout_ms / 1000.0 or None)
+            out = await self.elastic.run(r, request.drain_timeout_ms / 1000.0 or None, drain_only=request.drain_only)
         except elastic.ReconfigError as e:
             await context.abort(e.code, str(e))
         return elastic.outcome_to_pb(out)

@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from octoserve.services.core.batcher import Batcher, CompactStep
+from octoserve.services.core.batcher import Batcher, CompactStep, RequestStatus
 from octoserve.services.core.instance import LoadReporter, gang_duty, instance_parts
 from octoserve.services.core.placement import InstanceConfig, NodeConfig
 from octoserve.services.core.sim_executor import SimExecutor
@@ -188,6 +188,7 @@ class NodeSimulator:
         self.down: set[str] = set()
         self.num_rerouted = 0
         self.num_lost = 0
+        self._migrations: dict[str, list] = {}  # source instance -> migrations waiting for its step boundary
         for fault in self.faults:
             if fault.instance_id not in self.instances:
                 raise ValueError(f"fault names instance {fault.instance_id!r}; the node has {', '.join(self.instances)}")
@@ -369,6 +370,8 @@ class NodeSimulator:
             self._start_transfer(inst, handoff)
         if out.kv_events:
             self.router.on_kv_events(inst.cfg.id, out.kv_events)
+        if self._migrations:  # live migrations wait for this step boundary (`migrate`)
+            self._start_migrations(inst)
         gang = self.gangs.get(inst.cfg.id)
         if gang is None:
             self._start_step(inst)
@@ -494,6 +497,67 @@ class NodeSimulator:
         self.instances.pop(instance_id)
         self.router.prefix_index.remove_instance(instance_id)
         return len(held)
+
+    def running_decodes(self, instance_id: str) -> list:
+        """The batcher requests decoding on `instance_id` now (prompt done, one token to compute each step)."""
+        inst = self.instances[instance_id]
+        self._write_out(inst)  # a steady batcher's implicit decodes: explicit, with their tokens, before reading
+        out = []
+        for t in self._trackers.values():
+            route = t.route
+            if route is None or t.finish_s is not None or t.error or t.refused:
+                continue
+            if (route.decode_instance_id or route.instance_id) != instance_id:
+                continue
+            req = inst.batcher.request(t.trace.request_id)
+            if req is not None and req.status is RequestStatus.RUNNING and req.num_uncomputed_tokens == 1:
+                out.append(req)
+        return out
+
+    def migrate(self, request_id: str, source_id: str, target_id: str, on_done: Callable[[str], None]) -> None:
+        """Live migration of a running decode, as on the live node (services/rpc/migration.py): at the source's next
+        step boundary the request leaves its batch keeping its KV and the target reserves room for it (none: it
+        stays and decodes on, `on_done("target_refused")`); after the modelled transfer of its context the target
+        decodes on from its last token, the source frees the KV, and `on_done("migrate")`. `on_done("gone")`: it was
+        no longer a running decode there (finished meanwhile), or a fault ended it."""
+        self._migrations.setdefault(source_id, []).append((request_id, target_id, on_done))
+        source = self.instances[source_id]
+        if not source.busy:
+            self._start_migrations(source)
+
+    def _start_migrations(self, source: _Instance) -> None:
+        pending = self._migrations.pop(source.cfg.id, ())
+        if pending:
+            self._write_out(source)  # (at a step boundary) every request explicit before one leaves the batch
+        for request_id, target_id, on_done in pending:
+            tracker = self._trackers[request_id]
+            target = self.instances.get(target_id)
+            tokens = source.batcher.suspend_running(request_id)
+            if tokens is None:
+                on_done("gone")
+                continue
+            if target is None or target_id in self.down \
+                    or not target.batcher.reserve_migrated(tracker.trace.to_request_spec(), tokens, self.now):
+                source.batcher.resume_suspended(request_id)
+                on_done("target_refused")
+                continue
+            transfer_s = source.cost.kv_transfer_time_s(len(tracker.trace.prompt_token_ids) + len(tokens) - 1)
+            self.call_at(self.now + transfer_s, lambda r=request_id, t=target, f=on_done: self._migrated(source, t, r, f))
+
+    def _migrated(self, source: _Instance, target: _Instance, request_id: str, on_done) -> None:
+        tracker = self._trackers[request_id]
+        if self.instances.get(target.cfg.id) is not target or tracker.error or tracker.finish_s is not None:
+            source.batcher.abort(request_id)  # a fault took one end meanwhile: it already ended the request
+            on_done("gone")
+            return
+        source.batcher.release_handoff(request_id)
+        target.batcher.commit_migrated(request_id, self.now)
+        route = tracker.route
+        tracker.route = dataclasses.replace(route, decode_instance_id=target.cfg.id) if route.decode_instance_id \
+            else dataclasses.replace(route, instance_id=target.cfg.id)
+        self._wake(target)
+        self._wake(source)
+        on_done("migrate")
 
     def add_instance(self, cfg: InstanceConfig) -> None:
         """A fresh instance (empty queue and KV) on the node; routable once `route_only_to` names it."""

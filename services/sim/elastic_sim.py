@@ -11,7 +11,8 @@ Three ways to run a day (`run_day`):
 - "elastic": the `ElasticBalancer` (services/core/balancer.py) plans every `period_s` from the last `window_s` of
   load, and the simulator carries out each reconfiguration: DRAINING (the retired instances take no new request;
   running decodes migrate by KV hand-off to another instance of the same model when the hand-off is shorter than
-  their remaining decode and that instance has a free slot by then; the rest finish in place), SWITCHING
+  their remaining decode and that instance has a free slot by then: the rule of services/core/migration.py, which
+  the live node applies too; the rest finish in place), SWITCHING
   (`load_s` of weights, or the role switch), DONE (the started instances take requests, empty).
 
 The instance model is a queueing one, coarser than the step-level simulator (services/sim/driver.py) and much
@@ -34,9 +35,11 @@ import dataclasses
 import heapq
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from octoserve.services.core import migration
 from octoserve.services.core.balancer import (
     BalancerPolicy,
     CapacityModel,
@@ -265,6 +268,7 @@ class ElasticSim:
         self.refused: list[DayRequest] = []
         self.lost = 0
         self.migrated = 0
+        self.migration_reasons: Counter[str] = Counter()  # drain-or-migrate decisions by reason (core/migration.py)
 
     # - helpers -
 
@@ -398,14 +402,18 @@ class ElasticSim:
             done_tokens = max(0, int((now - tr.decode_start_s) / tr.tau_s)) if now > tr.decode_start_s else 0
             xfer = inst.cost.kv_transfer_time_s(tr.req.prompt_tokens + done_tokens)
             target = min(targets, key=lambda x: x.heap[0], default=None)
-            if target is None or remaining_s <= xfer:
+            if target is None:
+                self.migration_reasons[migration.NO_TARGET] += 1
                 keep.append(tr)
                 continue
             new_start = max(now + xfer, target.heap[0], tr.decode_start_s)
             pause_s = new_start - started  # the gap the hand-off adds to this request's stream
             out = max(1, tr.req.output_tokens - 1)
             tpot_slack_s = (self.slo.itl_ms / 1000.0 - (tr.finish_s - tr.first_s) / out) * out  # its TPOT's room
-            if pause_s >= remaining_s or pause_s > max(tpot_slack_s, self.max_migration_pause_s):
+            reason = migration.decide(remaining_s, xfer, pause_s, max_pause_s=self.max_migration_pause_s,
+                                      tpot_slack_s=tpot_slack_s)
+            self.migration_reasons[reason] += 1
+            if reason != migration.MIGRATE:
                 keep.append(tr)
                 continue
             new_finish = tr.finish_s + pause_s + remaining_s / tr.tau_s * (target.tau_s - tr.tau_s)

@@ -9,7 +9,12 @@ arrivals of that period, as the routers report theirs.
 
 A reconfiguration runs as on the live node (services/core/reconfig.py):
 - DRAINING: its retired instances leave the router's placement at once (no new request reaches them); their
-  running requests finish there (no KV migration here: a drain, never a hand-off). Polled every `poll_s`.
+  running decodes migrate by KV hand-off to the other instances of the model (`migrate`, on by default), decided
+  by the rule the live node applies (services/core/migration.py: remaining decode vs the modelled transfer of the
+  context, the targets' free slots and KV from their load snapshots) and carried out as it does (the request
+  leaves the source's batch at a step boundary, the target reserves room or it stays, the target decodes on from
+  its last token after the transfer: `NodeSimulator.migrate`); the other requests finish there. Polled every
+  `poll_s`.
 - SWITCHING: once none holds a request, the retired instances leave the node; after the switch time (the role
   switch, or the weight load + engine init the plan states as `load_s`) the started instances join it empty and the
   router's placement names them.
@@ -28,9 +33,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from octoserve.services.core import migration
 from octoserve.services.core.balancer import BalancerPolicy, ElasticBalancer, NodeLoad
 from octoserve.services.core.placement import InstanceConfig, NodeConfig
 from octoserve.services.core.reconfig import Phase, ReconfigKind, Reconfiguration
+from octoserve.services.core.types import Role
 from octoserve.services.scheduler.live_balancer import DemandWindow, instance_load
 from octoserve.services.sim.driver import NodeSimulator, SimResult
 from octoserve.services.workload import TraceRequest
@@ -47,6 +54,8 @@ class StepReconfig:
     done_s: float = math.nan
     held: int = 0  # requests on the retired instances when the drain began
     lost: int = 0  # requests still on a retired instance when it left the node: must be 0
+    migrated: int = 0  # running decodes handed to another instance by KV hand-off
+    kept: dict[str, int] = field(default_factory=dict)  # running decodes that stayed, by the decision's reason
 
 
 @dataclass
@@ -73,7 +82,8 @@ class ElasticStepSim:
 
     def __init__(self, node: NodeConfig, *, policy: BalancerPolicy = BalancerPolicy(), period_s: float = 1.0,
                  window_s: float = 10.0, seed: int = 0, balance: bool = True,
-                 plan_at: Sequence[tuple[float, Reconfiguration]] = (), poll_s: float = 0.05) -> None:
+                 plan_at: Sequence[tuple[float, Reconfiguration]] = (), poll_s: float = 0.05,
+                 migrate: bool = True, max_migration_pause_s: float = migration.DEFAULT_MAX_PAUSE_S) -> None:
         if node.gang is not None:
             raise ValueError("elastic_step: gang groups are not supported; drop the `gang` section")
         if period_s <= 0 or window_s <= 0 or poll_s <= 0:
@@ -81,6 +91,7 @@ class ElasticStepSim:
         self.node = node
         self.policy = policy
         self.period_s, self.window_s, self.poll_s = period_s, window_s, poll_s
+        self.migrate, self.max_migration_pause_s = migrate, max_migration_pause_s
         self.sim = NodeSimulator(node, seed=seed)
         self.balancer = ElasticBalancer(node, policy) if balance else None
         self.demand = DemandWindow(window_s)
@@ -149,8 +160,40 @@ class ElasticStepSim:
         ev = StepReconfig(r, self.sim.now, held=sum(self.sim.requests_on(i) for i in r.retire))
         self.reconfigs.append(ev)
         self._publish()  # the retired instances take no new request from now on
+        if self.migrate:
+            for iid in r.retire:
+                self._migrate_out(ev, iid, set(r.retire))
         self.sim.call_at(self.sim.now, lambda: self._poll(ev))
         return ev
+
+    def _migrate_out(self, ev: StepReconfig, iid: str, retiring: set[str]) -> None:
+        inst = self.sim.instances[iid]
+        running = [migration.RunningDecode(req.request_id, req.num_tokens,
+                                           migration.expected_remaining_tokens(req.spec, req.num_output_tokens))
+                   for req in self.sim.running_decodes(iid)]
+        if not running:
+            return
+        targets = []
+        for tid, other in self.sim.instances.items():
+            if tid in retiring or tid in self._draining() or other.cfg.model != inst.cfg.model \
+                    or other.cfg.role is Role.PREFILL:
+                continue
+            load = other.load()
+            slots = max(0, load.max_num_seqs - load.num_running) if load.max_num_seqs else 1 << 16
+            targets.append(migration.Target(tid, load.num_free_blocks, load.block_size, slots))
+        decisions = migration.plan(running, targets, step_s=inst.load().decode_step_time_s,
+                                   transfer_s=inst.cost.kv_transfer_time_s, max_pause_s=self.max_migration_pause_s)
+
+        def done(outcome: str) -> None:
+            if outcome == migration.MIGRATE:
+                ev.migrated += 1
+            elif outcome == migration.TARGET_REFUSED:
+                ev.kept[outcome] = ev.kept.get(outcome, 0) + 1
+        for d in decisions:
+            if d.migrate:
+                self.sim.migrate(d.request_id, iid, d.target, done)
+            else:
+                ev.kept[d.reason] = ev.kept.get(d.reason, 0) + 1
 
     def _poll(self, ev: StepReconfig) -> None:
         r = ev.reconfig
@@ -199,7 +242,8 @@ def run_elastic_step(node: NodeConfig, trace: Sequence[TraceRequest], **kwargs) 
 
 
 def day_rows(cost_profile: str, *, hour_s: float, load: float, gpu: str, seed: int = 0,
-             policy: BalancerPolicy = BalancerPolicy(), window_s: float = 10.0) -> list[tuple[str, object, int, int]]:
+             policy: BalancerPolicy = BalancerPolicy(), window_s: float = 10.0,
+             migrate: bool = True) -> list[tuple[str, object, int, int]]:
     """The mix-shift day (offered `load` x each model's capacity alone, `hour_s` per hour): the best static
     placement and the elastic balancer, each on the queueing-level simulator (services/sim/elastic_sim.py) and on
     this step-level one, from the same start placement. Rows: (name, Summary over the arrivals, reconfigurations
@@ -224,7 +268,7 @@ def day_rows(cost_profile: str, *, hour_s: float, load: float, gpu: str, seed: i
     start = dataclasses.replace(node, instances=tuple(static.initial))
     trace = day_trace(requests)
     step_static = run_simulation(start, trace)
-    step_elastic = ElasticStepSim(start, policy=policy, window_s=window_s).run(trace)
+    step_elastic = ElasticStepSim(start, policy=policy, window_s=window_s, migrate=migrate).run(trace)
 
     def summary(records):
         return summarize(records, day.slo, day.duration_s)
@@ -248,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--load", type=float, default=0.9, help="offered load / each model's capacity alone")
     parser.add_argument("--gpu", default="h100-sxm-80gb", choices=sorted(GPU_PRESETS))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--drain-only", action="store_true",
+                        help="the step-level elastic run drains retired instances, migrating no running decode")
     args = parser.parse_args(argv)
     if args.hour_s <= 0 or args.load <= 0:
         parser.error("--hour-s and --load must be > 0")
@@ -256,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
           "|---|---|---|---|---|---|---|")
     for profile in profiles:
         t0 = time.perf_counter()
-        for name, s, n, lost in day_rows(profile, hour_s=args.hour_s, load=args.load, gpu=args.gpu, seed=args.seed):
+        for name, s, n, lost in day_rows(profile, hour_s=args.hour_s, load=args.load, gpu=args.gpu, seed=args.seed,
+                                         migrate=not args.drain_only):
             g = s.overall
             print(f"| {profile} | {name} | {g.goodput_rps:.2f} | {g.attainment_offered:.3f} | "
                   f"{g.refused_fraction:.3f} | {n} | {lost} |", flush=True)

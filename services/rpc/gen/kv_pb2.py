@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15octoserve/v1/kv.proto\x12\x0coctoserve.v1\"\xdc\x01\n\tKVHandoff\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1a\n\x12source_instance_id\x18\x02 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x16\n\x0e\x66irst_token_id\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_bytes\x18\x05 \x01(\x04\x12 \n\x18num_cached_prompt_tokens\x18\x06 \x01(\r\x12\x1d\n\x15\x63onnector_params_json\x18\x07 \x01(\t\x12\x15\n\rfinish_reason\x18\x08 \x01(\t\"M\n\x0b\x42lockStored\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\x12\x18\n\x0bparent_hash\x18\x02 \x01(\x04H\x00\x88\x01\x01\x42\x0e\n\x0c_parent_hash\"$\n\x0c\x42lockRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\"n\n\x07KVEvent\x12+\n\x06stored\x18\x01 \x01(\x0b\x32\x19.octoserve.v1.BlockStoredH\x00\x12-\n\x07removed\x18\x02 \x01(\x0b\x32\x1a.octoserve.v1.BlockRemovedH\x00\x42\x07\n\x05\x65ventb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15octoserve/v1/kv.proto\x12\x0coctoserve.v1\"\xf6\x01\n\tKVHandoff\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1a\n\x12source_instance_id\x18\x02 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x16\n\x0e\x66irst_token_id\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_bytes\x18\x05 \x01(\x04\x12 \n\x18num_cached_prompt_tokens\x18\x06 \x01(\r\x12\x1d\n\x15\x63onnector_params_json\x18\x07 \x01(\t\x12\x15\n\rfinish_reason\x18\x08 \x01(\t\x12\x18\n\x10output_token_ids\x18\t \x03(\r\"M\n\x0b\x42lockStored\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\x12\x18\n\x0bparent_hash\x18\x02 \x01(\x04H\x00\x88\x01\x01\x42\x0e\n\x0c_parent_hash\"$\n\x0c\x42lockRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\"n\n\x07KVEvent\x12+\n\x06stored\x18\x01 \x01(\x0b\x32\x19.octoserve.v1.BlockStoredH\x00\x12-\n\x07removed\x18\x02 \x01(\x0b\x32\x1a.octoserve.v1.BlockRemovedH\x00\x42\x07\n\x05\x65ventb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,11 +32,11 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'octoserve.v1.kv_pb2', _glob
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_KVHANDOFF']._serialized_start=40
-  _globals['_KVHANDOFF']._serialized_end=260
-  _globals['_BLOCKSTORED']._serialized_start=262
-  _globals['_BLOCKSTORED']._serialized_end=339
-  _globals['_BLOCKREMOVED']._serialized_start=341
-  _globals['_BLOCKREMOVED']._serialized_end=377
-  _globals['_KVEVENT']._serialized_start=379
-  _globals['_KVEVENT']._serialized_end=489
+  _globals['_KVHANDOFF']._serialized_end=286
+  _globals['_BLOCKSTORED']._serialized_start=288
+  _globals['_BLOCKSTORED']._serialized_end=365
+  _globals['_BLOCKREMOVED']._serialized_start=367
+  _globals['_BLOCKREMOVED']._serialized_end=403
+  _globals['_KVEVENT']._serialized_start=405
+  _globals['_KVEVENT']._serialized_end=515
 # @@protoc_insertion_point(module_scope)

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KVHandoff(_message.Message):
-    __slots__ = ("request_id", "source_instance_id", "num_prompt_tokens", "first_token_id", "num_kv_bytes", "num_cached_prompt_tokens", "connector_params_json", "finish_reason")
+    __slots__ = ("request_id", "source_instance_id", "num_prompt_tokens", "first_token_id", "num_kv_bytes", "num_cached_prompt_tokens", "connector_params_json", "finish_reason", "output_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SOURCE_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class KVHandoff(_message.Message):
     NUM_CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CONNECTOR_PARAMS_JSON_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     source_instance_id: str
     num_prompt_tokens: int
@@ -24,7 +25,8 @@ class KVHandoff(_message.Message):
     num_cached_prompt_tokens: int
     connector_params_json: str
     finish_reason: str
-    def __init__(self, request_id: _Optional[str] = ..., source_instance_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., first_token_id: _Optional[int] = ..., num_kv_bytes: _Optional[int] = ..., num_cached_prompt_tokens: _Optional[int] = ..., connector_params_json: _Optional[str] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+    output_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., source_instance_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., first_token_id: _Optional[int] = ..., num_kv_bytes: _Optional[int] = ..., num_cached_prompt_tokens: _Optional[int] = ..., connector_params_json: _Optional[str] = ..., finish_reason: _Optional[str] = ..., output_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BlockStored(_message.Message):
     __slots__ = ("block_hashes", "parent_hash")

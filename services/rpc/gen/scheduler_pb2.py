@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from . import worker_pb2 as octoserve_dot_v1_dot_worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1coctoserve/v1/scheduler.proto\x12\x0coctoserve.v1\x1a\x19octoserve/v1/worker.proto\"^\n\rModelArrivals\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x08\x61rrivals\x18\x02 \x01(\r\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x04\x12\x15\n\routput_tokens\x18\x04 \x01(\x04\"O\n\x0c\x44\x65mandReport\x12+\n\x06models\x18\x01 \x03(\x0b\x32\x1b.octoserve.v1.ModelArrivals\x12\x12\n\ninterval_s\x18\x02 \x01(\x01\"\r\n\x0b\x44\x65mandReply\"\xf6\x01\n\x11InstancePlacement\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12 \n\x04role\x18\x03 \x01(\x0e\x32\x12.octoserve.v1.Role\x12\x0f\n\x07gpu_ids\x18\x04 \x03(\r\x12\x17\n\x0ftensor_parallel\x18\x05 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x06 \x01(\t\x12\x16\n\x0e\x63ontext_window\x18\x07 \x01(\r\x12*\n\x05state\x18\x08 \x01(\x0e\x32\x1b.octoserve.v1.InstanceState\x12\x1c\n\x14instance_config_json\x18\t \x01(\t\"\x17\n\x15WatchPlacementRequest\"C\n\nRoleChange\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12 \n\x04role\x18\x02 \x01(\x0e\x32\x12.octoserve.v1.Role\"g\n\x0bModelChange\x12\x0e\n\x06retire\x18\x01 \x03(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12 \n\x04role\x18\x03 \x01(\x0e\x32\x12.octoserve.v1.Role\x12\x17\n\x0ftensor_parallel\x18\x04 \x01(\r\"\xac\x01\n\x12ReconfigureRequest\x12/\n\x0brole_change\x18\x01 \x01(\x0b\x32\x18.octoserve.v1.RoleChangeH\x00\x12\x31\n\x0cmodel_change\x18\x02 \x01(\x0b\x32\x19.octoserve.v1.ModelChangeH\x00\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x18\n\x10\x64rain_timeout_ms\x18\x04 \x01(\rB\x08\n\x06\x63hange\"\x86\x01\n\x10ReconfigureReply\x12\x13\n\x0breconfig_id\x18\x01 \x01(\t\x12\x0f\n\x07started\x18\x02 \x03(\t\x12\x0f\n\x07\x64rain_s\x18\x03 \x01(\x01\x12\x10\n\x08switch_s\x18\x04 \x01(\x01\x12\x0f\n\x07total_s\x18\x05 \x01(\x01\x12\x18\n\x10\x64rained_requests\x18\x06 \x01(\r\"J\n\x15RegisterWorkerRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0b\n\x03pid\x18\x03 \x01(\r\"\x15\n\x13RegisterWorkerReply\"\x15\n\x13GetPlacementRequest\"|\n\tPlacement\x12\x32\n\tinstances\x18\x01 \x03(\x0b\x32\x1f.octoserve.v1.InstancePlacement\x12\x10\n\x08\x63omplete\x18\x02 \x01(\x08\x12\x18\n\x10node_config_json\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\x04\"\x11\n\x0fGetLoadsRequest\"0\n\x05Loads\x12\'\n\x05loads\x18\x01 \x03(\x0b\x32\x18.octoserve.v1.LoadReport\"P\n\x13\x41\x63quireLeaseRequest\x12\x0e\n\x06holder\x18\x01 \x01(\t\x12\x14\n\x0cinstance_ids\x18\x02 \x03(\t\x12\x13\n\x0b\x64uration_ms\x18\x03 \x01(\r\"E\n\x05Lease\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x14\n\x0cinstance_ids\x18\x02 \x03(\t\x12\x14\n\x0c\x65xpires_at_s\x18\x03 \x01(\x01\"\'\n\x13ReleaseLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"\x13\n\x11ReleaseLeaseReply\"\x8b\x02\n\nGangReport\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12-\n\x05\x65vent\x18\x02 \x01(\x0e\x32\x1e.octoserve.v1.GangReport.Event\x12\x10\n\x08has_work\x18\x03 \x01(\x08\x12\x12\n\nmin_step_s\x18\x04 \x01(\x01\x12\x14\n\x0chas_deadline\x18\x05 \x01(\x08\x12\x12\n\ndeadline_s\x18\x06 \x01(\x01\x12\x0e\n\x06step_s\x18\x07 \x01(\x01\x12\x12\n\ntime_scale\x18\x08 \x01(\x01\"E\n\x05\x45vent\x12\t\n\x05HELLO\x10\x00\x12\x0c\n\x08\x42OUNDARY\x10\x01\x12\x0b\n\x07STARTED\x10\x02\x12\x0b\n\x07NOTHING\x10\x03\x12\t\n\x05\x45NDED\x10\x04\"\x1a\n\tGangGrant\x12\r\n\x05\x63\x61p_s\x18\x01 \x01(\x01*S\n\rInstanceState\x12\x14\n\x10INSTANCE_SERVING\x10\x00\x12\x15\n\x11INSTANCE_DRAINING\x10\x01\x12\x15\n\x11INSTANCE_STARTING\x10\x02\x32\xbb\x05\n\tScheduler\x12X\n\x0eRegisterWorker\x12#.octoserve.v1.RegisterWorkerRequest\x1a!.octoserve.v1.RegisterWorkerReply\x12J\n\x0cGetPlacement\x12!.octoserve.v1.GetPlacementRequest\x1a\x17.octoserve.v1.Placement\x12>\n\x08GetLoads\x12\x1d.octoserve.v1.GetLoadsRequest\x1a\x13.octoserve.v1.Loads\x12\x46\n\x0c\x41\x63quireLease\x12!.octoserve.v1.AcquireLeaseRequest\x1a\x13.octoserve.v1.Lease\x12R\n\x0cReleaseLease\x12!.octoserve.v1.ReleaseLeaseRequest\x1a\x1f.octoserve.v1.ReleaseLeaseReply\x12\x42\n\tGangSteps\x12\x18.octoserve.v1.GangReport\x1a\x17.octoserve.v1.GangGrant(\x01\x30\x01\x12P\n\x0eWatchPlacement\x12#.octoserve.v1.WatchPlacementRequest\x1a\x17.octoserve.v1.Placement0\x01\x12O\n\x0bReconfigure\x12 .octoserve.v1.ReconfigureRequest\x1a\x1e.octoserve.v1.ReconfigureReply\x12\x45\n\x0cReportDemand\x12\x1a.octoserve.v1.DemandReport\x1a\x19.octoserve.v1.DemandReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1coctoserve/v1/scheduler.proto\x12\x0coctoserve.v1\x1a\x19octoserve/v1/worker.proto\"^\n\rModelArrivals\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x08\x61rrivals\x18\x02 \x01(\r\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x04\x12\x15\n\routput_tokens\x18\x04 \x01(\x04\"O\n\x0c\x44\x65mandReport\x12+\n\x06models\x18\x01 \x03(\x0b\x32\x1b.octoserve.v1.ModelArrivals\x12\x12\n\ninterval_s\x18\x02 \x01(\x01\"\r\n\x0b\x44\x65mandReply\"\xf6\x01\n\x11InstancePlacement\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12 \n\x04role\x18\x03 \x01(\x0e\x32\x12.octoserve.v1.Role\x12\x0f\n\x07gpu_ids\x18\x04 \x03(\r\x12\x17\n\x0ftensor_parallel\x18\x05 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x06 \x01(\t\x12\x16\n\x0e\x63ontext_window\x18\x07 \x01(\r\x12*\n\x05state\x18\x08 \x01(\x0e\x32\x1b.octoserve.v1.InstanceState\x12\x1c\n\x14instance_config_json\x18\t \x01(\t\"\x17\n\x15WatchPlacementRequest\"C\n\nRoleChange\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12 \n\x04role\x18\x02 \x01(\x0e\x32\x12.octoserve.v1.Role\"g\n\x0bModelChange\x12\x0e\n\x06retire\x18\x01 \x03(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12 \n\x04role\x18\x03 \x01(\x0e\x32\x12.octoserve.v1.Role\x12\x17\n\x0ftensor_parallel\x18\x04 \x01(\r\"\xc0\x01\n\x12ReconfigureRequest\x12/\n\x0brole_change\x18\x01 \x01(\x0b\x32\x18.octoserve.v1.RoleChangeH\x00\x12\x31\n\x0cmodel_change\x18\x02 \x01(\x0b\x32\x19.octoserve.v1.ModelChangeH\x00\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x18\n\x10\x64rain_timeout_ms\x18\x04 \x01(\r\x12\x12\n\ndrain_only\x18\x05 \x01(\x08\x42\x08\n\x06\x63hange\"\xa1\x01\n\x10ReconfigureReply\x12\x13\n\x0breconfig_id\x18\x01 \x01(\t\x12\x0f\n\x07started\x18\x02 \x03(\t\x12\x0f\n\x07\x64rain_s\x18\x03 \x01(\x01\x12\x10\n\x08switch_s\x18\x04 \x01(\x01\x12\x0f\n\x07total_s\x18\x05 \x01(\x01\x12\x18\n\x10\x64rained_requests\x18\x06 \x01(\r\x12\x19\n\x11migrated_requests\x18\x07 \x01(\r\"J\n\x15RegisterWorkerRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0b\n\x03pid\x18\x03 \x01(\r\"\x15\n\x13RegisterWorkerReply\"\x15\n\x13GetPlacementRequest\"|\n\tPlacement\x12\x32\n\tinstances\x18\x01 \x03(\x0b\x32\x1f.octoserve.v1.InstancePlacement\x12\x10\n\x08\x63omplete\x18\x02 \x01(\x08\x12\x18\n\x10node_config_json\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\x04\"\x11\n\x0fGetLoadsRequest\"0\n\x05Loads\x12\'\n\x05loads\x18\x01 \x03(\x0b\x32\x18.octoserve.v1.LoadReport\"P\n\x13\x41\x63quireLeaseRequest\x12\x0e\n\x06holder\x18\x01 \x01(\t\x12\x14\n\x0cinstance_ids\x18\x02 \x03(\t\x12\x13\n\x0b\x64uration_ms\x18\x03 \x01(\r\"E\n\x05Lease\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x14\n\x0cinstance_ids\x18\x02 \x03(\t\x12\x14\n\x0c\x65xpires_at_s\x18\x03 \x01(\x01\"\'\n\x13ReleaseLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"\x13\n\x11ReleaseLeaseReply\"\x8b\x02\n\nGangReport\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12-\n\x05\x65vent\x18\x02 \x01(\x0e\x32\x1e.octoserve.v1.GangReport.Event\x12\x10\n\x08has_work\x18\x03 \x01(\x08\x12\x12\n\nmin_step_s\x18\x04 \x01(\x01\x12\x14\n\x0chas_deadline\x18\x05 \x01(\x08\x12\x12\n\ndeadline_s\x18\x06 \x01(\x01\x12\x0e\n\x06step_s\x18\x07 \x01(\x01\x12\x12\n\ntime_scale\x18\x08 \x01(\x01\"E\n\x05\x45vent\x12\t\n\x05HELLO\x10\x00\x12\x0c\n\x08\x42OUNDARY\x10\x01\x12\x0b\n\x07STARTED\x10\x02\x12\x0b\n\x07NOTHING\x10\x03\x12\t\n\x05\x45NDED\x10\x04\"\x1a\n\tGangGrant\x12\r\n\x05\x63\x61p_s\x18\x01 \x01(\x01*S\n\rInstanceState\x12\x14\n\x10INSTANCE_SERVING\x10\x00\x12\x15\n\x11INSTANCE_DRAINING\x10\x01\x12\x15\n\x11INSTANCE_STARTING\x10\x02\x32\xbb\x05\n\tScheduler\x12X\n\x0eRegisterWorker\x12#.octoserve.v1.RegisterWorkerRequest\x1a!.octoserve.v1.RegisterWorkerReply\x12J\n\x0cGetPlacement\x12!.octoserve.v1.GetPlacementRequest\x1a\x17.octoserve.v1.Placement\x12>\n\x08GetLoads\x12\x1d.octoserve.v1.GetLoadsRequest\x1a\x13.octoserve.v1.Loads\x12\x46\n\x0c\x41\x63quireLease\x12!.octoserve.v1.AcquireLeaseRequest\x1a\x13.octoserve.v1.Lease\x12R\n\x0cReleaseLease\x12!.octoserve.v1.ReleaseLeaseRequest\x1a\x1f.octoserve.v1.ReleaseLeaseReply\x12\x42\n\tGangSteps\x12\x18.octoserve.v1.GangReport\x1a\x17.octoserve.v1.GangGrant(\x01\x30\x01\x12P\n\x0eWatchPlacement\x12#.octoserve.v1.WatchPlacementRequest\x1a\x17.octoserve.v1.Placement0\x01\x12O\n\x0bReconfigure\x12 .octoserve.v1.ReconfigureRequest\x1a\x1e.octoserve.v1.ReconfigureReply\x12\x45\n\x0cReportDemand\x12\x1a.octoserve.v1.DemandReport\x1a\x19.octoserve.v1.DemandReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'octoserve.v1.scheduler_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_INSTANCESTATE']._serialized_start=1855
-  _globals['_INSTANCESTATE']._serialized_end=1938
+  _globals['_INSTANCESTATE']._serialized_start=1902
+  _globals['_INSTANCESTATE']._serialized_end=1985
   _globals['_MODELARRIVALS']._serialized_start=73
   _globals['_MODELARRIVALS']._serialized_end=167
   _globals['_DEMANDREPORT']._serialized_start=169
@@ -49,35 +49,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MODELCHANGE']._serialized_start=608
   _globals['_MODELCHANGE']._serialized_end=711
   _globals['_RECONFIGUREREQUEST']._serialized_start=714
-  _globals['_RECONFIGUREREQUEST']._serialized_end=886
-  _globals['_RECONFIGUREREPLY']._serialized_start=889
-  _globals['_RECONFIGUREREPLY']._serialized_end=1023
-  _globals['_REGISTERWORKERREQUEST']._serialized_start=1025
-  _globals['_REGISTERWORKERREQUEST']._serialized_end=1099
-  _globals['_REGISTERWORKERREPLY']._serialized_start=1101
-  _globals['_REGISTERWORKERREPLY']._serialized_end=1122
-  _globals['_GETPLACEMENTREQUEST']._serialized_start=1124
-  _globals['_GETPLACEMENTREQUEST']._serialized_end=1145
-  _globals['_PLACEMENT']._serialized_start=1147
-  _globals['_PLACEMENT']._serialized_end=1271
-  _globals['_GETLOADSREQUEST']._serialized_start=1273
-  _globals['_GETLOADSREQUEST']._serialized_end=1290
-  _globals['_LOADS']._serialized_start=1292
-  _globals['_LOADS']._serialized_end=1340
-  _globals['_ACQUIRELEASEREQUEST']._serialized_start=1342
-  _globals['_ACQUIRELEASEREQUEST']._serialized_end=1422
-  _globals['_LEASE']._serialized_start=1424
-  _globals['_LEASE']._serialized_end=1493
-  _globals['_RELEASELEASEREQUEST']._serialized_start=1495
-  _globals['_RELEASELEASEREQUEST']._serialized_end=1534
-  _globals['_RELEASELEASEREPLY']._serialized_start=1536
-  _globals['_RELEASELEASEREPLY']._serialized_end=1555
-  _globals['_GANGREPORT']._serialized_start=1558
-  _globals['_GANGREPORT']._serialized_end=1825
-  _globals['_GANGREPORT_EVENT']._serialized_start=1756
-  _globals['_GANGREPORT_EVENT']._serialized_end=1825
-  _globals['_GANGGRANT']._serialized_start=1827
-  _globals['_GANGGRANT']._serialized_end=1853
-  _globals['_SCHEDULER']._serialized_start=1941
-  _globals['_SCHEDULER']._serialized_end=2640
+  _globals['_RECONFIGUREREQUEST']._serialized_end=906
+  _globals['_RECONFIGUREREPLY']._serialized_start=909
+  _globals['_RECONFIGUREREPLY']._serialized_end=1070
+  _globals['_REGISTERWORKERREQUEST']._serialized_start=1072
+  _globals['_REGISTERWORKERREQUEST']._serialized_end=1146
+  _globals['_REGISTERWORKERREPLY']._serialized_start=1148
+  _globals['_REGISTERWORKERREPLY']._serialized_end=1169
+  _globals['_GETPLACEMENTREQUEST']._serialized_start=1171
+  _globals['_GETPLACEMENTREQUEST']._serialized_end=1192
+  _globals['_PLACEMENT']._serialized_start=1194
+  _globals['_PLACEMENT']._serialized_end=1318
+  _globals['_GETLOADSREQUEST']._serialized_start=1320
+  _globals['_GETLOADSREQUEST']._serialized_end=1337
+  _globals['_LOADS']._serialized_start=1339
+  _globals['_LOADS']._serialized_end=1387
+  _globals['_ACQUIRELEASEREQUEST']._serialized_start=1389
+  _globals['_ACQUIRELEASEREQUEST']._serialized_end=1469
+  _globals['_LEASE']._serialized_start=1471
+  _globals['_LEASE']._serialized_end=1540
+  _globals['_RELEASELEASEREQUEST']._serialized_start=1542
+  _globals['_RELEASELEASEREQUEST']._serialized_end=1581
+  _globals['_RELEASELEASEREPLY']._serialized_start=1583
+  _globals['_RELEASELEASEREPLY']._serialized_end=1602
+  _globals['_GANGREPORT']._serialized_start=1605
+  _globals['_GANGREPORT']._serialized_end=1872
+  _globals['_GANGREPORT_EVENT']._serialized_start=1803
+  _globals['_GANGREPORT_EVENT']._serialized_end=1872
+  _globals['_GANGGRANT']._serialized_start=1874
+  _globals['_GANGGRANT']._serialized_end=1900
+  _globals['_SCHEDULER']._serialized_start=1988
+  _globals['_SCHEDULER']._serialized_end=2687
 # @@protoc_insertion_point(module_scope)

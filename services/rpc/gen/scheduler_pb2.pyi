@@ -88,32 +88,36 @@ class ModelChange(_message.Message):
     def __init__(self, retire: _Optional[_Iterable[str]] = ..., model: _Optional[str] = ..., role: _Optional[_Union[_worker_pb2.Role, str]] = ..., tensor_parallel: _Optional[int] = ...) -> None: ...
 
 class ReconfigureRequest(_message.Message):
-    __slots__ = ("role_change", "model_change", "reason", "drain_timeout_ms")
+    __slots__ = ("role_change", "model_change", "reason", "drain_timeout_ms", "drain_only")
     ROLE_CHANGE_FIELD_NUMBER: _ClassVar[int]
     MODEL_CHANGE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     DRAIN_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_ONLY_FIELD_NUMBER: _ClassVar[int]
     role_change: RoleChange
     model_change: ModelChange
     reason: str
     drain_timeout_ms: int
-    def __init__(self, role_change: _Optional[_Union[RoleChange, _Mapping]] = ..., model_change: _Optional[_Union[ModelChange, _Mapping]] = ..., reason: _Optional[str] = ..., drain_timeout_ms: _Optional[int] = ...) -> None: ...
+    drain_only: bool
+    def __init__(self, role_change: _Optional[_Union[RoleChange, _Mapping]] = ..., model_change: _Optional[_Union[ModelChange, _Mapping]] = ..., reason: _Optional[str] = ..., drain_timeout_ms: _Optional[int] = ..., drain_only: _Optional[bool] = ...) -> None: ...
 
 class ReconfigureReply(_message.Message):
-    __slots__ = ("reconfig_id", "started", "drain_s", "switch_s", "total_s", "drained_requests")
+    __slots__ = ("reconfig_id", "started", "drain_s", "switch_s", "total_s", "drained_requests", "migrated_requests")
     RECONFIG_ID_FIELD_NUMBER: _ClassVar[int]
     STARTED_FIELD_NUMBER: _ClassVar[int]
     DRAIN_S_FIELD_NUMBER: _ClassVar[int]
     SWITCH_S_FIELD_NUMBER: _ClassVar[int]
     TOTAL_S_FIELD_NUMBER: _ClassVar[int]
     DRAINED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    MIGRATED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     reconfig_id: str
     started: _containers.RepeatedScalarFieldContainer[str]
     drain_s: float
     switch_s: float
     total_s: float
     drained_requests: int
-    def __init__(self, reconfig_id: _Optional[str] = ..., started: _Optional[_Iterable[str]] = ..., drain_s: _Optional[float] = ..., switch_s: _Optional[float] = ..., total_s: _Optional[float] = ..., drained_requests: _Optional[int] = ...) -> None: ...
+    migrated_requests: int
+    def __init__(self, reconfig_id: _Optional[str] = ..., started: _Optional[_Iterable[str]] = ..., drain_s: _Optional[float] = ..., switch_s: _Optional[float] = ..., total_s: _Optional[float] = ..., drained_requests: _Optional[int] = ..., migrated_requests: _Optional[int] = ...) -> None: ...
 
 class RegisterWorkerRequest(_message.Message):
     __slots__ = ("instance_id", "address", "pid")

@@ -21,20 +21,49 @@ PREFILL: Role
 DECODE: Role
 
 class SetRoleRequest(_message.Message):
-    __slots__ = ("role", "drain_timeout_ms")
+    __slots__ = ("role", "drain_timeout_ms", "migration_targets", "max_migration_pause_s")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     DRAIN_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    MIGRATION_TARGETS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MIGRATION_PAUSE_S_FIELD_NUMBER: _ClassVar[int]
     role: Role
     drain_timeout_ms: int
-    def __init__(self, role: _Optional[_Union[Role, str]] = ..., drain_timeout_ms: _Optional[int] = ...) -> None: ...
+    migration_targets: _containers.RepeatedCompositeFieldContainer[MigrationTarget]
+    max_migration_pause_s: float
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., drain_timeout_ms: _Optional[int] = ..., migration_targets: _Optional[_Iterable[_Union[MigrationTarget, _Mapping]]] = ..., max_migration_pause_s: _Optional[float] = ...) -> None: ...
+
+class MigrationTarget(_message.Message):
+    __slots__ = ("instance_id", "address", "free_blocks", "block_size", "free_slots")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    FREE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    address: str
+    free_blocks: int
+    block_size: int
+    free_slots: int
+    def __init__(self, instance_id: _Optional[str] = ..., address: _Optional[str] = ..., free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., free_slots: _Optional[int] = ...) -> None: ...
 
 class SetRoleReply(_message.Message):
-    __slots__ = ("drained_requests", "drain_s")
+    __slots__ = ("drained_requests", "drain_s", "migrated_requests", "kept_by_reason")
+    class KeptByReasonEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     DRAINED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     DRAIN_S_FIELD_NUMBER: _ClassVar[int]
+    MIGRATED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    KEPT_BY_REASON_FIELD_NUMBER: _ClassVar[int]
     drained_requests: int
     drain_s: float
-    def __init__(self, drained_requests: _Optional[int] = ..., drain_s: _Optional[float] = ...) -> None: ...
+    migrated_requests: int
+    kept_by_reason: _containers.ScalarMap[str, int]
+    def __init__(self, drained_requests: _Optional[int] = ..., drain_s: _Optional[float] = ..., migrated_requests: _Optional[int] = ..., kept_by_reason: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("max_tokens", "temperature", "top_p", "seed", "stop", "ignore_eos")
@@ -79,7 +108,7 @@ class AttachRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ...) -> None: ...
 
 class TokenDelta(_message.Message):
-    __slots__ = ("request_id", "token_ids", "finish_reason", "num_prompt_tokens", "num_cached_prompt_tokens", "num_output_tokens", "error_code", "error_message")
+    __slots__ = ("request_id", "token_ids", "finish_reason", "num_prompt_tokens", "num_cached_prompt_tokens", "num_output_tokens", "error_code", "error_message", "migration", "migration_target")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +117,8 @@ class TokenDelta(_message.Message):
     NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
     ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    MIGRATION_FIELD_NUMBER: _ClassVar[int]
+    MIGRATION_TARGET_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: _generate_pb2.FinishReason
@@ -96,7 +127,9 @@ class TokenDelta(_message.Message):
     num_output_tokens: int
     error_code: int
     error_message: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_generate_pb2.FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_prompt_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ...) -> None: ...
+    migration: _kv_pb2.KVHandoff
+    migration_target: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_generate_pb2.FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_prompt_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ..., migration: _Optional[_Union[_kv_pb2.KVHandoff, _Mapping]] = ..., migration_target: _Optional[str] = ...) -> None: ...
 
 class StepBatch(_message.Message):
     __slots__ = ("seq", "deltas")
@@ -131,12 +164,14 @@ class PrefillReply(_message.Message):
     def __init__(self, handoff: _Optional[_Union[_kv_pb2.KVHandoff, _Mapping]] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("spec", "ttl_ms")
+    __slots__ = ("spec", "ttl_ms", "output_token_ids")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     spec: RequestSpec
     ttl_ms: int
-    def __init__(self, spec: _Optional[_Union[RequestSpec, _Mapping]] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
+    output_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, spec: _Optional[_Union[RequestSpec, _Mapping]] = ..., ttl_ms: _Optional[int] = ..., output_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReserveReply(_message.Message):
     __slots__ = ("reserved",)
