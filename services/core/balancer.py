@@ -25,14 +25,17 @@ Capacity estimate (per instance, from the cost model at the forecast mean length
 prefill_tokens_per_s(its chunk) / uncached prompt req/s; a decode instance B / (step(B) x output) req/s at the
 largest B whose step fits `decode_step_fraction` x ITL SLO and whose KV fits; a colocated instance time-shares both:
 1 / (1 / prefill rate + 1 / decode rate). A disaggregated model serves min(prefill pool, decode pool) plus its
-colocated instances. It ignores queueing: the guards' margins absorb that.
+colocated instances. It ignores queueing: the guards' margins absorb that. With `measured_corrections` (off by
+default), each model shape's capacity is scaled by what it was measured to serve while saturated (`Corrections`,
+each observation a `measured:observed` decision).
 
 Guards, in the order they are checked (each refusal counted by reason in `counters`, each decision logged in `log`):
 - `hold:no_gain`: the best candidate is the current placement.
 - `hold:hysteresis`: the forecast gain is below `min_gain_fraction` of the current goodput (or `min_gain_rps`),
   or the same target has not been best for `confirm_periods` consecutive periods (one period after a step).
 - `hold:cost`: the requests lost to the move (the retired instances' share of goodput x (drain + load + switch))
-  exceed the gain x what is left of `forecast_window_s` once its slowest change is done.
+  exceed the gain x what is left of the horizon once its slowest change is done. The horizon is `cost_horizon_s`,
+  or (unset) the observed demand dwell (`DwellTracker`: how long the mix has held, at most `forecast_window_s`).
 - `hold:in_flight`: already `max_in_flight` reconfigurations not DONE.
 - `hold:dwell`: a GPU of the change was reconfigured less than `min_dwell_s` ago.
 - `hold:last_instance`: the change would leave a model unable to take requests (no colocated instance, and not
