@@ -207,3 +207,39 @@ def test_both_infeasible_refusals_become_failed_precondition_without_a_retry_hin
                   ItlInfeasible(LM, Priority.STANDARD, 500, 41.2, 30.0)):
         st = status_for(error)
         assert (st.code, st.message, st.trailing_metadata) == (grpc.StatusCode.FAILED_PRECONDITION, error.message, ())
+
+
+def test_reused_instance_figures_follow_every_ledger_change_on_the_same_snapshot():
+    # The router reuses an instance's prompt-independent figures while the same snapshot object is held and the
+    # ledger's version of the instance is unchanged. Every hook must invalidate them: after each one, the candidates
+    # equal those of a router that recomputes everything.
+    config = colocated_config(queue="priority")
+    cached = policy(config)
+    loads = with_loads(**{"sm-0": load("sm-0", queued=400, running=3, waiting=2),
+                          "sm-1": load("sm-1", queued=900, free=300)})
+    sm_loads = {k: v for k, v in loads.items() if k.startswith("sm")}
+
+    def check(spec):
+        fresh = policy(config)
+        fresh.ledger = cached.ledger
+        assert cached.candidates(spec, sm_loads) == fresh.candidates(spec, sm_loads)
+
+    specs = [request(f"r{i}", prompt=200 + 300 * i, tier=tier)
+             for i, tier in enumerate((Priority.INTERACTIVE, Priority.STANDARD, Priority.BATCH) * 2)]
+    for spec in specs:
+        check(spec)
+        route = cached.route(spec, loads, 0.0)
+        assert isinstance(route, Route), route
+        cached.on_dispatched(spec.request_id, route, spec)
+        check(spec)
+    before = [c.num_queued for c in cached.candidates(specs[0], sm_loads)]
+    for spec in specs[:3]:
+        cached.on_first_token(spec.request_id, 0.1)
+        check(spec)
+    for spec in specs[1:4]:
+        cached.on_finished(spec.request_id)
+        check(spec)
+    after = [c.num_queued for c in cached.candidates(specs[0], sm_loads)]
+    assert after != before  # the hooks above did change the figures (the check can fail)
+    cached.route(specs[0], {**loads, "sm-0": load("sm-0", queued=50)}, 0.0)  # a new snapshot clears pending
+    check(specs[0])

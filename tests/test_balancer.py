@@ -361,3 +361,86 @@ def test_load_objective_weighs_each_model_by_its_alone_capacity():
     assert objective_weights(H100_NODE, "requests") == {S: 1.0, L: 1.0}
     with pytest.raises(ValueError, match="objective must be one of"):
         BalancerPolicy(objective="tokens")
+
+
+# --- measured corrections and the cost check's horizon ---------------------------------------------------------------
+
+SM_P2D2 = [inst("sm-p0", S, Role.PREFILL, (4,)), inst("sm-p1", S, Role.PREFILL, (5,)),
+           inst("sm-d0", S, Role.DECODE, (6,)), inst("sm-d1", S, Role.DECODE, (7,))]
+
+
+def test_a_placement_observed_to_serve_less_than_its_estimate_is_ranked_by_what_it_served():
+    colocated, split = [LM, *SM_C], [LM, *SM_P2D2]
+    measured = dataclasses.replace(FAST, measured_corrections=True)
+    fresh = ElasticBalancer(NODE, measured, layouts=[colocated, split])
+    cap_c = fresh.capacity.model_capacity_rps(SM_C, ModelDemand(S, 0).as_model_load(1.0))
+    cap_pd = fresh.capacity.model_capacity_rps(SM_P2D2, ModelDemand(S, 0).as_model_load(1.0))
+    assert cap_c > cap_pd > 50.0  # the estimate ranks the colocated 8B first (64.0 against 59.2 req/s)
+    # Unobserved, the colocated placement is best: nothing to do.
+    assert fresh.plan(0.0, load(colocated, [ModelDemand(L, 1.0), ModelDemand(S, 100.0)]), []) == []
+    assert fresh.log[-1].reason == "hold:no_gain"
+
+    b = ElasticBalancer(NODE, measured, layouts=[colocated, split])
+    # The split served its estimate (100 arriving, 100 - cap_pd refused); the colocated one only 40 req/s of it.
+    served_split = [ModelDemand(L, 1.0), ModelDemand(S, 100.0, refused_rps=100.0 - cap_pd)]
+    served_colocated = [ModelDemand(L, 1.0), ModelDemand(S, 100.0, refused_rps=60.0)]
+    assert b.corrections.observe(0.0, b.capacity, load(split, served_split), set()) == []  # shape first seen
+    assert b.corrections.observe(5.0, b.capacity, load(split, served_split), set()) == []  # held < one window
+    (line,) = [x for x in b.corrections.observe(10.0, b.capacity, load(split, served_split), set()) if S in x]
+    assert line == f"{S} TP1Dx2 TP1Px2 served 1.00 of its estimated capacity, saturated (factor 1.00)"
+    b.corrections.observe(20.0, b.capacity, load(colocated, served_colocated), set())
+    # A model with a reconfiguration in flight is not observed (its window mixes two shapes).
+    b.corrections.observe(30.0, b.capacity, load(colocated, served_colocated), {S})
+    assert b.corrections.factor(S, (((1, "colocated"), 4),)) == pytest.approx(1.0)  # unobserved: the model's mean
+    b.corrections.observe(40.0, b.capacity, load(colocated, served_colocated), set())
+    b.corrections.observe(50.0, b.capacity, load(colocated, served_colocated), set())
+    raw = 40.0 / cap_c
+    assert b.corrections.factors[(S, (((1, "colocated"), 4),))] == pytest.approx(raw)
+    # Relative to the mean of the 8B's observed shapes on four GPUs: the colocated one below 1, the split above.
+    assert b.corrections.factor(S, (((1, "colocated"), 4),)) == pytest.approx(raw / ((raw + 1.0) / 2))
+    assert b.corrections.factor(S, (((1, "decode"), 2), ((1, "prefill"), 2))) == pytest.approx(1.0 / ((raw + 1.0) / 2))
+    assert b.corrections.factor(S, (((1, "colocated"), 2),)) == 1.0  # never observed
+    planned = b.plan(60.0, load(colocated, served_colocated), [])
+    assert [r.kind for r in planned] == [ReconfigKind.ROLE, ReconfigKind.ROLE]  # toward the split, two at a time
+    assert {r.start[0].role for r in planned} == {Role.PREFILL}
+    # The 70B (1 req/s against 6.4 of capacity) says nothing about its capacity: not observed.
+    assert f"measured corrections {S} TP1Cx4 x0.63, {S} TP1Dx2 TP1Px2 x1.00; " in planned[0].reason
+    assert b.counters["measured:observed"] == 1  # the plan observed the colocated 8B once more (direct calls count none)
+
+
+def test_dwell_tracker_horizon_follows_how_long_the_mix_holds():
+    from octoserve.services.core.balancer import DwellTracker
+
+    d = DwellTracker({L: 10.0, S: 1.0}, tolerance=0.15, cap_s=60.0)
+    for t in range(0, 40, 2):
+        d.update(float(t), {L: 1.0, S: 50.0})
+    assert d.mean_s is None and d.horizon_s(40.0) == 60.0  # no change seen: the forecast window
+    # The mix flips every 6 s (the 70B's load-weighted rate 10 <-> 30 against the 8B's 50).
+    for t in range(40, 100, 2):
+        d.update(float(t), {L: 1.0 if (t - 40) // 6 % 2 else 3.0, S: 50.0})
+    assert d.mean_s == pytest.approx(6.0, abs=0.5)
+    assert d.horizon_s(98.0) == pytest.approx(d.mean_s)
+    assert d.horizon_s(500.0) == 60.0  # a mix that has held long: capped at the forecast window
+    with pytest.raises(ValueError, match="cost_horizon_s"):
+        BalancerPolicy(cost_horizon_s=-1.0)
+
+
+def test_cost_check_uses_the_configured_or_observed_horizon():
+    grown = [LM, inst("lm-1", L, Role.COLOCATED, (4, 5)), SM_C[2], SM_C[3]]
+    demand = [ModelDemand(L, 9.0), ModelDemand(S, 60.0)]
+    drain = {"lm-1": {"est_drain_s": 5.0}}
+    b = ElasticBalancer(NODE, FAST, layouts=[grown, [LM, *SM_C]])
+    for t in range(0, 60, 2):  # a mix that has held 60 s: the horizon is the whole forecast window
+        b.dwell.update(float(t), {L: 9.0, S: 60.0})
+    (r,) = b.plan(60.0, load(grown, demand, **drain), [])  # pays for itself over 60 s
+    assert "over 60 s (forecast window: no mix change seen yet)" in r.reason
+    short = ElasticBalancer(NODE, dataclasses.replace(FAST, cost_horizon_s=6.0), layouts=[grown, [LM, *SM_C]])
+    assert short.plan(0.0, load(grown, demand, **drain), []) == []
+    assert short.log[-1].reason == "hold:cost" and "over 6 s (cost_horizon_s)" in short.log[-1].detail
+    # Observed: a mix that changed every 4 s gives a horizon of about 4 s, and the same move holds.
+    seen = ElasticBalancer(NODE, FAST, layouts=[grown, [LM, *SM_C]])
+    for t in range(0, 24, 2):
+        seen.dwell.update(float(t), {L: 9.0, S: 60.0 if (t // 4) % 2 else 0.0})
+    assert seen.horizon_s(24.0) == pytest.approx(4.0)
+    assert seen.plan(24.0, load(grown, demand, **drain), []) == []
+    assert seen.log[-1].reason == "hold:cost" and "demand dwell, mean 4 s" in seen.log[-1].detail

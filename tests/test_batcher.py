@@ -356,3 +356,27 @@ def test_long_decode_contexts_take_their_kv_read_time_out_of_the_prefill_chunk()
     b2.add_request(spec("p", prompt_len=500, max_tokens=4, first=5000), 0.0)
     plan, _ = step(b2)
     assert [(c.request_id, c.num_new_tokens) for c in plan.chunks] == [("a", 1), ("p", 16)]
+
+
+def test_output_length_predictor_matches_sorting_its_window_at_every_completion():
+    # The predictor keeps its window sorted as lengths come and go, and its mean cached between completions:
+    # the same prediction and mean as sorting and summing the window each time.
+    import random as _random
+
+    from octoserve.services.core.reservation import OutputLengthPredictor
+
+    rng = _random.Random(3)
+    for window, quantile, min_samples in ((1, 0.5, 1), (7, 0.9, 3), (64, 0.97, 16)):
+        p = OutputLengthPredictor(quantile, window, prior_tokens=100, min_samples=min_samples)
+        seen: list[int] = []
+        for _ in range(400):
+            n = rng.choice([1, 5, 5, 17, rng.randint(1, 3000)])
+            p.observe(n)
+            seen.append(n)
+            recent = sorted(seen[-window:])
+            if len(recent) < min_samples:
+                assert p.predict() == 100 and p.mean() == 100.0
+                continue
+            assert p.predict() == recent[min(len(recent) - 1, int(quantile * len(recent)))]
+            mean = sum(seen[-window:]) / len(recent)
+            assert p.mean() == mean and p.mean() == mean  # twice: the cached one too

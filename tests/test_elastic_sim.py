@@ -79,8 +79,10 @@ def _day(hours=24.0, hour_s=6.0, load=0.9, seed=0):
 
 def test_elastic_day_reconfigures_under_load_and_loses_no_request():
     day, requests = _day()
+    # The horizon is fixed at 60 s here (not the 6-s hours' dwell) so that the balancer moves several times: this
+    # test is about the mechanics of moving under load.
     res = run_day(NODE, day, requests, (LM, *SMS), "elastic", layouts=LAYOUTS,
-                  policy=BalancerPolicy(min_dwell_s=10.0))
+                  policy=BalancerPolicy(min_dwell_s=10.0, cost_horizon_s=60.0))
     assert res.lost == 0
     assert len(res.reconfigs) >= 3
     assert all(ev.phase is Phase.DONE for ev in res.reconfigs)
@@ -239,3 +241,32 @@ def test_elastic_day_on_h200_adapts_to_the_step_and_beats_static():
     for _, layout in elastic.layouts:  # every placement it passed through serves both models
         roles = {m: {i.role for i in layout if i.model == m} for m in (LARGE, SMALL)}
         assert all(Role.COLOCATED in r or {Role.PREFILL, Role.DECODE} <= r for r in roles.values())
+
+
+def test_the_oracle_takes_the_hour_that_serves_the_most_when_simulated():
+    """The oracle's hour is picked by simulating its candidates over that hour. On 8 H200s under the pessimistic
+    profile, hour 10 of a 6-s-hour day: the capacity estimate prefers a colocated 8B, the simulation a disaggregated
+    one, and the oracle takes what serves more."""
+    from octoserve.services.metrics import Window, summarize
+    from octoserve.services.sim.elastic_day import day_node
+    from octoserve.services.sim.elastic_sim import best_layout, demand_of, label_of
+
+    node = day_node("pessimistic", "h200-141gb")
+    layouts = candidate_layouts(node)
+    alone = (model_alone_rps(node, SMALL, 1000, 250), model_alone_rps(node, LARGE, 1000, 250))
+    day = mix_shift_day(hours=24, hour_s=6.0, load_rps=(0.9 * alone[0], 0.9 * alone[1]))
+    requests = generate_day(day, 0)
+    sim = ElasticSim(node, day, requests, [], mode="oracle", layouts=layouts)
+    hour, h = 10, day.hour_s
+    demand = demand_of(sim._window(hour * h, (hour + 1) * h), sim.models, hour * h, (hour + 1) * h)
+    estimate_pick = best_layout(sim.capacity, layouts, demand, sim.weights)
+    pick = sim._oracle_measured(hour, demand, estimate_pick)
+    assert label_of(estimate_pick) == "llama-3-70b TP4Dx1 TP2Px1 | llama-3-8b TP1Cx2"
+    assert label_of(pick) == "llama-3-70b TP4Dx1 TP2Px1 | llama-3-8b TP1Px1 TP1Dx1"
+
+    def hour_goodput(layout):
+        reqs = sim._window(hour * h - sim.window_s, (hour + 1) * h)
+        res = run_day(node, day, reqs, layout, "static", layouts=layouts, oracle_trials=0)
+        return summarize(res.records, day.slo, Window(hour * h, (hour + 1) * h)).overall.goodput_rps
+
+    assert hour_goodput(pick) > hour_goodput(estimate_pick)

@@ -235,3 +235,38 @@ def test_live_placement_survives_a_restart_through_its_state_file(tmp_path):
         assert elastic.LivePlacement(cfg, str(tmp_path / "none.json")).instances == {i.id: i for i in cfg.instances}
 
     asyncio.run(run())
+
+
+def test_a_step_in_the_live_demand_takes_the_balancers_step_path():
+    from octoserve.services.core.balancer import BalancerPolicy
+    from octoserve.services.scheduler.live_balancer import DemandWindow, LiveElasticBalancer, LiveView
+    from tests.test_balancer import LM, NODE, SM_C, inst
+
+    w = DemandWindow(window_s=10.0)
+    for t in range(1, 7):  # the 70B at 4 req/s for 6 s, then 12 req/s: the routers' one-second reports
+        w.add(float(t), "llama-3-70b", 4, 4000, 1000)
+        w.add(float(t), "llama-3-8b", 10, 10000, 2500)
+    for t in (7.0, 8.0, 9.0, 10.0):
+        w.add(t, "llama-3-70b", 12, 12000, 3000)
+        w.add(t, "llama-3-8b", 10, 10000, 2500)
+    large, small = w.demand(10.0, ["llama-3-70b", "llama-3-8b"])
+    assert large.recent_rps == pytest.approx(12.0) and large.step_z > 4.0  # a step, well past the 4-sigma line
+    assert small.recent_rps == pytest.approx(10.0) and abs(small.step_z) < 1.0
+    current = (LM, *SM_C)
+    grown = (LM, inst("lm-1", "llama-3-70b", Role.COLOCATED, (4, 5)), SM_C[2], SM_C[3])
+    balancer = LiveElasticBalancer(NODE, BalancerPolicy(confirm_periods=3))
+    balancer.inner.layouts = [current, grown]
+    view = LiveView(current, {i.id: True for i in current}, {}, (large, small), w.window_s)
+    (r,) = balancer.plan(10.0, view, [])  # no three periods of confirmation: the step path
+    assert r.retire == ("sm-0", "sm-1")
+    assert "step seen in llama-3-70b: recent rates; llama-3-70b 12.0 req/s" in r.reason
+    # The same arrivals spread evenly over the window (5.6 req/s, no step): the balancer waits for confirmation.
+    flat = DemandWindow(window_s=10.0)
+    for t in range(1, 11):
+        flat.add(float(t), "llama-3-70b", 6 if t % 5 else 4, 5000, 1250)
+        flat.add(float(t), "llama-3-8b", 10, 10000, 2500)
+    calm = LiveElasticBalancer(NODE, BalancerPolicy(confirm_periods=3))
+    calm.inner.layouts = [current, grown]
+    demand = flat.demand(10.0, ["llama-3-70b", "llama-3-8b"])
+    assert abs(demand[0].step_z) < 4.0
+    assert calm.plan(10.0, LiveView(current, {i.id: True for i in current}, {}, demand, 10.0), []) == []

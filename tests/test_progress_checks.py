@@ -28,11 +28,16 @@ def test_engine_stall_fault_names_an_instance_and_a_step():
 
 
 def test_process_state_reads_stopped_running_and_gone():
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    # The child says when it is up: while it still starts it may be in disk sleep ("D"), reading its imports.
+    child = subprocess.Popen([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"],
+                             stdout=subprocess.PIPE, text=True)
     try:
+        assert child.stdout.readline() == "up\n"
+        deadline = time.monotonic() + 10
+        while process_state(child.pid) not in ("S", "R") and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert process_state(child.pid) in ("S", "R")
         os.kill(child.pid, signal.SIGSTOP)
-        deadline = time.monotonic() + 10
         while process_state(child.pid) != "T" and time.monotonic() < deadline:
             time.sleep(0.01)
         assert process_state(child.pid) == "T"

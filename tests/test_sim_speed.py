@@ -154,7 +154,8 @@ def test_prompt_overlap_blocks_equals_overlap_of_every_prompt_hash():
 
     rng = random.Random(5)
     index = PrefixIndex()
-    prompts = [[rng.randint(0, 3) for _ in range(rng.randint(0, 40))] for _ in range(60)]
+    # up to 20 blocks of 4: past the 4 + 8 blocks that prompt_overlap_blocks packs first
+    prompts = [[rng.randint(0, 3) for _ in range(rng.randint(0, 80))] for _ in range(60)]
     for round_no in range(40):
         # Instances cache random prefixes of random prompts, and drop random blocks (holes in a chain).
         for _ in range(5):

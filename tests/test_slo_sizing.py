@@ -47,3 +47,19 @@ def test_a_looser_slo_allows_bigger_batches():
     tight = size_for_slo(cost, Role.COLOCATED, itl_slo_ms=30, max_num_seqs=1024, max_num_batched_tokens=8192)
     loose = size_for_slo(cost, Role.COLOCATED, itl_slo_ms=60, max_num_seqs=1024, max_num_batched_tokens=8192)
     assert loose.max_num_seqs > tight.max_num_seqs and loose.max_num_batched_tokens > tight.max_num_batched_tokens
+
+
+@pytest.mark.parametrize("profile", ["default", "pessimistic"])
+@pytest.mark.parametrize("model,tp", [("llama-3-8b", 1), ("llama-3-70b", 4)])
+def test_sizing_probes_are_the_step_times_of_the_batches_they_stand_for(profile, model, tp):
+    # size_for_slo prices its probes from integer totals instead of lists of chunks: the same floats exactly.
+    from octoserve.services.core.cost_model import COST_PROFILES
+
+    cost = CostModel(MODEL_PRESETS[model], H100, tp, COST_PROFILES[profile])
+    for d in (0, 1, 7, 64, 300):
+        for ctx in (0, 1, CTX, 2 * CTX):
+            assert cost.decode_step_time_s(d, ctx) == cost.step_time_s([(1, ctx)] * d)
+            for n in (1, 3, 40):
+                chunk = n * CHUNK_QUANTUM
+                probe = cost.chunks_time_s((chunk,), (0,), 1, num_steady=d, steady_tokens=d * (ctx + 1))
+                assert probe == cost.step_time_s([(chunk, 0)] + [(1, ctx)] * d)

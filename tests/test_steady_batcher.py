@@ -135,3 +135,17 @@ def test_steady_batcher_steps_exactly_as_the_plain_batcher(preemption_mode, num_
     assert num_steady_tokens > 1000 and num_aborted > 0
     if num_blocks < 100:
         assert num_preempted > 0
+
+
+def test_sim_tokens_are_the_formula_tokens():
+    # The steady batcher writes tokens out as slices of a precomputed cycle: the same integers as the formula,
+    # for runs shorter and longer than the cycle, from any offset.
+    from octoserve.services.core.sim_executor import SIM_TOKEN_LO, SIM_TOKEN_SPAN, SIM_TOKEN_STEP, sim_tokens
+
+    rng = random.Random(7)
+    for _ in range(3000):
+        start, offset = rng.randrange(0, 300_000), rng.randrange(0, SIM_TOKEN_SPAN)
+        span = SIM_TOKEN_SPAN
+        length = rng.choice([0, 1, 16, 17, 1000, span, span + 5, rng.randrange(0, 2 * span)])
+        expected = [SIM_TOKEN_LO + (n * SIM_TOKEN_STEP + offset) % SIM_TOKEN_SPAN for n in range(start, start + length)]
+        assert sim_tokens(start, start + length, offset) == expected

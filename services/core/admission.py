@@ -73,31 +73,53 @@ class InFlightLedger:
     outstanding: dict[str, Dispatched] = field(default_factory=dict)  # request -> record, until first token
     dispatched: dict[str, Dispatched] = field(default_factory=dict)  # request -> record, until finished
     by_tier: dict[str, dict[Priority, int]] = field(default_factory=dict)  # instance -> tier -> dispatched count
+    # instance -> a counter bumped by every hook that changes what the ledger says about that instance (its held
+    # snapshot, its pending and outstanding records, its tier counts): figures derived from an unchanged snapshot
+    # and an unchanged version are unchanged (the router reuses them, routing.RouterPolicy._instance_figures).
+    versions: dict[str, int] = field(default_factory=dict)
+
+    def version(self, instance_id: str) -> int:
+        return self.versions.get(instance_id, 0)
+
+    def _bump(self, instance_id: str | None) -> None:
+        if instance_id is not None:
+            self.versions[instance_id] = self.versions.get(instance_id, 0) + 1
 
     def observe_load(self, load: EngineLoad) -> None:
         """A snapshot unlike the one held is newer: it already counts what was pending on that instance."""
-        if self.snapshots.get(load.instance_id) != load:
+        held = self.snapshots.get(load.instance_id)
+        if held is not load and held != load:  # the same object is equal (the simulator reuses unchanged ones)
             self.snapshots[load.instance_id] = load
             self.pending.pop(load.instance_id, None)
+            self._bump(load.instance_id)
 
     def on_dispatched(self, record: Dispatched) -> None:
         self.dispatched[record.request_id] = record
         self.outstanding[record.request_id] = record
         for iid in (record.instance_id, record.decode_instance_id):
             if iid is not None:
+                self._bump(iid)
                 self.pending.setdefault(iid, {})[record.request_id] = record
                 counts = self.by_tier.setdefault(iid, dict.fromkeys(_TIERS, 0))
                 counts[record.tier] += 1
 
     def on_first_token(self, request_id: str) -> Dispatched | None:
         """The request's record the first time its first token is seen, else None."""
-        return self.outstanding.pop(request_id, None)
+        record = self.outstanding.pop(request_id, None)
+        if record is not None:
+            self._bump(record.instance_id)
+            self._bump(record.decode_instance_id)
+        return record
 
     def on_finished(self, request_id: str) -> None:
         record = self.dispatched.pop(request_id, None)
-        self.outstanding.pop(request_id, None)
+        outstanding = self.outstanding.pop(request_id, None)
+        if outstanding is not None:  # finished before its first token (normally the same record as `dispatched`'s)
+            self._bump(outstanding.instance_id)
+            self._bump(outstanding.decode_instance_id)
         if record is not None:
             for iid in (record.instance_id, record.decode_instance_id):
+                self._bump(iid)
                 self.pending.get(iid or "", {}).pop(request_id, None)
                 if iid is not None:
                     self.by_tier[iid][record.tier] -= 1

@@ -25,14 +25,17 @@ Capacity estimate (per instance, from the cost model at the forecast mean length
 prefill_tokens_per_s(its chunk) / uncached prompt req/s; a decode instance B / (step(B) x output) req/s at the
 largest B whose step fits `decode_step_fraction` x ITL SLO and whose KV fits; a colocated instance time-shares both:
 1 / (1 / prefill rate + 1 / decode rate). A disaggregated model serves min(prefill pool, decode pool) plus its
-colocated instances. It ignores queueing: the guards' margins absorb that.
+colocated instances. It ignores queueing: the guards' margins absorb that. With `measured_corrections` (off by
+default), each model shape's capacity is scaled by what it was measured to serve while saturated (`Corrections`,
+each observation a `measured:observed` decision).
 
 Guards, in the order they are checked (each refusal counted by reason in `counters`, each decision logged in `log`):
 - `hold:no_gain`: the best candidate is the current placement.
 - `hold:hysteresis`: the forecast gain is below `min_gain_fraction` of the current goodput (or `min_gain_rps`),
   or the same target has not been best for `confirm_periods` consecutive periods (one period after a step).
 - `hold:cost`: the requests lost to the move (the retired instances' share of goodput x (drain + load + switch))
-  exceed the gain x what is left of `forecast_window_s` once its slowest change is done.
+  exceed the gain x what is left of the horizon once its slowest change is done. The horizon is `cost_horizon_s`,
+  or (unset) the observed demand dwell (`DwellTracker`: how long the mix has held, at most `forecast_window_s`).
 - `hold:in_flight`: already `max_in_flight` reconfigurations not DONE.
 - `hold:dwell`: a GPU of the change was reconfigured less than `min_dwell_s` ago.
 - `hold:last_instance`: the change would leave a model unable to take requests (no colocated instance, and not
@@ -197,6 +200,15 @@ class BalancerPolicy:
     objective: str = "requests"  # what a placement is scored by: see `OBJECTIVES`
     step_z: float = 4.0  # a model's recent rate this many standard errors off the window's earlier part is a step
     step_hold_s: float = 20.0  # after a step, forecasts use the recent rate and need no confirmation for this long
+    # The horizon of the cost check: a fixed one in seconds, or None to derive it from the observed demand dwell
+    # (`DwellTracker`: how long the node's mix has held, at most `forecast_window_s`).
+    cost_horizon_s: float | None = None
+    dwell_tolerance: float = 0.3  # the mix has moved when the load-weighted rates change by this share of the load
+    # Correct the capacity estimate by what each placement shape served (`Corrections`). Off by default: in the
+    # mix-shift day runs it made the balancer worse (the factors compare shapes seen under different loads).
+    measured_corrections: bool = False
+    correction_weight: float = 0.3  # the weight of each new observation in a measured correction factor (EMA)
+    correction_min_load: float = 0.5  # a model's shape is observed only at demand >= this share of its estimate
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
@@ -207,6 +219,10 @@ class BalancerPolicy:
             raise ValueError(f"weight_source must be one of {WEIGHT_SOURCES}, got {self.weight_source!r}")
         if self.max_in_flight < 1 or self.confirm_periods < 1:
             raise ValueError("max_in_flight and confirm_periods must be >= 1")
+        if self.cost_horizon_s is not None and self.cost_horizon_s < 0:
+            raise ValueError(f"cost_horizon_s must be >= 0 or None, got {self.cost_horizon_s}")
+        if not 0 < self.correction_weight <= 1 or not 0 < self.dwell_tolerance:
+            raise ValueError("correction_weight must be in (0, 1] and dwell_tolerance > 0")
         for name in ("forecast_window_s", "min_gain_fraction", "min_gain_rps", "min_dwell_s", "engine_init_s",
                      "role_switch_s"):
             if getattr(self, name) < 0:
@@ -270,19 +286,133 @@ class CapacityModel:
         return colocated + min(prefill, decode)
 
 
+def shape_of(instances: Sequence[InstanceConfig], model: str) -> tuple:
+    """One model's placement shape: how many instances of each (TP, role) it has (where they sit does not matter)."""
+    return tuple(sorted(Counter((i.tp, i.role.value) for i in instances if i.model == model).items()))
+
+
 def placement_goodput_rps(capacity: CapacityModel, instances: Sequence[InstanceConfig],
                           demand: Mapping[str, ModelDemand], horizon_s: float,
-                          weights: Mapping[str, float] | None = None, step: bool = False
-                          ) -> tuple[float, dict[str, float]]:
-    """Forecast goodput of a placement: sum over models of weight x min(forecast demand, capacity) (weights default
-    to 1: req/s); and the capacities. `step`: forecast from the recent rates (`ModelDemand.forecast_rps`)."""
+                          weights: Mapping[str, float] | None = None, step: bool = False,
+                          corrections: "Corrections | None" = None) -> tuple[float, dict[str, float]]:
+    """Forecast goodput of a placement: sum over models of weight x min(forecast demand, correction x capacity)
+    (weights default to 1: req/s; the correction, `Corrections.factor`, is what this model's shape was measured to
+    serve when saturated against its estimated capacity, 1 without); and the (uncorrected) capacities. `step`: forecast from the recent
+    rates (`ModelDemand.forecast_rps`)."""
     caps: dict[str, float] = {}
     total = 0.0
     for model, d in demand.items():
-        cap = capacity.model_capacity_rps([i for i in instances if i.model == model], d.as_model_load(1.0))
+        mine = [i for i in instances if i.model == model]
+        cap = capacity.model_capacity_rps(mine, d.as_model_load(1.0))
         caps[model] = cap
-        total += (1.0 if weights is None else weights.get(model, 1.0)) * min(d.forecast_rps(horizon_s, step), cap)
+        f = 1.0 if corrections is None else corrections.factor(model, shape_of(mine, model))
+        total += (1.0 if weights is None else weights.get(model, 1.0)) * min(d.forecast_rps(horizon_s, step), f * cap)
     return total, caps
+
+
+SATURATED = 0.05  # a model refusing at least this share of its arrivals is serving all it can
+
+
+class Corrections:
+    """Measured correction factors of the capacity estimate, per (model, shape) (`shape_of`).
+
+    The estimate counts capacity and ignores queueing, so it can rank two placements the other way round from what
+    they serve. Each period, a model whose shape has held (no instance of it changed, none draining) for a whole load
+    window and that was saturated over it (refusals >= `SATURATED` of its arrivals, and demand >= `min_load` of the
+    shape's estimated capacity: only then does what it served say what it can serve) is observed: ratio = measured
+    goodput (arrivals - refusals) / estimated capacity, clamped to [0.2, 1.5], blended into the shape's factor
+    with `weight`; `factor` (relative to the model's other observed shapes) scales the shape's capacity in
+    `placement_goodput_rps`. A shape not yet observed, or the only one observed on its number of GPUs, is left
+    at 1: the measurements shift the ranking only between splits of the same GPUs that were seen. Clock-free: the caller passes its time."""
+
+    def __init__(self, weight: float = 0.3, min_load: float = 0.5) -> None:
+        self.weight, self.min_load = weight, min_load
+        self.factors: dict[tuple[str, tuple], float] = {}
+        self._held: dict[str, tuple[tuple, float]] = {}  # model -> (shape, since when it has held)
+
+    def factor(self, model: str, shape: tuple) -> float:
+        """The shape's measured factor over the mean of the observed ones of the model on as many GPUs (1 when
+        unobserved): relative, so the measurements re-rank the role and TP splits of a model's GPUs that were seen,
+        and leave how many GPUs each model gets to the estimate (shapes on other GPU counts were seen at other
+        times of the day, under other loads, and their factors do not compare)."""
+        f = self.factors.get((model, shape))
+        if f is None:
+            return 1.0
+        gpus = _gpus(shape)
+        seen = [v for (m, sh), v in self.factors.items() if m == model and _gpus(sh) == gpus]
+        return f / (sum(seen) / len(seen))
+
+    def observe(self, now_s: float, capacity: CapacityModel, loads: NodeLoad, changing: set[str]) -> list[str]:
+        """Update from one window; `changing`: models with a reconfiguration in flight. The lines it observed."""
+        out = []
+        for model in sorted({i.model for i in loads.placement}):
+            mine = [i for i in loads.placement if i.model == model]
+            shape = shape_of(mine, model)
+            if model in changing or not all(loads.load_of(i.id).accepting for i in mine):
+                self._held.pop(model, None)
+                continue
+            held = self._held.get(model)
+            if held is None or held[0] != shape:
+                self._held[model] = (shape, now_s)
+                continue
+            if now_s - held[1] < loads.window_s:
+                continue
+            d = loads.demand_of(model)
+            cap = capacity.model_capacity_rps(mine, d.as_model_load(1.0))
+            if cap <= 0 or d.arrival_rps < self.min_load * cap or d.refused_rps < SATURATED * d.arrival_rps:
+                continue
+            ratio = min(1.5, max(0.2, max(0.0, d.arrival_rps - d.refused_rps) / cap))
+            old = self.factors.get((model, shape))
+            new = ratio if old is None else old + self.weight * (ratio - old)
+            self.factors[(model, shape)] = new
+            out.append(f"{model} {_shape_text(shape)} served {ratio:.2f} of its estimated capacity, saturated "
+                       f"(factor {new:.2f})")
+        return out
+
+    def text(self) -> str:
+        return ", ".join(f"{m} {_shape_text(sh)} x{f:.2f}" for (m, sh), f in sorted(self.factors.items()))
+
+
+def _gpus(shape: tuple) -> int:
+    return sum(tp * n for (tp, _), n in shape)
+
+
+def _shape_text(shape: tuple) -> str:
+    return " ".join(f"TP{tp}{role[0].upper()}x{n}" for (tp, role), n in shape)
+
+
+class DwellTracker:
+    """How long the node's demand mix holds: the horizon the cost check uses when `cost_horizon_s` is None.
+
+    The mix is the per-model window rates weighted by the load weights (`objective_weights(..., "load")`: each
+    model's req/s over its alone capacity). It has moved when the weighted rates differ from the segment's first
+    ones by more than `tolerance` of the segment's total weighted load; a segment ends there. The horizon is the
+    longer of the mean completed segment (EMA, weight 0.5) and the current one's age, at most `cap_s`; with no
+    segment completed yet, `cap_s`. A day compressed tenfold holds its mix a tenth as long, and so does the
+    horizon a move must pay for itself over."""
+
+    def __init__(self, weights: Mapping[str, float], tolerance: float, cap_s: float) -> None:
+        self.weights, self.tolerance, self.cap_s = weights, tolerance, cap_s
+        self._ref: dict[str, float] | None = None
+        self._since = 0.0
+        self.mean_s: float | None = None
+
+    def update(self, now_s: float, rates: Mapping[str, float]) -> None:
+        w = {m: self.weights.get(m, 1.0) * r for m, r in rates.items()}
+        if self._ref is None:
+            self._ref, self._since = w, now_s
+            return
+        total = max(sum(self._ref.values()), sum(w.values()), 1e-9)
+        moved = sum(abs(w.get(m, 0.0) - self._ref.get(m, 0.0)) for m in set(w) | set(self._ref)) / total
+        if moved > self.tolerance:
+            held = now_s - self._since
+            self.mean_s = held if self.mean_s is None else 0.5 * (self.mean_s + held)
+            self._ref, self._since = w, now_s
+
+    def horizon_s(self, now_s: float) -> float:
+        if self.mean_s is None:
+            return self.cap_s
+        return min(self.cap_s, max(self.mean_s, now_s - self._since))
 
 
 def unserved(caps: Mapping[str, float]) -> list[str]:
@@ -478,6 +608,9 @@ class ElasticBalancer:
         self.weights = objective_weights(node, policy.objective)  # per-model weight of the score (`OBJECTIVES`)
         self._step_until_s = -math.inf  # forecasts follow the recent rates until then (a step was seen)
         self._committed: tuple | None = None  # the target of a move under way
+        # Measured corrections of the capacity estimate, per (model, shape), and the observed demand dwell.
+        self.corrections = Corrections(policy.correction_weight, policy.correction_min_load)
+        self.dwell = DwellTracker(objective_weights(node, "load"), policy.dwell_tolerance, policy.forecast_window_s)
 
     # - helpers -
 
@@ -526,7 +659,14 @@ class ElasticBalancer:
         return out
 
     def _score(self, instances: Sequence[InstanceConfig], ctx: "_Context") -> tuple[float, dict[str, float]]:
-        return placement_goodput_rps(self.capacity, instances, ctx.demand, ctx.trend_s, self.weights, ctx.step)
+        return placement_goodput_rps(self.capacity, instances, ctx.demand, ctx.trend_s, self.weights, ctx.step,
+                                     self.corrections)
+
+    def horizon_s(self, now_s: float) -> float:
+        """The cost check's horizon: `cost_horizon_s`, or the observed demand dwell (`DwellTracker`)."""
+        if self.policy.cost_horizon_s is not None:
+            return self.policy.cost_horizon_s
+        return self.dwell.horizon_s(now_s)
 
     def _context(self, now_s: float, loads: NodeLoad, in_flight: Sequence[Reconfiguration]) -> "_Context":
         policy = self.policy
@@ -534,6 +674,13 @@ class ElasticBalancer:
         stepped = [m for m, d in demand.items() if abs(d.step_z) >= policy.step_z and d.recent_rps is not None]
         if stepped:
             self._step_until_s = now_s + policy.step_hold_s
+        self.dwell.update(now_s, {m: d.arrival_rps for m, d in demand.items()})
+        changing = {i.model for r in in_flight for i in r.start} | {
+            i.model for i in loads.placement for r in in_flight if i.id in r.retire}
+        observed = self.corrections.observe(now_s, self.capacity, loads, changing) if policy.measured_corrections else []
+        for line in observed:
+            self.counters["measured:observed"] += 1
+            self.log.append(Decision(now_s, "measured:observed", line))
         # The placement once the in-flight reconfigurations are DONE: the base every new one is checked against.
         current = {i.id: i for i in loads.placement}
         for r in in_flight:
@@ -604,9 +751,18 @@ class ElasticBalancer:
 
     def _forecast_text(self, ctx: "_Context", caps: Mapping[str, float]) -> str:
         step = f"step seen in {', '.join(ctx.stepped)}: recent rates; " if ctx.stepped else ""
+        measured = self.corrections.text()
+        step += f"measured corrections {measured}; " if measured else ""
         return step + ", ".join(
             f"{m} {d.forecast_rps(ctx.trend_s, ctx.step):.1f} req/s (cap {ctx.now_caps[m]:.1f} -> {caps[m]:.1f}; "
             f"{pressure(ctx.loads, m)})" for m, d in ctx.demand.items())
+
+    def _horizon_text(self) -> str:
+        if self.policy.cost_horizon_s is not None:
+            return "cost_horizon_s"
+        if self.dwell.mean_s is None:
+            return "forecast window: no mix change seen yet"
+        return f"demand dwell, mean {self.dwell.mean_s:.0f} s"
 
     def _confirmed(self, now_s: float, ctx: "_Context", target: "_Target") -> bool:
         """Hysteresis in time: the same target best `confirm_periods` periods running (one, after a step)."""
@@ -626,7 +782,7 @@ class ElasticBalancer:
         """Cost/benefit: what the retired instances serve now is lost for the drain + load (+ switch) of their
         change; the gain only counts from when the slowest change is done to the end of the forecast window."""
         policy = self.policy
-        horizon = policy.forecast_window_s
+        horizon = self.horizon_s(now_s)
         for cur, tgt in target.components:
             without = [i for i in ctx.current.values() if i not in cur]
             good_without, _ = self._score(without, ctx)
@@ -641,7 +797,7 @@ class ElasticBalancer:
         if cost >= target.benefit:
             self._decide(now_s, "hold:cost",
                          f"move costs {cost:.0f} requests (drain + load), gains {target.benefit:.0f} over "
-                         f"{horizon:g} s "
+                         f"{horizon:.0f} s ({self._horizon_text()}) "
                          f"less its slowest change ({slowest:.1f} s); {target.forecast}")
             return False
         return True
@@ -691,7 +847,8 @@ class ElasticBalancer:
                 started, kind = tuple(replace(i, id=self._fresh_id(i, taken)) for i in tgt), ReconfigKind.MODEL
             switch = policy.role_switch_s if cost.role else cost.load_s
             reason = (f"{what} on GPUs {gpus}: forecast goodput {ctx.now_good:.1f} -> {target.good:.1f} {self._unit}, "
-                      f"gain {target.benefit:.0f} requests over {policy.forecast_window_s:g} s vs {cost.lost:.0f} "
+                      f"gain {target.benefit:.0f} requests over {self.horizon_s(now_s):.0f} s ({self._horizon_text()}) "
+                      f"vs {cost.lost:.0f} "
                       f"lost to drain {cost.drain_s:.1f} s + {'switch' if cost.role else 'load'} {switch:.1f} s; "
                       f"{target.forecast}")
             r = Reconfiguration(f"rc{self._next_id + len(ready) + 1}", kind, tuple(i.id for i in cur), started,

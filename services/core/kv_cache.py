@@ -452,18 +452,23 @@ class PrefixIndex:
         if not holders or not num_full:
             return overlap
         extra = _extra_key_bytes(extra_key)
-        data = _token_bytes(token_ids[: num_full * block_size])
-        step = block_size * _TOKEN_BYTES
         alive, depth, parent_hash = -1, 0, None
-        for offset in range(0, len(data), step):
-            parent_hash = _digest(parent_hash, extra, data[offset : offset + step])
-            still = alive & holders.get(parent_hash, 0)
-            if still != alive:
-                self._record(overlap, alive & ~still, depth)
-                if not still:
-                    return overlap
-                alive = still
-            depth += 1
+        # Most chains end within a few blocks: the prompt's tokens are packed a few blocks at a time, doubling.
+        done, batch = 0, 4
+        while done < num_full:
+            end = min(num_full, done + batch)
+            data = _token_bytes(token_ids[done * block_size : end * block_size])
+            for block in range(end - done):
+                parent_hash = _digest(parent_hash, extra, data[block * block_size * _TOKEN_BYTES :
+                                                               (block + 1) * block_size * _TOKEN_BYTES])
+                still = alive & holders.get(parent_hash, 0)
+                if still != alive:
+                    self._record(overlap, alive & ~still, depth)
+                    if not still:
+                        return overlap
+                    alive = still
+                depth += 1
+            done, batch = end, 2 * batch
         self._record(overlap, alive, depth)
         return overlap
 

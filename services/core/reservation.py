@@ -16,6 +16,7 @@ policies differ only in utilisation, preemptions and goodput.
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
@@ -37,23 +38,32 @@ class OutputLengthPredictor:
         self.prior_tokens = prior_tokens
         self.min_samples = min_samples
         self._recent: deque[int] = deque(maxlen=window)
+        self._sorted: list[int] = []  # the same lengths in order, kept as they come and go (no sort per completion)
         self._cached: int | None = None
+        self._mean: float | None = None  # mean() since the last observe (every load snapshot asks for it)
 
     def observe(self, num_output_tokens: int) -> None:
-        self._recent.append(num_output_tokens)
+        recent, ordered = self._recent, self._sorted
+        if recent and len(recent) == recent.maxlen:
+            del ordered[bisect.bisect_left(ordered, recent[0])]  # the deque drops its oldest below
+        recent.append(num_output_tokens)
+        bisect.insort(ordered, num_output_tokens)
         self._cached = None
+        self._mean = None
 
     def mean(self) -> float:
         """Mean of the recent completions (the prior until enough are seen): slot turnover for admission."""
         if len(self._recent) < self.min_samples:
             return float(self.prior_tokens)
-        return sum(self._recent) / len(self._recent)
+        if self._mean is None:
+            self._mean = sum(self._recent) / len(self._recent)
+        return self._mean
 
     def predict(self) -> int:
         if len(self._recent) < self.min_samples:
             return self.prior_tokens
         if self._cached is None:
-            ordered = sorted(self._recent)
+            ordered = self._sorted
             index = min(len(ordered) - 1, int(self.quantile * len(ordered)))
             self._cached = ordered[index]
         return self._cached

@@ -208,6 +208,7 @@ class RouterPolicy:
         self._scorers = [(SCORERS.get(n), w) for n, w in sorted(config.policies.scorer_weights.items()) if w > 0]
         self._next_turn: dict[str, int] = {}  # model -> round-robin position among its entry instances
         self.observers: list[Callable[[RequestSpec], None]] = []  # told of every request routed (headroom summary)
+        self._figures: dict[tuple, tuple] = {}  # (instance, tier) -> (version, objects, figures): _instance_figures
 
     # --- hooks --------------------------------------------------------------------------------------------------
 
@@ -336,27 +337,52 @@ class RouterPolicy:
     def _candidate(self, spec: RequestSpec, inst: InstanceConfig, load: EngineLoad, overlap_blocks: int) -> Candidate:
         policies = self.config.policies
         cached = self._cached_tokens(spec, inst, overlap_blocks)
-        ahead = adm.queue_ahead_tokens(load, self.ledger, spec.priority, policies.queue)
         cost = self._cost_model(inst)
-        throughput = load.prefill_tokens_per_s or cost.prefill_tokens_per_s(inst.max_num_batched_tokens)
+        figures = self._instance_figures(inst, load, spec.priority, cost)
+        ahead, throughput, headroom, num_queued, wait_s, slot_wait = figures
         return Candidate(
             instance=inst,
             load=load,
-            headroom_blocks=adm.kv_headroom_blocks(load, self.ledger, policies),
+            headroom_blocks=headroom,
             required_blocks=adm.kv_blocks_required(spec, inst, policies, with_output=inst.role is Role.COLOCATED),
             queue_ahead_tokens=ahead,
-            num_queued=load.num_waiting + self.ledger.num_pending(inst.id),
+            num_queued=num_queued,
             cached_tokens=cached,
-            wait_s=adm.prefill_wait_s(ahead, throughput),
+            wait_s=wait_s,
             own_prefill_s=cost.prefill_time_s(spec.num_prompt_tokens - cached, cached),
             # Alone in prefill, a prompt gets the slack-extended chunks of an instance whose decodes are ahead of
             # their TPOT target; behind a queue it shares the loaded rate with it.
             loaded_prefill_s=adm.prefill_wait_s(spec.num_prompt_tokens - cached, throughput) if ahead > 0 else 0.0,
             model=spec.model,
-            slot_wait_s=adm.slot_wait_s(
-                load, self.ledger, adm.preemptible_slots(load, self.ledger, spec.priority, policies.batch_min_share)
-            ),
+            slot_wait_s=slot_wait,
         )
+
+    def _instance_figures(self, inst: InstanceConfig, load: EngineLoad, tier: Priority,
+                          cost: CostModelLike) -> tuple[float, float, int, int, float, float]:
+        """The candidate's figures that do not depend on the prompt: queue ahead of `tier`, prefill throughput, KV
+        headroom, queued count, queue wait and slot wait. They read only the snapshot, the ledger's records of the
+        instance, the tier, the policies and the cost model, so they are reused while the same snapshot object is
+        held and the ledger's version of the instance is unchanged (arrivals between two steps of an instance)."""
+        ledger = self.ledger
+        version = ledger.version(inst.id)
+        objects = (load, ledger, tier, self.config, inst, cost)
+        held = self._figures.get((inst.id, tier))
+        if (held is not None and held[0] == version and all(a is b for a, b in zip(held[1], objects))
+                and load.instance_id == inst.id):
+            return held[2]
+        policies = self.config.policies
+        ahead = adm.queue_ahead_tokens(load, ledger, tier, policies.queue)
+        throughput = load.prefill_tokens_per_s or cost.prefill_tokens_per_s(inst.max_num_batched_tokens)
+        figures = (
+            ahead,
+            throughput,
+            adm.kv_headroom_blocks(load, ledger, policies),
+            load.num_waiting + ledger.num_pending(inst.id),
+            adm.prefill_wait_s(ahead, throughput),
+            adm.slot_wait_s(load, ledger, adm.preemptible_slots(load, ledger, tier, policies.batch_min_share)),
+        )
+        self._figures[inst.id, tier] = (version, objects, figures)
+        return figures
 
     def _cached_tokens(self, spec: RequestSpec, inst: InstanceConfig, overlap_blocks: int) -> int:
         """Whole cached blocks, and never the whole prompt: the last token is always computed (to sample)."""

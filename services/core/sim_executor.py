@@ -22,6 +22,27 @@ def sim_token_id(prompt_len: int, first_prompt_token: int, position: int) -> int
     return SIM_TOKEN_LO + (position * SIM_TOKEN_STEP + prompt_len * 104_729 + first_prompt_token * 31) % SIM_TOKEN_SPAN
 
 
+# Token n of the cycle n * SIM_TOKEN_STEP: SIM_TOKEN_LO + n * SIM_TOKEN_STEP % SIM_TOKEN_SPAN, twice over (built on
+# first use). The step is prime to the span, so every offset is some whole number of steps: a run of formula
+# tokens is a slice of this list (`sim_tokens`).
+_CYCLE: list[int] = []
+_STEP_INVERSE = pow(SIM_TOKEN_STEP, -1, SIM_TOKEN_SPAN)
+
+
+def sim_tokens(start: int, end: int, offset: int) -> list[int]:
+    """[SIM_TOKEN_LO + (n * SIM_TOKEN_STEP + offset) % SIM_TOKEN_SPAN for n in range(start, end)] (the tokens of
+    `token_key`'s formula at lengths start..end-1), as one slice of the precomputed cycle: the same integers."""
+    if end - start > SIM_TOKEN_SPAN:
+        return [SIM_TOKEN_LO + x % SIM_TOKEN_SPAN
+                for x in range(start * SIM_TOKEN_STEP + offset, end * SIM_TOKEN_STEP + offset, SIM_TOKEN_STEP)]
+    if not _CYCLE:
+        one = [SIM_TOKEN_LO + n * SIM_TOKEN_STEP % SIM_TOKEN_SPAN for n in range(SIM_TOKEN_SPAN)]
+        _CYCLE.extend(one + one)
+    # n * STEP + offset = (n + m) * STEP (mod SPAN) with m = offset / STEP (mod SPAN)
+    first = (start + offset * _STEP_INVERSE) % SIM_TOKEN_SPAN
+    return _CYCLE[first : first + max(0, end - start)]
+
+
 def token_key(spec, num_prompt_tokens: int) -> tuple[int | float, int]:
     """(request length at which the sampled token is EOS, offset): for a request of `num_tokens` tokens below
     that length, `sim_token_id` of its next output position is

@@ -76,8 +76,10 @@ def size_for_slo(
     if role is Role.PREFILL:
         return SloSizing(max_num_seqs, max_num_batched_tokens, target_s)
 
+    # `decode_step_time_s(d, c)` and `chunks_time_s` are `step_time_s` of d chunks (1, c) (plus one prefill chunk)
+    # from the same integer totals, so the same floats, without building and summing a list per probe.
     def decode_fits(budget_s: float):
-        return lambda b: cost.step_time_s([(1, context_tokens)] * b) <= budget_s
+        return lambda b: cost.decode_step_time_s(b, context_tokens) <= budget_s
 
     share = 1.0 if role is Role.DECODE else decode_share
     batch = max(1, _largest(decode_fits(target_s * share), 1, max_num_seqs))
@@ -87,21 +89,23 @@ def size_for_slo(
     max_quanta = max(1, max_num_batched_tokens // CHUNK_QUANTUM)
 
     def budget_with(num_decodes: int) -> int:
-        decodes = [(1, context_tokens)] * num_decodes
+        decode_tokens = num_decodes * (context_tokens + 1)
 
         def chunk_fits(n: int) -> bool:
-            return cost.step_time_s([(n * CHUNK_QUANTUM, 0), *decodes]) <= target_s
+            step_s = cost.chunks_time_s((n * CHUNK_QUANTUM,), (0,), 1, num_steady=num_decodes,
+                                        steady_tokens=decode_tokens)
+            return step_s <= target_s
 
         chunk = max(1, _largest(chunk_fits, 1, max_quanta)) * CHUNK_QUANTUM
         return min(max_num_batched_tokens, num_decodes + chunk)
 
     table = tuple(budget_with(d) for d in range(batch + 1))
-    base = tuple(cost.step_time_s([(1, context_tokens)] * d) for d in range(batch + 1))
+    base = tuple(cost.decode_step_time_s(d, context_tokens) for d in range(batch + 1))
     # Marginal cost of prefill tokens measured between two large chunks: compute-bound, so close to linear.
     big = max(CHUNK_QUANTUM * 2, max_num_batched_tokens)
     per_token = (cost.step_time_s([(big, 0)]) - cost.step_time_s([(big // 2, 0)])) / (big - big // 2)
     # KV read per context token, measured on the full batch between the sized context and twice it.
     kv_per_token = (
-        cost.step_time_s([(1, 2 * context_tokens)] * batch) - cost.step_time_s([(1, context_tokens)] * batch)
+        cost.decode_step_time_s(batch, 2 * context_tokens) - cost.decode_step_time_s(batch, context_tokens)
     ) / (batch * context_tokens)
     return SloSizing(batch, table[-1], target_s, table, base, per_token, context_tokens, kv_per_token)

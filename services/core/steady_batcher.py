@@ -43,7 +43,7 @@ from octoserve.services.core.batcher import (
     RequestStatus,
     _CompactBuilder,
 )
-from octoserve.services.core.sim_executor import SIM_TOKEN_LO, SIM_TOKEN_SPAN, SIM_TOKEN_STEP, token_key
+from octoserve.services.core.sim_executor import sim_tokens, token_key
 from octoserve.services.core.types import HandoffReady, RequestOutput, Role
 
 SLACK_TIE_S = 1e-6  # keys closer than this to the smallest are evaluated exactly (float rounding is ~1e-14 s)
@@ -114,9 +114,7 @@ class SteadyBatcher(Batcher):
         an ignore_eos request reaches)."""
         eos_at, offset = req.executor_key
         plain_end = end if end <= eos_at else max(start, int(eos_at))
-        # n * SIM_TOKEN_STEP + offset for n in start..plain_end-1, stepped instead of multiplied
-        tokens = [SIM_TOKEN_LO + x % SIM_TOKEN_SPAN for x in range(
-            start * SIM_TOKEN_STEP + offset, plain_end * SIM_TOKEN_STEP + offset, SIM_TOKEN_STEP)]
+        tokens = sim_tokens(start, plain_end, offset)
         if plain_end < end:
             tokens.extend([self.config.eos_token_id] * (end - plain_end))
         return tokens

@@ -2,7 +2,8 @@
 
 - Demand: routers report their arrivals per model every second (`Scheduler.ReportDemand`); `DemandWindow` keeps
   them, on the modelled clock (wall / time scale), and gives each model's rate, trend and mean lengths over the
-  last `window_s`.
+  last `window_s`, and its recent rate with the step score (`step_score` over `STEP_BINS` bins of the window), so a
+  step in the live demand takes the balancer's step path as in the simulator.
 - Instances: from the workers' load streams (`EngineLoad`): prefill backlog, running decodes against the slot
   limit, KV use, whether the instance takes requests (SERVING in the live placement), and an estimate of its drain
   (its mean output x its recent step time).
@@ -14,12 +15,13 @@ Configured by the `elastic` section: `balancer: elastic` plus the `BalancerPolic
 from __future__ import annotations
 
 import logging
+import math
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
 from octoserve.services.core.balancer import (
-    BalancerPolicy, ElasticBalancer, InstanceLoad, ModelDemand, NodeLoad, demand_trend,
+    BalancerPolicy, ElasticBalancer, InstanceLoad, ModelDemand, NodeLoad, demand_trend, step_score,
 )
 from octoserve.services.core.placement import InstanceConfig, NodeConfig
 from octoserve.services.core.reconfig import Reconfiguration
@@ -28,6 +30,7 @@ from octoserve.services.core.types import EngineLoad
 log = logging.getLogger("octoserve.scheduler.balancer")
 
 DEFAULT_WINDOW_S = 10.0
+STEP_BINS = 5  # the window's arrivals in this many bins for `step_score` (the last two against the rest)
 
 
 class DemandWindow:
@@ -58,10 +61,19 @@ class DemandWindow:
             times = sorted(per_t)
             step = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 1.0
             trend = demand_trend([(t, per_t[t] / step) for t in times]) if len(times) > 2 else 0.0
+            # The recent rate and its step score: the window's reports in STEP_BINS bins by time (a report at t
+            # counts the arrivals up to t, so a bin is closed on its right: a report on a boundary is the earlier
+            # bin's).
+            bin_s = self.window_s / STEP_BINS
+            counts = [0] * STEP_BINS
+            for s in mine:
+                k = math.ceil((s[0] - (now_s - self.window_s)) / bin_s - 1e-9) - 1
+                counts[min(STEP_BINS - 1, max(0, k))] += s[2]
+            recent, z = step_score(counts, bin_s)
             out.append(ModelDemand(
                 m, n / self.window_s, trend,
                 mean_prompt_tokens=sum(s[3] for s in mine) / n if n else 1000.0,
-                mean_output_tokens=sum(s[4] for s in mine) / n if n else 250.0))
+                mean_output_tokens=sum(s[4] for s in mine) / n if n else 250.0, recent_rps=recent, step_z=z))
         return tuple(out)
 
 

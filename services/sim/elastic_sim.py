@@ -3,7 +3,11 @@
 Three ways to run a day (`run_day`):
 - "static": one placement all day;
 - "oracle": the best placement for each (compressed) hour's true demand, switched at the hour with zero cost
-  (running requests finish where they are, the new instances start empty at once on the same GPUs);
+  (running requests finish where they are, the new instances start empty at once on the same GPUs). "Best" is
+  measured, not estimated: the top `oracle_trials` candidates by the capacity estimate for that hour, plus the
+  `oracle_extra` placements (say the best static one) and the placement in place, are each simulated over that
+  hour's requests (from `window_s` before it, empty), and the one that serves the most within the SLOs is taken
+  (`oracle_trials` 0: the estimate's pick alone);
 - "elastic": the `ElasticBalancer` (services/core/balancer.py) plans every `period_s` from the last `window_s` of
   load, and the simulator carries out each reconfiguration: DRAINING (the retired instances take no new request;
   running decodes migrate by KV hand-off to another instance of the same model when the hand-off is shorter than
@@ -27,6 +31,7 @@ move later by its hand-off; no instance goes away before its last running reques
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 import time
@@ -53,10 +58,11 @@ from octoserve.services.core.balancer import (
 from octoserve.services.core.placement import InstanceConfig, NodeConfig, num_kv_blocks_for
 from octoserve.services.core.reconfig import Phase, ReconfigKind, Reconfiguration
 from octoserve.services.core.types import Role
-from octoserve.services.metrics import RequestRecord, Summary, detect_window, summarize
+from octoserve.services.metrics import RequestRecord, Summary, Window, detect_window, summarize
 from octoserve.services.workload_day import DayProfile, DayRequest
 
 MODES = ("static", "oracle", "elastic")
+ORACLE_TRIALS = 3  # the oracle simulates this many of the estimate's best placements for each hour
 _SIZES: dict[tuple, dict[tuple[int, int], tuple[int, float]]] = {}  # `_Inst._size` memo, per instance shape
 
 
@@ -233,7 +239,8 @@ class ElasticSim:
                  placement: Sequence[InstanceConfig], *, mode: str = "static",
                  policy: BalancerPolicy = BalancerPolicy(), layouts: Sequence[Sequence[InstanceConfig]] | None = None,
                  period_s: float = 2.0, window_s: float = 10.0, itl_target_fraction: float = 0.9,
-                 max_migration_pause_s: float = 1.0, progress: Callable[[float], None] | None = None) -> None:
+                 max_migration_pause_s: float = 1.0, progress: Callable[[float], None] | None = None,
+                 oracle_trials: int = ORACLE_TRIALS, oracle_extra: Sequence[Sequence[InstanceConfig]] = ()) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.node, self.profile, self.requests, self.mode = node, profile, list(requests), mode
@@ -242,6 +249,7 @@ class ElasticSim:
         self.itl_target_s = profile.itl_slo_ms / 1000.0 * itl_target_fraction
         self.period_s, self.window_s = period_s, window_s
         self.max_migration_pause_s = max_migration_pause_s
+        self.oracle_trials, self.oracle_extra = oracle_trials, [tuple(l) for l in oracle_extra]
         self.layouts = [tuple(l) for l in layouts] if layouts is not None else candidate_layouts(node)
         self.capacity = CapacityModel(node, itl_target_fraction)
         self.policy = policy
@@ -460,13 +468,26 @@ class ElasticSim:
                 decode_batch_limit=len(inst.heap), kv_used=decoding / max(1, len(inst.heap)),
                 itl_headroom=1.0 - inst.tau_s * 1000.0 / self.slo.itl_ms, accepting=inst.accepting,
                 running=sum(1 for x in inst.running if x.finish_s > now), est_drain_s=inst.drain_end_s(now) - now))
-        demand = demand_of(self._window(now - self.window_s, now), self.models, max(0.0, now - self.window_s), now)
+        lo = max(0.0, now - self.window_s)
+        demand = demand_of(self._window(now - self.window_s, now), self.models, lo, now)
+        # What was measured: the requests refused in the window, per model (the router's refusal counts live), so
+        # the balancer can correct its estimate by what the placement served (`Corrections`).
+        refused: dict[str, int] = {}
+        for r in reversed(self.refused):
+            if r.arrival_s < lo:
+                break
+            if r.arrival_s < now:
+                refused[r.model] = refused.get(r.model, 0) + 1
+        span = max(now - lo, 1e-9)
+        demand = tuple(dataclasses.replace(d, refused_rps=refused.get(d.model, 0) / span) for d in demand)
         return NodeLoad(self.window_s, tuple(placement), tuple(loads), demand)
 
     def _oracle_switch(self, hour: int) -> None:
         h = self.profile.hour_s
         demand = demand_of(self._window(hour * h, (hour + 1) * h), self.models, hour * h, (hour + 1) * h)
         target = best_layout(self.capacity, self.layouts, demand, self.weights)
+        if self.oracle_trials > 0 and self._window(hour * h, (hour + 1) * h):
+            target = self._oracle_measured(hour, demand, target)
         current = {(c.model, c.role, c.tp, c.gpu_ids): iid for iid, c in self._current_configs().items()}
         mean = self._mean_lengths(self.now_s)
         new: dict[str, _Inst] = {}
@@ -478,6 +499,34 @@ class ElasticSim:
         if set(new) != set(self.instances) or any(new[k] is not self.instances.get(k) for k in new):
             self.instances = new
             self._placed(self.now_s)
+
+    def _oracle_measured(self, hour: int, demand: Sequence[ModelDemand], pick: Sequence[InstanceConfig]
+                         ) -> tuple[InstanceConfig, ...]:
+        """The oracle's hour by measurement: the candidates (module doc) each simulated over the hour, the best
+        score (the objective's weights over the per-model goodput) taken; ties keep the estimate's order."""
+        h = self.profile.hour_s
+        d = {x.model: x for x in demand}
+        scored = [(placement_goodput_rps(self.capacity, l, d, 0.0, self.weights), l) for l in self.layouts]
+        ranked = [l for (g, caps), l in sorted(scored, key=lambda x: -x[0][0]) if not unserved(caps)]
+        current = tuple(i.cfg for i in self.instances.values())
+        cands: list[tuple[InstanceConfig, ...]] = []
+        for l in [tuple(pick), *ranked[:self.oracle_trials], *self.oracle_extra, current]:
+            if l and not unserved(placement_goodput_rps(self.capacity, l, d, 0.0)[1]) and \
+                    _layout_key(l) not in {_layout_key(c) for c in cands}:
+                cands.append(l)
+        if len(cands) < 2:
+            return tuple(pick)
+        reqs = self._window(hour * h - self.window_s, (hour + 1) * h)
+        best, best_score = tuple(pick), -math.inf
+        for l in cands:
+            sim = ElasticSim(self.node, self.profile, reqs, l, mode="static", layouts=self.layouts,
+                             period_s=self.period_s, window_s=self.window_s, oracle_trials=0)
+            res = sim.run()
+            summary = summarize(res.records, self.slo, Window(hour * h, (hour + 1) * h))
+            score = sum(self.weights.get(g.name, 1.0) * g.goodput_rps for g in summary.per_model)
+            if score > best_score + 1e-9:
+                best, best_score = l, score
+        return best
 
     # - the run -
 
@@ -534,6 +583,10 @@ class ElasticSim:
         decisions = [(d.now_s, d.reason, d.detail) for d in self.balancer.log] if self.balancer else []
         return DayResult(self.mode, records, summary, self.reconfigs, self.placements, self.lost, self.migrated,
                          counters, decisions, wall_s, self.initial, self.layout_log)
+
+
+def _layout_key(layout: Sequence[InstanceConfig]) -> tuple:
+    return tuple(sorted((i.model, i.role.value, i.tp, i.gpu_ids) for i in layout))
 
 
 def occupancy(records: Sequence[RequestRecord], step_s: float = 1.0) -> list[tuple[float, float]]:
