@@ -236,7 +236,9 @@ def main(argv: list[str] | None = None) -> int:
             with open(path) as f:
                 for profile, parts in json.load(f).items():  # files hold one part each: merge the non-empty ones
                     merged = results.setdefault(profile, {"scaling": [], "skew": []})
-                    merged["scaling"] += parts.get("scaling", [])  # scaling files add up (node counts, workloads)
+                    # scaling files add up (node counts, workloads); the one-node baseline that several runs of
+                    # the same workload and duration share is listed once
+                    merged["scaling"] += [r for r in parts.get("scaling", []) if r not in merged["scaling"]]
                     merged["skew"] += parts.get("skew", [])  # skew files add up too (loads)
         return _emit(results, args)
     nodes = [int(x) for x in args.nodes.split(",")]
