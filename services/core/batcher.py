@@ -788,12 +788,20 @@ class Batcher:
 
     def reserve(self, spec: RequestSpec, now: float) -> bool:
         """Decode role: hold KV for the prompt (plus the reservation policy's output share) before prefill."""
+        return self._reserve(spec, (), must_fit_next=False)
+
+    def _reserve(self, spec: RequestSpec, output_token_ids: Sequence[int], must_fit_next: bool) -> bool:
+        """Hold KV for a request that will arrive by hand-off: its prompt, the tokens it already produced and the
+        reservation policy's output share. `must_fit_next`: refuse when that leaves no room for one more token."""
         self.state_version += 1
         if spec.request_id in self._requests or self._num_active() >= self.config.max_num_seqs:
             return False
         req = self._new_request(spec)
+        req.token_ids.extend(output_token_ids)
         ctx = self._reservation_context()
         num_tokens = min(self.config.max_model_len, self._reservation.initial_tokens(spec, req.num_tokens + 1, ctx))
+        if must_fit_next and num_tokens < req.num_tokens + 1:
+            return False
         if not self._reservation.may_admit(-(-num_tokens // self.block_size), ctx):
             return False
         if self.kv.allocate(req.request_id, req.token_ids, num_tokens) is None:
@@ -860,23 +868,7 @@ class Batcher:
 
     def reserve_migrated(self, spec: RequestSpec, output_token_ids: Sequence[int], now: float) -> bool:
         """Migration in: as `reserve`, for a request that already produced `output_token_ids` elsewhere."""
-        self.state_version += 1
-        if spec.request_id in self._requests or self._num_active() >= self.config.max_num_seqs:
-            return False
-        req = self._new_request(spec)
-        req.token_ids.extend(output_token_ids)
-        ctx = self._reservation_context()
-        num_tokens = min(self.config.max_model_len, self._reservation.initial_tokens(spec, req.num_tokens + 1, ctx))
-        if num_tokens < req.num_tokens + 1 or not self._reservation.may_admit(-(-num_tokens // self.block_size), ctx):
-            return False
-        if self.kv.allocate(req.request_id, req.token_ids, num_tokens) is None:
-            return False
-        req.capacity_tokens = len(self.kv.block_ids(req.request_id)) * self.block_size
-        req.num_cached_tokens = self.kv.num_cached_tokens(req.request_id)
-        req.status = RequestStatus.RESERVED
-        self._requests[req.request_id] = req
-        self._num_reserved += 1
-        return True
+        return self._reserve(spec, output_token_ids, must_fit_next=True)
 
     def commit_migrated(self, request_id: str, now: float) -> None:
         """Migration in: the KV arrived (all but the last output token's); the request decodes on from there."""
