@@ -132,7 +132,9 @@ async def _flip_under_load(address: str, pid: int, kv_dir: Path) -> None:
         await stub.Release(w_pb.ReleaseRequest(request_id="p0"))
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await stub.Generate(w_pb.WorkerGenerateRequest(session_id="flip", spec=spec_pb("g0", PROMPTS[0])))
-        assert info.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+        # A Generate for the role it no longer serves is sent back to the router to place elsewhere (no token yet).
+        assert info.value.code() is grpc.StatusCode.UNAVAILABLE
+        assert info.value.details() == "tiny-0 now serves the prefill role; route elsewhere (the placement changed)"
 
         # And back to colocated, still on the same engine: a Generate is served with all its tokens.
         back = await stub.SetRole(w_pb.SetRoleRequest(role=convert.ROLE_TO_PB[Role.COLOCATED]), timeout=60)
