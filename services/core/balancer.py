@@ -42,6 +42,18 @@ Guards, in the order they are checked (each refusal counted by reason in `counte
   both a prefill and a decode instance, among those still taking requests).
 - `planned:role` / `planned:model`: a reconfiguration was emitted.
 
+Optional forward ranker (`ForwardRanker`, off unless one is given): the estimate proposes, a forward simulation
+disposes. Once the estimate's target has passed the hysteresis and confirmation guards, and it is not a move under
+way, the balancer builds `MoveCandidate`s: "hold" (the placement in place, its in-flight changes continuing), the
+estimate's pick, its next best reachable targets (`forward_top_k` in all) and the way back (the placement the last
+move started from), each with every change that reaches it (`changes_to`, in an order that keeps every model
+served). The ranker plays each one forward from the node's current state over the cost horizon, every candidate
+serving the same forecast arrivals (the forecast rates below), the changes paying their drain, migration and load;
+its scores replace the estimate's cost check. The best candidate is taken when it beats hold by the hysteresis
+margin (`min_gain_rps`, `min_gain_fraction` of hold's score): `ranked:NAME`, with every candidate's score;
+otherwise `hold:forward`, with the same figures. A hold verdict on a target stands for `forward_refresh_s` (the
+target unchanged, no step seen), so the same comparison is not re-run every period.
+
 Invariants: pure and clock-free (`now_s` is the caller's clock); every emitted reconfiguration passes
 `check_reconfiguration` against the placement after the in-flight ones; while it runs every model can still take
 requests (a colocated instance, or a prefill and a decode instance, not retiring); no GPU is reconfigured twice
@@ -54,6 +66,7 @@ import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 from octoserve.services.core.placement import InstanceConfig, NodeConfig, num_kv_blocks_for
 from octoserve.services.core.planner import ModelLoad, decode_capacity_rps
@@ -209,6 +222,10 @@ class BalancerPolicy:
     measured_corrections: bool = False
     correction_weight: float = 0.3  # the weight of each new observation in a measured correction factor (EMA)
     correction_min_load: float = 0.5  # a model's shape is observed only at demand >= this share of its estimate
+    # With a `ForwardRanker`: how many of the estimate's best reachable targets are played forward (the way back
+    # comes on top), and how long a hold verdict on the same target stands before it is played forward again.
+    forward_top_k: int = 3
+    forward_refresh_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
@@ -217,14 +234,14 @@ class BalancerPolicy:
             raise ValueError("step_z must be > 0 and step_hold_s >= 0")
         if self.weight_source not in WEIGHT_SOURCES:
             raise ValueError(f"weight_source must be one of {WEIGHT_SOURCES}, got {self.weight_source!r}")
-        if self.max_in_flight < 1 or self.confirm_periods < 1:
-            raise ValueError("max_in_flight and confirm_periods must be >= 1")
+        if self.max_in_flight < 1 or self.confirm_periods < 1 or self.forward_top_k < 1:
+            raise ValueError("max_in_flight, confirm_periods and forward_top_k must be >= 1")
         if self.cost_horizon_s is not None and self.cost_horizon_s < 0:
             raise ValueError(f"cost_horizon_s must be >= 0 or None, got {self.cost_horizon_s}")
         if not 0 < self.correction_weight <= 1 or not 0 < self.dwell_tolerance:
             raise ValueError("correction_weight must be in (0, 1] and dwell_tolerance > 0")
         for name in ("forecast_window_s", "min_gain_fraction", "min_gain_rps", "min_dwell_s", "engine_init_s",
-                     "role_switch_s"):
+                     "role_switch_s", "forward_refresh_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0 < self.decode_step_fraction <= 1:
@@ -236,6 +253,30 @@ class Decision:
     now_s: float
     reason: str  # the counter key: "planned:role", "hold:cost", ...
     detail: str  # the log line, with the figures that decided it
+
+
+@dataclass(frozen=True, slots=True)
+class MoveCandidate:
+    """One candidate of a forward ranking: a target placement and every change that reaches it."""
+
+    name: str  # "hold", "estimate", "top 2", "way back": what the log line calls it
+    layout: tuple[InstanceConfig, ...]  # the placement once every change is done
+    changes: tuple[Reconfiguration, ...]  # from the placement after the in-flight ones, in a serving order; () hold
+    estimate: float  # its capacity-estimate score (the balancer's units)
+
+
+class ForwardRanker(Protocol):
+    """Plays candidate moves forward from the node's current state (module doc). Clock-free: `now_s` is the
+    caller's clock."""
+
+    name: str  # the decision reason's suffix: `ranked:NAME`
+
+    def forecast(self, now_s: float, moves: Sequence[MoveCandidate], rates_rps: Mapping[str, float],
+                 horizon_s: float) -> Sequence[float]:
+        """One score per move, in the balancer's units (req/s within the SLOs, weighted by the objective), over
+        [now_s, now_s + horizon_s): the node's current state (queues, running requests, in-flight changes) with the
+        move's changes started as the guards allow, every move serving the same arrivals at `rates_rps` per model."""
+        ...
 
 
 # --- capacity ------------------------------------------------------------------------------------------------------
@@ -592,8 +633,10 @@ class ElasticBalancer:
     with every `NodeLoad`). `layouts` are the candidate placements (default: `candidate_layouts(node)`)."""
 
     def __init__(self, node: NodeConfig, policy: BalancerPolicy = BalancerPolicy(),
-                 layouts: Sequence[Sequence[InstanceConfig]] | None = None) -> None:
+                 layouts: Sequence[Sequence[InstanceConfig]] | None = None,
+                 ranker: ForwardRanker | None = None) -> None:
         self.node = node
+        self.ranker = ranker  # None: the estimate decides alone (module doc)
         self.policy = policy
         self.capacity = CapacityModel(node, policy.decode_step_fraction)
         self.layouts = [tuple(l) for l in (layouts if layouts is not None else candidate_layouts(node))]
@@ -608,6 +651,12 @@ class ElasticBalancer:
         self.weights = objective_weights(node, policy.objective)  # per-model weight of the score (`OBJECTIVES`)
         self._step_until_s = -math.inf  # forecasts follow the recent rates until then (a step was seen)
         self._committed: tuple | None = None  # the target of a move under way
+        self._before: tuple[InstanceConfig, ...] | None = None  # where the last move started from: the way back
+        # The forward ranking (with a ranker): when it may run next, its last verdict, a move's target and gain.
+        self._next_forward_s = -math.inf
+        self._verdict = ""
+        self._forward_layout: tuple[InstanceConfig, ...] = ()
+        self._forward_gain = 0.0
         # Measured corrections of the capacity estimate, per (model, shape), and the observed demand dwell.
         self.corrections = Corrections(policy.correction_weight, policy.correction_min_load)
         self.dwell = DwellTracker(objective_weights(node, "load"), policy.dwell_tolerance, policy.forecast_window_s)
@@ -649,11 +698,18 @@ class ElasticBalancer:
     def plan(self, now_s: float, loads: NodeLoad, in_flight: Sequence[Reconfiguration]) -> list[Reconfiguration]:
         """The reconfigurations to start now (often none), each decision counted and logged (module doc)."""
         ctx = self._context(now_s, loads, in_flight)
-        target = self._choose(now_s, ctx)
-        if target is None or not self._confirmed(now_s, ctx, target) or not self._pays_off(now_s, ctx, target):
-            return []
+        if self.ranker is not None:
+            target = self._forward(now_s, ctx)
+            if target is None:
+                return []
+        else:
+            target = self._choose(now_s, ctx)
+            if target is None or not self._confirmed(now_s, ctx, target) or not self._pays_off(now_s, ctx, target):
+                return []
         out = self._emit(now_s, ctx, target)
         if out:
+            if self._committed != _key(target.layout):
+                self._before = tuple(ctx.current.values())
             self._streak_target, self._streak = None, 0
             self._committed = _key(target.layout)
         return out
@@ -778,11 +834,10 @@ class ElasticBalancer:
             return False
         return True
 
-    def _pays_off(self, now_s: float, ctx: "_Context", target: "_Target") -> bool:
-        """Cost/benefit: what the retired instances serve now is lost for the drain + load (+ switch) of their
-        change; the gain only counts from when the slowest change is done to the end of the forecast window."""
+    def _costs(self, ctx: "_Context", target: "_Target") -> None:
+        """Each change's drain, load and requests lost while it is out (`target.costs`, one per component)."""
         policy = self.policy
-        horizon = self.horizon_s(now_s)
+        target.costs.clear()
         for cur, tgt in target.components:
             without = [i for i in ctx.current.values() if i not in cur]
             good_without, _ = self._score(without, ctx)
@@ -791,6 +846,13 @@ class ElasticBalancer:
             load_s = 0.0 if role else self._load_s(tgt)
             out_s = drain_s + (policy.role_switch_s if role else load_s)
             target.costs.append(_Cost(role, drain_s, load_s, max(0.0, ctx.now_good - good_without) * out_s))
+
+    def _pays_off(self, now_s: float, ctx: "_Context", target: "_Target") -> bool:
+        """Cost/benefit: what the retired instances serve now is lost for the drain + load (+ switch) of their
+        change; the gain only counts from when the slowest change is done to the end of the forecast window."""
+        policy = self.policy
+        horizon = self.horizon_s(now_s)
+        self._costs(ctx, target)
         slowest = max(c.drain_s + (policy.role_switch_s if c.role else c.load_s) for c in target.costs)
         target.benefit = target.gain * max(0.0, horizon - slowest)
         cost = sum(c.lost for c in target.costs)
@@ -801,6 +863,98 @@ class ElasticBalancer:
                          f"less its slowest change ({slowest:.1f} s); {target.forecast}")
             return False
         return True
+
+    # - the forward ranking -
+
+    def _forward(self, now_s: float, ctx: "_Context") -> "_Target | None":
+        """With a forward ranker (module doc): the target to move to now, or None (the hold decided and logged).
+        A move under way keeps its target (it was played forward whole); otherwise, at most every
+        `forward_refresh_s` (at once after a step), hold and the candidate moves are played forward."""
+        policy = self.policy
+        current = list(ctx.current.values())
+        if self._committed is not None:
+            layout = self._forward_layout
+            if _key(current) != self._committed and reachable(current, layout):
+                return self._forward_target(ctx, layout, self._forward_gain, "move under way")
+            self._committed = None
+        if now_s < self._next_forward_s and not ctx.stepped:
+            self._decide(now_s, "hold:forward", f"verdict of {self._verdict}")
+            return None
+        self._next_forward_s = now_s + policy.forward_refresh_s
+        moves = self._move_candidates(ctx)
+        if len(moves) < 2:
+            self._verdict = f"{now_s:.0f} s: no reachable candidate move"
+            self._decide(now_s, "hold:no_gain", "no candidate placement reachable under the allowed changes")
+            return None
+        horizon = self.horizon_s(now_s)
+        rates = {m: d.forecast_rps(ctx.trend_s, ctx.step) for m, d in ctx.demand.items()}
+        scores = [float(x) for x in self.ranker.forecast(now_s, moves, rates, horizon)]
+        if len(scores) != len(moves):
+            raise ValueError(f"ranker {self.ranker.name!r} gave {len(scores)} scores for {len(moves)} moves")
+        best = max(range(1, len(moves)), key=lambda k: scores[k])  # ties: the estimate's order
+        margin = max(policy.min_gain_rps, policy.min_gain_fraction * scores[0])
+        line = (f"{horizon:.0f} s played forward at " + ", ".join(f"{m} {r:.1f}" for m, r in rates.items())
+                + " req/s: " + "; ".join(f"{m.name} {_layout_text(m.layout)} {s:.2f} (estimate {m.estimate:.2f})"
+                                          for m, s in zip(moves, scores)) + f" {self._unit}")
+        gain = scores[best] - scores[0]
+        self._verdict = f"{now_s:.0f} s: {line}"
+        if gain < margin:
+            self._decide(now_s, "hold:forward", f"no move beats hold by {margin:.2f} {self._unit}: {line}")
+            return None
+        self._decide(now_s, f"ranked:{self.ranker.name}",
+                     f"{moves[best].name} beats hold by {gain:.2f} {self._unit}: {line}")
+        self._before, self._committed = tuple(current), _key(moves[best].layout)
+        return self._forward_target(ctx, moves[best].layout, gain * horizon,
+                                    f"played forward: {moves[best].name} {scores[best]:.2f} vs hold {scores[0]:.2f}")
+
+    def _forward_target(self, ctx: "_Context", layout: Sequence[InstanceConfig], benefit: float,
+                        why: str) -> "_Target":
+        """A target chosen by the forward ranking, as `_emit` takes it (its costs filled in for the log lines)."""
+        good, caps = self._score(layout, ctx)
+        target = _Target(good, tuple(layout), caps, diff_components(list(ctx.current.values()), layout),
+                         good - ctx.now_good, f"{why}; {self._forecast_text(ctx, caps)}")
+        self._costs(ctx, target)
+        target.benefit = benefit
+        self._forward_layout, self._forward_gain = tuple(layout), benefit
+        return target
+
+    def _move_candidates(self, ctx: "_Context") -> list[MoveCandidate]:
+        """Hold, the estimate's best reachable targets (`forward_top_k`) and the way back (module doc)."""
+        current = tuple(ctx.current.values())
+        seen = {_key(current)}
+        moves = [MoveCandidate("hold", current, (), ctx.now_good)]
+
+        def add(name: str, layout: Sequence[InstanceConfig], good: float) -> None:
+            if _key(layout) in seen or not self._allowed(current, layout) or not reachable(current, layout):
+                return
+            seen.add(_key(layout))
+            moves.append(MoveCandidate(name, tuple(layout), self.changes_to(ctx, layout), good))
+
+        scored = [(self._score(l, ctx), l) for l in self.layouts]
+        for (good, caps), layout in sorted(scored, key=lambda s: -s[0][0]):
+            if len(moves) > self.policy.forward_top_k:
+                break
+            if not unserved(caps):
+                add("estimate" if len(moves) == 1 else f"top {len(moves)}", layout, good)
+        if self._before is not None and not unserved(self._score(self._before, ctx)[1]):
+            add("way back", self._before, self._score(self._before, ctx)[0])
+        return moves
+
+    def changes_to(self, ctx: "_Context", layout: Sequence[InstanceConfig]) -> tuple[Reconfiguration, ...]:
+        """Every change from the placement after the in-flight ones to `layout`, in an order that keeps every model
+        served (`reach_order`), as the reconfigurations `_emit` would build (ids fresh, drain and load estimated)."""
+        taken = set(ctx.current) | {i.id for i in ctx.loads.placement}
+        out = []
+        for k, (cur, tgt) in enumerate(reach_order(list(ctx.current.values()), layout) or []):
+            drain_s = max((ctx.loads.load_of(i.id).est_drain_s for i in cur), default=0.0)
+            if _role_only(cur, tgt):
+                out.append(Reconfiguration(f"fw{k + 1}", ReconfigKind.ROLE, tuple(i.id for i in cur),
+                                           (replace(tgt[0], id=cur[0].id),), "forward candidate", est_drain_s=drain_s))
+            else:
+                out.append(Reconfiguration(f"fw{k + 1}", ReconfigKind.MODEL, tuple(i.id for i in cur),
+                                           tuple(replace(i, id=self._fresh_id(i, taken)) for i in tgt),
+                                           "forward candidate", est_drain_s=drain_s, load_s=self._load_s(tgt)))
+        return tuple(out)
 
     def _blocked(self, now_s: float, ctx: "_Context", cur: Sequence[InstanceConfig], what: str, busy: set[str],
                  n_in_flight: int) -> bool:
@@ -880,18 +1034,30 @@ def reachable(current: Sequence[InstanceConfig], target: Sequence[InstanceConfig
     retires served by the rest (`serving_models`). A 70B whose only decoding instance must change role while its
     other instance goes cannot (it would be unserved for a moment): such a target is never chosen, rather than
     started halfway."""
+    return reach_order(current, target) is not None
+
+
+def reach_order(current: Sequence[InstanceConfig], target: Sequence[InstanceConfig]
+                ) -> list[tuple[tuple[InstanceConfig, ...], tuple[InstanceConfig, ...]]] | None:
+    """The changes from `current` to `target` in an order that keeps every model served (`reachable`); None when
+    there is none."""
     placement = list(current)
     comps = diff_components(current, target)
+    out = []
     while comps:
         for k, (cur, tgt) in enumerate(comps):
             rest = [i for i in placement if i not in cur]
             if not ({i.model for i in cur} - serving_models(rest)):
                 placement = rest + list(tgt)
-                comps.pop(k)
+                out.append(comps.pop(k))
                 break
         else:
-            return False
-    return True
+            return None
+    return out
+
+
+def _layout_text(layout: Sequence[InstanceConfig]) -> str:
+    return " | ".join(f"{m} {_shape_text(shape_of(layout, m))}" for m in sorted({i.model for i in layout}))
 
 
 def _role_only(cur: Sequence[InstanceConfig], tgt: Sequence[InstanceConfig]) -> bool:

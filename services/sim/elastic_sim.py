@@ -58,10 +58,12 @@ from octoserve.services.core.balancer import (
 from octoserve.services.core.placement import InstanceConfig, NodeConfig, num_kv_blocks_for
 from octoserve.services.core.reconfig import Phase, ReconfigKind, Reconfiguration
 from octoserve.services.core.types import Role
+from octoserve.services.sim.forward_ranker import ForwardSimRanker
 from octoserve.services.metrics import RequestRecord, Summary, Window, detect_window, summarize
 from octoserve.services.workload_day import DayProfile, DayRequest
 
 MODES = ("static", "oracle", "elastic")
+RANKERS = ("none", "forward")  # the balancer's candidate ranking: the estimate alone, or played forward
 ORACLE_TRIALS = 3  # the oracle simulates this many of the estimate's best placements for each hour
 _SIZES: dict[tuple, dict[tuple[int, int], tuple[int, float]]] = {}  # `_Inst._size` memo, per instance shape
 
@@ -240,9 +242,12 @@ class ElasticSim:
                  policy: BalancerPolicy = BalancerPolicy(), layouts: Sequence[Sequence[InstanceConfig]] | None = None,
                  period_s: float = 2.0, window_s: float = 10.0, itl_target_fraction: float = 0.9,
                  max_migration_pause_s: float = 1.0, progress: Callable[[float], None] | None = None,
-                 oracle_trials: int = ORACLE_TRIALS, oracle_extra: Sequence[Sequence[InstanceConfig]] = ()) -> None:
+                 oracle_trials: int = ORACLE_TRIALS, oracle_extra: Sequence[Sequence[InstanceConfig]] = (),
+                 ranker: str = "none", seed: int = 0) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if ranker not in RANKERS:
+            raise ValueError(f"ranker must be one of {RANKERS}, got {ranker!r}")
         self.node, self.profile, self.requests, self.mode = node, profile, list(requests), mode
         self.models = sorted(node.models)
         self.slo = profile.slo
@@ -254,7 +259,9 @@ class ElasticSim:
         self.capacity = CapacityModel(node, itl_target_fraction)
         self.policy = policy
         self.weights = objective_weights(node, policy.objective)  # the oracle scores placements as the balancer does
-        self.balancer = ElasticBalancer(node, policy, self.layouts) if mode == "elastic" else None
+        # The balancer's forward ranker ("forward": services/sim/forward_ranker.py), seeded for its arrivals.
+        self.ranker = ForwardSimRanker(self, seed, policy.forecast_window_s) if ranker == "forward" and mode == "elastic" else None
+        self.balancer = ElasticBalancer(node, policy, self.layouts, self.ranker) if mode == "elastic" else None
         self.progress = progress
         self.now_s = 0.0
         mean = self._mean_lengths(0.0)

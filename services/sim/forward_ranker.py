@@ -1,0 +1,161 @@
+"""The balancer's forward ranker in the elastic simulator: candidate moves played forward from the node's state.
+
+`ForwardSimRanker.forecast` (the `ForwardRanker` protocol of services/core/balancer.py) answers, for "hold" and
+each candidate move, what the node would serve over the next `horizon_s` if it made that move now:
+- the state is cloned (`fork`): every instance's prefill queue, decode slots and running requests, and the
+  reconfigurations in flight (their drain, switch or load continuing); the live simulator is never touched;
+- the move's changes start at once where the balancer's guards allow (at most `max_in_flight` in flight, every
+  model still taking requests), the rest as soon as they are allowed, each paying its drain (or KV hand-off),
+  its load or role switch, exactly as the live simulator carries a reconfiguration out;
+- every candidate serves the same forecast arrivals (common random numbers): Poisson at the balancer's forecast
+  rate per model, each arrival's lengths and SLO resampled from that model's arrivals over the last `window_s`,
+  drawn from a `random.Random` seeded by (`seed`, the call's time), so a call is deterministic and hold and the
+  moves differ only by what they do;
+- the score is the goodput of those arrivals (the objective's weights): requests admitted whose TTFT and TPOT meet
+  the SLOs, per second of the horizon.
+
+Requests already on the node count in no score: hold and a move serve them alike, except where a drain hands some
+off (whose pause the hand-off rule keeps within their TPOT's room).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import random
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from octoserve.services.core.balancer import MoveCandidate, serving_models
+from octoserve.services.core.reconfig import Phase, Reconfiguration
+from octoserve.services.workload_day import DayRequest
+
+if TYPE_CHECKING:
+    from octoserve.services.sim.elastic_sim import ElasticSim, _Inst, _Req
+
+
+class ForwardSimRanker:
+    name = "forward"
+
+    def __init__(self, sim: "ElasticSim", seed: int = 0, window_s: float | None = None) -> None:
+        self.sim = sim
+        self.seed = seed
+        self.window_s = sim.window_s if window_s is None else window_s  # where the arrivals' lengths are drawn from
+        self.calls = 0  # forecasts asked
+        self.simulated = 0  # candidate moves played forward
+
+    def forecast(self, now_s: float, moves: Sequence[MoveCandidate], rates_rps: Mapping[str, float],
+                 horizon_s: float) -> list[float]:
+        self.calls += 1
+        arrivals = self.arrivals(now_s, rates_rps, horizon_s)
+        past = self.sim._window(now_s - self.sim.window_s, now_s)
+        out = []
+        for move in moves:
+            out.append(play_forward(self.sim, move.changes, arrivals, past, now_s, horizon_s))
+            self.simulated += 1
+        return out
+
+    def arrivals(self, now_s: float, rates_rps: Mapping[str, float], horizon_s: float) -> list[DayRequest]:
+        """The forecast arrivals over [now_s, now_s + horizon_s): the same for every move of one call."""
+        rng = random.Random(self.seed * 1_000_003 + round(now_s * 1000))
+        recent = self.sim._window(now_s - self.window_s, now_s)
+        out: list[DayRequest] = []
+        for model in sorted(rates_rps):
+            pool = [r for r in recent if r.model == model]
+            rate = rates_rps[model]
+            if not pool or rate <= 0:
+                continue
+            t = now_s + rng.expovariate(rate)
+            while t < now_s + horizon_s:
+                like = pool[rng.randrange(len(pool))]
+                out.append(dataclasses.replace(like, request_id=f"fw-{model}-{len(out)}", arrival_s=t))
+                t += rng.expovariate(rate)
+        out.sort(key=lambda r: r.arrival_s)
+        return out
+
+
+def fork(sim: "ElasticSim", requests: Sequence[DayRequest]) -> "ElasticSim":
+    """A copy of `sim` at its current time that serves `requests` (sorted; those before now only feed the mean
+    lengths) and shares nothing mutable with it: instances, their queues and running requests, and the
+    reconfigurations not yet DONE are cloned; finished work and the day's records are left behind."""
+    twin = copy.copy(sim)
+    memo: dict[int, object] = {}
+    twin.instances = {iid: _clone_inst(inst, memo) for iid, inst in sim.instances.items()}
+    twin.reconfigs = [dataclasses.replace(ev) for ev in sim.reconfigs if ev.phase is not Phase.DONE]
+    twin.requests = list(requests)
+    twin._arrivals = [r.arrival_s for r in twin.requests]
+    twin.trackers, twin.refused = [], []
+    twin.placements, twin.layout_log = [], []
+    twin.lost = twin.migrated = 0
+    twin.migration_reasons = Counter()
+    twin.mode, twin.balancer, twin.progress = "static", None, None
+    return twin
+
+
+def _clone_inst(inst: "_Inst", memo: dict[int, object]) -> "_Inst":
+    if id(inst) in memo:
+        return memo[id(inst)]
+    twin = copy.copy(inst)  # shares the config, the cost model and the batch-size memo (read-only here)
+    memo[id(inst)] = twin
+    twin.heap = list(inst.heap)
+    twin.running = [_clone_req(r, memo) for r in inst.running]
+    twin.queued = [_clone_req(r, memo) for r in inst.queued]
+    return twin
+
+
+def _clone_req(req: "_Req", memo: dict[int, object]) -> "_Req":
+    if id(req) in memo:
+        return memo[id(req)]
+    twin = copy.copy(req)
+    memo[id(req)] = twin
+    # The instances it is on: clones too (an instance already gone from the node is cloned on the way, so that
+    # nothing the fork does can reach the live one).
+    if req.entry_inst is not None:
+        twin.entry_inst = _clone_inst(req.entry_inst, memo)
+    if req.decoder_inst is not None:
+        twin.decoder_inst = _clone_inst(req.decoder_inst, memo)
+    return twin
+
+
+def play_forward(sim: "ElasticSim", changes: Sequence[Reconfiguration], arrivals: Sequence[DayRequest],
+                 past: Sequence[DayRequest], now_s: float, horizon_s: float) -> float:
+    """What a fork of `sim` making `changes` from `now_s` serves of `arrivals` within the SLOs, weighted by the
+    objective, per second of `horizon_s` (module doc)."""
+    twin = fork(sim, [*past, *arrivals])
+    pending = list(changes)
+    _start_allowed(twin, pending)
+    next_tick = (math.floor(now_s / sim.period_s + 1e-9) + 1) * sim.period_s
+    for req in arrivals:
+        while next_tick <= req.arrival_s:
+            twin._tick(next_tick)
+            _start_allowed(twin, pending)
+            next_tick = round(next_tick + sim.period_s, 9)
+        twin.now_s = req.arrival_s
+        twin._advance_reconfigs(req.arrival_s)
+        twin._admit(req)
+    itl_ms = sim.slo.itl_ms
+    good = 0.0
+    for tr in twin.trackers:
+        req = tr.req
+        tpot_ms = (tr.finish_s - tr.first_s) / (req.output_tokens - 1) * 1000.0 if req.output_tokens > 1 else 0.0
+        if (tr.first_s - req.arrival_s) * 1000.0 <= req.ttft_slo_ms and tpot_ms <= itl_ms:
+            good += sim.weights.get(req.model, 1.0)
+    return good / horizon_s if horizon_s > 0 else 0.0
+
+
+def _start_allowed(twin: "ElasticSim", pending: list[Reconfiguration]) -> None:
+    """Start the pending changes the balancer's guards would let start now: at most `max_in_flight` in flight,
+    their instances all present and taking requests, their models still served by the rest."""
+    for r in list(pending):
+        if len(twin._in_flight()) >= twin.policy.max_in_flight:
+            return
+        insts = twin.instances
+        if not all(i in insts and insts[i].accepting for i in r.retire):
+            continue
+        rest = [inst.cfg for iid, inst in insts.items() if inst.accepting and iid not in r.retire]
+        if {insts[i].cfg.model for i in r.retire} - serving_models(rest):
+            continue
+        twin._start(r)
+        pending.remove(r)
