@@ -44,7 +44,7 @@ from octoserve.services.core.specs import GPU_PRESETS, MODEL_PRESETS
 from octoserve.services.core.types import Role
 from octoserve.services.metrics import GroupStats, attainment_over_time
 from octoserve.services.usage import UsageError
-from octoserve.services.sim.elastic_sim import DayResult, demand_of, label_of, model_alone_rps, run_day
+from octoserve.services.sim.elastic_sim import RANKERS, DayResult, demand_of, label_of, model_alone_rps, run_day
 from octoserve.services.workload_day import (
     BASE_OUTPUT,
     BASE_PROMPT,
@@ -78,6 +78,10 @@ class ProfileRun:
     step_best: str = ""  # the best placement for the step's demand (label)
     step_gap: float = 0.0  # 1 - (the placement at the step's score / the best's), for the step's demand
     pd_tried: list[tuple[str, float]] = dataclasses.field(default_factory=list)  # the P/D phase's static trials
+    # With `compare_ranker`: the elastic day and the P/D phase again with that balancer ranker, and its adaptation.
+    ranked: DayResult | None = None
+    pd_ranked: DayResult | None = None
+    ranked_adapt_s: float = math.nan
 
 
 def day_node(cost_profile: str, gpu: str) -> NodeConfig:
@@ -135,7 +139,11 @@ def _adapt_s(res: DayResult, step_s: float | None, within_s: float = 60.0, first
 
 def run_profile(cost_profile: str, *, gpu: str = "h100-sxm-80gb", mix: str = "load", load: float = 0.9,
                 rate_rps: float = 40.0, hour_s: float = 60.0, hours: float = 24.0, seed: int = 0,
-                policy: BalancerPolicy = BalancerPolicy()) -> ProfileRun:
+                policy: BalancerPolicy = BalancerPolicy(), ranker: str = "none",
+                compare_ranker: str = "") -> ProfileRun:
+    """One row of the day's table. `ranker`: the balancer's candidate ranking in the elastic runs ("none": the
+    capacity estimate alone; "forward": played forward, services/sim/forward_ranker.py); `compare_ranker`: also run
+    the elastic day and the P/D phase with this one, beside (`ProfileRun.ranked`)."""
     node = day_node(cost_profile, gpu)
     mean_prompt, mean_output = BASE_PROMPT.mean, BASE_OUTPUT.mean
     alone = (model_alone_rps(node, SMALL, mean_prompt, mean_output), model_alone_rps(node, LARGE, mean_prompt, mean_output))
@@ -153,7 +161,8 @@ def run_profile(cost_profile: str, *, gpu: str = "h100-sxm-80gb", mix: str = "lo
     # The oracle picks each hour by simulated goodput among the estimate's best and the best static placement.
     oracle = run_day(node, day, requests, [], "oracle", layouts=layouts, policy=policy, oracle_extra=[static.initial])
     _say(f"[{cost_profile}]   oracle {oracle.summary.overall.goodput_rps:.1f} req/s ({time.perf_counter() - t0:.0f} s); elastic ...")
-    elastic = run_day(node, day, requests, static.initial, "elastic", layouts=layouts, policy=policy)
+    elastic = run_day(node, day, requests, static.initial, "elastic", layouts=layouts, policy=policy, ranker=ranker,
+                      seed=seed)
     _say(f"[{cost_profile}]   elastic {elastic.summary.overall.goodput_rps:.1f} req/s ({time.perf_counter() - t0:.0f} s); P/D phase ...")
     # The P/D phase alone, the 8B disaggregated (the 70B as any placement that serves it: on an 80-GB GPU its only
     # decoding instance is TP 4, so a disaggregated 70B leaves the 8B two GPUs and no ratio to balance), the GPU
@@ -165,8 +174,9 @@ def run_profile(cost_profile: str, *, gpu: str = "h100-sxm-80gb", mix: str = "lo
     pd_fixed, pd_tried = best_static(node, pd_day, pd_requests, disagg, "pd")
     fixed_layout = pd_fixed.initial
     split = [l for l in disagg if _gpu_split(l) == _gpu_split(fixed_layout)]
-    pd_elastic = run_day(node, pd_day, pd_requests, fixed_layout, "elastic", layouts=split,
-                         policy=dataclasses.replace(policy, allow_model_changes=False))
+    pd_policy = dataclasses.replace(policy, allow_model_changes=False)
+    pd_elastic = run_day(node, pd_day, pd_requests, fixed_layout, "elastic", layouts=split, policy=pd_policy,
+                         ranker=ranker, seed=seed)
     _say(f"[{cost_profile}]   P/D fixed {pd_fixed.summary.overall.goodput_rps:.1f}, balanced "
          f"{pd_elastic.summary.overall.goodput_rps:.1f} req/s ({time.perf_counter() - t0:.0f} s)")
     run = ProfileRun(cost_profile, day, alone, static, tried, oracle, elastic, pd_fixed, pd_elastic, gpu,
@@ -174,6 +184,15 @@ def run_profile(cost_profile: str, *, gpu: str = "h100-sxm-80gb", mix: str = "lo
     if day.step_s is not None:
         run.placement_adapt_s, run.step_best, run.step_gap = placement_adapt_s(node, day, requests, layouts, elastic,
                                                                               policy)
+    if compare_ranker:
+        run.ranked = run_day(node, day, requests, static.initial, "elastic", layouts=layouts, policy=policy,
+                             ranker=compare_ranker, seed=seed)
+        run.pd_ranked = run_day(node, pd_day, pd_requests, fixed_layout, "elastic", layouts=split, policy=pd_policy,
+                                ranker=compare_ranker, seed=seed)
+        if day.step_s is not None:
+            run.ranked_adapt_s = placement_adapt_s(node, day, requests, layouts, run.ranked, policy)[0]
+        _say(f"[{cost_profile}]   ranker {compare_ranker}: elastic {run.ranked.summary.overall.goodput_rps:.1f}, "
+             f"P/D balanced {run.pd_ranked.summary.overall.goodput_rps:.1f} req/s ({time.perf_counter() - t0:.0f} s)")
     return run
 
 
@@ -539,6 +558,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--objective", choices=OBJECTIVES, default="requests",
                         help="what the balancer and the oracle score placements by: request goodput (default) or "
                              "load-weighted goodput (each model's req/s over its alone capacity)")
+    parser.add_argument("--ranker", choices=RANKERS, default="none",
+                        help="the balancer's candidate ranking: the capacity estimate alone (none) or each candidate "
+                             "move played forward from the node's state in the simulator (forward)")
+    parser.add_argument("--compare-ranker", choices=[r for r in RANKERS if r != "none"], default="",
+                        help="also run every elastic day and P/D phase with this ranker, side by side")
+    parser.add_argument("--ranker-benchmarks", default="",
+                        help="with --compare-ranker: write its section into this BENCHMARKS.md")
+    parser.add_argument("--ranker-plots", default="docs/bench",
+                        help="with --compare-ranker: folder for its PNG plot ('' for none)")
     parser.add_argument("--plots", default="docs/bench", help="folder for the PNG plots ('' for none)")
     parser.add_argument("--benchmarks", default="", help="write the section into this BENCHMARKS.md")
     parser.add_argument("--also-gpu", action="append", default=[], choices=sorted(GPU_PRESETS),
@@ -555,7 +583,8 @@ def run(args: argparse.Namespace) -> int:
     wall0 = time.perf_counter()
     profiles = ("default", "pessimistic") if args.cost_profile == "both" else (args.cost_profile,)
     common = dict(load=args.load, rate_rps=args.rate, hour_s=args.hour_s, hours=args.hours, seed=args.seed,
-                  gpu=args.gpu, policy=BalancerPolicy(objective=args.objective))
+                  gpu=args.gpu, policy=BalancerPolicy(objective=args.objective), ranker=args.ranker,
+                  compare_ranker=args.compare_ranker)
     runs = [run_profile(p, mix=args.mix, **common) for p in profiles]
     request_runs = ([run_profile(p, mix="requests", **common) for p in profiles]
                     if args.also_requests and args.mix == "load" else [])
@@ -575,4 +604,8 @@ def run(args: argparse.Namespace) -> int:
         body = section(runs, args.command_line, plots, time.perf_counter() - wall0, request_runs, gpu_runs)
         path.write_text(replace_section(text, SECTION, body))
         _say(f"wrote {SECTION!r} into {path}")
+    if args.compare_ranker:
+        from octoserve.services.sim import elastic_ranked  # noqa: PLC0415
+
+        elastic_ranked.report(runs + request_runs + gpu_runs, args, time.perf_counter() - wall0)
     return 0

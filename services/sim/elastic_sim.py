@@ -190,6 +190,8 @@ class DayResult:
     wall_s: float = 0.0
     initial: tuple[InstanceConfig, ...] = ()  # the placement it started from
     layouts: list[tuple[float, tuple[InstanceConfig, ...]]] = field(default_factory=list)  # (time, placement)
+    forward_rankings: int = 0  # times the balancer's forward ranker played its candidates forward
+    forward_moves: int = 0  # candidate moves (hold included) it played forward
 
 
 def label_of(instances: Sequence[InstanceConfig]) -> str:
@@ -588,8 +590,9 @@ class ElasticSim:
         summary = summarize(records, self.slo, window)
         counters = dict(self.balancer.counters) if self.balancer else {}
         decisions = [(d.now_s, d.reason, d.detail) for d in self.balancer.log] if self.balancer else []
+        ranked = (self.ranker.calls, self.ranker.simulated) if self.ranker else (0, 0)
         return DayResult(self.mode, records, summary, self.reconfigs, self.placements, self.lost, self.migrated,
-                         counters, decisions, wall_s, self.initial, self.layout_log)
+                         counters, decisions, wall_s, self.initial, self.layout_log, *ranked)
 
 
 def _layout_key(layout: Sequence[InstanceConfig]) -> tuple:

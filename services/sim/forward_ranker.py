@@ -11,6 +11,7 @@ each candidate move, what the node would serve over the next `horizon_s` if it m
   rate per model, each arrival's lengths and SLO resampled from that model's arrivals over the last `window_s`,
   drawn from a `random.Random` seeded by (`seed`, the call's time), so a call is deterministic and hold and the
   moves differ only by what they do;
+- until a whole `window_s` of arrivals has been seen, every move scores 0 (no evidence: the balancer holds);
 - the score is the goodput of those arrivals (the objective's weights): requests admitted whose TTFT and TPOT meet
   the SLOs, per second of the horizon.
 
@@ -48,6 +49,8 @@ class ForwardSimRanker:
 
     def forecast(self, now_s: float, moves: Sequence[MoveCandidate], rates_rps: Mapping[str, float],
                  horizon_s: float) -> list[float]:
+        if now_s < self.window_s:  # not yet a whole window of arrivals to draw from: no evidence, hold
+            return [0.0] * len(moves)
         self.calls += 1
         arrivals = self.arrivals(now_s, rates_rps, horizon_s)
         past = self.sim._window(now_s - self.sim.window_s, now_s)
