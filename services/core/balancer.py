@@ -226,6 +226,11 @@ class BalancerPolicy:
     # comes on top), and how long a hold verdict on the same target stands before it is played forward again.
     forward_top_k: int = 3
     forward_refresh_s: float = 10.0
+    # A move may also win over this shorter horizon than the cost check's (None: only that one): demand whose
+    # lengths alternate faster than the mix changes (prefill-heavy and decode-heavy phases) pays a role change back
+    # before the next phase, and over the whole horizon the two phases cancel out.
+    forward_short_s: float | None = 20.0
+    forward_window_s: float = 60.0  # the forecast arrivals' lengths come from the arrivals over this last window
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
@@ -241,7 +246,7 @@ class BalancerPolicy:
         if not 0 < self.correction_weight <= 1 or not 0 < self.dwell_tolerance:
             raise ValueError("correction_weight must be in (0, 1] and dwell_tolerance > 0")
         for name in ("forecast_window_s", "min_gain_fraction", "min_gain_rps", "min_dwell_s", "engine_init_s",
-                     "role_switch_s", "forward_refresh_s"):
+                     "role_switch_s", "forward_refresh_s", "forward_window_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0 < self.decode_step_fraction <= 1:
@@ -272,10 +277,11 @@ class ForwardRanker(Protocol):
     name: str  # the decision reason's suffix: `ranked:NAME`
 
     def forecast(self, now_s: float, moves: Sequence[MoveCandidate], rates_rps: Mapping[str, float],
-                 horizon_s: float) -> Sequence[float]:
-        """One score per move, in the balancer's units (req/s within the SLOs, weighted by the objective), over
-        [now_s, now_s + horizon_s): the node's current state (queues, running requests, in-flight changes) with the
-        move's changes started as the guards allow, every move serving the same arrivals at `rates_rps` per model."""
+                 horizons_s: Sequence[float]) -> Sequence[Sequence[float]]:
+        """Per move, one score per horizon, in the balancer's units (req/s within the SLOs, weighted by the
+        objective) of the arrivals over [now_s, now_s + horizon): the node's current state (queues, running
+        requests, in-flight changes) with the move's changes started as the guards allow, every move serving the
+        same arrivals at `rates_rps` per model."""
         ...
 
 
@@ -886,26 +892,40 @@ class ElasticBalancer:
             self._verdict = f"{now_s:.0f} s: no reachable candidate move"
             self._decide(now_s, "hold:no_gain", "no candidate placement reachable under the allowed changes")
             return None
-        horizon = self.horizon_s(now_s)
+        horizons = [self.horizon_s(now_s)]
+        if policy.forward_short_s is not None and policy.forward_short_s < horizons[0]:
+            horizons.append(policy.forward_short_s)
         rates = {m: d.forecast_rps(ctx.trend_s, ctx.step) for m, d in ctx.demand.items()}
-        scores = [float(x) for x in self.ranker.forecast(now_s, moves, rates, horizon)]
-        if len(scores) != len(moves):
-            raise ValueError(f"ranker {self.ranker.name!r} gave {len(scores)} scores for {len(moves)} moves")
-        best = max(range(1, len(moves)), key=lambda k: scores[k])  # ties: the estimate's order
-        margin = max(policy.min_gain_rps, policy.min_gain_fraction * scores[0])
-        line = (f"{horizon:.0f} s played forward at " + ", ".join(f"{m} {r:.1f}" for m, r in rates.items())
-                + " req/s: " + "; ".join(f"{m.name} {_layout_text(m.layout)} {s:.2f} (estimate {m.estimate:.2f})"
-                                          for m, s in zip(moves, scores)) + f" {self._unit}")
-        gain = scores[best] - scores[0]
+        scores = [[float(x) for x in per] for per in self.ranker.forecast(now_s, moves, rates, horizons)]
+        if len(scores) != len(moves) or any(len(per) != len(horizons) for per in scores):
+            raise ValueError(f"ranker {self.ranker.name!r} gave {[len(p) for p in scores]} scores for {len(moves)} "
+                             f"moves over {len(horizons)} horizons")
+        line = (" / ".join(f"{h:.0f}" for h in horizons) + " s played forward at "
+                + ", ".join(f"{m} {r:.1f}" for m, r in rates.items()) + " req/s: "
+                + "; ".join(f"{m.name} {_layout_text(m.layout)} " + " / ".join(f"{x:.2f}" for x in per)
+                            + f" (estimate {m.estimate:.2f})" for m, per in zip(moves, scores)) + f" {self._unit}")
         self._verdict = f"{now_s:.0f} s: {line}"
-        if gain < margin:
-            self._decide(now_s, "hold:forward", f"no move beats hold by {margin:.2f} {self._unit}: {line}")
+        # Each move is judged over the horizon it must pay back in: role changes only (cheap to undo at the next
+        # ranking) over the short one, a move with a model change (weights to load) over the cost horizon.
+        judged = []
+        for k in range(1, len(moves)):
+            h = len(horizons) - 1 if all(r.kind is ReconfigKind.ROLE for r in moves[k].changes) else 0
+            margin = max(policy.min_gain_rps, policy.min_gain_fraction * scores[0][h])
+            judged.append((scores[k][h] - scores[0][h], -k, h, margin))  # ties: the estimate's order
+        winners = [j for j in judged if j[0] >= j[3]]
+        if not winners:
+            self._decide(now_s, "hold:forward", f"no move beats hold by the margin (role changes over "
+                                                f"{horizons[-1]:.0f} s, model changes over {horizons[0]:.0f} s): {line}")
             return None
+        gain, k, h, margin = max(winners)
+        best, horizon = -k, horizons[h]
         self._decide(now_s, f"ranked:{self.ranker.name}",
-                     f"{moves[best].name} beats hold by {gain:.2f} {self._unit}: {line}")
+                     f"{moves[best].name} beats hold by {gain:.2f} {self._unit} over {horizon:.0f} s (margin "
+                     f"{margin:.2f}): {line}")
         self._before, self._committed = tuple(current), _key(moves[best].layout)
         return self._forward_target(ctx, moves[best].layout, gain * horizon,
-                                    f"played forward: {moves[best].name} {scores[best]:.2f} vs hold {scores[0]:.2f}")
+                                    f"played forward over {horizon:.0f} s: {moves[best].name} {scores[best][h]:.2f} "
+                                    f"vs hold {scores[0][h]:.2f}")
 
     def _forward_target(self, ctx: "_Context", layout: Sequence[InstanceConfig], benefit: float,
                         why: str) -> "_Target":

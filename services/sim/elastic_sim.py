@@ -262,7 +262,7 @@ class ElasticSim:
         self.policy = policy
         self.weights = objective_weights(node, policy.objective)  # the oracle scores placements as the balancer does
         # The balancer's forward ranker ("forward": services/sim/forward_ranker.py), seeded for its arrivals.
-        self.ranker = ForwardSimRanker(self, seed, policy.forecast_window_s) if ranker == "forward" and mode == "elastic" else None
+        self.ranker = ForwardSimRanker(self, seed, policy.forward_window_s) if ranker == "forward" and mode == "elastic" else None
         self.balancer = ElasticBalancer(node, policy, self.layouts, self.ranker) if mode == "elastic" else None
         self.progress = progress
         self.now_s = 0.0

@@ -21,6 +21,7 @@ off (whose pause the hand-off rule keeps within their TPOT's room).
 
 from __future__ import annotations
 
+import bisect
 import copy
 import dataclasses
 import math
@@ -37,6 +38,9 @@ if TYPE_CHECKING:
     from octoserve.services.sim.elastic_sim import ElasticSim, _Inst, _Req
 
 
+REPLAY_NEIGHBOURS = 3  # a forecast arrival takes the lengths of one of the 2 x this + 1 past ones nearest its offset
+
+
 class ForwardSimRanker:
     name = "forward"
 
@@ -48,32 +52,37 @@ class ForwardSimRanker:
         self.simulated = 0  # candidate moves played forward
 
     def forecast(self, now_s: float, moves: Sequence[MoveCandidate], rates_rps: Mapping[str, float],
-                 horizon_s: float) -> list[float]:
+                 horizons_s: Sequence[float]) -> list[list[float]]:
         if now_s < self.window_s:  # not yet a whole window of arrivals to draw from: no evidence, hold
-            return [0.0] * len(moves)
+            return [[0.0] * len(horizons_s) for _ in moves]
         self.calls += 1
-        arrivals = self.arrivals(now_s, rates_rps, horizon_s)
+        arrivals = self.arrivals(now_s, rates_rps, max(horizons_s))
         past = self.sim._window(now_s - self.sim.window_s, now_s)
         out = []
         for move in moves:
-            out.append(play_forward(self.sim, move.changes, arrivals, past, now_s, horizon_s))
+            out.append(play_forward(self.sim, move.changes, arrivals, past, now_s, horizons_s))
             self.simulated += 1
         return out
 
     def arrivals(self, now_s: float, rates_rps: Mapping[str, float], horizon_s: float) -> list[DayRequest]:
         """The forecast arrivals over [now_s, now_s + horizon_s): the same for every move of one call."""
         rng = random.Random(self.seed * 1_000_003 + round(now_s * 1000))
-        recent = self.sim._window(now_s - self.window_s, now_s)
+        lo = now_s - self.window_s
+        recent = self.sim._window(lo, now_s)
         out: list[DayRequest] = []
         for model in sorted(rates_rps):
             pool = [r for r in recent if r.model == model]
+            times = [r.arrival_s for r in pool]
             rate = rates_rps[model]
             if not pool or rate <= 0:
                 continue
             t = now_s + rng.expovariate(rate)
             while t < now_s + horizon_s:
-                like = pool[rng.randrange(len(pool))]
-                out.append(dataclasses.replace(like, request_id=f"fw-{model}-{len(out)}", arrival_s=t))
+                # Persistence: the arrival x seconds ahead is like one of those that came x seconds into the window
+                # (one of the `REPLAY_NEIGHBOURS` nearest), so a pattern within the window plays again in order.
+                k = bisect.bisect_left(times, lo + (t - now_s) % self.window_s)
+                k = min(len(pool) - 1, max(0, k + rng.randint(-REPLAY_NEIGHBOURS, REPLAY_NEIGHBOURS)))
+                out.append(dataclasses.replace(pool[k], request_id=f"fw-{model}-{len(out)}", arrival_s=t))
                 t += rng.expovariate(rate)
         out.sort(key=lambda r: r.arrival_s)
         return out
@@ -123,9 +132,9 @@ def _clone_req(req: "_Req", memo: dict[int, object]) -> "_Req":
 
 
 def play_forward(sim: "ElasticSim", changes: Sequence[Reconfiguration], arrivals: Sequence[DayRequest],
-                 past: Sequence[DayRequest], now_s: float, horizon_s: float) -> float:
-    """What a fork of `sim` making `changes` from `now_s` serves of `arrivals` within the SLOs, weighted by the
-    objective, per second of `horizon_s` (module doc)."""
+                 past: Sequence[DayRequest], now_s: float, horizons_s: Sequence[float]) -> list[float]:
+    """What a fork of `sim` making `changes` from `now_s` serves within the SLOs of the `arrivals` over each
+    horizon, weighted by the objective, per second of that horizon (module doc)."""
     twin = fork(sim, [*past, *arrivals])
     pending = list(changes)
     _start_allowed(twin, pending)
@@ -139,13 +148,15 @@ def play_forward(sim: "ElasticSim", changes: Sequence[Reconfiguration], arrivals
         twin._advance_reconfigs(req.arrival_s)
         twin._admit(req)
     itl_ms = sim.slo.itl_ms
-    good = 0.0
+    good = [0.0] * len(horizons_s)
     for tr in twin.trackers:
         req = tr.req
         tpot_ms = (tr.finish_s - tr.first_s) / (req.output_tokens - 1) * 1000.0 if req.output_tokens > 1 else 0.0
         if (tr.first_s - req.arrival_s) * 1000.0 <= req.ttft_slo_ms and tpot_ms <= itl_ms:
-            good += sim.weights.get(req.model, 1.0)
-    return good / horizon_s if horizon_s > 0 else 0.0
+            for k, h in enumerate(horizons_s):
+                if req.arrival_s < now_s + h:
+                    good[k] += sim.weights.get(req.model, 1.0)
+    return [g / h if h > 0 else 0.0 for g, h in zip(good, horizons_s)]
 
 
 def _start_allowed(twin: "ElasticSim", pending: list[Reconfiguration]) -> None:
