@@ -312,12 +312,18 @@ def test_a_forecast_is_deterministic_for_a_seed_and_every_move_sees_the_same_arr
     assert g20 == g20_alone and g60 != g20
 
 
-def test_no_evidence_before_a_whole_window():
-    sim, _ = _warm(_profile(60.0, 0.3), PLACED, 30.0)
+def test_no_evidence_before_a_load_window_then_what_has_been_seen_replays():
+    sim, _ = _warm(_profile(60.0, 0.3), PLACED, 6.0)
     moves = _moves(sim, _find("llama-3-70b TP4Cx1 | llama-3-8b TP1Px2 TP1Dx2"))
     ranker = ForwardSimRanker(sim, seed=1, window_s=60.0)
-    assert ranker.forecast(30.0, moves, {S: 60.0, L: 0.3}, [60.0, 20.0]) == [[0.0, 0.0], [0.0, 0.0]]
+    assert ranker.forecast(6.0, moves, {S: 60.0, L: 0.3}, [60.0, 20.0]) == [[0.0, 0.0], [0.0, 0.0]]
     assert ranker.calls == 0
+    sim, _ = _warm(_profile(60.0, 0.3), PLACED, 12.0)  # 12 s seen of the 60-s window: those 12 s replay
+    ranker = ForwardSimRanker(sim, seed=1, window_s=60.0)
+    arrivals = ranker.arrivals(12.0, {S: 60.0}, 30.0)
+    seen = {(r.prompt_tokens, r.output_tokens) for r in sim._window(0.0, 12.0) if r.model == S}
+    assert arrivals and {(r.prompt_tokens, r.output_tokens) for r in arrivals} <= seen
+    assert ranker.forecast(12.0, moves, {S: 60.0, L: 0.3}, [60.0])[0][0] > 0 and ranker.calls == 1
 
 
 def test_an_elastic_day_with_the_forward_ranker_loses_nothing_and_explains_itself():

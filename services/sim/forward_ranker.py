@@ -8,10 +8,13 @@ each candidate move, what the node would serve over the next `horizon_s` if it m
   model still taking requests), the rest as soon as they are allowed, each paying its drain (or KV hand-off),
   its load or role switch, exactly as the live simulator carries a reconfiguration out;
 - every candidate serves the same forecast arrivals (common random numbers): Poisson at the balancer's forecast
-  rate per model, each arrival's lengths and SLO resampled from that model's arrivals over the last `window_s`,
-  drawn from a `random.Random` seeded by (`seed`, the call's time), so a call is deterministic and hold and the
-  moves differ only by what they do;
-- until a whole `window_s` of arrivals has been seen, every move scores 0 (no evidence: the balancer holds);
+  rate per model, the arrival x seconds ahead taking the lengths and SLO of one of that model's arrivals near
+  x seconds into the last `window_s` (a persistence forecast: the window plays again in order, so demand that
+  alternates within it, prefill-heavy and decode-heavy phases, is forecast in its order), drawn from a
+  `random.Random` seeded by (`seed`, the call's time), so a call is deterministic and hold and the moves differ
+  only by what they do;
+- until one load window (the simulator's `window_s`) of arrivals has been seen, every move scores 0 (no
+  evidence: the balancer holds); until a whole `window_s` of the ranker's has, it replays what there is;
 - the score is the goodput of those arrivals (the objective's weights): requests admitted whose TTFT and TPOT meet
   the SLOs, per second of the horizon.
 
@@ -53,7 +56,7 @@ class ForwardSimRanker:
 
     def forecast(self, now_s: float, moves: Sequence[MoveCandidate], rates_rps: Mapping[str, float],
                  horizons_s: Sequence[float]) -> list[list[float]]:
-        if now_s < self.window_s:  # not yet a whole window of arrivals to draw from: no evidence, hold
+        if now_s < self.sim.window_s:  # not yet one load window of arrivals to draw from: no evidence, hold
             return [[0.0] * len(horizons_s) for _ in moves]
         self.calls += 1
         arrivals = self.arrivals(now_s, rates_rps, max(horizons_s))
@@ -67,7 +70,8 @@ class ForwardSimRanker:
     def arrivals(self, now_s: float, rates_rps: Mapping[str, float], horizon_s: float) -> list[DayRequest]:
         """The forecast arrivals over [now_s, now_s + horizon_s): the same for every move of one call."""
         rng = random.Random(self.seed * 1_000_003 + round(now_s * 1000))
-        lo = now_s - self.window_s
+        span = min(self.window_s, now_s)  # early in a run, what has been seen so far
+        lo = now_s - span
         recent = self.sim._window(lo, now_s)
         out: list[DayRequest] = []
         for model in sorted(rates_rps):
@@ -80,7 +84,7 @@ class ForwardSimRanker:
             while t < now_s + horizon_s:
                 # Persistence: the arrival x seconds ahead is like one of those that came x seconds into the window
                 # (one of the `REPLAY_NEIGHBOURS` nearest), so a pattern within the window plays again in order.
-                k = bisect.bisect_left(times, lo + (t - now_s) % self.window_s)
+                k = bisect.bisect_left(times, lo + (t - now_s) % span)
                 k = min(len(pool) - 1, max(0, k + rng.randint(-REPLAY_NEIGHBOURS, REPLAY_NEIGHBOURS)))
                 out.append(dataclasses.replace(pool[k], request_id=f"fw-{model}-{len(out)}", arrival_s=t))
                 t += rng.expovariate(rate)
