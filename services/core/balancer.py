@@ -43,16 +43,20 @@ Guards, in the order they are checked (each refusal counted by reason in `counte
 - `planned:role` / `planned:model`: a reconfiguration was emitted.
 
 Optional forward ranker (`ForwardRanker`, off unless one is given): the estimate proposes, a forward simulation
-disposes. Once the estimate's target has passed the hysteresis and confirmation guards, and it is not a move under
-way, the balancer builds `MoveCandidate`s: "hold" (the placement in place, its in-flight changes continuing), the
-estimate's pick, its next best reachable targets (`forward_top_k` in all) and the way back (the placement the last
-move started from), each with every change that reaches it (`changes_to`, in an order that keeps every model
-served). The ranker plays each one forward from the node's current state over the cost horizon, every candidate
-serving the same forecast arrivals (the forecast rates below), the changes paying their drain, migration and load;
-its scores replace the estimate's cost check. The best candidate is taken when it beats hold by the hysteresis
-margin (`min_gain_rps`, `min_gain_fraction` of hold's score): `ranked:NAME`, with every candidate's score;
-otherwise `hold:forward`, with the same figures. A hold verdict on a target stands for `forward_refresh_s` (the
-target unchanged, no step seen), so the same comparison is not re-run every period.
+disposes; the estimate's own hysteresis, confirmation and cost checks are then not used. At most every
+`forward_refresh_s` (at once after a step), and not while a move it chose is still under way (that move's
+remaining changes are emitted through the in-flight, dwell and last-instance guards), the balancer builds `MoveCandidate`s: "hold" (the
+placement in place, its in-flight changes continuing), the estimate's best reachable targets that serve every model
+(`forward_top_k`) and the way back (the placement the last move started from), each with every change that reaches
+it (`changes_to`, in an order that keeps every model served). The ranker plays each forward from the node's current
+state, every candidate serving the same forecast arrivals (at each model's forecast rate), its changes paying their
+drain, migration and load, and scores it over two horizons: the cost horizon and `forward_short_s`. A move of role
+changes only is judged over the short one (a role change is cheap to undo at the next ranking, and demand whose
+lengths alternate, prefill-heavy then decode-heavy, pays it back within a phase), a move with a model change over
+the cost horizon (its load must pay). The move with the largest gain over hold among those beating hold by the
+hysteresis margin (`min_gain_rps`, `min_gain_fraction` of hold's score, each over its horizon) is taken:
+`ranked:NAME`, with every candidate's scores; otherwise `hold:forward`, with the same figures (and, between
+rankings, the standing verdict).
 
 Invariants: pure and clock-free (`now_s` is the caller's clock); every emitted reconfiguration passes
 `check_reconfiguration` against the placement after the in-flight ones; while it runs every model can still take
