@@ -349,3 +349,19 @@ def test_an_elastic_day_with_the_forward_ranker_loses_nothing_and_explains_itsel
     assert res.summary.overall.goodput_rps == again.summary.overall.goodput_rps
     with pytest.raises(ValueError, match="ranker must be one of"):
         ElasticSim(NODE, day, requests, PLACED, mode="elastic", ranker="replay")
+
+
+def test_elastic_day_compares_the_ranker_off_and_on_in_its_own_section(tmp_path, capsys):
+    from octoserve.services.cli import main
+
+    bench = tmp_path / "BENCHMARKS.md"
+    bench.write_text("# Benchmarks\n\n## Elastic pools (simulator)\n\nkept as it is\n")
+    rc = main(["elastic-day", "--cost-profile", "pessimistic", "--hours", "2", "--hour-s", "15", "--plots", "",
+               "--compare-ranker", "forward", "--ranker-benchmarks", str(bench), "--ranker-plots", str(tmp_path)])
+    assert rc == 0
+    text = bench.read_text()
+    assert "## Elastic pools (simulator)\n\nkept as it is\n" in text
+    section = text.split("## Elastic pools: forward-simulated ranking (simulator)\n", 1)[1]
+    assert "| 8 h100-sxm-80gb | pessimistic | load |" in section and "Goals:" in section
+    assert "![elastic-forward-ranker](" in section and (tmp_path / "elastic-forward-ranker.png").stat().st_size > 0
+    assert "Elastic pools: forward-simulated ranking (simulator)" in capsys.readouterr().out

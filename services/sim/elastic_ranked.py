@@ -78,6 +78,32 @@ def verdicts(rows: Sequence[dict]) -> list[str]:
     return out
 
 
+def goals(rows: Sequence[dict]) -> list[str]:
+    """The forward ranker's goals, each met or missed on these rows."""
+    by = {(r["gpu"], r["profile"], r["mix"]): r for r in rows}
+    out = []
+    h200p, h100p, h200d = (by.get(("h200-141gb", "pessimistic", "load")), by.get(("h100-sxm-80gb", "pessimistic", "load")),
+                           by.get(("h200-141gb", "default", "load")))
+    if h200p:
+        ok = h200p["on_static"] >= 1.0
+        out.append(f"- 8 H200s, pessimistic, mix by load: elastic >= 1.0x best static: {'met' if ok else 'MISSED'} "
+                   f"({h200p['off_static']:.2f}x -> {h200p['on_static']:.2f}x; {h200p['on_oracle']:.2f}x oracle).")
+    if h100p:
+        ok = h100p["pd_on_x"] >= 1.0
+        out.append(f"- 8 H100s, pessimistic, P/D phase: balanced >= 1.0x fixed: {'met' if ok else 'MISSED'} "
+                   f"({h100p['pd_off_x']:.2f}x -> {h100p['pd_on_x']:.2f}x).")
+    if h200d:
+        ok = h200d["on_static"] >= h200d["off_static"] - 1e-9 and h200d["on_oracle"] >= 0.9
+        out.append(f"- 8 H200s, default, mix by load: stays at the ranker-off {h200d['off_static']:.2f}x static and "
+                   f">= 0.9x oracle: {'met' if ok else 'MISSED'} ({h200d['on_static']:.2f}x static, "
+                   f"{h200d['on_oracle']:.2f}x oracle).")
+    worse = [f"{r['gpu']} {r['profile']} {r['mix']} ({what} {a:.2f} -> {b:.2f} req/s)" for r in rows
+             for what, a, b in (("day", r["off"], r["on"]), ("P/D", r["pd_off"], r["pd_on"])) if b < a - 1e-9]
+    out.append("- No row worse with the ranker on: " + ("met." if not worse else "MISSED: " + "; ".join(worse)
+               + ". So the ranker stays off by default (`--ranker none`)."))
+    return out
+
+
 def plot(runs: Sequence[ProfileRun], out_dir: Path) -> Path:
     import matplotlib  # noqa: PLC0415
 
@@ -145,6 +171,18 @@ def section(runs: Sequence[ProfileRun], rows: Sequence[dict], command: str, wall
         HEADER,
         *[table_row(r) for r in rows],
         "",
+        "Variants measured on the way (single runs of the affected rows with `BalancerPolicy` overrides, not "
+        "reproduced by the command above): one 60-s horizon for every move, lengths resampled from the last 10 s, "
+        "left the H200 pessimistic day at 0.94x static (it followed the P/D phase's halves into a colocated 8B and "
+        "stayed there); resampled from the last 60 s it reached 1.04x there but the balanced P:D ratio came out at "
+        "the fixed one's (H100 default: 1.01x instead of 1.11x); a 20-s horizon for every move gave "
+        "1.01x static on H200 default; re-ranking every 6 s instead of 10 s gave H200 default 1.25x but H200 "
+        "pessimistic 0.97x; judging a role change over 20 s only when its estimated drain ends within 10 s left "
+        "the H100 pessimistic day worse than off too (25.39 vs 25.46 req/s).",
+        "",
+        "Goals:",
+        *goals(rows),
+        "",
         "Per row (ranker on against off, and the ranker's own work):",
         *verdicts(rows),
         "",
@@ -165,7 +203,7 @@ def report(runs: Sequence[ProfileRun], args: argparse.Namespace, wall_s: float) 
     print(HEADER)
     for r in rows:
         print(table_row(r))
-    for line in verdicts(rows):
+    for line in verdicts(rows) + goals(rows):
         print(line)
     plot_path = None
     if args.ranker_plots:
