@@ -1,9 +1,11 @@
 """The elastic balancer (services/core/balancer.py) on the live node: the scheduler's view turned into its input.
 
-- Demand: routers report their arrivals per model every second (`Scheduler.ReportDemand`); `DemandWindow` keeps
-  them, on the modelled clock (wall / time scale), and gives each model's rate, trend and mean lengths over the
-  last `window_s`, and its recent rate with the step score (`step_score` over `STEP_BINS` bins of the window), so a
-  step in the live demand takes the balancer's step path as in the simulator.
+- Demand: routers report their arrivals and admission refusals (by reason) per model every second
+  (`Scheduler.ReportDemand`); `DemandWindow` keeps them, on the modelled clock (wall / time scale), and gives each
+  model's rate, trend and mean lengths over the last `window_s`, its refused rate (refusals in the window / the
+  window, as the simulator's balancer input counts them: what measured corrections and saturation read), and its
+  recent rate with the step score (`step_score` over `STEP_BINS` bins of the window), so a step in the live demand
+  takes the balancer's step path as in the simulator.
 - Instances: from the workers' load streams (`EngineLoad`): prefill backlog, running decodes against the slot
   limit, KV use, whether the instance takes requests (SERVING in the live placement), and an estimate of its drain
   (its mean output x its recent step time).
@@ -34,15 +36,29 @@ STEP_BINS = 5  # the window's arrivals in this many bins for `step_score` (the l
 
 
 class DemandWindow:
-    """Arrival samples (modelled time, model, arrivals, prompt tokens, output tokens) over the last `window_s`."""
+    """Arrival samples (modelled time, model, arrivals, prompt tokens, output tokens, refusals by reason) over the
+    last `window_s`."""
 
     def __init__(self, window_s: float = DEFAULT_WINDOW_S) -> None:
         self.window_s = window_s
-        self.samples: deque[tuple[float, str, int, int, int]] = deque()
+        self.samples: deque[tuple[float, str, int, int, int, tuple[tuple[str, int], ...]]] = deque()
 
-    def add(self, t_s: float, model: str, arrivals: int, prompt_tokens: int, output_tokens: int) -> None:
-        self.samples.append((t_s, model, arrivals, prompt_tokens, output_tokens))
+    def add(self, t_s: float, model: str, arrivals: int, prompt_tokens: int, output_tokens: int,
+            refused: Mapping[str, int] | None = None) -> None:
+        """`refused`: how many of the `arrivals` admission refused, by reason (`routing.REFUSAL_REASONS`)."""
+        self.samples.append((t_s, model, arrivals, prompt_tokens, output_tokens,
+                             tuple(sorted((refused or {}).items()))))
         self._prune(t_s)  # bounded without a balancer reading it
+
+    def refusals(self, now_s: float, model: str) -> dict[str, int]:
+        """The window's refusals of `model` by reason."""
+        self._prune(now_s)
+        out: dict[str, int] = {}
+        for s in self.samples:
+            if s[1] == model:
+                for reason, n in s[5]:
+                    out[reason] = out.get(reason, 0) + n
+        return out
 
     def _prune(self, now_s: float) -> None:
         while self.samples and self.samples[0][0] < now_s - self.window_s:
@@ -70,10 +86,12 @@ class DemandWindow:
                 k = math.ceil((s[0] - (now_s - self.window_s)) / bin_s - 1e-9) - 1
                 counts[min(STEP_BINS - 1, max(0, k))] += s[2]
             recent, z = step_score(counts, bin_s)
+            refused = sum(k for s in mine for _, k in s[5])
             out.append(ModelDemand(
                 m, n / self.window_s, trend,
                 mean_prompt_tokens=sum(s[3] for s in mine) / n if n else 1000.0,
-                mean_output_tokens=sum(s[4] for s in mine) / n if n else 250.0, recent_rps=recent, step_z=z))
+                mean_output_tokens=sum(s[4] for s in mine) / n if n else 250.0,
+                refused_rps=refused / self.window_s, recent_rps=recent, step_z=z))
         return tuple(out)
 
 

@@ -5,7 +5,7 @@ in simulated time.
 Each period (from the first full demand window on) the balancer reads the same input the live scheduler builds
 (services/scheduler/live_balancer.py): each instance's load snapshot (`EngineLoad`, from its `LoadReporter`) through
 `instance_load`, and the demand of the last `window_s` through a `DemandWindow` fed once per period with the
-arrivals of that period, as the routers report theirs.
+arrivals of that period and the router's admission refusals among them by reason, as the routers report theirs.
 
 A reconfiguration runs as on the live node (services/core/reconfig.py):
 - DRAINING: its retired instances leave the router's placement at once (no new request reaches them); their
@@ -95,6 +95,8 @@ class ElasticStepSim:
         self.sim = NodeSimulator(node, seed=seed)
         self.balancer = ElasticBalancer(node, policy) if balance else None
         self.demand = DemandWindow(window_s)
+        self._refused: dict[str, dict[str, int]] = {}  # model -> reason -> refusals since the last report
+        self.sim.router.refusal_observers.append(self._observe_refusal)
         self.plan_at = sorted(plan_at, key=lambda p: p[0])
         self.reconfigs: list[StepReconfig] = []
         self.starting: dict[str, InstanceConfig] = {}  # started instances of SWITCHING reconfigurations
@@ -127,8 +129,13 @@ class ElasticStepSim:
 
     # - the balancing period -
 
+    def _observe_refusal(self, spec, refusal) -> None:
+        mine = self._refused.setdefault(spec.model, {})
+        mine[refusal.reason] = mine.get(refusal.reason, 0) + 1
+
     def _report_arrivals(self, now_s: float) -> None:
-        """The period's arrivals per model into the demand window (the routers' `ReportDemand`)."""
+        """The period's arrivals per model and the router's refusals into the demand window (the routers'
+        `ReportDemand`)."""
         per: dict[str, list[int]] = {}
         while self._next_arrival < len(self._trace) and self._trace[self._next_arrival].arrival_s <= now_s:
             req = self._trace[self._next_arrival]
@@ -137,8 +144,10 @@ class ElasticStepSim:
             acc[1] += len(req.prompt_token_ids)
             acc[2] += req.max_tokens
             self._next_arrival += 1
-        for model, (n, prompt, output) in sorted(per.items()):
-            self.demand.add(now_s, model, n, prompt, output)
+        refused, self._refused = self._refused, {}
+        for model in sorted(set(per) | set(refused)):  # an arrival at a tick's instant may be routed after it
+            n, prompt, output = per.get(model, (0, 0, 0))
+            self.demand.add(now_s, model, n, prompt, output, refused.get(model))
 
     def _tick(self) -> None:
         now = self.sim.now
