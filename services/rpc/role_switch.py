@@ -96,7 +96,8 @@ class RoleSwitch(w_grpc.WorkerServicer):
             migrated, kept = 0, {}
             if request.migration_targets:  # running decodes that should move go by KV hand-off first
                 migrated, kept = await migrate_out(old, list(request.migration_targets),
-                                                   request.max_migration_pause_s or DEFAULT_MAX_PAUSE_S)
+                                                   request.max_migration_pause_s or DEFAULT_MAX_PAUSE_S,
+                                                   request.migration_itl_budget_s)
             while not self._idle(old):
                 if time.monotonic() - t0 > timeout_s:
                     old.draining = False

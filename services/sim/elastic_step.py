@@ -11,7 +11,8 @@ A reconfiguration runs as on the live node (services/core/reconfig.py):
 - DRAINING: its retired instances leave the router's placement at once (no new request reaches them); their
   running decodes migrate by KV hand-off to the other instances of the model (`migrate`, on by default), decided
   by the rule the live node applies (services/core/migration.py: remaining decode vs the modelled transfer of the
-  context, the targets' free slots and KV from their load snapshots) and carried out as it does (the request
+  context, the targets' free slots and KV from their load snapshots, and each target's decode step by the cost
+  model with the moved requests added, within the ITL SLO) and carried out as it does (the request
   leaves the source's batch at a step boundary, the target reserves room or it stays, the target decodes on from
   its last token after the transfer: `NodeSimulator.migrate`); the other requests finish there. Polled every
   `poll_s`.
@@ -189,9 +190,13 @@ class ElasticStepSim:
                 continue
             load = other.load()
             slots = max(0, load.max_num_seqs - load.num_running) if load.max_num_seqs else 1 << 16
-            targets.append(migration.Target(tid, load.num_free_blocks, load.block_size, slots))
-        decisions = migration.plan(running, targets, step_s=inst.load().decode_step_time_s,
-                                   transfer_s=inst.cost.kv_transfer_time_s, max_pause_s=self.max_migration_pause_s)
+            targets.append(migration.Target(tid, load.num_free_blocks, load.block_size, slots, load.num_running,
+                                            migration.kv_tokens_in_use(load)))
+        decisions = migration.plan(
+            running, targets, step_s=inst.load().decode_step_time_s, transfer_s=inst.cost.kv_transfer_time_s,
+            max_pause_s=self.max_migration_pause_s,
+            target_step_s=lambda tid, batch, kv: migration.batch_step_s(self.sim.instances[tid].cost, batch, kv),
+            itl_budget_s=self.node.slo.itl_ms / 1000.0)
 
         def done(outcome: str) -> None:
             if outcome == migration.MIGRATE:

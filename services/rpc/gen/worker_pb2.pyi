@@ -21,30 +21,38 @@ PREFILL: Role
 DECODE: Role
 
 class SetRoleRequest(_message.Message):
-    __slots__ = ("role", "drain_timeout_ms", "migration_targets", "max_migration_pause_s")
+    __slots__ = ("role", "drain_timeout_ms", "migration_targets", "max_migration_pause_s", "migration_itl_budget_s")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     DRAIN_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     MIGRATION_TARGETS_FIELD_NUMBER: _ClassVar[int]
     MAX_MIGRATION_PAUSE_S_FIELD_NUMBER: _ClassVar[int]
+    MIGRATION_ITL_BUDGET_S_FIELD_NUMBER: _ClassVar[int]
     role: Role
     drain_timeout_ms: int
     migration_targets: _containers.RepeatedCompositeFieldContainer[MigrationTarget]
     max_migration_pause_s: float
-    def __init__(self, role: _Optional[_Union[Role, str]] = ..., drain_timeout_ms: _Optional[int] = ..., migration_targets: _Optional[_Iterable[_Union[MigrationTarget, _Mapping]]] = ..., max_migration_pause_s: _Optional[float] = ...) -> None: ...
+    migration_itl_budget_s: float
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., drain_timeout_ms: _Optional[int] = ..., migration_targets: _Optional[_Iterable[_Union[MigrationTarget, _Mapping]]] = ..., max_migration_pause_s: _Optional[float] = ..., migration_itl_budget_s: _Optional[float] = ...) -> None: ...
 
 class MigrationTarget(_message.Message):
-    __slots__ = ("instance_id", "address", "free_blocks", "block_size", "free_slots")
+    __slots__ = ("instance_id", "address", "free_blocks", "block_size", "free_slots", "decode_batch", "kv_tokens", "tensor_parallel")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     FREE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_BATCH_FIELD_NUMBER: _ClassVar[int]
+    KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     address: str
     free_blocks: int
     block_size: int
     free_slots: int
-    def __init__(self, instance_id: _Optional[str] = ..., address: _Optional[str] = ..., free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., free_slots: _Optional[int] = ...) -> None: ...
+    decode_batch: int
+    kv_tokens: int
+    tensor_parallel: int
+    def __init__(self, instance_id: _Optional[str] = ..., address: _Optional[str] = ..., free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., free_slots: _Optional[int] = ..., decode_batch: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., tensor_parallel: _Optional[int] = ...) -> None: ...
 
 class SetRoleReply(_message.Message):
     __slots__ = ("drained_requests", "drain_s", "migrated_requests", "kept_by_reason")
