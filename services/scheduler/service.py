@@ -140,7 +140,8 @@ class SchedulerServicer(s_grpc.SchedulerServicer):
         p = self.placement
         return LiveView(tuple(p.instances.values()),
                         {i: st is elastic.State.SERVING for i, st in p.states.items()}, dict(self.loads),
-                        self.demand.demand(now_s, sorted(self.config.models)), self.demand.window_s)
+                        self.demand.demand(now_s, sorted(self.config.models)), self.demand.window_s,
+                        self.elastic.migrate, self.elastic.max_migration_pause_s)
 
     async def start_elastic(self) -> None:
         if self.balancer_loop is not None:

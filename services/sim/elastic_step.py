@@ -39,7 +39,7 @@ from octoserve.services.core.balancer import BalancerPolicy, ElasticBalancer, No
 from octoserve.services.core.placement import InstanceConfig, NodeConfig
 from octoserve.services.core.reconfig import Phase, ReconfigKind, Reconfiguration
 from octoserve.services.core.types import Role
-from octoserve.services.scheduler.live_balancer import DemandWindow, instance_load
+from octoserve.services.scheduler.live_balancer import DemandWindow, drain_estimates, instance_load
 from octoserve.services.sim.driver import NodeSimulator, SimResult
 from octoserve.services.workload import TraceRequest
 
@@ -120,10 +120,16 @@ class ElasticStepSim:
         return [r.reconfig for r in self.reconfigs if r.phase in (Phase.DRAINING, Phase.SWITCHING)]
 
     def node_load(self, now_s: float) -> NodeLoad:
-        """The balancer's input, built as the live scheduler builds it (`live_balancer.instance_load`)."""
+        """The balancer's input, built as the live scheduler builds it (`live_balancer.instance_load`; with migration
+        on, each decoding instance's drain estimate by the migration rule: `live_balancer.drain_estimates`)."""
         draining = self._draining()
         placement = [inst.cfg for inst in self.sim.instances.values()] + list(self.starting.values())
-        loads = [instance_load(inst.cfg, inst.load(), iid not in draining) for iid, inst in self.sim.instances.items()]
+        snapshots = {iid: inst.load() for iid, inst in self.sim.instances.items()}
+        accepting = {iid: iid not in draining for iid in snapshots}
+        drains = drain_estimates(self.node, [inst.cfg for inst in self.sim.instances.values()], snapshots, accepting,
+                                 self.max_migration_pause_s) if self.migrate else {}
+        loads = [instance_load(inst.cfg, snapshots[iid], accepting[iid], drains.get(iid))
+                 for iid, inst in self.sim.instances.items()]
         loads += [instance_load(cfg, None, False) for cfg in self.starting.values()]
         return NodeLoad(self.window_s, tuple(placement), tuple(loads),
                         self.demand.demand(now_s, sorted(self.node.models)))
