@@ -44,9 +44,14 @@ def test_drain_estimate_is_the_hand_off_when_the_rule_moves_every_decode():
     assert _drain(NODE, loads, migrate=False) == pytest.approx(drain_only)
     assert _drain(NODE, loads) == pytest.approx(hand_off)
     assert hand_off < drain_only / 100
-    # Requests still waiting for their prefill on c1 finish there: the drain waits for them.
+    # Requests still waiting for their prefill on c1 finish there: the drain waits for them; so does a decode
+    # reservation whose KV is on its way (it decodes there once it arrives).
     waiting = {**loads, "c1": _load("c1", 6, 703 - 114, waiting=1)}
     assert _drain(NODE, waiting) == pytest.approx(drain_only)
+    reserved = {**loads, "c1": dataclasses.replace(loads["c1"], num_reserved=1)}
+    assert _drain(NODE, reserved) == pytest.approx(drain_only)
+    only_reserved = dataclasses.replace(loads["c1"], num_running=0, num_reserved=2)
+    assert _drain(NODE, {**loads, "c1": only_reserved}, migrate=False) == pytest.approx(drain_only)
 
 
 def test_drain_estimate_waits_for_the_decodes_the_rule_would_keep():

@@ -116,9 +116,10 @@ MEAN_OUTPUT_TOKENS = 250.0  # an instance's remaining decode when it reports no 
 
 
 def drain_only_s(load: EngineLoad) -> float:
-    """Until an instance's requests finish there: its mean output x its recent step (the longest one's remainder,
-    at most a whole output)."""
-    if not load.num_running + load.num_waiting:
+    """Until an instance's requests finish there (running, waiting, and reserved: a decode reservation whose KV is
+    still on its way decodes here): its mean output x its recent step (the longest one's remainder, at most a whole
+    output)."""
+    if not load.num_running + load.num_waiting + load.num_reserved:
         return 0.0
     return (load.mean_output_tokens or MEAN_OUTPUT_TOKENS) * load.decode_step_time_s
 
@@ -128,15 +129,15 @@ def migration_drain_s(node: NodeConfig, inst: InstanceConfig, load: EngineLoad,
                       max_pause_s: float = migration.DEFAULT_MAX_PAUSE_S) -> float:
     """An instance's drain if it retired now with migration on, by the rule the draining worker applies
     (`migration.plan`, targets' load included): each running decode, with the instance's mean context (KV in use /
-    running) and a whole mean output left, either moves (the hand-off: the transfer of its context + one decode step;
-    the moves run in parallel) or stays (its decode left); the drain ends with the slowest. Requests not yet
-    decoding (waiting) finish there."""
+    its running and reserved requests) and a whole mean output left, either moves (the hand-off: the transfer of its
+    context + one decode step; the moves run in parallel) or stays (its decode left); the drain ends with the
+    slowest. Requests not decoding yet (waiting, or reserved: their KV still on its way) finish there."""
     running = load.num_running
-    if not running + load.num_waiting:
+    if not running + load.num_waiting + load.num_reserved:
         return 0.0
     step_s = load.decode_step_time_s
     remaining = round(load.mean_output_tokens or MEAN_OUTPUT_TOKENS)
-    context = migration.kv_tokens_in_use(load) // max(1, running)
+    context = migration.kv_tokens_in_use(load) // max(1, running + load.num_reserved)
     cost = node.cost_model(inst)
     costs = {t.id: node.cost_model(t) for t, _ in targets}
     decisions = migration.plan(
@@ -147,7 +148,7 @@ def migration_drain_s(node: NodeConfig, inst: InstanceConfig, load: EngineLoad,
         step_s=step_s, transfer_s=cost.kv_transfer_time_s, max_pause_s=max_pause_s,
         target_step_s=lambda tid, batch, kv: migration.batch_step_s(costs[tid], batch, kv),
         itl_budget_s=node.slo.itl_ms / 1000.0)
-    waiting_s = drain_only_s(load) if load.num_waiting else 0.0
+    waiting_s = drain_only_s(load) if load.num_waiting + load.num_reserved else 0.0
     return max([waiting_s] + [d.transfer_s + step_s if d.migrate else d.remaining_s for d in decisions])
 
 

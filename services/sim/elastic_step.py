@@ -84,7 +84,8 @@ class ElasticStepSim:
     def __init__(self, node: NodeConfig, *, policy: BalancerPolicy = BalancerPolicy(), period_s: float = 1.0,
                  window_s: float = 10.0, seed: int = 0, balance: bool = True,
                  plan_at: Sequence[tuple[float, Reconfiguration]] = (), poll_s: float = 0.05,
-                 migrate: bool = True, max_migration_pause_s: float = migration.DEFAULT_MAX_PAUSE_S) -> None:
+                 migrate: bool = True, max_migration_pause_s: float = migration.DEFAULT_MAX_PAUSE_S,
+                 drain_by_rule: bool = True) -> None:
         if node.gang is not None:
             raise ValueError("elastic_step: gang groups are not supported; drop the `gang` section")
         if period_s <= 0 or window_s <= 0 or poll_s <= 0:
@@ -93,6 +94,10 @@ class ElasticStepSim:
         self.policy = policy
         self.period_s, self.window_s, self.poll_s = period_s, window_s, poll_s
         self.migrate, self.max_migration_pause_s = migrate, max_migration_pause_s
+        # With migration on, the balancer's drain estimate by the migration rule (as the live scheduler's); False:
+        # the drain-only estimate (remaining decode) even when requests migrate (for comparison).
+        self.drain_by_rule = drain_by_rule
+        self.reported_refusals: dict[str, int] = {}  # refusals reported into the demand window, by reason
         self.sim = NodeSimulator(node, seed=seed)
         self.balancer = ElasticBalancer(node, policy) if balance else None
         self.demand = DemandWindow(window_s)
@@ -127,7 +132,7 @@ class ElasticStepSim:
         snapshots = {iid: inst.load() for iid, inst in self.sim.instances.items()}
         accepting = {iid: iid not in draining for iid in snapshots}
         drains = drain_estimates(self.node, [inst.cfg for inst in self.sim.instances.values()], snapshots, accepting,
-                                 self.max_migration_pause_s) if self.migrate else {}
+                                 self.max_migration_pause_s) if self.migrate and self.drain_by_rule else {}
         loads = [instance_load(inst.cfg, snapshots[iid], accepting[iid], drains.get(iid))
                  for iid, inst in self.sim.instances.items()]
         loads += [instance_load(cfg, None, False) for cfg in self.starting.values()]
@@ -152,6 +157,9 @@ class ElasticStepSim:
             acc[2] += req.max_tokens
             self._next_arrival += 1
         refused, self._refused = self._refused, {}
+        for reasons in refused.values():
+            for reason, n in reasons.items():
+                self.reported_refusals[reason] = self.reported_refusals.get(reason, 0) + n
         for model in sorted(set(per) | set(refused)):  # an arrival at a tick's instant may be routed after it
             n, prompt, output = per.get(model, (0, 0, 0))
             self.demand.add(now_s, model, n, prompt, output, refused.get(model))
