@@ -172,3 +172,32 @@ def test_the_step_level_simulators_balancer_input_counts_its_routers_refusals():
     d, pd = sim.demand.demand(2.0, [COLOCATED_MODEL, DISAGG_MODEL])
     assert (d.arrival_rps, d.refused_rps) == (10 / 10.0, 4 / 10.0)
     assert (pd.arrival_rps, pd.refused_rps) == (0.0, 0.0)
+
+
+def test_the_reporter_counts_refusals_after_routing_too():
+    """A request routed and then refused (its decode reservation failed) counts once as an arrival and once as a
+    refusal (`decode_reserve`); the report carries each model's refusals by reason and starts again from zero."""
+    import random
+
+    from octoserve.router.demand_report import DemandReporter
+    from octoserve.services.core.errors import Overloaded
+    from octoserve.services.core.routing import RouterPolicy, build_cost_models
+    from octoserve.services.core.types import EngineLoad, Priority, Role
+    from octoserve.services.rpc import convert
+
+    config = small_config()
+    policy = RouterPolicy(config, build_cost_models(config), random.Random(0))
+    reporter = DemandReporter("127.0.0.1:1", policy)  # not started: nothing is sent
+
+    def spec(i: int, n: int):
+        return convert.spec_from_public(request(DISAGG_MODEL, num_prompt_tokens=n), f"r{i}", 0.0, None)
+
+    loads = {iid: EngineLoad(iid, DISAGG_MODEL, role, 0, 0, 703, 703, 16, 0, 2e4, 0.006, max_num_seqs=64)
+             for iid, role in (("p0", Role.PREFILL), ("d0", Role.DECODE))}
+    assert policy.route(spec(0, 12000), loads, 0.0).reason == "slo_infeasible"
+    routed = spec(1, 32)
+    assert policy.route(routed, loads, 0.0).decode_instance_id == "d0"
+    policy.refused_after_routing(routed, Overloaded(DISAGG_MODEL, Priority.STANDARD, 50, "no KV"), "decode_reserve")
+    (m,) = reporter.report(1.0).models
+    assert (m.model, m.arrivals, dict(m.refused)) == (DISAGG_MODEL, 2, {"slo_infeasible": 1, "decode_reserve": 1})
+    assert reporter.report(1.0).models == []

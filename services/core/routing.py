@@ -70,8 +70,9 @@ class Route:
 
 # Why admission refused a request, as a short key (`Refuse.reason`): what the routers report to the scheduler's
 # balancer per model (router/demand_report.py) and what its log lines say.
+# "decode_reserve": routed, then the decode instance had no KV left to reserve (`refused_after_routing`).
 REFUSAL_REASONS = ("unknown_model", "slo_infeasible", "itl_infeasible", "tier_bound", "no_healthy_instance",
-                   "kv_headroom", "batch_share", "ttft")
+                   "kv_headroom", "batch_share", "ttft", "decode_reserve")
 
 
 @dataclass(frozen=True, slots=True)
@@ -276,6 +277,13 @@ class RouterPolicy:
         if spec.priority < Priority.BATCH and self.config.policies.admission:
             self.pressure.observe(spec.model, isinstance(decision, Refuse) and isinstance(decision.error, Overloaded))
         return decision
+
+    def refused_after_routing(self, spec: RequestSpec, error: Overloaded, reason: str) -> None:
+        """A routed request refused afterwards (its decode reservation failed): the refusal observers hear of it as
+        of one of `route`'s own refusals."""
+        refusal = Refuse(error, error.retry_after_ms, reason)
+        for observe in self.refusal_observers:
+            observe(spec, refusal)
 
     def candidates(self, spec: RequestSpec, loads: Mapping[str, EngineLoad]) -> list[Candidate]:
         """The entry instances of `spec`'s model as route() sees them, before any filter, changing no state: what a
