@@ -59,17 +59,21 @@ def main() -> int:
         rows.append((label, g, res, sim))
     print(f"\n{args.gpu}, {args.cost_profile} cost profile, one hour = {args.hour_s:g} s, KV migration on\n")
     print("| drain estimate | goodput req/s | attainment | reconfigurations | migrated / held at drain start | "
-          "est. drain (s, median) | measured drain (s, median) | decisions by reason | lost |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "est. drain (s, median) | measured drain (s, median) | abs. error (s, median; max) | decisions by reason | "
+          "lost |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for label, g, res, _ in rows:
         done = res.done
         est = [r.reconfig.est_drain_s for r in done]
         measured = [r.drain_end_s - r.planned_s for r in done]
+        errors = [abs(e - m) for e, m in zip(est, measured)]
         counters = ", ".join(f"{k} {v}" for k, v in sorted(res.counters.items()))
         print(f"| {label} | {g.goodput_rps:.2f} | {g.attainment_offered:.3f} | {len(done)} | "
               f"{sum(r.migrated for r in done)} / {sum(r.held for r in done)} | "
               f"{statistics.median(est) if est else float('nan'):.3f} | "
-              f"{statistics.median(measured) if measured else float('nan'):.3f} | {counters} | {res.lost} |")
+              f"{statistics.median(measured) if measured else float('nan'):.3f} | "
+              f"{statistics.median(errors) if errors else float('nan'):.3f}; {max(errors, default=float('nan')):.3f} | "
+              f"{counters} | {res.lost} |")
     print()
     for label, _, res, _ in rows:
         for r in res.done:
@@ -78,8 +82,10 @@ def main() -> int:
                   f"migrated {r.migrated} of {r.held}, kept {r.kept or {}}")
     label, _, res, sim = rows[0]
     refused_records = sum(1 for r in res.sim.records if r.refused)
+    reported_by = sum(1 for r in res.sim.records if r.refused and r.arrival_s <= sim.last_report_s)
     print(f"\nrefusals reported into the balancer's demand window: {sum(sim.reported_refusals.values())} "
-          f"({dict(sorted(sim.reported_refusals.items()))}); refused in the records: {refused_records}")
+          f"({dict(sorted(sim.reported_refusals.items()))}); refused in the records: {refused_records}, of them "
+          f"{reported_by} arrived by the last report ({sim.last_report_s:.1f} s)")
     return 0
 
 

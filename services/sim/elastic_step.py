@@ -98,6 +98,7 @@ class ElasticStepSim:
         # the drain-only estimate (remaining decode) even when requests migrate (for comparison).
         self.drain_by_rule = drain_by_rule
         self.reported_refusals: dict[str, int] = {}  # refusals reported into the demand window, by reason
+        self.last_report_s = 0.0  # when the demand window got its last report
         self.sim = NodeSimulator(node, seed=seed)
         self.balancer = ElasticBalancer(node, policy) if balance else None
         self.demand = DemandWindow(window_s)
@@ -157,6 +158,7 @@ class ElasticStepSim:
             acc[2] += req.max_tokens
             self._next_arrival += 1
         refused, self._refused = self._refused, {}
+        self.last_report_s = now_s
         for reasons in refused.values():
             for reason, n in reasons.items():
                 self.reported_refusals[reason] = self.reported_refusals.get(reason, 0) + n
