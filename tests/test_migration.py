@@ -412,3 +412,41 @@ async def test_model_change_under_load_migrates_and_router_follows(tmp_path):
         assert all(e["code"] == "OK" for e in log.values()) and len(log) == len(streams)
     finally:
         node.stop()
+
+
+@pytest.mark.asyncio(loop_scope="function")
+async def test_set_role_with_a_target_tp_the_model_cannot_take_is_invalid_and_changes_nothing():
+    import argparse
+
+    from octoserve.services.core.types import Role
+    from octoserve.services.engine.factory import make_engine
+    from octoserve.services.rpc import convert, role_switch
+    from octoserve.services.rpc.gen import worker_pb2_grpc as w_grpc
+    from octoserve.services.rpc.hardening import add_servicer
+    from octoserve.services.rpc.server import ServiceSpec, start_service
+    from octoserve.services.rpc.worker_main import WORKER_SERVICE
+    from tests.service_fixtures import WORKER_DESCRIPTOR
+
+    config = node_config_from_dict(two_replica_config())
+    first = role_switch.servicer_for_role(Role.COLOCATED, make_engine(config, "c1", engine="sim", time_scale=1.0))
+    first.model_spec = config.models[COLOCATED_MODEL]
+    args = argparse.Namespace(engine="sim", instance="c1", time_scale=1.0)
+    switch = role_switch.RoleSwitch(first, role_switch.rebuilder(config, args, first))
+    spec = ServiceSpec(name="worker:c1", metrics_port=None, grace_s=1.0, service_names=(WORKER_SERVICE,),
+                       add_servicers=lambda server: add_servicer(switch, WORKER_DESCRIPTOR, server),
+                       start=switch.start, drain=switch.drain, close=switch.close, registry=switch.metrics.registry)
+    running = await start_service(spec)
+    try:
+        async with grpc.aio.insecure_channel(running.address) as channel:
+            stub = w_grpc.WorkerStub(channel)
+            bad = w_pb.MigrationTarget(instance_id="c0", address="127.0.0.1:1", free_blocks=700, block_size=16,
+                                       free_slots=64, tensor_parallel=3)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.SetRole(w_pb.SetRoleRequest(role=convert.ROLE_TO_PB[Role.DECODE], migration_targets=[bad],
+                                                       migration_itl_budget_s=0.03), timeout=10)
+            assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+            assert e.value.details().startswith("migration target 'c0': ")
+            assert "tp=3 must divide num_attention_heads=32" in e.value.details()
+            assert not switch.inner.draining and switch.inner.engine.role is Role.COLOCATED and not switch.role_changes
+    finally:
+        await running.shutdown()

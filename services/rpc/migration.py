@@ -35,6 +35,7 @@ from octoserve.services import trust
 from octoserve.services.core import migration
 from octoserve.services.core.batcher import RequestStatus
 from octoserve.services.core.cost_model import CostModel
+from octoserve.services.core.specs import SpecError
 from octoserve.services.rpc import convert
 from octoserve.services.rpc.gen import worker_pb2 as w_pb
 from octoserve.services.rpc.gen import worker_pb2_grpc as w_grpc
@@ -61,6 +62,19 @@ def _decisions_counter(metrics):
                                ["instance", "decision"], registry=metrics.registry)
         metrics.migration_decisions = counter
     return counter
+
+
+def targets_problem(engine, targets) -> str | None:
+    """What is wrong with a SetRole's migration targets (a TP degree the model cannot be split into), or None."""
+    cost = getattr(engine, "cost_model", None)
+    for t in targets:
+        if t.tensor_parallel and cost is not None:
+            try:
+                cost.model.check_tp(t.tensor_parallel)
+            except SpecError as e:
+                return (f"migration target {t.instance_id!r}: {e}; send the target's own tensor_parallel (0: the "
+                        "source's)")
+    return None
 
 
 def target_step_model(cost, targets: list[w_pb.MigrationTarget]):
