@@ -201,3 +201,37 @@ def test_the_reporter_counts_refusals_after_routing_too():
     (m,) = reporter.report(1.0).models
     assert (m.model, m.arrivals, dict(m.refused)) == (DISAGG_MODEL, 2, {"slo_infeasible": 1, "decode_reserve": 1})
     assert reporter.report(1.0).models == []
+
+
+def test_the_live_balancers_measured_corrections_observe_reported_refusals():
+    """Saturation detection on the live input: with `measured_corrections` on, a model whose shape held a whole
+    window while refusing >= 5 % of its arrivals is observed (its served rate over its estimated capacity); the same
+    arrivals without refusals are not."""
+    from octoserve.services.core.balancer import BalancerPolicy
+    from octoserve.services.scheduler.live_balancer import LiveElasticBalancer, LiveView
+    from tests.test_balancer import LM, NODE, SM_C
+
+    current = (LM, *SM_C)
+    models = ["llama-3-70b", "llama-3-8b"]
+
+    def run(refuse: bool):
+        balancer = LiveElasticBalancer(NODE, BalancerPolicy(measured_corrections=True))
+        balancer.inner.layouts = [current]
+        window = DemandWindow(window_s=10.0)
+        for t in range(1, 21):  # the 8B at 40 req/s, a fifth of it refused; the 70B at 1 req/s
+            window.add(float(t), "llama-3-8b", 40, 40_000, 10_000, {"ttft": 8} if refuse else None)
+            window.add(float(t), "llama-3-70b", 1, 1000, 250)
+            if t in (10, 20):  # the shape is seen at 10 s and has held a whole window at 20 s
+                view = LiveView(current, {i.id: True for i in current}, {}, window.demand(float(t), models), 10.0)
+                balancer.plan(float(t), view, [])
+        return balancer, window.demand(20.0, models)[1]
+
+    saturated, small = run(True)
+    cap = saturated.inner.capacity.model_capacity_rps(list(SM_C), small.as_model_load(1.0))
+    assert small.refused_rps > 0.05 * small.arrival_rps and small.arrival_rps > 0.5 * cap
+    ratio = (small.arrival_rps - small.refused_rps) / cap
+    observed = [d.detail for d in saturated.inner.log if d.reason == "measured:observed"]
+    assert observed == [f"llama-3-8b TP1Cx4 served {ratio:.2f} of its estimated capacity, saturated "
+                        f"(factor {ratio:.2f})"]
+    calm, _ = run(False)
+    assert calm.inner.counters["measured:observed"] == 0
