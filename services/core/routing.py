@@ -213,8 +213,7 @@ class RouterPolicy:
     # --- hooks --------------------------------------------------------------------------------------------------
 
     def on_kv_events(self, instance_id: str, events: Sequence[KVEvent]) -> None:
-        for event in events:
-            self.prefix_index.apply(instance_id, event)
+        self.prefix_index.apply_all(instance_id, events)
 
     def forget_instance(self, instance_id: str) -> None:
         """The instance's KV events stopped (its load stream ended): drop what the prefix index holds for it."""
