@@ -115,7 +115,7 @@ class KVCacheManager:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # head = next to evict
         self._requests: dict[str, _RequestBlocks] = {}
         self._events: list[KVEvent] = []
-        # The chain hashes of the last looked-up token bytes: the batcher looks a prompt up, then allocates it.
+        # The chain hashes of the blocks `_lookup` hashed last, and those blocks' tokens packed (`_token_bytes`).
         self._lookup_bytes = b""
         self._lookup_hashes: list[int] = []
 
@@ -159,18 +159,23 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return [], []
         # Only blocks that end strictly before the last token: the last token's logits must be computed.
-        max_blocks = max(0, len(token_ids) - 1) // self.block_size
-        data = _token_bytes(token_ids[: max_blocks * self.block_size])
-        if data != self._lookup_bytes:
-            self._lookup_bytes, self._lookup_hashes = data, []
-        chain = self._lookup_hashes  # hashes depend on the tokens only, so a repeated lookup reuses them
-        step = self.block_size * _TOKEN_BYTES
+        bs = self.block_size
+        max_blocks = max(0, len(token_ids) - 1) // bs
+        # Hashes depend on the tokens only, so a repeated lookup (the batcher looks a prompt up, then allocates it)
+        # reuses the chain of the blocks hashed last time while its tokens are this prompt's first ones. Only the
+        # blocks hashed are packed: a prompt's chain usually ends after a few blocks.
+        chain = self._lookup_hashes
+        if _token_bytes(token_ids[: len(chain) * bs]) != self._lookup_bytes:
+            chain = self._lookup_hashes = []
+            self._lookup_bytes = b""
         hashes: list[int] = []
         blocks: list[int] = []
         parent: int | None = None
-        for index, offset in enumerate(range(0, len(data), step)):
+        for index in range(max_blocks):
             if index == len(chain):
-                chain.append(_digest(parent, self._extra, data[offset : offset + step]))
+                block_bytes = _token_bytes(token_ids[index * bs : (index + 1) * bs])
+                chain.append(_digest(parent, self._extra, block_bytes))
+                self._lookup_bytes += block_bytes
             parent = chain[index]
             block = self._hash_to_block.get(parent)
             if block is None:
