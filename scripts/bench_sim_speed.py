@@ -3,7 +3,8 @@
 Each variant runs the same command as a fresh process, start to exit (imports, trace generation, simulation,
 summary), several times, interleaved so that a shared machine's load hits every variant alike. The timed runs are
 the command as a user types it (no --json); one more run per variant and case writes --json. Reports wall and CPU
-(user + sys of the child) seconds per variant, the medians' ratios, and checks that every run of every variant
+(user + sys of the child) seconds per variant, the medians' ratios and the median of each rep's CPU ratio (its
+variants ran back to back, under one moment's load), and checks that every run of every variant
 printed the same report (the simulator's own speed line aside) and that the --json runs wrote the same records,
 instance figures and summary.
 
@@ -129,20 +130,23 @@ def main() -> int:
             same_text = all(reports[v] == reports[first] for v in variants)
             ok = ok and same_runs and same_variants and same_text
             med = {v: (statistics.median(w for w, _ in t), statistics.median(c for _, c in t)) for v, t in times.items()}
-            rows.append((profile, cost, med, same_runs, same_variants and same_text))
+            # Each rep runs every variant back to back, so a rep's CPU ratio sees one moment's load on both sides:
+            # the median of those ratios is steadier than the ratio of medians on a shared machine.
+            paired = {v: statistics.median(c / f for (_, c), (_, f) in zip(times[v], times[first])) for v in variants}
+            rows.append((profile, cost, med, paired, same_runs, same_variants and same_text))
         print_table(rows, list(variants))
         return 0 if ok else 1
 
 
 def print_table(rows, variants: list[str]) -> None:
     cols = " | ".join(f"{v} wall s | {v} cpu s" for v in variants)
-    ratios = " | ".join(f"wall {v}/fast | cpu {v}/fast" for v in variants[1:])
+    ratios = " | ".join(f"wall {v}/fast | cpu {v}/fast | cpu {v}/fast paired" for v in variants[1:])
     print(f"| profile | cost | {cols} | {ratios} | repeat-identical | variants identical |")
-    print("|" + "---|" * (4 + 4 * len(variants) - 2))
-    for profile, cost, med, same_runs, same_variants in rows:
+    print("|" + "---|" * (4 + 5 * len(variants) - 3))
+    for profile, cost, med, paired, same_runs, same_variants in rows:
         cells = " | ".join(f"{med[v][0]:.2f} | {med[v][1]:.2f}" for v in variants)
-        ratio_cells = " | ".join(f"{med[v][0] / med['fast'][0]:.2f}x | {med[v][1] / med['fast'][1]:.2f}x"
-                                 for v in variants[1:])
+        ratio_cells = " | ".join(f"{med[v][0] / med['fast'][0]:.2f}x | {med[v][1] / med['fast'][1]:.2f}x | "
+                                 f"{paired[v]:.2f}x" for v in variants[1:])
         print(f"| {profile} | {cost} | {cells} | {ratio_cells} | {'yes' if same_runs else 'NO'} | "
               f"{'yes' if same_variants else 'NO'} |")
 
