@@ -182,8 +182,10 @@ class RouterPolicy:
 
     cost_models: instance id -> CostModel (a model name is accepted as a fallback key), for own-prefill times and
     a throughput fallback when a snapshot reports none. prefix_index / block_hasher default to
-    octoserve.services.core.kv_cache's PrefixIndex and prefix_block_hashes; `extra_key` must equal the engines'
-    KVCacheManager extra_key so hashes match: None (default) uses the model name, as octoserve.services.core.instance does.
+    octoserve.services.core.kv_cache's PrefixIndex and prefix_block_hashes (an index given instead takes an instance's
+    events with `apply_all(instance_id, events)`, `overlap_blocks` and `remove_instance`); `extra_key` must equal the
+    engines' KVCacheManager extra_key so hashes match: None (default) uses the model name, as
+    octoserve.services.core.instance does.
     """
 
     def __init__(
