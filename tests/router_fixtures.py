@@ -36,6 +36,10 @@ class FakeIndex:
     def apply(self, instance_id, event) -> None:
         self.events.append((instance_id, event))
 
+    def apply_all(self, instance_id, events) -> None:
+        for event in events:
+            self.apply(instance_id, event)
+
     def overlap_blocks(self, block_hashes) -> dict[str, int]:
         return dict(self.overlaps)
 

@@ -1,6 +1,7 @@
 """Admission decisions on hand-built loads: admit, refuse by KV, by TTFT (exact retry hints), by tier bound."""
 
 import dataclasses
+import random
 
 from router_fixtures import LM, SM, colocated_config, disagg_config, load, policy, request
 
@@ -243,3 +244,34 @@ def test_reused_instance_figures_follow_every_ledger_change_on_the_same_snapshot
     assert after != before  # the hooks above did change the figures (the check can fail)
     cached.route(specs[0], {**loads, "sm-0": load("sm-0", queued=50)}, 0.0)  # a new snapshot clears pending
     check(specs[0])
+
+
+def test_itl_feasibility_is_the_batch_1_step_time_at_every_prompt_length_around_the_limit():
+    """The router compares a prompt's length with the longest context whose batch-1 decode step fits the ITL SLO
+    (found once per cost model): the same answer as timing the step at each prompt, on both sides of the limit."""
+    from octoserve.services.core.routing import RouterPolicy
+
+    base = colocated_config()
+    cost = base.cost_model(base.instance("lm-0"))
+    itl_ms = cost.decode_step_time_s(1, 1500) * 1000.0  # a 1500-token context is exactly at the limit
+    config = dataclasses.replace(base, slo=dataclasses.replace(base.slo, itl_ms=itl_ms))
+    costs = {i.id: config.cost_model(i) for i in config.instances}
+    router = RouterPolicy(config, costs, random.Random(0))
+    outcomes = set()
+    for prompt in range(1490, 1520):
+        over = costs["lm-0"].decode_step_time_s(1, prompt) * 1000.0 > itl_ms
+        decision = router.route(request(f"r{prompt}", model=LM, prompt=prompt, tier=Priority.BATCH), IDLE, 0.0)
+        refused_for_itl = isinstance(decision, Refuse) and isinstance(decision.error, ItlInfeasible)
+        assert refused_for_itl == over, prompt
+        outcomes.add(over)
+    assert outcomes == {True, False}  # the range straddles the limit
+
+
+def test_a_cost_model_replaced_after_routing_is_the_one_the_itl_check_uses():
+    from router_fixtures import LinearCost
+
+    p = policy(colocated_config())
+    assert isinstance(p.route(request("a", model=LM, prompt=500), IDLE, 0.0), Route)
+    p.cost_models["lm-0"] = LinearCost(decode_step_s=0.0412)  # replaced in place, as the simulator does on a restart
+    r = p.route(request("b", model=LM, prompt=500), IDLE, 0.0)
+    assert r == Refuse(ItlInfeasible(LM, Priority.STANDARD, 500, 41.2, 30.0), 0, "itl_infeasible")

@@ -154,6 +154,20 @@ def test_shared_prefix_blocks_count_their_holders():
     assert kv.num_free_blocks == 11
 
 
+def test_lookups_of_prompts_sharing_a_prefix_match_fresh_lookups():
+    """A lookup reuses the chain hashes of the previous one while that one's hashed tokens lead this prompt; prompts
+    that share a first block, diverge, or are shorter than the chain held give what a fresh manager gives."""
+    cached = tuple(range(100, 112))  # three blocks of 4, cached below
+    kv = make(num_blocks=20)
+    kv.allocate("c", cached + (7,), 13)
+    kv.cache_computed("c", cached + (7,), 13)
+    prompts = [cached + (1,), cached[:8] + (9, 9, 9, 9, 1), cached[:4] + (1,), cached + (2, 3, 4, 5, 6),
+               (5,) + cached, cached[:6], cached + (1,)]
+    expected = [12, 8, 4, 12, 0, 4, 12]
+    assert [kv.find_cached_prefix(p) for p in prompts] == expected
+    assert [kv.find_cached_prefix(list(p)) for p in reversed(prompts)] == expected[::-1]  # lists hash as tuples
+
+
 def test_find_cached_prefix_never_reports_the_whole_prompt():
     kv = make()
     tokens = tuple(range(12))

@@ -189,3 +189,45 @@ def test_lazy_prompt_hashing_routes_as_hashing_every_block():
     a, b = lazy.run(trace, drain_s=30.0), sim.run(trace, drain_s=30.0)
     assert_identical(a, b)
     assert sum(r.num_cached_prompt_tokens for r in a.records) > 0
+
+
+def test_the_cycle_collector_is_paused_inside_and_left_as_it_was_after():
+    import gc
+
+    from octoserve.services.sim.driver import cycle_collector_paused
+
+    assert gc.isenabled()
+    with cycle_collector_paused():
+        assert not gc.isenabled()
+        with cycle_collector_paused():  # nested: the outer pause stays
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(ValueError), cycle_collector_paused():
+        raise ValueError("an error inside still restores it")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with cycle_collector_paused():
+            pass
+        assert not gc.isenabled()  # it was off before: it stays off
+    finally:
+        gc.enable()
+
+
+def test_the_simulate_command_runs_with_the_cycle_collector_paused_and_turns_it_back_on(capsys, monkeypatch):
+    import gc
+
+    from octoserve.services.cli import main
+    from octoserve.services.sim import cli_simulate
+
+    seen = []
+
+    def observed_run(*args, **kwargs):
+        seen.append(gc.isenabled())
+        return run_simulation(*args, **kwargs)
+
+    monkeypatch.setattr(cli_simulate, "run_simulation", observed_run)
+    assert main(["simulate", "--profile", "seed-000", "--duration", "1s"]) == 0
+    assert "simulator speed" in capsys.readouterr().out
+    assert seen == [False] and gc.isenabled()

@@ -329,7 +329,10 @@ class TierPressure:
 
     def observe(self, model: str, refused: bool) -> None:
         """One admission decision for a request of a tier more urgent than BATCH."""
-        self._refused.setdefault(model, SlidingShare(self.window)).observe(refused)
+        share = self._refused.get(model)
+        if share is None:  # not setdefault: that would build a SlidingShare at every decision
+            share = self._refused[model] = SlidingShare(self.window)
+        share.observe(refused)
 
     def under_pressure(self, model: str) -> bool:
         refused = self._refused.get(model)

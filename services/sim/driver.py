@@ -22,13 +22,15 @@ arrival, never the drain.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import heapq
 import itertools
 import os
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from octoserve.services.core.batcher import Batcher, CompactStep, RequestStatus
@@ -76,6 +78,25 @@ class _Instance:
         if key != self._load_key:
             self._load, self._load_key = self.reporter.load(), key
         return self._load
+
+
+@contextlib.contextmanager
+def cycle_collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off inside, as it was after: for a whole command (`simulate`: the trace,
+    the run, the report), not one run inside a longer-lived process.
+
+    A simulation allocates millions of containers (token tuples, events, snapshots, candidates, records) but
+    builds no reference cycles (a one-minute seed-000 peak leaves ~300 unreachable objects), so the collector's
+    ~280 passes found nothing and cost ~0.6 s of a ~7 s command, ~0.35 s net (a process that goes on allocating
+    after the pause pays one pass over the survivors, hence whole commands only). Reference counting still frees
+    every object when its last reference goes; no result depends on the collector."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class _Tracker:
