@@ -224,7 +224,7 @@ class RouterPolicy:
         cfg = self.config
         entry = cfg.instance(route.instance_id)
         colocated = route.decode_instance_id is None
-        decode = None if colocated else cfg.instance(route.decode_instance_id)
+        decode = None if route.decode_instance_id is None else cfg.instance(route.decode_instance_id)
         self.ledger.on_dispatched(
             adm.Dispatched(
                 request_id=request_id,
@@ -467,9 +467,9 @@ class RouterPolicy:
         while lo < hi:
             mid = (lo + hi + 1) // 2
             lo, hi = (mid, hi) if cost.prefill_time_s(mid) * 1000.0 <= slo_ms else (lo, mid - 1)
-        error = SloInfeasible(spec.model, spec.priority, spec.num_prompt_tokens, best.own_prefill_s * 1000.0, slo_ms,
-                              lo + best.cached_tokens)
-        return Refuse(error, 0)
+        too_long = SloInfeasible(spec.model, spec.priority, spec.num_prompt_tokens, best.own_prefill_s * 1000.0,
+                                 slo_ms, lo + best.cached_tokens)
+        return Refuse(too_long, 0)
 
     def _tier_bound(self, spec: RequestSpec, cands: Sequence[Candidate]) -> Refuse | None:
         count = adm.tier_bound_reached(self.ledger, spec, self.config.policies.tier_queue_bound)
