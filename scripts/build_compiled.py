@@ -40,6 +40,8 @@ MODULES = (
     "core.cost_model",
     "core.sim_executor",
     "core.routing",
+    "core.batcher",
+    "core.steady_batcher",
 )
 
 
