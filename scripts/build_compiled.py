@@ -42,6 +42,8 @@ MODULES = (
     "core.routing",
     "core.batcher",
     "core.steady_batcher",
+    "core.admission",
+    "workload",
 )
 
 
@@ -50,18 +52,14 @@ def _warn(message: str) -> None:
           file=sys.stderr)
 
 
-def _extensions() -> list[Path]:
-    suffix = sysconfig.get_config_var("EXT_SUFFIX")
-    found = [SERVICES / (name.replace(".", "/") + suffix) for name in MODULES]
-    found += SERVICES.glob("_compiled__mypyc*.so")
-    return [path for path in found if path.exists()]
-
-
 def clean() -> None:
-    suffix = sysconfig.get_config_var("EXT_SUFFIX")
-    for path in list(SERVICES.rglob("*" + suffix)):
-        if path.name.startswith("_compiled__mypyc") or path.with_name(path.name[: -len(suffix)] + ".py").exists():
+    """Remove every extension a build of these modules left (for any Python version) and the record."""
+    for name in MODULES:
+        source = SERVICES / (name.replace(".", "/") + ".py")
+        for path in source.parent.glob(source.stem + ".*.so"):
             path.unlink()
+    for path in SERVICES.glob("_compiled__mypyc.*.so"):
+        path.unlink()
     MANIFEST.unlink(missing_ok=True)
 
 
@@ -73,7 +71,7 @@ def _missing_toolchain() -> str | None:
         return f"mypyc is not installed (pip install mypy=={MYPY_VERSION})"
     if __version__ != MYPY_VERSION:
         return f"mypy {__version__} is installed, the build is pinned to {MYPY_VERSION}"
-    cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    cc = (os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc").split()[0]  # setuptools' choice
     if shutil.which(cc) is None:
         return f"no C compiler ({cc!r} is not on PATH)"
     if not (Path(sysconfig.get_paths()["include"]) / "Python.h").exists():
@@ -139,7 +137,11 @@ def build() -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clean", action="store_true", help="remove the compiled extensions (pure Python)")
+    parser.add_argument("--list", action="store_true", help="print the compiled modules' sources (for make)")
     args = parser.parse_args()
+    if args.list:
+        print(" ".join(f"services/{name.replace('.', '/')}.py" for name in MODULES))
+        return 0
     if args.clean:
         clean()
         return 0
