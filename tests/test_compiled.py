@@ -1,7 +1,8 @@
 """The mypyc-compiled simulator modules (`make compiled`): same output as the sources, never run when stale.
 
 The compiled build must print exactly what the pure-Python sources print (every table and figure; only the
-wall-time line differs), on several workloads, placements and both cost profiles. The pure run is a subprocess
+wall-time line differs) and write the same per-request records to the last bit of each float, on several
+workloads, placements and both cost profiles. The pure run is a subprocess
 with OCTOSERVE_PURE_PYTHON=1, which imports every compiled module from its .py. The guard (services/compiled.py)
 must refuse a build whose recorded source hash no longer matches, and fall back to the sources with a warning.
 """
@@ -33,16 +34,21 @@ def _env(pure: bool) -> dict[str, str]:
     return env
 
 
-def _simulate(args: list[str], pure: bool) -> str:
+def _simulate(args: list[str], pure: bool, out: Path) -> tuple[str, dict]:
+    """The printed report (less the wall-time line) and the JSON of every record at full float precision."""
+    json_path = out / ("pure.json" if pure else "compiled.json")
     done = subprocess.run(
-        [sys.executable, "-m", "octoserve.services.cli", "simulate", *args],
+        [sys.executable, "-m", "octoserve.services.cli", "simulate", *args, "--json", str(json_path)],
         env=_env(pure), capture_output=True, text=True, timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "RuntimeWarning" not in done.stderr, done.stderr[-3000:]  # neither run fell back on its own
     lines = [line for line in done.stdout.splitlines() if not line.startswith("simulator speed:")]
     assert len(lines) > 15 and any(line.startswith("all ") for line in lines), done.stdout
-    return "\n".join(lines)
+    payload = json.loads(json_path.read_text())
+    del payload["wall_s"]
+    assert len(payload["records"]) > 500
+    return "\n".join(lines), payload
 
 
 def _which_files(pure: bool) -> list[str]:
@@ -77,8 +83,11 @@ def test_the_build_runs_compiled_and_the_variable_runs_the_sources():
     ],
     ids=["seed-000", "seed-000-pessimistic", "seed-003", "seed-003-pessimistic", "disagg", "gang"],
 )
-def test_compiled_and_pure_runs_print_the_same_report(args):
-    assert _simulate(args, pure=False) == _simulate(args, pure=True)
+def test_compiled_and_pure_runs_print_the_same_report(args, tmp_path):
+    compiled_report, compiled_json = _simulate(args, pure=False, out=tmp_path)
+    pure_report, pure_json = _simulate(args, pure=True, out=tmp_path)
+    assert compiled_report == pure_report
+    assert compiled_json == pure_json  # every record and figure, to the last bit of each float
 
 
 @needs_build
