@@ -44,6 +44,7 @@ MODULES = (
     "core.steady_batcher",
     "core.admission",
     "workload",
+    "sim.driver",
 )
 
 

@@ -41,7 +41,7 @@ scorer makes exactly this comparison, because it ranks by predicted TTFT, which 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -177,7 +177,7 @@ class RouterPolicy:
     def __init__(
         self,
         config: NodeConfig,
-        cost_models: Mapping[str, CostModelLike],
+        cost_models: MutableMapping[str, CostModelLike],  # the simulator adds an instance's as it joins
         rng: Any,
         *,
         prefix_index: Any = None,
