@@ -66,7 +66,8 @@ class _Instance:
         batcher_type = SteadyBatcher if steady else Batcher
         self.batcher = batcher_type(parts.batcher_config, parts.new_kv(cfg))
         self.cost = parts.cost_model
-        self.executor = SimExecutor(self.cost, cfg.block_size, parts.batcher_config.eos_token_id)
+        # A SimExecutor, or a wrapper of one that offers only `execute` (services/cluster/sim.py squeezes steps)
+        self.executor: Any = SimExecutor(self.cost, cfg.block_size, parts.batcher_config.eos_token_id)
         self.reporter = LoadReporter(cfg.id, cfg.model, self.batcher, self.cost, gang_duty(node, cfg))
         self.busy = False
         self.busy_s = 0.0  # modelled GPU-busy seconds so far
