@@ -347,10 +347,10 @@ class GenerationServicer(gen_grpc.GenerationServicer):
         reply = await call(decode.instance_id,
                            decode.stub.Reserve(w_pb.ReserveRequest(spec=spec_pb, ttl_ms=RESERVE_TTL_MS), timeout=timeout_s))
         if not reply.reserved:
-            raise self._wall_clock_error(Overloaded(
-                st.spec.model, st.spec.priority, self.config.policies.min_retry_after_ms,
-                f"decode instance {route.decode_instance_id} has no KV left to reserve",
-            ))
+            error = Overloaded(st.spec.model, st.spec.priority, self.config.policies.min_retry_after_ms,
+                               f"decode instance {route.decode_instance_id} has no KV left to reserve")
+            self.policy.refused_after_routing(st.spec, error, "decode_reserve")
+            raise self._wall_clock_error(error)
         handoff = (await call(prefill.instance_id,
                               prefill.stub.Prefill(w_pb.PrefillRequest(spec=spec_pb), timeout=timeout_s))).handoff
         try:

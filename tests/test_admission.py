@@ -25,7 +25,7 @@ def test_admits_on_an_idle_node_with_the_predicted_ttft():
 
 def test_unknown_model_is_refused_without_retry():
     r = policy(colocated_config()).route(request(model="gpt-4"), IDLE, 0.0)
-    assert r == Refuse(UnknownModel("gpt-4", [LM, SM]), 0)
+    assert r == Refuse(UnknownModel("gpt-4", [LM, SM]), 0, "unknown_model")
 
 
 def test_kv_requirement_by_reservation_policy():
@@ -41,7 +41,7 @@ def test_refused_when_no_instance_has_kv_headroom():
     loads = with_loads(**{f"sm-{i}": load(f"sm-{i}", free=68) for i in range(3)})
     r = policy(colocated_config()).route(request(), loads, 0.0)
     reason = "no instance has KV headroom for prompt + reservation"
-    assert r == Refuse(Overloaded(SM, Priority.STANDARD, 50, reason), 50)  # queues empty: the 50 ms floor
+    assert r == Refuse(Overloaded(SM, Priority.STANDARD, 50, reason), 50, "kv_headroom")  # queues empty: the 50 ms floor
     loads["sm-2"] = load("sm-2", free=69)
     assert policy(colocated_config()).route(request(), loads, 0.0).instance_id == "sm-2"
 
@@ -59,7 +59,7 @@ def test_ttft_infeasible_is_refused_with_the_exact_retry_after():
     loads = with_loads(**{"sm-0": load("sm-0", queued=3000), "sm-1": load("sm-1", queued=4000),
                           "sm-2": load("sm-2", queued=5000)})
     r = policy(colocated_config()).route(request(), loads, 0.0)
-    assert r == Refuse(Overloaded(SM, Priority.STANDARD, 150, "predicted TTFT 400 ms + 0 ms calibrated margin exceeds the 250 ms STANDARD SLO"), 150)
+    assert r == Refuse(Overloaded(SM, Priority.STANDARD, 150, "predicted TTFT 400 ms + 0 ms calibrated margin exceeds the 250 ms STANDARD SLO"), 150, "ttft")
     r = policy(colocated_config()).route(request(tier=Priority.INTERACTIVE), loads, 0.0)
     assert r.retry_after_ms == 200 and r.error.reason == "predicted TTFT 400 ms + 0 ms calibrated margin exceeds the 200 ms INTERACTIVE SLO"
     # BATCH has a 10 s SLO: it queues on the instance with the lowest predicted TTFT.
@@ -77,7 +77,7 @@ def test_slack_and_request_deadline_move_the_limit():
 def test_a_prompt_slower_than_the_slo_even_idle_is_refused_at_once_with_the_numbers():
     # 3000-token prompt at 10k tokens/s: 300 ms of own prefill > the 250 ms STANDARD SLO on every (idle) instance.
     r = policy(colocated_config()).route(request(prompt=3000), IDLE, 0.0)
-    assert r == Refuse(SloInfeasible(SM, Priority.STANDARD, 3000, 300.0, 250.0, 2500), 0)
+    assert r == Refuse(SloInfeasible(SM, Priority.STANDARD, 3000, 300.0, 250.0, 2500), 0, "slo_infeasible")
     assert r.error.message == (
         "the 3000-token prompt alone takes 300 ms to prefill on llama-3-8b as placed (uncached, on an idle instance), "
         "over its 250 ms STANDARD TTFT SLO; shorten it to at most 2500 tokens, send it as BATCH or with a larger "
@@ -95,7 +95,7 @@ def test_a_model_whose_decode_step_alone_exceeds_the_itl_slo_is_refused_at_once(
     p = policy(colocated_config())
     p.cost_models = {**p.cost_models, "lm-0": LinearCost(decode_step_s=0.0412)}  # e.g. a 70B at TP=2
     r = p.route(request(model=LM, prompt=500), IDLE, 0.0)
-    assert r == Refuse(ItlInfeasible(LM, Priority.STANDARD, 500, 41.2, 30.0), 0)
+    assert r == Refuse(ItlInfeasible(LM, Priority.STANDARD, 500, 41.2, 30.0), 0, "itl_infeasible")
     assert r.error.message == (
         "llama-3-70b as placed takes 41.2 ms per decode step even alone in its batch (at a 500-token context), over "
         "the 30 ms ITL SLO, so no request of it can meet the SLO here; place llama-3-70b at a higher tensor "
@@ -121,7 +121,7 @@ def test_tier_bound_counts_outstanding_requests_until_their_first_token():
     reason = "2 INTERACTIVE requests already wait for a first token"
     # "a" and "b" sit on sm-0 and sm-1 with 1000 tokens each: the first INTERACTIVE slot frees in 0.1 s
     # (sm-2 is idle but holds none of them, so it frees nothing).
-    assert r == Refuse(Overloaded(SM, Priority.INTERACTIVE, 100, reason), 100)
+    assert r == Refuse(Overloaded(SM, Priority.INTERACTIVE, 100, reason), 100, "tier_bound")
     p.on_first_token("a")
     assert isinstance(p.route(request("c", tier=Priority.INTERACTIVE), IDLE, 0.0), Route)
 
@@ -181,7 +181,7 @@ def test_admission_off_routes_what_it_would_refuse():
 def test_unhealthy_everywhere_is_refused_with_a_long_retry():
     loads = with_loads(**{f"sm-{i}": load(f"sm-{i}", healthy=False) for i in range(3)})
     r = policy(colocated_config()).route(request(), loads, 0.0)
-    assert r == Refuse(Overloaded(SM, Priority.STANDARD, 1000, "no healthy instance serves it right now"), 1000)
+    assert r == Refuse(Overloaded(SM, Priority.STANDARD, 1000, "no healthy instance serves it right now"), 1000, "no_healthy_instance")
 
 
 def test_disaggregated_refused_when_no_decode_instance_can_reserve():
@@ -189,7 +189,7 @@ def test_disaggregated_refused_when_no_decode_instance_can_reserve():
              "d-1": load("d-1", LM, Role.DECODE, free=10)}
     r = policy(disagg_config()).route(request(model=LM), loads, 0.0)
     reason = "no decode instance has KV headroom for prompt + reservation"
-    assert r == Refuse(Overloaded(LM, Priority.STANDARD, 50, reason), 50)
+    assert r == Refuse(Overloaded(LM, Priority.STANDARD, 50, reason), 50, "kv_headroom")
 
 
 def test_retry_after_rounding_and_floor():

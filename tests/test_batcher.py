@@ -213,7 +213,10 @@ def test_decode_role_reserve_commit_and_continue():
     assert b.reserve(s, 0.0)
     held = b.kv.block_ids("a")
     assert len(held) == 3  # 8 prompt + 1 first token -> 9 tokens -> 3 blocks
+    load = b.load("d", "m", 1.0, 0.01)
+    assert (load.num_reserved, load.num_running, load.num_waiting) == (1, 0, 0)  # it decodes here once the KV is in
     assert b.commit_handoff("a", 42, 0.0) is None
+    assert (b.load("d", "m", 1.0, 0.01).num_reserved, b.num_running) == (0, 1)
     plan, out = step(b, token=43)
     assert plan.chunks == (ScheduledChunk("a", 1, 8, True),)
     assert out.outputs[0].new_token_ids == (43,) and out.outputs[0].num_output_tokens == 2

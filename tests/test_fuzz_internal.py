@@ -283,7 +283,8 @@ scheduler_calls = st.one_of(
             role=st.integers(0, 5), tensor_parallel=edge_u32)),
         st.just(s_pb.ReconfigureRequest()))),
     st.tuples(st.just("ReportDemand"), st.builds(s_pb.DemandReport, models=st.lists(st.builds(
-        s_pb.ModelArrivals, model=st.text(max_size=12), arrivals=edge_u32), max_size=3))),
+        s_pb.ModelArrivals, model=st.text(max_size=12), arrivals=edge_u32,
+        refused=st.dictionaries(st.text(max_size=12), edge_u32, max_size=3)), max_size=3))),
     st.tuples(st.just("Raw"), st.tuples(st.sampled_from(["RegisterWorker", "AcquireLease", "ReleaseLease", "Reconfigure",
                                                          "ReportDemand"]),
                                         st.binary(max_size=200))),

@@ -56,6 +56,52 @@ def test_plan_uses_headroom_longest_first():
         migration.NO_TARGET]
 
 
+def _cost_70b():
+    from octoserve.services.core.cost_model import CostModel
+    from octoserve.services.core.specs import GPU_PRESETS, MODEL_PRESETS
+
+    return CostModel(MODEL_PRESETS["llama-3-70b"], GPU_PRESETS["h100-sxm-80gb"], 4)
+
+
+def test_plan_counts_the_load_it_adds_to_the_target():
+    """Five long decodes leave a retiring 70B instance; the target (16 decodes of 2000 tokens running) has slots and
+    KV for all five, but its decode step, by the cost model, stays within the ITL budget with only two of them
+    added: those two (the longest remaining) move, the other three drain (target_itl)."""
+    cost = _cost_70b()
+    running = [migration.RunningDecode(f"r{k}", 2000, 500 - 100 * k) for k in range(5)]
+    base_batch, base_kv = 16, 16 * 2000
+    with_two = migration.batch_step_s(cost, base_batch + 2, base_kv + 2 * 2001)
+    with_three = migration.batch_step_s(cost, base_batch + 3, base_kv + 3 * 2001)
+    assert with_two < with_three
+    budget = (with_two + with_three) / 2
+    target = migration.Target("t0", 10_000, 16, 64, decode_batch=base_batch, kv_tokens=base_kv)
+    got = migration.plan(running, [target], step_s=0.02, transfer_s=lambda n: n * 1e-5,
+                         target_step_s=lambda i, b, kv: migration.batch_step_s(cost, b, kv), itl_budget_s=budget)
+    assert [(d.request_id, d.reason, d.target) for d in got] == [
+        ("r0", migration.MIGRATE, "t0"), ("r1", migration.MIGRATE, "t0"), ("r2", migration.TARGET_ITL, ""),
+        ("r3", migration.TARGET_ITL, ""), ("r4", migration.TARGET_ITL, "")]
+    # Unchecked (no step model), the same target takes all five: its slots and KV alone allow it.
+    assert [d.reason for d in migration.plan(running, [target], step_s=0.02, transfer_s=lambda n: n * 1e-5)] == [
+        migration.MIGRATE] * 5
+    # A second, idle target takes what the first cannot: the ITL check sends a request to another target, not
+    # only to the drain. (t0 has more free KV, so it is preferred while its step allows.)
+    idle = migration.Target("t1", 5_000, 16, 64)
+    got = migration.plan(running, [target, idle], step_s=0.02, transfer_s=lambda n: n * 1e-5,
+                         target_step_s=lambda i, b, kv: migration.batch_step_s(cost, b, kv), itl_budget_s=budget)
+    assert [(d.request_id, d.target) for d in got] == [("r0", "t0"), ("r1", "t0"), ("r2", "t1"), ("r3", "t1"),
+                                                      ("r4", "t1")]
+
+
+def test_decide_checks_the_targets_step():
+    assert migration.decide(2.0, 0.01, 0.02, target_step_s=0.031, itl_budget_s=0.030) == migration.TARGET_ITL
+    assert migration.decide(2.0, 0.01, 0.02, target_step_s=0.030, itl_budget_s=0.030) == migration.MIGRATE
+    # The drain being shorter is the first reason: moving would not help whatever the target's load.
+    assert migration.decide(0.01, 0.01, 0.02, target_step_s=1.0, itl_budget_s=0.030) == migration.DRAIN_SHORTER
+    assert migration.batch_step_s(_cost_70b(), 0, 0) == 0.0
+    cost = _cost_70b()
+    assert migration.batch_step_s(cost, 4, 4 * 1000) == cost.decode_step_time_s(4, 999)
+
+
 # ---- the batcher hooks -----------------------------------------------------------------------------------------------
 
 def test_suspend_resume_and_migrate_in():
@@ -166,6 +212,46 @@ async def test_refused_migration_falls_back_to_drain():
         # A plan that sees no room keeps them too (target_full), without asking the target.
     finally:
         await node.stop()
+
+
+@pytest.mark.asyncio(loop_scope="function")
+async def test_a_target_whose_step_would_miss_the_itl_budget_keeps_them_here():
+    """The SetRole's ITL budget: the target has slots and KV for every request, but its decode step by the cost
+    model with even one of them added (an 8B step is milliseconds) is over a 0.1 ms budget: each stays and drains
+    (`target_itl`, counted), and its stream is exact."""
+    node = await start_inprocess_node(node_config_from_dict(two_replica_config()), time_scale=TIME_SCALE)
+    try:
+        streams, tasks = await _start(node, 4)
+        source = node.servicers["c1"]
+        on_c1 = set(source.tasks)
+        source.draining = True
+        targets = _targets(node)
+        targets[0].decode_batch, targets[0].kv_tokens, targets[0].tensor_parallel = 2, 200, 1
+        moved, kept = await migrate_out(source, targets, 1.0, itl_budget_s=1e-4)
+        assert moved == 0 and dict(kept) == {migration.TARGET_ITL: len(on_c1)}
+        counted = source.metrics.migration_decisions.labels("c1", migration.TARGET_ITL)._value.get()
+        assert counted == len(on_c1)
+        assert set(source.tasks) == on_c1  # they decode on where they were
+        await asyncio.wait_for(asyncio.gather(*tasks), 120)
+        _assert_exact(streams)
+    finally:
+        await node.stop()
+
+
+def test_scheduler_names_each_targets_batch_kv_and_tp():
+    """What the scheduler sends a draining worker about each target: its last reported batch and KV in use (blocks
+    in use x block size) and its TP degree, for the target's step by the cost model."""
+    from octoserve.services.core.types import EngineLoad, Role
+    from octoserve.services.scheduler.service import SchedulerServicer
+
+    s = SchedulerServicer(node_config_from_dict(two_replica_config()))
+    for iid, (running, free) in {"c0": (3, 650), "c1": (5, 600)}.items():
+        s.loads[iid] = EngineLoad(iid, COLOCATED_MODEL, Role.COLOCATED, running, 0, 703, free, 16, 0, 1e4, 0.006,
+                                  max_num_seqs=64)
+        s.addresses[iid] = "127.0.0.1:1"
+    (t,) = s.elastic.migration_targets("c1", {"c1"})
+    assert (t.instance_id, t.free_slots, t.free_blocks, t.decode_batch, t.kv_tokens, t.tensor_parallel) == (
+        "c0", 61, 650, 3, (703 - 650) * 16, 1)
 
 
 @pytest.mark.asyncio(loop_scope="function")
@@ -326,3 +412,41 @@ async def test_model_change_under_load_migrates_and_router_follows(tmp_path):
         assert all(e["code"] == "OK" for e in log.values()) and len(log) == len(streams)
     finally:
         node.stop()
+
+
+@pytest.mark.asyncio(loop_scope="function")
+async def test_set_role_with_a_target_tp_the_model_cannot_take_is_invalid_and_changes_nothing():
+    import argparse
+
+    from octoserve.services.core.types import Role
+    from octoserve.services.engine.factory import make_engine
+    from octoserve.services.rpc import convert, role_switch
+    from octoserve.services.rpc.gen import worker_pb2_grpc as w_grpc
+    from octoserve.services.rpc.hardening import add_servicer
+    from octoserve.services.rpc.server import ServiceSpec, start_service
+    from octoserve.services.rpc.worker_main import WORKER_SERVICE
+    from tests.service_fixtures import WORKER_DESCRIPTOR
+
+    config = node_config_from_dict(two_replica_config())
+    first = role_switch.servicer_for_role(Role.COLOCATED, make_engine(config, "c1", engine="sim", time_scale=1.0))
+    first.model_spec = config.models[COLOCATED_MODEL]
+    args = argparse.Namespace(engine="sim", instance="c1", time_scale=1.0)
+    switch = role_switch.RoleSwitch(first, role_switch.rebuilder(config, args, first))
+    spec = ServiceSpec(name="worker:c1", metrics_port=None, grace_s=1.0, service_names=(WORKER_SERVICE,),
+                       add_servicers=lambda server: add_servicer(switch, WORKER_DESCRIPTOR, server),
+                       start=switch.start, drain=switch.drain, close=switch.close, registry=switch.metrics.registry)
+    running = await start_service(spec)
+    try:
+        async with grpc.aio.insecure_channel(running.address) as channel:
+            stub = w_grpc.WorkerStub(channel)
+            bad = w_pb.MigrationTarget(instance_id="c0", address="127.0.0.1:1", free_blocks=700, block_size=16,
+                                       free_slots=64, tensor_parallel=3)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.SetRole(w_pb.SetRoleRequest(role=convert.ROLE_TO_PB[Role.DECODE], migration_targets=[bad],
+                                                       migration_itl_budget_s=0.03), timeout=10)
+            assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+            assert e.value.details().startswith("migration target 'c0': ")
+            assert "tp=3 must divide num_attention_heads=32" in e.value.details()
+            assert not switch.inner.draining and switch.inner.engine.role is Role.COLOCATED and not switch.role_changes
+    finally:
+        await running.shutdown()

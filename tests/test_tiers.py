@@ -213,7 +213,7 @@ def test_batch_is_held_to_its_share_while_more_urgent_requests_are_shed():
         assert isinstance(p.route(request(f"i{k}", tier=I), loads, 0.0), Refuse)
     r = p.route(request("b7", tier=B), loads, 0.0)
     assert isinstance(r, Refuse) and isinstance(r.error, Overloaded)
-    assert "BATCH holds its minimum share of every instance" in r.error.reason
+    assert "BATCH holds its minimum share of every instance" in r.error.reason and r.reason == "batch_share"
 
 
 def test_preemptible_slots_leave_batch_its_floor():

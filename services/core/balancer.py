@@ -115,7 +115,7 @@ class ModelDemand:
     mean_prompt_tokens: float = 1000.0
     mean_output_tokens: float = 400.0
     cached_fraction: float = 0.0  # share of prompt tokens the prefix cache served
-    refused_rps: float = 0.0  # requests refused per second (shed: no instance could meet the TTFT)
+    refused_rps: float = 0.0  # requests admission refused per second, every reason (the routers' reports live)
     recent_rps: float | None = None  # the rate over the window's last part (`step_score`); None: not measured
     step_z: float = 0.0  # how many standard errors the recent rate is off the earlier part's (`step_score`)
 

@@ -946,6 +946,7 @@ class Batcher:
             decode_step_time_s=decode_step_time_s,
             max_num_seqs=self.config.max_num_seqs,
             mean_output_tokens=self.predictor.mean(),
+            num_reserved=self._num_reserved,
         )
 
 

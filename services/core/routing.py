@@ -68,10 +68,18 @@ class Route:
     expected_cached_tokens: int  # prompt tokens the prefix cache should serve on instance_id
 
 
+# Why admission refused a request, as a short key (`Refuse.reason`): what the routers report to the scheduler's
+# balancer per model (router/demand_report.py) and what its log lines say.
+# "decode_reserve": routed, then the decode instance had no KV left to reserve (`refused_after_routing`).
+REFUSAL_REASONS = ("unknown_model", "slo_infeasible", "itl_infeasible", "tier_bound", "no_healthy_instance",
+                   "kv_headroom", "batch_share", "ttft", "decode_reserve")
+
+
 @dataclass(frozen=True, slots=True)
 class Refuse:
     error: Overloaded | UnknownModel | SloInfeasible | ItlInfeasible
     retry_after_ms: int  # 0 for UnknownModel and the infeasible ones: retrying will not help
+    reason: str = ""  # one of REFUSAL_REASONS
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,6 +216,7 @@ class RouterPolicy:
         self._scorers = [(SCORERS.get(n), w) for n, w in sorted(config.policies.scorer_weights.items()) if w > 0]
         self._next_turn: dict[str, int] = {}  # model -> round-robin position among its entry instances
         self.observers: list[Callable[[RequestSpec], None]] = []  # told of every request routed (headroom summary)
+        self.refusal_observers: list[Callable[[RequestSpec, Refuse], None]] = []  # told of every refusal (demand)
         self._figures: dict[tuple, tuple] = {}  # (instance, tier) -> (version, objects, figures): _instance_figures
 
     # --- hooks --------------------------------------------------------------------------------------------------
@@ -262,9 +271,19 @@ class RouterPolicy:
         for observe in self.observers:
             observe(spec)
         decision = self._route(spec, loads)
+        if isinstance(decision, Refuse):
+            for observe in self.refusal_observers:
+                observe(spec, decision)
         if spec.priority < Priority.BATCH and self.config.policies.admission:
             self.pressure.observe(spec.model, isinstance(decision, Refuse) and isinstance(decision.error, Overloaded))
         return decision
+
+    def refused_after_routing(self, spec: RequestSpec, error: Overloaded, reason: str) -> None:
+        """A routed request refused afterwards (its decode reservation failed): the refusal observers hear of it as
+        of one of `route`'s own refusals."""
+        refusal = Refuse(error, error.retry_after_ms, reason)
+        for observe in self.refusal_observers:
+            observe(spec, refusal)
 
     def candidates(self, spec: RequestSpec, loads: Mapping[str, EngineLoad]) -> list[Candidate]:
         """The entry instances of `spec`'s model as route() sees them, before any filter, changing no state: what a
@@ -280,7 +299,7 @@ class RouterPolicy:
         for load in loads.values():
             self.ledger.observe_load(load)
         if spec.model not in self.config.models:
-            return Refuse(UnknownModel(spec.model, self.config.models), 0)
+            return Refuse(UnknownModel(spec.model, self.config.models), 0, "unknown_model")
         admit = self.config.policies.admission
         cands = self._candidates(spec, loads)
         slo_ms = self.config.slo.ttft_ms_for_request(spec)
@@ -295,7 +314,7 @@ class RouterPolicy:
             kept = [c for c in kept if self._below_batch_share(c)]
             if not kept:
                 return self._refuse(spec, cands, "more urgent requests of this model are being shed and BATCH "
-                                    "holds its minimum share of every instance")
+                                    "holds its minimum share of every instance", "batch_share")
         decode_id = None
         if self.config.is_disaggregated(spec.model):
             decode_id = self._pick_decode(spec, loads, require_fit=admit)
@@ -303,7 +322,8 @@ class RouterPolicy:
                 # A colocated instance needs no decode side (a placement in mid-reconfiguration can hold both).
                 colocated = [c for c in kept if c.instance.role is Role.COLOCATED]
                 if not colocated:
-                    return self._refuse(spec, kept, "no decode instance has KV headroom for prompt + reservation")
+                    return self._refuse(spec, kept, "no decode instance has KV headroom for prompt + reservation",
+                                        "kv_headroom")
                 kept = colocated
         if admit:
             correction_s = self.ttft_correction_s(spec.model, spec.priority, slo_ms)
@@ -438,9 +458,9 @@ class RouterPolicy:
 
     # --- refusals ------------------------------------------------------------------------------------------------
 
-    def _overloaded(self, spec: RequestSpec, wait_s: float, reason: str) -> Refuse:
+    def _overloaded(self, spec: RequestSpec, wait_s: float, reason: str, key: str) -> Refuse:
         retry = adm.retry_after_ms(wait_s, self.config.policies)
-        return Refuse(Overloaded(spec.model, spec.priority, retry, reason), retry)
+        return Refuse(Overloaded(spec.model, spec.priority, retry, reason), retry, key)
 
     def _below_batch_share(self, c: Candidate) -> bool:
         slots = c.load.max_num_seqs or c.instance.max_num_seqs
@@ -458,7 +478,7 @@ class RouterPolicy:
         if step_s * 1000.0 > self.config.slo.itl_ms:
             error = ItlInfeasible(spec.model, spec.priority, spec.num_prompt_tokens, step_s * 1000.0,
                                   self.config.slo.itl_ms)
-            return Refuse(error, 0)
+            return Refuse(error, 0, "itl_infeasible")
         best = min(cands, key=lambda c: (c.own_prefill_s, c.instance.id))
         if best.own_prefill_s * 1000.0 <= slo_ms:
             return None
@@ -469,7 +489,7 @@ class RouterPolicy:
             lo, hi = (mid, hi) if cost.prefill_time_s(mid) * 1000.0 <= slo_ms else (lo, mid - 1)
         too_long = SloInfeasible(spec.model, spec.priority, spec.num_prompt_tokens, best.own_prefill_s * 1000.0,
                                  slo_ms, lo + best.cached_tokens)
-        return Refuse(too_long, 0)
+        return Refuse(too_long, 0, "slo_infeasible")
 
     def _tier_bound(self, spec: RequestSpec, cands: Sequence[Candidate]) -> Refuse | None:
         count = adm.tier_bound_reached(self.ledger, spec, self.config.policies.tier_queue_bound)
@@ -479,17 +499,18 @@ class RouterPolicy:
         # tier queue-ahead drain among the instances that hold one.
         holding = {r.instance_id for r in self.ledger.outstanding.values() if r.model == spec.model and r.tier == spec.priority}
         wait_s = min((c.wait_s for c in cands if filter_healthy(c) and c.instance.id in holding), default=0.0)
-        return self._overloaded(spec, wait_s, f"{count} {spec.priority.name} requests already wait for a first token")
+        return self._overloaded(spec, wait_s, f"{count} {spec.priority.name} requests already wait for a first token",
+                                "tier_bound")
 
-    def _refuse(self, spec: RequestSpec, cands: Sequence[Candidate], reason: str) -> Refuse:
+    def _refuse(self, spec: RequestSpec, cands: Sequence[Candidate], reason: str, key: str) -> Refuse:
         wait_s = min((c.wait_s for c in cands), default=math.inf)
-        return self._overloaded(spec, wait_s, reason)
+        return self._overloaded(spec, wait_s, reason, key)
 
     def _refuse_no_instance(self, spec: RequestSpec, cands: Sequence[Candidate]) -> Refuse:
         healthy = [c for c in cands if filter_healthy(c)]
         if not healthy:
-            return self._overloaded(spec, math.inf, "no healthy instance serves it right now")
-        return self._refuse(spec, healthy, "no instance has KV headroom for prompt + reservation")
+            return self._overloaded(spec, math.inf, "no healthy instance serves it right now", "no_healthy_instance")
+        return self._refuse(spec, healthy, "no instance has KV headroom for prompt + reservation", "kv_headroom")
 
     def _refuse_ttft(self, spec: RequestSpec, cands: Sequence[Candidate], slo_ms: float, correction_s: float) -> Refuse:
         """Retry once the best candidate's queue has drained by the amount its corrected TTFT exceeds the SLO."""
@@ -499,7 +520,7 @@ class RouterPolicy:
             f"predicted TTFT {best.predicted_ttft_s * 1000:.0f} ms + {correction_s * 1000:.0f} ms calibrated margin "
             f"exceeds the {slo_ms:.0f} ms {spec.priority.name} SLO"
         )
-        return self._overloaded(spec, excess_s, reason)
+        return self._overloaded(spec, excess_s, reason, "ttft")
 
 
 # The calibrated TTFT correction never exceeds this fraction of the SLO: requests predicted under the rest still

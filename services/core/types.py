@@ -140,6 +140,7 @@ class EngineLoad:
     paused: bool = False
     max_num_seqs: int = 0  # decode slots of the instance (0: unknown, no slot limit assumed)
     mean_output_tokens: float = 0.0  # recent mean completion length (0: unknown)
+    num_reserved: int = 0  # decode reservations whose KV has not arrived (each decodes here once it does)
 
     @property
     def kv_usage(self) -> float:

@@ -230,6 +230,7 @@ def load_to_pb(load: EngineLoad, seq: int = 0, kv_events: Iterable[KVEvent] = ()
         seq=seq,
         max_num_seqs=load.max_num_seqs,
         mean_output_tokens=load.mean_output_tokens,
+        num_reserved=load.num_reserved,
     )
 
 
@@ -250,4 +251,5 @@ def load_from_pb(m: w_pb.LoadReport) -> EngineLoad:
         paused=m.paused,
         max_num_seqs=m.max_num_seqs,
         mean_output_tokens=m.mean_output_tokens,
+        num_reserved=m.num_reserved,
     )

@@ -3,8 +3,9 @@
 When `SetRole` names migration targets (instances of the same model, with their headroom as the scheduler saw it),
 the draining worker, before it waits for its running requests:
 1. plans, per running decode, drain or migrate (services/core/migration.py: remaining decode vs the modelled KV
-   transfer of its context, and the target's free slots and KV blocks), and logs each decision with its reason
-   (`octoserve_worker_migration_decisions_total{decision=...}`);
+   transfer of its context, the target's free slots and KV blocks, and, when the SetRole gives an ITL budget, the
+   target's decode step by the cost model with the moved requests added to its batch and KV), and logs each
+   decision with its reason (`octoserve_worker_migration_decisions_total{decision=...}`);
 2. stops the chosen ones at an iteration boundary, keeping their KV (`SimEngine.suspend_for_migration`);
 3. asks each one's target to reserve room for it (`Worker.Reserve` with the output tokens so far). A target that
    says no (its headroom changed, or it drains too) leaves the request here: it decodes on and the drain waits for it
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections import Counter
 from dataclasses import dataclass
 
@@ -32,6 +34,8 @@ import prometheus_client as prom
 from octoserve.services import trust
 from octoserve.services.core import migration
 from octoserve.services.core.batcher import RequestStatus
+from octoserve.services.core.cost_model import CostModel
+from octoserve.services.core.specs import SpecError
 from octoserve.services.rpc import convert
 from octoserve.services.rpc.gen import worker_pb2 as w_pb
 from octoserve.services.rpc.gen import worker_pb2_grpc as w_grpc
@@ -60,8 +64,33 @@ def _decisions_counter(metrics):
     return counter
 
 
-async def migrate_out(servicer, targets: list[w_pb.MigrationTarget], max_pause_s: float) -> tuple[int, Counter]:
-    """Hands the running decodes that should move to `targets`; returns (how many moved, the kept ones by reason)."""
+def targets_problem(engine, targets) -> str | None:
+    """What is wrong with a SetRole's migration targets (a TP degree the model cannot be split into), or None."""
+    cost = getattr(engine, "cost_model", None)
+    for t in targets:
+        if t.tensor_parallel and cost is not None:
+            try:
+                cost.model.check_tp(t.tensor_parallel)
+            except SpecError as e:
+                return (f"migration target {t.instance_id!r}: {e}; send the target's own tensor_parallel (0: the "
+                        "source's)")
+    return None
+
+
+def target_step_model(cost, targets: list[w_pb.MigrationTarget]):
+    """`target_step_s` for `migration.plan`: each target's decode step by the cost model of its own TP degree (the
+    source's model, GPU and cost profile: the targets serve the same model on the same node)."""
+    models = {}
+    for t in targets:
+        tp = t.tensor_parallel or cost.tp
+        models[t.instance_id] = cost if tp == cost.tp else CostModel(cost.model, cost.gpu, tp, cost.constants)
+    return lambda instance_id, batch, kv_tokens: migration.batch_step_s(models[instance_id], batch, kv_tokens)
+
+
+async def migrate_out(servicer, targets: list[w_pb.MigrationTarget], max_pause_s: float,
+                      itl_budget_s: float = 0.0) -> tuple[int, Counter]:
+    """Hands the running decodes that should move to `targets`; returns (how many moved, the kept ones by reason).
+    `itl_budget_s` (> 0): the targets' decode step with the moved requests added must stay within it."""
     engine = servicer.engine
     counter = _decisions_counter(servicer.metrics)
     kept: Counter[str] = Counter()
@@ -81,10 +110,13 @@ async def migrate_out(servicer, targets: list[w_pb.MigrationTarget], max_pause_s
         running.append(migration.RunningDecode(rid, req.num_tokens,
                                                migration.expected_remaining_tokens(req.spec, req.num_output_tokens)))
     by_id = {t.instance_id: t for t in targets}
+    checked = itl_budget_s > 0
     decisions = migration.plan(
-        running, [migration.Target(t.instance_id, t.free_blocks, t.block_size, t.free_slots) for t in targets],
+        running, [migration.Target(t.instance_id, t.free_blocks, t.block_size, t.free_slots, t.decode_batch,
+                                   t.kv_tokens) for t in targets],
         step_s=engine.load().decode_step_time_s, transfer_s=engine.cost_model.kv_transfer_time_s,
-        max_pause_s=max_pause_s)
+        max_pause_s=max_pause_s, target_step_s=target_step_model(engine.cost_model, targets) if checked else None,
+        itl_budget_s=itl_budget_s if checked else math.inf)
     for d in decisions:
         log.info("migration decision", extra={"fields": {
             "request_id": d.request_id, "decision": d.reason, "target": d.target,

@@ -33,7 +33,7 @@ from octoserve.services.core.types import Role
 from octoserve.services.rpc import convert
 from octoserve.services.rpc.gen import worker_pb2 as w_pb
 from octoserve.services.rpc.gen import worker_pb2_grpc as w_grpc
-from octoserve.services.rpc.migration import migrate_out
+from octoserve.services.rpc.migration import migrate_out, targets_problem
 
 log = logging.getLogger("octoserve.worker")
 
@@ -90,13 +90,16 @@ class RoleSwitch(w_grpc.WorkerServicer):
             if role is not None and role is old.engine.role and not old.draining:
                 return w_pb.SetRoleReply()
             timeout_s = (request.drain_timeout_ms or DEFAULT_DRAIN_TIMEOUT_MS) / 1000.0
+            if (problem := targets_problem(old.engine, request.migration_targets)) is not None:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)  # before it drains: nothing changed
             old.draining = True
             drained = old.in_flight + len(getattr(old, "reservations", ()) or ())
             t0 = time.monotonic()
             migrated, kept = 0, {}
             if request.migration_targets:  # running decodes that should move go by KV hand-off first
                 migrated, kept = await migrate_out(old, list(request.migration_targets),
-                                                   request.max_migration_pause_s or DEFAULT_MAX_PAUSE_S)
+                                                   request.max_migration_pause_s or DEFAULT_MAX_PAUSE_S,
+                                                   request.migration_itl_budget_s)
             while not self._idle(old):
                 if time.monotonic() - t0 > timeout_s:
                     old.draining = False

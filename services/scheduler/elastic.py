@@ -37,6 +37,7 @@ from collections.abc import Mapping
 
 import grpc
 
+from octoserve.services.core import migration
 from octoserve.services.core.migration import DEFAULT_MAX_PAUSE_S
 from octoserve.services.core.placement import InstanceConfig, NodeConfig
 from octoserve.services.core.reconfig import Phase, ReconfigKind, Reconfiguration, check_reconfiguration
@@ -269,11 +270,12 @@ class ElasticRunner:
                                       max_migration_pause_s=self.max_migration_pause_s)
         if migrate and self.placement.instances[instance_id].role is not Role.PREFILL:  # prefills have no decodes
             request.migration_targets.extend(self.migration_targets(instance_id, retiring))
+            request.migration_itl_budget_s = self.s.config.slo.itl_ms / 1000.0  # the targets' step, moves added
         return await self.s._stub(instance_id).SetRole(request, timeout=timeout_s + 10.0)
 
     def migration_targets(self, instance_id: str, retiring: set[str]) -> list[w_pb.MigrationTarget]:
         """The instances that may take `instance_id`'s running decodes: same model, serving, not retiring, decoding
-        (colocated or decode role), healthy, with their last reported headroom."""
+        (colocated or decode role), healthy, with their last reported headroom, batch and KV in use."""
         model = self.placement.instances[instance_id].model
         targets = []
         for iid, inst in self.placement.instances.items():
@@ -284,7 +286,8 @@ class ElasticRunner:
             slots = max(0, load.max_num_seqs - load.num_running) if load.max_num_seqs else 1 << 16
             targets.append(w_pb.MigrationTarget(instance_id=iid, address=self.s.addresses[iid],
                                                 free_blocks=load.num_free_blocks, block_size=load.block_size,
-                                                free_slots=slots))
+                                                free_slots=slots, decode_batch=load.num_running,
+                                                kv_tokens=migration.kv_tokens_in_use(load), tensor_parallel=inst.tp))
         return targets
 
     async def _abort(self, r: Reconfiguration, out: Outcome, why: str) -> None:

@@ -1,12 +1,17 @@
 """The elastic balancer (services/core/balancer.py) on the live node: the scheduler's view turned into its input.
 
-- Demand: routers report their arrivals per model every second (`Scheduler.ReportDemand`); `DemandWindow` keeps
-  them, on the modelled clock (wall / time scale), and gives each model's rate, trend and mean lengths over the
-  last `window_s`, and its recent rate with the step score (`step_score` over `STEP_BINS` bins of the window), so a
-  step in the live demand takes the balancer's step path as in the simulator.
+- Demand: routers report their arrivals and admission refusals (by reason) per model every second
+  (`Scheduler.ReportDemand`); `DemandWindow` keeps them, on the modelled clock (wall / time scale), and gives each
+  model's rate, trend and mean lengths over the last `window_s`, its refused rate (refusals in the window / the
+  window, as the simulator's balancer input counts them: what measured corrections and saturation read), and its
+  recent rate with the step score (`step_score` over `STEP_BINS` bins of the window), so a step in the live demand
+  takes the balancer's step path as in the simulator.
 - Instances: from the workers' load streams (`EngineLoad`): prefill backlog, running decodes against the slot
-  limit, KV use, whether the instance takes requests (SERVING in the live placement), and an estimate of its drain
-  (its mean output x its recent step time).
+  limit, KV use, whether the instance takes requests (SERVING in the live placement), and an estimate of its drain:
+  its mean output x its recent step time; with migration on (`LiveView.migrate`, the `elastic.migrate` setting),
+  for a decoding instance, what the migration rule (services/core/migration.py) makes of its running decodes
+  against the other instances of its model (`migration_drain_s`): the hand-off of those it would move, the decode
+  left of those it would keep.
 - `LiveElasticBalancer.plan(now_s, view, in_flight)` builds the `NodeLoad` and asks `ElasticBalancer`; every
   decision is logged with its reason (`octoserve.scheduler.balancer`).
 Configured by the `elastic` section: `balancer: elastic` plus the `BalancerPolicy` fields to override.
@@ -20,12 +25,13 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
+from octoserve.services.core import migration
 from octoserve.services.core.balancer import (
     BalancerPolicy, ElasticBalancer, InstanceLoad, ModelDemand, NodeLoad, demand_trend, step_score,
 )
 from octoserve.services.core.placement import InstanceConfig, NodeConfig
 from octoserve.services.core.reconfig import Reconfiguration
-from octoserve.services.core.types import EngineLoad
+from octoserve.services.core.types import EngineLoad, Role
 
 log = logging.getLogger("octoserve.scheduler.balancer")
 
@@ -34,15 +40,29 @@ STEP_BINS = 5  # the window's arrivals in this many bins for `step_score` (the l
 
 
 class DemandWindow:
-    """Arrival samples (modelled time, model, arrivals, prompt tokens, output tokens) over the last `window_s`."""
+    """Arrival samples (modelled time, model, arrivals, prompt tokens, output tokens, refusals by reason) over the
+    last `window_s`."""
 
     def __init__(self, window_s: float = DEFAULT_WINDOW_S) -> None:
         self.window_s = window_s
-        self.samples: deque[tuple[float, str, int, int, int]] = deque()
+        self.samples: deque[tuple[float, str, int, int, int, tuple[tuple[str, int], ...]]] = deque()
 
-    def add(self, t_s: float, model: str, arrivals: int, prompt_tokens: int, output_tokens: int) -> None:
-        self.samples.append((t_s, model, arrivals, prompt_tokens, output_tokens))
+    def add(self, t_s: float, model: str, arrivals: int, prompt_tokens: int, output_tokens: int,
+            refused: Mapping[str, int] | None = None) -> None:
+        """`refused`: how many of the `arrivals` admission refused, by reason (`routing.REFUSAL_REASONS`)."""
+        self.samples.append((t_s, model, arrivals, prompt_tokens, output_tokens,
+                             tuple(sorted((refused or {}).items()))))
         self._prune(t_s)  # bounded without a balancer reading it
+
+    def refusals(self, now_s: float, model: str) -> dict[str, int]:
+        """The window's refusals of `model` by reason."""
+        self._prune(now_s)
+        out: dict[str, int] = {}
+        for s in self.samples:
+            if s[1] == model:
+                for reason, n in s[5]:
+                    out[reason] = out.get(reason, 0) + n
+        return out
 
     def _prune(self, now_s: float) -> None:
         while self.samples and self.samples[0][0] < now_s - self.window_s:
@@ -70,10 +90,12 @@ class DemandWindow:
                 k = math.ceil((s[0] - (now_s - self.window_s)) / bin_s - 1e-9) - 1
                 counts[min(STEP_BINS - 1, max(0, k))] += s[2]
             recent, z = step_score(counts, bin_s)
+            refused = sum(k for s in mine for _, k in s[5])
             out.append(ModelDemand(
                 m, n / self.window_s, trend,
                 mean_prompt_tokens=sum(s[3] for s in mine) / n if n else 1000.0,
-                mean_output_tokens=sum(s[4] for s in mine) / n if n else 250.0, recent_rps=recent, step_z=z))
+                mean_output_tokens=sum(s[4] for s in mine) / n if n else 250.0,
+                refused_rps=refused / self.window_s, recent_rps=recent, step_z=z))
         return tuple(out)
 
 
@@ -86,22 +108,86 @@ class LiveView:
     engine_loads: Mapping[str, EngineLoad]
     demand: tuple[ModelDemand, ...]
     window_s: float
+    migrate: bool = False  # a retired instance's running decodes migrate (`elastic.migrate`)
+    max_migration_pause_s: float = migration.DEFAULT_MAX_PAUSE_S
 
 
-def instance_load(inst: InstanceConfig, load: EngineLoad | None, accepting: bool) -> InstanceLoad:
+MEAN_OUTPUT_TOKENS = 250.0  # an instance's remaining decode when it reports no mean output yet
+
+
+def drain_only_s(load: EngineLoad) -> float:
+    """Until an instance's requests finish there (running, waiting, and reserved: a decode reservation whose KV is
+    still on its way decodes here): its mean output x its recent step (the longest one's remainder, at most a whole
+    output)."""
+    if not load.num_running + load.num_waiting + load.num_reserved:
+        return 0.0
+    return (load.mean_output_tokens or MEAN_OUTPUT_TOKENS) * load.decode_step_time_s
+
+
+def migration_drain_s(node: NodeConfig, inst: InstanceConfig, load: EngineLoad,
+                      targets: Sequence[tuple[InstanceConfig, EngineLoad]],
+                      max_pause_s: float = migration.DEFAULT_MAX_PAUSE_S) -> float:
+    """An instance's drain if it retired now with migration on, by the rule the draining worker applies
+    (`migration.plan`, targets' load included): each running decode, with the instance's mean context (KV in use /
+    its running and reserved requests) and a whole mean output left, either moves (the hand-off: the transfer of its
+    context + one decode step; the moves run in parallel) or stays (its decode left); the drain ends with the
+    slowest. Requests not decoding yet (waiting, or reserved: their KV still on its way) finish there."""
+    running = load.num_running
+    if not running + load.num_waiting + load.num_reserved:
+        return 0.0
+    step_s = load.decode_step_time_s
+    remaining = round(load.mean_output_tokens or MEAN_OUTPUT_TOKENS)
+    context = migration.kv_tokens_in_use(load) // max(1, running + load.num_reserved)
+    cost = node.cost_model(inst)
+    costs = {t.id: node.cost_model(t) for t, _ in targets}
+    decisions = migration.plan(
+        [migration.RunningDecode(f"r{k}", context, remaining) for k in range(running)],
+        [migration.Target(t.id, tl.num_free_blocks, tl.block_size,
+                          max(0, tl.max_num_seqs - tl.num_running) if tl.max_num_seqs else 1 << 16,
+                          tl.num_running, migration.kv_tokens_in_use(tl)) for t, tl in targets],
+        step_s=step_s, transfer_s=cost.kv_transfer_time_s, max_pause_s=max_pause_s,
+        target_step_s=lambda tid, batch, kv: migration.batch_step_s(costs[tid], batch, kv),
+        itl_budget_s=node.slo.itl_ms / 1000.0)
+    waiting_s = drain_only_s(load) if load.num_waiting + load.num_reserved else 0.0
+    return max([waiting_s] + [d.transfer_s + step_s if d.migrate else d.remaining_s for d in decisions])
+
+
+def instance_load(inst: InstanceConfig, load: EngineLoad | None, accepting: bool,
+                  est_drain_s: float | None = None) -> InstanceLoad:
+    """`est_drain_s`: the drain estimate when migration is on (`migration_drain_s`); None: `drain_only_s`."""
     if load is None:
         return InstanceLoad(inst.id, accepting=accepting)
-    step_s = load.decode_step_time_s
     return InstanceLoad(
         inst.id, prefill_backlog_tokens=float(load.queued_prefill_tokens), decode_batch=load.num_running,
         decode_batch_limit=load.max_num_seqs or inst.max_num_seqs, kv_used=load.kv_usage, accepting=accepting,
         running=load.num_running + load.num_waiting,
-        est_drain_s=(load.mean_output_tokens or 250.0) * step_s if load.num_running + load.num_waiting else 0.0)
+        est_drain_s=drain_only_s(load) if est_drain_s is None else est_drain_s)
 
 
-def node_load(view: LiveView) -> NodeLoad:
+def drain_estimates(node: NodeConfig, placement: Sequence[InstanceConfig], loads: Mapping[str, EngineLoad],
+                    accepting: Mapping[str, bool], max_pause_s: float) -> dict[str, float]:
+    """With migration on: each decoding instance's `migration_drain_s`, its targets the other decoding instances of
+    its model that take requests (each instance alone: instances retired together would not take each other's)."""
+    out = {}
+    for inst in placement:
+        load = loads.get(inst.id)
+        if load is None or inst.role is Role.PREFILL:  # a prefill instance has no decodes to move
+            continue
+        targets = [(o, loads[o.id]) for o in placement
+                   if o.id != inst.id and o.model == inst.model and o.role is not Role.PREFILL
+                   and accepting.get(o.id, False) and o.id in loads and loads[o.id].healthy]
+        out[inst.id] = migration_drain_s(node, inst, load, targets, max_pause_s)
+    return out
+
+
+def node_load(view: LiveView, node: NodeConfig | None = None) -> NodeLoad:
+    """The balancer's input; `node` (the node config: cost models, SLO) is needed for the migration drain estimate
+    when `view.migrate`."""
+    drains = (drain_estimates(node, view.placement, view.engine_loads, view.accepting, view.max_migration_pause_s)
+              if view.migrate and node is not None else {})
     return NodeLoad(view.window_s, view.placement,
-                    tuple(instance_load(i, view.engine_loads.get(i.id), view.accepting.get(i.id, False))
+                    tuple(instance_load(i, view.engine_loads.get(i.id), view.accepting.get(i.id, False),
+                                        drains.get(i.id))
                           for i in view.placement),
                     view.demand)
 
@@ -116,7 +202,7 @@ class LiveElasticBalancer:
         self._logged = 0
 
     def plan(self, now_s: float, view: LiveView, in_flight: Sequence[Reconfiguration]) -> list[Reconfiguration]:
-        planned = self.inner.plan(now_s, node_load(view), in_flight)
+        planned = self.inner.plan(now_s, node_load(view, self.inner.node), in_flight)
         for d in self.inner.log[self._logged:]:
             log.info("balancer decision", extra={"fields": {"reason": d.reason, "detail": d.detail}})
         self._logged = len(self.inner.log)

@@ -27,6 +27,7 @@ import grpc
 import prometheus_client as prom
 
 from octoserve.services.core.placement import NodeConfig
+from octoserve.services.core.routing import REFUSAL_REASONS
 from octoserve.services.core.types import EngineLoad
 from octoserve.services.rpc import convert
 from octoserve.services.rpc.gen import scheduler_pb2 as s_pb
@@ -84,6 +85,9 @@ class SchedulerServicer(s_grpc.SchedulerServicer):
         self.registry.register(GangCollector(self.gang))
         self._queue = prom.Gauge("octoserve_scheduler_waiting_requests", "waiting requests per instance, count",
                                  ["instance"], registry=self.registry)
+        self._refusals = prom.Counter("octoserve_scheduler_refusals", "admission refusals the routers reported, by "
+                                      "model and reason (the balancer's input), count", ["model", "reason"],
+                                      registry=self.registry)
 
     # ---- registration and placement ----------------------------------------------------------------------------
 
@@ -121,17 +125,23 @@ class SchedulerServicer(s_grpc.SchedulerServicer):
         return elastic.outcome_to_pb(out)
 
     async def ReportDemand(self, request, context):
+        if (problem := demand_report_problem(request)) is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         now_s = time.monotonic() / self.time_scale
         for m in request.models:
             if m.model in self.config.models:  # others cannot be balanced: not kept
-                self.demand.add(now_s, m.model, m.arrivals, m.prompt_tokens, m.output_tokens)
+                refused = refusals_by_reason(m.refused)
+                self.demand.add(now_s, m.model, m.arrivals, m.prompt_tokens, m.output_tokens, refused)
+                for reason, n in refused.items():
+                    self._refusals.labels(m.model, reason).inc(n)
         return s_pb.DemandReply()
 
     def live_view(self, now_s: float) -> LiveView:
         p = self.placement
         return LiveView(tuple(p.instances.values()),
                         {i: st is elastic.State.SERVING for i, st in p.states.items()}, dict(self.loads),
-                        self.demand.demand(now_s, sorted(self.config.models)), self.demand.window_s)
+                        self.demand.demand(now_s, sorted(self.config.models)), self.demand.window_s,
+                        self.elastic.migrate, self.elastic.max_migration_pause_s)
 
     async def start_elastic(self) -> None:
         if self.balancer_loop is not None:
@@ -245,6 +255,26 @@ class SchedulerServicer(s_grpc.SchedulerServicer):
         await asyncio.gather(*self._watchers.values(), return_exceptions=True)
         for channel in self._channels.values():
             await channel.close()
+
+
+def demand_report_problem(report: s_pb.DemandReport) -> str | None:
+    """What is wrong with a router's demand report, or None: a model's refusals are among its arrivals."""
+    for m in report.models:
+        refused = sum(m.refused.values())
+        if refused > m.arrivals:
+            return (f"model {m.model!r}: {refused} refusals reported but {m.arrivals} arrivals; send each "
+                    "refused request in the arrivals too")
+    return None
+
+
+def refusals_by_reason(refused) -> dict[str, int]:
+    """A report's refusals by reason; a reason this scheduler does not know (a newer router's) counts as "other"."""
+    out: dict[str, int] = {}
+    for reason, n in refused.items():
+        if n:
+            key = reason if reason in REFUSAL_REASONS else "other"
+            out[key] = out.get(key, 0) + n
+    return out
 
 
 def address_problem(address: str) -> str | None:

@@ -302,6 +302,11 @@ class NodeSimulator:
             if not decode.batcher.reserve(spec, self.now):
                 tracker.refused = True
                 tracker.retry_after_ms = 100.0
+                from octoserve.services.core.errors import Overloaded  # noqa: PLC0415 (a rare path)
+
+                self.router.refused_after_routing(spec, Overloaded(
+                    spec.model, spec.priority, 100, f"decode instance {decision.decode_instance_id} has no KV left "
+                    "to reserve"), "decode_reserve")
                 return
         tracker.route = decision
         instance = self.instances[decision.instance_id]

@@ -11,8 +11,8 @@ Three ways to run a day (`run_day`):
 - "elastic": the `ElasticBalancer` (services/core/balancer.py) plans every `period_s` from the last `window_s` of
   load, and the simulator carries out each reconfiguration: DRAINING (the retired instances take no new request;
   running decodes migrate by KV hand-off to another instance of the same model when the hand-off is shorter than
-  their remaining decode and that instance has a free slot by then: the rule of services/core/migration.py, which
-  the live node applies too; the rest finish in place), SWITCHING
+  their remaining decode, that instance has a free slot by then and its decode step stays within the ITL SLO: the
+  rule of services/core/migration.py, which the live node applies too; the rest finish in place), SWITCHING
   (`load_s` of weights, or the role switch), DONE (the started instances take requests, empty).
 
 The instance model is a queueing one, coarser than the step-level simulator (services/sim/driver.py) and much
@@ -410,8 +410,12 @@ class ElasticSim:
             pause_s = new_start - started  # the gap the hand-off adds to this request's stream
             out = max(1, tr.req.output_tokens - 1)
             tpot_slack_s = (self.slo.itl_ms / 1000.0 - (tr.finish_s - tr.first_s) / out) * out  # its TPOT's room
+            # The target's step with the request added: this model's decode slots each take the step of the full
+            # slot batch (`tau_s`, sized to the ITL target), so a request that takes a free slot, or waits for one
+            # (`pause_s`), adds nothing beyond it; the check refuses only a target whose full batch misses the SLO.
             reason = migration.decide(remaining_s, xfer, pause_s, max_pause_s=self.max_migration_pause_s,
-                                      tpot_slack_s=tpot_slack_s)
+                                      tpot_slack_s=tpot_slack_s, target_step_s=target.tau_s,
+                                      itl_budget_s=self.slo.itl_ms / 1000.0)
             self.migration_reasons[reason] += 1
             if reason != migration.MIGRATE:
                 keep.append(tr)

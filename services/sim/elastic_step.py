@@ -5,13 +5,14 @@ in simulated time.
 Each period (from the first full demand window on) the balancer reads the same input the live scheduler builds
 (services/scheduler/live_balancer.py): each instance's load snapshot (`EngineLoad`, from its `LoadReporter`) through
 `instance_load`, and the demand of the last `window_s` through a `DemandWindow` fed once per period with the
-arrivals of that period, as the routers report theirs.
+arrivals of that period and the router's admission refusals among them by reason, as the routers report theirs.
 
 A reconfiguration runs as on the live node (services/core/reconfig.py):
 - DRAINING: its retired instances leave the router's placement at once (no new request reaches them); their
   running decodes migrate by KV hand-off to the other instances of the model (`migrate`, on by default), decided
   by the rule the live node applies (services/core/migration.py: remaining decode vs the modelled transfer of the
-  context, the targets' free slots and KV from their load snapshots) and carried out as it does (the request
+  context, the targets' free slots and KV from their load snapshots, and each target's decode step by the cost
+  model with the moved requests added, within the ITL SLO) and carried out as it does (the request
   leaves the source's batch at a step boundary, the target reserves room or it stays, the target decodes on from
   its last token after the transfer: `NodeSimulator.migrate`); the other requests finish there. Polled every
   `poll_s`.
@@ -38,7 +39,7 @@ from octoserve.services.core.balancer import BalancerPolicy, ElasticBalancer, No
 from octoserve.services.core.placement import InstanceConfig, NodeConfig
 from octoserve.services.core.reconfig import Phase, ReconfigKind, Reconfiguration
 from octoserve.services.core.types import Role
-from octoserve.services.scheduler.live_balancer import DemandWindow, instance_load
+from octoserve.services.scheduler.live_balancer import DemandWindow, drain_estimates, instance_load
 from octoserve.services.sim.driver import NodeSimulator, SimResult
 from octoserve.services.workload import TraceRequest
 
@@ -83,7 +84,8 @@ class ElasticStepSim:
     def __init__(self, node: NodeConfig, *, policy: BalancerPolicy = BalancerPolicy(), period_s: float = 1.0,
                  window_s: float = 10.0, seed: int = 0, balance: bool = True,
                  plan_at: Sequence[tuple[float, Reconfiguration]] = (), poll_s: float = 0.05,
-                 migrate: bool = True, max_migration_pause_s: float = migration.DEFAULT_MAX_PAUSE_S) -> None:
+                 migrate: bool = True, max_migration_pause_s: float = migration.DEFAULT_MAX_PAUSE_S,
+                 drain_by_rule: bool = True) -> None:
         if node.gang is not None:
             raise ValueError("elastic_step: gang groups are not supported; drop the `gang` section")
         if period_s <= 0 or window_s <= 0 or poll_s <= 0:
@@ -92,9 +94,16 @@ class ElasticStepSim:
         self.policy = policy
         self.period_s, self.window_s, self.poll_s = period_s, window_s, poll_s
         self.migrate, self.max_migration_pause_s = migrate, max_migration_pause_s
+        # With migration on, the balancer's drain estimate by the migration rule (as the live scheduler's); False:
+        # the drain-only estimate (remaining decode) even when requests migrate (for comparison).
+        self.drain_by_rule = drain_by_rule
+        self.reported_refusals: dict[str, int] = {}  # refusals reported into the demand window, by reason
+        self.last_report_s = 0.0  # when the demand window got its last report
         self.sim = NodeSimulator(node, seed=seed)
         self.balancer = ElasticBalancer(node, policy) if balance else None
         self.demand = DemandWindow(window_s)
+        self._refused: dict[str, dict[str, int]] = {}  # model -> reason -> refusals since the last report
+        self.sim.router.refusal_observers.append(self._observe_refusal)
         self.plan_at = sorted(plan_at, key=lambda p: p[0])
         self.reconfigs: list[StepReconfig] = []
         self.starting: dict[str, InstanceConfig] = {}  # started instances of SWITCHING reconfigurations
@@ -117,18 +126,29 @@ class ElasticStepSim:
         return [r.reconfig for r in self.reconfigs if r.phase in (Phase.DRAINING, Phase.SWITCHING)]
 
     def node_load(self, now_s: float) -> NodeLoad:
-        """The balancer's input, built as the live scheduler builds it (`live_balancer.instance_load`)."""
+        """The balancer's input, built as the live scheduler builds it (`live_balancer.instance_load`; with migration
+        on, each decoding instance's drain estimate by the migration rule: `live_balancer.drain_estimates`)."""
         draining = self._draining()
         placement = [inst.cfg for inst in self.sim.instances.values()] + list(self.starting.values())
-        loads = [instance_load(inst.cfg, inst.load(), iid not in draining) for iid, inst in self.sim.instances.items()]
+        snapshots = {iid: inst.load() for iid, inst in self.sim.instances.items()}
+        accepting = {iid: iid not in draining for iid in snapshots}
+        drains = drain_estimates(self.node, [inst.cfg for inst in self.sim.instances.values()], snapshots, accepting,
+                                 self.max_migration_pause_s) if self.migrate and self.drain_by_rule else {}
+        loads = [instance_load(inst.cfg, snapshots[iid], accepting[iid], drains.get(iid))
+                 for iid, inst in self.sim.instances.items()]
         loads += [instance_load(cfg, None, False) for cfg in self.starting.values()]
         return NodeLoad(self.window_s, tuple(placement), tuple(loads),
                         self.demand.demand(now_s, sorted(self.node.models)))
 
     # - the balancing period -
 
+    def _observe_refusal(self, spec, refusal) -> None:
+        mine = self._refused.setdefault(spec.model, {})
+        mine[refusal.reason] = mine.get(refusal.reason, 0) + 1
+
     def _report_arrivals(self, now_s: float) -> None:
-        """The period's arrivals per model into the demand window (the routers' `ReportDemand`)."""
+        """The period's arrivals per model and the router's refusals into the demand window (the routers'
+        `ReportDemand`)."""
         per: dict[str, list[int]] = {}
         while self._next_arrival < len(self._trace) and self._trace[self._next_arrival].arrival_s <= now_s:
             req = self._trace[self._next_arrival]
@@ -137,8 +157,14 @@ class ElasticStepSim:
             acc[1] += len(req.prompt_token_ids)
             acc[2] += req.max_tokens
             self._next_arrival += 1
-        for model, (n, prompt, output) in sorted(per.items()):
-            self.demand.add(now_s, model, n, prompt, output)
+        refused, self._refused = self._refused, {}
+        self.last_report_s = now_s
+        for reasons in refused.values():
+            for reason, n in reasons.items():
+                self.reported_refusals[reason] = self.reported_refusals.get(reason, 0) + n
+        for model in sorted(set(per) | set(refused)):  # an arrival at a tick's instant may be routed after it
+            n, prompt, output = per.get(model, (0, 0, 0))
+            self.demand.add(now_s, model, n, prompt, output, refused.get(model))
 
     def _tick(self) -> None:
         now = self.sim.now
@@ -180,9 +206,13 @@ class ElasticStepSim:
                 continue
             load = other.load()
             slots = max(0, load.max_num_seqs - load.num_running) if load.max_num_seqs else 1 << 16
-            targets.append(migration.Target(tid, load.num_free_blocks, load.block_size, slots))
-        decisions = migration.plan(running, targets, step_s=inst.load().decode_step_time_s,
-                                   transfer_s=inst.cost.kv_transfer_time_s, max_pause_s=self.max_migration_pause_s)
+            targets.append(migration.Target(tid, load.num_free_blocks, load.block_size, slots, load.num_running,
+                                            migration.kv_tokens_in_use(load)))
+        decisions = migration.plan(
+            running, targets, step_s=inst.load().decode_step_time_s, transfer_s=inst.cost.kv_transfer_time_s,
+            max_pause_s=self.max_migration_pause_s,
+            target_step_s=lambda tid, batch, kv: migration.batch_step_s(self.sim.instances[tid].cost, batch, kv),
+            itl_budget_s=self.node.slo.itl_ms / 1000.0)
 
         def done(outcome: str) -> None:
             if outcome == migration.MIGRATE:

@@ -18,16 +18,25 @@ INSTANCE_DRAINING: InstanceState
 INSTANCE_STARTING: InstanceState
 
 class ModelArrivals(_message.Message):
-    __slots__ = ("model", "arrivals", "prompt_tokens", "output_tokens")
+    __slots__ = ("model", "arrivals", "prompt_tokens", "output_tokens", "refused")
+    class RefusedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARRIVALS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     model: str
     arrivals: int
     prompt_tokens: int
     output_tokens: int
-    def __init__(self, model: _Optional[str] = ..., arrivals: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ...) -> None: ...
+    refused: _containers.ScalarMap[str, int]
+    def __init__(self, model: _Optional[str] = ..., arrivals: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., refused: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class DemandReport(_message.Message):
     __slots__ = ("models", "interval_s")

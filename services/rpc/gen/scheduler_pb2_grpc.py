@@ -143,7 +143,8 @@ class SchedulerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReportDemand(self, request, context):
-        """Elastic pools: a router's arrivals per model since its previous report (the balancer's demand input).
+        """Elastic pools: a router's arrivals and admission refusals per model since its previous report (the balancer's
+        demand input).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -21,30 +21,38 @@ PREFILL: Role
 DECODE: Role
 
 class SetRoleRequest(_message.Message):
-    __slots__ = ("role", "drain_timeout_ms", "migration_targets", "max_migration_pause_s")
+    __slots__ = ("role", "drain_timeout_ms", "migration_targets", "max_migration_pause_s", "migration_itl_budget_s")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     DRAIN_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     MIGRATION_TARGETS_FIELD_NUMBER: _ClassVar[int]
     MAX_MIGRATION_PAUSE_S_FIELD_NUMBER: _ClassVar[int]
+    MIGRATION_ITL_BUDGET_S_FIELD_NUMBER: _ClassVar[int]
     role: Role
     drain_timeout_ms: int
     migration_targets: _containers.RepeatedCompositeFieldContainer[MigrationTarget]
     max_migration_pause_s: float
-    def __init__(self, role: _Optional[_Union[Role, str]] = ..., drain_timeout_ms: _Optional[int] = ..., migration_targets: _Optional[_Iterable[_Union[MigrationTarget, _Mapping]]] = ..., max_migration_pause_s: _Optional[float] = ...) -> None: ...
+    migration_itl_budget_s: float
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., drain_timeout_ms: _Optional[int] = ..., migration_targets: _Optional[_Iterable[_Union[MigrationTarget, _Mapping]]] = ..., max_migration_pause_s: _Optional[float] = ..., migration_itl_budget_s: _Optional[float] = ...) -> None: ...
 
 class MigrationTarget(_message.Message):
-    __slots__ = ("instance_id", "address", "free_blocks", "block_size", "free_slots")
+    __slots__ = ("instance_id", "address", "free_blocks", "block_size", "free_slots", "decode_batch", "kv_tokens", "tensor_parallel")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     FREE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_BATCH_FIELD_NUMBER: _ClassVar[int]
+    KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     address: str
     free_blocks: int
     block_size: int
     free_slots: int
-    def __init__(self, instance_id: _Optional[str] = ..., address: _Optional[str] = ..., free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., free_slots: _Optional[int] = ...) -> None: ...
+    decode_batch: int
+    kv_tokens: int
+    tensor_parallel: int
+    def __init__(self, instance_id: _Optional[str] = ..., address: _Optional[str] = ..., free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., free_slots: _Optional[int] = ..., decode_batch: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., tensor_parallel: _Optional[int] = ...) -> None: ...
 
 class SetRoleReply(_message.Message):
     __slots__ = ("drained_requests", "drain_s", "migrated_requests", "kept_by_reason")
@@ -228,7 +236,7 @@ class ResumeReply(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("instance_id", "model", "role", "num_running", "num_waiting", "num_total_blocks", "num_free_blocks", "block_size", "queued_prefill_tokens", "prefill_tokens_per_s", "decode_step_time_s", "healthy", "paused", "kv_events", "seq", "max_num_seqs", "mean_output_tokens")
+    __slots__ = ("instance_id", "model", "role", "num_running", "num_waiting", "num_total_blocks", "num_free_blocks", "block_size", "queued_prefill_tokens", "prefill_tokens_per_s", "decode_step_time_s", "healthy", "paused", "kv_events", "seq", "max_num_seqs", "mean_output_tokens", "num_reserved")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -246,6 +254,7 @@ class LoadReport(_message.Message):
     SEQ_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     MEAN_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_RESERVED_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     model: str
     role: Role
@@ -263,7 +272,8 @@ class LoadReport(_message.Message):
     seq: int
     max_num_seqs: int
     mean_output_tokens: float
-    def __init__(self, instance_id: _Optional[str] = ..., model: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_step_time_s: _Optional[float] = ..., healthy: _Optional[bool] = ..., paused: _Optional[bool] = ..., kv_events: _Optional[_Iterable[_Union[_kv_pb2.KVEvent, _Mapping]]] = ..., seq: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., mean_output_tokens: _Optional[float] = ...) -> None: ...
+    num_reserved: int
+    def __init__(self, instance_id: _Optional[str] = ..., model: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_step_time_s: _Optional[float] = ..., healthy: _Optional[bool] = ..., paused: _Optional[bool] = ..., kv_events: _Optional[_Iterable[_Union[_kv_pb2.KVEvent, _Mapping]]] = ..., seq: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., mean_output_tokens: _Optional[float] = ..., num_reserved: _Optional[int] = ...) -> None: ...
 
 class GetLoadRequest(_message.Message):
     __slots__ = ()
