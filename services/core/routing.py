@@ -272,8 +272,8 @@ class RouterPolicy:
             observe(spec)
         decision = self._route(spec, loads)
         if isinstance(decision, Refuse):
-            for observe in self.refusal_observers:
-                observe(spec, decision)
+            for observe_refusal in self.refusal_observers:
+                observe_refusal(spec, decision)
         if spec.priority < Priority.BATCH and self.config.policies.admission:
             self.pressure.observe(spec.model, isinstance(decision, Refuse) and isinstance(decision.error, Overloaded))
         return decision
