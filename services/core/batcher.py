@@ -35,11 +35,14 @@ import enum
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol, overload
 
 from octoserve.services.core.kv_cache import KVCacheManager
 from octoserve.services.core.preemption import PREEMPTION_MODES, VICTIM_POLICIES
 from octoserve.services.core.queues import QUEUE_POLICIES, WaitingQueue
 from octoserve.services.core.reservation import OutputLengthPredictor, ReservationContext, make_reservation_policy
+if TYPE_CHECKING:
+    from octoserve.services.core.steady_batcher import _Steady
 from octoserve.services.core.types import (
     EngineLoad,
     FinishReason,
@@ -166,7 +169,7 @@ class Request:
         self.run_seq = 0
         # Opaque to this module: a batcher that advances steady decodes implicitly (steady_batcher.py) keeps its
         # per-request state here; None while the request's tokens are explicit.
-        self.steady = None
+        self.steady: _Steady | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -260,7 +263,13 @@ class Batcher:
         return CompactStep(self._step_id, tuple(step.reqs), tuple(step.num_new), tuple(step.contexts),
                            tuple(step.samples), tuple(step.preempted_ids), step.swap_out_blocks, step.swap_in_blocks)
 
-    def _plan_step(self, now: float, step_cap_s: float | None, builder: type) -> _StepBuilder:
+    @overload
+    def _plan_step(self, now: float, step_cap_s: float | None, builder: type[_StepBuilder]) -> _StepBuilder: ...
+    @overload
+    def _plan_step(self, now: float, step_cap_s: float | None, builder: type[_CompactBuilder]) -> _CompactBuilder: ...
+
+    def _plan_step(self, now: float, step_cap_s: float | None,
+                   builder: type[_StepBuilder] | type[_CompactBuilder]) -> _StepBuilder | _CompactBuilder:
         self.state_version += 1
         decodes, prefills, num_decode_tokens = self._split_running_counted()
         extra_kv_s = self._extra_kv_read_s(decodes, num_decode_tokens)
@@ -272,7 +281,7 @@ class Batcher:
             budget = min(budget, self._capped_budget(len(decodes), step_cap_s, extra_kv_s))
         step = builder(budget)
         first, deferred = self._prefills_before_waiting(prefills)
-        if builder is _CompactBuilder:
+        if isinstance(step, _CompactBuilder):
             self._schedule_decodes_compact(step, decodes)
             self._schedule_running_compact(step, first)
         else:
@@ -403,14 +412,16 @@ class Batcher:
     def _split_running(self) -> tuple[list[Request], list[Request]]:
         """Running requests as (decodes, unfinished prefills), each in importance order. The hot path of a step:
         one pass, no property calls."""
-        decodes, prefills = [], []
+        decodes: list[Request] = []
+        prefills: list[Request] = []
         for r in self._running:
             (decodes if len(r.token_ids) - r.num_computed_tokens == 1 else prefills).append(r)
         return decodes, prefills
 
     def _split_running_counted(self) -> tuple[list[Request], list[Request], int]:
         """`_split_running` plus the decodes' total length (tokens), in the same pass."""
-        decodes, prefills = [], []
+        decodes: list[Request] = []
+        prefills: list[Request] = []
         num_decode_tokens = 0
         for r in self._running:
             num_tokens = len(r.token_ids)
@@ -421,7 +432,7 @@ class Batcher:
                 prefills.append(r)
         return decodes, prefills, num_decode_tokens
 
-    def _schedule_running(self, step: _StepBuilder, ordered: list[Request]) -> None:
+    def _schedule_running(self, step: _Step, ordered: list[Request]) -> None:
         if type(step) is _CompactBuilder:
             self._schedule_running_compact(step, ordered)
             return
@@ -497,7 +508,7 @@ class Batcher:
         samples.extend([True] * missing)
         step.budget = budget
 
-    def _make_room(self, req: Request, num_tokens: int, step: _StepBuilder) -> bool:
+    def _make_room(self, req: Request, num_tokens: int, step: _Step) -> bool:
         """Ensure `req` holds KV for `num_tokens`, preempting less important running requests if needed."""
         while not self._grow(req, num_tokens):
             if len(self._running) == 1:
@@ -527,7 +538,7 @@ class Batcher:
         # Every running request is already scheduled: the least important one gives way.
         return self._running[-1]
 
-    def _schedule_swapped(self, step: _StepBuilder) -> None:
+    def _schedule_swapped(self, step: _Step) -> None:
         while self._swapped and len(self._running) < self.config.max_num_seqs:
             req = self._swapped[0]
             if self.kv.allocate(req.request_id, req.token_ids, req.num_computed_tokens + 1) is None:
@@ -539,7 +550,7 @@ class Batcher:
             req.capacity_tokens = len(self.kv.block_ids(req.request_id)) * self.block_size
             self._set_running(req)
 
-    def _schedule_waiting(self, step: _StepBuilder) -> None:
+    def _schedule_waiting(self, step: _Step) -> None:
         while self._waiting and step.budget > 0:
             req = self._waiting.peek()
             if self._num_active() >= self.config.max_num_seqs or not self._admit(req):
@@ -602,7 +613,7 @@ class Batcher:
 
     # ---- preemption ---------------------------------------------------------------------------------------
 
-    def _preempt(self, req: Request, step: _StepBuilder) -> None:
+    def _preempt(self, req: Request, step: _Step) -> None:
         self._running.remove(req)
         step.unschedule(req.request_id)
         req.num_preemptions += 1
@@ -631,11 +642,11 @@ class Batcher:
         outputs: list[RequestOutput] = []
         handoffs: list[HandoffReady] = []
         while self._truncated:
-            req = self._truncated.pop()
-            req.status = RequestStatus.RUNNING  # _finish expects it off every queue; it was taken off running
-            self._running.append(req)
-            outputs.append(self._output(req, (), FinishReason.LENGTH))
-            self._finish(req, observe=True)
+            cut = self._truncated.pop()
+            cut.status = RequestStatus.RUNNING  # _finish expects it off every queue; it was taken off running
+            self._running.append(cut)
+            outputs.append(self._output(cut, (), FinishReason.LENGTH))
+            self._finish(cut, observe=True)
         for chunk in plan.chunks:
             req = self._requests.get(chunk.request_id)
             if req is None or req.status is not RequestStatus.RUNNING:
@@ -994,6 +1005,25 @@ class CompactOutputs:
 
 def _victim_order(req: Request) -> tuple:
     return req.victim_key
+
+
+class _Step(Protocol):
+    """A step under construction, as the walks of the queues use it (`_StepBuilder`, `_CompactBuilder`)."""
+
+    budget: int  # tokens left
+    preempted_ids: list[str]
+    swap_out_blocks: int
+    swap_in_blocks: int
+
+    @property
+    def used(self) -> int: ...
+
+    @property
+    def scheduled_ids(self) -> set[str]: ...
+
+    def add(self, req: Request, num_new_tokens: int) -> None: ...
+
+    def unschedule(self, request_id: str) -> None: ...
 
 
 class _StepBuilder:

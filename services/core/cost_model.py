@@ -175,7 +175,9 @@ class CostModel:
                 raise SpecError(key, f"unknown cost profile key {key!r}; use one of {sorted(known)}")
         return cls(model, gpu, tp, dataclasses.replace(DEFAULT_CONSTANTS, **dict(profile)))
 
-    def _time_s(self, num_tokens: int, num_pairs: int, num_kv_tokens: int, num_samples: int, swap_tokens: int) -> float:
+    def _time_s(
+        self, num_tokens: int, num_pairs: float, num_kv_tokens: float, num_samples: int, swap_tokens: int
+    ) -> float:
         """The step time from batch totals: tokens computed, (query, key) pairs, KV tokens read, sampled tokens,
         and tokens' worth of KV copied over PCIe."""
         total = 0.0
@@ -251,8 +253,9 @@ class CostModel:
         pairs = num_tokens * num_context_tokens + num_tokens * (num_tokens + 1) // 2
         return self._time_s(num_tokens, pairs, num_context_tokens + num_tokens, 1 if num_tokens else 0, 0)
 
-    def decode_step_time_s(self, batch_size: int, context_len: int) -> float:
-        """`batch_size` sequences, each with `context_len` tokens already in KV, each computing one token."""
+    def decode_step_time_s(self, batch_size: int, context_len: float) -> float:
+        """`batch_size` sequences, each with `context_len` tokens already in KV, each computing one token (an average
+        context may be fractional: services/core/migration.py)."""
         per_seq_kv = context_len + 1
         return self._time_s(batch_size, batch_size * per_seq_kv, batch_size * per_seq_kv, batch_size, 0)
 

@@ -41,7 +41,7 @@ scorer makes exactly this comparison, because it ranks by predicted TTFT, which 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
@@ -191,7 +191,7 @@ class RouterPolicy:
     def __init__(
         self,
         config: NodeConfig,
-        cost_models: Mapping[str, CostModelLike],
+        cost_models: MutableMapping[str, CostModelLike],  # the simulator adds an instance's as it joins
         rng: Any,
         *,
         prefix_index: Any = None,
@@ -243,7 +243,7 @@ class RouterPolicy:
         cfg = self.config
         entry = cfg.instance(route.instance_id)
         colocated = route.decode_instance_id is None
-        decode = None if colocated else cfg.instance(route.decode_instance_id)
+        decode = None if route.decode_instance_id is None else cfg.instance(route.decode_instance_id)
         self.ledger.on_dispatched(
             adm.Dispatched(
                 request_id=request_id,
@@ -282,8 +282,8 @@ class RouterPolicy:
             observe(spec)
         decision = self._route(spec, loads)
         if isinstance(decision, Refuse):
-            for observe in self.refusal_observers:
-                observe(spec, decision)
+            for observe_refusal in self.refusal_observers:
+                observe_refusal(spec, decision)
         if spec.priority < Priority.BATCH and self.config.policies.admission:
             self.pressure.observe(spec.model, isinstance(decision, Refuse) and isinstance(decision.error, Overloaded))
         return decision
@@ -528,9 +528,9 @@ class RouterPolicy:
         while lo < hi:
             mid = (lo + hi + 1) // 2
             lo, hi = (mid, hi) if cost.prefill_time_s(mid) * 1000.0 <= slo_ms else (lo, mid - 1)
-        error = SloInfeasible(spec.model, spec.priority, spec.num_prompt_tokens, best.own_prefill_s * 1000.0, slo_ms,
-                              lo + best.cached_tokens)
-        return Refuse(error, 0, "slo_infeasible")
+        too_long = SloInfeasible(spec.model, spec.priority, spec.num_prompt_tokens, best.own_prefill_s * 1000.0,
+                                 slo_ms, lo + best.cached_tokens)
+        return Refuse(too_long, 0, "slo_infeasible")
 
     def _longest_itl_context(self, cost: CostModelLike, itl_ms: float) -> int:
         """The longest context whose batch-1 decode step on `cost` is within `itl_ms` (-1: none is). A step grows

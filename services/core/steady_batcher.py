@@ -42,6 +42,7 @@ from octoserve.services.core.batcher import (
     Request,
     RequestStatus,
     _CompactBuilder,
+    _Step,
 )
 from octoserve.services.core.sim_executor import sim_tokens, token_key
 from octoserve.services.core.types import HandoffReady, RequestOutput, Role
@@ -97,6 +98,7 @@ class SteadyBatcher(Batcher):
     def _sync(self, req: Request, upto: int) -> None:
         """Write out `req`'s tokens, computed count and token times up to the plan of step `upto`."""
         st = req.steady
+        assert st is not None  # only steady requests are written out
         s0 = st.s0
         if upto <= s0:
             return
@@ -112,6 +114,7 @@ class SteadyBatcher(Batcher):
     def _tokens(self, req: Request, start: int, end: int) -> list[int]:
         """The tokens `req` samples at lengths start..end-1 (SimExecutor's formula; EOS past eos_at, which only
         an ignore_eos request reaches)."""
+        assert req.executor_key is not None  # set when it joined (`_join`)
         eos_at, offset = req.executor_key
         plain_end = end if end <= eos_at else max(start, int(eos_at))
         tokens = sim_tokens(start, plain_end, offset)
@@ -122,6 +125,7 @@ class SteadyBatcher(Batcher):
     def _leave(self, req: Request) -> None:
         """Write `req` out (up to now) and make it explicit again."""
         st = req.steady
+        assert st is not None
         self._sync(req, len(self._times))
         self._num_steady -= 1
         self._sum_c -= st.c
@@ -152,6 +156,7 @@ class SteadyBatcher(Batcher):
         st.stop_step = max(s, stop)
         self._num_steady += 1
         self._sum_c += st.c
+        assert req.first_token_s is not None  # only a decode joins
         st.slack_key = (req.first_token_s + (st.c - req.num_prompt_tokens) * self.config.tpot_target_s,
                         req.run_seq, req)
         bisect.insort(self._slack, st.slack_key)
@@ -186,7 +191,7 @@ class SteadyBatcher(Batcher):
 
     # ---- hooks: everything that reads or changes a request one by one writes a steady one out first ----------
 
-    def _preempt(self, req: Request, step) -> None:
+    def _preempt(self, req: Request, step: _Step) -> None:
         if req.steady is not None:
             self._leave(req)
             if isinstance(step, _SteadyBuilder):
@@ -203,7 +208,7 @@ class SteadyBatcher(Batcher):
         super()._set_running(req)
         self._explicit.add(req)
 
-    def _make_room(self, req: Request, num_tokens: int, step) -> bool:
+    def _make_room(self, req: Request, num_tokens: int, step: _Step) -> bool:
         fits = super()._make_room(req, num_tokens, step)
         if not fits and self._truncated and self._truncated[-1] is req:
             self._explicit.discard(req)  # off the running list, still marked running until the update ends it
@@ -281,8 +286,10 @@ class SteadyBatcher(Batcher):
             return None  # some decode would preempt: the plain plan (every request explicit) decides whom
         self.state_version += 1
         for req in growing:  # one block each, in running order, as the plain plan's decode loop takes them
-            self._grow(req, req.steady.c + s)
-            self._plan_grow(req, req.steady)
+            st = req.steady
+            assert st is not None  # `_due` keeps only current steady requests
+            self._grow(req, st.c + s)
+            self._plan_grow(req, st)
         step = _SteadyBuilder(budget, self)
         step.budget -= n
         first, deferred = self._prefills_before_waiting(prefills)

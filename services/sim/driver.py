@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import heapq
 import itertools
@@ -32,16 +33,24 @@ import random
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-from octoserve.services.core.batcher import Batcher, CompactStep, RequestStatus
+from mypy_extensions import mypyc_attr
+
+from octoserve.services.core.batcher import Batcher, CompactOutputs, CompactStep, Request, RequestStatus
 from octoserve.services.core.instance import LoadReporter, gang_duty, instance_parts
 from octoserve.services.core.placement import InstanceConfig, NodeConfig
 from octoserve.services.core.sim_executor import SimExecutor
 from octoserve.services.core.steady_batcher import SteadyBatcher
-from octoserve.services.core.types import FinishReason, HandoffReady, RequestOutput, StepPlan, StepResult
+from octoserve.services.core.types import (
+    EngineLoad, FinishReason, HandoffReady, RequestOutput, StepOutputs, StepPlan, StepResult,
+)
 from octoserve.services.metrics import MIN_WARMUP_S, RequestRecord, SloSpec, Summary, Window, detect_window, summarize
 from octoserve.services.sim.gang_sim import GangReport, build_gangs
 from octoserve.services.workload import TraceRequest
+
+if TYPE_CHECKING:
+    from octoserve.services.core.routing import CostModelLike, Route
 
 _ARRIVAL, _STEP_DONE, _TRANSFER_DONE, _SAMPLE, _FAULT, _RECOVER, _CALL = range(7)
 MAX_REROUTES = 3  # as the live router (router/failover.py)
@@ -59,23 +68,24 @@ class _Instance:
         batcher_type = SteadyBatcher if steady else Batcher
         self.batcher = batcher_type(parts.batcher_config, parts.new_kv(cfg))
         self.cost = parts.cost_model
-        self.executor = SimExecutor(self.cost, cfg.block_size, parts.batcher_config.eos_token_id)
+        # A SimExecutor, or a wrapper of one that offers only `execute` (services/cluster/sim.py squeezes steps)
+        self.executor: Any = SimExecutor(self.cost, cfg.block_size, parts.batcher_config.eos_token_id)
         self.reporter = LoadReporter(cfg.id, cfg.model, self.batcher, self.cost, gang_duty(node, cfg))
         self.busy = False
         self.busy_s = 0.0  # modelled GPU-busy seconds so far
         self.steps = 0
-        self._load = None
-        self._load_key = None
+        self._load: EngineLoad | None = None
+        self._load_key: tuple[int, int, float] | None = None
 
-    def load(self):
+    def load(self) -> EngineLoad:
         return self.reporter.load()
 
-    def cached_load(self):
+    def cached_load(self) -> EngineLoad:
         """`load()`, reused while nothing it reads has changed: every arrival asks every instance of its model,
         and several arrivals fall inside one step. The key covers all of the snapshot's inputs: the batcher's
         state version (bumped by each of its mutating calls), its free KV blocks, and the reporter's decode EMA."""
         key = (self.batcher.state_version, self.batcher.kv.num_free_blocks, self.reporter.decode_step_time_s)
-        if key != self._load_key:
+        if key != self._load_key or self._load is None:
             self._load, self._load_key = self.reporter.load(), key
         return self._load
 
@@ -107,7 +117,7 @@ class _Tracker:
 
     def __init__(self, trace: TraceRequest) -> None:
         self.trace = trace
-        self.route = None
+        self.route: Route | None = None
         self.first_token_s: float | None = None
         self.token_times_s: list[float] = []
         self.finish_s: float | None = None
@@ -165,7 +175,9 @@ class SimResult:
     @property
     def window(self) -> Window:
         """The measurement window: warm-up end (and how it was chosen) to the last arrival, steadiness."""
-        return self.summary.window
+        window = self.summary.window
+        assert window is not None  # `summarize` always sets it
+        return window
 
     @property
     def speed(self) -> float:
@@ -179,6 +191,7 @@ def fast_path_default() -> bool:
     return os.environ.get(FAST_PATH_ENV, "1").strip() not in ("0", "false", "no", "off")
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # tools and tests log its steps from a subclass
 class NodeSimulator:
     """`fast` (default: `fast_path_default()`): steps go through `Batcher.schedule_compact` / `update_compact` and
     `SimExecutor.execute_compact`, load snapshots are reused while unchanged, and plain decode tokens skip their
@@ -194,7 +207,7 @@ class NodeSimulator:
         self.instances = {cfg.id: self._new_instance(cfg) for cfg in config.instances}
         # Gang groups: members' steps start only through their group's arbiter (services/sim/gang_sim.py).
         self.gangs = build_gangs(config, self.instances, self._start_capped_step)
-        cost_models = {iid: inst.cost for iid, inst in self.instances.items()}
+        cost_models: dict[str, CostModelLike] = {iid: inst.cost for iid, inst in self.instances.items()}
         self.router = router or RouterPolicy(config, cost_models, random.Random(seed))
         self.sample_interval_s = sample_interval_s
         self._events: list = []
@@ -253,7 +266,7 @@ class NodeSimulator:
         for fault in self.faults:
             self._push(fault.at_s, _FAULT, fault)
             self._push(fault.at_s + fault.down_s, _RECOVER, fault)
-        handlers = {
+        handlers: dict[int, Callable[[Any], None]] = {  # event kind -> its handler, given the event's payload
             _ARRIVAL: self._on_arrival,
             _STEP_DONE: self._on_step_done,
             _TRANSFER_DONE: self._on_transfer_done,
@@ -366,10 +379,13 @@ class NodeSimulator:
         self._push(self.now + step_s, _STEP_DONE, (inst, step, (sampled, step_s)))
         return step_s
 
-    def _on_step_done(self, payload: tuple[_Instance, StepPlan, StepResult]) -> None:
+    def _on_step_done(self, payload: tuple[_Instance, Any, Any]) -> None:
+        # (instance, StepPlan, StepResult) from `_start_capped_step`, or (instance, CompactStep, (sampled, step
+        # time s)) from `_start_compact_step`: the plan's class says which.
         inst, plan, result = payload
         if self.instances[inst.cfg.id] is not inst:
             return  # a step of an instance that was lost meanwhile
+        out: CompactOutputs | StepOutputs
         if isinstance(plan, CompactStep):
             sampled, step_s = result
             out = inst.batcher.update_compact(plan, sampled, self.now)
@@ -439,7 +455,9 @@ class NodeSimulator:
             return  # one end was lost mid-transfer: the fault already moved or failed the request
         source.batcher.release_handoff(handoff.request_id)
         self._wake(source)  # freed blocks may unblock its queue
-        decode = self.instances[tracker.route.decode_instance_id]
+        decode_id = tracker.route.decode_instance_id
+        assert decode_id is not None  # a hand-off goes to a decode instance
+        decode = self.instances[decode_id]
         tracker.committed = True
         done = decode.batcher.commit_handoff(handoff.request_id, handoff.first_token_id, self.now)
         if done is not None:
@@ -528,7 +546,7 @@ class NodeSimulator:
         """The batcher requests decoding on `instance_id` now (prompt done, one token to compute each step)."""
         inst = self.instances[instance_id]
         self._write_out(inst)  # a steady batcher's implicit decodes: explicit, with their tokens, before reading
-        out = []
+        out: list[Request] = []
         for t in self._trackers.values():
             route = t.route
             if route is None or t.finish_s is not None or t.error or t.refused:
@@ -568,7 +586,7 @@ class NodeSimulator:
                 on_done("target_refused")
                 continue
             transfer_s = source.cost.kv_transfer_time_s(len(tracker.trace.prompt_token_ids) + len(tokens) - 1)
-            self.call_at(self.now + transfer_s, lambda r=request_id, t=target, f=on_done: self._migrated(source, t, r, f))
+            self.call_at(self.now + transfer_s, functools.partial(self._migrated, source, target, request_id, on_done))
 
     def _migrated(self, source: _Instance, target: _Instance, request_id: str, on_done) -> None:
         tracker = self._trackers[request_id]
@@ -579,6 +597,7 @@ class NodeSimulator:
         source.batcher.release_handoff(request_id)
         target.batcher.commit_migrated(request_id, self.now)
         route = tracker.route
+        assert route is not None  # a migrated request was placed
         tracker.route = dataclasses.replace(route, decode_instance_id=target.cfg.id) if route.decode_instance_id \
             else dataclasses.replace(route, instance_id=target.cfg.id)
         self._wake(target)
