@@ -53,6 +53,10 @@ fuzz: venv
 docs-check: venv
 	$(BIN)/python scripts/docs_check.py
 
+## Regenerates the protobuf / gRPC modules (the SDK's public API and services/rpc/gen/) from protos/.
+protos: venv
+	PYTHON=$(BIN)/python bash scripts/gen_protos.sh
+
 clean: clean-compiled
 	rm -rf $(VENV) .pytest_cache .hypothesis
 
