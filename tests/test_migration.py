@@ -308,31 +308,42 @@ async def test_disaggregated_decode_migrates_to_the_other_decode_instance():
         await node.stop()
 
 
+async def _start_switchable_worker(instance_id: str):
+    """A sim worker of `two_replica_config()`'s colocated instance `instance_id`, behind the role switch a real worker
+    process runs, served over gRPC on 127.0.0.1; returns (running service, switch)."""
+    import argparse
+
+    from octoserve.services.core.types import Role
+    from octoserve.services.engine.factory import make_engine
+    from octoserve.services.rpc import role_switch
+    from octoserve.services.rpc.hardening import add_servicer
+    from octoserve.services.rpc.server import ServiceSpec, start_service
+    from octoserve.services.rpc.worker_main import WORKER_SERVICE
+    from tests.service_fixtures import WORKER_DESCRIPTOR
+
+    config = node_config_from_dict(two_replica_config())
+    first = role_switch.servicer_for_role(Role.COLOCATED,
+                                          make_engine(config, instance_id, engine="sim", time_scale=1.0))
+    first.model_spec = config.models[COLOCATED_MODEL]
+    args = argparse.Namespace(engine="sim", instance=instance_id, time_scale=1.0)
+    switch = role_switch.RoleSwitch(first, role_switch.rebuilder(config, args, first))
+    spec = ServiceSpec(name=f"worker:{instance_id}", metrics_port=None, grace_s=1.0, service_names=(WORKER_SERVICE,),
+                       add_servicers=lambda server: add_servicer(switch, WORKER_DESCRIPTOR, server),
+                       start=switch.start, drain=switch.drain, close=switch.close, registry=switch.metrics.registry)
+    return await start_service(spec), switch
+
+
 @pytest.mark.asyncio(loop_scope="function")
 async def test_after_a_role_change_a_stale_route_is_unavailable_so_the_router_places_it_elsewhere():
     """A drain that migrates ends within milliseconds, possibly before a router saw the DRAINING placement: a
     start RPC for the old role then answers UNAVAILABLE (the router re-routes a request with no token yet), not
     FAILED_PRECONDITION (which would fail it). A worker that never changed role keeps the FAILED_PRECONDITION."""
-    import argparse
-
-    from octoserve.services.engine.factory import make_engine
-    from octoserve.services.rpc import convert, role_switch
+    from octoserve.services.rpc import convert
     from octoserve.services.rpc.gen import worker_pb2_grpc as w_grpc
-    from octoserve.services.rpc.hardening import add_servicer
-    from octoserve.services.rpc.server import ServiceSpec, start_service
-    from octoserve.services.rpc.worker_main import WORKER_SERVICE
     from octoserve.services.core.types import Role
-    from tests.service_fixtures import WORKER_DESCRIPTOR, request as public_request
+    from tests.service_fixtures import request as public_request
 
-    config = node_config_from_dict(two_replica_config())
-    first = role_switch.servicer_for_role(Role.COLOCATED, make_engine(config, "c0", engine="sim", time_scale=1.0))
-    first.model_spec = config.models[COLOCATED_MODEL]
-    args = argparse.Namespace(engine="sim", instance="c0", time_scale=1.0)
-    switch = role_switch.RoleSwitch(first, role_switch.rebuilder(config, args, first))
-    spec = ServiceSpec(name="worker:c0", metrics_port=None, grace_s=1.0, service_names=(WORKER_SERVICE,),
-                       add_servicers=lambda server: add_servicer(switch, WORKER_DESCRIPTOR, server),
-                       start=switch.start, drain=switch.drain, close=switch.close, registry=switch.metrics.registry)
-    running = await start_service(spec)
+    running, _ = await _start_switchable_worker("c0")
     try:
         async with grpc.aio.insecure_channel(running.address) as channel:
             stub = w_grpc.WorkerStub(channel)
@@ -416,26 +427,11 @@ async def test_model_change_under_load_migrates_and_router_follows(tmp_path):
 
 @pytest.mark.asyncio(loop_scope="function")
 async def test_set_role_with_a_target_tp_the_model_cannot_take_is_invalid_and_changes_nothing():
-    import argparse
-
     from octoserve.services.core.types import Role
-    from octoserve.services.engine.factory import make_engine
-    from octoserve.services.rpc import convert, role_switch
+    from octoserve.services.rpc import convert
     from octoserve.services.rpc.gen import worker_pb2_grpc as w_grpc
-    from octoserve.services.rpc.hardening import add_servicer
-    from octoserve.services.rpc.server import ServiceSpec, start_service
-    from octoserve.services.rpc.worker_main import WORKER_SERVICE
-    from tests.service_fixtures import WORKER_DESCRIPTOR
 
-    config = node_config_from_dict(two_replica_config())
-    first = role_switch.servicer_for_role(Role.COLOCATED, make_engine(config, "c1", engine="sim", time_scale=1.0))
-    first.model_spec = config.models[COLOCATED_MODEL]
-    args = argparse.Namespace(engine="sim", instance="c1", time_scale=1.0)
-    switch = role_switch.RoleSwitch(first, role_switch.rebuilder(config, args, first))
-    spec = ServiceSpec(name="worker:c1", metrics_port=None, grace_s=1.0, service_names=(WORKER_SERVICE,),
-                       add_servicers=lambda server: add_servicer(switch, WORKER_DESCRIPTOR, server),
-                       start=switch.start, drain=switch.drain, close=switch.close, registry=switch.metrics.registry)
-    running = await start_service(spec)
+    running, switch = await _start_switchable_worker("c1")
     try:
         async with grpc.aio.insecure_channel(running.address) as channel:
             stub = w_grpc.WorkerStub(channel)
