@@ -4,6 +4,7 @@ and worker loads read over the workers' own RPCs."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 from dataclasses import dataclass, field
 
@@ -112,11 +113,16 @@ async def wait_all_free(node, timeout_s: float = 30.0) -> dict[str, w_pb.LoadRep
         await asyncio.sleep(0.1)
 
 
+async def _holds(predicate) -> bool:
+    result = predicate()
+    return await result if inspect.isawaitable(result) else result
+
+
 async def until(predicate, timeout_s: float, what: str) -> None:
-    """Polls the async `predicate` every 50 ms; AssertionError naming `what` past `timeout_s`."""
+    """Polls `predicate` (plain or async) every 50 ms; AssertionError naming `what` past `timeout_s`."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
-    while not await predicate():
+    while not await _holds(predicate):
         if loop.time() > deadline:
             raise AssertionError(f"not within {timeout_s} s: {what}")
         await asyncio.sleep(0.05)

@@ -19,6 +19,7 @@ from octoserve.services.scheduler.live_balancer import DemandWindow
 from octoserve.services.scheduler.service import scheduler_spec
 from octoserve.v1 import generate_pb2 as gen_pb
 from octoserve.v1 import generate_pb2_grpc as gen_grpc
+from tests.fault_fixtures import until
 from tests.service_fixtures import COLOCATED_MODEL, DISAGG_MODEL, request, small_config, start_inprocess_node
 
 ASYNC = pytest.mark.asyncio(loop_scope="function")
@@ -52,15 +53,6 @@ async def _scheduler_and_router(node):
                            startup_timeout_s=20.0, scheduler_address=running.address)
     router = await start_service(rspec)
     return running, scheduler, channel, stub, router
-
-
-async def _until(predicate, timeout_s: float, what: str) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not predicate():
-        if loop.time() > deadline:
-            raise AssertionError(f"not within {timeout_s} s: {what}")
-        await asyncio.sleep(0.05)
 
 
 @ASYNC
@@ -98,7 +90,7 @@ async def test_a_routers_refusals_reach_the_schedulers_balancer_input():
             return {m: scheduler.demand.refusals(now_s, m) for m in (COLOCATED_MODEL, DISAGG_MODEL)}
 
         want = {COLOCATED_MODEL: {"slo_infeasible": 2, "kv_headroom": 4}, DISAGG_MODEL: {"slo_infeasible": 1}}
-        await _until(lambda: seen() == want, 5.0, f"the scheduler's window shows {want}")
+        await until(lambda: seen() == want, 5.0, f"the scheduler's window shows {want}")
         now_s = asyncio.get_running_loop().time()
         view = scheduler.live_view(now_s)
         demand = {d.model: d for d in view.demand}

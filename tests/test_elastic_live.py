@@ -29,7 +29,7 @@ from octoserve.services.rpc.gen import scheduler_pb2_grpc as s_grpc
 from octoserve.services.rpc.gen import worker_pb2 as w_pb
 from octoserve.v1 import generate_pb2 as gen_pb
 from octoserve.v1 import generate_pb2_grpc as gen_grpc
-from tests.fault_fixtures import INSTANCE, Stream, access_log, prompt
+from tests.fault_fixtures import INSTANCE, Stream, access_log, prompt, until
 from tests.service_fixtures import COLOCATED_MODEL, DISAGG_MODEL, MAX_CONTEXT
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="function")]
@@ -87,15 +87,6 @@ class Load:
         return sum(1 for s in self.streams if s.code is not None and (model is None or s.request.model == model))
 
 
-async def _until(predicate, timeout_s: float, what: str) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not predicate():
-        if loop.time() > deadline:
-            raise AssertionError(f"not within {timeout_s} s: {what}")
-        await asyncio.sleep(0.05)
-
-
 def _assert_all_served(streams: list[Stream]) -> None:
     bad = [(s.request.model, s.code, s.details, len(s.tokens)) for s in streams
            if s.code is not grpc.StatusCode.OK or len(s.tokens) != MAX_TOKENS]
@@ -117,7 +108,7 @@ async def test_role_changes_under_load(tmp_path):
             scheduler = s_grpc.SchedulerStub(sch)
             load = Load(gen_grpc.GenerationStub(rch), (COLOCATED_MODEL, DISAGG_MODEL))
             load.start()
-            await _until(lambda: load.done(DISAGG_MODEL) >= 6, 60, "the disaggregated model serves")
+            await until(lambda: load.done(DISAGG_MODEL) >= 6, 60, "the disaggregated model serves")
 
             # decode -> prefill: P:D goes from 1:2 to 2:1 while requests keep arriving.
             reply = await scheduler.Reconfigure(s_pb.ReconfigureRequest(
@@ -126,14 +117,14 @@ async def test_role_changes_under_load(tmp_path):
             assert list(reply.started) == ["d1"]
             assert (await _placement(scheduler))["d1"].role == w_pb.PREFILL
             switched_at = len(load.streams)
-            await _until(lambda: load.done(DISAGG_MODEL) >= switched_at // 2 + 12, 60, "served after the change")
+            await until(lambda: load.done(DISAGG_MODEL) >= switched_at // 2 + 12, 60, "served after the change")
 
             # ... and back, by the CLI: prefill -> decode (the router re-opens the token session).
             code = await asyncio.to_thread(cli_main, ["reconfigure", "--run-dir", str(tmp_path), "--role", "d1=decode"])
             assert code == 0
             assert (await _placement(scheduler))["d1"].role == w_pb.DECODE
             back_at = len(load.streams)
-            await _until(lambda: sum(1 for s in load.streams[back_at:] if s.code is not None) >= 16, 60,
+            await until(lambda: sum(1 for s in load.streams[back_at:] if s.code is not None) >= 16, 60,
                          "served after the change back")
             streams = await load.finish()
         _assert_all_served(streams)
@@ -161,7 +152,7 @@ async def test_model_change_under_load(tmp_path):
             router = gen_grpc.GenerationStub(rch)
             load = Load(router, (COLOCATED_MODEL, OTHER_MODEL))
             load.start()
-            await _until(lambda: load.done() >= 8, 60, "both models serve")
+            await until(lambda: load.done() >= 8, 60, "both models serve")
             before = load.done(COLOCATED_MODEL)
 
             reply = await scheduler.Reconfigure(s_pb.ReconfigureRequest(model_change=s_pb.ModelChange(
@@ -172,10 +163,10 @@ async def test_model_change_under_load(tmp_path):
             placement = await _placement(scheduler)
             assert "c1" not in placement and placement[new_id].model == OTHER_MODEL
             assert list(placement[new_id].gpu_ids) == [1] and placement[new_id].state == s_pb.INSTANCE_SERVING
-            await _until(lambda: c1.proc.poll() is not None, 30, "the retired worker stopped")
+            await until(lambda: c1.proc.poll() is not None, 30, "the retired worker stopped")
             assert new_id in node.workers and "c1" not in node.workers
             changed_at = len(load.streams)
-            await _until(lambda: sum(1 for s in load.streams[changed_at:] if s.code is not None) >= 20, 60,
+            await until(lambda: sum(1 for s in load.streams[changed_at:] if s.code is not None) >= 20, 60,
                          "served after the change")
             models = {m.name: m for m in (await router.ListModels(gen_pb.ListModelsRequest(), timeout=5)).models}
             streams = await load.finish()
@@ -228,7 +219,7 @@ async def test_balancer_loop_reconfigures_under_load(tmp_path):
                 assert loop.time() < deadline, "the balancer loop did not reconfigure d1"
                 await asyncio.sleep(0.1)
             flipped_at = len(load.streams)
-            await _until(lambda: sum(1 for s in load.streams[flipped_at:] if s.code is not None) >= 8, 60,
+            await until(lambda: sum(1 for s in load.streams[flipped_at:] if s.code is not None) >= 8, 60,
                          "served after the balancer's change")
             streams = await load.finish()
         _assert_all_served(streams)
