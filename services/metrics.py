@@ -377,8 +377,12 @@ def group_stats(name: str, records: Sequence[RequestRecord], slo: SloSpec, durat
     good = sum(meets_slo(r, slo) for r in done)
     ttft_ok = sum(r.ttft_s * 1000.0 <= _ttft_slo_ms(r, slo) for r in done)
     itl = np.concatenate([_record_gaps(r, gaps_cache) for r in done]) if done else _NO_GAPS
+    itl_stats = latency_stats(itl)
     fleet_ttft = fleet_ttft_p95_ms(records, slo)
-    fleet_itl = fleet_itl_p95_ms(records, gaps_cache)
+    if any(not r.refused and not r.completed and len(r.token_times_s) > 1 for r in records):
+        fleet_itl = fleet_itl_p95_ms(records, gaps_cache)
+    else:  # no admitted stream beyond the completed ones: the same pooled gaps, so the same P95 (one pass less)
+        fleet_itl = itl_stats.p95_ms
     fleet_ttft_ok = bool(fleet_ttft) and all(p95 < slo_ms for slo_ms, p95 in fleet_ttft)
     fleet_itl_ok = math.isnan(fleet_itl) or fleet_itl < slo.itl_ms
     return GroupStats(
@@ -403,7 +407,7 @@ def group_stats(name: str, records: Sequence[RequestRecord], slo: SloSpec, durat
         ),
         ttft=latency_stats([r.ttft_s for r in done]),
         tpot=latency_stats([t for r in done if (t := r.tpot_s) is not None]),
-        itl=latency_stats(itl),
+        itl=itl_stats,
         e2e=latency_stats([r.e2e_s for r in done if r.e2e_s is not None]),
         num_unfinished=sum(not r.refused and r.finish_s is None for r in records),
         fleet_ttft_p95_ms=fleet_ttft,
@@ -434,15 +438,19 @@ def summarize(
     models = sorted({r.model for r in records})
     tiers = sorted({r.priority for r in records})
     gaps: dict = {}  # record identity -> its ITL gaps; `records` holds every record alive until we return
+    overall = group_stats("all", records, slo, duration_s, gaps)
+
+    def group(name: str, members: list[RequestRecord]) -> GroupStats:
+        if len(members) == len(records):  # every record (one model, or one tier): the overall figures
+            return dataclasses.replace(overall, name=name)
+        return group_stats(name, members, slo, duration_s, gaps)
+
     return Summary(
         duration_s=duration_s,
         slo=slo,
-        overall=group_stats("all", records, slo, duration_s, gaps),
-        per_model=tuple(group_stats(m, [r for r in records if r.model == m], slo, duration_s, gaps) for m in models),
-        per_tier=tuple(
-            group_stats(Priority(p).name, [r for r in records if r.priority == p], slo, duration_s, gaps)
-            for p in tiers
-        ),
+        overall=overall,
+        per_model=tuple(group(m, [r for r in records if r.model == m]) for m in models),
+        per_tier=tuple(group(Priority(p).name, [r for r in records if r.priority == p]) for p in tiers),
         window=window,
         num_warmup=len(all_records) - len(records),
     )

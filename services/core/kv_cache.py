@@ -58,8 +58,13 @@ def _token_bytes(token_ids: Sequence[int]) -> bytes:
 
 def _digest(parent_hash: int | None, extra: bytes, block_bytes: bytes) -> int:
     head = _NO_PARENT if parent_hash is None else _PARENT_HEAD.pack(1, parent_hash)
+    return _digest_of(head + extra + block_bytes)
+
+
+def _digest_of(data: bytes) -> int:
+    """The hash of one block from its whole input: parent head, extra key bytes, token bytes (see `_digest`)."""
     hasher = _EMPTY_HASHER.copy()
-    hasher.update(head + extra + block_bytes)
+    hasher.update(data)
     return int.from_bytes(hasher.digest(), "little")
 
 
@@ -108,7 +113,10 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.extra_key = extra_key
         self._extra = _extra_key_bytes(extra_key)
-        self._block_struct = struct.Struct(f"<{block_size}I")  # one block's tokens as `_token_bytes` packs them
+        # A decode block's whole digest input (`_digest`: head, extra key, tokens as `_token_bytes` packs them) in one
+        # pack: without a parent (head b"\x00") and with one (b"\x01" + its hash, as `_PARENT_HEAD`).
+        self._first_block_struct = struct.Struct(f"<B{len(self._extra)}s{block_size}I")
+        self._next_block_struct = struct.Struct(f"<BQ{len(self._extra)}s{block_size}I")
         self._ref_counts = [0] * num_blocks
         self._block_hashes: list[int | None] = [None] * num_blocks
         self._hash_to_block: dict[int, int] = {}
@@ -304,8 +312,12 @@ class KVCacheManager:
         first = len(hashes)
         if first != num_full - 1 or num_full > len(req.block_ids):
             return False
-        parent = hashes[-1] if first else None
-        block_hash = _digest(parent, self._extra, self._block_struct.pack(*block_token_ids))
+        parent: int | None = None
+        if first:
+            parent = hashes[-1]
+            block_hash = _digest_of(self._next_block_struct.pack(1, parent, self._extra, *block_token_ids))
+        else:
+            block_hash = _digest_of(self._first_block_struct.pack(0, self._extra, *block_token_ids))
         hashes.append(block_hash)
         hash_to_block = self._hash_to_block
         if block_hash in hash_to_block:

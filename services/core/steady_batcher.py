@@ -178,13 +178,17 @@ class SteadyBatcher(Batcher):
         self._grow_at.setdefault(k, []).append((req, st))
 
     @staticmethod
-    def _due(bucket: dict[int, list[tuple[Request, _Steady]]], s: int, attr: str) -> list[Request]:
-        """The steady requests whose event at step `s` is still current (same tenure, same step), in running-list
-        order."""
+    def _due(bucket: dict[int, list[tuple[Request, _Steady]]], s: int, grow: bool) -> list[Request]:
+        """The steady requests whose event at step `s` is still current (same tenure, same step: `next_grow` when
+        `grow`, else `next_update`), in running-list order."""
         entries = bucket.pop(s, None)
         if not entries:
             return []
-        due = [(st.order, r) for r, st in entries if r.steady is st and getattr(st, attr) == s]
+        # Two comprehensions, not getattr(st, name): a named attribute is a direct slot read when compiled.
+        if grow:
+            due = [(st.order, r) for r, st in entries if r.steady is st and st.next_grow == s]
+        else:
+            due = [(st.order, r) for r, st in entries if r.steady is st and st.next_update == s]
         if len(due) > 1:
             due.sort()  # orders are unique: never compares requests
         return [r for _, r in due]
@@ -281,7 +285,7 @@ class SteadyBatcher(Batcher):
             budget = max(budget, self._steady_slack_budget(n, s, now, extra_kv_s))
         if budget < n:
             return None
-        growing = self._due(self._grow_at, s, "next_grow")
+        growing = self._due(self._grow_at, s, grow=True)
         if len(growing) > self.kv.num_free_blocks:
             return None  # some decode would preempt: the plain plan (every request explicit) decides whom
         self.state_version += 1
@@ -346,7 +350,7 @@ class SteadyBatcher(Batcher):
         """The update of step `k` for the steady requests with an event in it, and those of its decodes written
         out since its plan, in running-list order."""
         block_size = self.block_size
-        due = self._due(self._update_at, k, "next_update")
+        due = self._due(self._update_at, k, grow=False)
         if left:
             due = sorted(due + left, key=_run_order)
         kv = self.kv

@@ -134,7 +134,14 @@ class _Tracker:
         return len(self.token_times_s)
 
     def record(self) -> RequestRecord:
-        return self.trace.record(
+        trace = self.trace
+        return RequestRecord(  # `TraceRequest.record`'s fields, without its two dicts per request
+            request_id=trace.request_id,
+            model=trace.model,
+            priority=trace.priority,
+            arrival_s=trace.arrival_s,
+            ttft_slo_ms=trace.ttft_slo_ms,
+            num_prompt_tokens=len(trace.prompt_token_ids),
             num_cached_prompt_tokens=self.num_cached,
             num_output_tokens=self.num_output,  # one time per token, so the count of times
             first_token_s=self.first_token_s,
