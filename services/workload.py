@@ -245,7 +245,7 @@ PROFILES: dict[str, WorkloadProfile] = {p.name: p for p in (_SEED_000, _SEED_003
 # --- traces ---------------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)  # __init__ written out: see core/types.py
 class TraceRequest:
     request_id: str
     arrival_s: float  # offset from the start of the run
@@ -257,6 +257,30 @@ class TraceRequest:
     ttft_slo_ms: float  # the effective TTFT SLO (tier override or the profile's)
     prefix_group: int = -1  # -1: no shared prefix
     prompt_text: str | None = None  # a user trace's text prompt: `bench` sends it as text (ids: one per byte)
+
+    def __init__(
+        self,
+        request_id: str,
+        arrival_s: float,
+        model: str,
+        prompt_token_ids: tuple[int, ...],
+        output_len: int,
+        max_tokens: int,
+        priority: Priority,
+        ttft_slo_ms: float,
+        prefix_group: int = -1,
+        prompt_text: str | None = None,
+    ) -> None:
+        object.__setattr__(self, "request_id", request_id)
+        object.__setattr__(self, "arrival_s", arrival_s)
+        object.__setattr__(self, "model", model)
+        object.__setattr__(self, "prompt_token_ids", prompt_token_ids)
+        object.__setattr__(self, "output_len", output_len)
+        object.__setattr__(self, "max_tokens", max_tokens)
+        object.__setattr__(self, "priority", priority)
+        object.__setattr__(self, "ttft_slo_ms", ttft_slo_ms)
+        object.__setattr__(self, "prefix_group", prefix_group)
+        object.__setattr__(self, "prompt_text", prompt_text)
 
     def to_request_spec(self, arrival_s: float | None = None) -> RequestSpec:
         """The engine-facing request; `arrival_s` replaces the trace offset with the caller's clock."""
@@ -284,7 +308,7 @@ class TraceRequest:
         return RequestRecord(**{**base, **fields})
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)  # __init__ written out: see core/types.py
 class _Draw:
     """Everything random about one request except its tokens (drawn first, so the token pool can be sized)."""
 
@@ -294,6 +318,22 @@ class _Draw:
     output_len: int
     tier: TierShare
     prefix_group: int
+
+    def __init__(
+        self,
+        arrival_s: float,
+        traffic: ModelTraffic,
+        prompt_len: int,
+        output_len: int,
+        tier: TierShare,
+        prefix_group: int,
+    ) -> None:
+        object.__setattr__(self, "arrival_s", arrival_s)
+        object.__setattr__(self, "traffic", traffic)
+        object.__setattr__(self, "prompt_len", prompt_len)
+        object.__setattr__(self, "output_len", output_len)
+        object.__setattr__(self, "tier", tier)
+        object.__setattr__(self, "prefix_group", prefix_group)
 
 
 def _arrival_times(profile: WorkloadProfile, duration_s: float, rate_rps: float, rng: random.Random) -> list[float]:

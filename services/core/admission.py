@@ -45,7 +45,7 @@ from octoserve.services.core.placement import InstanceConfig, PolicyConfig
 from octoserve.services.core.types import EngineLoad, Priority, RequestSpec, Role
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)  # __init__ written out: see core/types.py
 class Dispatched:
     """What the ledger remembers of one dispatched request."""
 
@@ -59,6 +59,30 @@ class Dispatched:
     decode_blocks: int  # KV blocks reserved on decode_instance_id (0 when colocated)
     arrival_s: float = 0.0  # on the clock `now` is on, for the TTFT calibration
     predicted_ttft_s: float = 0.0
+
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        tier: Priority,
+        instance_id: str,
+        decode_instance_id: str | None,
+        uncached_prefill_tokens: int,
+        entry_blocks: int,
+        decode_blocks: int,
+        arrival_s: float = 0.0,
+        predicted_ttft_s: float = 0.0,
+    ) -> None:
+        object.__setattr__(self, "request_id", request_id)
+        object.__setattr__(self, "model", model)
+        object.__setattr__(self, "tier", tier)
+        object.__setattr__(self, "instance_id", instance_id)
+        object.__setattr__(self, "decode_instance_id", decode_instance_id)
+        object.__setattr__(self, "uncached_prefill_tokens", uncached_prefill_tokens)
+        object.__setattr__(self, "entry_blocks", entry_blocks)
+        object.__setattr__(self, "decode_blocks", decode_blocks)
+        object.__setattr__(self, "arrival_s", arrival_s)
+        object.__setattr__(self, "predicted_ttft_s", predicted_ttft_s)
 
 
 _TIERS = tuple(Priority)  # iterating the enum class itself costs a generator per call (once per candidate)

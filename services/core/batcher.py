@@ -993,7 +993,7 @@ class CompactStep:
         return StepPlan(self.step_id, chunks, self.preempted_ids, self.swap_out_blocks, self.swap_in_blocks)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)  # __init__ written out: see core/types.py
 class CompactOutputs:
     """What `update_compact` returns: `StepOutputs` less one `RequestOutput` per plain decode token."""
 
@@ -1001,6 +1001,18 @@ class CompactOutputs:
     handoffs: tuple[HandoffReady, ...]
     kv_events: tuple
     plain: tuple[Request, ...]  # requests that got exactly one more token that neither starts nor ends them
+
+    def __init__(
+        self,
+        outputs: tuple[RequestOutput, ...],
+        handoffs: tuple[HandoffReady, ...],
+        kv_events: tuple,
+        plain: tuple[Request, ...],
+    ) -> None:
+        object.__setattr__(self, "outputs", outputs)
+        object.__setattr__(self, "handoffs", handoffs)
+        object.__setattr__(self, "kv_events", kv_events)
+        object.__setattr__(self, "plain", plain)
 
 
 def _victim_order(req: Request) -> tuple:

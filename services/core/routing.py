@@ -60,12 +60,24 @@ class CostModelLike(Protocol):
     def decode_step_time_s(self, batch_size: int, context_len: int) -> float: ...
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)  # __init__ written out: see core/types.py
 class Route:
     instance_id: str  # prefill or colocated instance
     decode_instance_id: str | None  # None for colocated
     predicted_ttft_ms: float  # rounded to 0.001 ms
     expected_cached_tokens: int  # prompt tokens the prefix cache should serve on instance_id
+
+    def __init__(
+        self,
+        instance_id: str,
+        decode_instance_id: str | None,
+        predicted_ttft_ms: float,
+        expected_cached_tokens: int,
+    ) -> None:
+        object.__setattr__(self, "instance_id", instance_id)
+        object.__setattr__(self, "decode_instance_id", decode_instance_id)
+        object.__setattr__(self, "predicted_ttft_ms", predicted_ttft_ms)
+        object.__setattr__(self, "expected_cached_tokens", expected_cached_tokens)
 
 
 # Why admission refused a request, as a short key (`Refuse.reason`): what the routers report to the scheduler's
@@ -75,11 +87,21 @@ REFUSAL_REASONS = ("unknown_model", "slo_infeasible", "itl_infeasible", "tier_bo
                    "kv_headroom", "batch_share", "ttft", "decode_reserve")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)  # __init__ written out: see core/types.py
 class Refuse:
     error: Overloaded | UnknownModel | SloInfeasible | ItlInfeasible
     retry_after_ms: int  # 0 for UnknownModel and the infeasible ones: retrying will not help
     reason: str = ""  # one of REFUSAL_REASONS
+
+    def __init__(
+        self,
+        error: Overloaded | UnknownModel | SloInfeasible | ItlInfeasible,
+        retry_after_ms: int,
+        reason: str = "",
+    ) -> None:
+        object.__setattr__(self, "error", error)
+        object.__setattr__(self, "retry_after_ms", retry_after_ms)
+        object.__setattr__(self, "reason", reason)
 
 
 class Candidate(NamedTuple):

@@ -3,6 +3,11 @@
 Invariants:
 - Every message here is a frozen, slotted dataclass: built once, never mutated. Mutable per-request state
   lives in `octoserve.services.core.batcher.Request`, owned by exactly one batcher.
+- The messages the simulator builds per arrival, step or KV block write their `__init__` out (`init=False`, each
+  field set with `object.__setattr__`, as the generated one does): compiled with mypyc (services/compiled.py), the
+  generated `__init__` still runs as interpreted code, about 5x slower to call. Fields, defaults, equality,
+  hashing, `replace` and immutability are the dataclass's. The same holds for a few hot messages elsewhere
+  (`CompactOutputs`, `TraceRequest`, `Route`, `Refuse`, `Dispatched`).
 - Times are seconds on the caller's clock (`*_s`), durations carry their unit in the name.
 - Nothing here knows about protobuf, asyncio or a clock.
 """
@@ -25,7 +30,7 @@ class Role(str, enum.Enum):
     DECODE = "decode"  # starts from received KV and generates the rest
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)  # __init__ written out: module doc
 class SamplingParams:
     max_tokens: int
     temperature: float = 0.0
@@ -34,8 +39,24 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
 
+    def __init__(
+        self,
+        max_tokens: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: tuple[str, ...] = (),
+        ignore_eos: bool = False,
+    ) -> None:
+        object.__setattr__(self, "max_tokens", max_tokens)
+        object.__setattr__(self, "temperature", temperature)
+        object.__setattr__(self, "top_p", top_p)
+        object.__setattr__(self, "seed", seed)
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "ignore_eos", ignore_eos)
 
-@dataclass(frozen=True, slots=True)
+
+@dataclass(frozen=True, slots=True, init=False)  # __init__ written out: module doc
 class RequestSpec:
     """One admitted request as the engines see it."""
 
@@ -48,6 +69,26 @@ class RequestSpec:
     ttft_slo_ms: float | None = None  # per-request TTFT deadline; None: the model's default SLO
     # Simulation only: how many tokens the "model" generates before EOS. Real engines ignore it.
     sim_output_len: int | None = None
+
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        prompt_token_ids: tuple[int, ...],
+        sampling: SamplingParams,
+        arrival_s: float,
+        priority: Priority = Priority.STANDARD,
+        ttft_slo_ms: float | None = None,
+        sim_output_len: int | None = None,
+    ) -> None:
+        object.__setattr__(self, "request_id", request_id)
+        object.__setattr__(self, "model", model)
+        object.__setattr__(self, "prompt_token_ids", prompt_token_ids)
+        object.__setattr__(self, "sampling", sampling)
+        object.__setattr__(self, "arrival_s", arrival_s)
+        object.__setattr__(self, "priority", priority)
+        object.__setattr__(self, "ttft_slo_ms", ttft_slo_ms)
+        object.__setattr__(self, "sim_output_len", sim_output_len)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -99,7 +140,7 @@ class StepResult:
     step_time_s: float = 0.0  # measured (real engine) or modelled (sim engine)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)  # __init__ written out: module doc
 class RequestOutput:
     """New tokens of one request after one step; `finish_reason` set on its last output."""
 
@@ -109,6 +150,22 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache (or received KV)
     num_output_tokens: int = 0  # total so far
+
+    def __init__(
+        self,
+        request_id: str,
+        new_token_ids: tuple[int, ...],
+        finish_reason: FinishReason | None = None,
+        num_prompt_tokens: int = 0,
+        num_cached_prompt_tokens: int = 0,
+        num_output_tokens: int = 0,
+    ) -> None:
+        object.__setattr__(self, "request_id", request_id)
+        object.__setattr__(self, "new_token_ids", new_token_ids)
+        object.__setattr__(self, "finish_reason", finish_reason)
+        object.__setattr__(self, "num_prompt_tokens", num_prompt_tokens)
+        object.__setattr__(self, "num_cached_prompt_tokens", num_cached_prompt_tokens)
+        object.__setattr__(self, "num_output_tokens", num_output_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +178,7 @@ class HandoffReady:
     first_token_id: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)  # __init__ written out: module doc
 class EngineLoad:
     """A load snapshot of one engine instance, as the router and the scheduler see it."""
 
@@ -142,6 +199,42 @@ class EngineLoad:
     mean_output_tokens: float = 0.0  # recent mean completion length (0: unknown)
     num_reserved: int = 0  # decode reservations whose KV has not arrived (each decodes here once it does)
 
+    def __init__(
+        self,
+        instance_id: str,
+        model: str,
+        role: Role,
+        num_running: int,
+        num_waiting: int,
+        num_total_blocks: int,
+        num_free_blocks: int,
+        block_size: int,
+        queued_prefill_tokens: int,
+        prefill_tokens_per_s: float,
+        decode_step_time_s: float,
+        healthy: bool = True,
+        paused: bool = False,
+        max_num_seqs: int = 0,
+        mean_output_tokens: float = 0.0,
+        num_reserved: int = 0,
+    ) -> None:
+        object.__setattr__(self, "instance_id", instance_id)
+        object.__setattr__(self, "model", model)
+        object.__setattr__(self, "role", role)
+        object.__setattr__(self, "num_running", num_running)
+        object.__setattr__(self, "num_waiting", num_waiting)
+        object.__setattr__(self, "num_total_blocks", num_total_blocks)
+        object.__setattr__(self, "num_free_blocks", num_free_blocks)
+        object.__setattr__(self, "block_size", block_size)
+        object.__setattr__(self, "queued_prefill_tokens", queued_prefill_tokens)
+        object.__setattr__(self, "prefill_tokens_per_s", prefill_tokens_per_s)
+        object.__setattr__(self, "decode_step_time_s", decode_step_time_s)
+        object.__setattr__(self, "healthy", healthy)
+        object.__setattr__(self, "paused", paused)
+        object.__setattr__(self, "max_num_seqs", max_num_seqs)
+        object.__setattr__(self, "mean_output_tokens", mean_output_tokens)
+        object.__setattr__(self, "num_reserved", num_reserved)
+
     @property
     def kv_usage(self) -> float:
         if self.num_total_blocks == 0:
@@ -149,19 +242,26 @@ class EngineLoad:
         return 1.0 - self.num_free_blocks / self.num_total_blocks
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)  # __init__ written out: module doc
 class BlockStored:
     """KV event: full blocks with these chained hashes are now cached on an instance."""
 
     block_hashes: tuple[int, ...]
     parent_hash: int | None
 
+    def __init__(self, block_hashes: tuple[int, ...], parent_hash: int | None) -> None:
+        object.__setattr__(self, "block_hashes", block_hashes)
+        object.__setattr__(self, "parent_hash", parent_hash)
 
-@dataclass(frozen=True, slots=True)
+
+@dataclass(frozen=True, slots=True, init=False)  # __init__ written out: module doc
 class BlockRemoved:
     """KV event: cached blocks with these hashes were evicted."""
 
     block_hashes: tuple[int, ...]
+
+    def __init__(self, block_hashes: tuple[int, ...]) -> None:
+        object.__setattr__(self, "block_hashes", block_hashes)
 
 
 KVEvent = BlockStored | BlockRemoved
