@@ -113,10 +113,11 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.extra_key = extra_key
         self._extra = _extra_key_bytes(extra_key)
-        # A decode block's whole digest input (`_digest`: head, extra key, tokens as `_token_bytes` packs them) in one
-        # pack: without a parent (head b"\x00") and with one (b"\x01" + its hash, as `_PARENT_HEAD`).
-        self._first_block_struct = struct.Struct(f"<B{len(self._extra)}s{block_size}I")
-        self._next_block_struct = struct.Struct(f"<BQ{len(self._extra)}s{block_size}I")
+        self._block_struct = struct.Struct(f"<{block_size}I")  # one block's tokens as `_token_bytes` packs them
+        # What a block's digest input (`_digest`) starts with, before its token bytes: the head and the extra key,
+        # for a first block (head b"\x00") and, packed in one go, for a block with a parent (see `_PARENT_HEAD`).
+        self._first_head = _NO_PARENT + self._extra
+        self._next_head = struct.Struct(f"<BQ{len(self._extra)}s")
         self._ref_counts = [0] * num_blocks
         self._block_hashes: list[int | None] = [None] * num_blocks
         self._hash_to_block: dict[int, int] = {}
@@ -305,6 +306,11 @@ class KVCacheManager:
         """`cache_computed` for a request whose computed tokens just filled block `num_full - 1` when the blocks
         before it are cached already (a decode, block by block): `block_token_ids` are that block's tokens.
         Returns False, changing nothing, when that is not the case (call `cache_computed`)."""
+        return self.cache_next_block_bytes(request_id, num_full, self._block_struct.pack(*block_token_ids))
+
+    def cache_next_block_bytes(self, request_id: str, num_full: int, block_bytes: bytes) -> bool:
+        """`cache_next_block` with the block's tokens already packed as `_token_bytes` packs them (the simulator
+        slices them from its token formula's packed cycle, `sim_executor.sim_token_bytes`)."""
         req = self._requests[request_id]
         if not self.enable_prefix_caching:
             return True
@@ -315,9 +321,9 @@ class KVCacheManager:
         parent: int | None = None
         if first:
             parent = hashes[-1]
-            block_hash = _digest_of(self._next_block_struct.pack(1, parent, self._extra, *block_token_ids))
+            block_hash = _digest_of(self._next_head.pack(1, parent, self._extra) + block_bytes)
         else:
-            block_hash = _digest_of(self._first_block_struct.pack(0, self._extra, *block_token_ids))
+            block_hash = _digest_of(self._first_head + block_bytes)
         hashes.append(block_hash)
         hash_to_block = self._hash_to_block
         if block_hash in hash_to_block:

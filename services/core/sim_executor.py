@@ -8,6 +8,9 @@ the same tokens and the same step times for the same plans.
 
 from __future__ import annotations
 
+import sys
+from array import array
+
 from octoserve.services.core.batcher import Batcher, CompactStep
 from octoserve.services.core.cost_model import CostModel
 from octoserve.services.core.types import StepPlan, StepResult
@@ -41,6 +44,23 @@ def sim_tokens(start: int, end: int, offset: int) -> list[int]:
     # n * STEP + offset = (n + m) * STEP (mod SPAN) with m = offset / STEP (mod SPAN)
     first = (start + offset * _STEP_INVERSE) % SIM_TOKEN_SPAN
     return _CYCLE[first : first + max(0, end - start)]
+
+
+_CYCLE_BYTES: list[bytes] = []  # [_CYCLE packed as `kv_cache._token_bytes` packs tokens], built on first use
+
+
+def sim_token_bytes(start: int, end: int, offset: int) -> bytes:
+    """`sim_tokens(start, end, offset)` packed as the prefix cache hashes tokens (uint32 little-endian,
+    `kv_cache._token_bytes`): one slice of the packed cycle, for a run no longer than the span (a decode block)."""
+    if end - start > SIM_TOKEN_SPAN:
+        raise ValueError(f"sim_token_bytes: a run of {end - start} tokens is longer than the cycle")
+    if not _CYCLE_BYTES:
+        packed = array("I", sim_tokens(0, 2 * SIM_TOKEN_SPAN, 0))  # the whole cycle, twice over
+        if sys.byteorder == "big":
+            packed.byteswap()
+        _CYCLE_BYTES.append(packed.tobytes())
+    first = (start + offset * _STEP_INVERSE) % SIM_TOKEN_SPAN
+    return _CYCLE_BYTES[0][4 * first : 4 * (first + max(0, end - start))]
 
 
 def token_key(spec, num_prompt_tokens: int) -> tuple[int | float, int]:

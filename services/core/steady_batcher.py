@@ -7,9 +7,10 @@ per-step path: a steady request's length is `c + s`, where `s` counts this batch
 end time of each) and `c` is fixed while it stays steady. Work for it happens only at its events, each found in
 advance and bucketed by step:
 - at planning: its KV blocks are full (it needs one more block: `_grow`, as the plain path does);
-- at update: a block became full (its tokens are written into `token_ids` up to there and the block is hashed into
-  the prefix cache, `KVCacheManager.cache_next_block`), or its token ends it (EOS, length), where the plain path's
-  code (`_apply_chunks`) runs for it alone.
+- at update: a block became full (the block is hashed into the prefix cache: a block of output tokens from the
+  formula's packed bytes, `KVCacheManager.cache_next_block_bytes`, one holding prompt tokens or EOS from its tokens,
+  written into `token_ids` up to there), or its token ends it (EOS, length), where the plain path's code
+  (`_apply_chunks`) runs for it alone.
 Its `num_computed_tokens`, `last_token_s` and token times are written out (`_sync`) when it stops and whenever
 anything else is about to read or change it (preemption, abort, a fallback step, the caller's `sync_all`); until
 then they are stale (its `token_ids` may run ahead of them), so `queued_prefill_tokens` and the plan read only the
@@ -44,7 +45,7 @@ from octoserve.services.core.batcher import (
     _CompactBuilder,
     _Step,
 )
-from octoserve.services.core.sim_executor import sim_tokens, token_key
+from octoserve.services.core.sim_executor import sim_token_bytes, sim_tokens, token_key
 from octoserve.services.core.types import HandoffReady, RequestOutput, Role
 
 SLACK_TIE_S = 1e-6  # keys closer than this to the smallest are evaluated exactly (float rounding is ~1e-14 s)
@@ -371,11 +372,18 @@ class SteadyBatcher(Batcher):
             # from the formula where not written out yet; the request itself stays as it was.
             tokens = req.token_ids
             start = num_tokens - block_size
-            if len(tokens) < num_tokens:
-                # Written out ahead of the request's count, once: `_sync` carries on from the end of the list.
-                tokens.extend(self._tokens(req, len(tokens), num_tokens))
-            block = tokens[start:num_tokens]
-            if not kv.cache_next_block(req.request_id, num_tokens // block_size, block):
+            num_full = num_tokens // block_size
+            assert req.executor_key is not None  # set when it joined
+            eos_at, offset = req.executor_key
+            if start >= req.num_prompt_tokens and num_tokens <= eos_at:
+                # Output tokens only, none of them EOS: the formula's packed bytes, no token objects
+                cached = kv.cache_next_block_bytes(req.request_id, num_full, sim_token_bytes(start, num_tokens, offset))
+            else:  # the block holds prompt tokens (or EOS): its tokens, written out
+                if len(tokens) < num_tokens:
+                    # Written out ahead of the request's count, once: `_sync` carries on from the end of the list.
+                    tokens.extend(self._tokens(req, len(tokens), num_tokens))
+                cached = kv.cache_next_block(req.request_id, num_full, tokens[start:num_tokens])
+            if not cached:
                 self._sync(req, k)
                 req.num_computed_tokens = num_tokens
                 kv.cache_computed(req.request_id, tokens, num_tokens)
