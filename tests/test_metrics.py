@@ -278,6 +278,19 @@ def test_fleet_itl_p95_is_pooled_per_token_over_every_stream():
     assert summarize([rec("one", 0.0, [0.1])], SLO, 1.0).overall.fleet_itl_ok  # no gap streamed
 
 
+def test_groups_reused_from_the_overall_figures_equal_their_own_computation():
+    # One model and one tier hold every record: `summarize` reuses the overall figures for them, and the pooled
+    # fleet ITL P95 from the ITL statistics when every admitted stream completed. Both equal the direct figures.
+    from octoserve.services.metrics import fleet_itl_p95_ms, group_stats
+
+    records = [rec(f"r{i}", 0.01 * i, [0.1 + 0.01 * i + 0.013 * k * (1 + i % 3) for k in range(6)]) for i in range(20)]
+    records.append(rec("refused", 0.5, [], refused=True))
+    s = summarize(records, SLO, 1.0)
+    assert s.per_model == (group_stats("m", records, SLO, 1.0),)
+    assert s.per_tier == (group_stats("STANDARD", records, SLO, 1.0),)
+    assert s.overall.fleet_itl_p95_ms == fleet_itl_p95_ms(records) == s.overall.itl.p95_ms
+
+
 def test_passes_capacity_needs_90_percent_of_offered_good_and_the_fleet_slo():
     good = [rec(f"g{k}", 0.0, [0.1, 0.12, 0.14]) for k in range(9)]
     at_90 = summarize(good + [rec("refused", 0.0, [], refused=True)], SLO, 1.0).overall

@@ -149,3 +149,39 @@ def test_sim_tokens_are_the_formula_tokens():
         length = rng.choice([0, 1, 16, 17, 1000, span, span + 5, rng.randrange(0, 2 * span)])
         expected = [SIM_TOKEN_LO + (n * SIM_TOKEN_STEP + offset) % SIM_TOKEN_SPAN for n in range(start, start + length)]
         assert sim_tokens(start, start + length, offset) == expected
+
+
+def test_sim_token_bytes_are_the_formula_tokens_packed_as_the_prefix_cache_hashes_them():
+    # Steady decodes hash a block of output tokens from these bytes, without building the tokens.
+    from octoserve.services.core.kv_cache import _token_bytes
+    from octoserve.services.core.sim_executor import SIM_TOKEN_SPAN, sim_token_bytes, sim_tokens
+
+    rng = random.Random(11)
+    for _ in range(2000):
+        start, offset = rng.randrange(0, 300_000), rng.randrange(0, SIM_TOKEN_SPAN)
+        length = rng.choice([0, 1, 15, 16, 17, 1000, SIM_TOKEN_SPAN])
+        assert sim_token_bytes(start, start + length, offset) == _token_bytes(sim_tokens(start, start + length, offset))
+    with pytest.raises(ValueError, match="longer than the cycle"):
+        sim_token_bytes(0, SIM_TOKEN_SPAN + 1, 0)
+
+
+def test_a_block_cached_from_its_bytes_is_cached_as_from_its_tokens():
+    # Same hashes, same registrations, same KV events, for a first block, a chained one and a block whose hash
+    # another block holds already (the copy stays anonymous).
+    from octoserve.services.core.kv_cache import _token_bytes
+
+    managers = [KVCacheManager(8, 4, extra_key="m") for _ in range(2)]
+    blocks = [[1001, 1002, 1003, 1004], [2001, 2002, 2003, 2004]]
+    for kv in managers:
+        for rid in ("a", "b"):
+            assert kv.allocate(rid, [], 8) is not None
+    for rid in ("a", "b"):
+        for num_full, block in enumerate(blocks, start=1):
+            assert managers[0].cache_next_block(rid, num_full, block)
+            assert managers[1].cache_next_block_bytes(rid, num_full, _token_bytes(block))
+    assert not managers[1].cache_next_block_bytes("a", 1, _token_bytes(blocks[0]))  # not the next block: no change
+    tokens, from_bytes = managers
+    events = tokens.drain_events()
+    assert from_bytes.drain_events() == events and len(events) == 2  # b's blocks hash as a's: anonymous copies
+    assert [from_bytes.block_hash(b) for b in range(8)] == [tokens.block_hash(b) for b in range(8)]
+    assert from_bytes.num_cached_blocks == tokens.num_cached_blocks == 2
