@@ -352,6 +352,74 @@ def test_a_move_that_would_leave_a_model_unserved_halfway_is_unreachable():
     assert reachable([LM, *SM_C], grown) and reachable(grown, small)
 
 
+H100_PESSIMISTIC = NodeConfig(GPU_PRESETS["h100-sxm-80gb"], 8, MODELS, (), cost_profile="pessimistic")
+SIX = [inst("lm-d", L, Role.DECODE, (0, 1, 2, 3)), inst("lm-p", L, Role.PREFILL, (4, 5)),
+       inst("sm-6", S, Role.COLOCATED, (6,)), inst("sm-7", S, Role.COLOCATED, (7,))]
+FOUR = [inst("lm-0", L, Role.COLOCATED, (0, 1, 2, 3)), *(inst(f"sm-{k}", S, Role.COLOCATED, (k,)) for k in range(4, 8))]
+
+
+def day_demand(model, rps):
+    """Demand at the mix-shift day's base lengths (1000-token prompts, 250-token outputs)."""
+    return ModelDemand(model, rps, mean_prompt_tokens=1000.0, mean_output_tokens=250.0)
+
+
+def test_a_better_placement_that_no_order_of_changes_reaches_is_held_as_unreachable():
+    """8 H100s, pessimistic profile: the 70B as TP 4 decode + TP 2 prefill (six GPUs) leaves the 8B two. In the
+    8B-heavy hours (36 req/s) the 8B's four-GPU placement serves 10 req/s more by the estimate, but every change
+    toward it retires one of the 70B's two instances, and neither serves alone: the balancer holds, and says why
+    (not `hold:no_gain`, which would claim nothing better exists)."""
+    from octoserve.services.core.balancer import stranded_models
+
+    assert stranded_models(SIX, FOUR) == [L] and stranded_models(FOUR, SIX) == [L]
+    assert stranded_models(FOUR, [*FOUR[:1], *FOUR[1:]]) == []
+    b = ElasticBalancer(H100_PESSIMISTIC, FAST, layouts=[SIX, FOUR])
+    peak = {L: day_demand(L, 4.0), S: day_demand(S, 36.0)}
+    six_good, six_caps = placement_goodput_rps(b.capacity, SIX, peak, 0.0)
+    four_good, four_caps = placement_goodput_rps(b.capacity, FOUR, peak, 0.0)
+    assert six_caps[S] == pytest.approx(25.74, abs=0.01) and four_caps[S] == pytest.approx(51.47, abs=0.01)
+    assert four_good - six_good == pytest.approx(36.0 - 25.74 - (six_caps[L] - four_caps[L]), abs=0.01)
+    assert b.plan(10.0, load(SIX, peak.values()), []) == []
+    assert dict(b.counters) == {"hold:unreachable": 1}
+    assert b.log[-1].detail.startswith(f"{L} TP4Cx1 | {S} TP1Cx4 would serve {four_good:.1f} req/s against "
+                                       f"{six_good:.1f} now (+{four_good - six_good:.1f}), but every change toward it "
+                                       f"from {L} TP2Px1 TP4Dx1 | {S} TP1Cx2 leaves ['{L}'] with no instance taking "
+                                       "requests for a moment; ")
+    # At the 70B-heavy hours' demand the 8B needs no more than its two GPUs: nothing better exists.
+    assert b.plan(12.0, load(SIX, [day_demand(L, 36.0), day_demand(S, 4.0)]), []) == []
+    assert b.log[-1].reason == "hold:no_gain"
+    # A gain below the hysteresis margin is no reason either: 8B at 26 req/s, 0.26 req/s over its two GPUs.
+    assert b.plan(14.0, load(SIX, [day_demand(L, 4.0), day_demand(S, 26.0)]), []) == []
+    assert b.log[-1].reason == "hold:no_gain"
+
+
+class _CountingRanker:
+    """A forward ranker that plays nothing: it counts the calls and scores every move 0."""
+
+    name = "counting"
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def forecast(self, now_s, moves, rates_rps, horizons_s):
+        self.calls += 1
+        return [[0.0] * len(horizons_s) for _ in moves]
+
+
+def test_with_a_forward_ranker_an_unreachable_better_placement_is_named_and_nothing_is_played():
+    """The forward ranker's shortlist holds only reachable moves: from the trap above it is hold alone, so no
+    ranking is played, and the decision says that the better placement is unreachable."""
+    ranker = _CountingRanker()
+    b = ElasticBalancer(H100_PESSIMISTIC, FAST, layouts=[SIX, FOUR], ranker=ranker)
+    assert b.plan(10.0, load(SIX, [day_demand(L, 4.0), day_demand(S, 36.0)]), []) == []
+    assert ranker.calls == 0 and dict(b.counters) == {"hold:unreachable": 1}
+    # With a reachable move on the list (a role split of the 8B beside a colocated 70B) the ranker plays it.
+    split = [*FOUR[:1], inst("sm-4", S, Role.PREFILL, (4,)), inst("sm-5", S, Role.DECODE, (5,)), *FOUR[3:]]
+    assert reachable(FOUR, split)
+    b = ElasticBalancer(H100_PESSIMISTIC, FAST, layouts=[FOUR, split], ranker=ranker)
+    assert b.plan(10.0, load(FOUR, [day_demand(L, 4.0), day_demand(S, 36.0)]), []) == []
+    assert ranker.calls == 1 and b.log[-1].reason == "hold:forward"  # every move scored 0: none beats hold
+
+
 def test_load_objective_weighs_each_model_by_its_alone_capacity():
     from octoserve.services.core.balancer import alone_capacity_rps, objective_weights
 
