@@ -177,7 +177,8 @@ def test_last_instance_guard_never_retires_a_models_only_serving_instance():
     # The shrunk 70B would serve more 8B, but reaching it retires the 70B's only instance first: not a target.
     assert not reachable(current, shrunk)
     assert b.plan(0.0, load(current, demand), []) == []
-    assert b.log[-1].reason == "hold:no_gain"
+    assert b.log[-1].reason == "hold:unreachable"  # better by the estimate, and held as unreachable, not as no gain
+    assert f"leaves ['{L}'] with no instance taking requests for a moment" in b.log[-1].detail
     # While another change retires the 8B's other instances, the one left is never retired either.
     grown = [LM, inst("lm-1", L, Role.COLOCATED, (4, 5)), SM_C[2], SM_C[3]]
     b = ElasticBalancer(NODE, FAST, layouts=[current, grown])
