@@ -516,13 +516,15 @@ def _tp_groups(num_gpus: int, tps: Sequence[int]) -> list[tuple[int, ...]]:
     return out
 
 
-def _model_instances(model: str, tps: tuple[int, ...], first_gpu: int) -> list[list[InstanceConfig]]:
-    """Every role assignment of instances of TP degrees `tps` laid out from `first_gpu` (same-TP instances in
-    canonical role order), as lists of instances."""
+def _model_instances(model: str, tps: tuple[int, ...], first_gpu: int,
+                     smallest_first: bool = False) -> list[list[InstanceConfig]]:
+    """Every role assignment of instances of TP degrees `tps` laid out from `first_gpu`, the largest TP first (or,
+    with `smallest_first`, the smallest; same-TP instances in canonical role order), as lists of instances."""
     by_tp: dict[int, int] = {}
     for tp in tps:
         by_tp[tp] = by_tp.get(tp, 0) + 1
-    per_tp = [[(tp, roles) for roles in _role_splits(n)] for tp, n in sorted(by_tp.items(), reverse=True)]
+    per_tp = [[(tp, roles) for roles in _role_splits(n)]
+              for tp, n in sorted(by_tp.items(), reverse=not smallest_first)]
     combos: list[list[tuple[int, tuple[Role, ...]]]] = [[]]
     for options in per_tp:
         combos = [c + [o] for c in combos for o in options]
@@ -543,8 +545,9 @@ def _model_instances(model: str, tps: tuple[int, ...], first_gpu: int) -> list[l
 
 
 def candidate_layouts(node: NodeConfig, small_tps: Sequence[int] = (1,)) -> list[tuple[InstanceConfig, ...]]:
-    """The placements the balancer may move to, for two models: the larger on the first (or the last) GPUs as
-    instances of any mix of TP degrees (2, 4, 8) whose weights leave KV room, the smaller on the rest at
+    """The placements the balancer may move to, for two models: the larger on the first (or the last, its instances
+    then in either TP order) GPUs as instances of any mix of TP degrees (2, 4, 8) whose weights leave KV room, the
+    smaller on the rest at
     `small_tps`, every role split of each model (`_role_splits`); each model keeps at least one instance. One model alone: its layouts on
     every GPU. Layouts that fail `check_placement` are left out."""
     from octoserve.services.core.placement import check_placement  # noqa: PLC0415 (a cycle-free local import)
@@ -577,9 +580,12 @@ def candidate_layouts(node: NodeConfig, small_tps: Sequence[int] = (1,)) -> list
                 for sg in _tp_groups(small_gpus, s_tps):
                     for li in _model_instances(large, lg, 0):
                         layouts += [tuple(li + si) for si in _model_instances(small, sg, large_gpus)]
-                    # and mirrored (the smaller model first), so a pool can grow or shrink from either end
+                    # and mirrored (the smaller model first), so a pool can grow or shrink from either end; there
+                    # the larger model's instances also in the other order, so that it grows and shrinks at its
+                    # inner edge too (a TP 4 on GPUs 4-7 gains a TP 2 on GPUs 2-3 without moving)
+                    orders = (False, True) if len(set(lg)) > 1 else (False,)
                     for si in _model_instances(small, sg, 0):
-                        layouts += [tuple(si + li) for li in _model_instances(large, lg, small_gpus)]
+                        layouts += [tuple(si + li) for o in orders for li in _model_instances(large, lg, small_gpus, o)]
     return [l for l in layouts if not check_placement(replace(node, instances=l, gang=None))]
 
 
@@ -755,6 +761,10 @@ class ElasticBalancer:
         for r in in_flight:
             if not check_reconfiguration(current, r):
                 current = apply(current, r)
+            elif not any(i in current for i in r.retire):
+                # Switching: its retired instances are gone already, and the started ones (weights loading) count
+                # as placed, whether the caller lists them yet (live: as starting) or not (the simulator).
+                current.update({i.id: i for i in r.start})
         busy = {i for r in in_flight for i in r.retire}
         live = [i for i in loads.placement if i.id not in busy and i.id in current and loads.load_of(i.id).accepting]
         # The trend is extrapolated no further than the window it was measured over: a step seen through a short

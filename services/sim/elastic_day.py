@@ -527,6 +527,11 @@ def section(runs: Sequence[ProfileRun], command: str, plots: Sequence[Path], wal
         f"capacity served within the SLOs) and the 70B's attainment are reported beside it so that a model starved "
         f"for the other's request count shows.",
         "",
+        "The best static placement is the one that serves the most, simulated over the whole day, among the "
+        "capacity estimate's best three at the day's mean demand, its best three shapes by the mean of the hours' "
+        "estimates (the estimate at the mean demand hides a model's peak hours: min(mean demand, capacity) is not the "
+        "mean of min(demand, capacity)) and, for the day, the planner's pick. The elastic runs start from it.",
+        "",
         "The hourly oracle picks each hour's placement by measurement: the capacity estimate's best three for that "
         "hour's true demand, the best static placement and the placement in place are each simulated over that hour, "
         "and the one that serves the most is switched to (for free). The balancer plans by its capacity estimate; "
