@@ -421,6 +421,45 @@ def test_with_a_forward_ranker_an_unreachable_better_placement_is_named_and_noth
     assert ranker.calls == 1 and b.log[-1].reason == "hold:forward"  # every move scored 0: none beats hold
 
 
+def test_a_70b_pool_on_the_last_gpus_grows_at_its_inner_edge():
+    """With the 8B on GPUs 0-3 and the 70B's TP 4 on GPUs 4-7, the 70B grows by a TP 2 on GPUs 2-3: that placement
+    is a candidate (the larger model's instances smallest TP first when it sits on the last GPUs), reachable with
+    both models served, and the balancer plans it when the 70B's demand outgrows its TP 4."""
+    from octoserve.services.sim.elastic_sim import label_of
+
+    right = [*(inst(f"sm-{k}", S, Role.COLOCATED, (k,)) for k in range(4)), inst("lm-4", L, Role.COLOCATED, (4, 5, 6, 7))]
+    grown = [*right[:2], inst("lm-2", L, Role.COLOCATED, (2, 3)), right[4]]
+    keys = {tuple(sorted((i.model, i.role, i.gpu_ids) for i in l)) for l in candidate_layouts(NODE)}
+    assert tuple(sorted((i.model, i.role, i.gpu_ids) for i in grown)) in keys
+    assert tuple(sorted((i.model, i.role, i.gpu_ids) for i in right)) in keys
+    assert len(candidate_layouts(NODE)) == 108  # 102 before the second order, 6 of them mirrored (4, 2) splits
+    assert reachable(right, grown)
+    b = ElasticBalancer(NODE, FAST, layouts=candidate_layouts(NODE))
+    (r,) = b.plan(10.0, load(right, [ModelDemand(L, 30.0), ModelDemand(S, 10.0)]), [])
+    assert r.kind is ReconfigKind.MODEL and r.retire == ("sm-2", "sm-3")
+    assert [(i.model, i.tp, i.gpu_ids) for i in r.start] == [(L, 2, (2, 3))]
+    assert label_of(apply({i.id: i for i in right}, r).values()) == f"{L} TP4Cx1 TP2Cx1 | {S} TP1Cx2"
+
+
+def test_a_switching_reconfigurations_started_instances_count_as_placed():
+    """While a model change switches (its retired instances gone, its started ones loading weights), the simulator
+    lists neither; the balancer counts the started ones as placed, as it does while they drain and as the live
+    scheduler lists them (starting): the placement it scores is the whole node."""
+    grown = [LM, inst("lm-1", L, Role.COLOCATED, (4, 5)), SM_C[2], SM_C[3]]
+    r = Reconfiguration("rc1", ReconfigKind.MODEL, ("sm-0", "sm-1"), (grown[1],), "x", load_s=1.0)
+    demand = [ModelDemand(L, 9.0), ModelDemand(S, 30.0)]
+    b = ElasticBalancer(NODE, FAST, layouts=[grown, [LM, *SM_C]])
+    switching = [LM, SM_C[2], SM_C[3]]  # GPUs 4-5: sm-0 and sm-1 are gone, lm-1 not up yet
+    assert b.plan(10.0, load(switching, demand), [r]) == []
+    good, _ = placement_goodput_rps(b.capacity, grown, {d.model: d for d in demand}, 0.0)
+    assert b.log[-1].reason == "hold:no_gain"
+    assert b.log[-1].detail.startswith(f"current placement is best: goodput {good:.1f} req/s;")
+    # The same while it drains (the retired instances still listed): the same placement once done.
+    b2 = ElasticBalancer(NODE, FAST, layouts=[grown, [LM, *SM_C]])
+    assert b2.plan(10.0, load([LM, *SM_C], demand), [r]) == []
+    assert b2.log[-1].detail == b.log[-1].detail
+
+
 def test_load_objective_weighs_each_model_by_its_alone_capacity():
     from octoserve.services.core.balancer import alone_capacity_rps, objective_weights
 
