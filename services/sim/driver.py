@@ -321,13 +321,15 @@ class NodeSimulator:
         if decision.decode_instance_id is not None:
             decode = self.instances[decision.decode_instance_id]
             if not decode.batcher.reserve(spec, self.now):
-                tracker.refused = True
-                tracker.retry_after_ms = 100.0
                 from octoserve.services.core.errors import Overloaded  # noqa: PLC0415 (a rare path)
 
+                # The live router's hint for this refusal: the policies' floor (router/servicer.py).
+                retry_after_ms = self.config.policies.min_retry_after_ms
+                tracker.refused = True
+                tracker.retry_after_ms = float(retry_after_ms)
                 self.router.refused_after_routing(spec, Overloaded(
-                    spec.model, spec.priority, 100, f"decode instance {decision.decode_instance_id} has no KV left "
-                    "to reserve"), "decode_reserve")
+                    spec.model, spec.priority, retry_after_ms, f"decode instance {decision.decode_instance_id} has "
+                    "no KV left to reserve"), "decode_reserve")
                 return
         tracker.route = decision
         instance = self.instances[decision.instance_id]
