@@ -177,7 +177,8 @@ def test_last_instance_guard_never_retires_a_models_only_serving_instance():
     # The shrunk 70B would serve more 8B, but reaching it retires the 70B's only instance first: not a target.
     assert not reachable(current, shrunk)
     assert b.plan(0.0, load(current, demand), []) == []
-    assert b.log[-1].reason == "hold:no_gain"
+    assert b.log[-1].reason == "hold:unreachable"  # better by the estimate, and held as unreachable, not as no gain
+    assert f"leaves ['{L}'] with no instance taking requests for a moment" in b.log[-1].detail
     # While another change retires the 8B's other instances, the one left is never retired either.
     grown = [LM, inst("lm-1", L, Role.COLOCATED, (4, 5)), SM_C[2], SM_C[3]]
     b = ElasticBalancer(NODE, FAST, layouts=[current, grown])
@@ -378,6 +379,113 @@ def test_a_move_that_would_leave_a_model_unserved_halfway_is_unreachable():
     small = [inst("a", S, Role.COLOCATED, (0,)), inst("b", S, Role.COLOCATED, (1,)), inst("c", S, Role.COLOCATED, (2,)),
              inst("d", S, Role.COLOCATED, (3,)), inst("lm-1", L, Role.COLOCATED, (4, 5)), SM_C[2], SM_C[3]]
     assert reachable([LM, *SM_C], grown) and reachable(grown, small)
+
+
+H100_PESSIMISTIC = NodeConfig(GPU_PRESETS["h100-sxm-80gb"], 8, MODELS, (), cost_profile="pessimistic")
+SIX = [inst("lm-d", L, Role.DECODE, (0, 1, 2, 3)), inst("lm-p", L, Role.PREFILL, (4, 5)),
+       inst("sm-6", S, Role.COLOCATED, (6,)), inst("sm-7", S, Role.COLOCATED, (7,))]
+FOUR = [inst("lm-0", L, Role.COLOCATED, (0, 1, 2, 3)), *(inst(f"sm-{k}", S, Role.COLOCATED, (k,)) for k in range(4, 8))]
+
+
+def day_demand(model, rps):
+    """Demand at the mix-shift day's base lengths (1000-token prompts, 250-token outputs)."""
+    return ModelDemand(model, rps, mean_prompt_tokens=1000.0, mean_output_tokens=250.0)
+
+
+def test_a_better_placement_that_no_order_of_changes_reaches_is_held_as_unreachable():
+    """8 H100s, pessimistic profile: the 70B as TP 4 decode + TP 2 prefill (six GPUs) leaves the 8B two. In the
+    8B-heavy hours (36 req/s) the 8B's four-GPU placement serves 10 req/s more by the estimate, but every change
+    toward it retires one of the 70B's two instances, and neither serves alone: the balancer holds, and says why
+    (not `hold:no_gain`, which would claim nothing better exists)."""
+    from octoserve.services.core.balancer import stranded_models
+
+    assert stranded_models(SIX, FOUR) == [L] and stranded_models(FOUR, SIX) == [L]
+    assert stranded_models(FOUR, [*FOUR[:1], *FOUR[1:]]) == []
+    b = ElasticBalancer(H100_PESSIMISTIC, FAST, layouts=[SIX, FOUR])
+    peak = {L: day_demand(L, 4.0), S: day_demand(S, 36.0)}
+    six_good, six_caps = placement_goodput_rps(b.capacity, SIX, peak, 0.0)
+    four_good, four_caps = placement_goodput_rps(b.capacity, FOUR, peak, 0.0)
+    assert six_caps[S] == pytest.approx(25.74, abs=0.01) and four_caps[S] == pytest.approx(51.47, abs=0.01)
+    assert four_good - six_good == pytest.approx(36.0 - 25.74 - (six_caps[L] - four_caps[L]), abs=0.01)
+    assert b.plan(10.0, load(SIX, peak.values()), []) == []
+    assert dict(b.counters) == {"hold:unreachable": 1}
+    assert b.log[-1].detail.startswith(f"{L} TP4Cx1 | {S} TP1Cx4 would serve {four_good:.1f} req/s against "
+                                       f"{six_good:.1f} now (+{four_good - six_good:.1f}), but every change toward it "
+                                       f"from {L} TP2Px1 TP4Dx1 | {S} TP1Cx2 leaves ['{L}'] with no instance taking "
+                                       "requests for a moment; ")
+    # At the 70B-heavy hours' demand the 8B needs no more than its two GPUs: nothing better exists.
+    assert b.plan(12.0, load(SIX, [day_demand(L, 36.0), day_demand(S, 4.0)]), []) == []
+    assert b.log[-1].reason == "hold:no_gain"
+    # A gain below the hysteresis margin is no reason either: 8B at 26 req/s, 0.26 req/s over its two GPUs.
+    assert b.plan(14.0, load(SIX, [day_demand(L, 4.0), day_demand(S, 26.0)]), []) == []
+    assert b.log[-1].reason == "hold:no_gain"
+
+
+class _CountingRanker:
+    """A forward ranker that plays nothing: it counts the calls and scores every move 0."""
+
+    name = "counting"
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def forecast(self, now_s, moves, rates_rps, horizons_s):
+        self.calls += 1
+        return [[0.0] * len(horizons_s) for _ in moves]
+
+
+def test_with_a_forward_ranker_an_unreachable_better_placement_is_named_and_nothing_is_played():
+    """The forward ranker's shortlist holds only reachable moves: from the trap above it is hold alone, so no
+    ranking is played, and the decision says that the better placement is unreachable."""
+    ranker = _CountingRanker()
+    b = ElasticBalancer(H100_PESSIMISTIC, FAST, layouts=[SIX, FOUR], ranker=ranker)
+    assert b.plan(10.0, load(SIX, [day_demand(L, 4.0), day_demand(S, 36.0)]), []) == []
+    assert ranker.calls == 0 and dict(b.counters) == {"hold:unreachable": 1}
+    # With a reachable move on the list (a role split of the 8B beside a colocated 70B) the ranker plays it.
+    split = [*FOUR[:1], inst("sm-4", S, Role.PREFILL, (4,)), inst("sm-5", S, Role.DECODE, (5,)), *FOUR[3:]]
+    assert reachable(FOUR, split)
+    b = ElasticBalancer(H100_PESSIMISTIC, FAST, layouts=[FOUR, split], ranker=ranker)
+    assert b.plan(10.0, load(FOUR, [day_demand(L, 4.0), day_demand(S, 36.0)]), []) == []
+    assert ranker.calls == 1 and b.log[-1].reason == "hold:forward"  # every move scored 0: none beats hold
+
+
+def test_a_70b_pool_on_the_last_gpus_grows_at_its_inner_edge():
+    """With the 8B on GPUs 0-3 and the 70B's TP 4 on GPUs 4-7, the 70B grows by a TP 2 on GPUs 2-3: that placement
+    is a candidate (the larger model's instances smallest TP first when it sits on the last GPUs), reachable with
+    both models served, and the balancer plans it when the 70B's demand outgrows its TP 4."""
+    from octoserve.services.sim.elastic_sim import label_of
+
+    right = [*(inst(f"sm-{k}", S, Role.COLOCATED, (k,)) for k in range(4)), inst("lm-4", L, Role.COLOCATED, (4, 5, 6, 7))]
+    grown = [*right[:2], inst("lm-2", L, Role.COLOCATED, (2, 3)), right[4]]
+    keys = {tuple(sorted((i.model, i.role, i.gpu_ids) for i in l)) for l in candidate_layouts(NODE)}
+    assert tuple(sorted((i.model, i.role, i.gpu_ids) for i in grown)) in keys
+    assert tuple(sorted((i.model, i.role, i.gpu_ids) for i in right)) in keys
+    assert len(candidate_layouts(NODE)) == 108  # 102 before the second order, 6 of them mirrored (4, 2) splits
+    assert reachable(right, grown)
+    b = ElasticBalancer(NODE, FAST, layouts=candidate_layouts(NODE))
+    (r,) = b.plan(10.0, load(right, [ModelDemand(L, 30.0), ModelDemand(S, 10.0)]), [])
+    assert r.kind is ReconfigKind.MODEL and r.retire == ("sm-2", "sm-3")
+    assert [(i.model, i.tp, i.gpu_ids) for i in r.start] == [(L, 2, (2, 3))]
+    assert label_of(apply({i.id: i for i in right}, r).values()) == f"{L} TP4Cx1 TP2Cx1 | {S} TP1Cx2"
+
+
+def test_a_switching_reconfigurations_started_instances_count_as_placed():
+    """While a model change switches (its retired instances gone, its started ones loading weights), the simulator
+    lists neither; the balancer counts the started ones as placed, as it does while they drain and as the live
+    scheduler lists them (starting): the placement it scores is the whole node."""
+    grown = [LM, inst("lm-1", L, Role.COLOCATED, (4, 5)), SM_C[2], SM_C[3]]
+    r = Reconfiguration("rc1", ReconfigKind.MODEL, ("sm-0", "sm-1"), (grown[1],), "x", load_s=1.0)
+    demand = [ModelDemand(L, 9.0), ModelDemand(S, 30.0)]
+    b = ElasticBalancer(NODE, FAST, layouts=[grown, [LM, *SM_C]])
+    switching = [LM, SM_C[2], SM_C[3]]  # GPUs 4-5: sm-0 and sm-1 are gone, lm-1 not up yet
+    assert b.plan(10.0, load(switching, demand), [r]) == []
+    good, _ = placement_goodput_rps(b.capacity, grown, {d.model: d for d in demand}, 0.0)
+    assert b.log[-1].reason == "hold:no_gain"
+    assert b.log[-1].detail.startswith(f"current placement is best: goodput {good:.1f} req/s;")
+    # The same while it drains (the retired instances still listed): the same placement once done.
+    b2 = ElasticBalancer(NODE, FAST, layouts=[grown, [LM, *SM_C]])
+    assert b2.plan(10.0, load([LM, *SM_C], demand), [r]) == []
+    assert b2.log[-1].detail == b.log[-1].detail
 
 
 def test_load_objective_weighs_each_model_by_its_alone_capacity():

@@ -270,3 +270,32 @@ def test_the_oracle_takes_the_hour_that_serves_the_most_when_simulated():
         return summarize(res.records, day.slo, Window(hour * h, (hour + 1) * h)).overall.goodput_rps
 
     assert hour_goodput(pick) > hour_goodput(estimate_pick)
+
+
+def test_best_static_is_shortlisted_by_the_hours_and_not_only_by_the_days_mean():
+    """8 H100s, pessimistic profile, mix by requests (40 req/s, 5-s hours): at the day's mean demand the 8B (about
+    19 req/s) fits in two GPUs, so the estimate ranks first the 70B on six GPUs (0.05 req/s more 70B). Hour by hour
+    the 8B offers up to 36 req/s and needs four: the mean of the hours' estimates ranks the 70B on four GPUs first,
+    and simulated over the day that placement serves more, so it is the best static one."""
+    from octoserve.services.core.balancer import CapacityModel, placement_goodput_rps
+    from octoserve.services.sim.elastic_day import best_static, day_node, hourly_estimate
+    from octoserve.services.sim.elastic_sim import demand_of, label_of
+
+    node = day_node("pessimistic", "h100-sxm-80gb")
+    layouts = candidate_layouts(node)
+    day = mix_shift_day(40.0, hours=24, hour_s=5.0)
+    requests = generate_day(day, 0)
+    six = next(l for l in layouts if label_of(l) == "llama-3-70b TP4Dx1 TP2Px1 | llama-3-8b TP1Cx2")
+    four = next(l for l in layouts if label_of(l) == "llama-3-70b TP4Cx1 | llama-3-8b TP1Cx4")
+    capacity, models = CapacityModel(node), sorted(node.models)
+    mean = {d.model: d for d in demand_of(requests, models, 0.0, day.duration_s)}
+    hours = [{d.model: d for d in demand_of(requests, models, h * 5.0, (h + 1) * 5.0)} for h in range(24)]
+    assert placement_goodput_rps(capacity, six, mean, 0.0)[0] > placement_goodput_rps(capacity, four, mean, 0.0)[0]
+    assert hourly_estimate(capacity, four, hours) > hourly_estimate(capacity, six, hours) + 2.0
+    assert hourly_estimate(capacity, four, hours) == pytest.approx(
+        sum(placement_goodput_rps(capacity, four, d, 0.0)[0] for d in hours) / 24)
+    best, tried = best_static(node, day, requests, layouts, "day")
+    labels = [label for label, _ in tried]
+    assert labels[0] == label_of(six)  # the mean's first pick is still tried
+    assert label_of(four) in labels and label_of(best.initial) == label_of(four)
+    assert dict(tried)[label_of(four)] > 1.1 * dict(tried)[label_of(six)]

@@ -30,6 +30,9 @@ default), each model shape's capacity is scaled by what it was measured to serve
 each observation a `measured:observed` decision).
 
 Guards, in the order they are checked (each refusal counted by reason in `counters`, each decision logged in `log`):
+- `hold:unreachable`: a candidate that serves every model beats the current placement by the hysteresis margin, but
+  it is not `reachable` (every order of its changes leaves a model with no instance taking requests for a moment),
+  and no reachable one does; the log line names it, its forecast and the model that blocks it (`stranded_models`).
 - `hold:no_gain`: the best candidate is the current placement.
 - `hold:hysteresis`: the forecast gain is below `min_gain_fraction` of the current goodput (or `min_gain_rps`),
   or the same target has not been best for `confirm_periods` consecutive periods (one period after a step).
@@ -520,13 +523,15 @@ def _tp_groups(num_gpus: int, tps: Sequence[int]) -> list[tuple[int, ...]]:
     return out
 
 
-def _model_instances(model: str, tps: tuple[int, ...], first_gpu: int) -> list[list[InstanceConfig]]:
-    """Every role assignment of instances of TP degrees `tps` laid out from `first_gpu` (same-TP instances in
-    canonical role order), as lists of instances."""
+def _model_instances(model: str, tps: tuple[int, ...], first_gpu: int,
+                     smallest_first: bool = False) -> list[list[InstanceConfig]]:
+    """Every role assignment of instances of TP degrees `tps` laid out from `first_gpu`, the largest TP first (or,
+    with `smallest_first`, the smallest; same-TP instances in canonical role order), as lists of instances."""
     by_tp: dict[int, int] = {}
     for tp in tps:
         by_tp[tp] = by_tp.get(tp, 0) + 1
-    per_tp = [[(tp, roles) for roles in _role_splits(n)] for tp, n in sorted(by_tp.items(), reverse=True)]
+    per_tp = [[(tp, roles) for roles in _role_splits(n)]
+              for tp, n in sorted(by_tp.items(), reverse=not smallest_first)]
     combos: list[list[tuple[int, tuple[Role, ...]]]] = [[]]
     for options in per_tp:
         combos = [c + [o] for c in combos for o in options]
@@ -547,8 +552,9 @@ def _model_instances(model: str, tps: tuple[int, ...], first_gpu: int) -> list[l
 
 
 def candidate_layouts(node: NodeConfig, small_tps: Sequence[int] = (1,)) -> list[tuple[InstanceConfig, ...]]:
-    """The placements the balancer may move to, for two models: the larger on the first (or the last) GPUs as
-    instances of any mix of TP degrees (2, 4, 8) whose weights leave KV room, the smaller on the rest at
+    """The placements the balancer may move to, for two models: the larger on the first (or the last, its instances
+    then in either TP order) GPUs as instances of any mix of TP degrees (2, 4, 8) whose weights leave KV room, the
+    smaller on the rest at
     `small_tps`, every role split of each model (`_role_splits`); each model keeps at least one instance. One model alone: its layouts on
     every GPU. Layouts that fail `check_placement` are left out."""
     from octoserve.services.core.placement import check_placement  # noqa: PLC0415 (a cycle-free local import)
@@ -581,9 +587,12 @@ def candidate_layouts(node: NodeConfig, small_tps: Sequence[int] = (1,)) -> list
                 for sg in _tp_groups(small_gpus, s_tps):
                     for li in _model_instances(large, lg, 0):
                         layouts += [tuple(li + si) for si in _model_instances(small, sg, large_gpus)]
-                    # and mirrored (the smaller model first), so a pool can grow or shrink from either end
+                    # and mirrored (the smaller model first), so a pool can grow or shrink from either end; there
+                    # the larger model's instances also in the other order, so that it grows and shrinks at its
+                    # inner edge too (a TP 4 on GPUs 4-7 gains a TP 2 on GPUs 2-3 without moving)
+                    orders = (False, True) if len(set(lg)) > 1 else (False,)
                     for si in _model_instances(small, sg, 0):
-                        layouts += [tuple(si + li) for li in _model_instances(large, lg, small_gpus)]
+                        layouts += [tuple(si + li) for o in orders for li in _model_instances(large, lg, small_gpus, o)]
     return [l for l in layouts if not check_placement(replace(node, instances=l, gang=None))]
 
 
@@ -762,6 +771,10 @@ class ElasticBalancer:
         for r in in_flight:
             if not check_reconfiguration(current, r):
                 current = apply(current, r)
+            elif not any(i in current for i in r.retire):
+                # Switching: its retired instances are gone already, and the started ones (weights loading) count
+                # as placed, whether the caller lists them yet (live: as starting) or not (the simulator).
+                current.update({i.id: i for i in r.start})
         busy = {i for r in in_flight for i in r.retire}
         live = [i for i in loads.placement if i.id not in busy and i.id in current and loads.load_of(i.id).accepting]
         # The trend is extrapolated no further than the window it was measured over: a step seen through a short
@@ -776,24 +789,26 @@ class ElasticBalancer:
         """The best reachable candidate that serves every model (ties: the one whose changes can start now, then the
         fewest changes); None (and the hold decided) when it is not worth moving to."""
         current = list(ctx.current.values())
-        scored = []
+        scored, stranded = [], []
         for layout in self.layouts:
             if self._allowed(current, layout):
                 good, caps = self._score(layout, ctx)
-                if not unserved(caps) and reachable(current, layout):
-                    scored.append((good, layout, caps))
-        if not scored:
-            self._decide(now_s, "hold:no_gain", "no candidate placement reachable under the allowed changes")
-            return None
-        top = max(s[0] for s in scored)
+                if not unserved(caps):
+                    (scored if reachable(current, layout) else stranded).append((good, layout, caps))
         policy = self.policy
         margin = max(policy.min_gain_rps, policy.min_gain_fraction * ctx.now_good)
+        if not scored:
+            if not self._stranded(now_s, ctx, stranded, margin):
+                self._decide(now_s, "hold:no_gain", "no candidate placement reachable under the allowed changes")
+            return None
+        top = max(s[0] for s in scored)
         committed = [s for s in scored if self._committed is not None and _key(s[1]) == self._committed]
         if committed and committed[0][0] >= top - margin and _key(current) != self._committed:
             # A move under way (some of its changes done or in flight) keeps its target while that stays within the
             # hysteresis margin of the best: a noisy forecast must not turn it around halfway.
             scored = committed
             top = committed[0][0]
+            stranded = []
         else:
             self._committed = None
 
@@ -808,6 +823,9 @@ class ElasticBalancer:
         good, layout, caps = min((s for s in scored if s[0] >= top - 1e-9), key=lambda s: order(s[1]))
         target = _Target(good, layout, caps, diff_components(current, layout), good - ctx.now_good,
                          self._forecast_text(ctx, caps))
+        if (not target.components or target.gain < margin) and self._stranded(now_s, ctx, stranded, margin):
+            self._streak_target, self._streak = None, 0
+            return None
         if not target.components or target.gain <= 0:
             self._streak_target, self._streak = None, 0
             self._decide(now_s, "hold:no_gain",
@@ -820,6 +838,25 @@ class ElasticBalancer:
                          f"{policy.min_gain_fraction:.0%} x {ctx.now_good:.1f}) {self._unit}; {target.forecast}")
             return None
         return target
+
+    def _stranded(self, now_s: float, ctx: "_Context", stranded: Sequence[tuple], margin: float) -> bool:
+        """When the best placement that serves every model beats the current one by the hysteresis margin but no
+        order of changes reaches it with every model served throughout (`reachable`): decide `hold:unreachable`,
+        naming it, its forecast and the models a change toward it would leave without a serving instance, and
+        return True (else False, nothing decided). The move is not made (no downtime); the reason tells it apart
+        from `hold:no_gain`, where nothing better exists."""
+        if not stranded:
+            return False
+        good, layout, caps = max(stranded, key=lambda s: s[0])
+        if good - ctx.now_good < margin:
+            return False
+        current = list(ctx.current.values())
+        self._decide(now_s, "hold:unreachable",
+                     f"{_layout_text(layout)} would serve {good:.1f} {self._unit} against {ctx.now_good:.1f} now "
+                     f"(+{good - ctx.now_good:.1f}), but every change toward it from {_layout_text(current)} leaves "
+                     f"{stranded_models(current, layout)} with no instance taking requests for a moment; "
+                     f"{self._forecast_text(ctx, caps)}")
+        return True
 
     @property
     def _unit(self) -> str:
@@ -904,6 +941,14 @@ class ElasticBalancer:
         moves = self._move_candidates(ctx)
         if len(moves) < 2:
             self._verdict = f"{now_s:.0f} s: no reachable candidate move"
+            stranded = []
+            for layout in self.layouts:
+                if self._allowed(current, layout) and not reachable(current, layout):
+                    good, caps = self._score(layout, ctx)
+                    if not unserved(caps):
+                        stranded.append((good, layout, caps))
+            if self._stranded(now_s, ctx, stranded, max(policy.min_gain_rps, policy.min_gain_fraction * ctx.now_good)):
+                return None
             self._decide(now_s, "hold:no_gain", "no candidate placement reachable under the allowed changes")
             return None
         horizons = [self.horizon_s(now_s)]
@@ -1091,6 +1136,25 @@ def reach_order(current: Sequence[InstanceConfig], target: Sequence[InstanceConf
         else:
             return None
     return out
+
+
+def stranded_models(current: Sequence[InstanceConfig], target: Sequence[InstanceConfig]) -> list[str]:
+    """The models that block `target` (`reachable` False): once the changes that can go first are done, each change
+    left would leave one of these without a serving instance (`serving_models`). Empty when `target` is reachable."""
+    placement = list(current)
+    comps = diff_components(current, target)
+    progress = True
+    while comps and progress:
+        progress = False
+        for k, (cur, tgt) in enumerate(comps):
+            rest = [i for i in placement if i not in cur]
+            if not ({i.model for i in cur} - serving_models(rest)):
+                placement = rest + list(tgt)
+                comps.pop(k)
+                progress = True
+                break
+    return sorted({m for cur, _ in comps for m in {i.model for i in cur} - serving_models(
+        [i for i in placement if i not in cur])})
 
 
 def _layout_text(layout: Sequence[InstanceConfig]) -> str:

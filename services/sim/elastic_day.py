@@ -1,9 +1,9 @@
 """`octoserve elastic-day`: the mix-shift day in the elastic simulator, three configurations side by side.
 
 For each cost profile it runs, on one seeded trace:
-- best static: the candidate placements ranked by the balancer's capacity estimate for the day's average demand
-  (and the planner's own pick, `planner.rank_placements`, when it serves every model), the top few simulated for
-  the whole day, the best kept;
+- best static: the candidate placements ranked by the balancer's capacity estimate, once at the day's mean demand
+  and once by the mean of each hour's estimate (`hourly_estimate`), the top few of each (and the planner's own pick,
+  `planner.rank_placements`, when it serves every model) simulated for the whole day, the best kept;
 - oracle: re-planned at every compressed hour for that hour's true demand, switched at zero cost; the placement for an
   hour is the one that serves the most in a simulation of that hour, among the capacity estimate's best few and the
   best static one (`ElasticSim` mode "oracle");
@@ -32,6 +32,7 @@ from octoserve.services.core.balancer import (
     OBJECTIVES,
     BalancerPolicy,
     CapacityModel,
+    ModelDemand,
     candidate_layouts,
     objective_weights,
     placement_goodput_rps,
@@ -44,7 +45,14 @@ from octoserve.services.core.specs import GPU_PRESETS, MODEL_PRESETS
 from octoserve.services.core.types import Role
 from octoserve.services.metrics import GroupStats, attainment_over_time
 from octoserve.services.usage import UsageError
-from octoserve.services.sim.elastic_sim import RANKERS, DayResult, demand_of, label_of, model_alone_rps, run_day
+from octoserve.services.sim.elastic_sim import (
+    RANKERS,
+    DayResult,
+    demand_of,
+    label_of,
+    model_alone_rps,
+    run_day,
+)
 from octoserve.services.workload_day import (
     BASE_OUTPUT,
     BASE_PROMPT,
@@ -97,17 +105,40 @@ def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def hourly_estimate(capacity: CapacityModel, layout: Sequence[InstanceConfig],
+                    hours: Sequence[dict[str, ModelDemand]]) -> float:
+    """A static placement's capacity-estimate goodput over a day: the mean over its hours of each hour's estimate
+    (sum over models of min(that hour's demand, capacity)). Not the estimate at the day's mean demand: min() of a
+    mean is not the mean of min(), and a placement short of capacity at one model's peak hours looks as good as one
+    that is not when only the mean is compared."""
+    return sum(placement_goodput_rps(capacity, layout, d, 0.0)[0] for d in hours) / max(1, len(hours))
+
+
 def best_static(node: NodeConfig, day: DayProfile, requests, layouts, label: str) -> tuple[DayResult, list]:
-    """The best static placement for the day's average demand: the top `STATIC_TRIALS` candidates by the capacity
-    estimate (and the planner's pick, unless `label` is "pd"), each simulated for the whole day; (best, [(label,
-    goodput)])."""
-    demand = {d.model: d for d in demand_of(requests, sorted(node.models), 0.0, day.duration_s)}
+    """The best static placement for the day: the top `STATIC_TRIALS` candidates by the capacity estimate at the
+    day's mean demand, then the best shapes by the mean of the hours' estimates (`hourly_estimate`) not among them
+    (up to `STATIC_TRIALS` more), and the planner's pick (unless `label` is "pd"), each simulated for the whole day;
+    (best, [(label, goodput)])."""
+    models = sorted(node.models)
+    demand = {d.model: d for d in demand_of(requests, models, 0.0, day.duration_s)}
     capacity = CapacityModel(node)
     scored = [(placement_goodput_rps(capacity, l, demand, 0.0), l) for l in layouts]
     # Every configuration must serve every model (`unserved`): a placement whose only 70B instance cannot decode
     # within the ITL is not a placement for this day.
     ranked = [l for (g, caps), l in sorted(scored, key=lambda x: -x[0][0]) if not unserved(caps)]
+    n_hours = max(1, math.ceil(day.duration_s / day.hour_s - 1e-9))
+    hours = [{d.model: d for d in demand_of(requests, models, h * day.hour_s, min((h + 1) * day.hour_s,
+                                                                                   day.duration_s))}
+             for h in range(n_hours)]
+    by_hour = sorted(ranked, key=lambda l: -hourly_estimate(capacity, l, hours))  # stable: ties keep the mean's order
     trials: list[Sequence[InstanceConfig]] = list(ranked[:STATIC_TRIALS])
+    shapes = {label_of(t) for t in trials}
+    for layout in by_hour:  # the hours' best shapes not tried yet (a mirror image serves the same)
+        if len(trials) >= 2 * STATIC_TRIALS:
+            break
+        if label_of(layout) not in shapes:
+            trials.append(layout)
+            shapes.add(label_of(layout))
     # The planner's own pick for the day's average mix, when it is a plain (not time-shared) placement serving both.
     total = sum(d.arrival_rps for d in demand.values())
     mix = WorkloadMix(total, tuple(ModelLoad(m, d.arrival_rps / total, d.mean_prompt_tokens, d.mean_output_tokens)
@@ -115,7 +146,7 @@ def best_static(node: NodeConfig, day: DayProfile, requests, layouts, label: str
     planner = [p for p, b in rank_placements(
         [p for p in candidate_placements(node.gpu, node.models, node.num_gpus, cost_profile=node.cost_profile)
          if p.config.gang is None], mix) if b.serves_every_model]
-    if planner and label != "pd":
+    if planner and label != "pd" and _layout_key(planner[0].config.instances) not in {_layout_key(t) for t in trials}:
         trials.append(planner[0].config.instances)
     best, tried = None, []
     for layout in trials:
@@ -124,6 +155,10 @@ def best_static(node: NodeConfig, day: DayProfile, requests, layouts, label: str
         if best is None or res.summary.overall.goodput_rps > best.summary.overall.goodput_rps:
             best = res
     return best, tried
+
+
+def _layout_key(layout: Sequence[InstanceConfig]) -> tuple:
+    return tuple(sorted((i.model, i.role.value, i.tp, i.gpu_ids) for i in layout))
 
 
 def _adapt_s(res: DayResult, step_s: float | None, within_s: float = 60.0, first: bool = False) -> float:
@@ -491,6 +526,11 @@ def section(runs: Sequence[ProfileRun], command: str, plots: Sequence[Path], wal
         f"goodput (each model's goodput over what it alone would serve on the node, summed: the share of the node's "
         f"capacity served within the SLOs) and the 70B's attainment are reported beside it so that a model starved "
         f"for the other's request count shows.",
+        "",
+        "The best static placement is the one that serves the most, simulated over the whole day, among the "
+        "capacity estimate's best three at the day's mean demand, its best three shapes by the mean of the hours' "
+        "estimates (the estimate at the mean demand hides a model's peak hours: min(mean demand, capacity) is not the "
+        "mean of min(demand, capacity)) and, for the day, the planner's pick. The elastic runs start from it.",
         "",
         "The hourly oracle picks each hour's placement by measurement: the capacity estimate's best three for that "
         "hour's true demand, the best static placement and the placement in place are each simulated over that hour, "
