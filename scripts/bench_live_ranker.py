@@ -85,11 +85,16 @@ def main() -> int:
     for name, run in runs.items():
         s = summarize(run["records"], profile.slo, profile.duration_s).overall
         good[name] = s.goodput_rps
-        lost = s.num_errors + s.num_unfinished
+        lost = s.num_unfinished  # admitted and never finished (failed ones included)
         reasons = ", ".join(f"`{k}` {v}" for k, v in sorted(run["decisions"].items()))
         print(f"| {name} | {s.goodput_rps:.2f} | {s.attainment_offered:.3f} | {s.refused_fraction:.3f} | {lost} | "
               f"{run['reconfigs']} | {reasons} |")
     print(f"\nforward / none: {good['forward'] / good['none']:.2f}x" if good["none"] > 0 else "")
+    for name, run in runs.items():
+        errors = Counter(r.error[:160] for r in run["records"] if r.error and not r.refused)
+        cut = sum(1 for r in run["records"] if not r.refused and r.finish_s is None and not r.error)
+        if errors or cut:
+            print(f"[{name}] not finished: {cut} cut off by the drain; errors: {dict(errors)}")
     return 0
 
 
