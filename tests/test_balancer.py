@@ -299,13 +299,6 @@ def test_step_score_is_the_recent_rate_against_the_earlier_part_in_standard_erro
     assert z == pytest.approx((20.0 - 10.0) / math.sqrt(20.0 / 4.0 + 10.0 / 6.0))
     assert step_score([20, 20, 20, 20, 20], 2.0) == (10.0, 0.0)
     assert step_score([5, 5], 1.0) == (5.0, 0.0)  # too few bins for a recent part: the mean rate, no step
-    # The step inside the last bin: that bin alone (20 req/s against 10, 2.98 standard errors) lies further from the
-    # rest than the last two (15 req/s against 10, 2.15), so the recent rate is the new level, not a blend.
-    recent, z = step_score([20, 20, 20, 20, 40], 2.0)
-    assert recent == 20.0
-    assert z == pytest.approx((20.0 - 10.0) / math.sqrt(20.0 / 2.0 + 10.0 / 8.0))
-    # A step down inside the last bin, likewise.
-    assert step_score([40, 40, 40, 40, 4], 2.0)[0] == 2.0
 
 
 def test_a_step_is_forecast_from_the_recent_rate_and_needs_no_confirmation():
@@ -323,27 +316,6 @@ def test_a_step_is_forecast_from_the_recent_rate_and_needs_no_confirmation():
     calm = [ModelDemand(L, 5.0, 0.0, recent_rps=11.0, step_z=1.0), ModelDemand(S, 5.0)]
     assert b.plan(0.0, load(current, calm), []) == []
     assert "llama-3-70b 5.0 req/s" in b.log[-1].detail
-
-
-def test_a_move_made_on_a_steps_first_seconds_may_be_corrected_while_the_step_holds():
-    """The dwell holds a GPU changed less than `min_dwell_s` ago, except while a step holds for a change made since
-    that step was first seen (planned on the recent rate of its first seconds); a change made before the step keeps
-    its dwell."""
-    current = [LM, *SM_C]
-    grown = [LM, inst("lm-1", L, Role.COLOCATED, (4, 5)), SM_C[2], SM_C[3]]
-    up = [ModelDemand(L, 5.0, 0.0, recent_rps=11.0, step_z=6.0), ModelDemand(S, 5.0)]
-    down = [ModelDemand(L, 5.0, 0.0, recent_rps=1.0, step_z=-6.0), ModelDemand(S, 60.0, 0.0, recent_rps=90.0,
-                                                                             step_z=8.0)]
-    b = ElasticBalancer(NODE, FAST, layouts=[current, grown])
-    (r,) = b.plan(0.0, load(current, up), [])  # the step seen at 0 s: GPUs 4 and 5 go to the 70B
-    after = list(apply({i.id: i for i in current}, r).values())
-    (back,) = b.plan(10.0, load(after, down), [])  # within the step's hold: corrected at once
-    assert back.retire == ("llama-3-70b-colocated-g4",)
-    # The same move made before any step was seen keeps its dwell when a step comes 10 s later.
-    b = ElasticBalancer(NODE, FAST, layouts=[current, grown])
-    (r,) = b.plan(0.0, load(current, [ModelDemand(L, 11.0), ModelDemand(S, 5.0)]), [])
-    assert b.plan(10.0, load(after, down), []) == []
-    assert b.log[-1].reason == "hold:dwell"
 
 
 def test_a_placement_that_leaves_a_model_no_capacity_is_never_a_target():

@@ -187,24 +187,17 @@ def demand_trend(samples: Sequence[tuple[float, float]]) -> float:
 
 
 def step_score(counts: Sequence[int], bin_s: float, recent_bins: int = 2) -> tuple[float, float]:
-    """(recent rate, z) from per-bin arrival counts of one window: the rate over the window's recent part and how
+    """(recent rate, z) from per-bin arrival counts of one window: the rate over the last `recent_bins` bins and how
     many Poisson standard errors it lies from the rate over the earlier bins (signed: > 0 when demand jumped up).
     A step change shows as a large |z| at once, where the window's least-squares trend only tilts; a steady or
-    slowly drifting rate keeps |z| near 1. The recent part is the last 1 to `recent_bins` bins, whichever split
-    lies the most standard errors from the rest (ties: the longer part): a step inside the last bin is measured
-    from that bin alone, not averaged with the old level before it."""
+    slowly drifting rate keeps |z| near 1."""
     n = len(counts)
     if n <= recent_bins or bin_s <= 0:
         return (sum(counts) / (n * bin_s) if n and bin_s > 0 else 0.0), 0.0
-    best = (0.0, 0.0)
-    for k in range(recent_bins, 0, -1):
-        recent_s, early_s = k * bin_s, (n - k) * bin_s
-        recent, early = sum(counts[-k:]) / recent_s, sum(counts[:-k]) / early_s
-        var = max(recent, 1.0 / recent_s) / recent_s + max(early, 1.0 / early_s) / early_s
-        z = (recent - early) / math.sqrt(var)
-        if k == recent_bins or abs(z) > abs(best[1]):
-            best = (recent, z)
-    return best
+    recent_s, early_s = recent_bins * bin_s, (n - recent_bins) * bin_s
+    recent, early = sum(counts[-recent_bins:]) / recent_s, sum(counts[:-recent_bins]) / early_s
+    var = max(recent, 1.0 / recent_s) / recent_s + max(early, 1.0 / early_s) / early_s
+    return recent, (recent - early) / math.sqrt(var)
 
 
 # --- the policy and the explanations -----------------------------------------------------------------------------
@@ -676,7 +669,6 @@ class ElasticBalancer:
         self._next_id = 0
         self.weights = objective_weights(node, policy.objective)  # per-model weight of the score (`OBJECTIVES`)
         self._step_until_s = -math.inf  # forecasts follow the recent rates until then (a step was seen)
-        self._step_since_s = math.inf  # when the step being followed was first seen
         self._committed: tuple | None = None  # the target of a move under way
         self._before: tuple[InstanceConfig, ...] | None = None  # where the last move started from: the way back
         # The forward ranking (with a ranker): when it may run next, its last verdict, a move's target and gain.
@@ -756,8 +748,6 @@ class ElasticBalancer:
         demand = {m: loads.demand_of(m) for m in sorted(self.node.models)}
         stepped = [m for m, d in demand.items() if abs(d.step_z) >= policy.step_z and d.recent_rps is not None]
         if stepped:
-            if now_s >= self._step_until_s:  # a new step, not the one being followed
-                self._step_since_s = now_s
             self._step_until_s = now_s + policy.step_hold_s
         self.dwell.update(now_s, {m: d.arrival_rps for m, d in demand.items()})
         changing = {i.model for r in in_flight for i in r.start} | {
@@ -1044,10 +1034,7 @@ class ElasticBalancer:
             self._decide(now_s, "hold:in_flight", f"{what}: {n_in_flight} reconfigurations in flight "
                                                    f"(max {policy.max_in_flight})")
             return True
-        # A change made since the step being followed was seen, on the recent rates of its first seconds, may be
-        # corrected while the step holds: the dwell guards against following noise, not against finishing a step.
-        recent = [g for g in gpus if now_s - self._gpu_changed_s.get(g, -math.inf) < policy.min_dwell_s
-                  and not (ctx.step and self._gpu_changed_s[g] >= self._step_since_s)]
+        recent = [g for g in gpus if now_s - self._gpu_changed_s.get(g, -math.inf) < policy.min_dwell_s]
         if recent:
             self._decide(now_s, "hold:dwell", f"{what}: GPUs {recent} changed less than {policy.min_dwell_s:g} s ago")
             return True
