@@ -235,6 +235,8 @@ def test_a_gain_within_the_forecasts_noise_holds():
     b = ElasticBalancer(NODE, BalancerPolicy(confirm_periods=1), layouts=[current, grown])
     assert [r.retire for r in b.plan(0.0, load(current, [ModelDemand(L, 9.0), ModelDemand(S, 5.0)]), [])] == \
         [("sm-0", "sm-1")]
+    with pytest.raises(ValueError, match="gain_noise_z must be >= 0, got -1"):
+        BalancerPolicy(gain_noise_z=-1)
     # The noise itself: only a model whose rate lies where the move changes what it serves contributes.
     caps_now, caps_to = {L: 6.4, S: 64.0}, {L: 8.2, S: 32.0}
     se = ((8.2 - 6.4) - (7.5 - sd - 6.4)) / 2.0

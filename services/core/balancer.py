@@ -260,7 +260,7 @@ class BalancerPolicy:
         if not 0 < self.correction_weight <= 1 or not 0 < self.dwell_tolerance:
             raise ValueError("correction_weight must be in (0, 1] and dwell_tolerance > 0")
         for name in ("forecast_window_s", "min_gain_fraction", "min_gain_rps", "min_dwell_s", "engine_init_s",
-                     "role_switch_s", "forward_refresh_s", "forward_window_s"):
+                     "role_switch_s", "forward_refresh_s", "forward_window_s", "gain_noise_z"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0 < self.decode_step_fraction <= 1:
