@@ -110,14 +110,14 @@ def run(args) -> int:
     virt = summarize(sim.records, profile.slo, profile.duration_s)
     # The step-level simulator on the same trace and the start placement (a diagnostic: where the gap comes from).
     step = summarize(run_simulation(node_cfg, day_trace(requests)).records, profile.slo, profile.duration_s)
-    lost = live.overall.num_errors + live.overall.num_unfinished
+    lost = live.overall.num_unfinished  # admitted and never finished (the failed ones are among them)
     o = (live.overall, stepel.overall, virt.overall, step.overall)
     rows = [("goodput req/s", *(g.goodput_rps for g in o), True),
             ("SLO attainment %", *(100 * g.attainment_offered for g in o), True),
             ("refused %", *(100 * g.refused_fraction for g in o), False),
             ("reconfigurations", live_reconfigs, len(estep.done), len(sim.reconfigs), 0, False),
             ("errors or unfinished", lost, estep.lost + stepel.overall.num_unfinished, sim.lost,
-             step.overall.num_errors + step.overall.num_unfinished, False)]
+             step.overall.num_unfinished, False)]
     for m in sorted({r.model for r in requests}):
         per = [next(g for g in s.per_model if g.name == m) for s in (live, stepel, virt, step)]
         rows.append((f"goodput {m} req/s", *(g.goodput_rps for g in per), False))
@@ -332,7 +332,7 @@ def run_model_change(args) -> ModelChangeResult:
     static = ElasticStepSim(node_cfg, balance=False, period_s=PERIOD_S, window_s=WINDOW_S).run(trace)
     result = ModelChangeResult(live_sum, sim_sum, summarize(static.sim.records, profile.slo, profile.duration_s),
                                live_changes, sim_changes,
-                               live_sum.overall.num_errors + live_sum.overall.num_unfinished,
+                               live_sum.overall.num_unfinished,
                                estep.lost + sim_sum.overall.num_unfinished + (len(plan) - len(estep.done)),
                                records, estep.sim.records)
     if getattr(args, "plot", None):

@@ -210,6 +210,45 @@ def test_in_flight_cap_and_dwell():
     assert b.plan(30.0, load(after, back), [])[0].retire == ("llama-3-70b-colocated-g4",)
 
 
+def test_a_gain_within_the_forecasts_noise_holds():
+    """The 70B at 7.5 req/s measured over 10 s (sd 0.87 req/s) between its capacity now (6.4 req/s) and after the
+    move (8.2): the gain, 1.1 req/s, clears the hysteresis margin but moves by 0.78 req/s when the rate moves by one
+    sd, so at two sd it holds (`hold:noise`); at 9 req/s, past the new capacity, the same move's gain is sure."""
+    from octoserve.services.core.balancer import gain_noise
+
+    current = [LM, *SM_C]
+    grown = [LM, inst("lm-1", L, Role.COLOCATED, (4, 5)), SM_C[2], SM_C[3]]
+    near = [ModelDemand(L, 7.5), ModelDemand(S, 5.0)]
+    b = ElasticBalancer(NODE, BalancerPolicy(confirm_periods=1), layouts=[current, grown])
+    assert b.plan(0.0, load(current, near), []) == []
+    by_model = {d.model: d for d in near}
+    now = placement_goodput_rps(b.capacity, current, by_model, 10.0)[1][L]
+    to = placement_goodput_rps(b.capacity, grown, by_model, 10.0)[1][L]
+    assert (round(now, 1), round(to, 1)) == (6.4, 8.2)
+    sd = math.sqrt(7.5 / 10.0)
+    se = ((to - now) - (7.5 - sd - now)) / 2.0  # at 7.5 + sd the gain is the whole 1.8; at 7.5 - sd, 0.23
+    assert b.log[-1].reason == "hold:noise"
+    assert b.log[-1].detail.startswith(f"gain {7.5 - now:.2f} req/s within 2 x {se:.2f} req/s, the forecast's noise;")
+    assert 2 * se > 7.5 - now > max(0.5, 0.05 * (now + 5.0))  # past the hysteresis margin, within the noise
+    off = ElasticBalancer(NODE, BalancerPolicy(confirm_periods=1, gain_noise_z=0.0), layouts=[current, grown])
+    assert [r.retire for r in off.plan(0.0, load(current, near), [])] == [("sm-0", "sm-1")]
+    b = ElasticBalancer(NODE, BalancerPolicy(confirm_periods=1), layouts=[current, grown])
+    assert [r.retire for r in b.plan(0.0, load(current, [ModelDemand(L, 9.0), ModelDemand(S, 5.0)]), [])] == \
+        [("sm-0", "sm-1")]
+    with pytest.raises(ValueError, match="gain_noise_z must be >= 0, got -1"):
+        BalancerPolicy(gain_noise_z=-1)
+    # The noise itself: only a model whose rate lies where the move changes what it serves contributes.
+    caps_now, caps_to = {L: 6.4, S: 64.0}, {L: 8.2, S: 32.0}
+    se = ((8.2 - 6.4) - (7.5 - sd - 6.4)) / 2.0
+    assert gain_noise(by_model, caps_now, caps_to, None, 10.0, False, 10.0) == pytest.approx(se)
+    assert gain_noise(by_model, caps_now, caps_to, {L: 2.0, S: 1.0}, 10.0, False, 10.0) == pytest.approx(2 * se)
+    # After a step the rate is the recent one, counted over 40 % of the window: a larger sd.
+    stepped = {L: ModelDemand(L, 5.0, recent_rps=7.5, step_z=6.0), S: ModelDemand(S, 5.0)}
+    sd4 = math.sqrt(7.5 / 4.0)
+    assert 7.5 - sd4 < 6.4  # one sd down the move gains nothing
+    assert gain_noise(stepped, caps_now, caps_to, None, 10.0, True, 10.0) == pytest.approx((8.2 - 6.4) / 2.0)
+
+
 # --- properties -----------------------------------------------------------------------------------------------------
 
 LAYOUTS = candidate_layouts(NODE)

@@ -36,6 +36,9 @@ Guards, in the order they are checked (each refusal counted by reason in `counte
 - `hold:no_gain`: the best candidate is the current placement.
 - `hold:hysteresis`: the forecast gain is below `min_gain_fraction` of the current goodput (or `min_gain_rps`),
   or the same target has not been best for `confirm_periods` consecutive periods (one period after a step).
+- `hold:noise`: the forecast gain is within `gain_noise_z` standard errors of the demand forecast's own noise
+  (`gain_noise`: each model's rate measured over its window is Poisson, sd sqrt(rate / window); the gain's sd is
+  what moving each rate by one sd does to it), so the next window may well reverse the ranking.
 - `hold:cost`: the requests lost to the move (the retired instances' share of goodput x (drain + load + switch))
   exceed the gain x what is left of the horizon once its slowest change is done. The horizon is `cost_horizon_s`,
   or (unset) the observed demand dwell (`DwellTracker`: how long the mix has held, at most `forecast_window_s`).
@@ -186,6 +189,9 @@ def demand_trend(samples: Sequence[tuple[float, float]]) -> float:
     return sum((t - mt) * (v - mv) for t, v in samples) / var
 
 
+RECENT_SHARE = 0.4  # a step's recent rate is counted over this share of the window (2 of the callers' 5 bins)
+
+
 def step_score(counts: Sequence[int], bin_s: float, recent_bins: int = 2) -> tuple[float, float]:
     """(recent rate, z) from per-bin arrival counts of one window: the rate over the last `recent_bins` bins and how
     many Poisson standard errors it lies from the rate over the earlier bins (signed: > 0 when demand jumped up).
@@ -220,6 +226,7 @@ class BalancerPolicy:
     objective: str = "requests"  # what a placement is scored by: see `OBJECTIVES`
     step_z: float = 4.0  # a model's recent rate this many standard errors off the window's earlier part is a step
     step_hold_s: float = 20.0  # after a step, forecasts use the recent rate and need no confirmation for this long
+    gain_noise_z: float = 2.0  # a move's gain must exceed this many standard errors of the forecast's noise (0: off)
     # The horizon of the cost check: a fixed one in seconds, or None to derive it from the observed demand dwell
     # (`DwellTracker`: how long the node's mix has held, at most `forecast_window_s`).
     cost_horizon_s: float | None = None
@@ -253,7 +260,7 @@ class BalancerPolicy:
         if not 0 < self.correction_weight <= 1 or not 0 < self.dwell_tolerance:
             raise ValueError("correction_weight must be in (0, 1] and dwell_tolerance > 0")
         for name in ("forecast_window_s", "min_gain_fraction", "min_gain_rps", "min_dwell_s", "engine_init_s",
-                     "role_switch_s", "forward_refresh_s", "forward_window_s"):
+                     "role_switch_s", "forward_refresh_s", "forward_window_s", "gain_noise_z"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0 < self.decode_step_fraction <= 1:
@@ -362,6 +369,27 @@ def placement_goodput_rps(capacity: CapacityModel, instances: Sequence[InstanceC
         f = 1.0 if corrections is None else corrections.factor(model, shape_of(mine, model))
         total += (1.0 if weights is None else weights.get(model, 1.0)) * min(d.forecast_rps(horizon_s, step), f * cap)
     return total, caps
+
+
+def gain_noise(demand: Mapping[str, ModelDemand], caps_now: Mapping[str, float], caps_to: Mapping[str, float],
+               weights: Mapping[str, float] | None, horizon_s: float, step: bool, window_s: float) -> float:
+    """The standard error of a move's forecast gain from the demand's own noise: each model's rate, counted over
+    `window_s` (a step's recent rate over the recent share of it, `RECENT_SHARE`), is Poisson with sd
+    sqrt(rate / window); the gain weight x (min(rate, cap after) - min(rate, cap now)) is taken at the rate +- one sd,
+    half the difference is that model's share, and the models' shares add in quadrature."""
+    var = 0.0
+    for model, d in demand.items():
+        rate = d.forecast_rps(horizon_s, step)
+        span = window_s * (RECENT_SHARE if step and d.recent_rps is not None else 1.0)
+        sd = math.sqrt(max(rate, 1.0 / span) / span)
+        now, to = caps_now.get(model, 0.0), caps_to.get(model, 0.0)
+
+        def gain(x: float) -> float:
+            return min(x, to) - min(x, now)
+
+        w = 1.0 if weights is None else weights.get(model, 1.0)
+        var += (w * (gain(rate + sd) - gain(max(0.0, rate - sd))) / 2.0) ** 2
+    return math.sqrt(var)
 
 
 SATURATED = 0.05  # a model refusing at least this share of its arrivals is serving all it can
@@ -826,6 +854,13 @@ class ElasticBalancer:
             self._decide(now_s, "hold:hysteresis",
                          f"gain {target.gain:.2f} {self._unit} below max({policy.min_gain_rps:g}, "
                          f"{policy.min_gain_fraction:.0%} x {ctx.now_good:.1f}) {self._unit}; {target.forecast}")
+            return None
+        noise = gain_noise(ctx.demand, ctx.now_caps, caps, self.weights, ctx.trend_s, ctx.step, ctx.loads.window_s)
+        if target.gain < policy.gain_noise_z * noise:
+            self._streak_target, self._streak = None, 0
+            self._decide(now_s, "hold:noise",
+                         f"gain {target.gain:.2f} {self._unit} within {policy.gain_noise_z:g} x {noise:.2f} "
+                         f"{self._unit}, the forecast's noise; {target.forecast}")
             return None
         return target
 

@@ -350,7 +350,10 @@ class BalancerLoop:
             await asyncio.sleep(self.period_s * scale)
             try:
                 now_s = time.monotonic() / scale
-                plans = self.balancer.plan(now_s, self.runner.s.live_view(now_s), list(self.runner.in_flight.values()))
+                view, in_flight = self.runner.s.live_view(now_s), list(self.runner.in_flight.values())
+                # Off the event loop: a forward ranker plays moves forward for up to a second or so, while the
+                # scheduler keeps answering (the view and the in-flight list are this moment's copies).
+                plans = await asyncio.to_thread(self.balancer.plan, now_s, view, in_flight)
             except Exception:
                 log.exception("balancer failed; no reconfiguration this period")
                 continue
@@ -375,6 +378,7 @@ def balancer_from_section(section: Mapping | None, config: NodeConfig):
                                          # package.module:factory, called with the NodeConfig
       period_s: 10                       # modelled seconds between plans
       window_s: 10                       # modelled seconds of demand the balancer sees (elastic only)
+      ranker: forward                    # rank moves by playing them forward (elastic only; default none)
       min_dwell_s: 20                    # ... and any BalancerPolicy field (elastic only)
     The balancer's plan gets a `live_balancer.LiveView` each period. (`migrate` and `max_migration_pause_s`
     configure the runner, with or without a balancer: see `migration_settings`.)

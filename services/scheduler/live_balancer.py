@@ -32,6 +32,7 @@ from octoserve.services.core.balancer import (
 from octoserve.services.core.placement import InstanceConfig, NodeConfig
 from octoserve.services.core.reconfig import Reconfiguration
 from octoserve.services.core.types import EngineLoad, Role
+from octoserve.services.workload_day import DayRequest
 
 log = logging.getLogger("octoserve.scheduler.balancer")
 
@@ -41,11 +42,13 @@ STEP_BINS = 5  # the window's arrivals in this many bins for `step_score` (the l
 
 class DemandWindow:
     """Arrival samples (modelled time, model, arrivals, prompt tokens, output tokens, refusals by reason) over the
-    last `window_s`."""
+    last `window_s`, kept for `history_s` (at least the window) when a forward ranker replays them (`arrivals`)."""
 
-    def __init__(self, window_s: float = DEFAULT_WINDOW_S) -> None:
+    def __init__(self, window_s: float = DEFAULT_WINDOW_S, history_s: float = 0.0) -> None:
         self.window_s = window_s
+        self.history_s = max(window_s, history_s)
         self.samples: deque[tuple[float, str, int, int, int, tuple[tuple[str, int], ...]]] = deque()
+        self._pruned_s: dict[str, float] = {}  # per model, its last report no longer kept: where the next one began
 
     def add(self, t_s: float, model: str, arrivals: int, prompt_tokens: int, output_tokens: int,
             refused: Mapping[str, int] | None = None) -> None:
@@ -59,20 +62,40 @@ class DemandWindow:
         self._prune(now_s)
         out: dict[str, int] = {}
         for s in self.samples:
-            if s[1] == model:
+            if s[1] == model and s[0] >= now_s - self.window_s:
                 for reason, n in s[5]:
                     out[reason] = out.get(reason, 0) + n
         return out
 
     def _prune(self, now_s: float) -> None:
-        while self.samples and self.samples[0][0] < now_s - self.window_s:
-            self.samples.popleft()
+        while self.samples and self.samples[0][0] < now_s - self.history_s:
+            t, model = self.samples.popleft()[:2]
+            self._pruned_s[model] = t
+
+    def arrivals(self, now_s: float, ttft_slo_ms: float) -> tuple[DayRequest, ...]:
+        """The kept history as requests, for a forward ranker to replay (live_ranker.py): each report's arrivals
+        spread evenly over the interval since the model's previous report (its first report: one second), each
+        with the report's mean prompt and output lengths and `ttft_slo_ms`; in arrival order."""
+        self._prune(now_s)
+        out: list[DayRequest] = []
+        last = dict(self._pruned_s)
+        for t, model, n, prompt, output, _ in self.samples:
+            start = last.get(model, t - 1.0)
+            last[model] = t
+            if n <= 0:
+                continue
+            span = max(0.0, t - start)
+            for k in range(n):
+                out.append(DayRequest(f"seen-{model}-{len(out)}", start + span * (k + 0.5) / n, model,
+                                      max(1, round(prompt / n)), max(1, round(output / n)), ttft_slo_ms, "seen"))
+        out.sort(key=lambda r: r.arrival_s)
+        return tuple(out)
 
     def demand(self, now_s: float, models: Sequence[str]) -> tuple[ModelDemand, ...]:
         self._prune(now_s)
         out = []
         for m in models:
-            mine = [s for s in self.samples if s[1] == m]
+            mine = [s for s in self.samples if s[1] == m and s[0] >= now_s - self.window_s]
             n = sum(s[2] for s in mine)
             # The rate per second of each reporting interval, for the trend (least squares over the window).
             per_t: dict[float, int] = {}
@@ -110,6 +133,7 @@ class LiveView:
     window_s: float
     migrate: bool = False  # a retired instance's running decodes migrate (`elastic.migrate`)
     max_migration_pause_s: float = migration.DEFAULT_MAX_PAUSE_S
+    arrivals: tuple[DayRequest, ...] = ()  # the recent arrivals a forward ranker replays (`DemandWindow.arrivals`)
 
 
 MEAN_OUTPUT_TOKENS = 250.0  # an instance's remaining decode when it reports no mean output yet
@@ -192,16 +216,31 @@ def node_load(view: LiveView, node: NodeConfig | None = None) -> NodeLoad:
                     view.demand)
 
 
+RANKERS = ("none", "forward")
+
+
 class LiveElasticBalancer:
-    """The `Balancer` the scheduler's loop calls when the elastic section says `balancer: elastic`."""
+    """The `Balancer` the scheduler's loop calls when the elastic section says `balancer: elastic`. `ranker`:
+    "none" (the capacity estimate decides alone) or "forward" (candidate moves played forward from a twin of the
+    node, services/scheduler/live_ranker.py; the demand window then keeps `history_s` of arrivals for it)."""
 
     def __init__(self, config: NodeConfig, policy: BalancerPolicy = BalancerPolicy(),
-                 window_s: float = DEFAULT_WINDOW_S) -> None:
-        self.inner = ElasticBalancer(config, policy)
+                 window_s: float = DEFAULT_WINDOW_S, ranker: str = "none") -> None:
+        if ranker not in RANKERS:
+            raise ValueError(f"elastic.ranker must be one of {', '.join(RANKERS)}, got {ranker!r}")
+        self.ranker = None
+        if ranker == "forward":
+            from octoserve.services.scheduler.live_ranker import LiveForwardRanker  # noqa: PLC0415 (only when asked)
+
+            self.ranker = LiveForwardRanker(config, policy, window_s)
+        self.inner = ElasticBalancer(config, policy, ranker=self.ranker)
         self.window_s = window_s
+        self.history_s = max(window_s, policy.forward_window_s) if self.ranker else window_s
         self._logged = 0
 
     def plan(self, now_s: float, view: LiveView, in_flight: Sequence[Reconfiguration]) -> list[Reconfiguration]:
+        if self.ranker is not None:
+            self.ranker.view = view
         planned = self.inner.plan(now_s, node_load(view, self.inner.node), in_flight)
         for d in self.inner.log[self._logged:]:
             log.info("balancer decision", extra={"fields": {"reason": d.reason, "detail": d.detail}})
@@ -211,11 +250,12 @@ class LiveElasticBalancer:
 
 def elastic_balancer(config: NodeConfig, section: Mapping) -> LiveElasticBalancer:
     """From the `elastic` section: every BalancerPolicy field may be given (forecast_window_s, min_dwell_s, ...),
-    and `window_s` (the demand window, modelled seconds)."""
+    `window_s` (the demand window, modelled seconds) and `ranker` (none or forward)."""
     names = {f.name for f in fields(BalancerPolicy)}
-    unknown = sorted(set(section) - names - {"balancer", "period_s", "window_s"})
+    unknown = sorted(set(section) - names - {"balancer", "period_s", "window_s", "ranker"})
     if unknown:
-        raise ValueError(f"elastic: unknown keys {unknown}; use balancer, period_s, window_s or BalancerPolicy fields "
-                         f"({', '.join(sorted(names))})")
+        raise ValueError(f"elastic: unknown keys {unknown}; use balancer, period_s, window_s, ranker or "
+                         f"BalancerPolicy fields ({', '.join(sorted(names))})")
     policy = BalancerPolicy(**{k: v for k, v in section.items() if k in names})
-    return LiveElasticBalancer(config, policy, float(section.get("window_s", DEFAULT_WINDOW_S)))
+    return LiveElasticBalancer(config, policy, float(section.get("window_s", DEFAULT_WINDOW_S)),
+                               str(section.get("ranker", "none")))

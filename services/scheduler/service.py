@@ -67,7 +67,9 @@ class SchedulerServicer(s_grpc.SchedulerServicer):
         self.placement = elastic.LivePlacement(config, placement_file)  # what routers route on; changes with reconfigurations
         self.elastic = elastic.ElasticRunner(self, time_scale, **elastic.migration_settings(elastic_section))
         planned = elastic.balancer_from_section(elastic_section, config)
-        self.demand = DemandWindow(getattr(planned[0], "window_s", DEFAULT_WINDOW_S) if planned else DEFAULT_WINDOW_S)
+        window_s = getattr(planned[0], "window_s", DEFAULT_WINDOW_S) if planned else DEFAULT_WINDOW_S
+        # A forward ranker replays the recent arrivals: the window keeps its history (`LiveView.arrivals`).
+        self.demand = DemandWindow(window_s, getattr(planned[0], "history_s", window_s) if planned else window_s)
         self.time_scale = time_scale
         self.balancer_loop = None if planned is None else elastic.BalancerLoop(self.elastic, *planned)
         self.addresses: dict[str, str] = {}
@@ -141,7 +143,9 @@ class SchedulerServicer(s_grpc.SchedulerServicer):
         return LiveView(tuple(p.instances.values()),
                         {i: st is elastic.State.SERVING for i, st in p.states.items()}, dict(self.loads),
                         self.demand.demand(now_s, sorted(self.config.models)), self.demand.window_s,
-                        self.elastic.migrate, self.elastic.max_migration_pause_s)
+                        self.elastic.migrate, self.elastic.max_migration_pause_s,
+                        self.demand.arrivals(now_s, self.config.slo.ttft_ms)
+                        if self.demand.history_s > self.demand.window_s else ())
 
     async def start_elastic(self) -> None:
         if self.balancer_loop is not None:
