@@ -294,8 +294,12 @@ def test_best_static_is_shortlisted_by_the_hours_and_not_only_by_the_days_mean()
     assert hourly_estimate(capacity, four, hours) > hourly_estimate(capacity, six, hours) + 2.0
     assert hourly_estimate(capacity, four, hours) == pytest.approx(
         sum(placement_goodput_rps(capacity, four, d, 0.0)[0] for d in hours) / 24)
-    best, tried = best_static(node, day, requests, layouts, "day")
+    sources: list[str] = []
+    best, tried = best_static(node, day, requests, layouts, "day", sources)
     labels = [label for label, _ in tried]
+    # The mean-demand shortlist first, then the hours' shapes; the planner's pick, when not tried yet, is "mean".
+    assert len(sources) == len(tried) and sources[:3] == ["mean"] * 3 and "hours" in sources
+    assert sources[labels.index(label_of(four))] == "hours" and sources[labels.index(label_of(six))] == "mean"
     assert labels[0] == label_of(six)  # the mean's first pick is still tried
     assert label_of(four) in labels and label_of(best.initial) == label_of(four)
     assert dict(tried)[label_of(four)] > 1.1 * dict(tried)[label_of(six)]
