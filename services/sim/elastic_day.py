@@ -550,7 +550,8 @@ def section(runs: Sequence[ProfileRun], command: str, plots: Sequence[Path], wal
         "mean of min(demand, capacity)) and, for the day, the planner's pick. The elastic runs start from it. "
         "\"Static for the average mix\" is the best of those picked for the day's average mix alone (the mean-demand "
         "three and the planner's pick), what one would deploy knowing only the day's average: the best static "
-        "placement is at least as good, since it also tries the hours' best shapes in hindsight.",
+        "placement is at least as good, since it also tries the hours' best shapes in hindsight. The elastic runs "
+        "start from the best static placement, not from this one.",
         "",
         "The hourly oracle picks each hour's placement by measurement: the capacity estimate's best three for that "
         "hour's true demand, the best static placement and the placement in place are each simulated over that hour, "
