@@ -284,6 +284,9 @@ class MoveCandidate:
     estimate: float  # its capacity-estimate score (the balancer's units)
 
 
+RANKERS = ("none", "forward")  # the balancer's candidate ranking: the estimate alone, or played forward
+
+
 class ForwardRanker(Protocol):
     """Plays candidate moves forward from the node's current state (module doc). Clock-free: `now_s` is the
     caller's clock."""

@@ -27,7 +27,7 @@ from dataclasses import dataclass, fields
 
 from octoserve.services.core import migration
 from octoserve.services.core.balancer import (
-    BalancerPolicy, ElasticBalancer, InstanceLoad, ModelDemand, NodeLoad, demand_trend, step_score,
+    RANKERS, BalancerPolicy, ElasticBalancer, InstanceLoad, ModelDemand, NodeLoad, demand_trend, step_score,
 )
 from octoserve.services.core.placement import InstanceConfig, NodeConfig
 from octoserve.services.core.reconfig import Reconfiguration
@@ -61,11 +61,15 @@ class DemandWindow:
         """The window's refusals of `model` by reason."""
         self._prune(now_s)
         out: dict[str, int] = {}
-        for s in self.samples:
-            if s[1] == model and s[0] >= now_s - self.window_s:
+        for s in self._in_window(now_s):
+            if s[1] == model:
                 for reason, n in s[5]:
                     out[reason] = out.get(reason, 0) + n
         return out
+
+    def _in_window(self, now_s: float) -> list:
+        """The samples of the last `window_s` (the history kept for a ranker may reach further back)."""
+        return [s for s in self.samples if s[0] >= now_s - self.window_s]
 
     def _prune(self, now_s: float) -> None:
         while self.samples and self.samples[0][0] < now_s - self.history_s:
@@ -95,7 +99,7 @@ class DemandWindow:
         self._prune(now_s)
         out = []
         for m in models:
-            mine = [s for s in self.samples if s[1] == m and s[0] >= now_s - self.window_s]
+            mine = [s for s in self._in_window(now_s) if s[1] == m]
             n = sum(s[2] for s in mine)
             # The rate per second of each reporting interval, for the trend (least squares over the window).
             per_t: dict[float, int] = {}
@@ -214,9 +218,6 @@ def node_load(view: LiveView, node: NodeConfig | None = None) -> NodeLoad:
                                         drains.get(i.id))
                           for i in view.placement),
                     view.demand)
-
-
-RANKERS = ("none", "forward")
 
 
 class LiveElasticBalancer:

@@ -70,6 +70,7 @@ class SchedulerServicer(s_grpc.SchedulerServicer):
         window_s = getattr(planned[0], "window_s", DEFAULT_WINDOW_S) if planned else DEFAULT_WINDOW_S
         # A forward ranker replays the recent arrivals: the window keeps its history (`LiveView.arrivals`).
         self.demand = DemandWindow(window_s, getattr(planned[0], "history_s", window_s) if planned else window_s)
+        self._replay = planned is not None and getattr(planned[0], "ranker", None) is not None
         self.time_scale = time_scale
         self.balancer_loop = None if planned is None else elastic.BalancerLoop(self.elastic, *planned)
         self.addresses: dict[str, str] = {}
@@ -144,8 +145,7 @@ class SchedulerServicer(s_grpc.SchedulerServicer):
                         {i: st is elastic.State.SERVING for i, st in p.states.items()}, dict(self.loads),
                         self.demand.demand(now_s, sorted(self.config.models)), self.demand.window_s,
                         self.elastic.migrate, self.elastic.max_migration_pause_s,
-                        self.demand.arrivals(now_s, self.config.slo.ttft_ms)
-                        if self.demand.history_s > self.demand.window_s else ())
+                        self.demand.arrivals(now_s, self.config.slo.ttft_ms) if self._replay else ())
 
     async def start_elastic(self) -> None:
         if self.balancer_loop is not None:

@@ -47,6 +47,7 @@ from octoserve.services.core.balancer import (
     InstanceLoad,
     ModelDemand,
     NodeLoad,
+    RANKERS,
     alone_capacity_rps,
     candidate_layouts,
     demand_trend,
@@ -63,7 +64,6 @@ from octoserve.services.metrics import RequestRecord, Summary, Window, detect_wi
 from octoserve.services.workload_day import DayProfile, DayRequest
 
 MODES = ("static", "oracle", "elastic")
-RANKERS = ("none", "forward")  # the balancer's candidate ranking: the estimate alone, or played forward
 ORACLE_TRIALS = 3  # the oracle simulates this many of the estimate's best placements for each hour
 _SIZES: dict[tuple, dict[tuple[int, int], tuple[int, float]]] = {}  # `_Inst._size` memo, per instance shape
 
