@@ -211,6 +211,9 @@ class ElasticRunner:
     async def run(self, r: Reconfiguration, drain_timeout_s: float | None = None, drain_only: bool = False) -> Outcome:
         current = self.placement.instances
         problems = check_reconfiguration(current, r)
+        if r.in_place:
+            problems.append(f"{r.reconfig_id}: the live node drains every role change (in-place role changes are "
+                            "simulator-only); send it with in_place false")
         busy = sorted({i for f in self.in_flight.values() for i in f.retire} & set(r.retire))
         not_serving = [i for i in r.retire if self.placement.states[i] is not State.SERVING or i not in self.s.addresses]
         if problems or busy or not_serving:

@@ -623,6 +623,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ranker", choices=RANKERS, default="none",
                         help="the balancer's candidate ranking: the capacity estimate alone (none) or each candidate "
                              "move played forward from the node's state in the simulator (forward)")
+    parser.add_argument("--role-changes", choices=("drain", "in-place"), default="drain",
+                        help="every role change drains first (default, as the live node does), or one between decode "
+                             "and colocated runs in place, the instance serving throughout")
     parser.add_argument("--compare-ranker", choices=[r for r in RANKERS if r != "none"], default="",
                         help="also run every elastic day and P/D phase with this ranker, side by side")
     parser.add_argument("--ranker-benchmarks", default="",
@@ -645,7 +648,8 @@ def run(args: argparse.Namespace) -> int:
     wall0 = time.perf_counter()
     profiles = ("default", "pessimistic") if args.cost_profile == "both" else (args.cost_profile,)
     common = dict(load=args.load, rate_rps=args.rate, hour_s=args.hour_s, hours=args.hours, seed=args.seed,
-                  gpu=args.gpu, policy=BalancerPolicy(objective=args.objective), ranker=args.ranker,
+                  gpu=args.gpu, ranker=args.ranker,
+                  policy=BalancerPolicy(objective=args.objective, role_in_place=args.role_changes == "in-place"),
                   compare_ranker=args.compare_ranker)
     runs = [run_profile(p, mix=args.mix, **common) for p in profiles]
     request_runs = ([run_profile(p, mix="requests", **common) for p in profiles]

@@ -90,6 +90,9 @@ class ElasticStepSim:
             raise ValueError("elastic_step: gang groups are not supported; drop the `gang` section")
         if period_s <= 0 or window_s <= 0 or poll_s <= 0:
             raise ValueError("elastic_step: period_s, window_s and poll_s must be > 0")
+        if policy.role_in_place:
+            raise ValueError("elastic_step: role_in_place is not carried out at step level (every role change "
+                             "drains here); use the elastic simulator or set it false")
         self.node = node
         self.policy = policy
         self.period_s, self.window_s, self.poll_s = period_s, window_s, poll_s
@@ -180,6 +183,8 @@ class ElasticStepSim:
     # - carrying out a reconfiguration -
 
     def start(self, r: Reconfiguration) -> StepReconfig:
+        if r.in_place:
+            raise ValueError(f"{r.reconfig_id}: an in-place role change is not carried out at step level; drain it")
         unknown = [i for i in r.retire if i not in self.sim.instances or i in self._draining()]
         if unknown:
             raise ValueError(f"{r.reconfig_id}: retires {unknown}, not serving on the node")
