@@ -170,6 +170,31 @@ def test_elastic_day_command_writes_its_section_and_plots(tmp_path, capsys):
 def test_elastic_day_command_refuses_bad_numbers(capsys):
     assert main(["elastic-day", "--hour-s", "0"]) == 2
     assert "--hour-s, --hours, --load and --rate must be > 0" in capsys.readouterr().err
+    assert main(["elastic-day", "--compare-in-place", "--role-changes", "in-place"]) == 2
+    assert "--compare-in-place runs the in-place arm itself: keep --role-changes drain" in capsys.readouterr().err
+
+
+def test_elastic_day_compare_in_place_writes_four_arms_side_by_side(tmp_path, capsys):
+    """8 H200s, pessimistic, a short day from the 70B colocated: the in-place arms make decode <-> colocated changes
+    that the drained arms cannot, and every arm loses nothing; the section names each arm's figures."""
+    bench = tmp_path / "BENCHMARKS.md"
+    bench.write_text("# Benchmarks\n\n## Other\n\nkept\n")
+    rc = main(["elastic-day", "--cost-profile", "pessimistic", "--gpu", "h200-141gb", "--hours", "6", "--hour-s", "20",
+               "--plots", "", "--compare-ranker", "forward", "--ranker-plots", "", "--compare-in-place",
+               "--in-place-benchmarks", str(bench), "--command-line", "cmd"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    text = bench.read_text()
+    assert "## Other\n\nkept" in text and "## Elastic pools: in-place role changes (simulator)" in text
+    assert "Reproduce: `cmd` (" in text
+    (line,) = [l for l in text.splitlines() if l.startswith("| 8 h200-141gb | pessimistic | load |")]
+    assert line in out
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[-1] == "0, 0, 0, 0"  # nothing lost in any arm
+    reconfigs = [tuple(int(x) for x in arm.replace(",", " ").replace("(", " ").replace(")", " ").split())
+                 for arm in cells[-2].split(";")]
+    assert [r[1] for r in reconfigs[0::2]] == [0, 0]  # the drained arms change nothing in place
+    assert reconfigs[1] == (4, 2, 0)  # the estimate's in-place arm: two of its four changes in place, the 8B's
 
 
 # --- steps, batch sizing, the serving rule, adaptation ---------------------------------------------------------------
