@@ -634,7 +634,7 @@ def test_the_balancer_leaves_the_trap_with_an_in_place_change_first_and_no_drain
     assert b.plan(10.0, load(SIX, peak), []) == [] and b.log[-1].reason == "hold:unreachable"
 
 
-def test_an_in_place_change_must_be_decode_colocated_and_the_live_node_refuses_one():
+def test_an_in_place_change_must_be_decode_colocated_and_the_live_config_takes_it():
     from octoserve.services.core.reconfig import check_reconfiguration, in_place_role
     from octoserve.services.scheduler.live_balancer import elastic_balancer
 
@@ -651,5 +651,4 @@ def test_an_in_place_change_must_be_decode_colocated_and_the_live_node_refuses_o
     model = Reconfiguration("c", ReconfigKind.MODEL, ("sm-6",), (inst("lm-z", L, Role.PREFILL, (6,)),), "t",
                             in_place=True)
     assert "c: only a role change runs in place" in check_reconfiguration(current, model)
-    with pytest.raises(ValueError, match="role_in_place is simulator-only"):
-        elastic_balancer(H100_PESSIMISTIC, {"balancer": "elastic", "role_in_place": True})
+    assert elastic_balancer(H100_PESSIMISTIC, {"balancer": "elastic", "role_in_place": True}).inner.policy.role_in_place

@@ -257,9 +257,6 @@ def elastic_balancer(config: NodeConfig, section: Mapping) -> LiveElasticBalance
     if unknown:
         raise ValueError(f"elastic: unknown keys {unknown}; use balancer, period_s, window_s, ranker or "
                          f"BalancerPolicy fields ({', '.join(sorted(names))})")
-    if section.get("role_in_place"):
-        raise ValueError("elastic: role_in_place is simulator-only: the live node drains every role change; "
-                         "remove the key or set it false")
     policy = BalancerPolicy(**{k: v for k, v in section.items() if k in names})
     return LiveElasticBalancer(config, policy, float(section.get("window_s", DEFAULT_WINDOW_S)),
                                str(section.get("ranker", "none")))
