@@ -18,9 +18,8 @@ capacity (`unserved`) and that are `reachable` from the current placement with e
 and, when the best beats the current one, splits the difference into reconfigurations, one per group of GPUs that
 changes hands (a move under way keeps its target while that stays within the hysteresis margin of the best):
 - same GPUs, same model and TP, another role: ROLE (no weights move; `role_switch_s`). Between decode and colocated
-  it may run in place (`role_in_place`, off by default; the elastic simulator carries it out): no drain, the
-  instance serves throughout, in its old role until the switch, so it costs nothing and never leaves its model
-  unserved (services/core/reconfig.py);
+  it may run in place (`role_in_place`, off by default): no drain, the instance serves throughout, in its old role
+  until the switch, so it costs nothing and never leaves its model unserved (services/core/reconfig.py);
 - anything else: MODEL, whose started instances load weights (`weight_load_s`: from pinned host memory over each
   GPU's own PCIe link, or from one local NVMe drive shared by the loading GPUs) plus `engine_init_s`.
 
@@ -223,8 +222,8 @@ class BalancerPolicy:
     weight_source: str = "host"  # where started instances load weights from (see `weight_load_s`)
     engine_init_s: float = 2.0  # assumed: engine start on loaded weights (KV pool allocation, warm-up), per MODEL change
     role_switch_s: float = 0.5  # assumed: flipping an instance's KV connector role, per ROLE change
-    # A role change between decode and colocated runs in place (no drain; the instance serves throughout). Only the
-    # elastic simulator carries such a change out; the live node and the step-level simulator drain every change.
+    # A role change between decode and colocated runs in place (no drain; the instance serves throughout), as the
+    # live node and both simulators carry it out. Off by default: every role change drains.
     role_in_place: bool = False
     decode_step_fraction: float = 0.9  # a decode instance is sized to steps of this share of the ITL SLO
     allow_model_changes: bool = True  # False: only role changes (a fixed split of GPUs between the models)

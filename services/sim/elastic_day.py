@@ -646,8 +646,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the balancer's candidate ranking: the capacity estimate alone (none) or each candidate "
                              "move played forward from the node's state in the simulator (forward)")
     parser.add_argument("--role-changes", choices=("drain", "in-place"), default="drain",
-                        help="every role change drains first (default, as the live node does), or one between decode "
-                             "and colocated runs in place, the instance serving throughout")
+                        help="every role change drains first (default), or one between decode and colocated runs in "
+                             "place, the instance serving throughout (`role_in_place`)")
     parser.add_argument("--compare-ranker", choices=[r for r in RANKERS if r != "none"], default="",
                         help="also run every elastic day and P/D phase with this ranker, side by side")
     parser.add_argument("--compare-in-place", action="store_true",

@@ -116,8 +116,10 @@ def section(rows: Sequence[dict], command: str, wall_s: float) -> str:
         "placement as in \"Elastic pools (simulator)\"; \"lost\" lists the four arms in the order of the columns.",
         "",
         "Per row:", *verdicts(rows), "",
-        "Only the elastic simulator carries in-place changes out: the live node and the step-level simulator drain "
-        "every role change and refuse `role_in_place` with an error that says so.",
+        "The live node carries the same change out (`elastic.role_in_place`, or `RoleChange.in_place` per "
+        "change): the worker sets its engine's role where it runs, the instance stays SERVING, and routers keep "
+        "their sessions to it (`tests/test_elastic_live.py`); the step-level simulator too "
+        "(`tests/test_elastic_step.py`). Both are off by default, as here: every role change drains.",
     ]
     return "\n".join(out)
 
