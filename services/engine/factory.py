@@ -6,6 +6,7 @@ Engines are imported only when chosen, so a sim-only install never imports vLLM.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from typing import Any
 
@@ -55,7 +56,10 @@ def make_sim_engine(node_cfg: Any, instance: Any, *, time_scale: float = 1.0) ->
     from octoserve.services.engine.sim_engine import SimEngine
 
     parts = instance_parts(node_cfg, instance)
-    return SimEngine(
+    engine = SimEngine(
         instance.id, instance.model, parts.batcher_config, parts.new_kv(instance), parts.cost_model,
         time_scale=time_scale, duty=gang_duty(node_cfg, instance),
     )
+    engine.batcher_config_for = lambda role: instance_parts(
+        node_cfg, dataclasses.replace(instance, role=role), parts.cost_model).batcher_config
+    return engine

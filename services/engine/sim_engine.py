@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from dataclasses import replace
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from octoserve.services.core.batcher import Batcher, BatcherConfig
 from octoserve.services.core.cost_model import CostModel
@@ -56,6 +56,8 @@ class SimEngine:
         self.executor = SimExecutor(cost_model, kv.block_size, batcher_config.eos_token_id)
         self.reporter = LoadReporter(instance_id, model, self.batcher, cost_model, duty)
         self.gate = None  # a gang member's step gate (GangGate): set before start()
+        # role -> this instance's batcher config in that role (services/engine/factory.py), for in-place changes
+        self.batcher_config_for: Callable[[Role], BatcherConfig] | None = None
         self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
         self._handoffs: dict[str, asyncio.Future[KVHandoff]] = {}
         self._wakeup = asyncio.Event()
@@ -226,7 +228,9 @@ class SimEngine:
         if {self.role, role} != {Role.DECODE, Role.COLOCATED}:
             return False
         self.role = role
-        self.batcher.config = replace(self.batcher.config, role=role)
+        # The budgets are sized per role (`batcher_config_for`, set by the factory); else the same ones, new role.
+        self.batcher.config = (self.batcher_config_for(role) if self.batcher_config_for is not None
+                               else replace(self.batcher.config, role=role))
         return True
 
     async def reserve(self, spec: RequestSpec) -> bool:

@@ -314,11 +314,12 @@ def run_elastic_step(node: NodeConfig, trace: Sequence[TraceRequest], **kwargs) 
 
 def day_rows(cost_profile: str, *, hour_s: float, load: float, gpu: str, seed: int = 0,
              policy: BalancerPolicy = BalancerPolicy(), window_s: float = 10.0,
-             migrate: bool = True) -> list[tuple[str, object, int, int]]:
+             migrate: bool = True, ranker: str = "forward") -> list[tuple[str, object, int, int]]:
     """The mix-shift day (offered `load` x each model's capacity alone, `hour_s` per hour): the best static
-    placement and the elastic balancer, each on the queueing-level simulator (services/sim/elastic_sim.py) and on
-    this step-level one, from the same start placement. Rows: (name, Summary over the arrivals, reconfigurations
-    done, requests lost)."""
+    placement and the elastic balancer (with `ranker`: the forward ranker by default, as the node's, played on the
+    queueing model's state there and on a twin built from the load snapshots here), each on the queueing-level
+    simulator (services/sim/elastic_sim.py) and on this step-level one, from the same start placement. Rows: (name,
+    Summary over the arrivals, reconfigurations done, requests lost)."""
     import dataclasses
 
     from octoserve.services.core.balancer import candidate_layouts
@@ -335,11 +336,12 @@ def day_rows(cost_profile: str, *, hour_s: float, load: float, gpu: str, seed: i
     requests = generate_day(day, seed)
     layouts = candidate_layouts(node)
     static, _ = best_static(node, day, requests, layouts, "day")
-    elastic = run_day(node, day, requests, static.initial, "elastic", layouts=layouts, policy=policy)
+    elastic = run_day(node, day, requests, static.initial, "elastic", layouts=layouts, policy=policy, ranker=ranker,
+                      seed=seed)
     start = dataclasses.replace(node, instances=tuple(static.initial))
     trace = day_trace(requests)
     step_static = run_simulation(start, trace)
-    step_elastic = ElasticStepSim(start, policy=policy, window_s=window_s, migrate=migrate).run(trace)
+    step_elastic = ElasticStepSim(start, policy=policy, window_s=window_s, migrate=migrate, ranker=ranker).run(trace)
 
     def summary(records):
         return summarize(records, day.slo, day.duration_s)
@@ -365,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--drain-only", action="store_true",
                         help="the step-level elastic run drains retired instances, migrating no running decode")
+    parser.add_argument("--ranker", choices=("forward", "none"), default="forward",
+                        help="the balancer's ranker on both simulators (default: forward, as the node's)")
     args = parser.parse_args(argv)
     if args.hour_s <= 0 or args.load <= 0:
         parser.error("--hour-s and --load must be > 0")
@@ -374,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     for profile in profiles:
         t0 = time.perf_counter()
         for name, s, n, lost in day_rows(profile, hour_s=args.hour_s, load=args.load, gpu=args.gpu, seed=args.seed,
-                                         migrate=not args.drain_only):
+                                         migrate=not args.drain_only, ranker=args.ranker):
             g = s.overall
             print(f"| {profile} | {name} | {g.goodput_rps:.2f} | {g.attainment_offered:.3f} | "
                   f"{g.refused_fraction:.3f} | {n} | {lost} |", flush=True)
