@@ -58,7 +58,8 @@ FAST_PATH_ENV = "OCTOSERVE_SIM_FAST"  # "0" turns the simulator's fast path off 
 
 
 class _Instance:
-    __slots__ = ("cfg", "batcher", "executor", "cost", "reporter", "busy", "busy_s", "steps", "_load", "_load_key")
+    __slots__ = ("cfg", "batcher", "executor", "cost", "reporter", "busy", "busy_s", "steps", "_load", "_load_version",
+                 "_load_free", "_load_decode_s")
 
     def __init__(self, node: NodeConfig, cfg: InstanceConfig, steady: bool = False) -> None:
         parts = instance_parts(node, cfg)
@@ -75,7 +76,10 @@ class _Instance:
         self.busy_s = 0.0  # modelled GPU-busy seconds so far
         self.steps = 0
         self._load: EngineLoad | None = None
-        self._load_key: tuple[int, int, float] | None = None
+        # what `_load` was built from (`cached_load`): the batcher's state version, free KV blocks, decode EMA
+        self._load_version = -1
+        self._load_free = -1
+        self._load_decode_s = 0.0
 
     def load(self) -> EngineLoad:
         return self.reporter.load()
@@ -84,10 +88,13 @@ class _Instance:
         """`load()`, reused while nothing it reads has changed: every arrival asks every instance of its model,
         and several arrivals fall inside one step. The key covers all of the snapshot's inputs: the batcher's
         state version (bumped by each of its mutating calls), its free KV blocks, and the reporter's decode EMA."""
-        key = (self.batcher.state_version, self.batcher.kv.num_free_blocks, self.reporter.decode_step_time_s)
-        if key != self._load_key or self._load is None:
-            self._load, self._load_key = self.reporter.load(), key
-        return self._load
+        batcher = self.batcher
+        version, free, decode_s = batcher.state_version, batcher.kv.num_free_blocks, self.reporter.decode_step_time_s
+        load = self._load
+        if load is None or version != self._load_version or free != self._load_free or decode_s != self._load_decode_s:
+            load = self._load = self.reporter.load()
+            self._load_version, self._load_free, self._load_decode_s = version, free, decode_s
+        return load
 
 
 @contextlib.contextmanager
