@@ -218,7 +218,8 @@ class DecodeWorkerServicer(WorkerBase):
 
     async def Decode(self, request, context):
         migrated = bool(request.handoff.output_token_ids)
-        if not self._takes(migrated):
+        # A reservation made here is served whatever the role now (a decode instance turned colocated in place).
+        if not self._takes(migrated) and request.spec.request_id not in self.reservations:
             await self._wrong_role(context, "Decode", "decode or colocated" if migrated else "decode")
         session = await self._session(request.session_id, context)
         spec = await self._checked_spec(request.spec, context)

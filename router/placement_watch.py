@@ -4,7 +4,9 @@
   routing, admission and the prefix index.
 - A DRAINING instance leaves routing at once; its session stays open so its running requests stream to the end.
 - A role change replaces the session (a prefill instance has no token stream; a new decode one needs one) and
-  drops the instance's prefix-index entries (the new engine starts with an empty cache).
+  drops the instance's prefix-index entries (the new engine starts with an empty cache). A role change in place
+  (decode <-> colocated, the instance's `engine_generation` unchanged) keeps both: the same engine and servicer
+  serve on, and its running requests stream on over the same session.
 - A removed instance leaves routing, its prefix-index entries are dropped, and its session is closed after
   `RETIRE_GRACE_S` (cleanup RPCs of requests that just finished there still find it).
 - After a role change or a removal the old session is read until the worker ends it (or the grace passes): the
@@ -58,6 +60,7 @@ class PlacementFollower:
         self.policy, self.pool, self.servicer = policy, pool, servicer
         self.make_client = make_client
         self.instances: dict[str, InstanceConfig] = {}
+        self.generations: dict[str, int] = {}  # instance id -> the engine generation its session was opened on
         self.states: dict[str, int] = {}
         self.version = 0
         self.applied = 0  # snapshots applied (tests and the log)
@@ -115,7 +118,11 @@ class PlacementFollower:
             seen[inst.id], states[inst.id] = inst, p.state
             client = self.pool.clients.get(inst.id)
             old = self.instances.get(inst.id)
-            role_changed = old is not None and old.role is not inst.role
+            generation = p.engine_generation
+            in_place = (generation != 0 and self.generations.get(inst.id) == generation and old is not None
+                        and {old.role, inst.role} == {Role.DECODE, Role.COLOCATED})
+            role_changed = old is not None and old.role is not inst.role and not in_place
+            self.generations[inst.id] = generation
             if p.address and (client is None or client.address != p.address or role_changed):
                 if client is not None:
                     self._retire_client(inst.id, graceful=client.address == p.address)

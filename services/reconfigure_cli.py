@@ -7,7 +7,8 @@
 [:ROLE[:TP]] retires the listed instances and starts instances of MODEL (TP GPUs each, default 1; role default
 colocated) on the GPUs they free; the launcher (`octoserve up`) starts their workers. Either way the retired
 instances drain first (their running decodes migrate to other instances of the model by KV hand-off when that is
-faster, unless --drain-only): no request is dropped. Prints what happened (drain and switch times, requests drained).
+faster, unless --drain-only): no request is dropped. --in-place (with --role, decode <-> colocated only) skips the
+drain: the instance serves throughout and keeps what it holds. Prints what happened (drain and switch times, requests drained).
 The scheduler's address is in its ready file (`scheduler.ready.json` in the node's run directory).
 """
 
@@ -39,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reason", default="", help="logged with the reconfiguration")
     parser.add_argument("--drain-timeout-s", type=float, default=0.0,
                         help="abort (and keep the old placement) if the drain takes longer (0: the scheduler's 60 s)")
+    parser.add_argument("--in-place", action="store_true",
+                        help="with --role, decode <-> colocated only: no drain; the instance serves throughout and "
+                             "keeps its running requests")
     parser.add_argument("--drain-only", action="store_true",
                         help="wait for every running request; migrate none to another instance by KV hand-off")
     parser.add_argument("--config", default=None, help="node config YAML with a tls section (mTLS between services)")
@@ -51,8 +55,10 @@ def request_from_args(args: argparse.Namespace) -> s_pb.ReconfigureRequest:
         iid, sep, role = args.role.partition("=")
         if not sep or not iid or role not in ROLES:
             raise UsageError(f"--role {args.role!r}: give ID=ROLE with ROLE one of {', '.join(ROLES)}, e.g. d1=prefill")
-        request.role_change.CopyFrom(s_pb.RoleChange(instance_id=iid, role=ROLES[role]))
+        request.role_change.CopyFrom(s_pb.RoleChange(instance_id=iid, role=ROLES[role], in_place=args.in_place))
         return request
+    if args.in_place:
+        raise UsageError("--in-place goes with --role (a decode <-> colocated change); a model change always drains")
     ids, sep, target = args.model.partition("=")
     parts = target.split(":")
     retire = [i for i in ids.split(",") if i]

@@ -591,3 +591,64 @@ def test_cost_check_uses_the_configured_or_observed_horizon():
     assert seen.horizon_s(24.0) == pytest.approx(4.0)
     assert seen.plan(24.0, load(grown, demand, **drain), []) == []
     assert seen.log[-1].reason == "hold:cost" and "demand dwell, mean 4 s" in seen.log[-1].detail
+
+
+def test_in_place_role_changes_open_the_70b_trap_in_both_directions():
+    """Decode <-> colocated in place keeps the instance serving: SIX -> FOUR turns the TP 4 decoder colocated first
+    (in place), then lets the TP 2 prefill go; FOUR -> SIX starts the TP 2 prefill first, then turns the TP 4
+    decoding (in place). Without in-place changes neither order exists."""
+    from octoserve.services.core.balancer import reach_order, stranded_models
+
+    assert not reachable(SIX, FOUR) and not reachable(FOUR, SIX)
+    assert reachable(SIX, FOUR, in_place=True) and reachable(FOUR, SIX, in_place=True)
+    assert stranded_models(SIX, FOUR, in_place=True) == [] and stranded_models(FOUR, SIX, in_place=True) == []
+    to_four = reach_order(SIX, FOUR, in_place=True)
+    assert [([i.id for i in cur], [(i.model, i.role, i.gpu_ids) for i in tgt]) for cur, tgt in to_four] == [
+        (["lm-d"], [(L, Role.COLOCATED, (0, 1, 2, 3))]),
+        (["lm-p"], [(S, Role.COLOCATED, (4,)), (S, Role.COLOCATED, (5,))])]
+    to_six = reach_order(FOUR, SIX, in_place=True)
+    assert [([i.id for i in cur], [(i.model, i.role, i.gpu_ids) for i in tgt]) for cur, tgt in to_six] == [
+        (["sm-4", "sm-5"], [(L, Role.PREFILL, (4, 5))]),
+        (["lm-0"], [(L, Role.DECODE, (0, 1, 2, 3))])]
+    # Prefill <-> decode still drains: a 70B whose prefill instance would have to decode is not served throughout.
+    p4 = [inst("lm-x", L, Role.PREFILL, (0, 1, 2, 3)), inst("lm-y", L, Role.DECODE, (4, 5, 6, 7))]
+    swapped = [dataclasses.replace(p4[0], role=Role.DECODE), dataclasses.replace(p4[1], role=Role.PREFILL)]
+    assert not reachable(p4, swapped, in_place=True)
+
+
+def test_the_balancer_leaves_the_trap_with_an_in_place_change_first_and_no_drain_cost():
+    """The 8B-heavy hours on 8 H100s, pessimistic, from SIX: with `role_in_place` the balancer plans the 70B's
+    decoder to colocated in place (no drain estimate, nothing lost), and holds the prefill instance's change until
+    that one is done (it would leave the 70B unserved while the decoder still only decodes)."""
+    policy = dataclasses.replace(FAST, role_in_place=True)
+    b = ElasticBalancer(H100_PESSIMISTIC, policy, layouts=[SIX, FOUR])
+    peak = [day_demand(L, 4.0), day_demand(S, 36.0)]
+    (r,) = b.plan(10.0, load(SIX, peak, **{"lm-d": {"est_drain_s": 40.0}}), [])
+    assert (r.kind, r.retire, r.in_place, r.est_drain_s) == (ReconfigKind.ROLE, ("lm-d",), True, 0.0)
+    assert r.start == (dataclasses.replace(SIX[0], role=Role.COLOCATED),)
+    assert "vs 0 lost: none, in place, serving throughout;" in r.reason
+    assert b.counters["planned:role"] == 1 and b.counters["hold:last_instance"] == 1
+    assert b.log[-2].detail.startswith("lm-p -> ")  # the prefill instance's change waits on the decoder's switch
+    # The same without in-place changes: unreachable, as before.
+    b = ElasticBalancer(H100_PESSIMISTIC, FAST, layouts=[SIX, FOUR])
+    assert b.plan(10.0, load(SIX, peak), []) == [] and b.log[-1].reason == "hold:unreachable"
+
+
+def test_an_in_place_change_must_be_decode_colocated_and_the_live_config_takes_it():
+    from octoserve.services.core.reconfig import check_reconfiguration, in_place_role
+    from octoserve.services.scheduler.live_balancer import elastic_balancer
+
+    assert in_place_role(Role.DECODE, Role.COLOCATED) and in_place_role(Role.COLOCATED, Role.DECODE)
+    assert not in_place_role(Role.PREFILL, Role.DECODE) and not in_place_role(Role.DECODE, Role.DECODE)
+    current = {i.id: i for i in SIX}
+    ok = Reconfiguration("a", ReconfigKind.ROLE, ("lm-d",), (dataclasses.replace(SIX[0], role=Role.COLOCATED),), "t",
+                         in_place=True)
+    assert check_reconfiguration(current, ok) == []
+    bad = Reconfiguration("b", ReconfigKind.ROLE, ("lm-p",), (dataclasses.replace(SIX[1], role=Role.DECODE),), "t",
+                          in_place=True)
+    assert check_reconfiguration(current, bad) == [
+        "b: only a change between decode and colocated runs in place; drain for the others (in_place false)"]
+    model = Reconfiguration("c", ReconfigKind.MODEL, ("sm-6",), (inst("lm-z", L, Role.PREFILL, (6,)),), "t",
+                            in_place=True)
+    assert "c: only a role change runs in place" in check_reconfiguration(current, model)
+    assert elastic_balancer(H100_PESSIMISTIC, {"balancer": "elastic", "role_in_place": True}).inner.policy.role_in_place

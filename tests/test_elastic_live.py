@@ -141,6 +141,71 @@ async def test_role_changes_under_load(tmp_path):
         node.stop()
 
 
+async def _running_on(scheduler, instance_id: str) -> int:
+    loads = await scheduler.GetLoads(s_pb.GetLoadsRequest(), timeout=5)
+    return next((l.num_running for l in loads.loads if l.instance_id == instance_id), 0)
+
+
+async def test_in_place_role_changes_under_load_drain_nothing_and_stream_on(tmp_path):
+    """Decode -> colocated and back, in place, while d0 is decoding: nothing drains (0 requests drained, the
+    instance SERVING throughout, the same engine generation so the router keeps its session), every request is
+    served in full, d0 takes whole requests as colocated and hand-offs again as decode, and a prefill -> decode
+    change asked in place is refused, naming what to send."""
+    node = start_node(elastic_config(), time_scale=TIME_SCALE, run_dir=tmp_path, startup_timeout_s=90, grace_s=3,
+                      router_args=("--access-log", "all"))
+    try:
+        d0_pid = node.workers["d0"].pid
+        async with grpc.aio.insecure_channel(node.router_address) as rch, \
+                grpc.aio.insecure_channel(node.scheduler.address) as sch:
+            scheduler = s_grpc.SchedulerStub(sch)
+            load = Load(gen_grpc.GenerationStub(rch), (DISAGG_MODEL,), per_model=4)
+            load.start()
+            await until(lambda: load.done(DISAGG_MODEL) >= 6, 60, "the disaggregated model serves")
+            before = await _placement(scheduler)
+            assert before["d0"].engine_generation == 1
+
+            async def change(role, settle: str) -> s_pb.ReconfigureReply:
+                for _ in range(500):  # switch while d0 holds running decodes (bounded: the load keeps it busy)
+                    if await _running_on(scheduler, "d0") > 0:
+                        break
+                    await asyncio.sleep(0.01)
+                assert await _running_on(scheduler, "d0") > 0
+                reply = await scheduler.Reconfigure(s_pb.ReconfigureRequest(
+                    role_change=s_pb.RoleChange(instance_id="d0", role=role, in_place=True), reason="test: in place"),
+                    timeout=60)
+                at = len(load.streams)
+                await until(lambda: sum(1 for s in load.streams[at:] if s.code is not None) >= 12, 60, settle)
+                return reply, at
+
+            to_colocated, colocated_from = await change(w_pb.COLOCATED, "served after d0 turned colocated")
+            after = await _placement(scheduler)
+            assert (after["d0"].role, after["d0"].state, after["d0"].engine_generation) == \
+                (w_pb.COLOCATED, s_pb.INSTANCE_SERVING, 1)
+            to_decode, decode_from = await change(w_pb.DECODE, "served after d0 turned decode again")
+            assert (await _placement(scheduler))["d0"].role == w_pb.DECODE
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await scheduler.Reconfigure(s_pb.ReconfigureRequest(
+                    role_change=s_pb.RoleChange(instance_id="p0", role=w_pb.DECODE, in_place=True)), timeout=30)
+            streams = await load.finish()
+        assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert refused.value.details() == ("role_change.in_place: only decode <-> colocated runs in place, not "
+                                           "prefill -> decode; send in_place false to drain")
+        for reply in (to_colocated, to_decode):
+            assert (list(reply.started), reply.drained_requests, reply.migrated_requests, reply.drain_s) == \
+                (["d0"], 0, 0, 0.0)
+        _assert_all_served(streams)
+        assert node.workers["d0"].pid == d0_pid and node.workers["d0"].proc.poll() is None
+        log = access_log(node)
+        assert len(log) == len(streams) and all(e["code"] == "OK" for e in log.values())
+        ids = [s.request_id for s in streams]
+        whole_on_d0 = [r for r in ids[colocated_from:decode_from] if r in log and log[r]["instances"] == ["d0"]]
+        handed_to_d0 = [r for r in ids[decode_from:] if r in log and log[r]["instances"][1:] == ["d0"]]
+        assert whole_on_d0, "no request ran whole on d0 while it was colocated"
+        assert handed_to_d0, "no request was handed to d0 once it decoded again"
+    finally:
+        node.stop()
+
+
 async def test_model_change_under_load(tmp_path):
     node = start_node(elastic_config(), time_scale=TIME_SCALE, run_dir=tmp_path, startup_timeout_s=90, grace_s=3,
                       router_args=("--access-log", "all"))

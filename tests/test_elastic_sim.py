@@ -170,6 +170,31 @@ def test_elastic_day_command_writes_its_section_and_plots(tmp_path, capsys):
 def test_elastic_day_command_refuses_bad_numbers(capsys):
     assert main(["elastic-day", "--hour-s", "0"]) == 2
     assert "--hour-s, --hours, --load and --rate must be > 0" in capsys.readouterr().err
+    assert main(["elastic-day", "--compare-in-place", "--role-changes", "in-place"]) == 2
+    assert "--compare-in-place runs the in-place arm itself: keep --role-changes drain" in capsys.readouterr().err
+
+
+def test_elastic_day_compare_in_place_writes_four_arms_side_by_side(tmp_path, capsys):
+    """8 H200s, pessimistic, a short day from the 70B colocated: the in-place arms make decode <-> colocated changes
+    that the drained arms cannot, and every arm loses nothing; the section names each arm's figures."""
+    bench = tmp_path / "BENCHMARKS.md"
+    bench.write_text("# Benchmarks\n\n## Other\n\nkept\n")
+    rc = main(["elastic-day", "--cost-profile", "pessimistic", "--gpu", "h200-141gb", "--hours", "6", "--hour-s", "20",
+               "--plots", "", "--compare-ranker", "forward", "--ranker-plots", "", "--compare-in-place",
+               "--in-place-benchmarks", str(bench), "--command-line", "cmd"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    text = bench.read_text()
+    assert "## Other\n\nkept" in text and "## Elastic pools: in-place role changes (simulator)" in text
+    assert "Reproduce: `cmd` (" in text
+    (line,) = [l for l in text.splitlines() if l.startswith("| 8 h200-141gb | pessimistic | load |")]
+    assert line in out
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[-1] == "0, 0, 0, 0"  # nothing lost in any arm
+    reconfigs = [tuple(int(x) for x in arm.replace(",", " ").replace("(", " ").replace(")", " ").split())
+                 for arm in cells[-2].split(";")]
+    assert [r[1] for r in reconfigs[0::2]] == [0, 0]  # the drained arms change nothing in place
+    assert reconfigs[1] == (4, 2, 0)  # the estimate's in-place arm: two of its four changes in place, the 8B's
 
 
 # --- steps, batch sizing, the serving rule, adaptation ---------------------------------------------------------------
@@ -303,3 +328,62 @@ def test_best_static_is_shortlisted_by_the_hours_and_not_only_by_the_days_mean()
     assert labels[0] == label_of(six)  # the mean's first pick is still tried
     assert label_of(four) in labels and label_of(best.initial) == label_of(four)
     assert dict(tried)[label_of(four)] > 1.1 * dict(tried)[label_of(six)]
+
+
+def test_an_in_place_role_change_keeps_serving_and_keeps_what_it_holds():
+    """Colocated -> decode in place: no drain, no migration, no reroute; the instance takes new requests in its old
+    role until the switch, then hand-offs only, with the same running requests and queued prompts; nothing lost."""
+    day, requests = _day(hours=2.0, hour_s=30.0)
+    sim = ElasticSim(NODE, day, requests, (LM, *SMS), mode="static", layouts=LAYOUTS)
+    for req in [r for r in requests if r.arrival_s < 20.0]:
+        sim.now_s = req.arrival_s
+        sim._admit(req)
+    sim.now_s = 20.0
+    inst = sim.instances["sm-0"]
+    held = list(inst.running)
+    queued_until = inst.prefill_free_s
+    finishes = {tr.req.request_id: tr.finish_s for tr in held}
+    to_decode = dataclasses.replace(SMS[0], role=Role.DECODE)
+    ev = sim._start(Reconfiguration("t1", ReconfigKind.ROLE, ("sm-0",), (to_decode,), "test", in_place=True))
+    assert ev.phase is Phase.SWITCHING and ev.migrated == 0 and ev.rerouted == 0
+    assert ev.drain_end_s == 20.0 and ev.done_s == 20.0 + sim.policy.role_switch_s
+    assert inst.accepting and inst.prefills  # still colocated until the switch is done
+    sim._tick(20.0 + sim.policy.role_switch_s)
+    assert ev.phase is Phase.DONE
+    assert sim.instances["sm-0"] is inst  # the same instance: nothing removed, nothing started
+    assert inst.cfg.role is Role.DECODE and inst.accepting and not inst.prefills and inst.removed_s == math.inf
+    assert inst.share == 0.0 and len(inst.heap) == inst.full_slots  # every slot decodes now
+    assert inst.prefill_free_s == queued_until  # the prompts it queued still run there
+    assert [tr for tr in held if tr.decoder_inst is inst and tr.finish_s == finishes[tr.req.request_id]] == held
+    assert sim._result(0.0).lost == 0
+
+
+def test_in_place_role_changes_take_the_70b_in_and_out_of_a_disaggregated_split_with_nothing_lost():
+    """8 H200s, pessimistic: from the 70B colocated on TP 4 the step period's best placement (a TP 4 decode beside
+    a TP 2 prefill) is reachable only with in-place role changes; with them the balancer reaches it during the step
+    and back, losing nothing, and a drained role change of the 70B's only decoder never happens."""
+    node = NodeConfig(GPU_PRESETS["h200-141gb"], 8, {LARGE: MODEL_PRESETS[LARGE], SMALL: MODEL_PRESETS[SMALL]}, (),
+                      cost_profile="pessimistic")
+    alone = (model_alone_rps(node, SMALL, 1000, 250), model_alone_rps(node, LARGE, 1000, 250))
+    day = mix_shift_day(hours=24.0, hour_s=10.0, load_rps=(0.9 * alone[0], 0.9 * alone[1]))
+    requests = generate_day(day, 0)
+    layouts = candidate_layouts(node)
+    start = (LM, InstanceConfig("sm-p0", SMALL, Role.PREFILL, 1, (4,)), InstanceConfig("sm-p1", SMALL, Role.PREFILL, 1, (5,)),
+             InstanceConfig("sm-d0", SMALL, Role.DECODE, 1, (6,)), InstanceConfig("sm-d1", SMALL, Role.DECODE, 1, (7,)))
+    res = run_day(node, day, requests, start, "elastic", layouts=layouts,
+                  policy=BalancerPolicy(role_in_place=True, cost_horizon_s=60.0))
+    assert res.lost == 0 and not any(r.error for r in res.records)
+    in_place = [ev for ev in res.reconfigs if ev.reconfig.in_place]
+    assert in_place and all(ev.phase is Phase.DONE and ev.drain_end_s == ev.planned_s for ev in in_place)
+    large = [ev.reconfig.start[0].role for ev in in_place if ev.reconfig.start[0].model == LARGE]
+    assert set(large) == {Role.DECODE, Role.COLOCATED}  # into the split and back out
+    # The 70B's role changes all ran in place; the drained ones are the 8B's, to or from prefill.
+    drained = [ev.reconfig for ev in res.reconfigs if ev.reconfig.kind is ReconfigKind.ROLE and not ev.reconfig.in_place]
+    assert all(r.start[0].model == SMALL and Role.PREFILL in (r.start[0].role, _role_before(res, r)) for r in drained)
+
+
+def _role_before(res, r):
+    """The role `r`'s instance had before `r`: from the last placement logged before it was planned."""
+    ev = next(ev for ev in res.reconfigs if ev.reconfig is r)
+    before = [layout for t, layout in res.layouts if t <= ev.planned_s][-1]
+    return next(i.role for i in before if i.id == r.retire[0])

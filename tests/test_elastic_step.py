@@ -145,3 +145,46 @@ def test_a_model_change_migrates_running_decodes_and_ends_its_drain_sooner(monke
     assert plain.reconfigs[0].migrated == migrated.migrated
     assert sorted((r.request_id, r.token_times_s, r.finish_s) for r in plain.sim.records) == \
         sorted((r.request_id, r.token_times_s, r.finish_s) for r in runs[True].sim.records)
+
+
+def test_in_place_role_changes_keep_serving_and_hold_on_to_their_requests():
+    """The 8B's decode instance turns colocated in place and back under load: no drain (drain end = plan time), the
+    switch time only, nothing removed or lost, decodes running on it when the change began finish there, it takes
+    work in its old role until each switch is done, and in between it takes whole requests, before and after only
+    hand-offs."""
+    sm = [InstanceConfig("sm-p", SMALL, Role.PREFILL, 1, (4,), max_num_batched_tokens=8192),
+          InstanceConfig("sm-d", SMALL, Role.DECODE, 1, (5,)),
+          InstanceConfig("sm-6", SMALL, Role.COLOCATED, 1, (6,)), InstanceConfig("sm-7", SMALL, Role.COLOCATED, 1, (7,))]
+    node = dataclasses.replace(NODE, instances=(LM, *sm))
+    to_colocated = Reconfiguration("r1", ReconfigKind.ROLE, ("sm-d",), (dataclasses.replace(sm[1], role=Role.COLOCATED),),
+                                   "test: decode -> colocated in place", in_place=True)
+    back = Reconfiguration("r2", ReconfigKind.ROLE, ("sm-d",), (sm[1],), "test: colocated -> decode in place",
+                           in_place=True)
+    trace = _trace(small_rps=60.0)
+    sim = ElasticStepSim(node, balance=False, plan_at=[(2.0, to_colocated), (6.0, back)])
+    res = sim.run(trace)
+    records = res.sim.records
+    # Every request admitted finished in full; the refusals are exactly those of the same trace with no change
+    # (two 70B requests at its end).
+    unchanged = ElasticStepSim(node, balance=False).run(trace).sim.records
+    refused = sorted(r.request_id for r in records if r.refused)
+    assert refused == sorted(r.request_id for r in unchanged if r.refused) == ["llama-3-70b-50", "llama-3-70b-57"]
+    assert len(records) == len(trace)
+    assert sum(1 for r in records if r.finish_s is not None and not r.error and not r.refused) == len(trace) - 2
+    assert res.lost == 0 and all(r.num_output_tokens == 40 for r in records if not r.refused)
+    r1, r2 = res.reconfigs
+    assert [(ev.phase, ev.planned_s, ev.drain_end_s, ev.done_s, ev.held, ev.migrated) for ev in res.reconfigs] == [
+        (Phase.DONE, 2.0, 2.0, 2.0 + sim.policy.role_switch_s, 0, 0),
+        (Phase.DONE, 6.0, 6.0, 6.0 + sim.policy.role_switch_s, 0, 0)]
+    assert all("sm-d" in ids for _, ids in res.placements)  # never off the node
+    assert sim.sim.instances["sm-d"].cfg.role is Role.DECODE
+    routes = [(t.trace.arrival_s, t.route, t.finish_s) for t in sim.sim._trackers.values() if t.route is not None]
+    # A decode running on it when the change began finished there, and it took new hand-offs until the switch was
+    # done (a draining instance takes none).
+    assert any(r.decode_instance_id == "sm-d" and arr < r1.planned_s < fin for arr, r, fin in routes)
+    assert any(r.decode_instance_id == "sm-d" and r1.planned_s <= arr < r1.done_s for arr, r, _ in routes)
+    # Whole requests only while colocated (routed once the switch was done, before the change back)...
+    whole = [arr for arr, r, _ in routes if r.instance_id == "sm-d"]
+    assert whole and all(r1.done_s <= arr < r2.done_s for arr in whole)
+    # ... and hand-offs again after it.
+    assert any(r.decode_instance_id == "sm-d" and arr >= r2.done_s for arr, r, _ in routes)

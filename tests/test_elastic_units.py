@@ -38,7 +38,11 @@ def test_role_change_request():
     assert r.kind is ReconfigKind.ROLE and r.retire == ("d1",)
     (inst,) = r.start
     assert (inst.id, inst.role, inst.gpu_ids, inst.model) == ("d1", Role.PREFILL, (4,), current["d1"].model)
-    assert r.load_s == 0.0
+    assert r.load_s == 0.0 and not r.in_place
+    r = elastic.reconfiguration_from_pb(request_from_args(_parse("--role", "d1=colocated", "--in-place")), current, cfg)
+    assert (r.kind, r.retire, r.start[0].role, r.in_place) == (ReconfigKind.ROLE, ("d1",), Role.COLOCATED, True)
+    with pytest.raises(elastic.ReconfigError, match="only decode <-> colocated runs in place, not decode -> prefill"):
+        elastic.reconfiguration_from_pb(request_from_args(_parse("--role", "d1=prefill", "--in-place")), current, cfg)
 
 
 def test_model_change_request_starts_on_the_freed_gpus_with_the_modelled_load_time():
@@ -63,6 +67,7 @@ def test_model_change_request_starts_on_the_freed_gpus_with_the_modelled_load_ti
     (("--model", "c1"), "IDS=MODEL"),
     (("--model", "c1=m:mixed"), "role 'mixed'"),
     (("--model", "c1=m:colocated:x"), "TP 'x'"),
+    (("--model", "c1=m", "--in-place"), "--in-place goes with --role"),
 ])
 def test_cli_bad_input_says_what_to_change(argv, message):
     with pytest.raises(UsageError, match=message):

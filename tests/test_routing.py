@@ -144,6 +144,25 @@ def test_disaggregated_route_picks_prefill_and_the_roomiest_decode():
     assert policy(cfg).route(request(model=LM), loads, 0.0).decode_instance_id == "d-0"
 
 
+def test_a_colocated_entry_of_a_mixed_placement_takes_no_decode_side():
+    """A model with a prefill, a decode and a colocated instance (a placement mid-reconfiguration, or one the elastic
+    balancer chose): a request routed to the colocated instance runs whole there, with no decode reservation (a
+    decode side would send its prompt to Prefill on an instance that does not take one)."""
+    import dataclasses
+
+    cfg = disagg_config()
+    colocated = dataclasses.replace(cfg.instance("d-1"), role=Role.COLOCATED)
+    cfg = dataclasses.replace(cfg, instances=(cfg.instance("p-0"), cfg.instance("d-0"), colocated))
+    busy_prefill = {"p-0": load("p-0", LM, Role.PREFILL, queued=50_000), "d-0": load("d-0", LM, Role.DECODE),
+                    "d-1": load("d-1", LM, Role.COLOCATED)}
+    route = policy(cfg).route(request(model=LM), busy_prefill, 0.0)
+    assert (route.instance_id, route.decode_instance_id) == ("d-1", None)
+    idle_prefill = {**busy_prefill, "p-0": load("p-0", LM, Role.PREFILL),
+                    "d-1": load("d-1", LM, Role.COLOCATED, queued=50_000)}
+    route = policy(cfg).route(request(model=LM), idle_prefill, 0.0)
+    assert (route.instance_id, route.decode_instance_id) == ("p-0", "d-0")
+
+
 def test_dispatch_to_a_decode_instance_reserves_its_blocks_there_only():
     cfg = disagg_config()
     p = policy(cfg)

@@ -155,3 +155,42 @@ def test_vllm_worker_flips_role_by_set_role_on_the_same_engine(worker, tmp_path)
     assert worker.proc.poll() is None and worker.pid == pid  # no restart
     worker.proc.send_signal(signal.SIGTERM)
     assert worker.proc.wait(timeout=60) == 0
+
+
+async def _in_place_under_load(address: str, pid: int) -> None:
+    engine_children = children(pid)
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = w_grpc.WorkerStub(channel)
+        call, stream = await attach(stub, "inplace")
+        prompts = {f"i{k}": PROMPTS[k] for k in range(3)}
+        for rid, prompt in prompts.items():
+            await stub.Generate(w_pb.WorkerGenerateRequest(session_id="inplace", spec=spec_pb(rid, prompt)))
+        reading = asyncio.create_task(read_until_finished(stream, set(prompts)))
+        # Colocated -> decode in place while the three run: nothing drains, the reply comes before they finish.
+        reply = await stub.SetRole(w_pb.SetRoleRequest(role=convert.ROLE_TO_PB[Role.DECODE], in_place=True), timeout=30)
+        assert (reply.drained_requests, reply.drain_s, reply.migrated_requests) == (0, 0.0, 0)
+        assert not reading.done()
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.Generate(w_pb.WorkerGenerateRequest(session_id="inplace", spec=spec_pb("g1", PROMPTS[3])))
+        assert info.value.code() is grpc.StatusCode.UNAVAILABLE
+        assert info.value.details() == "tiny-0 now serves the decode role; route elsewhere (the placement changed)"
+        # The three stream on over the same session to their last token.
+        assert_complete(await reading, prompts)
+        # A prefill role cannot be reached in place: refused, naming what to send, and nothing changed.
+        with pytest.raises(grpc.aio.AioRpcError) as bad:
+            await stub.SetRole(w_pb.SetRoleRequest(role=convert.ROLE_TO_PB[Role.PREFILL], in_place=True), timeout=30)
+        assert bad.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert bad.value.details() == ("only decode <-> colocated changes run in place, not decode -> prefill; "
+                                       "send in_place false to drain")
+        # Back to colocated in place: a Generate is served again on the same session.
+        await stub.SetRole(w_pb.SetRoleRequest(role=convert.ROLE_TO_PB[Role.COLOCATED], in_place=True), timeout=30)
+        await stub.Generate(w_pb.WorkerGenerateRequest(session_id="inplace", spec=spec_pb("c1", PROMPTS[4])))
+        assert_complete(await read_until_finished(stream, {"c1"}), {"c1": PROMPTS[4]})
+        call.cancel()
+        assert children(pid) == engine_children  # the same engine core throughout
+
+
+def test_vllm_worker_changes_role_in_place_while_its_requests_run(worker):
+    pid = worker.pid
+    asyncio.run(_in_place_under_load(worker.address, pid))
+    assert worker.proc.poll() is None and worker.pid == pid

@@ -17,7 +17,9 @@ alone capacity over the model's own for load-weighted goodput), keeps only candi
 capacity (`unserved`) and that are `reachable` from the current placement with every model served at each step,
 and, when the best beats the current one, splits the difference into reconfigurations, one per group of GPUs that
 changes hands (a move under way keeps its target while that stays within the hysteresis margin of the best):
-- same GPUs, same model and TP, another role: ROLE (no weights move; `role_switch_s`);
+- same GPUs, same model and TP, another role: ROLE (no weights move; `role_switch_s`). Between decode and colocated
+  it may run in place (`role_in_place`, off by default): no drain, the instance serves throughout, in its old role
+  until the switch, so it costs nothing and never leaves its model unserved (services/core/reconfig.py);
 - anything else: MODEL, whose started instances load weights (`weight_load_s`: from pinned host memory over each
   GPU's own PCIe link, or from one local NVMe drive shared by the loading GPUs) plus `engine_init_s`.
 
@@ -80,7 +82,7 @@ from typing import Protocol
 
 from octoserve.services.core.placement import InstanceConfig, NodeConfig, num_kv_blocks_for
 from octoserve.services.core.planner import ModelLoad, decode_capacity_rps
-from octoserve.services.core.reconfig import ReconfigKind, Reconfiguration, apply, check_reconfiguration
+from octoserve.services.core.reconfig import ReconfigKind, Reconfiguration, apply, check_reconfiguration, in_place_role
 from octoserve.services.core.specs import GPUS_PER_PCIE_UPLINK, LOCAL_DISK_READ_BYTES_PER_S, GpuSpec, ModelSpec
 from octoserve.services.core.types import Role
 
@@ -220,6 +222,9 @@ class BalancerPolicy:
     weight_source: str = "host"  # where started instances load weights from (see `weight_load_s`)
     engine_init_s: float = 2.0  # assumed: engine start on loaded weights (KV pool allocation, warm-up), per MODEL change
     role_switch_s: float = 0.5  # assumed: flipping an instance's KV connector role, per ROLE change
+    # A role change between decode and colocated runs in place (no drain; the instance serves throughout), as the
+    # live node and both simulators carry it out. Off by default: every role change drains.
+    role_in_place: bool = False
     decode_step_fraction: float = 0.9  # a decode instance is sized to steps of this share of the ITL SLO
     allow_model_changes: bool = True  # False: only role changes (a fixed split of GPUs between the models)
     allow_role_changes: bool = True
@@ -810,13 +815,14 @@ class ElasticBalancer:
         """The best reachable candidate that serves every model (ties: the one whose changes can start now, then the
         fewest changes); None (and the hold decided) when it is not worth moving to."""
         current = list(ctx.current.values())
+        policy = self.policy
         scored, stranded = [], []
         for layout in self.layouts:
             if self._allowed(current, layout):
                 good, caps = self._score(layout, ctx)
                 if not unserved(caps):
-                    (scored if reachable(current, layout) else stranded).append((good, layout, caps))
-        policy = self.policy
+                    (scored if reachable(current, layout, policy.role_in_place) else stranded).append(
+                        (good, layout, caps))
         margin = max(policy.min_gain_rps, policy.min_gain_fraction * ctx.now_good)
         if not scored:
             if not self._stranded(now_s, ctx, stranded, margin):
@@ -837,8 +843,8 @@ class ElasticBalancer:
             """Among equally good targets: one with a change that may start now (it leaves every model able to take
             requests) first, then fewer changes that must wait for another, then fewer changes."""
             comps = diff_components(current, layout)
-            waiting = sum(1 for cur, _ in comps
-                          if {i.model for i in cur} - serving_models([i for i in ctx.live if i not in cur]))
+            waiting = sum(1 for cur, tgt in comps
+                          if orphaned_by(cur, tgt, [i for i in ctx.live if i not in cur], policy.role_in_place))
             return (waiting == len(comps), waiting, len(comps))
 
         good, layout, caps = min((s for s in scored if s[0] >= top - 1e-9), key=lambda s: order(s[1]))
@@ -882,7 +888,8 @@ class ElasticBalancer:
         self._decide(now_s, "hold:unreachable",
                      f"{_layout_text(layout)} would serve {good:.1f} {self._unit} against {ctx.now_good:.1f} now "
                      f"(+{good - ctx.now_good:.1f}), but every change toward it from {_layout_text(current)} leaves "
-                     f"{stranded_models(current, layout)} with no instance taking requests for a moment; "
+                     f"{stranded_models(current, layout, self.policy.role_in_place)} with no instance taking "
+                     "requests for a moment; "
                      f"{self._forecast_text(ctx, caps)}")
         return True
 
@@ -927,6 +934,9 @@ class ElasticBalancer:
             without = [i for i in ctx.current.values() if i not in cur]
             good_without, _ = self._score(without, ctx)
             role = _role_only(cur, tgt)
+            if role and policy.role_in_place and in_place_role(cur[0].role, tgt[0].role):
+                target.costs.append(_Cost(True, 0.0, 0.0, 0.0, in_place=True))  # it serves throughout
+                continue
             drain_s = max((ctx.loads.load_of(i.id).est_drain_s for i in cur), default=0.0)
             load_s = 0.0 if role else self._load_s(tgt)
             out_s = drain_s + (policy.role_switch_s if role else load_s)
@@ -959,7 +969,7 @@ class ElasticBalancer:
         current = list(ctx.current.values())
         if self._committed is not None:
             layout = self._forward_layout
-            if _key(current) != self._committed and reachable(current, layout):
+            if _key(current) != self._committed and reachable(current, layout, policy.role_in_place):
                 return self._forward_target(ctx, layout, self._forward_gain, "move under way")
             self._committed = None
         if now_s < self._next_forward_s and not ctx.stepped:
@@ -971,7 +981,7 @@ class ElasticBalancer:
             self._verdict = f"{now_s:.0f} s: no reachable candidate move"
             stranded = []
             for layout in self.layouts:
-                if self._allowed(current, layout) and not reachable(current, layout):
+                if self._allowed(current, layout) and not reachable(current, layout, policy.role_in_place):
                     good, caps = self._score(layout, ctx)
                     if not unserved(caps):
                         stranded.append((good, layout, caps))
@@ -1032,7 +1042,8 @@ class ElasticBalancer:
         moves = [MoveCandidate("hold", current, (), ctx.now_good)]
 
         def add(name: str, layout: Sequence[InstanceConfig], good: float) -> None:
-            if _key(layout) in seen or not self._allowed(current, layout) or not reachable(current, layout):
+            if (_key(layout) in seen or not self._allowed(current, layout)
+                    or not reachable(current, layout, self.policy.role_in_place)):
                 return
             seen.add(_key(layout))
             moves.append(MoveCandidate(name, tuple(layout), self.changes_to(ctx, layout), good))
@@ -1052,19 +1063,22 @@ class ElasticBalancer:
         served (`reach_order`), as the reconfigurations `_emit` would build (ids fresh, drain and load estimated)."""
         taken = set(ctx.current) | {i.id for i in ctx.loads.placement}
         out = []
-        for k, (cur, tgt) in enumerate(reach_order(list(ctx.current.values()), layout) or []):
+        in_place = self.policy.role_in_place
+        for k, (cur, tgt) in enumerate(reach_order(list(ctx.current.values()), layout, in_place) or []):
             drain_s = max((ctx.loads.load_of(i.id).est_drain_s for i in cur), default=0.0)
             if _role_only(cur, tgt):
+                here = in_place and in_place_role(cur[0].role, tgt[0].role)
                 out.append(Reconfiguration(f"fw{k + 1}", ReconfigKind.ROLE, tuple(i.id for i in cur),
-                                           (replace(tgt[0], id=cur[0].id),), "forward candidate", est_drain_s=drain_s))
+                                           (replace(tgt[0], id=cur[0].id),), "forward candidate",
+                                           est_drain_s=0.0 if here else drain_s, in_place=here))
             else:
                 out.append(Reconfiguration(f"fw{k + 1}", ReconfigKind.MODEL, tuple(i.id for i in cur),
                                            tuple(replace(i, id=self._fresh_id(i, taken)) for i in tgt),
                                            "forward candidate", est_drain_s=drain_s, load_s=self._load_s(tgt)))
         return tuple(out)
 
-    def _blocked(self, now_s: float, ctx: "_Context", cur: Sequence[InstanceConfig], what: str, busy: set[str],
-                 n_in_flight: int) -> bool:
+    def _blocked(self, now_s: float, ctx: "_Context", cur: Sequence[InstanceConfig], tgt: Sequence[InstanceConfig],
+                 what: str, busy: set[str], n_in_flight: int) -> bool:
         """Whether a component must wait (the guard decided and logged)."""
         policy = self.policy
         gpus = sorted({g for i in cur for g in i.gpu_ids})
@@ -1081,9 +1095,9 @@ class ElasticBalancer:
             self._decide(now_s, "hold:in_flight", f"{what}: an instance is still being reconfigured or started")
             return True
         retiring = busy | {i.id for i in cur}
-        serving = serving_models([i for i in ctx.loads.placement if i.id not in retiring and i.id in ctx.current
-                                  and ctx.loads.load_of(i.id).accepting])
-        orphaned = sorted({i.model for i in cur} - serving)
+        others = [i for i in ctx.loads.placement if i.id not in retiring and i.id in ctx.current
+                  and ctx.loads.load_of(i.id).accepting]
+        orphaned = sorted(orphaned_by(cur, tgt, others, policy.role_in_place))
         if orphaned:
             self._decide(now_s, "hold:last_instance",
                          f"{what}: would leave {orphaned} with no instance taking requests")
@@ -1100,21 +1114,21 @@ class ElasticBalancer:
         for (cur, tgt), cost in zip(target.components, target.costs):
             gpus = sorted({g for i in cur for g in i.gpu_ids})
             what = f"{'+'.join(i.id for i in cur)} -> " + "+".join(f"{i.model} {i.role.value} TP{i.tp}" for i in tgt)
-            if self._blocked(now_s, ctx, cur, what, busy, n_in_flight):
+            if self._blocked(now_s, ctx, cur, tgt, what, busy, n_in_flight):
                 continue
             if cost.role:
                 started, kind = (replace(tgt[0], id=cur[0].id),), ReconfigKind.ROLE
             else:
                 started, kind = tuple(replace(i, id=self._fresh_id(i, taken)) for i in tgt), ReconfigKind.MODEL
             switch = policy.role_switch_s if cost.role else cost.load_s
+            lost = ("lost: none, in place, serving throughout" if cost.in_place else
+                    f"lost to drain {cost.drain_s:.1f} s + {'switch' if cost.role else 'load'} {switch:.1f} s")
             reason = (f"{what} on GPUs {gpus}: forecast goodput {ctx.now_good:.1f} -> {target.good:.1f} {self._unit}, "
                       f"gain {target.benefit:.0f} requests over {self.horizon_s(now_s):.0f} s ({self._horizon_text()}) "
-                      f"vs {cost.lost:.0f} "
-                      f"lost to drain {cost.drain_s:.1f} s + {'switch' if cost.role else 'load'} {switch:.1f} s; "
-                      f"{target.forecast}")
+                      f"vs {cost.lost:.0f} {lost}; {target.forecast}")
             r = Reconfiguration(f"rc{self._next_id + len(ready) + 1}", kind, tuple(i.id for i in cur), started,
                                 reason, est_drain_s=cost.drain_s, load_s=0.0 if cost.role else cost.load_s,
-                                est_gain=target.benefit)
+                                est_gain=target.benefit, in_place=cost.in_place)
             problems = check_reconfiguration(current, r)
             if problems:  # defensive: the diff should never produce these
                 self._decide(now_s, "hold:invalid", "; ".join(problems))
@@ -1135,16 +1149,26 @@ def _key(layout: Sequence[InstanceConfig]) -> tuple:
     return tuple(sorted(_signature(i) for i in layout))
 
 
-def reachable(current: Sequence[InstanceConfig], target: Sequence[InstanceConfig]) -> bool:
+def orphaned_by(cur: Sequence[InstanceConfig], tgt: Sequence[InstanceConfig], others: Sequence[InstanceConfig],
+                in_place: bool = False) -> set[str]:
+    """The models of `cur` that no instance would serve while the change `cur` -> `tgt` is out, `others` serving
+    beside it. An in-place role change (`in_place_role`, with `in_place`) keeps its instance serving: in its old
+    role until the switch, then in the new one, so `others` with the new role must serve its model."""
+    keep = list(tgt) if in_place and _role_only(cur, tgt) and in_place_role(cur[0].role, tgt[0].role) else []
+    return {i.model for i in cur} - serving_models([*others, *keep])
+
+
+def reachable(current: Sequence[InstanceConfig], target: Sequence[InstanceConfig], in_place: bool = False) -> bool:
     """Whether `target` can be reached from `current` one change (`diff_components`) at a time with every model
     served throughout: each change, started once the ones before it are done, leaves the models of the instances it
-    retires served by the rest (`serving_models`). A 70B whose only decoding instance must change role while its
-    other instance goes cannot (it would be unserved for a moment): such a target is never chosen, rather than
-    started halfway."""
-    return reach_order(current, target) is not None
+    retires served by the rest (`orphaned_by`). Without in-place role changes (`in_place` False), a 70B whose only
+    decoding instance must change role while its other instance goes cannot (it would be unserved for a moment):
+    such a target is never chosen, rather than started halfway. With them, the decoding instance changes role in
+    place first and the other goes after."""
+    return reach_order(current, target, in_place) is not None
 
 
-def reach_order(current: Sequence[InstanceConfig], target: Sequence[InstanceConfig]
+def reach_order(current: Sequence[InstanceConfig], target: Sequence[InstanceConfig], in_place: bool = False
                 ) -> list[tuple[tuple[InstanceConfig, ...], tuple[InstanceConfig, ...]]] | None:
     """The changes from `current` to `target` in an order that keeps every model served (`reachable`); None when
     there is none."""
@@ -1154,7 +1178,7 @@ def reach_order(current: Sequence[InstanceConfig], target: Sequence[InstanceConf
     while comps:
         for k, (cur, tgt) in enumerate(comps):
             rest = [i for i in placement if i not in cur]
-            if not ({i.model for i in cur} - serving_models(rest)):
+            if not orphaned_by(cur, tgt, rest, in_place):
                 placement = rest + list(tgt)
                 out.append(comps.pop(k))
                 break
@@ -1163,7 +1187,8 @@ def reach_order(current: Sequence[InstanceConfig], target: Sequence[InstanceConf
     return out
 
 
-def stranded_models(current: Sequence[InstanceConfig], target: Sequence[InstanceConfig]) -> list[str]:
+def stranded_models(current: Sequence[InstanceConfig], target: Sequence[InstanceConfig], in_place: bool = False
+                    ) -> list[str]:
     """The models that block `target` (`reachable` False): once the changes that can go first are done, each change
     left would leave one of these without a serving instance (`serving_models`). Empty when `target` is reachable."""
     placement = list(current)
@@ -1173,13 +1198,13 @@ def stranded_models(current: Sequence[InstanceConfig], target: Sequence[Instance
         progress = False
         for k, (cur, tgt) in enumerate(comps):
             rest = [i for i in placement if i not in cur]
-            if not ({i.model for i in cur} - serving_models(rest)):
+            if not orphaned_by(cur, tgt, rest, in_place):
                 placement = rest + list(tgt)
                 comps.pop(k)
                 progress = True
                 break
-    return sorted({m for cur, _ in comps for m in {i.model for i in cur} - serving_models(
-        [i for i in placement if i not in cur])})
+    return sorted({m for cur, tgt in comps for m in orphaned_by(cur, tgt, [i for i in placement if i not in cur],
+                                                                 in_place)})
 
 
 def _layout_text(layout: Sequence[InstanceConfig]) -> str:
@@ -1215,6 +1240,7 @@ class _Cost:
     drain_s: float
     load_s: float
     lost: float  # requests (score units) lost while the change is out
+    in_place: bool = False  # a role change that serves throughout (`in_place_role`)
 
 
 @dataclass

@@ -11,6 +11,13 @@ requests finish, or migrate by KV hand-off to another instance of the same model
 (weights load, roles change) -> DONE. A reconfiguration that cannot proceed ends ABORTED and the retired instances
 take requests again. No request is dropped in any phase.
 
+An in-place role change (`in_place`, only between decode and colocated: `in_place_role`) has no DRAINING: both roles
+decode, so the instance keeps its running requests, its held hand-offs and its reservations, and takes new requests
+in its old role until the switch; from DONE it takes them in the new one (decode -> colocated: new requests of its
+own besides hand-offs; colocated -> decode: hand-offs only, while the prompts it already queued still run there).
+The model never loses that instance, so a 70B that is a TP 4 decode instance beside a TP 2 prefill one can become
+one colocated TP 4 (and back) with no moment unserved.
+
 Invariants:
 - Pure data: no clock, no asyncio, no protobuf. Times are seconds on the caller's clock (`*_s`).
 - `retire` and `start` cover the same GPUs: a reconfiguration never takes a GPU it did not free.
@@ -24,6 +31,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from octoserve.services.core.placement import InstanceConfig
+from octoserve.services.core.types import Role
 
 
 class ReconfigKind(str, enum.Enum):
@@ -49,6 +57,7 @@ class Reconfiguration:
     est_drain_s: float = 0.0  # the planner's estimate of the drain (or migration) time
     load_s: float = 0.0  # weight-load time of the started instances (0 for ROLE)
     est_gain: float = 0.0  # the planner's forecast goodput gain over its window, in requests within SLO
+    in_place: bool = False  # a ROLE change between decode and colocated that keeps serving throughout (no drain)
 
     @property
     def gpu_ids(self) -> tuple[int, ...]:
@@ -77,12 +86,23 @@ def check_reconfiguration(current: Mapping[str, InstanceConfig], r: Reconfigurat
             problems.append(f"{r.reconfig_id}: a role change retires and starts one and the same instance")
         elif current[r.retire[0]].model != r.start[0].model:
             problems.append(f"{r.reconfig_id}: a role change keeps the model; use a model change")
+        elif r.in_place and not in_place_role(current[r.retire[0]].role, r.start[0].role):
+            problems.append(f"{r.reconfig_id}: only a change between decode and colocated runs in place; "
+                            "drain for the others (in_place false)")
+    elif r.in_place:
+        problems.append(f"{r.reconfig_id}: only a role change runs in place")
     models_after = {current[i].model for i in kept_ids} | {inst.model for inst in r.start}
     models_before = {inst.model for inst in current.values()}
     lost = sorted(models_before - models_after)
     if lost:
         problems.append(f"{r.reconfig_id}: would leave no instance of {lost}")
     return problems
+
+
+def in_place_role(old: Role, new: Role) -> bool:
+    """Whether a change from role `old` to `new` can run in place: both decode (decode and colocated), so whatever
+    the instance holds stays on it, and only the new requests it takes change."""
+    return old is not new and {old, new} == {Role.DECODE, Role.COLOCATED}
 
 
 def apply(current: Mapping[str, InstanceConfig], r: Reconfiguration) -> dict[str, InstanceConfig]:

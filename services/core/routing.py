@@ -383,6 +383,8 @@ class RouterPolicy:
                 return self._refuse_ttft(spec, kept, slo_ms, correction_s)
             kept = feasible
         chosen = self._pick(kept)
+        if chosen.instance.role is not Role.PREFILL:
+            decode_id = None  # a colocated entry of a mixed placement runs the whole request: no decode side
         # Rounded to the microsecond: sub-microsecond float noise is not a prediction.
         return Route(chosen.instance.id, decode_id, round(chosen.predicted_ttft_s * 1000.0, 3), chosen.cached_tokens)
 

@@ -220,6 +220,15 @@ class SimEngine:
             await self.abort(spec.request_id)
             raise
 
+    def set_role_in_place(self, role: Role) -> bool:
+        """Decode <-> colocated with no drain (services/rpc/role_switch.py): both decode, so the batcher keeps
+        everything it holds; only the work this engine takes from now on changes. False for any other pair."""
+        if {self.role, role} != {Role.DECODE, Role.COLOCATED}:
+            return False
+        self.role = role
+        self.batcher.config = replace(self.batcher.config, role=role)
+        return True
+
     async def reserve(self, spec: RequestSpec) -> bool:
         if self.role is not Role.DECODE:
             raise HandoffError(f"instance {self.instance_id} is {self.role.value}, not a decode instance")

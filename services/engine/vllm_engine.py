@@ -401,9 +401,20 @@ class VllmEngine:
         self._reservations[spec.request_id] = needed
         return True
 
+    def set_role_in_place(self, role: Role) -> bool:
+        """Decode <-> colocated with no drain, on a flippable engine (its connector is kv_both): the running
+        requests and reservations stay, and the role only decides what it takes from now on. False when it cannot
+        (not flippable, or another pair of roles)."""
+        if not self.flippable or {self.role, role} != {Role.DECODE, Role.COLOCATED}:
+            return False
+        self.role = role
+        return True
+
     def decode(self, spec: RequestSpec, handoff: KVHandoff) -> AsyncIterator[RequestOutput]:
-        """DECODE: continue after the prefill's first token, loading the transferred KV (or recomputing it)."""
-        self._require_role(Role.DECODE)
+        """DECODE: continue after the prefill's first token, loading the transferred KV (or recomputing it). A
+        reservation made before an in-place change to colocated is still served."""
+        if not (self.flippable and spec.request_id in self._reservations):
+            self._require_role(Role.DECODE)
         self._reservations.pop(spec.request_id, None)
         if handoff.finish_reason:
             return self._finished_at_first_token(spec, handoff)

@@ -14,6 +14,12 @@ servicer's load stream and token sessions end with it: peers reconnect to the ne
 when the placement shows the new role).
 ROLE_UNSPECIFIED drains and stays retired (a model change: the launcher then stops the process).
 
+SetRole with `in_place` (decode <-> colocated only): no drain and no new servicer. Both roles are the decode
+worker's, so the engine's role is set where it runs (`set_role_in_place`) and everything it holds stays: running
+requests stream on over the same sessions, reservations made as a decode instance are still served (their Decode),
+and prompts queued as a colocated one still run. From then on new work is taken in the new role (a Generate that
+reaches a decode instance answers UNAVAILABLE, so the router places it elsewhere).
+
 Any other engine (a vLLM engine not started flippable, a plug-in engine, a gang member) answers
 FAILED_PRECONDITION to a role change.
 """
@@ -29,6 +35,7 @@ from collections.abc import Callable
 import grpc
 
 from octoserve.services.core.migration import DEFAULT_MAX_PAUSE_S
+from octoserve.services.core.reconfig import in_place_role
 from octoserve.services.core.types import Role
 from octoserve.services.rpc import convert
 from octoserve.services.rpc.gen import worker_pb2 as w_pb
@@ -89,6 +96,8 @@ class RoleSwitch(w_grpc.WorkerServicer):
             old = self.inner
             if role is not None and role is old.engine.role and not old.draining:
                 return w_pb.SetRoleReply()
+            if request.in_place:
+                return await self._in_place(old, role, context)
             timeout_s = (request.drain_timeout_ms or DEFAULT_DRAIN_TIMEOUT_MS) / 1000.0
             if (problem := targets_problem(old.engine, request.migration_targets)) is not None:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)  # before it drains: nothing changed
@@ -141,6 +150,23 @@ class RoleSwitch(w_grpc.WorkerServicer):
             return w_pb.SetRoleReply(drained_requests=drained, drain_s=drain_s, migrated_requests=migrated,
                                      kept_by_reason=kept)
 
+    async def _in_place(self, servicer, role: Role | None, context):
+        old_role = servicer.engine.role
+        if role is None or not in_place_role(old_role, role):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"only decode <-> colocated changes run in place, not {old_role.value} -> "
+                                f"{role.value if role else 'retired'}; send in_place false to drain")
+        set_role = getattr(servicer.engine, "set_role_in_place", None)
+        if set_role is None or not set_role(role):
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"{servicer.engine.instance_id} runs an engine that cannot change role in place (a "
+                                "vllm worker needs --flippable); send in_place false to drain")
+        self.role_changes += 1
+        log.info("worker role changed in place", extra={"fields": {
+            "from": old_role.value, "to": role.value, "running": servicer.in_flight,
+            "reservations": len(getattr(servicer, "reservations", ()) or ())}})
+        return w_pb.SetRoleReply()
+
     # ---- forwarded RPCs -----------------------------------------------------------------------------------------
 
     def _idle(self, servicer) -> bool:
@@ -149,7 +175,7 @@ class RoleSwitch(w_grpc.WorkerServicer):
 
     async def _starting(self, name: str, request, context):
         inner = self.inner
-        if self.role_changes and not serves(name, request, inner.engine.role):
+        if self.role_changes and not serves(name, request, inner.engine.role) and not _reserved_here(name, request, inner):
             # A router whose placement still shows the old role (a drain can now end within milliseconds, before the
             # placement update reached it): UNAVAILABLE before any token, so it places the request elsewhere.
             await context.abort(grpc.StatusCode.UNAVAILABLE,
@@ -213,6 +239,11 @@ def serves(rpc: str, request, role: Role) -> bool:
         return role is Role.PREFILL
     migrated = bool(request.output_token_ids) if rpc == "Reserve" else bool(request.handoff.output_token_ids)
     return role is Role.DECODE or (migrated and role is Role.COLOCATED)
+
+
+def _reserved_here(rpc: str, request, servicer) -> bool:
+    """A Decode whose reservation this servicer holds: it was made before an in-place role change, and is served."""
+    return rpc == "Decode" and request.spec.request_id in (getattr(servicer, "reservations", None) or {})
 
 
 def servicer_for_role(role: Role, engine, like=None):

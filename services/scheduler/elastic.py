@@ -40,7 +40,13 @@ import grpc
 from octoserve.services.core import migration
 from octoserve.services.core.migration import DEFAULT_MAX_PAUSE_S
 from octoserve.services.core.placement import InstanceConfig, NodeConfig
-from octoserve.services.core.reconfig import Phase, ReconfigKind, Reconfiguration, check_reconfiguration
+from octoserve.services.core.reconfig import (
+    Phase,
+    ReconfigKind,
+    Reconfiguration,
+    check_reconfiguration,
+    in_place_role,
+)
 from octoserve.services.core.types import Role
 from octoserve.services.rpc import convert
 from octoserve.services.rpc.gen import scheduler_pb2 as s_pb
@@ -101,6 +107,13 @@ class LivePlacement:
             self.instances = {i.id: i for i in saved}
             log.info("placement restored", extra={"fields": {"file": state_file, "instances": list(self.instances)}})
         self.states: dict[str, State] = {i: State.SERVING for i in self.instances}
+        # Per instance, grows when a drained role change replaced its worker's engine and servicer (routers open a
+        # new session then; an in-place change keeps it). Kept in `state_file` too.
+        self.generations: dict[str, int] = {i: 1 for i in self.instances}
+        if state_file and os.path.exists(state_file):
+            with open(state_file, encoding="utf-8") as f:
+                self.generations.update({k: int(v) for k, v in json.load(f).get("generations", {}).items()
+                                         if k in self.instances})
         self.version = 1
         self._changed = asyncio.Condition()
 
@@ -112,7 +125,8 @@ class LivePlacement:
         if self.state_file:
             tmp = f"{self.state_file}.tmp"
             with open(tmp, "w", encoding="utf-8") as f:
-                json.dump({"instances": [instance_to_dict(i) for i in self.instances.values()]}, f)
+                json.dump({"instances": [instance_to_dict(i) for i in self.instances.values()],
+                           "generations": {i: self.generations.get(i, 1) for i in self.instances}}, f)
             os.replace(tmp, self.state_file)
         async with self._changed:
             self._changed.notify_all()
@@ -127,7 +141,7 @@ class LivePlacement:
                 instance_id=i.id, model=i.model, role=convert.ROLE_TO_PB[i.role], gpu_ids=i.gpu_ids,
                 tensor_parallel=i.tp, address=addresses.get(i.id, ""),
                 context_window=self.config.models[i.model].max_context_len, state=STATE_TO_PB[self.states[i.id]],
-                instance_config_json=json.dumps(instance_to_dict(i)),
+                instance_config_json=json.dumps(instance_to_dict(i)), engine_generation=self.generations.get(i.id, 1),
             )
             for i in self.instances.values()
         ]
@@ -149,7 +163,11 @@ def reconfiguration_from_pb(request: s_pb.ReconfigureRequest, current: Mapping[s
         if role is None:
             raise ReconfigError(grpc.StatusCode.INVALID_ARGUMENT, "role_change.role is not a role; send colocated, prefill or decode")
         inst = dataclasses.replace(current[rc.instance_id], role=role)
-        return Reconfiguration(rid, ReconfigKind.ROLE, (inst.id,), (inst,), reason)
+        if rc.in_place and not in_place_role(current[rc.instance_id].role, role):
+            raise ReconfigError(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"role_change.in_place: only decode <-> colocated runs in place, not "
+                                f"{current[rc.instance_id].role.value} -> {role.value}; send in_place false to drain")
+        return Reconfiguration(rid, ReconfigKind.ROLE, (inst.id,), (inst,), reason, in_place=rc.in_place)
     if which == "model_change":
         mc = request.model_change
         missing = [i for i in mc.retire if i not in current]
@@ -224,6 +242,8 @@ class ElasticRunner:
             "id": r.reconfig_id, "kind": r.kind.value, "retire": list(r.retire), "start": [i.id for i in r.start],
             "reason": r.reason}})
         try:
+            if r.in_place:
+                return await self._in_place(r, out)
             out.phase = Phase.DRAINING
             for i in r.retire:
                 self.placement.states[i] = State.DRAINING
@@ -249,6 +269,7 @@ class ElasticRunner:
                 inst = r.start[0]
                 self.placement.instances[inst.id] = inst
                 self.placement.states[inst.id] = State.SERVING
+                self.placement.generations[inst.id] = self.placement.generations.get(inst.id, 1) + 1  # new servicer
                 await self.placement.publish()
             else:
                 await self._switch_model(r)
@@ -262,6 +283,29 @@ class ElasticRunner:
         finally:
             self.in_flight.pop(r.reconfig_id, None)
             self.history.append(out)
+
+    async def _in_place(self, r: Reconfiguration, out: Outcome) -> Outcome:
+        """Decode <-> colocated in place: the instance stays SERVING throughout; the worker sets its engine's role
+        where it runs (nothing drains), then the placement names the new role under the same engine generation,
+        so routers keep their sessions to it (router/placement_watch.py)."""
+        inst = r.start[0]
+        out.phase = Phase.SWITCHING
+        t0 = time.monotonic()
+        request = w_pb.SetRoleRequest(role=convert.ROLE_TO_PB[inst.role], in_place=True)
+        try:
+            await self.s._stub(inst.id).SetRole(request, timeout=self.drain_timeout_s)
+        except grpc.aio.AioRpcError as e:
+            await self._abort(r, out, f"{inst.id}: {e.code().name} {e.details()}")
+            raise ReconfigError(e.code() if e.code() in (grpc.StatusCode.INVALID_ARGUMENT,
+                                                          grpc.StatusCode.FAILED_PRECONDITION)
+                                else grpc.StatusCode.ABORTED, out.error) from None
+        self.placement.instances[inst.id] = inst
+        await self.placement.publish()
+        out.switch_s = time.monotonic() - t0
+        out.phase = Phase.DONE
+        log.info("reconfiguration done in place", extra={"fields": {
+            "id": r.reconfig_id, "instance": inst.id, "role": inst.role.value, "switch_s": round(out.switch_s, 3)}})
+        return out
 
     async def _set_role(self, instance_id: str, role: Role | None, timeout_s: float, migrate: bool = False,
                         retiring: set[str] = frozenset()):

@@ -43,7 +43,7 @@ from octoserve.services.core.placement import InstanceConfig, NodeConfig
 from octoserve.services.core.sim_executor import SimExecutor
 from octoserve.services.core.steady_batcher import SteadyBatcher
 from octoserve.services.core.types import (
-    EngineLoad, FinishReason, HandoffReady, RequestOutput, StepOutputs, StepPlan, StepResult,
+    EngineLoad, FinishReason, HandoffReady, RequestOutput, Role, StepOutputs, StepPlan, StepResult,
 )
 from octoserve.services.metrics import MIN_WARMUP_S, RequestRecord, SloSpec, Summary, Window, detect_window, summarize
 from octoserve.services.sim.gang_sim import GangReport, build_gangs
@@ -646,6 +646,18 @@ class NodeSimulator:
         self._wake(target)
         self._wake(source)
         on_done("migrate")
+
+    def set_role_in_place(self, instance_id: str, role: Role) -> InstanceConfig:
+        """Decode <-> colocated with no drain: the instance keeps its queue, KV, running requests and reservations,
+        and takes new work in `role` once `route_only_to` names it so. Returns its new config."""
+        inst = self.instances[instance_id]
+        if {inst.cfg.role, role} != {Role.DECODE, Role.COLOCATED}:
+            raise ValueError(f"{instance_id}: only decode <-> colocated changes in place, not "
+                             f"{inst.cfg.role.value} -> {role.value}")
+        inst.cfg = dataclasses.replace(inst.cfg, role=role)
+        inst.batcher.config = dataclasses.replace(inst.batcher.config, role=role)
+        inst._load = None  # the next snapshot reports the new role
+        return inst.cfg
 
     def add_instance(self, cfg: InstanceConfig) -> None:
         """A fresh instance (empty queue and KV) on the node; routable once `route_only_to` names it."""

@@ -94,6 +94,11 @@ class ProfileRun:
     ranked: DayResult | None = None
     pd_ranked: DayResult | None = None
     ranked_adapt_s: float = math.nan
+    # With `compare_in_place`: the elastic day again with decode <-> colocated role changes in place
+    # (`BalancerPolicy.role_in_place`), ranker off and (with `compare_ranker`) on, and their adaptation.
+    in_place: DayResult | None = None
+    in_place_ranked: DayResult | None = None
+    in_place_adapt_s: tuple[float, float] = (math.nan, math.nan)
 
 
 def day_node(cost_profile: str, gpu: str) -> NodeConfig:
@@ -186,10 +191,12 @@ def _adapt_s(res: DayResult, step_s: float | None, within_s: float = 60.0, first
 def run_profile(cost_profile: str, *, gpu: str = "h100-sxm-80gb", mix: str = "load", load: float = 0.9,
                 rate_rps: float = 40.0, hour_s: float = 60.0, hours: float = 24.0, seed: int = 0,
                 policy: BalancerPolicy = BalancerPolicy(), ranker: str = "none",
-                compare_ranker: str = "") -> ProfileRun:
+                compare_ranker: str = "", compare_in_place: bool = False) -> ProfileRun:
     """One row of the day's table. `ranker`: the balancer's candidate ranking in the elastic runs ("none": the
     capacity estimate alone; "forward": played forward, services/sim/forward_ranker.py); `compare_ranker`: also run
-    the elastic day and the P/D phase with this one, beside (`ProfileRun.ranked`)."""
+    the elastic day and the P/D phase with this one, beside (`ProfileRun.ranked`); `compare_in_place`: also run the
+    elastic day with in-place role changes, with each ranker (`ProfileRun.in_place`). The P/D phase is not run
+    again: its 8B is all prefill or decode and its 70B one instance, so it has no decode <-> colocated change."""
     node = day_node(cost_profile, gpu)
     mean_prompt, mean_output = BASE_PROMPT.mean, BASE_OUTPUT.mean
     alone = (model_alone_rps(node, SMALL, mean_prompt, mean_output), model_alone_rps(node, LARGE, mean_prompt, mean_output))
@@ -241,6 +248,21 @@ def run_profile(cost_profile: str, *, gpu: str = "h100-sxm-80gb", mix: str = "lo
             run.ranked_adapt_s = placement_adapt_s(node, day, requests, layouts, run.ranked, policy)[0]
         _say(f"[{cost_profile}]   ranker {compare_ranker}: elastic {run.ranked.summary.overall.goodput_rps:.1f}, "
              f"P/D balanced {run.pd_ranked.summary.overall.goodput_rps:.1f} req/s ({time.perf_counter() - t0:.0f} s)")
+    if compare_in_place:
+        here = dataclasses.replace(policy, role_in_place=True)
+        run.in_place = run_day(node, day, requests, static.initial, "elastic", layouts=layouts, policy=here,
+                               ranker=ranker, seed=seed)
+        if compare_ranker:
+            run.in_place_ranked = run_day(node, day, requests, static.initial, "elastic", layouts=layouts,
+                                          policy=here, ranker=compare_ranker, seed=seed)
+        if day.step_s is not None:
+            run.in_place_adapt_s = (
+                placement_adapt_s(node, day, requests, layouts, run.in_place, here)[0],
+                placement_adapt_s(node, day, requests, layouts, run.in_place_ranked, here)[0]
+                if run.in_place_ranked is not None else math.nan)
+        _say(f"[{cost_profile}]   in place: elastic {run.in_place.summary.overall.goodput_rps:.1f}"
+             + (f", ranker {compare_ranker} {run.in_place_ranked.summary.overall.goodput_rps:.1f}"
+                if run.in_place_ranked is not None else "") + f" req/s ({time.perf_counter() - t0:.0f} s)")
     return run
 
 
@@ -623,8 +645,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ranker", choices=RANKERS, default="none",
                         help="the balancer's candidate ranking: the capacity estimate alone (none) or each candidate "
                              "move played forward from the node's state in the simulator (forward)")
+    parser.add_argument("--role-changes", choices=("drain", "in-place"), default="drain",
+                        help="every role change drains first (default), or one between decode and colocated runs in "
+                             "place, the instance serving throughout (`role_in_place`)")
     parser.add_argument("--compare-ranker", choices=[r for r in RANKERS if r != "none"], default="",
                         help="also run every elastic day and P/D phase with this ranker, side by side")
+    parser.add_argument("--compare-in-place", action="store_true",
+                        help="also run every elastic day with decode <-> colocated role changes in place (with "
+                             "--compare-ranker: with both rankers), side by side")
+    parser.add_argument("--in-place-benchmarks", default="",
+                        help="with --compare-in-place: write its section into this BENCHMARKS.md")
     parser.add_argument("--ranker-benchmarks", default="",
                         help="with --compare-ranker: write its section into this BENCHMARKS.md")
     parser.add_argument("--ranker-plots", default="docs/bench",
@@ -642,11 +672,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.hour_s <= 0 or args.hours <= 0 or args.load <= 0 or args.rate <= 0:
         raise UsageError("--hour-s, --hours, --load and --rate must be > 0")
+    if args.compare_in_place and args.role_changes == "in-place":
+        raise UsageError("--compare-in-place runs the in-place arm itself: keep --role-changes drain")
     wall0 = time.perf_counter()
     profiles = ("default", "pessimistic") if args.cost_profile == "both" else (args.cost_profile,)
     common = dict(load=args.load, rate_rps=args.rate, hour_s=args.hour_s, hours=args.hours, seed=args.seed,
-                  gpu=args.gpu, policy=BalancerPolicy(objective=args.objective), ranker=args.ranker,
-                  compare_ranker=args.compare_ranker)
+                  gpu=args.gpu, ranker=args.ranker,
+                  policy=BalancerPolicy(objective=args.objective, role_in_place=args.role_changes == "in-place"),
+                  compare_ranker=args.compare_ranker, compare_in_place=args.compare_in_place)
     runs = [run_profile(p, mix=args.mix, **common) for p in profiles]
     request_runs = ([run_profile(p, mix="requests", **common) for p in profiles]
                     if args.also_requests and args.mix == "load" else [])
@@ -670,4 +703,8 @@ def run(args: argparse.Namespace) -> int:
         from octoserve.services.sim import elastic_ranked  # noqa: PLC0415
 
         elastic_ranked.report(runs + request_runs + gpu_runs, args, time.perf_counter() - wall0)
+    if args.compare_in_place:
+        from octoserve.services.sim import elastic_in_place  # noqa: PLC0415
+
+        elastic_in_place.report(runs + request_runs + gpu_runs, args, time.perf_counter() - wall0)
     return 0

@@ -13,7 +13,9 @@ Three ways to run a day (`run_day`):
   running decodes migrate by KV hand-off to another instance of the same model when the hand-off is shorter than
   their remaining decode, that instance has a free slot by then and its decode step stays within the ITL SLO: the
   rule of services/core/migration.py, which the live node applies too; the rest finish in place), SWITCHING
-  (`load_s` of weights, or the role switch), DONE (the started instances take requests, empty).
+  (`load_s` of weights, or the role switch), DONE (the started instances take requests, empty). An in-place role
+  change (decode <-> colocated, `Reconfiguration.in_place`) skips DRAINING: the instance keeps everything it holds
+  and takes new requests in its old role until the switch is done, then in the new one.
 
 The instance model is a queueing one, coarser than the step-level simulator (services/sim/driver.py) and much
 faster, so that a day is practical: each instance has a prefill server (FIFO, the cost model's prefill rate at its
@@ -159,6 +161,14 @@ class _Inst:
     @property
     def prefill_rate(self) -> float:
         return self.prefill_tok_s * (self.share if self.cfg.role is Role.COLOCATED else 1.0)
+
+    def switch_role(self, cfg: InstanceConfig, now_s: float, mean_lengths: tuple[float, float]) -> None:
+        """An in-place role change (decode <-> colocated): the running decodes and queued prompts stay; a decode
+        instance gives all its slots to decoding, a colocated one re-splits its time."""
+        self.cfg = cfg
+        if cfg.role is Role.DECODE:
+            self.share = 0.0
+        self.rebalance(now_s, mean_lengths)
 
     def drain_end_s(self, now_s: float) -> float:
         """When its last prefill and its last running decode end."""
@@ -387,6 +397,11 @@ class ElasticSim:
     # - reconfigurations -
 
     def _start(self, r: Reconfiguration) -> ReconfigEvent:
+        if r.in_place:  # nothing drains: the instance serves in its old role until the switch is done
+            ev = ReconfigEvent(r, self.now_s, drain_end_s=self.now_s, done_s=self.now_s + self.policy.role_switch_s,
+                               phase=Phase.SWITCHING)
+            self.reconfigs.append(ev)
+            return ev
         ev = ReconfigEvent(r, self.now_s, phase=Phase.DRAINING)
         for iid in r.retire:
             self.instances[iid].accepting = False
@@ -457,7 +472,10 @@ class ElasticSim:
                 ev.phase = Phase.DONE
                 mean = self._mean_lengths(ev.done_s)
                 for c in r.start:
-                    self.instances[c.id] = _Inst(self.node, c, ev.done_s, mean[c.model], self.itl_target_s)
+                    if r.in_place:
+                        self.instances[c.id].switch_role(c, ev.done_s, mean[c.model])
+                    else:
+                        self.instances[c.id] = _Inst(self.node, c, ev.done_s, mean[c.model], self.itl_target_s)
                 self._placed(ev.done_s)
 
     def _placed(self, t_s: float) -> None:

@@ -20,6 +20,8 @@ A reconfiguration runs as on the live node (services/core/reconfig.py):
   switch, or the weight load + engine init the plan states as `load_s`) the started instances join it empty and the
   router's placement names them.
 - DONE.
+A decode <-> colocated change in place (`Reconfiguration.in_place`) skips DRAINING: the instance keeps serving in its
+old role until the switch time, then in the new one, holding everything it held.
 Requests lost: those still held by an instance when it left the node (the drain waits, so 0), plus any request that
 ended with an error.
 
@@ -183,6 +185,8 @@ class ElasticStepSim:
         unknown = [i for i in r.retire if i not in self.sim.instances or i in self._draining()]
         if unknown:
             raise ValueError(f"{r.reconfig_id}: retires {unknown}, not serving on the node")
+        if r.in_place:
+            return self._start_in_place(r)
         ev = StepReconfig(r, self.sim.now, held=sum(self.sim.requests_on(i) for i in r.retire))
         self.reconfigs.append(ev)
         self._publish()  # the retired instances take no new request from now on
@@ -190,6 +194,20 @@ class ElasticStepSim:
             for iid in r.retire:
                 self._migrate_out(ev, iid, set(r.retire))
         self.sim.call_at(self.sim.now, lambda: self._poll(ev))
+        return ev
+
+    def _start_in_place(self, r: Reconfiguration) -> StepReconfig:
+        """Decode <-> colocated in place: the instance keeps serving (and routing) in its old role until the switch
+        time, then in the new one, with everything it holds (`NodeSimulator.set_role_in_place`)."""
+        now = self.sim.now
+        ev = StepReconfig(r, now, phase=Phase.SWITCHING, drain_end_s=now, done_s=now + self.policy.role_switch_s)
+        self.reconfigs.append(ev)
+
+        def finish() -> None:
+            self.sim.set_role_in_place(r.retire[0], r.start[0].role)
+            ev.phase = Phase.DONE
+            self._publish()
+        self.sim.call_at(ev.done_s, finish)
         return ev
 
     def _migrate_out(self, ev: StepReconfig, iid: str, retiring: set[str]) -> None:

@@ -33,7 +33,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from octoserve.services.core.balancer import MoveCandidate, serving_models
+from octoserve.services.core.balancer import MoveCandidate, orphaned_by
 from octoserve.services.core.reconfig import Phase, Reconfiguration
 from octoserve.services.workload_day import DayRequest
 
@@ -173,7 +173,7 @@ def _start_allowed(twin: "ElasticSim", pending: list[Reconfiguration]) -> None:
         if not all(i in insts and insts[i].accepting for i in r.retire):
             continue
         rest = [inst.cfg for iid, inst in insts.items() if inst.accepting and iid not in r.retire]
-        if {insts[i].cfg.model for i in r.retire} - serving_models(rest):
+        if orphaned_by([insts[i].cfg for i in r.retire], r.start, rest, r.in_place):
             continue
         twin._start(r)
         pending.remove(r)

@@ -51,7 +51,7 @@ class DemandReply(_message.Message):
     def __init__(self) -> None: ...
 
 class InstancePlacement(_message.Message):
-    __slots__ = ("instance_id", "model", "role", "gpu_ids", "tensor_parallel", "address", "context_window", "state", "instance_config_json")
+    __slots__ = ("instance_id", "model", "role", "gpu_ids", "tensor_parallel", "address", "context_window", "state", "instance_config_json", "engine_generation")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +61,7 @@ class InstancePlacement(_message.Message):
     CONTEXT_WINDOW_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_GENERATION_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     model: str
     role: _worker_pb2.Role
@@ -70,19 +71,22 @@ class InstancePlacement(_message.Message):
     context_window: int
     state: InstanceState
     instance_config_json: str
-    def __init__(self, instance_id: _Optional[str] = ..., model: _Optional[str] = ..., role: _Optional[_Union[_worker_pb2.Role, str]] = ..., gpu_ids: _Optional[_Iterable[int]] = ..., tensor_parallel: _Optional[int] = ..., address: _Optional[str] = ..., context_window: _Optional[int] = ..., state: _Optional[_Union[InstanceState, str]] = ..., instance_config_json: _Optional[str] = ...) -> None: ...
+    engine_generation: int
+    def __init__(self, instance_id: _Optional[str] = ..., model: _Optional[str] = ..., role: _Optional[_Union[_worker_pb2.Role, str]] = ..., gpu_ids: _Optional[_Iterable[int]] = ..., tensor_parallel: _Optional[int] = ..., address: _Optional[str] = ..., context_window: _Optional[int] = ..., state: _Optional[_Union[InstanceState, str]] = ..., instance_config_json: _Optional[str] = ..., engine_generation: _Optional[int] = ...) -> None: ...
 
 class WatchPlacementRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class RoleChange(_message.Message):
-    __slots__ = ("instance_id", "role")
+    __slots__ = ("instance_id", "role", "in_place")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
+    IN_PLACE_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     role: _worker_pb2.Role
-    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[_Union[_worker_pb2.Role, str]] = ...) -> None: ...
+    in_place: bool
+    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[_Union[_worker_pb2.Role, str]] = ..., in_place: _Optional[bool] = ...) -> None: ...
 
 class ModelChange(_message.Message):
     __slots__ = ("retire", "model", "role", "tensor_parallel")

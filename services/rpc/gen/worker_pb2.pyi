@@ -21,18 +21,20 @@ PREFILL: Role
 DECODE: Role
 
 class SetRoleRequest(_message.Message):
-    __slots__ = ("role", "drain_timeout_ms", "migration_targets", "max_migration_pause_s", "migration_itl_budget_s")
+    __slots__ = ("role", "drain_timeout_ms", "migration_targets", "max_migration_pause_s", "migration_itl_budget_s", "in_place")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     DRAIN_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     MIGRATION_TARGETS_FIELD_NUMBER: _ClassVar[int]
     MAX_MIGRATION_PAUSE_S_FIELD_NUMBER: _ClassVar[int]
     MIGRATION_ITL_BUDGET_S_FIELD_NUMBER: _ClassVar[int]
+    IN_PLACE_FIELD_NUMBER: _ClassVar[int]
     role: Role
     drain_timeout_ms: int
     migration_targets: _containers.RepeatedCompositeFieldContainer[MigrationTarget]
     max_migration_pause_s: float
     migration_itl_budget_s: float
-    def __init__(self, role: _Optional[_Union[Role, str]] = ..., drain_timeout_ms: _Optional[int] = ..., migration_targets: _Optional[_Iterable[_Union[MigrationTarget, _Mapping]]] = ..., max_migration_pause_s: _Optional[float] = ..., migration_itl_budget_s: _Optional[float] = ...) -> None: ...
+    in_place: bool
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., drain_timeout_ms: _Optional[int] = ..., migration_targets: _Optional[_Iterable[_Union[MigrationTarget, _Mapping]]] = ..., max_migration_pause_s: _Optional[float] = ..., migration_itl_budget_s: _Optional[float] = ..., in_place: _Optional[bool] = ...) -> None: ...
 
 class MigrationTarget(_message.Message):
     __slots__ = ("instance_id", "address", "free_blocks", "block_size", "free_slots", "decode_batch", "kv_tokens", "tensor_parallel")
