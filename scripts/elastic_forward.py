@@ -14,6 +14,6 @@ from octoserve.services.cli import main
 if __name__ == "__main__":
     extra = sys.argv[1:]
     sys.exit(main(["elastic-day", "--cost-profile", "both", "--also-requests", "--also-gpu", "h200-141gb",
-                   "--plots", "", "--benchmarks", "", "--compare-ranker", "forward",
+                   "--plots", "", "--benchmarks", "", "--ranker", "none", "--role-changes", "drain", "--compare-ranker", "forward",
                    "--ranker-benchmarks", "BENCHMARKS.md", "--ranker-plots", "docs/bench", "--command-line",
                    " ".join(["python scripts/elastic_forward.py", *extra]).strip(), *extra]))

@@ -14,6 +14,7 @@ from octoserve.services.cli import main
 if __name__ == "__main__":
     extra = sys.argv[1:]
     sys.exit(main(["elastic-day", "--cost-profile", "both", "--also-requests", "--also-gpu", "h200-141gb",
-                   "--plots", "", "--benchmarks", "", "--compare-ranker", "forward", "--ranker-plots", "",
+                   "--plots", "", "--benchmarks", "", "--ranker", "none", "--role-changes", "drain",
+                   "--compare-ranker", "forward", "--ranker-plots", "",
                    "--compare-in-place", "--in-place-benchmarks", "BENCHMARKS.md", "--command-line",
                    " ".join(["python scripts/elastic_in_place.py", *extra]).strip(), *extra]))

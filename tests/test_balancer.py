@@ -446,12 +446,20 @@ class _CountingRanker:
 
 
 def test_with_a_forward_ranker_an_unreachable_better_placement_is_named_and_nothing_is_played():
-    """The forward ranker's shortlist holds only reachable moves: from the trap above it is hold alone, so no
-    ranking is played, and the decision says that the better placement is unreachable."""
+    """The forward ranker's shortlist holds only reachable moves: with every role change drained, from the trap above
+    it is hold alone, so no ranking is played, and the decision says that the better placement is unreachable. With
+    a ranker, decode <-> colocated changes run in place by default, and the same move is played forward."""
     ranker = _CountingRanker()
-    b = ElasticBalancer(H100_PESSIMISTIC, FAST, layouts=[SIX, FOUR], ranker=ranker)
+    drained = dataclasses.replace(FAST, role_in_place=False)
+    b = ElasticBalancer(H100_PESSIMISTIC, drained, layouts=[SIX, FOUR], ranker=ranker)
+    assert not b.in_place
     assert b.plan(10.0, load(SIX, [day_demand(L, 4.0), day_demand(S, 36.0)]), []) == []
     assert ranker.calls == 0 and dict(b.counters) == {"hold:unreachable": 1}
+    b = ElasticBalancer(H100_PESSIMISTIC, FAST, layouts=[SIX, FOUR], ranker=ranker)
+    assert b.in_place and not ElasticBalancer(H100_PESSIMISTIC, FAST, layouts=[SIX, FOUR]).in_place
+    assert b.plan(10.0, load(SIX, [day_demand(L, 4.0), day_demand(S, 36.0)]), []) == []
+    assert ranker.calls == 1 and dict(b.counters) == {"hold:forward": 1}  # scored 0 like hold: not taken
+    ranker.calls = 0
     # With a reachable move on the list (a role split of the 8B beside a colocated 70B) the ranker plays it.
     split = [*FOUR[:1], inst("sm-4", S, Role.PREFILL, (4,)), inst("sm-5", S, Role.DECODE, (5,)), *FOUR[3:]]
     assert reachable(FOUR, split)

@@ -170,8 +170,10 @@ def test_elastic_day_command_writes_its_section_and_plots(tmp_path, capsys):
 def test_elastic_day_command_refuses_bad_numbers(capsys):
     assert main(["elastic-day", "--hour-s", "0"]) == 2
     assert "--hour-s, --hours, --load and --rate must be > 0" in capsys.readouterr().err
-    assert main(["elastic-day", "--compare-in-place", "--role-changes", "in-place"]) == 2
-    assert "--compare-in-place runs the in-place arm itself: keep --role-changes drain" in capsys.readouterr().err
+    assert main(["elastic-day", "--compare-in-place"]) == 2
+    assert "--compare-in-place runs the in-place arms itself: give --role-changes drain" in capsys.readouterr().err
+    assert main(["elastic-day", "--compare-ranker", "forward"]) == 2
+    assert "--compare-ranker forward is the --ranker already; give --ranker none" in capsys.readouterr().err
 
 
 def test_elastic_day_compare_in_place_writes_four_arms_side_by_side(tmp_path, capsys):
@@ -180,7 +182,8 @@ def test_elastic_day_compare_in_place_writes_four_arms_side_by_side(tmp_path, ca
     bench = tmp_path / "BENCHMARKS.md"
     bench.write_text("# Benchmarks\n\n## Other\n\nkept\n")
     rc = main(["elastic-day", "--cost-profile", "pessimistic", "--gpu", "h200-141gb", "--hours", "6", "--hour-s", "20",
-               "--plots", "", "--compare-ranker", "forward", "--ranker-plots", "", "--compare-in-place",
+               "--plots", "", "--ranker", "none", "--role-changes", "drain", "--compare-ranker", "forward",
+               "--ranker-plots", "", "--compare-in-place",
                "--in-place-benchmarks", str(bench), "--command-line", "cmd"])
     assert rc == 0
     out = capsys.readouterr().out

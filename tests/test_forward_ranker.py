@@ -357,7 +357,7 @@ def test_elastic_day_compares_the_ranker_off_and_on_in_its_own_section(tmp_path,
     bench = tmp_path / "BENCHMARKS.md"
     bench.write_text("# Benchmarks\n\n## Elastic pools (simulator)\n\nkept as it is\n")
     rc = main(["elastic-day", "--cost-profile", "pessimistic", "--hours", "2", "--hour-s", "15", "--plots", "",
-               "--compare-ranker", "forward", "--ranker-benchmarks", str(bench), "--ranker-plots", str(tmp_path)])
+               "--ranker", "none", "--role-changes", "drain", "--compare-ranker", "forward", "--ranker-benchmarks", str(bench), "--ranker-plots", str(tmp_path)])
     assert rc == 0
     text = bench.read_text()
     assert "## Elastic pools (simulator)\n\nkept as it is\n" in text

@@ -109,8 +109,10 @@ def test_the_elastic_section_names_the_ranker():
     b = elastic_balancer(NODE, {"balancer": "elastic", "ranker": "forward", "forward_window_s": 30})
     assert isinstance(b.ranker, LiveForwardRanker) and b.inner.ranker is b.ranker
     assert (b.window_s, b.history_s) == (10.0, 30.0)
-    plain = elastic_balancer(NODE, {"balancer": "elastic"})
-    assert (plain.ranker, plain.history_s) == (None, 10.0)
+    default = elastic_balancer(NODE, {"balancer": "elastic"})  # the forward ranker, with in-place role changes
+    assert isinstance(default.ranker, LiveForwardRanker) and default.inner.in_place and default.history_s == 60.0
+    plain = elastic_balancer(NODE, {"balancer": "elastic", "ranker": "none"})
+    assert (plain.ranker, plain.history_s, plain.inner.in_place) == (None, 10.0, False)
     with pytest.raises(ValueError, match="elastic.ranker must be one of none, forward, got 'replay'"):
         elastic_balancer(NODE, {"balancer": "elastic", "ranker": "replay"})
 
@@ -137,7 +139,7 @@ async def test_a_schedulers_forward_ranker_sees_the_reported_arrivals_over_grpc(
                                # a replay window no longer than the load window: the view still carries it
                                ({"balancer": "elastic", "ranker": "forward", "forward_window_s": 5,
                                  "period_s": 3600}, 10.0),
-                               ({"balancer": "elastic", "period_s": 3600}, None)):
+                               ({"balancer": "elastic", "ranker": "none", "period_s": 3600}, None)):
         spec, scheduler = scheduler_spec(config, metrics_port=None, elastic_section=section)
         running = await start_service(spec)
         channel = grpc.aio.insecure_channel(running.address)

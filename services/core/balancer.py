@@ -18,8 +18,8 @@ capacity (`unserved`) and that are `reachable` from the current placement with e
 and, when the best beats the current one, splits the difference into reconfigurations, one per group of GPUs that
 changes hands (a move under way keeps its target while that stays within the hysteresis margin of the best):
 - same GPUs, same model and TP, another role: ROLE (no weights move; `role_switch_s`). Between decode and colocated
-  it may run in place (`role_in_place`, off by default): no drain, the instance serves throughout, in its old role
-  until the switch, so it costs nothing and never leaves its model unserved (services/core/reconfig.py);
+  it may run in place (`role_in_place`; by default with a forward ranker): no drain, the instance serves throughout,
+  in its old role until the switch, so it costs nothing and never leaves its model unserved (services/core/reconfig.py);
 - anything else: MODEL, whose started instances load weights (`weight_load_s`: from pinned host memory over each
   GPU's own PCIe link, or from one local NVMe drive shared by the loading GPUs) plus `engine_init_s`.
 
@@ -223,8 +223,9 @@ class BalancerPolicy:
     engine_init_s: float = 2.0  # assumed: engine start on loaded weights (KV pool allocation, warm-up), per MODEL change
     role_switch_s: float = 0.5  # assumed: flipping an instance's KV connector role, per ROLE change
     # A role change between decode and colocated runs in place (no drain; the instance serves throughout), as the
-    # live node and both simulators carry it out. Off by default: every role change drains.
-    role_in_place: bool = False
+    # live node and both simulators carry it out. None (default): in place with a forward ranker, drained without
+    # one (the estimate alone over-uses a change that costs nothing: on the mix-shift day it lost goodput).
+    role_in_place: bool | None = None
     decode_step_fraction: float = 0.9  # a decode instance is sized to steps of this share of the ITL SLO
     allow_model_changes: bool = True  # False: only role changes (a fixed split of GPUs between the models)
     allow_role_changes: bool = True
@@ -693,6 +694,8 @@ class ElasticBalancer:
         self.node = node
         self.ranker = ranker  # None: the estimate decides alone (module doc)
         self.policy = policy
+        # Decode <-> colocated role changes in place (`BalancerPolicy.role_in_place`; unset: with a forward ranker).
+        self.in_place = policy.role_in_place if policy.role_in_place is not None else ranker is not None
         self.capacity = CapacityModel(node, policy.decode_step_fraction)
         self.layouts = [tuple(l) for l in (layouts if layouts is not None else candidate_layouts(node))]
         if not self.layouts:
@@ -821,7 +824,7 @@ class ElasticBalancer:
             if self._allowed(current, layout):
                 good, caps = self._score(layout, ctx)
                 if not unserved(caps):
-                    (scored if reachable(current, layout, policy.role_in_place) else stranded).append(
+                    (scored if reachable(current, layout, self.in_place) else stranded).append(
                         (good, layout, caps))
         margin = max(policy.min_gain_rps, policy.min_gain_fraction * ctx.now_good)
         if not scored:
@@ -844,7 +847,7 @@ class ElasticBalancer:
             requests) first, then fewer changes that must wait for another, then fewer changes."""
             comps = diff_components(current, layout)
             waiting = sum(1 for cur, tgt in comps
-                          if orphaned_by(cur, tgt, [i for i in ctx.live if i not in cur], policy.role_in_place))
+                          if orphaned_by(cur, tgt, [i for i in ctx.live if i not in cur], self.in_place))
             return (waiting == len(comps), waiting, len(comps))
 
         good, layout, caps = min((s for s in scored if s[0] >= top - 1e-9), key=lambda s: order(s[1]))
@@ -888,7 +891,7 @@ class ElasticBalancer:
         self._decide(now_s, "hold:unreachable",
                      f"{_layout_text(layout)} would serve {good:.1f} {self._unit} against {ctx.now_good:.1f} now "
                      f"(+{good - ctx.now_good:.1f}), but every change toward it from {_layout_text(current)} leaves "
-                     f"{stranded_models(current, layout, self.policy.role_in_place)} with no instance taking "
+                     f"{stranded_models(current, layout, self.in_place)} with no instance taking "
                      "requests for a moment; "
                      f"{self._forecast_text(ctx, caps)}")
         return True
@@ -934,7 +937,7 @@ class ElasticBalancer:
             without = [i for i in ctx.current.values() if i not in cur]
             good_without, _ = self._score(without, ctx)
             role = _role_only(cur, tgt)
-            if role and policy.role_in_place and in_place_role(cur[0].role, tgt[0].role):
+            if role and self.in_place and in_place_role(cur[0].role, tgt[0].role):
                 target.costs.append(_Cost(True, 0.0, 0.0, 0.0, in_place=True))  # it serves throughout
                 continue
             drain_s = max((ctx.loads.load_of(i.id).est_drain_s for i in cur), default=0.0)
@@ -969,7 +972,7 @@ class ElasticBalancer:
         current = list(ctx.current.values())
         if self._committed is not None:
             layout = self._forward_layout
-            if _key(current) != self._committed and reachable(current, layout, policy.role_in_place):
+            if _key(current) != self._committed and reachable(current, layout, self.in_place):
                 return self._forward_target(ctx, layout, self._forward_gain, "move under way")
             self._committed = None
         if now_s < self._next_forward_s and not ctx.stepped:
@@ -981,7 +984,7 @@ class ElasticBalancer:
             self._verdict = f"{now_s:.0f} s: no reachable candidate move"
             stranded = []
             for layout in self.layouts:
-                if self._allowed(current, layout) and not reachable(current, layout, policy.role_in_place):
+                if self._allowed(current, layout) and not reachable(current, layout, self.in_place):
                     good, caps = self._score(layout, ctx)
                     if not unserved(caps):
                         stranded.append((good, layout, caps))
@@ -1043,7 +1046,7 @@ class ElasticBalancer:
 
         def add(name: str, layout: Sequence[InstanceConfig], good: float) -> None:
             if (_key(layout) in seen or not self._allowed(current, layout)
-                    or not reachable(current, layout, self.policy.role_in_place)):
+                    or not reachable(current, layout, self.in_place)):
                 return
             seen.add(_key(layout))
             moves.append(MoveCandidate(name, tuple(layout), self.changes_to(ctx, layout), good))
@@ -1063,7 +1066,7 @@ class ElasticBalancer:
         served (`reach_order`), as the reconfigurations `_emit` would build (ids fresh, drain and load estimated)."""
         taken = set(ctx.current) | {i.id for i in ctx.loads.placement}
         out = []
-        in_place = self.policy.role_in_place
+        in_place = self.in_place
         for k, (cur, tgt) in enumerate(reach_order(list(ctx.current.values()), layout, in_place) or []):
             drain_s = max((ctx.loads.load_of(i.id).est_drain_s for i in cur), default=0.0)
             if _role_only(cur, tgt):
@@ -1097,7 +1100,7 @@ class ElasticBalancer:
         retiring = busy | {i.id for i in cur}
         others = [i for i in ctx.loads.placement if i.id not in retiring and i.id in ctx.current
                   and ctx.loads.load_of(i.id).accepting]
-        orphaned = sorted(orphaned_by(cur, tgt, others, policy.role_in_place))
+        orphaned = sorted(orphaned_by(cur, tgt, others, self.in_place))
         if orphaned:
             self._decide(now_s, "hold:last_instance",
                          f"{what}: would leave {orphaned} with no instance taking requests")

@@ -251,7 +251,7 @@ class LiveElasticBalancer:
 
 def elastic_balancer(config: NodeConfig, section: Mapping) -> LiveElasticBalancer:
     """From the `elastic` section: every BalancerPolicy field may be given (forecast_window_s, min_dwell_s, ...),
-    `window_s` (the demand window, modelled seconds) and `ranker` (none or forward)."""
+    `window_s` (the demand window, modelled seconds) and `ranker` (forward, the default, or none)."""
     names = {f.name for f in fields(BalancerPolicy)}
     unknown = sorted(set(section) - names - {"balancer", "period_s", "window_s", "ranker"})
     if unknown:
@@ -259,4 +259,4 @@ def elastic_balancer(config: NodeConfig, section: Mapping) -> LiveElasticBalance
                          f"BalancerPolicy fields ({', '.join(sorted(names))})")
     policy = BalancerPolicy(**{k: v for k, v in section.items() if k in names})
     return LiveElasticBalancer(config, policy, float(section.get("window_s", DEFAULT_WINDOW_S)),
-                               str(section.get("ranker", "none")))
+                               str(section.get("ranker", "forward")))

@@ -99,6 +99,9 @@ class ProfileRun:
     in_place: DayResult | None = None
     in_place_ranked: DayResult | None = None
     in_place_adapt_s: tuple[float, float] = (math.nan, math.nan)
+    # How the elastic runs balanced: the ranker, and whether decode <-> colocated role changes ran in place.
+    ranker: str = "none"
+    in_place: bool = False
 
 
 def day_node(cost_profile: str, gpu: str) -> NodeConfig:
@@ -235,7 +238,8 @@ def run_profile(cost_profile: str, *, gpu: str = "h100-sxm-80gb", mix: str = "lo
          f"{pd_elastic.summary.overall.goodput_rps:.1f} req/s ({time.perf_counter() - t0:.0f} s)")
     run = ProfileRun(cost_profile, day, alone, static, tried, oracle, elastic, pd_fixed, pd_elastic, gpu,
                      _adapt_s(elastic, day.step_s), _adapt_s(elastic, day.step_s, first=True), pd_tried=pd_tried,
-                     static_by_mean=max(g for (_, g), k in zip(tried, sources) if k == "mean"))
+                     static_by_mean=max(g for (_, g), k in zip(tried, sources) if k == "mean"), ranker=ranker,
+                     in_place=policy.role_in_place if policy.role_in_place is not None else ranker != "none")
     if day.step_s is not None:
         run.placement_adapt_s, run.step_best, run.step_gap = placement_adapt_s(node, day, requests, layouts, elastic,
                                                                               policy)
@@ -483,6 +487,18 @@ def _targets(run: ProfileRun) -> str:
     return f"- {run.gpu}, {run.cost_profile}, mix {mix}: " + "; ".join(parts) + "." + why
 
 
+def _balancer_text(run: ProfileRun) -> str:
+    """How the elastic runs balanced, in a sentence or two."""
+    how = ("The balancer shortlists moves by its capacity estimate and ranks them by playing each forward from the "
+           "node's state (`ranker: forward`, the default; the section \"Elastic pools: forward-simulated ranking\" "
+           "compares it with the estimate alone)" if run.ranker == "forward"
+           else "The balancer plans by its capacity estimate alone (`ranker: none`)")
+    roles = (", and a role change between decode and colocated runs in place, the instance serving throughout "
+             "(`role_in_place`, the default with the forward ranker; the section \"Elastic pools: in-place role "
+             "changes\" compares it with draining)." if run.in_place else ", and every role change drains first.")
+    return how + roles
+
+
 def why_little(run: ProfileRun) -> str:
     """The 70B's placements on this node, from the capacity estimate: why no placement beats another by much."""
     node = day_node(run.cost_profile, run.gpu)
@@ -519,8 +535,11 @@ def why_little(run: ProfileRun) -> str:
             f"this section reported 1.17-1.27x static: those placements gave the 70B a TP 2 colocated instance in "
             f"the 8B-heavy hours, one that cannot decode within the SLO, so the 70B was refused outright while the "
             f"8B used six GPUs.) Moving from a 6-GPU 70B back to 4 GPUs needs the TP 4 decode instance to become "
-            f"colocated while the TP 2 prefill one goes, and for that moment the 70B would have no instance that "
-            f"serves it: the balancer never makes such a move (no downtime), so it stays where it started there.")
+            f"colocated while the TP 2 prefill one goes: "
+            + ("in place, the decoder turns colocated first and serves throughout, then the prefill instance's GPUs "
+               "go to the 8B." if run.in_place else
+               "drained, for that moment the 70B would have no instance that serves it, so the balancer never makes "
+               "such a move (no downtime) and stays where it started there."))
 
 
 def tp2_text(run: ProfileRun) -> str:
@@ -577,8 +596,8 @@ def section(runs: Sequence[ProfileRun], command: str, plots: Sequence[Path], wal
         "",
         "The hourly oracle picks each hour's placement by measurement: the capacity estimate's best three for that "
         "hour's true demand, the best static placement and the placement in place are each simulated over that hour, "
-        "and the one that serves the most is switched to (for free). The balancer plans by its capacity estimate; "
-        "with `measured_corrections` (off in these runs: with it on, the H200 rows lost to static, see the section "
+        "and the one that serves the most is switched to (for free). " + _balancer_text(r0) + " "
+        "With `measured_corrections` (off in these runs: with it on, the H200 rows lost to static, see the section "
         "on measured corrections below) it corrects the estimate by what it measures: each period, a model whose placement shape (its instances' TP degrees and "
         "roles) has held a whole load window while refusing requests (saturated) is observed, its served rate over "
         "its estimated capacity blended into a factor for that shape; the factors re-rank the role and TP splits of "
@@ -642,12 +661,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--objective", choices=OBJECTIVES, default="requests",
                         help="what the balancer and the oracle score placements by: request goodput (default) or "
                              "load-weighted goodput (each model's req/s over its alone capacity)")
-    parser.add_argument("--ranker", choices=RANKERS, default="none",
+    parser.add_argument("--ranker", choices=RANKERS, default="forward",
                         help="the balancer's candidate ranking: the capacity estimate alone (none) or each candidate "
                              "move played forward from the node's state in the simulator (forward)")
-    parser.add_argument("--role-changes", choices=("drain", "in-place"), default="drain",
-                        help="every role change drains first (default), or one between decode and colocated runs in "
-                             "place, the instance serving throughout (`role_in_place`)")
+    parser.add_argument("--role-changes", choices=("auto", "drain", "in-place"), default="auto",
+                        help="a role change between decode and colocated runs in place, the instance serving "
+                             "throughout, or drains first like every other one; auto (default): in place with the "
+                             "forward ranker (`role_in_place`)")
     parser.add_argument("--compare-ranker", choices=[r for r in RANKERS if r != "none"], default="",
                         help="also run every elastic day and P/D phase with this ranker, side by side")
     parser.add_argument("--compare-in-place", action="store_true",
@@ -672,13 +692,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.hour_s <= 0 or args.hours <= 0 or args.load <= 0 or args.rate <= 0:
         raise UsageError("--hour-s, --hours, --load and --rate must be > 0")
-    if args.compare_in_place and args.role_changes == "in-place":
-        raise UsageError("--compare-in-place runs the in-place arm itself: keep --role-changes drain")
+    if args.compare_in_place and args.role_changes != "drain":
+        raise UsageError("--compare-in-place runs the in-place arms itself: give --role-changes drain")
+    if args.compare_ranker and args.compare_ranker == args.ranker:
+        raise UsageError(f"--compare-ranker {args.compare_ranker} is the --ranker already; give --ranker none")
     wall0 = time.perf_counter()
     profiles = ("default", "pessimistic") if args.cost_profile == "both" else (args.cost_profile,)
     common = dict(load=args.load, rate_rps=args.rate, hour_s=args.hour_s, hours=args.hours, seed=args.seed,
                   gpu=args.gpu, ranker=args.ranker,
-                  policy=BalancerPolicy(objective=args.objective, role_in_place=args.role_changes == "in-place"),
+                  policy=BalancerPolicy(objective=args.objective,
+                                        role_in_place={"auto": None, "drain": False, "in-place": True}[args.role_changes]),
                   compare_ranker=args.compare_ranker, compare_in_place=args.compare_in_place)
     runs = [run_profile(p, mix=args.mix, **common) for p in profiles]
     request_runs = ([run_profile(p, mix="requests", **common) for p in profiles]

@@ -100,7 +100,10 @@ def goals(rows: Sequence[dict]) -> list[str]:
     worse = [f"{r['gpu']} {r['profile']} {r['mix']} ({what} {a:.2f} -> {b:.2f} req/s)" for r in rows
              for what, a, b in (("day", r["off"], r["on"]), ("P/D", r["pd_off"], r["pd_on"])) if b < a - 1e-9]
     out.append("- No row worse with the ranker on: " + ("met." if not worse else "MISSED: " + "; ".join(worse)
-               + ". So the ranker stays off by default (`--ranker none`)."))
+               + ". With every role change drained the ranker is not better on every row. With decode <-> "
+               "colocated changes in place, its elastic day beats the estimate alone (drained) on all six rows "
+               "(section \"Elastic pools: in-place role changes\"), and that pair is the default; the P/D phase has "
+               "no such change and reads as here."))
     return out
 
 
@@ -142,8 +145,10 @@ def section(runs: Sequence[ProfileRun], rows: Sequence[dict], command: str, wall
         f"Reproduce: `{command}` ({wall_s:.0f} s of wall time; progress on stderr). The same six rows and traces "
         "as the section \"Elastic pools (simulator)\" (mix-shift day compressed 60x, seed 0, every row's best "
         "static placement and hourly oracle computed once); each elastic day and each P/D phase is run twice on "
-        "the same trace, the balancer's forward ranker off (the capacity estimate decides alone, as in that "
-        "section) and on.",
+        "the same trace, the balancer's forward ranker off (the capacity estimate decides alone) and on, every role "
+        "change drained in both (`--ranker none --role-changes drain --compare-ranker forward`; the default, the "
+        "ranker with in-place role changes, is in that section and compared in \"Elastic pools: in-place role "
+        "changes\").",
         "",
         "What the forward ranker does (`ForwardRanker` in the balancer, `ForwardSimRanker` in the simulator): at "
         "most every 10 s (at once after a step), and not while a move it chose is still under way, the balancer "
