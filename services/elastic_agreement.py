@@ -43,12 +43,17 @@ from octoserve.services.workload import TraceRequest
 from octoserve.services.workload_day import LARGE, SMALL, DayRequest, generate_day, mix_shift_day
 
 TOLERANCE = 0.15
-# The balancer's policy on both sides, sized for a shortened day (a move must pay for itself over 30 s). The
-# estimate decides alone (the live side's `ranker: none`) and every role change drains, as when this comparison was
-# first measured; the forward ranker and in-place role changes are compared elsewhere.
+# The balancer's policy on both sides, sized for a shortened day (a move must pay for itself over 30 s). With
+# `--ranker none` (the default here) the estimate decides alone and every role change drains, as when this comparison
+# was first measured; `--ranker forward` runs the node's default balancer on every side (`policy_for`).
 POLICY = {"forecast_window_s": 30.0, "min_dwell_s": 5.0, "confirm_periods": 1, "min_gain_fraction": 0.03,
           "engine_init_s": 0.5, "role_in_place": False}
 PERIOD_S, WINDOW_S = 1.0, 6.0
+
+
+def policy_for(ranker: str) -> dict:
+    """POLICY for `ranker`: the forward ranker with decode <-> colocated role changes in place (the default pair)."""
+    return POLICY if ranker == "none" else {**POLICY, "role_in_place": None}
 
 
 def day_trace(requests: list[DayRequest]) -> list[TraceRequest]:
@@ -59,7 +64,7 @@ def day_trace(requests: list[DayRequest]) -> list[TraceRequest]:
             for n, r in enumerate(requests)]
 
 
-def node_config(base_path: str | None, cost_profile: str | None = None) -> dict:
+def node_config(base_path: str | None, cost_profile: str | None = None, ranker: str = "none") -> dict:
     import yaml
 
     from octoserve.services.config import default_config_text
@@ -68,7 +73,8 @@ def node_config(base_path: str | None, cost_profile: str | None = None) -> dict:
     config = yaml.safe_load(text)
     if cost_profile:
         config["cost_profile"] = cost_profile
-    config["elastic"] = {"balancer": "elastic", "ranker": "none", "period_s": PERIOD_S, "window_s": WINDOW_S, **POLICY}
+    config["elastic"] = {"balancer": "elastic", "ranker": ranker, "period_s": PERIOD_S, "window_s": WINDOW_S,
+                         **policy_for(ranker)}
     return config
 
 
@@ -85,11 +91,12 @@ def run(args) -> int:
     profile = mix_shift_day(rate_rps=args.rate, hours=24.0, hour_s=args.hour_s)
     requests = [dataclasses.replace(r, output_tokens=min(r.output_tokens, args.max_output))
                 for r in generate_day(profile, args.seed)]
-    config = node_config(args.config, args.cost_profile)
+    config = node_config(args.config, args.cost_profile, args.ranker)
     node_cfg = node_config_from_text(yaml.safe_dump(config))
+    policy = BalancerPolicy(**policy_for(args.ranker))
     t0 = time.perf_counter()
-    sim = run_day(node_cfg, profile, requests, node_cfg.instances, "elastic", policy=BalancerPolicy(**POLICY),
-                  period_s=PERIOD_S, window_s=WINDOW_S)
+    sim = run_day(node_cfg, profile, requests, node_cfg.instances, "elastic", policy=policy,
+                  period_s=PERIOD_S, window_s=WINDOW_S, ranker=args.ranker, seed=args.seed)
     print(f"simulated {len(requests)} requests over {profile.duration_s:g} s in {time.perf_counter() - t0:.1f} s; "
           f"{len(sim.reconfigs)} reconfigurations", flush=True)
     print(f"live: {profile.duration_s * args.time_scale:.0f} s of arrivals at time scale {args.time_scale:g} ...",
@@ -103,8 +110,8 @@ def run(args) -> int:
         node.stop()
     live_reconfigs = scheduler_log.count('"msg": "reconfiguration done"')
     t0 = time.perf_counter()
-    estep = ElasticStepSim(node_cfg, policy=BalancerPolicy(**POLICY), period_s=PERIOD_S,
-                           window_s=WINDOW_S).run(day_trace(requests))
+    estep = ElasticStepSim(node_cfg, policy=policy, period_s=PERIOD_S, window_s=WINDOW_S,
+                           ranker=args.ranker).run(day_trace(requests))
     print(f"step-level elastic simulator: {time.perf_counter() - t0:.1f} s; {len(estep.done)} reconfigurations",
           flush=True)
     live = summarize(records, profile.slo, profile.duration_s)
@@ -387,6 +394,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--time-scale", type=float, default=8.0)
     parser.add_argument("--max-output", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ranker", choices=("none", "forward"), default="none",
+                        help="the balancer on every side: the estimate alone with drained role changes (default, as "
+                             "first measured), or the node's default, the forward ranker with in-place role changes")
     from octoserve.services.sim.cli_simulate import add_cost_profile_argument
 
     add_cost_profile_argument(parser)

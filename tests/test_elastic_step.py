@@ -188,3 +188,28 @@ def test_in_place_role_changes_keep_serving_and_hold_on_to_their_requests():
     assert whole and all(r1.done_s <= arr < r2.done_s for arr in whole)
     # ... and hand-offs again after it.
     assert any(r.decode_instance_id == "sm-d" and arr >= r2.done_s for arr, r, _ in routes)
+
+
+def test_with_the_forward_ranker_the_live_schedulers_balancer_runs_at_step_level():
+    """`ranker="forward"`: the step-level simulator hands the live scheduler's own balancer the view it would build
+    (load snapshots, demand, the reported arrivals to replay); it plays its candidates forward on a twin of the node
+    once a load window has been seen, in-place role changes on by default, and nothing is lost."""
+    from octoserve.services.scheduler.live_balancer import LiveElasticBalancer
+    from octoserve.services.scheduler.live_ranker import LiveForwardRanker
+
+    sim = ElasticStepSim(NODE, window_s=4.0, period_s=1.0, ranker="forward")
+    assert isinstance(sim.live, LiveElasticBalancer) and isinstance(sim.live.ranker, LiveForwardRanker)
+    assert sim.balancer is sim.live.inner and sim.balancer.in_place
+    assert sim.demand.history_s == BalancerPolicy().forward_window_s
+    res = sim.run(_trace(duration_s=12.0))
+    assert res.lost == 0
+    # One decision per period from the first full window on (t = 4 ... 11 s); one ranking played on the twin (then
+    # its hold verdict stands for `forward_refresh_s`, 10 s), which found no move worth making on this steady load.
+    assert [d.now_s for d in sim.balancer.log] == [4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0]
+    assert dict(res.counters) == {"hold:forward": 8} and sim.live.ranker.calls == 1 and res.reconfigs == []
+    view = sim.live_view(sim.sim.now)
+    assert {i.id for i in view.placement} == set(sim.sim.instances) and all(view.accepting.values())
+    assert view.arrivals and all(a.arrival_s <= sim.sim.now for a in view.arrivals)
+    # Without a ranker the estimate decides alone, role changes drained, as before.
+    plain = ElasticStepSim(NODE, window_s=4.0)
+    assert plain.live is None and not plain.balancer.in_place and plain.demand.history_s == 4.0

@@ -92,6 +92,19 @@ def verdicts(rows: Sequence[dict]) -> list[str]:
     return out
 
 
+def defaults(rows: Sequence[dict]) -> list[str]:
+    out = []
+    for r in rows:
+        out.append(f"- 8 {r['gpu']}, {r['profile']}, mix by {r['mix']}: {r['est_drain']:.2f} -> {r['fw_in']:.2f} req/s "
+                   f"({_ratio(r['fw_in'], r['est_drain']):.3f}x), adapted after the step "
+                   f"{_adapt(r['adapt']['est_drain'])} -> {_adapt(r['adapt']['fw_in'])}, "
+                   f"{'nothing lost' if r['lost']['fw_in'] == 0 else str(r['lost']['fw_in']) + ' LOST'}.")
+    worse = [r for r in rows if r["fw_in"] < r["est_drain"] - 1e-9]
+    out.append("- Worse on any row: " + ("none." if not worse else
+                                          ", ".join(f"8 {r['gpu']} {r['profile']} {r['mix']}" for r in worse) + "."))
+    return out
+
+
 def section(rows: Sequence[dict], command: str, wall_s: float) -> str:
     out = [
         f"Reproduce: `{command}` ({wall_s:.0f} s of wall time; progress on stderr). The same six rows and traces as "
@@ -116,10 +129,15 @@ def section(rows: Sequence[dict], command: str, wall_s: float) -> str:
         "placement as in \"Elastic pools (simulator)\"; \"lost\" lists the four arms in the order of the columns.",
         "",
         "Per row:", *verdicts(rows), "",
+        "The default is the last arm, the forward ranker with in-place role changes (`role_in_place` unset: in "
+        "place with the forward ranker, drained with the estimate alone, whose in-place arm served less than its "
+        f"drained one on {sum(1 for r in rows if r['est_in'] < r['est_drain'] - 1e-9)} of {len(rows)} rows). "
+        "Against the estimate alone with every role change drained (the default before):",
+        *defaults(rows), "",
         "The live node carries the same change out (`elastic.role_in_place`, or `RoleChange.in_place` per "
         "change): the worker sets its engine's role where it runs, the instance stays SERVING, and routers keep "
-        "their sessions to it (`tests/test_elastic_live.py`); the step-level simulator too "
-        "(`tests/test_elastic_step.py`). Both are off by default, as here: every role change drains.",
+        "their sessions to it (`tests/test_elastic_live.py`, and on a flippable vLLM worker "
+        "`tests/test_vllm_role_flip.py`); the step-level simulator too (`tests/test_elastic_step.py`).",
     ]
     return "\n".join(out)
 

@@ -41,7 +41,13 @@ from octoserve.services.core.balancer import BalancerPolicy, ElasticBalancer, No
 from octoserve.services.core.placement import InstanceConfig, NodeConfig
 from octoserve.services.core.reconfig import Phase, ReconfigKind, Reconfiguration
 from octoserve.services.core.types import Role
-from octoserve.services.scheduler.live_balancer import DemandWindow, drain_estimates, instance_load
+from octoserve.services.scheduler.live_balancer import (
+    DemandWindow,
+    LiveElasticBalancer,
+    LiveView,
+    drain_estimates,
+    instance_load,
+)
 from octoserve.services.sim.driver import NodeSimulator, SimResult
 from octoserve.services.workload import TraceRequest
 
@@ -87,7 +93,7 @@ class ElasticStepSim:
                  window_s: float = 10.0, seed: int = 0, balance: bool = True,
                  plan_at: Sequence[tuple[float, Reconfiguration]] = (), poll_s: float = 0.05,
                  migrate: bool = True, max_migration_pause_s: float = migration.DEFAULT_MAX_PAUSE_S,
-                 drain_by_rule: bool = True) -> None:
+                 drain_by_rule: bool = True, ranker: str = "none") -> None:
         if node.gang is not None:
             raise ValueError("elastic_step: gang groups are not supported; drop the `gang` section")
         if period_s <= 0 or window_s <= 0 or poll_s <= 0:
@@ -102,8 +108,11 @@ class ElasticStepSim:
         self.reported_refusals: dict[str, int] = {}  # refusals reported into the demand window, by reason
         self.last_report_s = 0.0  # when the demand window got its last report
         self.sim = NodeSimulator(node, seed=seed)
-        self.balancer = ElasticBalancer(node, policy) if balance else None
-        self.demand = DemandWindow(window_s)
+        # With a forward ranker the live scheduler's own balancer runs here (`LiveElasticBalancer`: a twin of the
+        # node built from the load snapshots and the reported arrivals, played forward), on the view it would build.
+        self.live = LiveElasticBalancer(node, policy, window_s, ranker) if balance and ranker != "none" else None
+        self.balancer = (self.live.inner if self.live is not None else ElasticBalancer(node, policy)) if balance else None
+        self.demand = DemandWindow(window_s, self.live.history_s if self.live is not None else 0.0)
         self._refused: dict[str, dict[str, int]] = {}  # model -> reason -> refusals since the last report
         self.sim.router.refusal_observers.append(self._observe_refusal)
         self.plan_at = sorted(plan_at, key=lambda p: p[0])
@@ -142,6 +151,18 @@ class ElasticStepSim:
         return NodeLoad(self.window_s, tuple(placement), tuple(loads),
                         self.demand.demand(now_s, sorted(self.node.models)))
 
+    def live_view(self, now_s: float) -> LiveView:
+        """What the live scheduler would hand its balancer now (services/scheduler/service.py `live_view`): the
+        placement with the starting instances, which take requests, each instance's load snapshot, the demand and
+        the reported arrivals a forward ranker replays."""
+        draining = self._draining()
+        placement = tuple([inst.cfg for inst in self.sim.instances.values()] + list(self.starting.values()))
+        accepting = {**{iid: iid not in draining for iid in self.sim.instances}, **{iid: False for iid in self.starting}}
+        loads = {iid: inst.load() for iid, inst in self.sim.instances.items()}
+        return LiveView(placement, accepting, loads, self.demand.demand(now_s, sorted(self.node.models)), self.window_s,
+                        self.migrate and self.drain_by_rule, self.max_migration_pause_s,
+                        self.demand.arrivals(now_s, self.node.slo.ttft_ms))
+
     # - the balancing period -
 
     def _observe_refusal(self, spec, refusal) -> None:
@@ -174,7 +195,9 @@ class ElasticStepSim:
         while self.plan_at and self.plan_at[0][0] <= now + 1e-12:
             self.start(self.plan_at.pop(0)[1])
         if self.balancer is not None and now >= self.window_s:
-            for r in self.balancer.plan(now, self.node_load(now), self._in_flight()):
+            planned = (self.live.plan(now, self.live_view(now), self._in_flight()) if self.live is not None
+                       else self.balancer.plan(now, self.node_load(now), self._in_flight()))
+            for r in planned:
                 self.start(r)
         if now + self.period_s <= self._end_s or self._in_flight() or self.plan_at:
             self.sim.call_at(now + self.period_s, self._tick)
