@@ -371,15 +371,62 @@ def _ratio(num: float, den: float) -> float:
 
 def group_stats(name: str, records: Sequence[RequestRecord], slo: SloSpec, duration_s: float,
                 gaps_cache: dict | None = None) -> GroupStats:
-    """`gaps_cache`: see `fleet_itl_p95_ms` (`summarize` shares one across its groups)."""
-    done = [r for r in records if r.completed]
-    admitted = sum(not r.refused for r in records)
-    good = sum(meets_slo(r, slo) for r in done)
-    ttft_ok = sum(r.ttft_s * 1000.0 <= _ttft_slo_ms(r, slo) for r in done)
+    """`gaps_cache`: see `fleet_itl_p95_ms` (`summarize` shares one across its groups).
+
+    One pass over the records gathers every count, sum and list, in record order: the same integers and the same
+    arrays as one pass per figure with `RequestRecord`'s properties and `meets_slo` (the same float operations)."""
+    slo_ttft_ms, slo_itl_ms = slo.ttft_ms, slo.itl_ms
+    done: list[RequestRecord] = []
+    ttfts: list[float] = []
+    tpots: list[float] = []
+    e2es: list[float] = []
+    by_slo: dict[float, list[float]] = {}  # `fleet_ttft_p95_ms`'s lists
+    admitted = good = ttft_ok = errors = preempted = preemptions = unfinished = 0
+    output_tokens = cached_tokens = prompt_tokens = 0
+    open_stream = False  # an admitted request that did not complete streamed more than one token
+    for r in records:
+        num_preemptions = r.num_preemptions
+        preemptions += num_preemptions
+        if num_preemptions > 0:
+            preempted += 1
+        if r.refused:
+            continue
+        admitted += 1
+        ttft_slo_ms = r.ttft_slo_ms if r.ttft_slo_ms is not None else slo_ttft_ms
+        first = r.first_token_s
+        ttft = None if first is None else first - r.arrival_s
+        by_slo.setdefault(ttft_slo_ms, []).append(math.inf if ttft is None else ttft * 1000.0)
+        if r.finish_s is None:
+            unfinished += 1
+        if r.error:
+            errors += 1
+        times = r.token_times_s
+        if r.error or ttft is None:  # not completed
+            if len(times) > 1:
+                open_stream = True
+            continue
+        done.append(r)
+        end = r.finish_s if r.finish_s is not None else (times[-1] if times else None)
+        e2e = None if end is None else end - r.arrival_s
+        num_output = r.num_output_tokens
+        tpot = None if e2e is None or num_output < 2 else (e2e - ttft) / (num_output - 1)
+        ttft_ms = ttft * 1000.0
+        if not ttft_ms > ttft_slo_ms and (tpot is None or tpot * 1000.0 <= slo_itl_ms):
+            good += 1
+        if ttft_ms <= ttft_slo_ms:
+            ttft_ok += 1
+        ttfts.append(ttft)
+        if tpot is not None:
+            tpots.append(tpot)
+        if e2e is not None:
+            e2es.append(e2e)
+        output_tokens += num_output
+        cached_tokens += r.num_cached_prompt_tokens
+        prompt_tokens += r.num_prompt_tokens
     itl = np.concatenate([_record_gaps(r, gaps_cache) for r in done]) if done else _NO_GAPS
     itl_stats = latency_stats(itl)
-    fleet_ttft = fleet_ttft_p95_ms(records, slo)
-    if any(not r.refused and not r.completed and len(r.token_times_s) > 1 for r in records):
+    fleet_ttft = tuple((slo_ms, percentile_inf(v, 95)) for slo_ms, v in sorted(by_slo.items()))
+    if open_stream:
         fleet_itl = fleet_itl_p95_ms(records, gaps_cache)
     else:  # no admitted stream beyond the completed ones: the same pooled gaps, so the same P95 (one pass less)
         fleet_itl = itl_stats.p95_ms
@@ -391,25 +438,23 @@ def group_stats(name: str, records: Sequence[RequestRecord], slo: SloSpec, durat
         num_admitted=admitted,
         num_refused=len(records) - admitted,
         num_completed=len(done),
-        num_errors=sum(bool(r.error) and not r.refused for r in records),
+        num_errors=errors,
         num_good=good,
-        num_preempted=sum(r.num_preemptions > 0 for r in records),
-        num_preemptions=sum(r.num_preemptions for r in records),
+        num_preempted=preempted,
+        num_preemptions=preemptions,
         refused_fraction=_ratio(len(records) - admitted, len(records)),
         attainment_admitted=_ratio(good, admitted),
         attainment_offered=_ratio(good, len(records)),
         ttft_attainment=_ratio(ttft_ok, len(done)),
         request_throughput_rps=_ratio(len(done), duration_s),
-        output_throughput_tps=_ratio(sum(r.num_output_tokens for r in done), duration_s),
+        output_throughput_tps=_ratio(output_tokens, duration_s),
         goodput_rps=_ratio(good, duration_s),
-        prefix_hit_fraction=_ratio(
-            sum(r.num_cached_prompt_tokens for r in done), sum(r.num_prompt_tokens for r in done)
-        ),
-        ttft=latency_stats([r.ttft_s for r in done]),
-        tpot=latency_stats([t for r in done if (t := r.tpot_s) is not None]),
+        prefix_hit_fraction=_ratio(cached_tokens, prompt_tokens),
+        ttft=latency_stats(ttfts),
+        tpot=latency_stats(tpots),
         itl=itl_stats,
-        e2e=latency_stats([r.e2e_s for r in done if r.e2e_s is not None]),
-        num_unfinished=sum(not r.refused and r.finish_s is None for r in records),
+        e2e=latency_stats(e2es),
+        num_unfinished=unfinished,
         fleet_ttft_p95_ms=fleet_ttft,
         fleet_itl_p95_ms=fleet_itl,
         fleet_ttft_ok=fleet_ttft_ok,

@@ -376,14 +376,19 @@ def _group_cum(traffic: ModelTraffic) -> tuple[float, ...]:
     return tuple(itertools.accumulate(weights))
 
 
-def _draw_one(t: float, traffic_cum: Sequence[float], profile: WorkloadProfile, rng: random.Random) -> _Draw:
-    traffic = _pick(rng, traffic_cum, profile.traffic)
+def _draw_one(t: float, traffic_cum: Sequence[float], profile: WorkloadProfile, rng: random.Random,
+              cums: Sequence[tuple[tuple[float, ...], tuple[float, ...]]] | None = None) -> _Draw:
+    """`cums`: (`_tier_cum`, `_group_cum`) of each of the profile's traffics, in order (looked up once per trace
+    rather than hashing the traffic's dataclass at every draw); None looks them up."""
+    index = min(_bisect(traffic_cum, rng.random() * traffic_cum[-1]), len(profile.traffic) - 1)  # as `_pick`
+    traffic = profile.traffic[index]
     prompt_len = traffic.prompt_len.sample(rng)
     output_len = traffic.output_len.sample(rng)
-    tier = _pick(rng, _tier_cum(traffic), traffic.tiers)
+    tier_cum, group_cum = (_tier_cum(traffic), _group_cum(traffic)) if cums is None else cums[index]
+    tier = _pick(rng, tier_cum, traffic.tiers)
     group = -1
     if traffic.prefix_hit_rate > 0 and rng.random() < traffic.prefix_hit_rate:
-        group = _pick(rng, _group_cum(traffic), range(traffic.num_prefix_groups))
+        group = _pick(rng, group_cum, range(traffic.num_prefix_groups))
     return _Draw(t, traffic, prompt_len, output_len, tier, group)
 
 
@@ -430,7 +435,8 @@ def iter_trace(
     rate = profile.rate_rps if rate_rps is None else rate_rps
     duration = profile.duration_s if duration_s is None else duration_s
     traffic_cum = list(itertools.accumulate(t.share for t in profile.traffic))
-    draws = [_draw_one(t, traffic_cum, profile, rng) for t in _arrival_times(profile, duration, rate, rng)]
+    cums = [(_tier_cum(t), _group_cum(t)) for t in profile.traffic]
+    draws = [_draw_one(t, traffic_cum, profile, rng, cums) for t in _arrival_times(profile, duration, rate, rng)]
     prefixes = _group_prefixes(profile, rng)
     lo, base = profile.token_id_min, profile.token_id_max - profile.token_id_min
     head_len = max(1, math.ceil(math.log(max(len(draws), 2)) / math.log(base)))

@@ -275,3 +275,19 @@ def test_a_cost_model_replaced_after_routing_is_the_one_the_itl_check_uses():
     p.cost_models["lm-0"] = LinearCost(decode_step_s=0.0412)  # replaced in place, as the simulator does on a restart
     r = p.route(request("b", model=LM, prompt=500), IDLE, 0.0)
     assert r == Refuse(ItlInfeasible(LM, Priority.STANDARD, 500, 41.2, 30.0), 0, "itl_infeasible")
+
+
+def test_same_load_is_the_dataclass_equality_field_by_field():
+    # The ledger compares a new snapshot with the one it holds without the dataclass's interpreted __eq__:
+    # every one of the 16 fields must count, each alone.
+    base = dataclasses.replace(load("sm-0", running=3, waiting=2, queued=40), max_num_seqs=64,
+                               mean_output_tokens=120.5, num_reserved=1)
+    assert adm.same_load(base, dataclasses.replace(base)) and base == dataclasses.replace(base)
+    changed = {"instance_id": "sm-1", "model": LM, "role": Role.DECODE, "num_running": 4, "num_waiting": 3,
+               "num_total_blocks": 999, "num_free_blocks": 998, "block_size": 32, "queued_prefill_tokens": 41,
+               "prefill_tokens_per_s": base.prefill_tokens_per_s * 2, "decode_step_time_s": 0.02, "healthy": False,
+               "paused": True, "max_num_seqs": 65, "mean_output_tokens": 121.0, "num_reserved": 2}
+    assert set(changed) == {f.name for f in dataclasses.fields(base)}
+    for name, value in changed.items():
+        other = dataclasses.replace(base, **{name: value})
+        assert not adm.same_load(base, other) and not adm.same_load(other, base) and base != other, name

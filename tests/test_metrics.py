@@ -405,3 +405,47 @@ def test_progress_silent_on_non_tty_until_close():
         p.update(7)
         assert out.getvalue() == ""
     assert out.getvalue() == "reqs 7 in 0.0 s\n"
+
+
+def test_group_stats_in_one_pass_gives_each_figure_as_its_definition_does():
+    # `group_stats` gathers every figure in one pass; each must equal its definition from the record's properties
+    # and `meets_slo`, bit for bit, over records of every kind (refused, failed, cut off, never answered,
+    # one-token, streamed, own TTFT SLO, preempted, cached prompt).
+    import random
+
+    from octoserve.services.metrics import fleet_ttft_p95_ms, group_stats, latency_stats
+
+    rng = random.Random(7)
+    records = []
+    for i in range(400):
+        arrival = rng.uniform(0.0, 10.0)
+        kind = rng.choice(["ok", "ok", "ok", "refused", "error", "cut", "silent", "one"])
+        n = {"one": 1, "silent": 0}.get(kind, rng.randint(2, 40))
+        first = arrival + rng.uniform(0.01, 0.6)
+        times = tuple(first + k * rng.uniform(0.005, 0.05) for k in range(n)) if kind != "refused" else ()
+        records.append(RequestRecord(
+            f"r{i}", "m", Priority.STANDARD, arrival, rng.choice([None, 150.0, 400.0]), rng.randint(1, 3000),
+            rng.choice([0, 16, 512]), len(times), times[0] if times else None, times,
+            None if kind in ("cut", "silent") or not times else times[-1] + rng.choice([0.0, 0.01]),
+            kind == "refused", 50.0 if kind == "refused" else None, "lost" if kind == "error" else "",
+            rng.choice([0, 0, 0, 1, 3]),
+        ))
+    g = group_stats("all", records, SLO, 10.0)
+    done = [r for r in records if r.completed]
+    admitted = [r for r in records if not r.refused]
+    slo_of = lambda r: r.ttft_slo_ms if r.ttft_slo_ms is not None else SLO.ttft_ms  # noqa: E731
+    assert (g.num_admitted, g.num_completed) == (len(admitted), len(done)) and 0 < len(done) < len(admitted)
+    assert g.num_good == sum(meets_slo(r, SLO) for r in done) > 0
+    assert g.num_errors == sum(bool(r.error) and not r.refused for r in records) > 0
+    assert g.num_preempted == sum(r.num_preemptions > 0 for r in records)
+    assert g.num_preemptions == sum(r.num_preemptions for r in records)
+    assert g.num_unfinished == sum(not r.refused and r.finish_s is None for r in records) > 0
+    assert g.ttft_attainment == sum(r.ttft_s * 1000.0 <= slo_of(r) for r in done) / len(done)
+    assert g.output_throughput_tps == sum(r.num_output_tokens for r in done) / 10.0
+    assert g.prefix_hit_fraction == (sum(r.num_cached_prompt_tokens for r in done)
+                                     / sum(r.num_prompt_tokens for r in done))
+    assert g.ttft == latency_stats([r.ttft_s for r in done])
+    assert g.tpot == latency_stats([t for r in done if (t := r.tpot_s) is not None])
+    assert g.e2e == latency_stats([r.e2e_s for r in done if r.e2e_s is not None])
+    assert g.fleet_ttft_p95_ms == fleet_ttft_p95_ms(records, SLO)
+    assert len(g.fleet_ttft_p95_ms) == 3

@@ -231,3 +231,35 @@ def test_the_simulate_command_runs_with_the_cycle_collector_paused_and_turns_it_
     assert main(["simulate", "--profile", "seed-000", "--duration", "1s"]) == 0
     assert "simulator speed" in capsys.readouterr().out
     assert seen == [False] and gc.isenabled()
+
+
+def test_simulate_as_the_whole_process_ends_itself_with_its_output_and_files_complete(tmp_path):
+    # Run as the process's own command (no argv given to `main`), `simulate` leaves through `exit_process`
+    # (no freeing of the run, no atexit handlers): stdout piped, the report must still be whole, the JSON
+    # written, and the same as the in-process command's; the exit code stays 0.
+    import json
+    import subprocess
+    import sys
+
+    from octoserve.services.cli import main
+
+    args = ["simulate", "--profile", "seed-000", "--duration", "2s"]
+    code = ("import atexit, sys; atexit.register(lambda: print('atexit ran', file=sys.stderr)); "
+            "from octoserve.services.cli import main; sys.exit(main())")
+    done = subprocess.run([sys.executable, "-c", code, *args, "--json", str(tmp_path / "a.json")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "atexit ran" not in done.stderr  # it did end through os._exit
+    out = done.stdout.splitlines()
+    assert out[-1].startswith("simulator speed:") and any(line.startswith("instance ") for line in out)
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main([*args, "--json", str(tmp_path / "b.json")]) == 0
+    strip = lambda text: [line for line in text.splitlines() if not line.startswith("simulator speed:")]  # noqa: E731
+    assert strip(done.stdout) == strip(buf.getvalue())
+    a, b = (json.loads((tmp_path / f"{n}.json").read_text()) for n in "ab")
+    del a["wall_s"], b["wall_s"]
+    assert a == b

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from octoserve.services.core.placement import node_config_from_dict
 from octoserve.services.core.sim_executor import sim_token_id
 from octoserve.services.core.types import Priority, ScheduledChunk, StepPlan
-from octoserve.services.sim.driver import run_simulation
+from octoserve.services.sim.driver import NodeSimulator, run_simulation
 from octoserve.services.workload import PROFILES, TraceRequest, generate_trace, scaled
 
 MODELS = {"llama-3-8b": {"preset": "llama-3-8b"}}
@@ -180,3 +182,54 @@ def test_a_prompt_slower_than_its_slo_even_idle_is_refused_in_the_simulator_and_
     s = result.summary
     assert (s.overall.num_offered, s.overall.num_refused, s.overall.num_good) == (2, 1, 1)
     assert s.overall.attainment_offered == 0.5
+
+
+class _ArrivalLog(NodeSimulator):
+    """Logs each arrival with the virtual time it was handled at."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.log: list[tuple[str, float]] = []
+
+    def _on_arrival(self, req):
+        self.log.append((req.request_id, self.now))
+        super()._on_arrival(req)
+
+
+def test_arrivals_run_in_the_order_a_heap_holding_them_would_pop_them():
+    # Arrivals are merged with the event heap rather than pushed: (time, push order) must decide as before. An
+    # event pushed before the run precedes an arrival at the same time; arrivals at one time keep trace order
+    # (the trace need not be sorted); an event pushed during the run at an arrival's time comes after it.
+    def arrival(rid, t):
+        return dataclasses.replace(one_request(), request_id=rid, arrival_s=t)
+
+    sim = _ArrivalLog(node([COLOCATED_8B]))
+    log = sim.log
+
+    def at_b():
+        log.append(("call at 0.3", sim.now))
+        sim.call_at(0.5, lambda: log.append(("pushed during the run", sim.now)))
+
+    sim.call_at(0.5, lambda: log.append(("pushed before the run", sim.now)))
+    sim.call_at(0.3, at_b)
+    result = sim.run([arrival("a", 0.5), arrival("b", 0.3), arrival("c", 0.5)])
+    assert log == [("call at 0.3", 0.3), ("b", 0.3), ("pushed before the run", 0.5), ("a", 0.5), ("c", 0.5),
+                   ("pushed during the run", 0.5)]
+    assert [r.request_id for r in result.records] == ["a", "b", "c"]  # the trace's order
+    assert all(r.finish_s is not None for r in result.records)
+
+
+def test_a_trackers_record_puts_every_value_in_its_named_field():
+    # `_Tracker.record` builds the record positionally (cheaper from compiled code): each field by name.
+    from octoserve.services.sim.driver import _Tracker
+
+    trace = dataclasses.replace(one_request(prompt_len=37), priority=Priority.BATCH, ttft_slo_ms=321.0)
+    t = _Tracker(trace)
+    t.num_cached, t.first_token_s, t.token_times_s, t.finish_s = 16, 0.75, [0.75, 0.8, 0.9], 0.95
+    t.refused, t.retry_after_ms, t.error, t.preemptions = True, 12.5, "boom", 2
+    assert dataclasses.asdict(t.record()) == {
+        "request_id": "r0000000", "model": "llama-3-8b", "priority": Priority.BATCH, "arrival_s": 0.5,
+        "ttft_slo_ms": 321.0, "num_prompt_tokens": 37, "num_cached_prompt_tokens": 16, "num_output_tokens": 3,
+        "first_token_s": 0.75, "token_times_s": (0.75, 0.8, 0.9), "finish_s": 0.95, "refused": True,
+        "retry_after_ms": 12.5, "error": "boom", "num_preemptions": 2,
+    }

@@ -45,6 +45,20 @@ from octoserve.services.core.placement import InstanceConfig, PolicyConfig
 from octoserve.services.core.types import EngineLoad, Priority, RequestSpec, Role
 
 
+def same_load(a: EngineLoad, b: EngineLoad) -> bool:
+    """`a == b` (the dataclass's equality: every field equal), field by field: compiled, the generated `__eq__`
+    runs as interpreted code and builds two tuples of 16 fields at each routing decision."""
+    if type(a) is not EngineLoad or type(b) is not EngineLoad:
+        return a == b
+    return (a.num_free_blocks == b.num_free_blocks and a.queued_prefill_tokens == b.queued_prefill_tokens
+            and a.num_running == b.num_running and a.num_waiting == b.num_waiting
+            and a.prefill_tokens_per_s == b.prefill_tokens_per_s and a.decode_step_time_s == b.decode_step_time_s
+            and a.mean_output_tokens == b.mean_output_tokens and a.num_reserved == b.num_reserved
+            and a.instance_id == b.instance_id and a.model == b.model and a.role == b.role
+            and a.num_total_blocks == b.num_total_blocks and a.block_size == b.block_size
+            and a.healthy == b.healthy and a.paused == b.paused and a.max_num_seqs == b.max_num_seqs)
+
+
 @dataclass(frozen=True, slots=True, init=False)  # __init__ written out: see core/types.py
 class Dispatched:
     """What the ledger remembers of one dispatched request."""
@@ -112,7 +126,7 @@ class InFlightLedger:
     def observe_load(self, load: EngineLoad) -> None:
         """A snapshot unlike the one held is newer: it already counts what was pending on that instance."""
         held = self.snapshots.get(load.instance_id)
-        if held is not load and held != load:  # the same object is equal (the simulator reuses unchanged ones)
+        if held is not load and (held is None or not same_load(held, load)):  # the simulator reuses unchanged ones
             self.snapshots[load.instance_id] = load
             self.pending.pop(load.instance_id, None)
             self._bump(load.instance_id)

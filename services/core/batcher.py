@@ -604,11 +604,12 @@ class Batcher:
         return True
 
     def _reservation_context(self) -> ReservationContext:
+        # Positional: the context's __init__ is interpreted (services/core/reservation.py), where keywords cost more.
         return ReservationContext(
-            num_free_blocks=self.kv.num_free_blocks,
-            num_total_blocks=self.kv.num_total_blocks,
-            block_size=self.block_size,
-            predicted_output_tokens=self.predictor.predict(),
+            self.kv.num_free_blocks,  # num_free_blocks
+            self.kv.num_total_blocks,  # num_total_blocks
+            self.block_size,  # block_size
+            self.predictor.predict(),  # predicted_output_tokens
         )
 
     # ---- preemption ---------------------------------------------------------------------------------------

@@ -41,12 +41,15 @@ class OutputLengthPredictor:
         self._sorted: list[int] = []  # the same lengths in order, kept as they come and go (no sort per completion)
         self._cached: int | None = None
         self._mean: float | None = None  # mean() since the last observe (every load snapshot asks for it)
+        self._sum = 0  # of `_recent`, kept as they come and go: an int, so exactly sum(_recent)
 
     def observe(self, num_output_tokens: int) -> None:
         recent, ordered = self._recent, self._sorted
         if recent and len(recent) == recent.maxlen:
             del ordered[bisect.bisect_left(ordered, recent[0])]  # the deque drops its oldest below
+            self._sum -= recent[0]
         recent.append(num_output_tokens)
+        self._sum += num_output_tokens
         bisect.insort(ordered, num_output_tokens)
         self._cached = None
         self._mean = None
@@ -56,7 +59,7 @@ class OutputLengthPredictor:
         if len(self._recent) < self.min_samples:
             return float(self.prior_tokens)
         if self._mean is None:
-            self._mean = sum(self._recent) / len(self._recent)
+            self._mean = self._sum / len(self._recent)
         return self._mean
 
     def predict(self) -> int:

@@ -343,7 +343,7 @@ class RouterPolicy:
         return bool(self._instances_of(model, (Role.PREFILL,)))
 
     def _route(self, spec: RequestSpec, loads: Mapping[str, EngineLoad] | Sequence[EngineLoad]) -> Route | Refuse:
-        if not isinstance(loads, Mapping):
+        if type(loads) is not dict and not isinstance(loads, Mapping):  # a dict skips the ABC's isinstance hook
             loads = {load.instance_id: load for load in loads}
         held = self.ledger.snapshots
         for load in loads.values():

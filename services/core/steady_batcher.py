@@ -187,12 +187,12 @@ class SteadyBatcher(Batcher):
             return []
         # Two comprehensions, not getattr(st, name): a named attribute is a direct slot read when compiled.
         if grow:
-            due = [(st.order, r) for r, st in entries if r.steady is st and st.next_grow == s]
+            due = [r for r, st in entries if r.steady is st and st.next_grow == s]
         else:
-            due = [(st.order, r) for r, st in entries if r.steady is st and st.next_update == s]
+            due = [r for r, st in entries if r.steady is st and st.next_update == s]
         if len(due) > 1:
-            due.sort()  # orders are unique: never compares requests
-        return [r for _, r in due]
+            due.sort(key=_steady_order)  # orders are unique: the order of the running list
+        return due
 
     # ---- hooks: everything that reads or changes a request one by one writes a steady one out first ----------
 
@@ -406,6 +406,13 @@ class _SteadyBuilder(_CompactBuilder):
         ids = {r.request_id for r in self.reqs}
         ids.update(r.request_id for r in self.batcher._running if r.steady is not None)
         return ids
+
+
+def _steady_order(req: Request) -> tuple:
+    """A steady request's place in the running list (`_Steady.order`)."""
+    st = req.steady
+    assert st is not None  # `_due` sorts current steady requests only
+    return st.order
 
 
 def _run_order(req: Request) -> tuple:
