@@ -98,9 +98,14 @@ async def _placement(scheduler) -> dict[str, s_pb.InstancePlacement]:
     return {i.instance_id: i for i in p.instances}
 
 
-async def test_role_changes_under_load(tmp_path):
-    node = start_node(elastic_config(), time_scale=TIME_SCALE, run_dir=tmp_path, startup_timeout_s=90, grace_s=3,
+def _start(tmp_path):
+    """The elastic test node, with every request in the router's access log."""
+    return start_node(elastic_config(), time_scale=TIME_SCALE, run_dir=tmp_path, startup_timeout_s=90, grace_s=3,
                       router_args=("--access-log", "all"))
+
+
+async def test_role_changes_under_load(tmp_path):
+    node = _start(tmp_path)
     try:
         d1_pid = node.workers["d1"].pid
         async with grpc.aio.insecure_channel(node.router_address) as rch, \
@@ -151,8 +156,7 @@ async def test_in_place_role_changes_under_load_drain_nothing_and_stream_on(tmp_
     instance SERVING throughout, the same engine generation so the router keeps its session), every request is
     served in full, d0 takes whole requests as colocated and hand-offs again as decode, and a prefill -> decode
     change asked in place is refused, naming what to send."""
-    node = start_node(elastic_config(), time_scale=TIME_SCALE, run_dir=tmp_path, startup_timeout_s=90, grace_s=3,
-                      router_args=("--access-log", "all"))
+    node = _start(tmp_path)
     try:
         d0_pid = node.workers["d0"].pid
         async with grpc.aio.insecure_channel(node.router_address) as rch, \

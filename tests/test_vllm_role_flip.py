@@ -105,15 +105,21 @@ def assert_complete(deltas: dict[str, list], prompts: dict[str, tuple]) -> None:
         assert (last.num_output_tokens, last.num_prompt_tokens) == (MAX_TOKENS, len(prompts[rid])), rid
 
 
+async def generate_three(stub, session_id: str, prefix: str) -> dict[str, tuple]:
+    """Three long Generates on the session (still running when the next RPC arrives); request_id -> prompt."""
+    prompts = {f"{prefix}{k}": PROMPTS[k] for k in range(3)}
+    for rid, prompt in prompts.items():
+        await stub.Generate(w_pb.WorkerGenerateRequest(session_id=session_id, spec=spec_pb(rid, prompt)))
+    return prompts
+
+
 async def _flip_under_load(address: str, pid: int, kv_dir: Path) -> None:
     engine_children = children(pid)
     assert engine_children, "the vLLM engine core runs as a child of the worker process"
     async with grpc.aio.insecure_channel(address) as channel:
         stub = w_grpc.WorkerStub(channel)
         call, stream = await attach(stub, "flip")
-        prompts = {f"r{k}": PROMPTS[k] for k in range(3)}
-        for rid, prompt in prompts.items():
-            await stub.Generate(w_pb.WorkerGenerateRequest(session_id="flip", spec=spec_pb(rid, prompt)))
+        prompts = await generate_three(stub, "flip", "r")
         reply, deltas = await asyncio.gather(
             stub.SetRole(w_pb.SetRoleRequest(role=convert.ROLE_TO_PB[Role.PREFILL], drain_timeout_ms=120_000),
                          timeout=180),
@@ -162,9 +168,7 @@ async def _in_place_under_load(address: str, pid: int) -> None:
     async with grpc.aio.insecure_channel(address) as channel:
         stub = w_grpc.WorkerStub(channel)
         call, stream = await attach(stub, "inplace")
-        prompts = {f"i{k}": PROMPTS[k] for k in range(3)}
-        for rid, prompt in prompts.items():
-            await stub.Generate(w_pb.WorkerGenerateRequest(session_id="inplace", spec=spec_pb(rid, prompt)))
+        prompts = await generate_three(stub, "inplace", "i")
         reading = asyncio.create_task(read_until_finished(stream, set(prompts)))
         # Colocated -> decode in place while the three run: nothing drains, the reply comes before they finish.
         reply = await stub.SetRole(w_pb.SetRoleRequest(role=convert.ROLE_TO_PB[Role.DECODE], in_place=True), timeout=30)

@@ -117,6 +117,24 @@ def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def write_section(path_text: str, heading: str, body: str) -> None:
+    """Replace (or append) the section `heading` of the markdown file at `path_text` (created when missing)."""
+    from octoserve.services.bench_report import replace_section  # noqa: PLC0415
+
+    path = Path(path_text)
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    path.write_text(replace_section(text, heading, body))
+    _say(f"wrote {heading!r} into {path}")
+
+
+def print_table(heading: str, header: str, lines: Sequence[str]) -> None:
+    """A comparison's table and verdicts on stdout, under its section's title."""
+    print(f"\n{heading[3:]}")
+    print(header)
+    for line in lines:
+        print(line)
+
+
 def hourly_estimate(capacity: CapacityModel, layout: Sequence[InstanceConfig],
                     hours: Sequence[dict[str, ModelDemand]]) -> float:
     """A static placement's capacity-estimate goodput over a day: the mean over its hours of each hour's estimate
@@ -715,13 +733,8 @@ def run(args: argparse.Namespace) -> int:
         if args.plots:
             plots += plot_run(r, Path(args.plots), "" if r.gpu == args.gpu else f"-{r.gpu}")
     if args.benchmarks:
-        from octoserve.services.bench_report import replace_section  # noqa: PLC0415
-
-        path = Path(args.benchmarks)
-        text = path.read_text() if path.exists() else "# Benchmarks\n"
-        body = section(runs, args.command_line, plots, time.perf_counter() - wall0, request_runs, gpu_runs)
-        path.write_text(replace_section(text, SECTION, body))
-        _say(f"wrote {SECTION!r} into {path}")
+        write_section(args.benchmarks, SECTION,
+                      section(runs, args.command_line, plots, time.perf_counter() - wall0, request_runs, gpu_runs))
     if args.compare_ranker:
         from octoserve.services.sim import elastic_ranked  # noqa: PLC0415
 

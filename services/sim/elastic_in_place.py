@@ -11,9 +11,8 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Sequence
-from pathlib import Path
 
-from octoserve.services.sim.elastic_day import LARGE, ProfileRun, _ratio, _say, model_attainment
+from octoserve.services.sim.elastic_day import LARGE, ProfileRun, _ratio, model_attainment, print_table, write_section
 from octoserve.services.sim.elastic_sim import DayResult
 
 SECTION = "## Elastic pools: in-place role changes (simulator)"
@@ -147,16 +146,6 @@ def section(rows: Sequence[dict], command: str, wall_s: float) -> str:
 
 def report(runs: Sequence[ProfileRun], args: argparse.Namespace, wall_s: float) -> None:
     rows = [row(r) for r in runs]
-    print(f"\n{SECTION[3:]}")
-    print(HEADER)
-    for r in rows:
-        print(table_row(r))
-    for line in verdicts(rows):
-        print(line)
+    print_table(SECTION, HEADER, [table_row(r) for r in rows] + verdicts(rows))
     if args.in_place_benchmarks:
-        from octoserve.services.bench_report import replace_section  # noqa: PLC0415
-
-        path = Path(args.in_place_benchmarks)
-        text = path.read_text() if path.exists() else "# Benchmarks\n"
-        path.write_text(replace_section(text, SECTION, section(rows, args.command_line, wall_s)))
-        _say(f"wrote {SECTION!r} into {path}")
+        write_section(args.in_place_benchmarks, SECTION, section(rows, args.command_line, wall_s))

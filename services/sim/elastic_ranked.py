@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from octoserve.services.metrics import attainment_over_time
-from octoserve.services.sim.elastic_day import ProfileRun, _ratio, _say
+from octoserve.services.sim.elastic_day import ProfileRun, _ratio, print_table, write_section
 
 SECTION = "## Elastic pools: forward-simulated ranking (simulator)"
 
@@ -204,19 +204,9 @@ def section(runs: Sequence[ProfileRun], rows: Sequence[dict], command: str, wall
 
 def report(runs: Sequence[ProfileRun], args: argparse.Namespace, wall_s: float) -> None:
     rows = [row(r) for r in runs]
-    print(f"\n{SECTION[3:]}")
-    print(HEADER)
-    for r in rows:
-        print(table_row(r))
-    for line in verdicts(rows) + goals(rows):
-        print(line)
+    print_table(SECTION, HEADER, [table_row(r) for r in rows] + verdicts(rows) + goals(rows))
     plot_path = None
     if args.ranker_plots:
         plot_path = plot(runs, Path(args.ranker_plots))
     if args.ranker_benchmarks:
-        from octoserve.services.bench_report import replace_section  # noqa: PLC0415
-
-        path = Path(args.ranker_benchmarks)
-        text = path.read_text() if path.exists() else "# Benchmarks\n"
-        path.write_text(replace_section(text, SECTION, section(runs, rows, args.command_line, wall_s, plot_path)))
-        _say(f"wrote {SECTION!r} into {path}")
+        write_section(args.ranker_benchmarks, SECTION, section(runs, rows, args.command_line, wall_s, plot_path))
