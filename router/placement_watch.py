@@ -30,6 +30,7 @@ import grpc
 
 from octoserve.services import trust
 from octoserve.services.core.placement import InstanceConfig, NodeConfig
+from octoserve.services.core.reconfig import in_place_role
 from octoserve.services.core.types import Role
 from octoserve.services.rpc import convert
 from octoserve.services.rpc.gen import scheduler_pb2 as s_pb
@@ -120,7 +121,7 @@ class PlacementFollower:
             old = self.instances.get(inst.id)
             generation = p.engine_generation
             in_place = (generation != 0 and self.generations.get(inst.id) == generation and old is not None
-                        and {old.role, inst.role} == {Role.DECODE, Role.COLOCATED})
+                        and in_place_role(old.role, inst.role))
             role_changed = old is not None and old.role is not inst.role and not in_place
             self.generations[inst.id] = generation
             if p.address and (client is None or client.address != p.address or role_changed):

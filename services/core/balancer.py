@@ -937,7 +937,7 @@ class ElasticBalancer:
             without = [i for i in ctx.current.values() if i not in cur]
             good_without, _ = self._score(without, ctx)
             role = _role_only(cur, tgt)
-            if role and self.in_place and in_place_role(cur[0].role, tgt[0].role):
+            if self.in_place and _runs_in_place(cur, tgt):
                 target.costs.append(_Cost(True, 0.0, 0.0, 0.0, in_place=True))  # it serves throughout
                 continue
             drain_s = max((ctx.loads.load_of(i.id).est_drain_s for i in cur), default=0.0)
@@ -1070,7 +1070,7 @@ class ElasticBalancer:
         for k, (cur, tgt) in enumerate(reach_order(list(ctx.current.values()), layout, in_place) or []):
             drain_s = max((ctx.loads.load_of(i.id).est_drain_s for i in cur), default=0.0)
             if _role_only(cur, tgt):
-                here = in_place and in_place_role(cur[0].role, tgt[0].role)
+                here = in_place and _runs_in_place(cur, tgt)
                 out.append(Reconfiguration(f"fw{k + 1}", ReconfigKind.ROLE, tuple(i.id for i in cur),
                                            (replace(tgt[0], id=cur[0].id),), "forward candidate",
                                            est_drain_s=0.0 if here else drain_s, in_place=here))
@@ -1157,7 +1157,7 @@ def orphaned_by(cur: Sequence[InstanceConfig], tgt: Sequence[InstanceConfig], ot
     """The models of `cur` that no instance would serve while the change `cur` -> `tgt` is out, `others` serving
     beside it. An in-place role change (`in_place_role`, with `in_place`) keeps its instance serving: in its old
     role until the switch, then in the new one, so `others` with the new role must serve its model."""
-    keep = list(tgt) if in_place and _role_only(cur, tgt) and in_place_role(cur[0].role, tgt[0].role) else []
+    keep = list(tgt) if in_place and _runs_in_place(cur, tgt) else []
     return {i.model for i in cur} - serving_models([*others, *keep])
 
 
@@ -1218,6 +1218,11 @@ def _role_only(cur: Sequence[InstanceConfig], tgt: Sequence[InstanceConfig]) -> 
     """A change of one instance's role on the same GPUs, model and TP (no weights move)."""
     return (len(cur) == len(tgt) == 1 and cur[0].gpu_ids == tgt[0].gpu_ids and cur[0].model == tgt[0].model
             and cur[0].tp == tgt[0].tp)
+
+
+def _runs_in_place(cur: Sequence[InstanceConfig], tgt: Sequence[InstanceConfig]) -> bool:
+    """A role change that may run in place: one instance, same GPUs, model and TP, decode <-> colocated."""
+    return _role_only(cur, tgt) and in_place_role(cur[0].role, tgt[0].role)
 
 
 @dataclass

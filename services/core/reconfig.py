@@ -102,7 +102,7 @@ def check_reconfiguration(current: Mapping[str, InstanceConfig], r: Reconfigurat
 def in_place_role(old: Role, new: Role) -> bool:
     """Whether a change from role `old` to `new` can run in place: both decode (decode and colocated), so whatever
     the instance holds stays on it, and only the new requests it takes change."""
-    return old is not new and {old, new} == {Role.DECODE, Role.COLOCATED}
+    return {old, new} == {Role.DECODE, Role.COLOCATED}
 
 
 def apply(current: Mapping[str, InstanceConfig], r: Reconfiguration) -> dict[str, InstanceConfig]:

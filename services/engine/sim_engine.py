@@ -26,6 +26,7 @@ from dataclasses import replace
 from collections.abc import AsyncIterator, Callable
 
 from octoserve.services.core.batcher import Batcher, BatcherConfig
+from octoserve.services.core.reconfig import in_place_role
 from octoserve.services.core.cost_model import CostModel
 from octoserve.services.core.instance import LoadReporter
 from octoserve.services.core.kv_cache import KVCacheManager
@@ -225,7 +226,7 @@ class SimEngine:
     def set_role_in_place(self, role: Role) -> bool:
         """Decode <-> colocated with no drain (services/rpc/role_switch.py): both decode, so the batcher keeps
         everything it holds; only the work this engine takes from now on changes. False for any other pair."""
-        if {self.role, role} != {Role.DECODE, Role.COLOCATED}:
+        if not in_place_role(self.role, role):
             return False
         self.role = role
         # The budgets are sized per role (`batcher_config_for`, set by the factory); else the same ones, new role.

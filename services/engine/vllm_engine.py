@@ -405,7 +405,7 @@ class VllmEngine:
         """Decode <-> colocated with no drain, on a flippable engine (its connector is kv_both): the running
         requests and reservations stay, and the role only decides what it takes from now on. False when it cannot
         (not flippable, or another pair of roles)."""
-        if not self.flippable or {self.role, role} != {Role.DECODE, Role.COLOCATED}:
+        if not self.flippable or not in_place_role(self.role, role):
             return False
         self.role = role
         return True

@@ -42,6 +42,7 @@ from octoserve.services.core.instance import LoadReporter, gang_duty, instance_p
 from octoserve.services.core.placement import InstanceConfig, NodeConfig
 from octoserve.services.core.sim_executor import SimExecutor
 from octoserve.services.core.steady_batcher import SteadyBatcher
+from octoserve.services.core.reconfig import in_place_role
 from octoserve.services.core.types import (
     EngineLoad, FinishReason, HandoffReady, RequestOutput, Role, StepOutputs, StepPlan, StepResult,
 )
@@ -651,7 +652,7 @@ class NodeSimulator:
         """Decode <-> colocated with no drain: the instance keeps its queue, KV, running requests and reservations,
         and takes new work in `role` once `route_only_to` names it so. Returns its new config."""
         inst = self.instances[instance_id]
-        if {inst.cfg.role, role} != {Role.DECODE, Role.COLOCATED}:
+        if not in_place_role(inst.cfg.role, role):
             raise ValueError(f"{instance_id}: only decode <-> colocated changes in place, not "
                              f"{inst.cfg.role.value} -> {role.value}")
         inst.cfg = dataclasses.replace(inst.cfg, role=role)

@@ -45,8 +45,7 @@ from octoserve.services.scheduler.live_balancer import (
     DemandWindow,
     LiveElasticBalancer,
     LiveView,
-    drain_estimates,
-    instance_load,
+    node_load,
 )
 from octoserve.services.sim.driver import NodeSimulator, SimResult
 from octoserve.services.workload import TraceRequest
@@ -137,31 +136,21 @@ class ElasticStepSim:
         return [r.reconfig for r in self.reconfigs if r.phase in (Phase.DRAINING, Phase.SWITCHING)]
 
     def node_load(self, now_s: float) -> NodeLoad:
-        """The balancer's input, built as the live scheduler builds it (`live_balancer.instance_load`; with migration
-        on, each decoding instance's drain estimate by the migration rule: `live_balancer.drain_estimates`)."""
-        draining = self._draining()
-        placement = [inst.cfg for inst in self.sim.instances.values()] + list(self.starting.values())
-        snapshots = {iid: inst.load() for iid, inst in self.sim.instances.items()}
-        accepting = {iid: iid not in draining for iid in snapshots}
-        drains = drain_estimates(self.node, [inst.cfg for inst in self.sim.instances.values()], snapshots, accepting,
-                                 self.max_migration_pause_s) if self.migrate and self.drain_by_rule else {}
-        loads = [instance_load(inst.cfg, snapshots[iid], accepting[iid], drains.get(iid))
-                 for iid, inst in self.sim.instances.items()]
-        loads += [instance_load(cfg, None, False) for cfg in self.starting.values()]
-        return NodeLoad(self.window_s, tuple(placement), tuple(loads),
-                        self.demand.demand(now_s, sorted(self.node.models)))
+        """The balancer's input, built as the live scheduler builds it (`live_balancer.node_load`: with migration
+        on, each decoding instance's drain estimate by the migration rule)."""
+        return node_load(self.live_view(now_s, replay=False), self.node)
 
-    def live_view(self, now_s: float) -> LiveView:
+    def live_view(self, now_s: float, replay: bool = True) -> LiveView:
         """What the live scheduler would hand its balancer now (services/scheduler/service.py `live_view`): the
         placement with the starting instances, which take requests, each instance's load snapshot, the demand and
-        the reported arrivals a forward ranker replays."""
+        (`replay`) the reported arrivals a forward ranker replays."""
         draining = self._draining()
         placement = tuple([inst.cfg for inst in self.sim.instances.values()] + list(self.starting.values()))
         accepting = {**{iid: iid not in draining for iid in self.sim.instances}, **{iid: False for iid in self.starting}}
         loads = {iid: inst.load() for iid, inst in self.sim.instances.items()}
         return LiveView(placement, accepting, loads, self.demand.demand(now_s, sorted(self.node.models)), self.window_s,
                         self.migrate and self.drain_by_rule, self.max_migration_pause_s,
-                        self.demand.arrivals(now_s, self.node.slo.ttft_ms))
+                        self.demand.arrivals(now_s, self.node.slo.ttft_ms) if replay else ())
 
     # - the balancing period -
 
