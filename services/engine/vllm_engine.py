@@ -43,6 +43,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from octoserve.services.core.reconfig import in_place_role
 from octoserve.services.core.types import EngineLoad, FinishReason, RequestOutput, RequestSpec, Role, SamplingParams
 from octoserve.services.engine import vllm_kv
 from octoserve.services.engine.base import EngineError, KVHandoff
