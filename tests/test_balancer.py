@@ -468,6 +468,41 @@ def test_with_a_forward_ranker_an_unreachable_better_placement_is_named_and_noth
     assert ranker.calls == 1 and b.log[-1].reason == "hold:forward"  # every move scored 0: none beats hold
 
 
+class _RecordingRanker(_CountingRanker):
+    """Scores every move 0, as `_CountingRanker`, and keeps the moves it was given."""
+
+    def forecast(self, now_s, moves, rates_rps, horizons_s):
+        self.moves = list(moves)
+        return super().forecast(now_s, moves, rates_rps, horizons_s)
+
+
+def test_forward_candidates_are_distinct_shapes_laid_out_nearest_the_current_placement():
+    """The 70B's TP 2 on GPUs 6-7 beside six 8B GPUs, and the 70B's demand grown (10 req/s; the 8B's 30): the
+    estimate's best shape is the 70B on a TP 4 and its TP 2 beside two 8B GPUs. The candidate layouts hold that shape three ways (the 70B first, or
+    last in either TP order); the one played forward keeps the TP 2 where it is and loads a TP 4 on GPUs 2-5 (one
+    change, four GPUs), not one that moves the TP 2 as well. Each shape is played once."""
+    from octoserve.services.core.balancer import layout_shape
+
+    current = [*(inst(f"sm-{k}", S, Role.COLOCATED, (k,)) for k in range(6)), inst("lm-6", L, Role.COLOCATED, (6, 7))]
+    layouts = candidate_layouts(NODE)
+    grown = (L, 2, "colocated"), (L, 4, "colocated"), *[(S, 1, "colocated")] * 2
+    variants = [l for l in layouts if layout_shape(l) == tuple(sorted(grown))]
+    assert sorted(tuple(i.gpu_ids for i in l if i.model == L) for l in variants) == [
+        ((0, 1, 2, 3), (4, 5)), ((2, 3), (4, 5, 6, 7)), ((2, 3, 4, 5), (6, 7))]
+    ranker = _RecordingRanker()
+    b = ElasticBalancer(NODE, FAST, layouts=layouts, ranker=ranker)
+    assert b.plan(10.0, load(current, [ModelDemand(L, 10.0), ModelDemand(S, 30.0)]), []) == []
+    shapes = [layout_shape(m.layout) for m in ranker.moves]
+    assert len(set(shapes)) == len(shapes) == 4 and [m.name for m in ranker.moves] == ["hold", "estimate", "top 2",
+                                                                                       "top 3"]
+    move = ranker.moves[1]
+    assert layout_shape(move.layout) == tuple(sorted(grown))
+    assert sorted(i.gpu_ids for i in move.layout if i.model == L) == [(2, 3, 4, 5), (6, 7)]
+    (change,) = move.changes
+    assert change.kind is ReconfigKind.MODEL and change.retire == ("sm-2", "sm-3", "sm-4", "sm-5")
+    assert [(i.model, i.tp, i.gpu_ids) for i in change.start] == [(L, 4, (2, 3, 4, 5))]
+
+
 def test_a_70b_pool_on_the_last_gpus_grows_at_its_inner_edge():
     """With the 8B on GPUs 0-3 and the 70B's TP 4 on GPUs 4-7, the 70B grows by a TP 2 on GPUs 2-3: that placement
     is a candidate (the larger model's instances smallest TP first when it sits on the last GPUs), reachable with

@@ -700,6 +700,11 @@ class ElasticBalancer:
         self.layouts = [tuple(l) for l in (layouts if layouts is not None else candidate_layouts(node))]
         if not self.layouts:
             raise ValueError("no candidate placement: the balancer has nowhere to move")
+        # The layouts by shape (each model's instances' TP degrees and roles): one shape laid out on other GPUs
+        # scores the same, so the forward ranking plays each shape once, laid out as near the current one as it can.
+        self._by_shape: dict[tuple, list[tuple[InstanceConfig, ...]]] = {}
+        for layout in self.layouts:
+            self._by_shape.setdefault(layout_shape(layout), []).append(layout)
         self.counters: Counter[str] = Counter()
         self.log: list[Decision] = []
         self._gpu_changed_s: dict[int, float] = {}
@@ -1038,18 +1043,31 @@ class ElasticBalancer:
         self._forward_layout, self._forward_gain = tuple(layout), benefit
         return target
 
+    def _nearest(self, current: Sequence[InstanceConfig], shape: tuple) -> tuple[InstanceConfig, ...] | None:
+        """The layout of `shape` that is allowed, reachable and nearest `current` (`_distance`); None when none is."""
+        options = [l for l in self._by_shape.get(shape, ())
+                   if self._allowed(current, l) and reachable(current, l, self.in_place)]
+        return min(options, key=lambda l: _distance(current, l, self.in_place)) if options else None
+
     def _move_candidates(self, ctx: "_Context") -> list[MoveCandidate]:
-        """Hold, the estimate's best reachable targets (`forward_top_k`) and the way back (module doc)."""
+        """Hold, the estimate's best reachable targets (`forward_top_k`) and the way back (module doc). Each is a
+        shape not yet among them, laid out nearest the current placement (`_nearest`): the same shape on other GPUs
+        serves the same, and moving instances to reach it costs their drain and weight loads for nothing."""
         current = tuple(ctx.current.values())
-        seen = {_key(current)}
+        seen = {layout_shape(current)}
         moves = [MoveCandidate("hold", current, (), ctx.now_good)]
 
         def add(name: str, layout: Sequence[InstanceConfig], good: float) -> None:
-            if (_key(layout) in seen or not self._allowed(current, layout)
-                    or not reachable(current, layout, self.in_place)):
+            shape = layout_shape(layout)
+            if shape in seen:
                 return
-            seen.add(_key(layout))
-            moves.append(MoveCandidate(name, tuple(layout), self.changes_to(ctx, layout), good))
+            nearest = self._nearest(current, shape) if shape in self._by_shape else None
+            if nearest is None:
+                if not self._allowed(current, layout) or not reachable(current, layout, self.in_place):
+                    return
+                nearest = tuple(layout)
+            seen.add(shape)
+            moves.append(MoveCandidate(name, nearest, self.changes_to(ctx, nearest), good))
 
         scored = [(self._score(l, ctx), l) for l in self.layouts]
         for (good, caps), layout in sorted(scored, key=lambda s: -s[0][0]):
@@ -1150,6 +1168,29 @@ class ElasticBalancer:
 
 def _key(layout: Sequence[InstanceConfig]) -> tuple:
     return tuple(sorted(_signature(i) for i in layout))
+
+
+def layout_shape(layout: Sequence[InstanceConfig]) -> tuple:
+    """A layout up to where its instances sit: each instance's model, TP degree and role (what the capacity estimate
+    scores)."""
+    return tuple(sorted((i.model, i.tp, i.role.value) for i in layout))
+
+
+def _distance(current: Sequence[InstanceConfig], target: Sequence[InstanceConfig], in_place: bool) -> tuple:
+    """How far `target` is from `current`, to order layouts of one shape: the GPUs whose weights would load (model
+    changes), then the GPUs that would change role with a drain, then those changing role in place, then the
+    number of changes."""
+    loads = drains = flips = 0
+    comps = diff_components(current, target)
+    for cur, tgt in comps:
+        gpus = len({g for i in cur for g in i.gpu_ids})
+        if not _role_only(cur, tgt):
+            loads += gpus
+        elif in_place and _runs_in_place(cur, tgt):
+            flips += gpus
+        else:
+            drains += gpus
+    return loads, drains, flips, len(comps)
 
 
 def orphaned_by(cur: Sequence[InstanceConfig], tgt: Sequence[InstanceConfig], others: Sequence[InstanceConfig],
