@@ -113,14 +113,22 @@ def test_a_prefill_instance_without_a_decode_partner_leaves_the_model_served_by_
 def test_the_shortened_day_runs_at_both_levels_and_loses_nothing():
     from octoserve.services.sim.elastic_step import day_rows
 
-    rows = day_rows("default", hour_s=1.0, load=0.9, gpu="h200-141gb")  # on 80-GB GPUs the 70B has no
-    # smaller serving placement than TP 4, and on this short day the balancer finds no move worth making there
+    hourly: list[str] = []
+    rows = day_rows("default", hour_s=1.0, load=0.9, gpu="h200-141gb", hourly=hourly)  # on 80-GB GPUs the 70B has
+    # no smaller serving placement than TP 4, and on this short day the balancer finds no move worth making there
     assert [name for name, *_ in rows] == ["best static, queueing", "elastic, queueing", "best static, step level",
                                            "elastic, step level"]
     assert [lost for *_, lost in rows] == [0, 0, 0, 0]
     assert rows[0][2] == rows[2][2] == 0 and rows[3][2] > 0  # the step-level balancer reconfigured
     offered = {s.overall.num_offered for _, s, _, _ in rows}
     assert len(offered) == 1  # the same requests everywhere
+    # Hour by hour (1 s each): the two step-level runs' good requests per hour add up to their goodput over the day,
+    # and every reconfiguration done is listed after the table.
+    hours = [line.split(" | ") for line in hourly[2:] if line.startswith("| ")]
+    assert [int(h[0][2:]) for h in hours] == list(range(24))
+    for col, row in ((1, rows[2]), (2, rows[3])):
+        assert sum(float(h[col]) for h in hours) / 24 == pytest.approx(row[1].overall.goodput_rps, abs=0.01)
+    assert len([line for line in hourly if line.startswith("- ")]) >= rows[3][2]
 
 
 def test_a_model_change_migrates_running_decodes_and_ends_its_drain_sooner(monkeypatch):

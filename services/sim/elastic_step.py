@@ -303,12 +303,14 @@ def run_elastic_step(node: NodeConfig, trace: Sequence[TraceRequest], **kwargs) 
 
 def day_rows(cost_profile: str, *, hour_s: float, load: float, gpu: str, seed: int = 0,
              policy: BalancerPolicy = BalancerPolicy(), window_s: float = 10.0,
-             migrate: bool = True, ranker: str = "forward") -> list[tuple[str, object, int, int]]:
+             migrate: bool = True, ranker: str = "forward", hourly: list[str] | None = None
+             ) -> list[tuple[str, object, int, int]]:
     """The mix-shift day (offered `load` x each model's capacity alone, `hour_s` per hour): the best static
     placement and the elastic balancer (with `ranker`: the forward ranker by default, as the node's, played on the
     queueing model's state there and on a twin built from the load snapshots here), each on the queueing-level
     simulator (services/sim/elastic_sim.py) and on this step-level one, from the same start placement. Rows: (name,
-    Summary over the arrivals, reconfigurations done, requests lost)."""
+    Summary over the arrivals, reconfigurations done, requests lost). `hourly`, when given, receives the step-level
+    goodput of both hour by hour and the elastic run's reconfigurations, as text lines."""
     import dataclasses
 
     from octoserve.services.core.balancer import candidate_layouts
@@ -336,10 +338,30 @@ def day_rows(cost_profile: str, *, hour_s: float, load: float, gpu: str, seed: i
         return summarize(records, day.slo, day.duration_s)
 
     step_static_lost = sum(1 for r in step_static.records if r.error and not r.refused)
+    if hourly is not None:
+        hourly += hourly_lines(step_static.records, step_elastic, day.slo, hour_s)
     return [("best static, queueing", summary(static.records), 0, static.lost),
             ("elastic, queueing", summary(elastic.records), len(elastic.reconfigs), elastic.lost),
             ("best static, step level", summary(step_static.records), 0, step_static_lost),
             ("elastic, step level", summary(step_elastic.sim.records), len(step_elastic.done), step_elastic.lost)]
+
+
+def hourly_lines(static_records, elastic: ElasticStepResult, slo, hour_s: float) -> list[str]:
+    """Step-level goodput per hour of the day, static placement against elastic, then each reconfiguration."""
+    from octoserve.services.metrics import attainment_over_time
+
+    static_bins = attainment_over_time(static_records, slo, hour_s)
+    elastic_bins = attainment_over_time(elastic.sim.records, slo, hour_s)
+    lines = ["| hour | static req/s | elastic req/s | elastic - static |", "|---|---|---|---|"]
+    for s, e in zip(static_bins, elastic_bins):
+        lines.append(f"| {s.start_s / hour_s:.0f} | {s.num_good / hour_s:.2f} | {e.num_good / hour_s:.2f} | "
+                     f"{(e.num_good - s.num_good) / hour_s:+.2f} |")
+    for ev in elastic.reconfigs:
+        r = ev.reconfig
+        started = ", ".join(f"{i.model} TP{i.tp} {i.role.value}" for i in r.start)
+        lines.append(f"- {ev.planned_s:.1f} s (hour {ev.planned_s / hour_s:.1f}) -> done {ev.done_s:.1f} s: "
+                     f"{r.kind.value}{' in place' if r.in_place else ''}, {' + '.join(r.retire)} -> {started}")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -358,20 +380,28 @@ def main(argv: list[str] | None = None) -> int:
                         help="the step-level elastic run drains retired instances, migrating no running decode")
     parser.add_argument("--ranker", choices=("forward", "none"), default="forward",
                         help="the balancer's ranker on both simulators (default: forward, as the node's)")
+    parser.add_argument("--hourly", action="store_true",
+                        help="also print the step-level goodput hour by hour (static vs elastic) and every "
+                             "reconfiguration of the elastic run")
     args = parser.parse_args(argv)
     if args.hour_s <= 0 or args.load <= 0:
         parser.error("--hour-s and --load must be > 0")
     profiles = ("default", "pessimistic") if args.cost_profile == "both" else (args.cost_profile,)
     print("| cost profile | configuration | goodput req/s | attainment | refused | reconfigurations | lost |\n"
           "|---|---|---|---|---|---|---|")
+    hourly: dict[str, list[str] | None] = {}
     for profile in profiles:
         t0 = time.perf_counter()
+        hourly[profile] = [] if args.hourly else None
         for name, s, n, lost in day_rows(profile, hour_s=args.hour_s, load=args.load, gpu=args.gpu, seed=args.seed,
-                                         migrate=not args.drain_only, ranker=args.ranker):
+                                         migrate=not args.drain_only, ranker=args.ranker, hourly=hourly[profile]):
             g = s.overall
             print(f"| {profile} | {name} | {g.goodput_rps:.2f} | {g.attainment_offered:.3f} | "
                   f"{g.refused_fraction:.3f} | {n} | {lost} |", flush=True)
         print(f"({profile}: {time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+    for profile, lines in hourly.items():
+        if lines:
+            print(f"\nStep level, {profile} cost profile, hour by hour:\n" + "\n".join(lines))
     return 0
 
 
