@@ -298,7 +298,7 @@ async def test_bench_table_breaks_errors_down_by_cause(tmp_path, capsys):
     async with serve(server) as target:
         args = parser.parse_args([
             "--target", target, "--profile", "seed-000", "--rate", "300", "--duration", "1", "--seed", "2",
-            "--max-requests", "40", "--drain-timeout", "0.5", "--no-progress", "--warmup", "0s",
+            "--max-requests", "40", "--drain-timeout", "3", "--no-progress", "--warmup", "0s",
             "--json", str(tmp_path / "s.json"),
         ])
         assert await asyncio.to_thread(run, args) == 0
