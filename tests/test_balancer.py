@@ -503,6 +503,41 @@ def test_forward_candidates_are_distinct_shapes_laid_out_nearest_the_current_pla
     assert [(i.model, i.tp, i.gpu_ids) for i in change.start] == [(L, 4, (2, 3, 4, 5))]
 
 
+def test_a_shape_is_also_laid_out_around_the_current_instances():
+    """The 70B as a TP 2 on GPUs 2-3 and a TP 4 on 4-7, the 8B on 0-1, and the 8B's demand back: the shape with
+    the 70B on one TP 2 is in the candidate layouts only with that TP 2 at either end (GPUs 0-1 or 6-7), each a
+    weight load of the 70B and more. `arrange_near` keeps the TP 2 where it is and lays four 8B instances out on the
+    TP 4's GPUs: one change, and the 70B keeps serving on its TP 2 throughout. The forward ranking plays that one."""
+    from octoserve.services.core.balancer import arrange_near, layout_shape
+
+    current = [inst("sm-0", S, Role.COLOCATED, (0,)), inst("sm-1", S, Role.COLOCATED, (1,)),
+               inst("lm-2", L, Role.COLOCATED, (2, 3)), inst("lm-4", L, Role.COLOCATED, (4, 5, 6, 7))]
+    shape = tuple(sorted([(L, 2, "colocated"), *[(S, 1, "colocated")] * 6]))
+    near = arrange_near(current, shape, 8)
+    assert [(i.model, i.gpu_ids) for i in near] == [(S, (0,)), (S, (1,)), (L, (2, 3)), *((S, (g,)) for g in range(4, 8))]
+    assert near[2] is current[2] and layout_shape(near) == shape
+    ((cur, tgt),) = diff_components(current, near)
+    assert [i.id for i in cur] == ["lm-4"] and reachable(current, near)
+    ends = [l for l in candidate_layouts(NODE) if layout_shape(l) == shape]
+    assert sorted(next(i.gpu_ids for i in l if i.model == L) for l in ends) == [(0, 1), (6, 7)]
+    assert all(len(diff_components(current, l)) >= 2 for l in ends)
+    assert arrange_near(current, shape, 8, keep_low=False) == near  # of equal instances, the highest stay: the same
+    # Which of equal instances stay decides what fits: the 8B on GPUs 0 and 3-7 around a TP 2 on 1-2, and a TP 4
+    # wanted beside two 8B GPUs. Keeping the 8B on 0 and 3 frees 4-7; keeping it on 6 and 7 frees 0, 3, 4 and 5.
+    frag = [inst("sm-0", S, Role.COLOCATED, (0,)), inst("lm-1", L, Role.COLOCATED, (1, 2)),
+            *(inst(f"sm-{g}", S, Role.COLOCATED, (g,)) for g in range(3, 8))]
+    grown = tuple(sorted([(L, 4, "colocated"), (L, 2, "colocated"), (S, 1, "colocated"), (S, 1, "colocated")]))
+    assert [i.gpu_ids for i in arrange_near(frag, grown, 8) if i.model == L] == [(1, 2), (4, 5, 6, 7)]
+    assert arrange_near(frag, grown, 8, keep_low=False) is None
+    ranker = _RecordingRanker()
+    b = ElasticBalancer(NODE, FAST, layouts=candidate_layouts(NODE), ranker=ranker)
+    assert b.plan(10.0, load(current, [ModelDemand(L, 2.0), ModelDemand(S, 120.0)]), []) == []
+    (move,) = [m for m in ranker.moves if layout_shape(m.layout) == shape]
+    (change,) = move.changes
+    assert change.retire == ("lm-4",) and [(i.model, i.gpu_ids) for i in change.start] == [
+        (S, (g,)) for g in range(4, 8)]
+
+
 def test_a_70b_pool_on_the_last_gpus_grows_at_its_inner_edge():
     """With the 8B on GPUs 0-3 and the 70B's TP 4 on GPUs 4-7, the 70B grows by a TP 2 on GPUs 2-3: that placement
     is a candidate (the larger model's instances smallest TP first when it sits on the last GPUs), reachable with

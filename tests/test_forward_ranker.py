@@ -125,13 +125,26 @@ def test_role_changes_are_judged_over_the_short_horizon_model_changes_over_the_l
     assert b.plan(10.0, load(PLACED, DEMAND), []) == [] and b.counters == {"hold:forward": 1}
 
 
-def test_a_step_plays_the_candidates_again_at_once():
+def test_a_step_plays_the_candidates_again_once_its_recent_rate_settles():
+    """A step first seen at 12 s: the ranking holds (`hold:settle`) until `step_settle_s` (2 s) later, then plays
+    the candidates at once, not at the 10-s refresh, on the recent rate, even where the step score has fallen back.
+    With no settling time it plays them when the step is seen."""
     b, ranker = _balancer({})
     b.plan(10.0, load(PLACED, DEMAND), [])
     stepped = (ModelDemand(L, 1.0), ModelDemand(S, 60.0, recent_rps=90.0, step_z=6.0))
     b.plan(12.0, load(PLACED, stepped), [])
-    assert [c[0] for c in ranker.calls] == [10.0, 12.0]
-    assert ranker.calls[1][3][S] == 90.0  # after a step the forecast is the recent rate
+    b.plan(13.0, load(PLACED, stepped), [])
+    assert [c[0] for c in ranker.calls] == [10.0]
+    assert [d.reason for d in b.log[1:]] == ["hold:settle", "hold:settle"]
+    assert b.log[-1].detail == "a step seen at 12 s in llama-3-8b: its recent rate is measured until 14 s"
+    settled = (ModelDemand(L, 1.0), ModelDemand(S, 80.0, recent_rps=120.0, step_z=1.0))
+    b.plan(14.0, load(PLACED, settled), [])
+    assert [c[0] for c in ranker.calls] == [10.0, 14.0]
+    assert ranker.calls[1][3][S] == 120.0  # after a step the forecast is the recent rate
+    b, ranker = _balancer({}, step_settle_s=0.0)
+    b.plan(10.0, load(PLACED, DEMAND), [])
+    b.plan(12.0, load(PLACED, stepped), [])
+    assert [c[0] for c in ranker.calls] == [10.0, 12.0] and ranker.calls[1][3][S] == 90.0
 
 
 def test_a_move_wins_and_is_carried_out_without_asking_again():

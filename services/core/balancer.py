@@ -49,6 +49,8 @@ Guards, in the order they are checked (each refusal counted by reason in `counte
 - `hold:last_instance`: the change would leave a model unable to take requests (no colocated instance, and not
   both a prefill and a decode instance, among those still taking requests).
 - `planned:role` / `planned:model`: a reconfiguration was emitted.
+- `hold:settle` (with a forward ranker): a step was seen less than `step_settle_s` ago; the ranking waits for its
+  recent rate.
 
 Optional forward ranker (`ForwardRanker`, off unless one is given): the estimate proposes, a forward simulation
 disposes; the estimate's own hysteresis, confirmation and cost checks are then not used. At most every
@@ -251,6 +253,10 @@ class BalancerPolicy:
     # before the next phase, and over the whole horizon the two phases cancel out.
     forward_short_s: float | None = 20.0
     forward_window_s: float = 60.0  # the forecast arrivals' lengths come from the arrivals over this last window
+    # With a `ForwardRanker`: once a step is first seen, the ranking waits this long. The step's forecast is the
+    # recent rate, measured over the window's last bins (4 s of the live node's 10-s window), so a second after the
+    # step it holds a quarter of the new rate, and a move ranked on it goes a quarter of the way.
+    step_settle_s: float = 2.0
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
@@ -266,7 +272,7 @@ class BalancerPolicy:
         if not 0 < self.correction_weight <= 1 or not 0 < self.dwell_tolerance:
             raise ValueError("correction_weight must be in (0, 1] and dwell_tolerance > 0")
         for name in ("forecast_window_s", "min_gain_fraction", "min_gain_rps", "min_dwell_s", "engine_init_s",
-                     "role_switch_s", "forward_refresh_s", "forward_window_s", "gain_noise_z"):
+                     "role_switch_s", "forward_refresh_s", "forward_window_s", "gain_noise_z", "step_settle_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0 < self.decode_step_fraction <= 1:
@@ -573,9 +579,7 @@ def _model_instances(model: str, tps: tuple[int, ...], first_gpu: int,
         insts, gpu = [], first_gpu
         for tp, roles in combo:
             for role in roles:
-                tokens = 8192 if role is Role.PREFILL else 2048
-                insts.append(InstanceConfig(f"{model}-{role.value}-g{gpu}", model, role, tp,
-                                            tuple(range(gpu, gpu + tp)), max_num_batched_tokens=tokens))
+                insts.append(_instance(model, role, tp, tuple(range(gpu, gpu + tp))))
                 gpu += tp
         out.append(insts)
     return out
@@ -713,6 +717,7 @@ class ElasticBalancer:
         self._next_id = 0
         self.weights = objective_weights(node, policy.objective)  # per-model weight of the score (`OBJECTIVES`)
         self._step_until_s = -math.inf  # forecasts follow the recent rates until then (a step was seen)
+        self._step_seen_s = -math.inf  # when the last step was first seen (`step_settle_s`)
         self._committed: tuple | None = None  # the target of a move under way
         self._before: tuple[InstanceConfig, ...] | None = None  # where the last move started from: the way back
         # The forward ranking (with a ranker): when it may run next, its last verdict, a move's target and gain.
@@ -792,6 +797,8 @@ class ElasticBalancer:
         demand = {m: loads.demand_of(m) for m in sorted(self.node.models)}
         stepped = [m for m, d in demand.items() if abs(d.step_z) >= policy.step_z and d.recent_rps is not None]
         if stepped:
+            if now_s >= self._step_until_s:
+                self._step_seen_s = now_s
             self._step_until_s = now_s + policy.step_hold_s
         self.dwell.update(now_s, {m: d.arrival_rps for m, d in demand.items()})
         changing = {i.model for r in in_flight for i in r.start} | {
@@ -980,6 +987,13 @@ class ElasticBalancer:
             if _key(current) != self._committed and reachable(current, layout, self.in_place):
                 return self._forward_target(ctx, layout, self._forward_gain, "move under way")
             self._committed = None
+        settled_s = self._step_seen_s + policy.step_settle_s
+        if now_s < settled_s:
+            self._next_forward_s = min(self._next_forward_s, settled_s)
+            self._decide(now_s, "hold:settle", f"a step seen at {self._step_seen_s:.0f} s in "
+                                               f"{', '.join(ctx.stepped) or 'the demand'}: its recent rate is "
+                                               f"measured until {settled_s:.0f} s")
+            return None
         if now_s < self._next_forward_s and not ctx.stepped:
             self._decide(now_s, "hold:forward", f"verdict of {self._verdict}")
             return None
@@ -1044,9 +1058,22 @@ class ElasticBalancer:
         return target
 
     def _nearest(self, current: Sequence[InstanceConfig], shape: tuple) -> tuple[InstanceConfig, ...] | None:
-        """The layout of `shape` that is allowed, reachable and nearest `current` (`_distance`); None when none is."""
-        options = [l for l in self._by_shape.get(shape, ())
-                   if self._allowed(current, l) and reachable(current, l, self.in_place)]
+        """The layout of `shape` that is allowed, reachable and nearest `current` (`_distance`), among the candidate
+        layouts of that shape and, when the shape moves GPUs between instances (a model change: weights to load),
+        those `arrange_near` builds around the current instances; None when none is. A shape of role changes only
+        keeps the candidate layouts' role order: laid out around the current instances, a role split becomes one
+        cheap flip away from the next, and in the mix-shift day's prefill/decode phase the ranker then flipped roles
+        back and forth (in the elastic simulator, 8 H200s under the pessimistic profile: more reconfigurations and
+        less goodput)."""
+        from octoserve.services.core.placement import check_placement  # noqa: PLC0415 (a cycle-free local import)
+
+        options = list(self._by_shape.get(shape, ()))
+        moves_gpus = sorted(k[:2] for k in shape) != sorted((i.model, i.tp) for i in current)
+        for keep_low in ((True, False) if moves_gpus else ()):
+            built = arrange_near(current, shape, self.node.num_gpus, self.in_place, keep_low)
+            if built is not None and not check_placement(replace(self.node, instances=built, gang=None)):
+                options.append(built)
+        options = [l for l in options if self._allowed(current, l) and reachable(current, l, self.in_place)]
         return min(options, key=lambda l: _distance(current, l, self.in_place)) if options else None
 
     def _move_candidates(self, ctx: "_Context") -> list[MoveCandidate]:
@@ -1174,6 +1201,49 @@ def layout_shape(layout: Sequence[InstanceConfig]) -> tuple:
     """A layout up to where its instances sit: each instance's model, TP degree and role (what the capacity estimate
     scores)."""
     return tuple(sorted((i.model, i.tp, i.role.value) for i in layout))
+
+
+def arrange_near(current: Sequence[InstanceConfig], shape: tuple, num_gpus: int, in_place: bool = False,
+                 keep_low: bool = True) -> tuple[InstanceConfig, ...] | None:
+    """A layout of `shape` (`layout_shape`) built around `current`: the instances that already have a place in it
+    stay as they are; then those of a model and TP degree it still needs change role where they are (decode <->
+    colocated first, when such changes run in place); what is left is laid out on the GPUs freed and unused, largest
+    TP first, each on the lowest contiguous run that fits. `keep_low`: of equal instances, the lowest-numbered GPUs'
+    stay (else the highest's). None when the freed GPUs do not fit what is left."""
+    want = Counter(shape)
+    order = sorted(current, key=lambda i: i.gpu_ids, reverse=not keep_low)
+    kept: list[InstanceConfig] = []
+    rest = []
+    for inst in order:
+        key = (inst.model, inst.tp, inst.role.value)
+        if want[key] > 0:
+            want[key] -= 1
+            kept.append(inst)
+        else:
+            rest.append(inst)
+    freed: set[int] = set(range(num_gpus)) - {g for i in current for g in i.gpu_ids}
+    for inst in rest:
+        roles = [Role(k[2]) for k, n in want.items() if n > 0 and k[:2] == (inst.model, inst.tp)]
+        if not roles:
+            freed.update(inst.gpu_ids)
+            continue
+        role = min(roles, key=lambda r: (not (in_place and in_place_role(inst.role, r)), r.value))
+        want[(inst.model, inst.tp, role.value)] -= 1
+        kept.append(_instance(inst.model, role, inst.tp, inst.gpu_ids))
+    for model, tp, role in sorted(want.elements(), key=lambda k: (-k[1], k)):
+        free = sorted(freed)
+        run = next((free[k:k + tp] for k in range(len(free) - tp + 1) if free[k + tp - 1] - free[k] == tp - 1), None)
+        if run is None:
+            return None
+        kept.append(_instance(model, Role(role), tp, tuple(run)))
+        freed.difference_update(run)
+    return tuple(sorted(kept, key=lambda i: i.gpu_ids))
+
+
+def _instance(model: str, role: Role, tp: int, gpus: tuple[int, ...]) -> InstanceConfig:
+    """A candidate layout's instance, as `_model_instances` builds them."""
+    tokens = 8192 if role is Role.PREFILL else 2048
+    return InstanceConfig(f"{model}-{role.value}-g{gpus[0]}", model, role, tp, tuple(gpus), max_num_batched_tokens=tokens)
 
 
 def _distance(current: Sequence[InstanceConfig], target: Sequence[InstanceConfig], in_place: bool) -> tuple:
