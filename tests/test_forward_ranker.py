@@ -126,17 +126,18 @@ def test_role_changes_are_judged_over_the_short_horizon_model_changes_over_the_l
 
 
 def test_a_step_plays_the_candidates_again_once_its_recent_rate_settles():
-    """A step first seen at 12 s: the ranking holds (`hold:settle`) until `step_settle_s` (2 s) later, then plays
-    the candidates at once, not at the 10-s refresh, on the recent rate, even where the step score has fallen back.
-    With no settling time it plays them when the step is seen."""
+    """A step first seen at 12 s: moves with a model change wait (`hold:settle`) until `step_settle_s` (2 s) later;
+    the candidates are then played at once, not at the 10-s refresh, on the recent rate, even where the step score
+    has fallen back. Role changes are played while it settles. With no settling time all are played at the step."""
     b, ranker = _balancer({})
     b.plan(10.0, load(PLACED, DEMAND), [])
     stepped = (ModelDemand(L, 1.0), ModelDemand(S, 60.0, recent_rps=90.0, step_z=6.0))
     b.plan(12.0, load(PLACED, stepped), [])
     b.plan(13.0, load(PLACED, stepped), [])
-    assert [c[0] for c in ranker.calls] == [10.0]
+    assert [c[0] for c in ranker.calls] == [10.0]  # the estimate's best three are all model changes
     assert [d.reason for d in b.log[1:]] == ["hold:settle", "hold:settle"]
-    assert b.log[-1].detail == "a step seen at 12 s in llama-3-8b: its recent rate is measured until 14 s"
+    assert b.log[-1].detail == ("a step seen at 12 s in llama-3-8b: estimate, top 2, top 3 (a model change) wait "
+                                "until 14 s, when its recent rate is measured")
     settled = (ModelDemand(L, 1.0), ModelDemand(S, 80.0, recent_rps=120.0, step_z=1.0))
     b.plan(14.0, load(PLACED, settled), [])
     assert [c[0] for c in ranker.calls] == [10.0, 14.0]
@@ -145,6 +146,17 @@ def test_a_step_plays_the_candidates_again_once_its_recent_rate_settles():
     b.plan(10.0, load(PLACED, DEMAND), [])
     b.plan(12.0, load(PLACED, stepped), [])
     assert [c[0] for c in ranker.calls] == [10.0, 12.0] and ranker.calls[1][3][S] == 90.0
+    # With role changes among the candidates (the estimate's best 40), those are played while the step settles.
+    b, ranker = _balancer({}, forward_top_k=40)
+    b.plan(10.0, load(PLACED, DEMAND), [])
+    b.plan(12.0, load(PLACED, stepped), [])
+    assert [c[0] for c in ranker.calls] == [10.0, 12.0]
+
+    def gpus(layout):
+        return sorted((i.model, i.tp, i.gpu_ids) for i in layout)
+    assert any(gpus(l) != gpus(PLACED) for l in ranker.layouts[0])
+    assert len(ranker.layouts[1]) > 1 and all(gpus(l) == gpus(PLACED) for l in ranker.layouts[1])
+    assert [d.reason for d in b.log[-2:]] == ["hold:settle", "hold:forward"]  # every move scored 0, as hold
 
 
 def test_a_move_wins_and_is_carried_out_without_asking_again():

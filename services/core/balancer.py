@@ -49,8 +49,8 @@ Guards, in the order they are checked (each refusal counted by reason in `counte
 - `hold:last_instance`: the change would leave a model unable to take requests (no colocated instance, and not
   both a prefill and a decode instance, among those still taking requests).
 - `planned:role` / `planned:model`: a reconfiguration was emitted.
-- `hold:settle` (with a forward ranker): a step was seen less than `step_settle_s` ago; the ranking waits for its
-  recent rate.
+- `hold:settle` (with a forward ranker): a step was seen less than `step_settle_s` ago; moves with a model change
+  wait for its recent rate (role changes are ranked at once).
 
 Optional forward ranker (`ForwardRanker`, off unless one is given): the estimate proposes, a forward simulation
 disposes; the estimate's own hysteresis, confirmation and cost checks are then not used. At most every
@@ -253,9 +253,10 @@ class BalancerPolicy:
     # before the next phase, and over the whole horizon the two phases cancel out.
     forward_short_s: float | None = 20.0
     forward_window_s: float = 60.0  # the forecast arrivals' lengths come from the arrivals over this last window
-    # With a `ForwardRanker`: once a step is first seen, the ranking waits this long. The step's forecast is the
-    # recent rate, measured over the window's last bins (4 s of the live node's 10-s window), so a second after the
-    # step it holds a quarter of the new rate, and a move ranked on it goes a quarter of the way.
+    # With a `ForwardRanker`: once a step is first seen, moves with a model change wait this long (role changes do
+    # not). The step's forecast is the recent rate, measured over the window's last bins (4 s of the live node's
+    # 10-s window), so a second after the step it holds a quarter of the new rate, and a weight load ranked on it
+    # goes a quarter of the way.
     step_settle_s: float = 2.0
 
     def __post_init__(self) -> None:
@@ -988,17 +989,23 @@ class ElasticBalancer:
                 return self._forward_target(ctx, layout, self._forward_gain, "move under way")
             self._committed = None
         settled_s = self._step_seen_s + policy.step_settle_s
-        if now_s < settled_s:
-            self._next_forward_s = min(self._next_forward_s, settled_s)
-            self._decide(now_s, "hold:settle", f"a step seen at {self._step_seen_s:.0f} s in "
-                                               f"{', '.join(ctx.stepped) or 'the demand'}: its recent rate is "
-                                               f"measured until {settled_s:.0f} s")
-            return None
+        settling = now_s < settled_s
         if now_s < self._next_forward_s and not ctx.stepped:
             self._decide(now_s, "hold:forward", f"verdict of {self._verdict}")
             return None
-        self._next_forward_s = now_s + policy.forward_refresh_s
+        self._next_forward_s = settled_s if settling else now_s + policy.forward_refresh_s
         moves = self._move_candidates(ctx)
+        waiting = [m for m in moves if any(r.kind is not ReconfigKind.ROLE for r in m.changes)] if settling else []
+        if waiting:
+            # A move with a model change (weights to load) waits until the step's recent rate is measured; role
+            # changes (cheap to undo) are played at once.
+            moves = [m for m in moves if m not in waiting]
+            self._decide(now_s, "hold:settle", f"a step seen at {self._step_seen_s:.0f} s in "
+                                               f"{', '.join(ctx.stepped) or 'the demand'}: "
+                                               f"{', '.join(m.name for m in waiting)} (a model change) wait until "
+                                               f"{settled_s:.0f} s, when its recent rate is measured")
+            if len(moves) < 2:
+                return None
         if len(moves) < 2:
             self._verdict = f"{now_s:.0f} s: no reachable candidate move"
             stranded = []
