@@ -134,8 +134,8 @@ def section(rows: Sequence[dict], command: str, wall_s: float) -> str:
         "Against the estimate alone with every role change drained (the default before):",
         *defaults(rows), "",
         "The step-level simulator (8 H200s) finds a smaller gain on the full-length day (1.03x the estimate alone "
-        "under the default profile, 0.995x under the pessimistic one) and, on a day compressed to 15-s hours, "
-        "0.995x and 0.96x (section \"The mix-shift day at step level (shortened)\").", "",
+        "under the default profile, 0.98x under the pessimistic one) and, on a day compressed to 15-s hours, "
+        "1.01x and 0.98x (section \"The mix-shift day at step level (shortened)\").", "",
         "The live node carries the same change out (`elastic.role_in_place`, or `RoleChange.in_place` per "
         "change): the worker sets its engine's role where it runs, the instance stays SERVING, and routers keep "
         "their sessions to it (`tests/test_elastic_live.py`, and on a flippable vLLM worker "
