@@ -18,7 +18,7 @@ from octoserve.services.core.placement import NodeConfig, PlacementError, node_c
 
 DEFAULT_CONFIG = "node-default.yaml"
 # Sections of the same file that configure the services rather than the placement (services/trust.py reads them).
-SERVICE_SECTIONS = ("limits", "tenants", "tls", "elastic")
+SERVICE_SECTIONS = ("limits", "tenants", "tls", "elastic", "network")
 
 
 def default_config_text(name: str = DEFAULT_CONFIG) -> str:
@@ -54,7 +54,7 @@ def parse_yaml_mapping(text: str, source: str) -> dict:
 
 
 def load_service_sections(path: str | Path | None) -> dict:
-    """The limits / tenants / tls sections of a node config file (empty for the embedded default)."""
+    """The limits / tenants / tls / elastic / network sections of a node config file (empty for the embedded default)."""
     if path is None:
         return {}
     data = parse_yaml_mapping(Path(path).read_text(encoding="utf-8"), str(path))

@@ -225,6 +225,7 @@ def start_node(
         limits_from_dict(sections.get("limits"))
         tenant_settings_from_dict(sections.get("tenants"))
         trust.configure(sections.get("tls"), "router")  # health checks speak the node's mTLS
+        trust.worker_hosts(sections.get("network"))
     except (ValueError, trust.TrustError) as e:
         raise LaunchError(f"{cfg_path}: {e}") from None
     env = {**os.environ, **(extra_env or {}),

@@ -12,6 +12,13 @@ checks) presents its service's certificate and verifies the server's against the
 Binding: a scheduler or worker asked to listen beyond loopback (`--host`) refuses to start without `tls`, unless
 started with `--allow-insecure` (say so on purpose, e.g. inside an isolated network namespace).
 
+Dialing: the scheduler opens a channel to every address a worker registers, so a registration must not be a way to
+make it reach another host. `WorkerHosts` is the set of hosts a worker may register at: loopback always, the hosts
+of the `network:` section, and with `tls` the names the worker certificate carries (its subjectAltNames):
+    network:
+      worker_hosts: [10.0.0.7, gpu-node-1]   # hosts (IP literals or names) workers may register at besides loopback
+A registration at any other host is refused before anything is resolved or dialed.
+
 A process configures itself once (`configure(section, service)`, at start); `channel()` / `sync_channel()` then
 open internal channels with the right credentials. Tests pass credentials explicitly instead.
 """
@@ -90,6 +97,86 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerHosts:
+    """The hosts a worker may register at; the check is literal (no name is resolved to decide)."""
+
+    hosts: frozenset[str] = frozenset()  # lower-case names and IP literals allowed besides loopback
+
+    def check(self, address: str) -> None:
+        """Raise `WorkerAddressError` unless `address` is host:port on an allowed host with a port in 1..65535."""
+        host, port = split_host_port(address)
+        if host is None or not port.isdigit() or not 0 < int(port) < 65536:
+            raise WorkerAddressError(
+                f"worker address {address[:80]!r} is not host:port with a port in 1..65535; send the host:port this "
+                "worker serves at", malformed=True)
+        if is_loopback(host) or host.lower() in self.hosts:
+            return
+        allowed = ", ".join(["loopback", *sorted(self.hosts)])
+        raise WorkerAddressError(
+            f"worker host {host[:80]!r} is not one this node dials (allowed: {allowed}); register at one of them, or "
+            "add the host to network.worker_hosts in the node config (with tls: to the worker certificate, "
+            "`octoserve certs DIR --host H`)", malformed=False)
+
+
+class WorkerAddressError(TrustError):
+    """A worker registered at an address the scheduler will not dial: malformed, or on a host the node does not allow."""
+
+    def __init__(self, message: str, *, malformed: bool) -> None:
+        super().__init__(message)
+        self.malformed = malformed
+
+
+def split_host_port(address: str) -> tuple[str | None, str]:
+    """(host, port) of "host:port" or "[v6]:port"; host None when the address has no such shape."""
+    if address.startswith("["):
+        host, sep, port = address[1:].partition("]:")
+        if not sep or not host or "]" in host:
+            return None, ""
+        return host, port
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or ":" in host or "/" in host or any(c.isspace() for c in host):
+        return None, ""
+    return host, port
+
+
+def worker_hosts(section: Mapping | None, worker_cert_pem: bytes | None = None) -> WorkerHosts:
+    """The `network:` section's worker hosts, plus the names a worker certificate carries (with `tls`)."""
+    section = section or {}
+    if unknown := sorted(set(section) - {"worker_hosts"}):
+        raise TrustError(f"unknown key(s) {unknown} in network; known: worker_hosts")
+    listed = section.get("worker_hosts") or []
+    if not isinstance(listed, list) or not all(isinstance(h, str) and h and split_host_port(f"{h}:1")[0]
+                                               for h in listed):
+        raise TrustError("network.worker_hosts must be a list of host names or IP literals (no ports), "
+                         "e.g. [10.0.0.7, gpu-node-1]")
+    hosts = {h.lower() for h in listed}
+    if worker_cert_pem is not None:
+        hosts |= certificate_hosts(worker_cert_pem)
+    return WorkerHosts(frozenset(hosts))
+
+
+def certificate_hosts(cert_pem: bytes) -> set[str]:
+    """The DNS names and IP addresses a PEM certificate's subjectAltName extension carries, lower-case."""
+    from cryptography import x509
+
+    cert = x509.load_pem_x509_certificate(cert_pem)
+    try:
+        sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return set()
+    return ({n.lower() for n in sans.get_values_for_type(x509.DNSName)}
+            | {str(ip) for ip in sans.get_values_for_type(x509.IPAddress)})
+
+
+def worker_certificate(section: Mapping | None, tls: TlsFiles | None) -> bytes | None:
+    """The worker certificate of the `tls:` directory (the scheduler's own when that has none); None without tls."""
+    if tls is None:
+        return None
+    path = Path(section["dir"]) / "worker.pem" if section and section.get("dir") else None
+    return path.read_bytes() if path is not None and path.is_file() else tls.cert
 
 
 def check_bind(host: str, tls: TlsFiles | None, allow_insecure: bool, service: str) -> None:

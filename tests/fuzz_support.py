@@ -32,7 +32,7 @@ FUZZ_SETTINGS = settings(
 TYPED_CODES = {
     grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
     grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.DEADLINE_EXCEEDED,
-    grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.ABORTED,
+    grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.ABORTED, grpc.StatusCode.PERMISSION_DENIED,
 }
 # Words an INVALID_ARGUMENT message uses to say what to change.
 ADVICE = ("set ", "send", "use ", "shorten", "lower", "remove", "re-tokenize", "leave it", "give it", "choose",

@@ -261,8 +261,13 @@ def scheduler():
     nt.loop.call_soon_threadsafe(nt.loop.stop)
 
 
-addresses = st.one_of(st.sampled_from(["", "127.0.0.1:1", "127.0.0.1:0", "127.0.0.1:99999", "garbage", "unix:/tmp/x",
-                                       "[::1]:1", "localhost:1", "127.0.0.1:", ":5"]), st.text(max_size=30))
+# Every address the scheduler may accept (and so dial) is on 127.0.0.1; the rest are refused before anything is
+# resolved: malformed ones, other hosts (named and literal), and arbitrary text, which the post-condition below checks.
+addresses = st.one_of(
+    st.sampled_from(["", "127.0.0.1:1", "127.0.0.1:0", "127.0.0.1:99999", "garbage", "unix:/tmp/x", "127.0.0.1:", ":5",
+                     "example.com:443", "10.0.0.1:50051", "[2001:db8::1]:1", "8.8.8.8:53"]),
+    st.integers(1, 65535).map(lambda port: f"127.0.0.1:{port}"),
+    st.text(max_size=30))
 instance_ids = st.one_of(st.sampled_from(["c0", "p0", "d0", "", "nope"]), st.text(max_size=10))
 
 scheduler_calls = st.one_of(
@@ -309,9 +314,11 @@ async def call_scheduler(stub, channel, method, msg) -> tuple[grpc.StatusCode, s
 @FUZZ_SETTINGS
 @given(case=scheduler_calls)
 def test_scheduler_api_fuzz(scheduler, case):
-    nt, stub, channel, _ = scheduler
+    nt, stub, channel, servicer = scheduler
     method, msg = case
     code, details = nt.run(call_scheduler(stub, channel, method, msg), 60.0)
+    dialed = {address.rpartition(":")[0] for address in servicer.addresses.values()}
+    assert dialed <= {"127.0.0.1"}, f"the scheduler dials beyond 127.0.0.1: {dialed}"
     # UNAVAILABLE here is typed: a lease on a registered worker that does not answer its Pause.
     assert code == grpc.StatusCode.UNAVAILABLE and "did not answer" in details or \
         assert_typed(code, details, f"scheduler {method}") is None
@@ -333,3 +340,17 @@ def test_scheduler_rejects_bad_addresses_and_lease_durations(scheduler):
                                           s_pb.AcquireLeaseRequest(instance_ids=["c0"], duration_ms=100)))
     assert code == grpc.StatusCode.UNAVAILABLE and "c0" in details  # nothing listens at 127.0.0.1:1
     assert servicer.leases == {}
+
+
+def test_scheduler_refuses_worker_hosts_it_does_not_allow(scheduler):
+    """A registration on another host is PERMISSION_DENIED, names the host and the config key, and dials nothing."""
+    nt, stub, channel, servicer = scheduler
+    before = dict(servicer.addresses)
+    for address, host in (("10.0.0.1:50051", "10.0.0.1"), ("example.com:443", "example.com"),
+                          ("[2001:db8::1]:1", "2001:db8::1"), ("127.0.0.1.nip.io:80", "127.0.0.1.nip.io")):
+        code, details = nt.run(call_scheduler(stub, channel, "RegisterWorker",
+                                              s_pb.RegisterWorkerRequest(instance_id="c0", address=address)))
+        assert code == grpc.StatusCode.PERMISSION_DENIED, (address, code, details)
+        assert f"worker host {host!r} is not one this node dials (allowed: loopback)" in details
+        assert "network.worker_hosts" in details
+    assert servicer.addresses == before

@@ -105,6 +105,49 @@ def test_missing_certificate_files_name_the_command_that_makes_them(tmp_path):
         trust.TlsFiles.load(tmp_path, "worker")
 
 
+@pytest.mark.parametrize("address,allowed", [
+    ("127.0.0.1:50051", True), ("127.9.9.9:1", True), ("localhost:80", True), ("LOCALHOST:80", False),
+    ("[::1]:7", True), ("10.0.0.7:50051", True), ("gpu-node-1:9000", True), ("GPU-Node-1:9000", True),
+    ("10.0.0.8:50051", False), ("example.com:443", False), ("[2001:db8::1]:1", False), ("0.0.0.0:1", False),
+    ("127.0.0.1.nip.io:80", False),
+])
+def test_worker_hosts_allow_loopback_and_the_configured_hosts_only(address, allowed):
+    hosts = trust.worker_hosts({"worker_hosts": ["10.0.0.7", "gpu-node-1"]})
+    if allowed:
+        hosts.check(address)
+        return
+    with pytest.raises(trust.WorkerAddressError, match="is not one this node dials") as e:
+        hosts.check(address)
+    assert not e.value.malformed
+    assert "(allowed: loopback, 10.0.0.7, gpu-node-1)" in str(e.value)
+
+
+@pytest.mark.parametrize("address", ["", "garbage", "127.0.0.1", "127.0.0.1:", "127.0.0.1:0", "127.0.0.1:65536",
+                                     "unix:/tmp/x", ":5", "::1:5", "[::1]5", "a b:1", "127.0.0.1:+5"])
+def test_malformed_worker_addresses_are_refused_as_malformed(address):
+    with pytest.raises(trust.WorkerAddressError, match="is not host:port with a port in 1..65535") as e:
+        trust.WorkerHosts().check(address)
+    assert e.value.malformed
+
+
+def test_worker_hosts_section_errors_say_what_to_change():
+    with pytest.raises(trust.TrustError, match=r"unknown key\(s\) \['hosts'\] in network; known: worker_hosts"):
+        trust.worker_hosts({"hosts": ["a"]})
+    for bad in ("10.0.0.7", ["10.0.0.7:50051"], [""], [7], ["a b"]):
+        with pytest.raises(trust.TrustError, match="network.worker_hosts must be a list of host names or IP literals"):
+            trust.worker_hosts({"worker_hosts": bad})
+    assert trust.worker_hosts(None) == trust.WorkerHosts()
+
+
+def test_with_tls_the_worker_certificate_names_are_allowed(tmp_path):
+    trust.make_certs(tmp_path, ["10.1.2.3", "Node-A"])
+    tls = trust.TlsFiles.load(tmp_path, "scheduler")
+    pem = trust.worker_certificate({"dir": str(tmp_path)}, tls)
+    assert pem == (tmp_path / "worker.pem").read_bytes()
+    assert trust.worker_hosts(None, pem).hosts == {"localhost", "127.0.0.1", "10.1.2.3", "node-a"}
+    assert trust.worker_certificate(None, None) is None
+
+
 @pytest.mark.parametrize("module,extra", [("octoserve.services.scheduler", []),
                                           ("octoserve.decode_worker", ["--instance", "sm-0"])])
 def test_services_refuse_a_public_address_without_tls(module, extra):

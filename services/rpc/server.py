@@ -121,6 +121,12 @@ class RunningService:
     def address(self) -> str:
         return f"{self.spec.host}:{self.port}"
 
+    @property
+    def dial_address(self) -> str:
+        """Where a peer on this host reaches the service: 127.0.0.1 when it listens on every address (a pod's
+        services share one network namespace), else the address it listens on."""
+        return f"127.0.0.1:{self.port}" if self.spec.host in ("0.0.0.0", "::", "[::]") else self.address
+
     async def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", *self.spec.service_names):

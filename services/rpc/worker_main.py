@@ -111,8 +111,8 @@ def worker_spec(args: argparse.Namespace, make_servicer: Callable[..., WorkerBas
     async def on_serving(running: RunningService) -> None:
         running.background.add(asyncio.create_task(watch_progress(lambda: servicer.inner.engine, args.stall_after_s)))
         if args.scheduler:
-            await register(args.scheduler, args.instance, running.address)
-            heartbeat = asyncio.create_task(keep_registered(args.scheduler, args.instance, running.address))
+            await register(args.scheduler, args.instance, running.dial_address)
+            heartbeat = asyncio.create_task(keep_registered(args.scheduler, args.instance, running.dial_address))
             running.background.add(heartbeat)
 
     return ServiceSpec(

@@ -62,8 +62,9 @@ class LeaseRecord:
 
 class SchedulerServicer(s_grpc.SchedulerServicer):
     def __init__(self, config: NodeConfig, time_scale: float = 1.0, elastic_section: dict | None = None,
-                 placement_file: str | None = None) -> None:
+                 placement_file: str | None = None, worker_hosts: trust.WorkerHosts = trust.WorkerHosts()) -> None:
         self.config = config
+        self.worker_hosts = worker_hosts  # where a registered worker may be; the scheduler dials nothing else
         self.placement = elastic.LivePlacement(config, placement_file)  # what routers route on; changes with reconfigurations
         self.elastic = elastic.ElasticRunner(self, time_scale, **elastic.migration_settings(elastic_section))
         planned = elastic.balancer_from_section(elastic_section, config)
@@ -99,8 +100,11 @@ class SchedulerServicer(s_grpc.SchedulerServicer):
             known = ", ".join(self.placement.instances)
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"instance {request.instance_id!r} is not in the node config; known: {known}")
-        if (problem := address_problem(request.address)) is not None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        try:
+            self.worker_hosts.check(request.address)
+        except trust.WorkerAddressError as e:  # refused before anything is resolved or dialed
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT if e.malformed else grpc.StatusCode.PERMISSION_DENIED,
+                                str(e))
         if self.addresses.get(request.instance_id) == request.address:
             return s_pb.RegisterWorkerReply()  # the heartbeat of a known worker
         self.addresses[request.instance_id] = request.address
@@ -281,20 +285,13 @@ def refusals_by_reason(refused) -> dict[str, int]:
     return out
 
 
-def address_problem(address: str) -> str | None:
-    """None when `address` is a host:port a worker can be reached at, else what to change."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536 or "/" in host:
-        return f"worker address {address[:80]!r} is not host:port with a port in 1..65535; send the host:port this worker serves at"
-    return None
-
-
 def scheduler_spec(config: NodeConfig, *, port: int = 0, metrics_port: int | None = 0,
                    ready_file: str | None = None, grace_s: float = 5.0, host: str = "127.0.0.1",
                    tls: trust.TlsFiles | None = None, time_scale: float = 1.0,
                    elastic_section: dict | None = None,
-                   placement_file: str | None = None) -> tuple[ServiceSpec, SchedulerServicer]:
-    servicer = SchedulerServicer(config, time_scale, elastic_section, placement_file)
+                   placement_file: str | None = None,
+                   worker_hosts: trust.WorkerHosts = trust.WorkerHosts()) -> tuple[ServiceSpec, SchedulerServicer]:
+    servicer = SchedulerServicer(config, time_scale, elastic_section, placement_file, worker_hosts)
     spec = ServiceSpec(
         name="scheduler", port=port, metrics_port=metrics_port, grace_s=grace_s, ready_file=ready_file,
         host=host, server_credentials=tls.server_credentials() if tls else None,
@@ -327,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
         sections = load_service_sections(args.config)
         tls = trust.configure(sections.get("tls"), "scheduler")
         trust.check_bind(args.host, tls, args.allow_insecure, "scheduler")
+        hosts = trust.worker_hosts(sections.get("network"), trust.worker_certificate(sections.get("tls"), tls))
     except trust.TrustError as e:
         log.error(str(e))
         return 2
@@ -338,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         spec, _ = scheduler_spec(load_node_config(args.config), port=args.port, metrics_port=args.metrics_port,
                                  ready_file=args.ready_file, grace_s=args.grace_s, host=args.host, tls=tls,
                                  time_scale=args.time_scale, elastic_section=sections.get("elastic"),
-                                 placement_file=args.placement_file)
+                                 placement_file=args.placement_file, worker_hosts=hosts)
         return await serve_until_signal(spec)
 
     import uvloop
