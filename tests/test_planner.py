@@ -57,6 +57,13 @@ def test_sizing_table():
     assert (LM, 1) not in rows  # 141 GB of weights on one 80 GB GPU
 
 
+def test_sizing_table_has_rows_only_for_the_models_the_mix_uses():
+    only_8b = planner.WorkloadMix(20.0, (planner.ModelLoad(SM, 1.0, 500, 100),))
+    rows = planner.sizing_table(MODELS, H100, only_8b)
+    assert {r.model for r in rows} == {SM}
+    assert [r.tp for r in rows] == [1, 2, 4, 8]
+
+
 class ToyCost:
     """Step time = 10 ms + 0.1 ms per token; prefill at 10,000 tokens/s."""
 

@@ -113,8 +113,13 @@ def sizing_table(
     models: Mapping[str, ModelSpec], gpu: GpuSpec, mix: WorkloadMix, *, gpu_memory_utilization: float = 0.9,
     max_num_batched_tokens: int = 2048, block_size: int = 16,
 ) -> list[SizingRow]:
+    """One row per (model the mix uses, TP that fits); a served model the workload never asks for has no mean
+    sequence to size, so it has no rows."""
     rows = []
+    used = {m.model for m in mix.models}
     for name, spec in models.items():
+        if name not in used:
+            continue
         seq_tokens = mix.of(name).mean_sequence_tokens
         for tp in TP_OPTIONS:
             if spec.num_attention_heads % tp or spec.weight_bytes_per_gpu(tp) >= gpu.memory_bytes:
