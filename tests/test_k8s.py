@@ -169,7 +169,7 @@ async def test_pod_binding_serves_grpc_health_as_the_kubelet_probes_it():
     running = await rpc_server.start_service(rpc_server.ServiceSpec(name="probe-test", metrics_port=None, grace_s=2.0,
                                                                     drain=drain, host="0.0.0.0"))
     try:
-        async with grpc.aio.insecure_channel(f"localhost:{running.port}") as channel:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
             reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""))
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
     finally:
