@@ -32,11 +32,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from octoserve.services.flags import check_positive, check_workload_flags
     from octoserve.services.launcher import describe, start_node
     from octoserve.services.loadgen import BenchOptions, run_bench
     from octoserve.services.sim.cli_simulate import config_source, load_with_overrides
     from octoserve.services.sim.driver import run_simulation
 
+    check_workload_flags(args)  # before the node starts
+    check_positive("--time-scale", args.time_scale, "the time scale (wall seconds per modelled second)",
+                   "--time-scale 15")
     profile = scaled(PROFILES[args.profile], rate_rps=args.rate, duration_s=args.duration)
     trace = cap_outputs(generate_trace(profile, args.seed), args.max_output)
     config = load_with_overrides(args.config, [], args.cost_profile)

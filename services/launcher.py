@@ -326,8 +326,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from octoserve.services.flags import check_positive
     from octoserve.services.sim.cli_simulate import config_source
 
+    check_positive("--time-scale", args.time_scale, "the time scale (wall seconds per modelled second)",
+                   "--time-scale 10")
     try:
         node = start_node(config_source(args.config, args.cost_profile), args.time_scale, engine=args.engine, model_path=args.model, port=args.port,
                           run_dir=args.run_dir, startup_timeout_s=startup_timeout_s(args), grace_s=args.grace_s,

@@ -42,6 +42,7 @@ from octoserve.services.metrics import (
     summarize,
     summary_to_dict,
 )
+from octoserve.services.flags import check_positive, check_warmup, check_workload_flags
 from octoserve.services.workload import TraceRequest, WorkloadProfile, generate_trace
 from octoserve.services.workload_io import add_workload_arguments, profile_from_args
 
@@ -240,6 +241,8 @@ def build_trace(args: argparse.Namespace, served: Sequence[str] | None = None,
         trace = generate_trace(profile, args.seed)
     if args.max_requests is not None:
         trace = trace[: args.max_requests]
+    check_warmup(getattr(args, "warmup", None), measurement_window_s(trace),
+                 "a longer trace" if getattr(args, "trace", None) else "a longer --duration")
     return trace, profile
 
 
@@ -278,7 +281,16 @@ def bench_options(args: argparse.Namespace) -> BenchOptions:
     )
 
 
+def check_arguments(args: argparse.Namespace) -> None:
+    """The flag values, before the target is asked anything."""
+    check_workload_flags(args)
+    check_positive("--time-scale", args.time_scale, "the time scale (real seconds per modelled second)",
+                   "--time-scale 10")
+    check_positive("--channels", args.channels, "the number of channels", "--channels 4")
+
+
 def run(args: argparse.Namespace) -> int:
+    check_arguments(args)
     trace, profile = build_trace(args, served_models(args.target))
     options = bench_options(args)
     progress = None

@@ -95,6 +95,9 @@ def run(args: argparse.Namespace) -> int:
         try:
             reply = s_grpc.SchedulerStub(channel).Reconfigure(request, timeout=600)
         except grpc.RpcError as e:
+            if e.code() is grpc.StatusCode.INVALID_ARGUMENT:  # the scheduler refused what the flags asked for
+                flag = f"--role {args.role!r}" if args.role else f"--model {args.model!r}"
+                raise UsageError(f"{flag}: {e.details()}") from None
             print(f"reconfigure failed: {e.code().name}: {e.details()}")
             return 1
     print(f"reconfiguration {reply.reconfig_id} done: serving {', '.join(reply.started)}; drained "

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import io
 import json
 import math
 import random
@@ -38,6 +39,7 @@ from pathlib import Path
 import yaml
 
 from octoserve.services.core.types import Priority
+from octoserve.services.flags import check_faults, check_warmup, check_workload_flags
 from octoserve.services.metrics import SloSpec
 from octoserve.services.usage import UsageError
 from octoserve.services.workload import (
@@ -54,6 +56,17 @@ DEFAULT_TIER_TTFT_MS = {Priority.INTERACTIVE: 200.0, Priority.STANDARD: 250.0, P
 TRACE_KEYS = ("arrival_s", "model", "prompt", "prompt_token_ids", "prompt_len", "output_len", "max_tokens", "tier",
               "priority", "ttft_slo_ms", "request_id", "prefix_group", "prompt_text")
 _TIERS = ", ".join(p.name for p in Priority)
+
+
+def read_utf8(path: str | Path) -> str:
+    """The text of a user's file; bytes that are not UTF-8 are bad input naming the file and where."""
+    data = Path(path).read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise UsageError(f"{path}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); save the "
+                         "file as UTF-8") from None
 
 
 # --- workload YAML -------------------------------------------------------------------------------------------
@@ -128,7 +141,7 @@ def load_workload(path: str | Path) -> WorkloadProfile:
     from octoserve.services.config import parse_yaml_mapping
     from octoserve.services.core.placement import PlacementError
 
-    text = Path(path).read_text(encoding="utf-8")
+    text = read_utf8(path)
     try:
         data = parse_yaml_mapping(text, str(path))
     except PlacementError as e:  # the YAML parse error, naming the file and line
@@ -225,27 +238,31 @@ def trace_request_from_row(row, index: int, where: str,
     max_tokens = max_tokens or output_len
     if output_len > max_tokens:
         raise UsageError(f"{where}: output_len {output_len} exceeds max_tokens {max_tokens}")
+    prefix_group = row.get("prefix_group", -1)
+    if isinstance(prefix_group, bool) or not isinstance(prefix_group, int) or prefix_group < -1:
+        raise UsageError(f"{where}: prefix_group must be an integer (a group id >= 0 that requests with the same "
+                         f"prompt prefix share, or -1 for none), got {prefix_group!r}")
     tier = _tier(where, row.get("tier", row.get("priority", "STANDARD")))
     slo = row.get("ttft_slo_ms", tier_ttft_ms[tier])
     if isinstance(slo, bool) or not isinstance(slo, (int, float)) or not slo > 0:
         raise UsageError(f"{where}: ttft_slo_ms must be a positive number of ms, got {slo!r}")
     return TraceRequest(str(row.get("request_id", f"r{index:07d}")), float(arrival), model, tokens, output_len,
-                        max_tokens, tier, float(slo), int(row.get("prefix_group", -1)), text)
+                        max_tokens, tier, float(slo), prefix_group, text)
 
 
 def load_trace(path: str | Path, tier_ttft_ms: Mapping[Priority, float] = DEFAULT_TIER_TTFT_MS) -> list[TraceRequest]:
     """The requests of a JSONL trace, sorted by arrival (stable); an empty trace is an error."""
     trace = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UsageError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-            trace.append(trace_request_from_row(row, len(trace), where, tier_ttft_ms))
+    # universal newlines, as open() reads text; str.splitlines() would also split at U+2028 inside a JSON string
+    for number, line in enumerate(io.StringIO(read_utf8(path), newline=None), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UsageError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+        trace.append(trace_request_from_row(row, len(trace), where, tier_ttft_ms))
     if not trace:
         raise UsageError(f"{path}: the trace has no requests; write one JSON object a line")
     trace.sort(key=lambda r: r.arrival_s)
@@ -333,6 +350,7 @@ def profile_from_args(args: argparse.Namespace, served: Iterable[str] | None = N
     """(profile, trace): the trace is the user's own (`--trace`) or None (generate it from the profile, which has
     --rate / --duration / --burstiness applied when the command has them). With
     `served`, a workload asking for unserved models is refused, or with `--only-served` trimmed (on stderr)."""
+    check_workload_flags(args)  # before a file is read or a trace generated
     trace = None
     if getattr(args, "trace", None):
         trace = load_trace(args.trace, tier_ttft_ms)
@@ -360,10 +378,15 @@ def node_workload(args: argparse.Namespace, node, replays: bool = True,
     """`profile_from_args` for a node config: its served models, tier SLOs and SLO. A command that `replays` a user
     trace ignores --rate / --duration / --burstiness (the trace says when each request arrives), which it states on
     stderr when they are given; `plan` fits a profile to the trace instead (replays=False), at --rate if given."""
+    check_faults(getattr(args, "faults", ()), [i.id for i in node.instances])  # simulate's, before its trace
     profile, trace = profile_from_args(args, served=list(node.models), tier_ttft_ms=node.slo.tier_ttft_ms,
                                        slo=SloSpec(node.slo.ttft_ms, node.slo.itl_ms))
     if trace is not None and not replays and getattr(args, "rate", None) is not None:
         profile = scaled(profile, rate_rps=args.rate)  # the fitted profile at the rate asked for
+    # Each run's arrival window: a replayed trace's own; else --duration (plan's simulations) or the profile's.
+    window_s = profile.duration_s if replays else getattr(args, "duration", None) or profile.duration_s
+    check_warmup(getattr(args, "warmup", None), window_s,
+                 "a longer trace" if trace is not None and replays else "a longer --duration")
     if trace is not None and replays:
         ignored = [f"--{k}" for k in ("rate", "duration", "burstiness") if getattr(args, k, None) is not None]
         if ignored:

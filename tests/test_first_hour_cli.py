@@ -3,8 +3,13 @@ what it prints and its exit status for the inputs the first-hour issue reported.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import time
+from pathlib import Path
+
+import pytest
 
 EIGHT_B_ONLY = """\
 name: eight-only
@@ -23,9 +28,19 @@ TWO_8B_REQUESTS = (
 )
 
 
+# The sources, not the compiled simulator modules: an extension older than its edited source adds a warning to
+# stderr, and these tests compare stderr whole.
+ENV = {**os.environ, "OCTOSERVE_PURE_PYTHON": "1"}
+
+
 def octoserve(*argv: str, cwd) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "octoserve.services.cli", *argv], capture_output=True, text=True,
-                          timeout=300, cwd=cwd)
+                          timeout=300, cwd=cwd, env=ENV)
+
+
+def assert_bad_input(done: subprocess.CompletedProcess, command: str, message: str) -> None:
+    """One line on stderr, `octoserve COMMAND: error: MESSAGE`, and exit status 2."""
+    assert (done.returncode, done.stderr) == (2, f"octoserve {command}: error: {message}\n")
 
 
 def sizing_models(stdout: str) -> set[str]:
@@ -62,3 +77,101 @@ def test_plan_only_served_sizes_the_models_left(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "--only-served: dropping the requests for mistral-7b (not served)" in done.stderr
     assert sizing_models(done.stdout) == {"llama-3-8b"}
+
+
+# --- 11. bad values: one line naming the flag, exit 2, before any work --------------------------------------------
+
+BAD_VALUES = {
+    "simulate --rate 0": (["simulate", "--rate", "0"],
+                          "--rate 0: the arrival rate (req/s) must be > 0, e.g. --rate 50"),
+    "simulate --duration 0": (["simulate", "--duration", "0"],
+                              "--duration 0: the arrival window must be > 0, e.g. --duration 30s"),
+    "plan --rate 0": (["plan", "--rate", "0", "--top", "0"],
+                      "--rate 0: the arrival rate (req/s) must be > 0, e.g. --rate 50"),
+    "simulate --burstiness -1": (["simulate", "--burstiness", "-1"],
+                                 "--burstiness -1: the gamma shape of the inter-arrivals (1 is Poisson, < 1 burstier) "
+                                 "must be > 0, e.g. --burstiness 0.5"),
+    "simulate --warmup 100s --duration 5s": (
+        ["simulate", "--warmup", "100s", "--duration", "5s"],
+        "--warmup 100 s leaves nothing to measure in the 5 s arrival window: give a shorter --warmup or a longer "
+        "--duration"),
+    "plan --warmup 30": (["plan", "--warmup", "30", "--top", "0"],
+                         "--warmup 30 s leaves nothing to measure in the 30 s arrival window: give a shorter "
+                         "--warmup or a longer --duration"),
+    "simulate --fault xx-9@1+1": (["simulate", "--fault", "xx-9@1+1"],
+                                  "--fault 'xx-9@1+1': the node has no instance 'xx-9'; name one of lm-0, sm-0, sm-1, "
+                                  "sm-2, sm-3"),
+    "simulate --fault nope": (["simulate", "--fault", "nope"],
+                              "--fault 'nope': write INSTANCE@T or INSTANCE@T+DOWN, as sm-0@30+5"),
+    "up --time-scale 0": (["up", "--time-scale", "0"],
+                          "--time-scale 0: the time scale (wall seconds per modelled second) must be > 0, e.g. "
+                          "--time-scale 10"),
+    "demo --time-scale 0": (["demo", "--time-scale", "0"],
+                            "--time-scale 0: the time scale (wall seconds per modelled second) must be > 0, e.g. "
+                            "--time-scale 15"),
+    # checked before the target is asked for its models: nothing listens on port 1
+    "bench --rate 0": (["bench", "--target", "127.0.0.1:1", "--rate", "0"],
+                       "--rate 0: the arrival rate (req/s) must be > 0, e.g. --rate 50"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_VALUES))
+def test_a_bad_flag_value_is_one_line_and_exit_2_before_any_work(tmp_path, case):
+    argv, message = BAD_VALUES[case]
+    done = octoserve(*argv, cwd=tmp_path)
+    assert_bad_input(done, argv[0], message)  # the whole stderr: no "simulating ..." line, no progress bar
+    assert done.stdout == ""
+    assert list(tmp_path.iterdir()) == []  # `up` made no run directory here, `simulate` wrote nothing
+
+
+def test_a_non_integer_prefix_group_in_a_trace_names_the_line(tmp_path):
+    (tmp_path / "t.jsonl").write_text(TWO_8B_REQUESTS.replace('"output_len": 50}', '"output_len": 50, '
+                                                              '"prefix_group": "a"}'))
+    done = octoserve("simulate", "--trace", "t.jsonl", cwd=tmp_path)
+    assert_bad_input(done, "simulate", "t.jsonl:2: prefix_group must be an integer (a group id >= 0 that requests "
+                                       "with the same prompt prefix share, or -1 for none), got 'a'")
+
+
+def test_a_trace_that_is_not_utf8_names_the_line_and_byte(tmp_path):
+    line = TWO_8B_REQUESTS.splitlines()[1].replace('"prompt_len": 700', '"prompt": "caf\xe9"')
+    (tmp_path / "t.jsonl").write_bytes((TWO_8B_REQUESTS.splitlines()[0] + "\n" + line + "\n").encode("latin-1"))
+    offset = len(TWO_8B_REQUESTS.splitlines()[0]) + 1 + line.index("\xe9")
+    done = octoserve("simulate", "--trace", "t.jsonl", cwd=tmp_path)
+    assert_bad_input(done, "simulate", f"t.jsonl:2: not UTF-8 text (byte 0xe9 at offset {offset}); save the file as "
+                                       "UTF-8")
+
+
+def test_a_workload_that_is_not_utf8_is_bad_input(tmp_path):
+    (tmp_path / "w.yaml").write_bytes(EIGHT_B_ONLY.replace("eight-only", "caf\xe9").encode("latin-1"))
+    done = octoserve("plan", "--workload", "w.yaml", "--top", "0", cwd=tmp_path)
+    assert_bad_input(done, "plan", "w.yaml:1: not UTF-8 text (byte 0xe9 at offset 9); save the file as UTF-8")
+
+
+@pytest.fixture
+def scheduler_run_dir(tmp_path):
+    """A run directory with a live scheduler (the embedded placement; no workers needed to refuse a change)."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    ready = run_dir / "scheduler.ready.json"
+    proc = subprocess.Popen([sys.executable, "-m", "octoserve.services.scheduler", "--port", "0", "--metrics-port",
+                             "0", "--ready-file", str(ready)], cwd=tmp_path, env=ENV, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "the scheduler did not start"
+            time.sleep(0.1)
+        yield run_dir
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_reconfigure_an_unknown_instance_is_bad_input(scheduler_run_dir):
+    cwd = scheduler_run_dir.parent
+    done = octoserve("reconfigure", "--run-dir", "run", "--role", "nope=decode", cwd=cwd)
+    assert_bad_input(done, "reconfigure", "--role 'nope=decode': no instance 'nope'; choose one of lm-0, sm-0, sm-1, "
+                                          "sm-2, sm-3")
+    done = octoserve("reconfigure", "--run-dir", "run", "--role", "sm-0=boss", cwd=cwd)
+    assert_bad_input(done, "reconfigure", "--role 'sm-0=boss': give ID=ROLE with ROLE one of colocated, prefill, "
+                                          "decode, e.g. d1=prefill")
