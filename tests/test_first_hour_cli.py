@@ -95,7 +95,7 @@ BAD_VALUES = {
         ["simulate", "--warmup", "100s", "--duration", "5s"],
         "--warmup 100 s leaves nothing to measure in the 5 s arrival window: give a shorter --warmup or a longer "
         "--duration"),
-    "plan --warmup 30": (["plan", "--warmup", "30", "--top", "0"],
+    "plan --warmup 30": (["plan", "--warmup", "30", "--top", "1"],
                          "--warmup 30 s leaves nothing to measure in the 30 s arrival window: give a shorter "
                          "--warmup or a longer --duration"),
     "simulate --fault xx-9@1+1": (["simulate", "--fault", "xx-9@1+1"],
@@ -122,6 +122,12 @@ def test_a_bad_flag_value_is_one_line_and_exit_2_before_any_work(tmp_path, case)
     assert_bad_input(done, argv[0], message)  # the whole stderr: no "simulating ..." line, no progress bar
     assert done.stdout == ""
     assert list(tmp_path.iterdir()) == []  # `up` made no run directory here, `simulate` wrote nothing
+
+
+def test_plan_top_0_simulates_nothing_so_its_default_warmup_need_not_fit(tmp_path):
+    (tmp_path / "my.yaml").write_text(EIGHT_B_ONLY)
+    done = octoserve("plan", "--workload", "my.yaml", "--duration", "5", "--top", "0", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
 
 
 def test_a_non_integer_prefix_group_in_a_trace_names_the_line(tmp_path):
