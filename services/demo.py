@@ -19,12 +19,14 @@ from octoserve.services.workload import PROFILES, generate_trace, scaled
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from octoserve.services.flags import parse_duration_s
     from octoserve.services.sim.cli_simulate import add_cost_profile_argument
 
     parser.add_argument("--config", help="node config YAML (default: the embedded default placement)")
     parser.add_argument("--profile", default="seed-000", choices=sorted(PROFILES))
     parser.add_argument("--rate", type=float, help="req/s in modelled time (default: the profile's peak)")
-    parser.add_argument("--duration", type=float, default=4.0, help="arrival window in modelled seconds")
+    parser.add_argument("--duration", type=parse_duration_s, default=4.0,
+                        help="arrival window in modelled time, e.g. 4s (default 4 s)")
     parser.add_argument("--time-scale", type=float, default=15.0, help="wall seconds per modelled second")
     parser.add_argument("--max-output", type=int, default=128, help="cap on true output lengths (keeps it short)")
     parser.add_argument("--seed", type=int, default=0)

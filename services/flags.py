@@ -1,6 +1,7 @@
-"""Command-line values every `octoserve` command checks the same way, before any work.
+"""Command-line values every `octoserve` command reads and checks the same way, before any work.
 
-A value that cannot work (a rate of 0, a warm-up as long as the run, a fault on an instance the node lacks) is a
+A duration flag takes plain seconds or a number with a unit: `90`, `90s`, `500ms`, `2m` (`parse_duration_s`, the
+one parser of every duration flag). A value that cannot work (a rate of 0, a warm-up as long as the run, a fault on an instance the node lacks) is a
 `UsageError` naming the flag and what to change, raised before a trace is generated or a process started, so the
 user does not wait for a run that fails at its end.
 """
@@ -11,13 +12,40 @@ import argparse
 import math
 from collections.abc import Iterable
 
-from octoserve.services.usage import UsageError
+
+# unit suffix -> seconds; "ms" before "s" and "m": the longest suffix that matches is the unit
+DURATION_UNITS_S = {"ms": 1e-3, "s": 1.0, "m": 60.0}
+
+
+def parse_duration_s(text: str) -> float:
+    """'90', '90s', '500ms', '2m' -> seconds (an argparse `type`: a bad value is argparse's exit 2)."""
+    value = text.strip().lower()
+    factor = 1.0
+    for unit in sorted(DURATION_UNITS_S, key=len, reverse=True):
+        if value.endswith(unit):
+            value, factor = value.removesuffix(unit), DURATION_UNITS_S[unit]
+            break
+    try:
+        seconds = float(value) * factor
+    except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds):
+        raise argparse.ArgumentTypeError(f"duration {text!r}: use seconds like 90, 90s, 500ms or 2m")
+    return seconds
+
+
+def _bad_input(message: str) -> Exception:
+    # imported here: `octoserve health` (an exec probe, kept light) uses the parser alone, and services.usage
+    # imports the placement module
+    from octoserve.services.usage import UsageError
+
+    return UsageError(message)
 
 
 def check_positive(flag: str, value: float | None, what: str, example: str) -> None:
     """`--flag` must be a finite number > 0 when given; `what` names the quantity, `example` a valid use."""
     if value is not None and not (math.isfinite(value) and value > 0):
-        raise UsageError(f"{flag} {value:g}: {what} must be > 0, e.g. {example}")
+        raise _bad_input(f"{flag} {value:g}: {what} must be > 0, e.g. {example}")
 
 
 # workload flag -> (what it is, a valid use); where a command has the flag, a value <= 0 is refused
@@ -39,9 +67,9 @@ def check_warmup(warmup_s: float | None, window_s: float, longer: str = "a longe
     if warmup_s is None:
         return
     if not (math.isfinite(warmup_s) and warmup_s >= 0):
-        raise UsageError(f"--warmup {warmup_s:g}: the warm-up must be >= 0 s, e.g. --warmup 10s")
+        raise _bad_input(f"--warmup {warmup_s:g}: the warm-up must be >= 0 s, e.g. --warmup 10s")
     if warmup_s >= window_s:
-        raise UsageError(f"--warmup {warmup_s:g} s leaves nothing to measure in the {window_s:g} s arrival window: "
+        raise _bad_input(f"--warmup {warmup_s:g} s leaves nothing to measure in the {window_s:g} s arrival window: "
                          f"give a shorter --warmup or {longer}")
 
 
@@ -54,7 +82,7 @@ def check_faults(texts: Iterable[str], instance_ids: Iterable[str]) -> None:
         try:
             fault = parse_fault(text)
         except ValueError as e:  # its message is "fault 'TEXT': what to write"
-            raise UsageError(f"--fault {text!r}: {str(e).partition(': ')[2]}") from None
+            raise _bad_input(f"--fault {text!r}: {str(e).partition(': ')[2]}") from None
         if fault.instance_id not in ids:
-            raise UsageError(f"--fault {text!r}: the node has no instance {fault.instance_id!r}; name one of "
+            raise _bad_input(f"--fault {text!r}: the node has no instance {fault.instance_id!r}; name one of "
                              f"{', '.join(ids)}")

@@ -21,6 +21,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from octoserve.services.flags import parse_duration_s
+
 SERVING_EXIT, NOT_SERVING_EXIT, BAD_INPUT_EXIT = 0, 1, 2
 
 
@@ -31,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-dir", default=None, help="directory of ca.pem and <cert>.pem/.key: check over mTLS")
     parser.add_argument("--cert", default="router", help="whose key pair to present with --tls-dir: scheduler, "
                         "worker or router")
-    parser.add_argument("--timeout", type=float, default=3.0, help="seconds for the whole check")
+    parser.add_argument("--timeout", type=parse_duration_s, default=3.0, help="time for the whole check, e.g. 3s")
 
 
 def check(host: str, port: int, service: str = "", *, tls=None, timeout_s: float = 3.0) -> tuple[bool, str]:

@@ -304,6 +304,7 @@ def _placement_keeper(node: Node, cfg_path: str | None, grace_s: float, engine: 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from octoserve.services.flags import parse_duration_s
     from octoserve.services.sim.cli_simulate import add_cost_profile_argument
 
     parser.add_argument("--config", default=None, help="node config YAML (default: the embedded placement)")
@@ -317,9 +318,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--http-process", action="store_true",
                         help="run the HTTP front as a process of its own instead of inside the router process")
     parser.add_argument("--run-dir", default=None, help="where logs and ready files go (default: a temp dir)")
-    parser.add_argument("--startup-timeout-s", type=float, default=None,
+    parser.add_argument("--startup-timeout-s", type=parse_duration_s, default=None,
                         help=f"default {DEFAULT_STARTUP_TIMEOUT_S:g} s, {VLLM_STARTUP_TIMEOUT_S:g} s with --engine vllm")
-    parser.add_argument("--grace-s", type=float, default=DEFAULT_GRACE_S)
+    parser.add_argument("--grace-s", type=parse_duration_s, default=DEFAULT_GRACE_S)
     parser.add_argument("--access-log", choices=("off", "errors", "all"), default="errors",
                         help="router access log: every request (all), failed ones + 1 in 100 ok ones (errors), off")
     add_cost_profile_argument(parser)

@@ -42,7 +42,7 @@ from octoserve.services.metrics import (
     summarize,
     summary_to_dict,
 )
-from octoserve.services.flags import check_positive, check_warmup, check_workload_flags
+from octoserve.services.flags import check_positive, check_warmup, check_workload_flags, parse_duration_s
 from octoserve.services.workload import TraceRequest, WorkloadProfile, generate_trace
 from octoserve.services.workload_io import add_workload_arguments, profile_from_args
 
@@ -211,20 +211,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", required=True, help="router address, e.g. 127.0.0.1:50051")
     add_workload_arguments(parser)
     parser.add_argument("--rate", type=float, default=None, help="modelled req/s (default: the profile's)")
-    parser.add_argument("--duration", type=float, default=None, help="modelled seconds of arrivals")
+    parser.add_argument("--duration", type=parse_duration_s, default=None,
+                        help="modelled arrival window, e.g. 60s (default: the profile's)")
     parser.add_argument("--burstiness", type=float, default=None, help="gamma shape: <1 burstier than Poisson")
     parser.add_argument("--time-scale", type=float, default=1.0,
                         help="real seconds per modelled second; use the node's --time-scale")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-requests", type=int, default=None, help="send at most the trace's first N")
-    parser.add_argument("--drain-timeout", type=float, default=30.0,
+    parser.add_argument("--drain-timeout", type=parse_duration_s, default=30.0,
                         help="modelled seconds to wait for streams after the last send (default 30; the real wait "
                              "is this x --time-scale, so a dilated node gets the same modelled time to finish)")
-    parser.add_argument("--warmup", type=_parse_duration_s, default=None,
+    parser.add_argument("--warmup", type=parse_duration_s, default=None,
                         help="modelled warm-up to leave out of every metric, e.g. 10s "
                              "(default: detected on the harness's in-flight count, MSER-5, >= 5 s)")
     parser.add_argument("--channels", type=int, default=1)
-    parser.add_argument("--request-timeout", type=float, default=None, help="real seconds per request")
+    parser.add_argument("--request-timeout", type=parse_duration_s, default=None,
+                        help="real time per request, e.g. 30s (default: none)")
     parser.add_argument("--retry", action="store_true", help="let the SDK retry refusals (default: count them)")
     parser.add_argument("--output-len-mode", choices=OUTPUT_LEN_MODES, default="hint")
     parser.add_argument("--json", type=Path, default=None, help="write the summary as JSON here")
@@ -244,12 +246,6 @@ def build_trace(args: argparse.Namespace, served: Sequence[str] | None = None,
     check_warmup(getattr(args, "warmup", None), measurement_window_s(trace),
                  "a longer trace" if getattr(args, "trace", None) else "a longer --duration")
     return trace, profile
-
-
-def _parse_duration_s(text: str) -> float:
-    from octoserve.services.sim.cli_simulate import parse_duration_s
-
-    return parse_duration_s(text)
 
 
 def measurement_window_s(trace: Sequence[TraceRequest]) -> float:

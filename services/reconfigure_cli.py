@@ -21,6 +21,7 @@ from pathlib import Path
 import grpc
 
 from octoserve.services import trust
+from octoserve.services.flags import parse_duration_s
 from octoserve.services.rpc.gen import scheduler_pb2 as s_pb
 from octoserve.services.rpc.gen import scheduler_pb2_grpc as s_grpc
 from octoserve.services.rpc.gen import worker_pb2 as w_pb
@@ -38,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what.add_argument("--model", metavar="IDS=MODEL[:ROLE[:TP]]",
                       help="retire the comma-separated instances; start MODEL instances on their GPUs")
     parser.add_argument("--reason", default="", help="logged with the reconfiguration")
-    parser.add_argument("--drain-timeout-s", type=float, default=0.0,
+    parser.add_argument("--drain-timeout-s", type=parse_duration_s, default=0.0,
                         help="abort (and keep the old placement) if the drain takes longer (0: the scheduler's 60 s)")
     parser.add_argument("--in-place", action="store_true",
                         help="with --role, decode <-> colocated only: no drain; the instance serves throughout and "

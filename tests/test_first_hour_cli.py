@@ -3,6 +3,8 @@ what it prints and its exit status for the inputs the first-hour issue reported.
 
 from __future__ import annotations
 
+import argparse
+import importlib
 import os
 import subprocess
 import sys
@@ -181,3 +183,67 @@ def test_reconfigure_an_unknown_instance_is_bad_input(scheduler_run_dir):
     done = octoserve("reconfigure", "--run-dir", "run", "--role", "sm-0=boss", cwd=cwd)
     assert_bad_input(done, "reconfigure", "--role 'sm-0=boss': give ID=ROLE with ROLE one of colocated, prefill, "
                                           "decode, e.g. d1=prefill")
+
+
+# --- 12. one duration parser for every duration flag ----------------------------------------------------------------
+
+
+def test_a_duration_is_plain_seconds_or_a_number_with_s_ms_or_m():
+    from octoserve.services.flags import parse_duration_s
+
+    assert [parse_duration_s(t) for t in ("10", "10s", "500ms", "2m", "1.5m", " 0.25S ")] == [
+        10.0, 10.0, 0.5, 120.0, 90.0, 0.25]
+    for bad in ("10x", "ms", "", "inf", "nan", "10 h"):
+        with pytest.raises(argparse.ArgumentTypeError) as info:
+            parse_duration_s(bad)
+        assert str(info.value) == f"duration {bad!r}: use seconds like 90, 90s, 500ms or 2m"
+
+
+# command -> its duration flags; simulate, plan and bench-suite have theirs in services/sim/cli_simulate.py,
+# services/sim/cli_plan.py and services/bench_suite.py, which do not use the shared parser yet
+DURATION_FLAGS = {
+    "demo": ("--duration",),
+    "bench": ("--duration", "--warmup", "--drain-timeout", "--request-timeout"),
+    "up": ("--grace-s", "--startup-timeout-s"),
+    "reconfigure": ("--drain-timeout-s",),
+    "health": ("--timeout",),
+}
+NOT_YET = {
+    "simulate": ("--duration", "--warmup"),
+    "plan": ("--duration", "--warmup"),
+    "bench-suite": ("--duration", "--warmup", "--drain", "--seed003-duration", "--seed003-warmup"),
+}
+NOT_YET_REASON = "the flag is defined in a file another change owns; it still has its own parser"
+
+
+def duration_flag_cases():
+    for command, flags in DURATION_FLAGS.items():
+        yield from (pytest.param(command, flag, id=f"{command} {flag}") for flag in flags)
+    for command, flags in NOT_YET.items():
+        yield from (pytest.param(command, flag, id=f"{command} {flag}",
+                                 marks=pytest.mark.xfail(strict=True, reason=NOT_YET_REASON)) for flag in flags)
+
+
+@pytest.mark.parametrize(("command", "flag"), list(duration_flag_cases()))
+def test_every_duration_flag_reads_durations_alike(command, flag):
+    from octoserve.services.cli import SUBCOMMANDS
+    from octoserve.services.flags import parse_duration_s
+
+    parser = argparse.ArgumentParser()
+    importlib.import_module(SUBCOMMANDS[command][0]).add_arguments(parser)
+    action = next(a for a in parser._actions if flag in a.option_strings)
+    assert action.type is parse_duration_s  # so `FLAG 500ms` is half a second here as everywhere
+
+
+def test_bench_takes_10s_for_duration_as_for_warmup(tmp_path):
+    # the arguments are read, then the target (nothing listens on port 1) is asked for its models
+    done = octoserve("bench", "--target", "127.0.0.1:1", "--duration", "10s", "--warmup", "500ms", cwd=tmp_path)
+    assert done.returncode == 2
+    assert done.stderr.startswith("octoserve bench: error: --target 127.0.0.1:1: no router answered ListModels")
+
+
+def test_a_bad_duration_names_the_flag(tmp_path):
+    done = octoserve("demo", "--duration", "10x", cwd=tmp_path)
+    assert done.returncode == 2
+    assert done.stderr.endswith("octoserve demo: error: argument --duration: duration '10x': use seconds like 90, "
+                                "90s, 500ms or 2m\n")
