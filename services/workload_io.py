@@ -383,6 +383,9 @@ def node_workload(args: argparse.Namespace, node, replays: bool = True,
                                        slo=SloSpec(node.slo.ttft_ms, node.slo.itl_ms))
     if trace is not None and not replays and getattr(args, "rate", None) is not None:
         profile = scaled(profile, rate_rps=args.rate)  # the fitted profile at the rate asked for
+    elif trace is not None and not replays and trace[-1].arrival_s == 0:  # no span: the fit would be n / 1 ms
+        raise UsageError(f"--trace {args.trace}: every request arrives at 0 s, so the trace has no arrival rate to "
+                         "plan for; give one with --rate R (req/s)")
     # Each run's arrival window: a replayed trace's own; else --duration (plan's simulations) or the profile's.
     # `plan --top 0` simulates nothing, so its --warmup (default 10 s) does not have to fit a short --duration.
     window_s = profile.duration_s if replays else getattr(args, "duration", None) or profile.duration_s

@@ -247,3 +247,23 @@ def test_a_bad_duration_names_the_flag(tmp_path):
     assert done.returncode == 2
     assert done.stderr.endswith("octoserve demo: error: argument --duration: duration '10x': use seconds like 90, "
                                 "90s, 500ms or 2m\n")
+
+
+# --- 14. a trace whose requests all arrive at once has no rate --------------------------------------------------------
+
+SIMULTANEOUS = TWO_8B_REQUESTS.replace('"arrival_s": 1.0', '"arrival_s": 0.0')
+
+
+def test_plan_of_a_trace_arriving_all_at_0_asks_for_the_rate(tmp_path):
+    (tmp_path / "t.jsonl").write_text(SIMULTANEOUS)
+    done = octoserve("plan", "--trace", "t.jsonl", "--top", "0", cwd=tmp_path)
+    assert_bad_input(done, "plan", "--trace t.jsonl: every request arrives at 0 s, so the trace has no arrival rate "
+                                   "to plan for; give one with --rate R (req/s)")
+    assert done.stdout == ""
+
+
+def test_plan_of_a_trace_arriving_all_at_0_plans_for_the_rate_given(tmp_path):
+    (tmp_path / "t.jsonl").write_text(SIMULTANEOUS)
+    done = octoserve("plan", "--trace", "t.jsonl", "--rate", "5", "--top", "0", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "  verdict: 5 req/s fits the compute bound of " in done.stdout
