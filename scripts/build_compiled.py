@@ -40,6 +40,7 @@ MODULES = (
     "core.cost_model",
     "core.sim_executor",
     "core.routing",
+    "core.tail_budget",
     "core.batcher",
     "core.steady_batcher",
     "core.admission",

@@ -56,13 +56,16 @@ def test_watermark_keeps_a_fraction_free():
 
 
 def test_ttft_infeasible_is_refused_with_the_exact_retry_after():
-    # Best instance: 3000 queued tokens = 0.3 s wait + 0.1 s own prefill = 400 ms; STANDARD allows 250 ms.
+    # Best instance: 3000 queued tokens = 0.3 s wait + 0.1 s own prefill = 400 ms; STANDARD allows 250 ms. Before
+    # any calibration sample the margin is the step model's 20 % error on the 300 ms queued part: 60 ms.
     loads = with_loads(**{"sm-0": load("sm-0", queued=3000), "sm-1": load("sm-1", queued=4000),
                           "sm-2": load("sm-2", queued=5000)})
     r = policy(colocated_config()).route(request(), loads, 0.0)
-    assert r == Refuse(Overloaded(SM, Priority.STANDARD, 150, "predicted TTFT 400 ms + 0 ms calibrated margin exceeds the 250 ms STANDARD SLO"), 150, "ttft")
+    assert r == Refuse(Overloaded(SM, Priority.STANDARD, 210, "predicted TTFT 400 ms + 60 ms calibrated margin exceeds the 250 ms STANDARD SLO"), 210, "ttft")
     r = policy(colocated_config()).route(request(tier=Priority.INTERACTIVE), loads, 0.0)
-    assert r.retry_after_ms == 200 and r.error.reason == "predicted TTFT 400 ms + 0 ms calibrated margin exceeds the 200 ms INTERACTIVE SLO"
+    assert r.retry_after_ms == 260 and r.error.reason == "predicted TTFT 400 ms + 60 ms calibrated margin exceeds the 200 ms INTERACTIVE SLO"
+    r = policy(colocated_config(ttft_prior_error=0.0)).route(request(), loads, 0.0)
+    assert r.retry_after_ms == 150 and r.error.reason.startswith("predicted TTFT 400 ms + 0 ms calibrated margin")
     # BATCH has a 10 s SLO: it queues on the instance with the lowest predicted TTFT.
     r = policy(colocated_config()).route(request(tier=Priority.BATCH), loads, 0.0)
     assert isinstance(r, Route) and r.instance_id == "sm-0" and r.predicted_ttft_ms == 400.0
@@ -70,9 +73,10 @@ def test_ttft_infeasible_is_refused_with_the_exact_retry_after():
 
 def test_slack_and_request_deadline_move_the_limit():
     loads = with_loads(**{f"sm-{i}": load(f"sm-{i}", queued=3000) for i in range(3)})
-    assert isinstance(policy(colocated_config(ttft_slack=1.6)).route(request(), loads, 0.0), Route)  # 400 <= 400
+    config = colocated_config(ttft_slack=1.6, ttft_prior_error=0.0)
+    assert isinstance(policy(config).route(request(), loads, 0.0), Route)  # 400 <= 400
     r = policy(colocated_config(min_retry_after_ms=10)).route(request(ttft_slo_ms=380.0), loads, 0.0)
-    assert r.retry_after_ms == 20
+    assert r.retry_after_ms == 80  # 400 ms + 60 ms margin - 380 ms
 
 
 def test_a_prompt_slower_than_the_slo_even_idle_is_refused_at_once_with_the_numbers():
@@ -132,8 +136,8 @@ def test_work_sent_since_the_snapshot_counts_until_a_new_snapshot():
     loads = {"sm-0": load("sm-0")}
     for rid in ("a", "b"):
         p.on_dispatched(rid, p.route(request(rid), loads, 0.0), request(rid))
-    # Same snapshot: 2000 tokens sent since -> 0.2 s + 0.1 s = 300 ms > 250 ms.
-    assert p.route(request("c"), loads, 0.0).retry_after_ms == 50
+    # Same snapshot: 2000 tokens sent since -> 0.2 s + 0.1 s = 300 ms, + 20 % of the 200 ms queued > 250 ms.
+    assert p.route(request("c"), loads, 0.0).retry_after_ms == 90
     assert p.ledger.pending_blocks("sm-0") == 138
     # A newer snapshot already holds them (here: drained), so nothing is added twice.
     r = p.route(request("c"), {"sm-0": load("sm-0", free=900, running=2)}, 0.0)

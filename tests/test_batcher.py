@@ -284,6 +284,7 @@ def test_slack_budget_lets_a_step_run_long_only_while_every_decode_keeps_its_mea
         max_step_s=0.060,
         decode_step_s_by_num_decodes=(0.010, 0.011, 0.012),
         prefill_s_per_token=0.0001,
+        itl_slo_s=0.1,  # every step here ends within the free share of the ITL SLO: no tail budget spent
     )
     b.add_request(spec("a", prompt_len=4, max_tokens=100), 0.0)
     step(b, now=0.0)  # a's first token at t=0.0
@@ -313,8 +314,17 @@ def test_edf_demotes_a_request_whose_own_prefill_already_misses_its_deadline():
     assert [c.request_id for c in plan.chunks] == ["short"]
 
 
-def test_slack_extended_steps_are_capped_to_a_share_of_recent_steps():
-    # Same linear model as above; 1 % of a 200-step window = 2 long steps, then back to the sized budget (64).
+def timed_step(b: Batcher, now: float, step_s: float):
+    """One step planned at `now` whose tokens arrive `step_s` later (the gaps the tail budget judges)."""
+    plan = b.schedule(now)
+    sampled = {c.request_id: 7 for c in plan.chunks if c.samples}
+    return plan, b.update(plan, StepResult(sampled), now + step_s)
+
+
+def test_slow_steps_spend_the_itl_tail_budget_and_stop_when_it_is_spent():
+    # Linear model: 11 ms for one decode + 0.1 ms a prefill token. ITL SLO 25 ms: a step ends free (no slow gap)
+    # up to 0.95 x 25 = 23.75 ms = 1 decode + 127 tokens; the TPOT slack allows 1 + (60 - 11) / 0.1 = 491.
+    # Tail: 5 % of a 60-gap window = 3 slow gaps.
     b = make_batcher(
         num_blocks=4096,
         max_num_batched_tokens=1000,
@@ -323,15 +333,27 @@ def test_slack_extended_steps_are_capped_to_a_share_of_recent_steps():
         max_step_s=0.060,
         decode_step_s_by_num_decodes=(0.010, 0.011, 0.012),
         prefill_s_per_token=0.0001,
-        max_long_step_fraction=0.01,
+        itl_slo_s=0.025,
+        tail_budget_fraction=0.05,
+        tail_window_gaps=60,
     )
     b.add_request(spec("a", prompt_len=4, max_tokens=500), 0.0)
-    for i in range(21):  # first token at t=0, then 20 fast decodes 1 ms apart: ~0.38 s of banked slack
-        step(b, now=0.001 * i)
-    b.add_request(spec("big", prompt_len=6000, max_tokens=4, first=500), 0.021)
-    budgets = [step(b, now=0.021 + 0.001 * i)[0].num_batched_tokens for i in range(4)]
-    # long: 1 decode + (max_step 0.060 - 0.011 base) / 0.0001 = 491; after 2 long steps in the window, 64
-    assert budgets == [491, 491, 64, 64]
+    now = 0.0
+    for _ in range(41):  # the prefill, then 40 fast decodes 1 ms apart: banked slack, 40 fast gaps
+        now += 0.001
+        timed_step(b, now, 0.001)
+    assert (b.tail.num_gaps, b.tail.num_slow) == (40, 0)
+    b.add_request(spec("big", prompt_len=6000, max_tokens=4, first=500), now)
+    budgets = []
+    for _ in range(5):
+        plan = b.schedule(now)
+        long = plan.num_batched_tokens > 128
+        b.update(plan, StepResult({c.request_id: 7 for c in plan.chunks if c.samples}), now + (0.050 if long else 0.020))
+        budgets.append(plan.num_batched_tokens)
+        now += 0.060
+    # slow steps while 1 more slow gap keeps the share <= 5 % (1/41, 2/42 ok; 3/43 = 7 % > 5 %), then free steps
+    assert budgets[:2] == [491, 491] and set(budgets[2:]) == {128}
+    assert (b.tail.num_slow, b.tail.num_gaps) == (2, 45)
 
 
 def test_long_decode_contexts_take_their_kv_read_time_out_of_the_prefill_chunk():

@@ -41,6 +41,7 @@ from octoserve.services.core.kv_cache import KVCacheManager
 from octoserve.services.core.preemption import PREEMPTION_MODES, VICTIM_POLICIES
 from octoserve.services.core.queues import QUEUE_POLICIES, WaitingQueue
 from octoserve.services.core.reservation import OutputLengthPredictor, ReservationContext, make_reservation_policy
+from octoserve.services.core.tail_budget import TailBudget
 if TYPE_CHECKING:
     from octoserve.services.core.steady_batcher import _Steady
 from octoserve.services.core.types import (
@@ -58,7 +59,9 @@ from octoserve.services.core.types import (
 )
 
 CHUNK_FLOOR_TOKENS = 16  # prefill tokens a step keeps however long its decodes' contexts are
-LONG_STEP_WINDOW = 200  # steps over which the share of slack-extended steps is counted
+# A step planned by the linear step model to end within this share of the ITL SLO makes no slow gap: the share
+# left is for the model's error (the attention of a chunk over its own earlier chunks, which it leaves out).
+FREE_STEP_SHARE = 0.95
 CAP_MARGIN = 0.75  # share of a gang cap's spare time (past the decodes) given to prefill tokens
 
 DEFAULT_TIER_TTFT_SLO_MS: Mapping[Priority, float] = {
@@ -89,9 +92,15 @@ class BatcherConfig:
     # and `max_step_s`, when every running decode keeps its mean time per output token under `tpot_target_s`.
     tpot_target_s: float = 0.0
     max_step_s: float = 0.0
-    # ...and only while at most this fraction of the last LONG_STEP_WINDOW steps with decodes ran long: a long
-    # step delays every decode in it, and pooled ITL P95 tolerates no more than 5 % of such gaps.
-    max_long_step_fraction: float = 0.045
+    # A long step's delay is paid back over this many of each decode's next tokens at the current step pace (its
+    # TPOT is a mean over its whole output): 0 = the mean so far must stay on target after this very step.
+    tpot_horizon_tokens: int = 0
+    # The ITL tail budget (services/core/tail_budget.py; with slack chunking): a step the step model puts past
+    # FREE_STEP_SHARE x `itl_slo_s` delays every decode in it past the SLO, so it runs only while the slow share
+    # of the last `tail_window_gaps` inter-token gaps stays within `tail_budget_fraction`; shorter steps are free.
+    itl_slo_s: float = 0.0
+    tail_budget_fraction: float = 0.03
+    tail_window_gaps: int = 4000
     # Tier preemption (1.0 = off): BATCH keeps at least this share of max_num_seqs when more urgent work waits.
     batch_min_share: float = 1.0
     decode_step_s_by_num_decodes: tuple[float, ...] = ()  # d -> step time of d decodes alone
@@ -199,8 +208,9 @@ class Batcher:
         self._swapped: list[Request] = []  # sorted by victim key
         self._num_reserved = 0
         self._truncated: list[Request] = []  # out of KV while alone in the batch: finished at the next update
-        self._recent_long: deque[bool] = deque()  # for steps with decodes: did it exceed the sized budget?
-        self._num_long_steps = 0
+        self.tail = TailBudget(config.tail_budget_fraction, config.tail_window_gaps)
+        self._planned_gaps = (0.0, 0)  # (plan time, decodes) of the step in flight: its gaps, judged at update
+        self._num_decodes = 0  # decodes of the latest step (steady decodes' token lists may run ahead: not counted)
         self._num_swap_blocks_used = 0
         self._step_id = 0
         self._run_seq = 0
@@ -273,10 +283,9 @@ class Batcher:
         self.state_version += 1
         decodes, prefills, num_decode_tokens = self._split_running_counted()
         extra_kv_s = self._extra_kv_read_s(decodes, num_decode_tokens)
-        sized_budget = self.step_budget(len(decodes))
-        budget = self._shrunk(sized_budget, len(decodes), extra_kv_s)
-        if self.config.tpot_target_s > 0 and (prefills or self._waiting) and self._may_run_long(decodes):
-            budget = max(budget, self._slack_budget(decodes, now, extra_kv_s))
+        budget = self._shrunk(self.step_budget(len(decodes)), len(decodes), extra_kv_s)
+        if self.config.tpot_target_s > 0 and (prefills or self._waiting):
+            budget = self._spend_tail(budget, self._slack_budget(decodes, now, extra_kv_s), len(decodes), extra_kv_s)
         if step_cap_s is not None:
             budget = min(budget, self._capped_budget(len(decodes), step_cap_s, extra_kv_s))
         step = builder(budget)
@@ -292,8 +301,7 @@ class Batcher:
             self._schedule_waiting(step)
         if deferred:
             self._schedule_running(step, deferred)
-        if decodes:
-            self._note_long_step(step.used > sized_budget)
+        self._planned_gaps = (now, len(decodes))
         self._step_id += 1
         return step
 
@@ -316,14 +324,39 @@ class Batcher:
             return self.config.max_num_batched_tokens
         return table[min(num_decodes, len(table) - 1)]
 
-    def _may_run_long(self, decodes: list[Request]) -> bool:
-        return not decodes or self._num_long_steps < self.config.max_long_step_fraction * LONG_STEP_WINDOW
+    def _spend_tail(self, budget: int, slack_budget: int, num_decodes: int, extra_kv_s: float) -> int:
+        """The step's budget once the ITL tail is spent: the slack-extended budget (every decode's TPOT on
+        target) when its step ends within the free share of the ITL SLO or the tail budget affords a slow gap per
+        decode; else as much of it as ends within the free share."""
+        if slack_budget <= budget:
+            return budget
+        free = self._free_budget(num_decodes, extra_kv_s)
+        if slack_budget <= free or self.tail.affordable(num_decodes):
+            return slack_budget
+        return max(budget, min(slack_budget, free))
 
-    def _note_long_step(self, long: bool) -> None:
-        if len(self._recent_long) == LONG_STEP_WINDOW:
-            self._num_long_steps -= self._recent_long.popleft()
-        self._recent_long.append(long)
-        self._num_long_steps += long
+    def _free_budget(self, num_decodes: int, extra_kv_s: float) -> int:
+        """The largest budget whose step the step model ends within FREE_STEP_SHARE x the ITL SLO (no slow gap)."""
+        cfg = self.config
+        table = cfg.decode_step_s_by_num_decodes
+        if not table or cfg.prefill_s_per_token <= 0 or cfg.itl_slo_s <= 0:
+            return 0
+        base_s = table[min(num_decodes, len(table) - 1)] + extra_kv_s
+        spare = int((FREE_STEP_SHARE * cfg.itl_slo_s - base_s) / cfg.prefill_s_per_token + 1e-9)
+        return num_decodes + max(0, spare)
+
+    def long_steps_affordable(self) -> bool:
+        """Whether the tail budget would now afford a slow step over the running decodes (admission's view of the
+        prefill rate a new prompt gets)."""
+        return self.config.tpot_target_s > 0 and self.tail.affordable(self._num_decodes)
+
+    def _observe_gaps(self, now: float) -> None:
+        """The in-flight step's decode tokens arrive now: one gap each, slow when the step outlasted the SLO."""
+        plan_s, num_decodes = self._planned_gaps
+        if num_decodes and self.config.itl_slo_s > 0:
+            self.tail.observe(num_decodes, num_decodes if now - plan_s > self.config.itl_slo_s else 0)
+        self._planned_gaps = (now, 0)
+        self._num_decodes = num_decodes
 
     def _extra_kv_read_s(self, decodes: list[Request], num_decode_tokens: int | None = None) -> float:
         """Step time the decodes' context beyond the sized one adds (0 when shorter or when off).
@@ -348,19 +381,21 @@ class Batcher:
         """The largest budget whose step keeps every running decode's mean time per output token on target.
 
         A decode that has produced k tokens after its first at `first_token_s` meets the TPOT target after this
-        step if the step ends by first_token_s + (k + 1) x target. The tightest request bounds the step; with no
-        decodes only `max_step_s` does (nobody waits on this step but the prompts in it).
+        step and H more at the current pace `base_s` (H = `tpot_horizon_tokens`) if the step ends by
+        first_token_s + (k + 1 + H) x target - H x base_s. The tightest request bounds the step; with no decodes
+        only `max_step_s` does (nobody waits on this step but the prompts in it).
         """
         cfg = self.config
-        allowed_s = cfg.max_step_s
-        for r in decodes:
-            if r.first_token_s is not None:
-                k = len(r.token_ids) - r.num_prompt_tokens - 1
-                allowed_s = min(allowed_s, r.first_token_s + (k + 1) * cfg.tpot_target_s - now)
         table = cfg.decode_step_s_by_num_decodes
         if not table or cfg.prefill_s_per_token <= 0:
             return 0
         base_s = table[min(len(decodes), len(table) - 1)] + extra_kv_s
+        payback_s = cfg.tpot_horizon_tokens * (cfg.tpot_target_s - base_s)
+        allowed_s = cfg.max_step_s
+        for r in decodes:
+            if r.first_token_s is not None:
+                k = len(r.token_ids) - r.num_prompt_tokens - 1
+                allowed_s = min(allowed_s, r.first_token_s + (k + 1) * cfg.tpot_target_s - now + payback_s)
         extra_tokens = int((allowed_s - base_s) / cfg.prefill_s_per_token + 1e-9)  # no float round-down
         return min(cfg.max_num_batched_tokens, len(decodes) + max(0, extra_tokens))
 
@@ -640,6 +675,7 @@ class Batcher:
 
     def update(self, plan: StepPlan, result: StepResult, now: float) -> StepOutputs:
         self.state_version += 1
+        self._observe_gaps(now)
         outputs: list[RequestOutput] = []
         handoffs: list[HandoffReady] = []
         while self._truncated:
@@ -674,6 +710,7 @@ class Batcher:
         comes back: a sampled token that is neither the first this batcher produced for its request nor the last
         (the bulk of a decode batch) gets no `RequestOutput`; its request is listed in `plain` instead."""
         self.state_version += 1
+        self._observe_gaps(now)
         outputs: list[RequestOutput] = []
         handoffs: list[HandoffReady] = []
         plain: list[Request] = []

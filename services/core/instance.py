@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from octoserve.services.core.batcher import Batcher, BatcherConfig
+from octoserve.services.core.batcher import FREE_STEP_SHARE, Batcher, BatcherConfig
 from octoserve.services.core.cost_model import CostModel
 from octoserve.services.core.kv_cache import KVCacheManager
 from octoserve.services.core.placement import InstanceConfig, NodeConfig, num_kv_blocks_for
@@ -74,8 +74,14 @@ def _sizing_fields(node: NodeConfig, instance: InstanceConfig, cost_model: CostM
         fields.update(
             # The configured budget stays the ceiling; the sized table is the floor of every step's budget.
             max_num_batched_tokens=instance.max_num_batched_tokens,
-            tpot_target_s=sized.step_target_s,
+            # A request is good when its mean time per output token is within the ITL SLO: the target is the SLO
+            # less the share kept for the step model's error, not the tighter per-step target of the sizing.
+            tpot_target_s=FREE_STEP_SHARE * node.slo.itl_ms / 1000.0,
+            tpot_horizon_tokens=policies.tpot_horizon_tokens,
             max_step_s=sized.step_target_s * policies.max_step_factor,
+            itl_slo_s=node.slo.itl_ms / 1000.0,
+            tail_budget_fraction=policies.tail_budget_fraction,
+            tail_window_gaps=policies.tail_window_gaps,
             decode_step_s_by_num_decodes=sized.decode_step_s_by_num_decodes,
             prefill_s_per_token=sized.prefill_s_per_token,
             sized_context_tokens=sized.context_tokens,
@@ -93,8 +99,9 @@ class LoadReporter:
     """EngineLoad snapshots of one sim instance: the batcher's state plus rates from the cost model.
 
     The prefill rate it reports is what the NEXT steps can give a new prompt: the budget left after this step's
-    decodes, at the step time that mix costs (memoised by batch size), so admission sees a busy colocated instance
-    prefill slower than an idle one. The decode step time is an exponential average of recent decode-only steps.
+    decodes, at the step time that mix costs (memoised by batch size and tail state), so admission sees a busy
+    colocated instance prefill slower than an idle one; while the ITL tail budget affords a slow step, the budget
+    is the configured ceiling (a whole prompt in one step), as the batcher would run it. The decode step time is an exponential average of recent decode-only steps.
     """
 
     EMA = 0.2  # weight of the newest decode step
@@ -109,7 +116,7 @@ class LoadReporter:
         self.batcher = batcher
         self.cost = cost
         self.decode_step_time_s = cost.decode_step_time_s(1, self.CONTEXT_TOKENS)
-        self._prefill_rate: dict[int, float] = {}
+        self._prefill_rate: dict[tuple[int, bool], float] = {}
 
     def note_step(self, plan: StepPlan, step_time_s: float) -> None:
         if plan.chunks:
@@ -121,12 +128,13 @@ class LoadReporter:
             self.decode_step_time_s += self.EMA * (step_time_s - self.decode_step_time_s)
 
     def prefill_tokens_per_s(self, num_running: int) -> float:
-        rate = self._prefill_rate.get(num_running)
+        long = self.batcher.long_steps_affordable()
+        rate = self._prefill_rate.get((num_running, long))
         if rate is None:
-            budget = self.batcher.step_budget(num_running)
+            budget = self.batcher.config.max_num_batched_tokens if long else self.batcher.step_budget(num_running)
             chunk = max(CHUNK_QUANTUM, budget - num_running)
             step_s = self.cost.step_time_s([(chunk, 0)] + [(1, self.CONTEXT_TOKENS)] * num_running)
-            rate = self._prefill_rate[num_running] = self.duty * chunk / step_s
+            rate = self._prefill_rate[num_running, long] = self.duty * chunk / step_s
         return rate
 
     def load(self) -> EngineLoad:

@@ -96,6 +96,9 @@ class PolicyConfig:
     admission: bool = True  # False: route everything, shed nothing (for comparisons)
     tier_queue_bound: Mapping[Priority, int] = field(default_factory=_default_tier_queue_bound)
     ttft_slack: float = 1.0  # the TTFT prior: refuse when predicted TTFT > tier SLO x slack, until calibrated
+    # ...and add this relative error of the step model to the queued part of each prediction until calibrated: the
+    # default profile under-predicts published step times by up to ~17 % (docs/COST_MODEL.md).
+    ttft_prior_error: float = 0.2
     # Online TTFT calibration (services/core/admission.py TtftCalibrator): admit while predicted + the
     # `ttft_quantile` of the last `ttft_window` prediction errors of the model and tier <= the SLO.
     ttft_quantile: float = 0.97
@@ -121,7 +124,16 @@ class PolicyConfig:
     # With slo_sizing: a step may run longer than the ITL target (up to max_step_factor x it) while every running
     # decode keeps its mean time per output token on target (services/core/batcher.py, _slack_budget).
     slack_chunking: bool = True
-    max_step_factor: float = 3.0
+    max_step_factor: float = 6.0
+    # ...counting a long step's delay as paid back over each decode's next `tpot_horizon_tokens` tokens at the
+    # current step pace (TPOT is a mean over the whole output; 0: the mean so far stays on target at every step).
+    tpot_horizon_tokens: int = 32
+    # With slack_chunking, the ITL tail budget (services/core/tail_budget.py): a step past the ITL SLO (a whole
+    # prompt at once) runs only while the slow share of the instance's last `tail_window_gaps` inter-token gaps
+    # stays within `tail_budget_fraction`. The ITL SLO is a P95, so 5 % of gaps may be slow; spending about half of
+    # that leaves the rest for the cost model's error and for the model's other instances.
+    tail_budget_fraction: float = 0.03
+    tail_window_gaps: int = 4000
 
 
 @dataclass(frozen=True, slots=True)
@@ -451,9 +463,10 @@ def _policies(raw: Mapping[str, Any], problems: list[str]) -> PolicyConfig:
     if picker not in ROUTING_PICKERS:
         problems.append(f"policies.picker: unknown picker {picker!r}; choose one of: {', '.join(ROUTING_PICKERS)}")
     bounds = _tier_map(raw.get("tier_queue_bound", {}), "policies.tier_queue_bound", problems, _default_tier_queue_bound(), int)
-    scalars = {k: raw[k] for k in ("ttft_slack", "predicted_output_tokens", "kv_watermark", "min_retry_after_ms",
+    scalars = {k: raw[k] for k in ("ttft_slack", "ttft_prior_error", "predicted_output_tokens", "kv_watermark", "min_retry_after_ms",
                                    "swap_space_bytes", "max_step_factor", "ttft_quantile", "ttft_window",
-                                   "ttft_min_samples", "batch_min_share") if k in raw}
+                                   "ttft_min_samples", "batch_min_share", "tail_budget_fraction",
+                                   "tail_window_gaps", "tpot_horizon_tokens") if k in raw}
     for key, value in scalars.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
             problems.append(f"policies.{key} is {value!r}; set a number >= 0")
@@ -461,10 +474,17 @@ def _policies(raw: Mapping[str, Any], problems: list[str]) -> PolicyConfig:
         value = scalars.get(key)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and not 0 < value <= 1:
             problems.append(f"policies.{key} is {value!r}; set a fraction in (0, 1]")
+    fraction = scalars.get("tail_budget_fraction")
+    if isinstance(fraction, (int, float)) and not isinstance(fraction, bool) and not 0 <= fraction < 0.05:
+        problems.append(f"policies.tail_budget_fraction is {fraction!r}; set a fraction in [0, 0.05): the share of "
+                        "inter-token gaps a P95 ITL SLO lets run slow is 5 %, and the budget must stay inside it")
+    gaps = scalars.get("tail_window_gaps")
+    if isinstance(gaps, (int, float)) and not isinstance(gaps, bool) and gaps < 1:
+        problems.append(f"policies.tail_window_gaps is {gaps!r}; set a count of gaps >= 1")
     window, min_samples = scalars.get("ttft_window", base.ttft_window), scalars.get("ttft_min_samples", base.ttft_min_samples)
     if isinstance(window, (int, float)) and isinstance(min_samples, (int, float)) and not 1 <= min_samples <= window:
         problems.append(f"policies.ttft_min_samples is {min_samples!r}; set it between 1 and ttft_window ({window!r})")
-    for key in ("ttft_window", "ttft_min_samples"):
+    for key in ("ttft_window", "ttft_min_samples", "tail_window_gaps", "tpot_horizon_tokens"):
         if isinstance(scalars.get(key), float):
             scalars[key] = int(scalars[key])
     return PolicyConfig(

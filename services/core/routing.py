@@ -287,10 +287,17 @@ class RouterPolicy:
         if record is not None and now is not None:
             self.calibrator.observe(record.model, record.tier, (now - record.arrival_s) - record.predicted_ttft_s)
 
-    def ttft_correction_s(self, model: str, tier, slo_ms: float) -> float:
-        """Seconds added to a prediction before it is compared with the SLO (the prior until calibrated)."""
-        prior_s = (1.0 - self.config.policies.ttft_slack) * slo_ms / 1000.0
+    def ttft_correction_s(self, model: str, tier, slo_ms: float, queued_s: float = 0.0) -> float:
+        """Seconds added to a prediction before it is compared with the SLO: the calibrated error quantile, or
+        until calibrated the prior: the step model's known relative error (`ttft_prior_error`) on the part of the
+        prediction spent waiting behind other work (`queued_s`; a prompt alone on an idle instance is predicted by
+        the same cost model that times its steps), plus (1 - ttft_slack) x SLO."""
+        policies = self.config.policies
+        prior_s = (1.0 - policies.ttft_slack) * slo_ms / 1000.0 + policies.ttft_prior_error * queued_s
         return self.calibrator.correction_s(model, tier, prior_s, MAX_CORRECTION * slo_ms / 1000.0)
+
+    def candidate_correction_s(self, spec: RequestSpec, c: Candidate, slo_ms: float) -> float:
+        return self.ttft_correction_s(spec.model, spec.priority, slo_ms, c.predicted_ttft_s - c.own_prefill_s)
 
     def on_finished(self, request_id: str) -> None:
         self.ledger.on_finished(request_id)
@@ -377,10 +384,10 @@ class RouterPolicy:
                                         "kv_headroom")
                 kept = colocated
         if admit:
-            correction_s = self.ttft_correction_s(spec.model, spec.priority, slo_ms)
-            feasible = [c for c in kept if adm.ttft_excess_s(c.predicted_ttft_s, correction_s, slo_ms) <= 0]
+            feasible = [c for c in kept if adm.ttft_excess_s(c.predicted_ttft_s,
+                                                             self.candidate_correction_s(spec, c, slo_ms), slo_ms) <= 0]
             if not feasible:
-                return self._refuse_ttft(spec, kept, slo_ms, correction_s)
+                return self._refuse_ttft(spec, kept, slo_ms)
             kept = feasible
         chosen = self._pick(kept)
         if chosen.instance.role is not Role.PREFILL:
@@ -433,9 +440,9 @@ class RouterPolicy:
             cached_tokens=cached,
             wait_s=wait_s,
             own_prefill_s=cost.prefill_time_s(num_prompt_tokens - cached, cached),
-            # Alone in prefill, a prompt gets the slack-extended chunks of an instance whose decodes are ahead of
-            # their TPOT target; behind a queue it shares the loaded rate with it.
-            loaded_prefill_s=adm.prefill_wait_s(num_prompt_tokens - cached, throughput) if ahead > 0 else 0.0,
+            # Its chunks run at the rate the instance reports for its next steps: the ITL-sized chunks beside its
+            # decodes, or a whole prompt in one step while its ITL tail budget affords a slow step.
+            loaded_prefill_s=adm.prefill_wait_s(num_prompt_tokens - cached, throughput),
             model=spec.model,
             slot_wait_s=slot_wait,
         )
@@ -591,9 +598,10 @@ class RouterPolicy:
             return self._overloaded(spec, math.inf, "no healthy instance serves it right now", "no_healthy_instance")
         return self._refuse(spec, healthy, "no instance has KV headroom for prompt + reservation", "kv_headroom")
 
-    def _refuse_ttft(self, spec: RequestSpec, cands: Sequence[Candidate], slo_ms: float, correction_s: float) -> Refuse:
+    def _refuse_ttft(self, spec: RequestSpec, cands: Sequence[Candidate], slo_ms: float) -> Refuse:
         """Retry once the best candidate's queue has drained by the amount its corrected TTFT exceeds the SLO."""
         best = min(cands, key=lambda c: (c.predicted_ttft_s, c.instance.id))
+        correction_s = self.candidate_correction_s(spec, best, slo_ms)
         excess_s = adm.ttft_excess_s(best.predicted_ttft_s, correction_s, slo_ms)
         reason = (
             f"predicted TTFT {best.predicted_ttft_s * 1000:.0f} ms + {correction_s * 1000:.0f} ms calibrated margin "

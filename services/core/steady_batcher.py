@@ -36,7 +36,6 @@ import bisect
 from collections.abc import Sequence
 
 from octoserve.services.core.batcher import (
-    LONG_STEP_WINDOW,
     Batcher,
     CompactOutputs,
     CompactStep,
@@ -279,11 +278,9 @@ class SteadyBatcher(Batcher):
         extra_kv_s = 0.0
         if cfg.kv_s_per_context_token > 0 and n:
             extra_kv_s = max(0.0, (num_decode_tokens - n * cfg.sized_context_tokens) * cfg.kv_s_per_context_token)
-        sized_budget = self.step_budget(n)
-        budget = self._shrunk(sized_budget, n, extra_kv_s)
-        if cfg.tpot_target_s > 0 and (prefills or self._waiting) and \
-                (not n or self._num_long_steps < cfg.max_long_step_fraction * LONG_STEP_WINDOW):
-            budget = max(budget, self._steady_slack_budget(n, s, now, extra_kv_s))
+        budget = self._shrunk(self.step_budget(n), n, extra_kv_s)
+        if cfg.tpot_target_s > 0 and (prefills or self._waiting):
+            budget = self._spend_tail(budget, self._steady_slack_budget(n, s, now, extra_kv_s), n, extra_kv_s)
         if budget < n:
             return None
         growing = self._due(self._grow_at, s, grow=True)
@@ -305,14 +302,18 @@ class SteadyBatcher(Batcher):
             self._schedule_waiting(step)
         if deferred:
             self._schedule_running(step, deferred)
-        if n:
-            self._note_long_step(step.used > sized_budget)
+        self._planned_gaps = (now, n)
         self._step_id += 1
         return step
 
     def _steady_slack_budget(self, n: int, s: int, now: float, extra_kv_s: float) -> int:
         """`_slack_budget` over the steady decodes: the same float minimum, from the few smallest keys."""
         cfg = self.config
+        table = cfg.decode_step_s_by_num_decodes
+        if not table or cfg.prefill_s_per_token <= 0:
+            return 0
+        base_s = table[min(n, len(table) - 1)] + extra_kv_s
+        payback_s = cfg.tpot_horizon_tokens * (cfg.tpot_target_s - base_s)
         allowed_s = cfg.max_step_s
         target = cfg.tpot_target_s
         slack = self._slack
@@ -322,11 +323,8 @@ class SteadyBatcher(Batcher):
                 if key[0] > limit:
                     break
                 r = key[2]
-                allowed_s = min(allowed_s, r.first_token_s + (r.steady.c + s - r.num_prompt_tokens) * target - now)
-        table = cfg.decode_step_s_by_num_decodes
-        if not table or cfg.prefill_s_per_token <= 0:
-            return 0
-        base_s = table[min(n, len(table) - 1)] + extra_kv_s
+                allowed_s = min(allowed_s, r.first_token_s + (r.steady.c + s - r.num_prompt_tokens) * target - now
+                                + payback_s)
         extra_tokens = int((allowed_s - base_s) / cfg.prefill_s_per_token + 1e-9)  # no float round-down
         return min(cfg.max_num_batched_tokens, n + max(0, extra_tokens))
 
@@ -334,6 +332,7 @@ class SteadyBatcher(Batcher):
 
     def update_compact(self, step: CompactStep, sampled: Sequence[int | None], now: float) -> CompactOutputs:
         self.state_version += 1
+        self._observe_gaps(now)
         outputs: list[RequestOutput] = []
         handoffs: list[HandoffReady] = []
         plain: list[Request] = []

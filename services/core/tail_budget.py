@@ -1,0 +1,69 @@
+"""The ITL tail budget of one instance: how many slow inter-token gaps it may still spend.
+
+An ITL SLO is a percentile (P95 < 30 ms), not a wall on every step: up to 5 % of a model's inter-token gaps may be
+slower. A step that runs longer than the SLO (a whole prompt prefilled at once) makes one slow gap for every decode
+in it, and gives the prompts in it their first token several steps sooner. `TailBudget` counts the gaps of the
+last `window_gaps` decode tokens and how many of them were slow, and allows a slow step only while the slow share
+stays at or under `fraction` (about half the quantile's tail: room for the cost model's error and for the gaps of
+the other instances of the model, which share the model's P95).
+
+Invariant (given that only steps `affordable` allowed turned out slow): over the last `min(window_gaps, all gaps
+seen)` gaps, at every step boundary, the slow share is at most `fraction`. Between long steps the trailing window
+only gains fast gaps, so the share there never rises; at a long step `affordable` checked it, counting every slow
+gap of the oldest step still in the window even where part of that step has slid out (so the check is strict).
+
+Clock-free and exact: the window is a count of gaps, not a span of time.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+
+class TailBudget:
+    """The slow share of an instance's recent inter-token gaps; see the module docstring."""
+
+    __slots__ = ("fraction", "window_gaps", "_steps", "_num_gaps", "_num_slow")
+
+    def __init__(self, fraction: float, window_gaps: int) -> None:
+        if not 0.0 <= fraction < 1.0 or window_gaps < 1:
+            raise ValueError("need 0 <= fraction < 1 and window_gaps >= 1")
+        self.fraction = fraction
+        self.window_gaps = window_gaps
+        self._steps: deque[tuple[int, int]] = deque()  # (gaps, slow gaps) of each step with decodes, oldest first
+        self._num_gaps = 0
+        self._num_slow = 0
+
+    def observe(self, num_gaps: int, num_slow: int) -> None:
+        """One step's decode tokens (`num_gaps`), of which `num_slow` came later than the SLO after the previous."""
+        if num_gaps <= 0:
+            return
+        self._steps.append((num_gaps, num_slow))
+        self._num_gaps += num_gaps
+        self._num_slow += num_slow
+        steps = self._steps
+        # Keep the fewest whole steps that still cover the window: the oldest goes once the rest cover it alone.
+        while self._num_gaps - steps[0][0] >= self.window_gaps:
+            gaps, slow = steps.popleft()
+            self._num_gaps -= gaps
+            self._num_slow -= slow
+
+    def affordable(self, num_gaps: int) -> bool:
+        """Whether a step whose `num_gaps` decode tokens all come late keeps the slow share within the fraction
+        (a step without decodes delays no gap: always)."""
+        if num_gaps <= 0:
+            return True
+        covered = min(self.window_gaps, self._num_gaps + num_gaps)
+        return self._num_slow + num_gaps <= self.fraction * covered + 1e-9
+
+    def slow_share(self) -> float:
+        """The slow share of the gaps in the window (0 before any)."""
+        return self._num_slow / self._num_gaps if self._num_gaps else 0.0
+
+    @property
+    def num_gaps(self) -> int:
+        return self._num_gaps
+
+    @property
+    def num_slow(self) -> int:
+        return self._num_slow
