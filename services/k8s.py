@@ -73,7 +73,7 @@ import yaml
 from octoserve.services.core.placement import InstanceConfig, NodeConfig
 from octoserve.services.core.types import Role
 
-DEFAULT_CONFIG_PATH = "services/configs/node-default.yaml"
+DEFAULT_CONFIG_PATH = "services/configs/node-default.yaml"  # the embedded default, as the manifests' header names it
 DEFAULT_OUT_DIR = "deploy/k8s/default"
 MANIFEST_FILE = "octoserve.yaml"
 PODMONITOR_FILE = "podmonitor.yaml"
@@ -497,7 +497,8 @@ def mtls_from_sections(sections: Mapping[str, Any]) -> bool:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", default=DEFAULT_CONFIG_PATH, help="node config YAML (the placement of every node)")
+    parser.add_argument("--config", default=None,
+                        help="node config YAML, the placement of every node (default: the embedded default placement)")
     parser.add_argument("--nodes", type=int, default=2, help="number of GPU nodes (pods, one per 8-GPU machine)")
     parser.add_argument("--out", default=DEFAULT_OUT_DIR, help="directory to write the manifests into; '-' for stdout")
     parser.add_argument("--image", default=DEFAULT_IMAGE, help="container image")
@@ -506,13 +507,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Write (or, with --check, compare) the manifests for the placement in --config and --nodes nodes."""
-    from octoserve.services.config import load_node_config, load_service_sections
+    from octoserve.services.config import default_config_text, load_node_config, load_service_sections
 
-    config = load_node_config(args.config)
+    config = load_node_config(args.config)  # None: the embedded default, so this runs from any directory
+    config_text = default_config_text() if args.config is None else Path(args.config).read_text()
     problems = []
     try:
         settings = K8sSettings(image=args.image, mtls=mtls_from_sections(load_service_sections(args.config)))
-        files = render_files(config, args.nodes, args.config, Path(args.config).read_text(), settings)
+        files = render_files(config, args.nodes, args.config or DEFAULT_CONFIG_PATH, config_text, settings)
     except ValueError as e:
         print(f"octoserve k8s: {e}", file=sys.stderr)
         return 2
@@ -520,7 +522,12 @@ def run(args: argparse.Namespace) -> int:
     if args.check:
         problems = [name for name, text in files.items() if not (out / name).exists() or (out / name).read_text() != text]
         for name in problems:
-            print(f"{out / name}: differs from the generator; regenerate it with the command in its header", file=sys.stderr)
+            if (out / name).exists():
+                print(f"{out / name}: differs from the generator; regenerate it with the command in its header",
+                      file=sys.stderr)
+            else:
+                print(f"{out / name}: missing; write it with `octoserve k8s --out {out}` and the same --config and "
+                      "--nodes", file=sys.stderr)
         if not problems:
             print(f"{out}: up to date", file=sys.stderr)
         return 1 if problems else 0
