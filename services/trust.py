@@ -268,10 +268,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dir", help="directory to write ca.pem and <service>.pem/.key into")
     parser.add_argument("--host", action="append", default=[],
                         help="a host name or IP the services are reached at, besides localhost (repeatable)")
-    parser.add_argument("--days", type=int, default=CERT_DAYS)
+    parser.add_argument("--days", type=int, default=CERT_DAYS, help="days each certificate is valid (default %(default)s)")
+    parser.add_argument("--force", action="store_true",
+                        help="replace the CA already in DIR (every certificate it signed stops being trusted)")
 
 
 def run(args: argparse.Namespace) -> int:
+    from octoserve.services.usage import UsageError
+
+    ca = Path(args.dir) / "ca.pem"
+    # A new CA invalidates every certificate the old one signed, those of a node running on them included.
+    if ca.exists() and not getattr(args, "force", False):  # getattr: callers may pass a Namespace of their own
+        raise UsageError(f"{ca} exists: a new CA would invalidate the certificates it signed (a running node's too); "
+                         "pass --force to replace it")
     for path in make_certs(args.dir, args.host, args.days):
         print(path)
     print(f"set `tls: {{dir: {args.dir}}}` in the node config to require these certificates between services")

@@ -296,3 +296,20 @@ def test_compose_writes_and_checks_the_file_of_the_embedded_config_from_any_dire
     assert (done.returncode, done.stderr) == (0, "")
     done = octoserve("compose", "--check", cwd=tmp_path)
     assert (done.returncode, done.stderr) == (0, "docker-compose.yml: up to date\n")
+
+
+# --- 22. certs does not replace a CA unless asked -----------------------------------------------------------------------
+
+
+def test_certs_refuses_to_replace_a_ca_without_force(tmp_path):
+    done = octoserve("certs", "tls", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    ca = (tmp_path / "tls" / "ca.pem").read_bytes()
+    done = octoserve("certs", "tls", cwd=tmp_path)
+    assert_bad_input(done, "certs", "tls/ca.pem exists: a new CA would invalidate the certificates it signed (a "
+                                    "running node's too); pass --force to replace it")
+    assert done.stdout == ""
+    assert (tmp_path / "tls" / "ca.pem").read_bytes() == ca
+    done = octoserve("certs", "tls", "--force", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "tls" / "ca.pem").read_bytes() != ca
