@@ -308,10 +308,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from octoserve.services.sim.cli_simulate import add_cost_profile_argument
 
     parser.add_argument("--config", default=None, help="node config YAML (default: the embedded placement)")
-    parser.add_argument("--time-scale", type=float, default=1.0, help="dilate modelled time by K (sim engine)")
-    parser.add_argument("--engine", choices=("sim", "vllm"), default="sim")
+    parser.add_argument("--time-scale", type=float, default=1.0,
+                        help="dilate modelled time by K (sim engine; default 1: real time)")
+    parser.add_argument("--engine", choices=("sim", "vllm"), default="sim",
+                        help="sim (default): virtual GPUs timed by the cost model; vllm: a real model (--model)")
     parser.add_argument("--model", default=None, help="model directory (vllm engine)")
-    parser.add_argument("--port", type=int, default=50051, help="router port on 127.0.0.1")
+    parser.add_argument("--port", type=int, default=50051, help="router port on 127.0.0.1 (default 50051)")
     parser.add_argument("--http-port", type=int, default=8000,
                         help="OpenAI-compatible HTTP front on 127.0.0.1 (default 8000; 0: any free port)")
     parser.add_argument("--no-http", action="store_true", help="do not start the HTTP front")
@@ -319,10 +321,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run the HTTP front as a process of its own instead of inside the router process")
     parser.add_argument("--run-dir", default=None, help="where logs and ready files go (default: a temp dir)")
     parser.add_argument("--startup-timeout-s", type=parse_duration_s, default=None,
-                        help=f"default {DEFAULT_STARTUP_TIMEOUT_S:g} s, {VLLM_STARTUP_TIMEOUT_S:g} s with --engine vllm")
-    parser.add_argument("--grace-s", type=parse_duration_s, default=DEFAULT_GRACE_S)
+                        help=f"how long to wait for every service to be healthy (default "
+                             f"{DEFAULT_STARTUP_TIMEOUT_S:g} s, {VLLM_STARTUP_TIMEOUT_S:g} s with --engine vllm)")
+    parser.add_argument("--grace-s", type=parse_duration_s, default=DEFAULT_GRACE_S,
+                        help=f"how long each service drains its in-flight streams after SIGTERM (default "
+                             f"{DEFAULT_GRACE_S:g} s)")
     parser.add_argument("--access-log", choices=("off", "errors", "all"), default="errors",
-                        help="router access log: every request (all), failed ones + 1 in 100 ok ones (errors), off")
+                        help="router access log: every request (all), failed ones + 1 in 100 ok ones (errors, the "
+                             "default), off")
     add_cost_profile_argument(parser)
 
 

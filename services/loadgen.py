@@ -215,8 +215,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="modelled arrival window, e.g. 60s (default: the profile's)")
     parser.add_argument("--burstiness", type=float, default=None, help="gamma shape: <1 burstier than Poisson")
     parser.add_argument("--time-scale", type=float, default=1.0,
-                        help="real seconds per modelled second; use the node's --time-scale")
-    parser.add_argument("--seed", type=int, default=0)
+                        help="real seconds per modelled second; use the node's --time-scale (default 1)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="trace seed (default 0); `simulate --seed` with the same seed runs the same requests")
     parser.add_argument("--max-requests", type=int, default=None, help="send at most the trace's first N")
     parser.add_argument("--drain-timeout", type=parse_duration_s, default=30.0,
                         help="modelled seconds to wait for streams after the last send (default 30; the real wait "
@@ -224,14 +225,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=parse_duration_s, default=None,
                         help="modelled warm-up to leave out of every metric, e.g. 10s "
                              "(default: detected on the harness's in-flight count, MSER-5, >= 5 s)")
-    parser.add_argument("--channels", type=int, default=1)
+    parser.add_argument("--channels", type=int, default=1,
+                        help="gRPC channels, each its own HTTP/2 connection, the requests are spread over (default 1)")
     parser.add_argument("--request-timeout", type=parse_duration_s, default=None,
                         help="real time per request, e.g. 30s (default: none)")
     parser.add_argument("--retry", action="store_true", help="let the SDK retry refusals (default: count them)")
-    parser.add_argument("--output-len-mode", choices=OUTPUT_LEN_MODES, default="hint")
+    parser.add_argument("--output-len-mode", choices=OUTPUT_LEN_MODES, default="hint",
+                        help="hint (default): max_tokens as the trace says, the true output length passed as a hint "
+                             "a sim engine stops at; max-tokens: max_tokens = the true length with ignore_eos, for "
+                             "a real engine (as `vllm bench serve`)")
     parser.add_argument("--json", type=Path, default=None, help="write the summary as JSON here")
     parser.add_argument("--plots", type=Path, default=None, help="write PNG plots into this directory")
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
 def build_trace(args: argparse.Namespace, served: Sequence[str] | None = None,

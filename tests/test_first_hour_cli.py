@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import subprocess
 import sys
 import time
@@ -341,3 +342,34 @@ def test_elastic_day_help_shows_the_plot_defaults(tmp_path):
 def test_the_scripts_that_regenerate_docs_name_docs_bench_themselves(script, flag):
     text = (Path(__file__).parent.parent / "scripts" / script).read_text()
     assert f'"{flag}", "docs/bench"' in text  # not elastic-day's default, which writes no plots
+
+
+# --- 24. help text: every flag says what it does and its default -------------------------------------------------------
+
+
+def flag_help(command: str, flag: str, cwd) -> str:
+    """The help of `flag` in `octoserve COMMAND --help`, on one line, without the flag and its metavar."""
+    done = octoserve(command, "--help", cwd=cwd)
+    assert done.returncode == 0, done.stderr
+    entries = re.split(r"\n(?=  -)", done.stdout.split("\noptions:\n")[1])  # each starts "  --flag"
+    words = next(e for e in entries if e.split()[0] == flag).split()[1:]
+    if words and (words[0].isupper() or words[0].startswith("{")):  # the metavar: TIME_SCALE, {hint,max-tokens}
+        words = words[1:]
+    return " ".join(words)
+
+
+HELP = {
+    ("up", "--port"): "router port on 127.0.0.1 (default 50051)",
+    ("up", "--time-scale"): "dilate modelled time by K (sim engine; default 1: real time)",
+    ("up", "--grace-s"): "how long each service drains its in-flight streams after SIGTERM (default 10 s)",
+    ("bench", "--channels"): "gRPC channels, each its own HTTP/2 connection, the requests are spread over (default 1)",
+    ("bench", "--output-len-mode"): "hint (default): max_tokens as the trace says, the true output length passed as a "
+                                    "hint a sim engine stops at; max-tokens: max_tokens = the true length with "
+                                    "ignore_eos, for a real engine (as `vllm bench serve`)",
+    ("bench", "--seed"): "trace seed (default 0); `simulate --seed` with the same seed runs the same requests",
+}
+
+
+@pytest.mark.parametrize(("command", "flag"), sorted(HELP))
+def test_help_says_what_a_flag_does_and_its_default(tmp_path, command, flag):
+    assert flag_help(command, flag, tmp_path) == HELP[(command, flag)]
