@@ -69,7 +69,7 @@ class Baseline:
 _VLLM_POLICIES = dict(queue="fcfs", reservation="watermark", preemption="recompute", admission=False,
                       slo_sizing=False, picker="round_robin")
 _OCTOSERVE_POLICIES = dict(queue="edf", reservation="predicted", preemption="recompute", admission=True,
-                           slo_sizing=True, picker="lowest_cost", ttft_slack=0.5)
+                           slo_sizing=True, picker="lowest_cost", )
 
 BASELINES: dict[str, Baseline] = {b.name: b for b in (
     Baseline("vllm-default", STATIC_SPLIT, _VLLM_POLICIES, VLLM_H100_MAX_NUM_BATCHED_TOKENS, VLLM_H100_MAX_NUM_SEQS,

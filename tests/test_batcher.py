@@ -324,7 +324,7 @@ def timed_step(b: Batcher, now: float, step_s: float):
 def test_slow_steps_spend_the_itl_tail_budget_and_stop_when_it_is_spent():
     # Linear model: 11 ms for one decode + 0.1 ms a prefill token. ITL SLO 25 ms: a step ends free (no slow gap)
     # up to 0.95 x 25 = 23.75 ms = 1 decode + 127 tokens; the TPOT slack allows 1 + (60 - 11) / 0.1 = 491.
-    # Tail: 5 % of a 60-gap window = 3 slow gaps.
+    # Tail: 5 % of a 60-gap window = 3 slow gaps in any 60.
     b = make_batcher(
         num_blocks=4096,
         max_num_batched_tokens=1000,
@@ -343,7 +343,8 @@ def test_slow_steps_spend_the_itl_tail_budget_and_stop_when_it_is_spent():
         now += 0.001
         timed_step(b, now, 0.001)
     assert (b.tail.num_gaps, b.tail.num_slow) == (40, 0)
-    b.add_request(spec("big", prompt_len=6000, max_tokens=4, first=500), now)
+    # 2,000 tokens due in 250 ms: 16 free steps (23.75 ms, 127 tokens each) would miss; long steps save it
+    b.add_request(spec("big", prompt_len=2000, max_tokens=4, first=500, arrival=now), now)
     budgets = []
     for _ in range(5):
         plan = b.schedule(now)
@@ -351,9 +352,34 @@ def test_slow_steps_spend_the_itl_tail_budget_and_stop_when_it_is_spent():
         b.update(plan, StepResult({c.request_id: 7 for c in plan.chunks if c.samples}), now + (0.050 if long else 0.020))
         budgets.append(plan.num_batched_tokens)
         now += 0.060
-    # slow steps while 1 more slow gap keeps the share <= 5 % (1/41, 2/42 ok; 3/43 = 7 % > 5 %), then free steps
-    assert budgets[:2] == [491, 491] and set(budgets[2:]) == {128}
-    assert (b.tail.num_slow, b.tail.num_gaps) == (2, 45)
+    # slow steps while the window holds at most 3 slow gaps, then steps that end within the free share
+    assert budgets[:3] == [491, 491, 491] and budgets[3:] == [128, 128]
+    assert (b.tail.num_slow, b.tail.num_gaps) == (3, 45)
+
+
+def test_the_tail_is_spent_only_on_a_prompt_that_steps_within_the_slo_would_bring_in_late():
+    def batcher():
+        b = make_batcher(num_blocks=4096, max_num_batched_tokens=1000, budget_by_num_decodes=(64, 64, 64),
+                         tpot_target_s=0.020, max_step_s=0.060, decode_step_s_by_num_decodes=(0.010, 0.011, 0.012),
+                         prefill_s_per_token=0.0001, itl_slo_s=0.025, tail_budget_fraction=0.05,
+                         tail_window_gaps=60)
+        b.add_request(spec("a", prompt_len=4, max_tokens=500), 0.0)
+        for i in range(41):
+            timed_step(b, 0.001 * (i + 1), 0.001)
+        return b
+
+    # 500 tokens: 4 free steps of 127 tokens (+1 kept for error) = 119 ms, inside its 250 ms: no slow step
+    b = batcher()
+    b.add_request(spec("small", prompt_len=500, max_tokens=4, first=500, arrival=0.05), 0.05)
+    assert b.schedule(0.05).num_batched_tokens == 128 and b.tail.affordable(1)
+    # 3,000 tokens: lost even in one step (0.011 + 0.3 s > 250 ms): no slow step either
+    b = batcher()
+    b.add_request(spec("lost", prompt_len=3000, max_tokens=4, first=500, arrival=0.05), 0.05)
+    assert b.schedule(0.05).num_batched_tokens == 128
+    # 2,000 tokens: free steps miss, a long one saves it
+    b = batcher()
+    b.add_request(spec("big", prompt_len=2000, max_tokens=4, first=500, arrival=0.05), 0.05)
+    assert b.schedule(0.05).num_batched_tokens == 491
 
 
 def test_long_decode_contexts_take_their_kv_read_time_out_of_the_prefill_chunk():

@@ -9,17 +9,20 @@ from hypothesis import strategies as st
 from octoserve.services.core.tail_budget import TailBudget
 
 
-def test_a_slow_step_is_affordable_while_the_share_stays_within_the_fraction():
-    t = TailBudget(0.05, window_gaps=100)
+def test_a_slow_step_is_affordable_while_the_window_keeps_its_share():
+    t = TailBudget(0.05, window_gaps=100)  # 5 slow gaps in any 100
     assert t.affordable(0)  # a step without decodes delays nobody
-    assert not t.affordable(1)  # no gap seen yet: one slow gap would be 100 %
-    t.observe(19, 0)
-    assert t.affordable(1) and not t.affordable(2)  # 1/20 = 5 %; 2/21 > 5 %
+    assert t.affordable(5) and not t.affordable(6)  # a fresh instance: the gaps before its first count as fast
+    t.observe(4, 4)
+    assert (t.num_gaps, t.num_slow, t.slow_share()) == (4, 4, 1.0)
+    assert t.affordable(1) and not t.affordable(2)
+    t.observe(96, 0)
     t.observe(1, 1)
-    assert (t.num_gaps, t.num_slow, t.slow_share()) == (20, 1, 0.05)
-    assert not t.affordable(1)  # 2/21
-    t.observe(19, 0)
-    assert t.affordable(1)  # 2/40
+    assert (t.num_gaps, t.num_slow) == (101, 5)
+    assert not t.affordable(1)
+    t.observe(3, 0)  # the first step (4 slow gaps) slides out once the rest cover the window
+    assert (t.num_gaps, t.num_slow) == (100, 1)
+    assert t.affordable(4) and not t.affordable(5)
 
 
 def test_the_window_keeps_the_fewest_whole_steps_that_cover_it():
@@ -46,13 +49,14 @@ def test_bad_settings_are_refused():
        steps=st.lists(st.tuples(st.integers(0, 40), st.booleans()), max_size=200))
 def test_every_trailing_window_keeps_its_slow_share_within_the_fraction(fraction, window, steps):
     """Steps run slow only when `affordable` allowed it (the batcher's rule); then at every step boundary the last
-    min(window, all) gaps hold at most fraction x that many slow gaps, counted gap by gap."""
+    `window` gaps (the gaps before the first counted as fast) hold at most fraction x window slow gaps, counted gap
+    by gap."""
     t = TailBudget(fraction, window)
-    history: list[bool] = []  # every gap so far, True = slow
+    history: list[bool] = [False] * window  # every gap so far, True = slow, after the fresh instance's fast ones
     for gaps, wants_slow in steps:
         slow = wants_slow and gaps > 0 and t.affordable(gaps)
         t.observe(gaps, gaps if slow else 0)
         history.extend([slow] * gaps)
         trailing = history[-window:]
-        assert sum(trailing) <= fraction * len(trailing) + 1e-9
+        assert sum(trailing) <= fraction * window + 1e-9
         assert t.num_slow >= sum(trailing)  # the counted window covers the trailing one

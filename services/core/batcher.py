@@ -211,6 +211,7 @@ class Batcher:
         self.tail = TailBudget(config.tail_budget_fraction, config.tail_window_gaps)
         self._planned_gaps = (0.0, 0)  # (plan time, decodes) of the step in flight: its gaps, judged at update
         self._num_decodes = 0  # decodes of the latest step (steady decodes' token lists may run ahead: not counted)
+        self._slack_chunk = 1 << 30  # prefill tokens the TPOT slack allowed a step at the latest plan with prompts
         self._num_swap_blocks_used = 0
         self._step_id = 0
         self._run_seq = 0
@@ -285,7 +286,8 @@ class Batcher:
         extra_kv_s = self._extra_kv_read_s(decodes, num_decode_tokens)
         budget = self._shrunk(self.step_budget(len(decodes)), len(decodes), extra_kv_s)
         if self.config.tpot_target_s > 0 and (prefills or self._waiting):
-            budget = self._spend_tail(budget, self._slack_budget(decodes, now, extra_kv_s), len(decodes), extra_kv_s)
+            budget = self._spend_tail(budget, self._slack_budget(decodes, now, extra_kv_s), len(decodes), extra_kv_s,
+                                      prefills, now)
         if step_cap_s is not None:
             budget = min(budget, self._capped_budget(len(decodes), step_cap_s, extra_kv_s))
         step = builder(budget)
@@ -324,18 +326,41 @@ class Batcher:
             return self.config.max_num_batched_tokens
         return table[min(num_decodes, len(table) - 1)]
 
-    def _spend_tail(self, budget: int, slack_budget: int, num_decodes: int, extra_kv_s: float) -> int:
+    def _spend_tail(self, budget: int, slack_budget: int, num_decodes: int, extra_kv_s: float,
+                    prefills: list[Request], now: float) -> int:
         """The step's budget once the ITL tail is spent: the slack-extended budget (every decode's TPOT on
-        target) when its step ends within the free share of the ITL SLO or the tail budget affords a slow gap per
-        decode; else as much of it as ends within the free share."""
+        target) when its step ends within the free share of the ITL SLO, or when the tail budget affords a slow
+        gap per decode and some prompt needs it (`_needs_long`); else as much of it as ends within the free share."""
+        self._slack_chunk = slack_budget - num_decodes
         if slack_budget <= budget:
             return budget
-        free = self._free_budget(num_decodes, extra_kv_s)
-        if slack_budget <= free or self.tail.affordable(num_decodes):
+        free = self.free_budget(num_decodes, extra_kv_s)
+        if slack_budget <= free or num_decodes == 0:  # a step without decodes delays no gap
             return slack_budget
-        return max(budget, min(slack_budget, free))
+        if self.tail.affordable(num_decodes) and self._needs_long(prefills, free - num_decodes, now):
+            return slack_budget
+        return max(budget, free)
 
-    def _free_budget(self, num_decodes: int, extra_kv_s: float) -> int:
+    def _needs_long(self, prefills: list[Request], free_chunk: int, now: float) -> bool:
+        """Whether a prompt would reach its first token after its TTFT deadline in steps that end within the free
+        share of the ITL SLO (each carrying `free_chunk` prefill tokens, one step kept for the step model's error),
+        while one step now could still make it: the running prefills in order, then the head of the queue, each
+        behind the tokens of those before it. A prompt those steps serve in time leaves the tail to one they cannot;
+        a prompt already lost spends none."""
+        cfg = self.config
+        if free_chunk <= 0:
+            return True
+        base_s = self._base_step_s(self._num_decodes)
+        step_s = base_s + free_chunk * cfg.prefill_s_per_token
+        ahead = 0
+        for r in (*prefills, self._waiting.peek()) if self._waiting else prefills:
+            ahead += len(r.token_ids) - r.num_computed_tokens
+            deadline_s = self._ttft_deadline_s(r)
+            if now + (1 - (-ahead // free_chunk)) * step_s > deadline_s >= now + base_s + ahead * cfg.prefill_s_per_token:
+                return True
+        return False
+
+    def free_budget(self, num_decodes: int, extra_kv_s: float = 0.0) -> int:
         """The largest budget whose step the step model ends within FREE_STEP_SHARE x the ITL SLO (no slow gap)."""
         cfg = self.config
         table = cfg.decode_step_s_by_num_decodes
@@ -349,6 +374,33 @@ class Batcher:
         """Whether the tail budget would now afford a slow step over the running decodes (admission's view of the
         prefill rate a new prompt gets)."""
         return self.config.tpot_target_s > 0 and self.tail.affordable(self._num_decodes)
+
+    def free_prefill_tokens_per_s(self) -> float:
+        """The prefill rate of steps that end within the free share of the ITL SLO beside the running decodes, by
+        the step model (0: no step model); what `_needs_long` plans with, and what admission is told."""
+        d = self._num_decodes
+        chunk = self.free_budget(d) - d
+        return self._step_rate(d, chunk) if chunk > 0 else 0.0
+
+    def long_prefill_tokens_per_s(self) -> float:
+        """The prefill rate of a step past the ITL SLO (as long as `max_step_s` and the token ceiling allow) while
+        the tail budget affords one; 0 when it does not."""
+        cfg = self.config
+        if not self.long_steps_affordable() or cfg.prefill_s_per_token <= 0 or not cfg.decode_step_s_by_num_decodes:
+            return 0.0
+        d = self._num_decodes
+        room = int((cfg.max_step_s - self._base_step_s(d)) / cfg.prefill_s_per_token + 1e-9)
+        # The running decodes' TPOT slack at the latest plan bounds it too (it grows again as they bank time).
+        return self._step_rate(d, min(cfg.max_num_batched_tokens - d, room, self._slack_chunk))
+
+    def _base_step_s(self, num_decodes: int) -> float:
+        table = self.config.decode_step_s_by_num_decodes
+        return table[min(num_decodes, len(table) - 1)]
+
+    def _step_rate(self, num_decodes: int, chunk: int) -> float:
+        if chunk <= 0:
+            return 0.0
+        return chunk / (self._base_step_s(num_decodes) + chunk * self.config.prefill_s_per_token)
 
     def _observe_gaps(self, now: float) -> None:
         """The in-flight step's decode tokens arrive now: one gap each, slow when the step outlasted the SLO."""
@@ -969,7 +1021,8 @@ class Batcher:
         partial = sum(u for r in self._running if (u := len(r.token_ids) - r.num_computed_tokens) > 1)
         return waiting + partial
 
-    def load(self, instance_id: str, model: str, prefill_tokens_per_s: float, decode_step_time_s: float) -> EngineLoad:
+    def load(self, instance_id: str, model: str, prefill_tokens_per_s: float, decode_step_time_s: float,
+             long_prefill_tokens_per_s: float = 0.0) -> EngineLoad:
         return EngineLoad(
             instance_id=instance_id,
             model=model,
@@ -985,6 +1038,7 @@ class Batcher:
             max_num_seqs=self.config.max_num_seqs,
             mean_output_tokens=self.predictor.mean(),
             num_reserved=self._num_reserved,
+            long_prefill_tokens_per_s=long_prefill_tokens_per_s,
         )
 
 

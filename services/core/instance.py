@@ -100,8 +100,9 @@ class LoadReporter:
 
     The prefill rate it reports is what the NEXT steps can give a new prompt: the budget left after this step's
     decodes, at the step time that mix costs (memoised by batch size and tail state), so admission sees a busy
-    colocated instance prefill slower than an idle one; while the ITL tail budget affords a slow step, the budget
-    is the configured ceiling (a whole prompt in one step), as the batcher would run it. The decode step time is an exponential average of recent decode-only steps.
+    colocated instance prefill slower than an idle one. The budget is the one the batcher would run: the largest
+    step that ends within the SLO's free share, or while the ITL tail budget affords a slow step the configured
+    ceiling (a whole prompt in one step). The decode step time is an exponential average of recent decode-only steps.
     """
 
     EMA = 0.2  # weight of the newest decode step
@@ -116,7 +117,7 @@ class LoadReporter:
         self.batcher = batcher
         self.cost = cost
         self.decode_step_time_s = cost.decode_step_time_s(1, self.CONTEXT_TOKENS)
-        self._prefill_rate: dict[tuple[int, bool], float] = {}
+        self._prefill_rate: dict[tuple[int, bool], float] = {}  # (running, long step) -> tokens/s
 
     def note_step(self, plan: StepPlan, step_time_s: float) -> None:
         if plan.chunks:
@@ -127,11 +128,15 @@ class LoadReporter:
         if num_chunks and num_batched_tokens == num_chunks:
             self.decode_step_time_s += self.EMA * (step_time_s - self.decode_step_time_s)
 
-    def prefill_tokens_per_s(self, num_running: int) -> float:
-        long = self.batcher.long_steps_affordable()
+    def prefill_tokens_per_s(self, num_running: int, long: bool = False) -> float:
+        """The prefill rate of the steps the batcher runs beside `num_running` requests: past the sized budget,
+        steps that end within the SLO's free share (no slow gap); `long`: a step past the ITL SLO, at the
+        configured ceiling (a whole prompt at once)."""
         rate = self._prefill_rate.get((num_running, long))
         if rate is None:
-            budget = self.batcher.config.max_num_batched_tokens if long else self.batcher.step_budget(num_running)
+            b = self.batcher
+            ceiling = b.config.max_num_batched_tokens
+            budget = ceiling if long else max(b.step_budget(num_running), min(ceiling, b.free_budget(num_running)))
             chunk = max(CHUNK_QUANTUM, budget - num_running)
             step_s = self.cost.step_time_s([(chunk, 0)] + [(1, self.CONTEXT_TOKENS)] * num_running)
             rate = self._prefill_rate[num_running, long] = self.duty * chunk / step_s
@@ -139,4 +144,10 @@ class LoadReporter:
 
     def load(self) -> EngineLoad:
         b = self.batcher
-        return b.load(self.instance_id, self.model, self.prefill_tokens_per_s(b.num_running), self.decode_step_time_s)
+        n = b.num_running
+        if b.config.tpot_target_s > 0:  # the batcher's own step model: the rates it plans with (`_needs_long`)
+            rate = self.duty * (b.free_prefill_tokens_per_s() or self.prefill_tokens_per_s(n))
+            long_rate = self.duty * b.long_prefill_tokens_per_s()
+        else:
+            rate, long_rate = self.prefill_tokens_per_s(n), 0.0
+        return b.load(self.instance_id, self.model, rate, self.decode_step_time_s, long_rate)

@@ -122,12 +122,31 @@ class Candidate(NamedTuple):
     model: str  # the requested model
     slot_wait_s: float = 0.0  # wait for a decode slot when the instance's batch is full (colocated)
     loaded_prefill_s: float = 0.0  # its own prefill at the rate the instance's running decodes leave
+    ttft_slo_s: float = math.inf  # the request's TTFT SLO
+    # Its first token if the prompts queued here and its own ran in steps past the ITL SLO (whole prompts at once),
+    # which the instance's ITL tail budget affords now; inf when it does not.
+    rescue_ttft_s: float = math.inf
+
+    @property
+    def steps_ttft_s(self) -> float:
+        """Its first token in steps within the ITL SLO. The prefill queue and the slot queue drain in parallel; the
+        longer one decides when the prefill starts. Then its own chunks run at the rate the decodes beside them
+        leave, never faster than on an idle instance."""
+        return max(self.wait_s, self.slot_wait_s) + max(self.own_prefill_s, self.loaded_prefill_s)
 
     @property
     def predicted_ttft_s(self) -> float:
-        # The prefill queue and the slot queue drain in parallel; the longer one decides when the prefill starts.
-        # Then its own chunks run at the rate the decodes beside them leave, never faster than on an idle instance.
-        return max(self.wait_s, self.slot_wait_s) + max(self.own_prefill_s, self.loaded_prefill_s)
+        """Its first token under the batcher's policy: in steps within the ITL SLO when those meet its TTFT SLO,
+        else in a step past the ITL SLO when the tail budget affords one (batcher.py, `_needs_long`)."""
+        steps = self.steps_ttft_s
+        return steps if steps <= self.ttft_slo_s else min(steps, max(self.rescue_ttft_s, self.own_prefill_s))
+
+    @property
+    def earliest_ttft_s(self) -> float:
+        """The earliest first token any affordable schedule gives it: what admission holds against the SLO (a
+        prompt the steps within the ITL SLO would bring in just in time is rescued by a long step if they slip),
+        never sooner than its own prefill on the idle instance."""
+        return min(self.steps_ttft_s, max(self.rescue_ttft_s, self.own_prefill_s))
 
 
 # queue ahead (tokens), prefill throughput (tokens/s), KV headroom (blocks), queued count, queue wait (s), slot wait (s)
@@ -297,7 +316,7 @@ class RouterPolicy:
         return self.calibrator.correction_s(model, tier, prior_s, MAX_CORRECTION * slo_ms / 1000.0)
 
     def candidate_correction_s(self, spec: RequestSpec, c: Candidate, slo_ms: float) -> float:
-        return self.ttft_correction_s(spec.model, spec.priority, slo_ms, c.predicted_ttft_s - c.own_prefill_s)
+        return self.ttft_correction_s(spec.model, spec.priority, slo_ms, c.earliest_ttft_s - c.own_prefill_s)
 
     def on_finished(self, request_id: str) -> None:
         self.ledger.on_finished(request_id)
@@ -384,7 +403,7 @@ class RouterPolicy:
                                         "kv_headroom")
                 kept = colocated
         if admit:
-            feasible = [c for c in kept if adm.ttft_excess_s(c.predicted_ttft_s,
+            feasible = [c for c in kept if adm.ttft_excess_s(c.earliest_ttft_s,
                                                              self.candidate_correction_s(spec, c, slo_ms), slo_ms) <= 0]
             if not feasible:
                 return self._refuse_ttft(spec, kept, slo_ms)
@@ -439,13 +458,19 @@ class RouterPolicy:
             num_queued=num_queued,
             cached_tokens=cached,
             wait_s=wait_s,
-            own_prefill_s=cost.prefill_time_s(num_prompt_tokens - cached, cached),
-            # Its chunks run at the rate the instance reports for its next steps: the ITL-sized chunks beside its
-            # decodes, or a whole prompt in one step while its ITL tail budget affords a slow step.
+            own_prefill_s=_chunked_prefill_s(cost, num_prompt_tokens - cached, cached, inst.max_num_batched_tokens),
             loaded_prefill_s=adm.prefill_wait_s(num_prompt_tokens - cached, throughput),
+            ttft_slo_s=self.config.slo.ttft_ms_for_request(spec) / 1000.0,
+            rescue_ttft_s=self._rescue_ttft_s(load, ahead + num_prompt_tokens - cached, slot_wait),
             model=spec.model,
             slot_wait_s=slot_wait,
         )
+
+    @staticmethod
+    def _rescue_ttft_s(load: EngineLoad, num_tokens: float, slot_wait_s: float) -> float:
+        """`Candidate.rescue_ttft_s`: the queued prompts and its own (`num_tokens`) at the long-step rate."""
+        rate = load.long_prefill_tokens_per_s
+        return max(slot_wait_s, 0.0) + num_tokens / rate if rate > 0 else math.inf
 
     def _instance_figures(self, inst: InstanceConfig, load: EngineLoad, tier: Priority,
                           cost: CostModelLike) -> _Figures:
@@ -558,7 +583,8 @@ class RouterPolicy:
         lo, hi = 1, spec.num_prompt_tokens  # the longest uncached prompt that fits: prefill time grows with length
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if cost.prefill_time_s(mid) * 1000.0 <= slo_ms else (lo, mid - 1)
+            fits = _chunked_prefill_s(cost, mid, 0, best.instance.max_num_batched_tokens) * 1000.0 <= slo_ms
+            lo, hi = (mid, hi) if fits else (lo, mid - 1)
         too_long = SloInfeasible(spec.model, spec.priority, spec.num_prompt_tokens, best.own_prefill_s * 1000.0,
                                  slo_ms, lo + best.cached_tokens)
         return Refuse(too_long, 0, "slo_infeasible")
@@ -600,14 +626,26 @@ class RouterPolicy:
 
     def _refuse_ttft(self, spec: RequestSpec, cands: Sequence[Candidate], slo_ms: float) -> Refuse:
         """Retry once the best candidate's queue has drained by the amount its corrected TTFT exceeds the SLO."""
-        best = min(cands, key=lambda c: (c.predicted_ttft_s, c.instance.id))
+        best = min(cands, key=lambda c: (c.earliest_ttft_s, c.instance.id))
         correction_s = self.candidate_correction_s(spec, best, slo_ms)
-        excess_s = adm.ttft_excess_s(best.predicted_ttft_s, correction_s, slo_ms)
+        excess_s = adm.ttft_excess_s(best.earliest_ttft_s, correction_s, slo_ms)
         reason = (
-            f"predicted TTFT {best.predicted_ttft_s * 1000:.0f} ms + {correction_s * 1000:.0f} ms calibrated margin "
+            f"predicted TTFT {best.earliest_ttft_s * 1000:.0f} ms + {correction_s * 1000:.0f} ms calibrated margin "
             f"exceeds the {slo_ms:.0f} ms {spec.priority.name} SLO"
         )
         return self._overloaded(spec, excess_s, reason, "ttft")
+
+
+def _chunked_prefill_s(cost: CostModelLike, num_tokens: int, num_cached: int, max_chunk: int) -> float:
+    """A prompt's prefill alone on the instance, in chunks of at most its step's token ceiling (one step below it)."""
+    if num_tokens <= max_chunk or max_chunk <= 0:
+        return cost.prefill_time_s(num_tokens, num_cached)
+    total_s, done = 0.0, 0
+    while done < num_tokens:
+        chunk = min(max_chunk, num_tokens - done)
+        total_s += cost.prefill_time_s(chunk, num_cached + done)
+        done += chunk
+    return total_s
 
 
 # Above any context a model serves (2**31 tokens): `_longest_itl_context` searches up to it.

@@ -280,7 +280,8 @@ class SteadyBatcher(Batcher):
             extra_kv_s = max(0.0, (num_decode_tokens - n * cfg.sized_context_tokens) * cfg.kv_s_per_context_token)
         budget = self._shrunk(self.step_budget(n), n, extra_kv_s)
         if cfg.tpot_target_s > 0 and (prefills or self._waiting):
-            budget = self._spend_tail(budget, self._steady_slack_budget(n, s, now, extra_kv_s), n, extra_kv_s)
+            budget = self._spend_tail(budget, self._steady_slack_budget(n, s, now, extra_kv_s), n, extra_kv_s,
+                                      prefills, now)
         if budget < n:
             return None
         growing = self._due(self._grow_at, s, grow=True)

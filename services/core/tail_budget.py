@@ -7,10 +7,11 @@ last `window_gaps` decode tokens and how many of them were slow, and allows a sl
 stays at or under `fraction` (about half the quantile's tail: room for the cost model's error and for the gaps of
 the other instances of the model, which share the model's P95).
 
-Invariant (given that only steps `affordable` allowed turned out slow): over the last `min(window_gaps, all gaps
-seen)` gaps, at every step boundary, the slow share is at most `fraction`. Between long steps the trailing window
-only gains fast gaps, so the share there never rises; at a long step `affordable` checked it, counting every slow
-gap of the oldest step still in the window even where part of that step has slid out (so the check is strict).
+Invariant (given that only steps `affordable` allowed turned out slow): the last `window_gaps` gaps hold at most
+`fraction` x `window_gaps` slow ones at every step boundary, where a fresh instance counts the gaps before its first
+as fast (it has delayed nobody yet: a prompt on an idle node may run in one step). Between long steps the trailing
+window only gains fast gaps, so its slow count never rises; at a long step `affordable` checked it, counting every
+slow gap of the oldest step still in the window even where part of that step has slid out (so the check is strict).
 
 Clock-free and exact: the window is a count of gaps, not a span of time.
 """
@@ -53,8 +54,7 @@ class TailBudget:
         (a step without decodes delays no gap: always)."""
         if num_gaps <= 0:
             return True
-        covered = min(self.window_gaps, self._num_gaps + num_gaps)
-        return self._num_slow + num_gaps <= self.fraction * covered + 1e-9
+        return self._num_slow + num_gaps <= self.fraction * self.window_gaps + 1e-9
 
     def slow_share(self) -> float:
         """The slow share of the gaps in the window (0 before any)."""

@@ -198,6 +198,9 @@ class EngineLoad:
     max_num_seqs: int = 0  # decode slots of the instance (0: unknown, no slot limit assumed)
     mean_output_tokens: float = 0.0  # recent mean completion length (0: unknown)
     num_reserved: int = 0  # decode reservations whose KV has not arrived (each decodes here once it does)
+    # Prefill rate of a step past the ITL SLO while the ITL tail budget affords one (0: not now); the batcher runs
+    # one only for a prompt that steps within the SLO would bring to its first token too late.
+    long_prefill_tokens_per_s: float = 0.0
 
     def __init__(
         self,
@@ -217,6 +220,7 @@ class EngineLoad:
         max_num_seqs: int = 0,
         mean_output_tokens: float = 0.0,
         num_reserved: int = 0,
+        long_prefill_tokens_per_s: float = 0.0,
     ) -> None:
         object.__setattr__(self, "instance_id", instance_id)
         object.__setattr__(self, "model", model)
@@ -234,6 +238,7 @@ class EngineLoad:
         object.__setattr__(self, "max_num_seqs", max_num_seqs)
         object.__setattr__(self, "mean_output_tokens", mean_output_tokens)
         object.__setattr__(self, "num_reserved", num_reserved)
+        object.__setattr__(self, "long_prefill_tokens_per_s", long_prefill_tokens_per_s)
 
     @property
     def kv_usage(self) -> float:

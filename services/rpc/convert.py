@@ -231,6 +231,7 @@ def load_to_pb(load: EngineLoad, seq: int = 0, kv_events: Iterable[KVEvent] = ()
         max_num_seqs=load.max_num_seqs,
         mean_output_tokens=load.mean_output_tokens,
         num_reserved=load.num_reserved,
+        long_prefill_tokens_per_s=load.long_prefill_tokens_per_s,
     )
 
 
@@ -252,4 +253,5 @@ def load_from_pb(m: w_pb.LoadReport) -> EngineLoad:
         max_num_seqs=m.max_num_seqs,
         mean_output_tokens=m.mean_output_tokens,
         num_reserved=m.num_reserved,
+        long_prefill_tokens_per_s=m.long_prefill_tokens_per_s,
     )
