@@ -604,14 +604,19 @@ def rebound(results: SuiteResults) -> SuiteResults:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from octoserve.services.flags import parse_duration_s
+
     d = Settings()
     parser.add_argument("--quick", action="store_true",
                         help=f"short windows, 1 seed, fewer probes; every table says {QUICK_BANNER!r}")
-    parser.add_argument("--duration", type=float, help=f"arrival window of each seed-000 run (s, default {d.duration_s:g})")
-    parser.add_argument("--warmup", type=float, help=f"arrivals excluded as warm-up (s, default {d.warmup_s:g})")
-    parser.add_argument("--drain", type=float, help=f"virtual seconds after the last arrival (default {d.drain_s:g})")
-    parser.add_argument("--seed003-duration", type=float)
-    parser.add_argument("--seed003-warmup", type=float)
+    parser.add_argument("--duration", type=parse_duration_s,
+                        help=f"arrival window of each seed-000 run (default {d.duration_s:g} s)")
+    parser.add_argument("--warmup", type=parse_duration_s,
+                        help=f"arrivals excluded as warm-up (default {d.warmup_s:g} s)")
+    parser.add_argument("--drain", type=parse_duration_s,
+                        help=f"virtual time after the last arrival (default {d.drain_s:g} s)")
+    parser.add_argument("--seed003-duration", type=parse_duration_s)
+    parser.add_argument("--seed003-warmup", type=parse_duration_s)
     parser.add_argument("--seed003-rate", type=float, default=None)
     parser.add_argument("--capacity-steps", type=int)
     parser.add_argument("--capacity-seeds", type=int, help=f"seeds per capacity probe (default {d.capacity_seeds})")

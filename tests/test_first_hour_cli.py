@@ -208,21 +208,15 @@ DURATION_FLAGS = {
     "up": ("--grace-s", "--startup-timeout-s"),
     "reconfigure": ("--drain-timeout-s",),
     "health": ("--timeout",),
-}
-NOT_YET = {
     "simulate": ("--duration", "--warmup"),
     "plan": ("--duration", "--warmup"),
     "bench-suite": ("--duration", "--warmup", "--drain", "--seed003-duration", "--seed003-warmup"),
 }
-NOT_YET_REASON = "the flag is defined in a file another change owns; it still has its own parser"
 
 
 def duration_flag_cases():
     for command, flags in DURATION_FLAGS.items():
         yield from (pytest.param(command, flag, id=f"{command} {flag}") for flag in flags)
-    for command, flags in NOT_YET.items():
-        yield from (pytest.param(command, flag, id=f"{command} {flag}",
-                                 marks=pytest.mark.xfail(strict=True, reason=NOT_YET_REASON)) for flag in flags)
 
 
 @pytest.mark.parametrize(("command", "flag"), list(duration_flag_cases()))
@@ -318,18 +312,12 @@ def test_certs_refuses_to_replace_a_ca_without_force(tmp_path):
 
 # --- 3. elastic-day writes plots only where asked ---------------------------------------------------------------------
 
-ELASTIC_DAY_DEFAULTS = ("services/sim/elastic_day.py (another change's file) still defaults --plots and --ranker-plots "
-                        "to docs/bench and does not show it in --help")
-
-
-@pytest.mark.xfail(strict=True, reason=ELASTIC_DAY_DEFAULTS)
 def test_elastic_day_writes_no_plots_unless_asked(tmp_path):
     done = octoserve("elastic-day", "--cost-profile", "default", "--hours", "1", "--hour-s", "2", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.xfail(strict=True, reason=ELASTIC_DAY_DEFAULTS)
 def test_elastic_day_help_shows_the_plot_defaults(tmp_path):
     for flag in ("--plots", "--ranker-plots"):
         assert "(default: none)" in flag_help("elastic-day", flag, tmp_path)  # flag_help: below, with item 24

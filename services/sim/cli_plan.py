@@ -21,6 +21,7 @@ from dataclasses import asdict, replace
 
 from octoserve.services.core import planner
 from octoserve.services.core.placement import NodeConfig
+from octoserve.services.flags import parse_duration_s
 from octoserve.services.sim.cli_simulate import add_cost_profile_argument, load_with_overrides
 
 
@@ -30,8 +31,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     add_workload_arguments(parser)  # --profile | --workload FILE.yaml | --trace FILE.jsonl (fitted), --only-served
     parser.add_argument("--rate", type=float, help="offered req/s (default: the profile's)")
-    parser.add_argument("--duration", type=float, default=30.0, help="arrival window of each simulation (s)")
-    parser.add_argument("--warmup", type=float, default=10.0, help="arrivals excluded as warm-up (s)")
+    parser.add_argument("--duration", type=parse_duration_s, default=30.0,
+                        help="arrival window of each simulation, e.g. 30s (default 30 s)")
+    parser.add_argument("--warmup", type=parse_duration_s, default=10.0,
+                        help="arrivals excluded as warm-up, e.g. 10s (default 10 s)")
     parser.add_argument("--top", type=int, default=2, help="how many analytically best candidates to simulate")
     parser.add_argument("--capacity-steps", type=int, default=5, help="bisection steps of each SLO capacity")
     parser.add_argument("--capacity-seeds", type=int, default=2, help="seeds per capacity probe")

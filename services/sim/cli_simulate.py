@@ -13,21 +13,12 @@ import sys
 from pathlib import Path
 
 from octoserve.services.config import load_node_config
+from octoserve.services.flags import parse_duration_s  # the one duration parser: 90, 90s, 500ms, 2m
 from octoserve.services.metrics import SloSpec, summary_to_dict
 from octoserve.services.progress import Progress
 from octoserve.services.sim.driver import SimResult, cycle_collector_paused, run_simulation
 from octoserve.services.workload import generate_trace
 from octoserve.services.workload_io import add_workload_arguments, node_workload
-
-
-def parse_duration_s(text: str) -> float:
-    """'60', '60s', '2m' -> seconds."""
-    text = text.strip().lower()
-    factor = 60.0 if text.endswith("m") else 1.0
-    try:
-        return float(text.rstrip("sm")) * factor
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"duration {text!r}: use seconds like 60, 60s or 2m") from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -695,9 +695,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --compare-in-place: write its section into this BENCHMARKS.md")
     parser.add_argument("--ranker-benchmarks", default="",
                         help="with --compare-ranker: write its section into this BENCHMARKS.md")
-    parser.add_argument("--ranker-plots", default="docs/bench",
-                        help="with --compare-ranker: folder for its PNG plot ('' for none)")
-    parser.add_argument("--plots", default="docs/bench", help="folder for the PNG plots ('' for none)")
+    # No plots unless asked: a user's run must not rewrite the committed docs/bench PNGs (the scripts/elastic_*.py
+    # that regenerate the docs pass --plots / --ranker-plots docs/bench themselves).
+    parser.add_argument("--ranker-plots", default="",
+                        help="with --compare-ranker: folder for its PNG plot (default: none)")
+    parser.add_argument("--plots", default="", help="folder for the PNG plots (default: none)")
     parser.add_argument("--benchmarks", default="", help="write the section into this BENCHMARKS.md")
     parser.add_argument("--also-gpu", action="append", default=[], choices=sorted(GPU_PRESETS),
                         help="also run the day on a node of this GPU preset (repeatable): a second placement space")
