@@ -47,6 +47,27 @@ from octoserve.services.core.types import Priority
 class SloSpec:
     ttft_ms: float = 250.0  # default TTFT SLO; a request's own ttft_slo_ms overrides it
     itl_ms: float = 30.0  # applied to TPOT for goodput (DistServe) and shown against pooled ITL P95
+    # Per-model SLOs where a model has its own: ((model, ms), ...), sorted (a tuple: the spec stays hashable).
+    model_ttft_ms: tuple[tuple[str, float], ...] = ()
+    model_itl_ms: tuple[tuple[str, float], ...] = ()
+
+    def ttft_ms_for(self, model: str) -> float:
+        return next((ms for m, ms in self.model_ttft_ms if m == model), self.ttft_ms)
+
+    def itl_ms_for(self, model: str) -> float:
+        return next((ms for m, ms in self.model_itl_ms if m == model), self.itl_ms)
+
+    @property
+    def per_model(self) -> bool:
+        return bool(self.model_ttft_ms or self.model_itl_ms)
+
+
+def slo_spec_of(slo) -> SloSpec:
+    """The report's SloSpec of a node config's `SloConfig` (its per-model SLOs included)."""
+    models = sorted(slo.models.items())
+    return SloSpec(slo.ttft_ms, slo.itl_ms,
+                   tuple((m, s.ttft_ms) for m, s in models if s.ttft_ms != slo.ttft_ms),
+                   tuple((m, s.itl_ms) for m, s in models if s.itl_ms != slo.itl_ms))
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,11 +254,11 @@ def meets_slo(record: RequestRecord, slo: SloSpec) -> bool:
     """DistServe goodput criterion: completed, TTFT within its SLO and TPOT within the ITL SLO."""
     if not record.completed:
         return False
-    ttft_slo_ms = record.ttft_slo_ms if record.ttft_slo_ms is not None else slo.ttft_ms
+    ttft_slo_ms = record.ttft_slo_ms if record.ttft_slo_ms is not None else slo.ttft_ms_for(record.model)
     if record.ttft_s * 1000.0 > ttft_slo_ms:
         return False
     tpot = record.tpot_s
-    return tpot is None or tpot * 1000.0 <= slo.itl_ms
+    return tpot is None or tpot * 1000.0 <= slo.itl_ms_for(record.model)
 
 
 @dataclass(frozen=True, slots=True)
@@ -376,6 +397,7 @@ def group_stats(name: str, records: Sequence[RequestRecord], slo: SloSpec, durat
     One pass over the records gathers every count, sum and list, in record order: the same integers and the same
     arrays as one pass per figure with `RequestRecord`'s properties and `meets_slo` (the same float operations)."""
     slo_ttft_ms, slo_itl_ms = slo.ttft_ms, slo.itl_ms
+    per_model = slo.per_model
     done: list[RequestRecord] = []
     ttfts: list[float] = []
     tpots: list[float] = []
@@ -392,6 +414,8 @@ def group_stats(name: str, records: Sequence[RequestRecord], slo: SloSpec, durat
         if r.refused:
             continue
         admitted += 1
+        if per_model:  # each request against its own model's SLOs
+            slo_ttft_ms, slo_itl_ms = slo.ttft_ms_for(r.model), slo.itl_ms_for(r.model)
         ttft_slo_ms = r.ttft_slo_ms if r.ttft_slo_ms is not None else slo_ttft_ms
         first = r.first_token_s
         ttft = None if first is None else first - r.arrival_s
@@ -432,6 +456,10 @@ def group_stats(name: str, records: Sequence[RequestRecord], slo: SloSpec, durat
         fleet_itl = itl_stats.p95_ms
     fleet_ttft_ok = bool(fleet_ttft) and all(p95 < slo_ms for slo_ms, p95 in fleet_ttft)
     fleet_itl_ok = math.isnan(fleet_itl) or fleet_itl < slo.itl_ms
+    if per_model:  # each model's pooled ITL P95 against its own SLO
+        models = sorted({r.model for r in records})
+        fleet_itl_ok = all(math.isnan(p95 := fleet_itl_p95_ms([r for r in records if r.model == m], gaps_cache))
+                           or p95 < slo.itl_ms_for(m) for m in models)
     return GroupStats(
         name=name,
         num_offered=len(records),
@@ -545,8 +573,15 @@ def _jsonable(value):
 
 
 def summary_to_dict(summary: Summary) -> dict:
-    """A plain JSON-ready dict (NaN -> None) for `--json`."""
-    return _jsonable(dataclasses.asdict(summary))
+    """A plain JSON-ready dict (NaN -> None) for `--json`; the SLOs as {ttft_ms, itl_ms, models: {model: {ttft_ms,
+    itl_ms}}}, the last only when some model has SLOs of its own."""
+    d = _jsonable(dataclasses.asdict(summary))
+    slo = summary.slo
+    d["slo"] = {"ttft_ms": slo.ttft_ms, "itl_ms": slo.itl_ms}
+    models = sorted({m for m, _ in slo.model_ttft_ms} | {m for m, _ in slo.model_itl_ms})
+    if models:
+        d["slo"]["models"] = {m: {"ttft_ms": slo.ttft_ms_for(m), "itl_ms": slo.itl_ms_for(m)} for m in models}
+    return d
 
 
 def _fmt(value: float, digits: int = 1) -> str:
@@ -568,6 +603,15 @@ def _row(g: GroupStats) -> str:
         _fmt(g.e2e.p95_ms), str(g.num_preempted), "yes" if g.fleet_slo_met else "no",
     )
     return " ".join(c.rjust(w) if i else c.ljust(w) for i, (c, (_, w)) in enumerate(zip(cells, _COLUMNS)))
+
+
+def _per_model_slos(slo: SloSpec) -> str:
+    """" (llama-3-70b: TTFT 400 ms, ITL/TPOT 50 ms)" for the models with SLOs of their own; "" when none has."""
+    models = sorted({m for m, _ in slo.model_ttft_ms} | {m for m, _ in slo.model_itl_ms})
+    if not models:
+        return ""
+    return " (" + "; ".join(f"{m}: TTFT {slo.ttft_ms_for(m):g} ms, ITL/TPOT {slo.itl_ms_for(m):g} ms"
+                            for m in models) + ")"
 
 
 def format_window(window: Window, num_warmup: int = 0) -> str:
@@ -595,6 +639,7 @@ def format_summary(summary: Summary) -> str:
                                                          else " (failed: counted as misses)" if o.num_unfinished else "")
     head = (
         f"window {summary.duration_s:.1f} s | SLO TTFT {summary.slo.ttft_ms:g} ms, ITL/TPOT {summary.slo.itl_ms:g} ms"
+        f"{_per_model_slos(summary.slo)}"
         f" | throughput {_fmt(o.request_throughput_rps, 2)} req/s, {_fmt(o.output_throughput_tps, 0)} tok/s"
         f" | goodput {_fmt(o.goodput_rps, 2)} req/s | errors {o.num_errors}{unfinished}"
         f" | prefix hit {_fmt(100 * o.prefix_hit_fraction)} %"

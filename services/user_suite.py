@@ -42,10 +42,11 @@ def run_user_workload(args: argparse.Namespace, policies: tuple[str, ...], cost_
     """The table of `policies` x `cost_profiles` on the user's workload (drain_s: kept for the full suite's flag)."""
     from octoserve.services.sim.cli_simulate import load_with_overrides, simulate_with_progress
     from octoserve.services.workload import generate_trace
-    from octoserve.services.workload_io import node_workload
+    from octoserve.services.workload_io import node_workload, with_workload_slos
 
     config = load_with_overrides(args.config, [])
     profile, trace = node_workload(args, config)
+    config = with_workload_slos(config, profile)
     if trace is None:
         trace = generate_trace(profile, seed)
     policies = policies if policies != tuple(BASELINES) else MAIN_POLICIES

@@ -113,8 +113,16 @@ class ModelTraffic:
     prefix_zipf_exponent: float = 0.0  # 0: groups chosen uniformly; 1: Zipf-like (see module doc)
     tiers: tuple[TierShare, ...] = (TierShare(Priority.STANDARD, 1.0),)
     max_context_len: int = 8192  # prompt + max_tokens never exceeds this
+    # This model's own SLOs (None: the profile's, or the node config's for the model): TTFT of its tiers without an
+    # override, and ITL; they size its instances and judge its requests like the node config's `slo.models`.
+    ttft_ms: float | None = None
+    itl_ms: float | None = None
 
     def __post_init__(self) -> None:
+        for key in ("ttft_ms", "itl_ms"):
+            value = getattr(self, key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+                raise ValueError(f"{self.model}: {key} is {value!r}; set a positive number of milliseconds")
         if self.share < 0 or not 0.0 <= self.prefix_hit_rate <= 1.0:
             raise ValueError(f"{self.model}: share must be >= 0 and prefix_hit_rate in [0, 1]")
         if self.prefix_hit_rate > 0 and (self.num_prefix_groups < 1 or self.prefix_len_tokens < 1):
@@ -448,7 +456,8 @@ def iter_trace(
         start = rng.randrange(len(pool) - tail + 1)
         prefix = prefixes[(d.traffic.model, d.prefix_group)] if d.prefix_group >= 0 else ()
         tokens = prefix + _head_tokens(i, head_len, lo, base) + pool[start : start + tail]
-        slo_ms = d.tier.ttft_slo_ms if d.tier.ttft_slo_ms is not None else profile.slo.ttft_ms
+        slo_ms = d.tier.ttft_slo_ms if d.tier.ttft_slo_ms is not None else (
+            d.traffic.ttft_ms if d.traffic.ttft_ms is not None else profile.slo.ttft_ms_for(d.traffic.model))
         yield TraceRequest(
             f"r{i:07d}", d.arrival_s, d.traffic.model, tokens, output, max_tokens, d.tier.priority, slo_ms,
             d.prefix_group,

@@ -40,7 +40,7 @@ import yaml
 
 from octoserve.services.core.types import Priority
 from octoserve.services.flags import check_faults, check_warmup, check_workload_flags
-from octoserve.services.metrics import SloSpec
+from octoserve.services.metrics import SloSpec, slo_spec_of
 from octoserve.services.usage import UsageError
 from octoserve.services.workload import (
     PROFILES,
@@ -373,14 +373,35 @@ def profile_from_args(args: argparse.Namespace, served: Iterable[str] | None = N
     return profile, trace
 
 
+def with_workload_slos(node, profile: WorkloadProfile):
+    """`node` with the per-model SLOs the workload sets (a model's `ttft_ms` / `itl_ms`) over its own, so its
+    instances are sized and its requests admitted and judged against them."""
+    own = {t.model: t for t in profile.traffic if t.ttft_ms is not None or t.itl_ms is not None}
+    if not own:
+        return node
+    models = dict(node.slo.models)
+    for name, t in own.items():
+        base = node.slo.for_model(name)
+        tiers = dict(base.tier_ttft_ms)
+        if t.ttft_ms is not None:
+            tiers[Priority.STANDARD] = t.ttft_ms
+        models[name] = dataclasses.replace(base, ttft_ms=t.ttft_ms or base.ttft_ms, itl_ms=t.itl_ms or base.itl_ms,
+                                           tier_ttft_ms=tiers, models={})
+    return dataclasses.replace(node, slo=dataclasses.replace(node.slo, models=models))
+
+
 def node_workload(args: argparse.Namespace, node, replays: bool = True,
                   ) -> tuple[WorkloadProfile, list[TraceRequest] | None]:
     """`profile_from_args` for a node config: its served models, tier SLOs and SLO. A command that `replays` a user
     trace ignores --rate / --duration / --burstiness (the trace says when each request arrives), which it states on
     stderr when they are given; `plan` fits a profile to the trace instead (replays=False), at --rate if given."""
     check_faults(getattr(args, "faults", ()), [i.id for i in node.instances])  # simulate's, before its trace
+    node_slo = slo_spec_of(node.slo)
     profile, trace = profile_from_args(args, served=list(node.models), tier_ttft_ms=node.slo.tier_ttft_ms,
-                                       slo=SloSpec(node.slo.ttft_ms, node.slo.itl_ms))
+                                       slo=node_slo)
+    if trace is None and node_slo.per_model:  # the node's per-model SLOs over the profile's own
+        profile = dataclasses.replace(profile, slo=dataclasses.replace(
+            profile.slo, model_ttft_ms=node_slo.model_ttft_ms, model_itl_ms=node_slo.model_itl_ms))
     if trace is not None and not replays and getattr(args, "rate", None) is not None:
         profile = scaled(profile, rate_rps=args.rate)  # the fitted profile at the rate asked for
     elif trace is not None and not replays and trace[-1].arrival_s == 0:  # no span: the fit would be n / 1 ms

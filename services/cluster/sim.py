@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from octoserve.services.cluster.headroom import HeadroomPublisher
 from octoserve.services.cluster.picker import ClusterPicker, ClusterRefuse, RoundRobinPicker, policy_from_node
 from octoserve.services.core.placement import NodeConfig, node_config_from_dict
-from octoserve.services.metrics import MIN_WARMUP_S, RequestRecord, SloSpec, Summary, detect_window, summarize
+from octoserve.services.metrics import (MIN_WARMUP_S, RequestRecord, Summary, detect_window, slo_spec_of,
+                                        summarize)
 from octoserve.services.sim import driver
 from octoserve.services.workload import TraceRequest
 
@@ -123,7 +124,7 @@ class ClusterSimulator:
         self._seq = itertools.count()
         self.now = 0.0
         self.nodes = [_Node(self, i, config, seed + 1000 * i) for i in range(num_nodes)]
-        self.slo = SloSpec(ttft_ms=config.slo.ttft_ms, itl_ms=config.slo.itl_ms)
+        self.slo = slo_spec_of(config.slo)
         if picker == "cluster":
             policy = policy_from_node(config.policies, config.slo.tier_ttft_ms, config.slo.itl_ms,
                                       max_node_tries=max_node_tries)

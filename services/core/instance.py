@@ -45,7 +45,7 @@ def instance_parts(node: NodeConfig, instance: InstanceConfig, cost_model: CostM
         preemption_mode=policies.preemption,
         num_swap_blocks=policies.swap_space_bytes // swap_block_bytes,
         eos_token_id=EOS_TOKEN_ID,
-        tier_ttft_slo_ms=dict(node.slo.tier_ttft_ms),
+        tier_ttft_slo_ms=dict(node.slo.for_model(instance.model).tier_ttft_ms),
         predictor_prior_tokens=policies.predicted_output_tokens,
         batch_min_share=policies.batch_min_share,
         **sizing,
@@ -60,11 +60,12 @@ def instance_parts(node: NodeConfig, instance: InstanceConfig, cost_model: CostM
 def _sizing_fields(node: NodeConfig, instance: InstanceConfig, cost_model: CostModel) -> dict:
     """The batcher's batch and budget fields: as configured, or SLO-sized (and slack-aware) per the policies."""
     policies = node.policies
+    itl_ms = node.slo.for_model(instance.model).itl_ms  # each model's own ITL SLO
     fields = dict(max_num_seqs=instance.max_num_seqs, max_num_batched_tokens=instance.max_num_batched_tokens)
     if not policies.slo_sizing:
         return fields
     sized = size_for_slo(
-        cost_model, instance.role, itl_slo_ms=node.slo.itl_ms, max_num_seqs=instance.max_num_seqs,
+        cost_model, instance.role, itl_slo_ms=itl_ms, max_num_seqs=instance.max_num_seqs,
         max_num_batched_tokens=instance.max_num_batched_tokens,
     )
     fields.update(max_num_seqs=sized.max_num_seqs, max_num_batched_tokens=sized.max_num_batched_tokens)
@@ -76,10 +77,10 @@ def _sizing_fields(node: NodeConfig, instance: InstanceConfig, cost_model: CostM
             max_num_batched_tokens=instance.max_num_batched_tokens,
             # A request is good when its mean time per output token is within the ITL SLO: the target is the SLO
             # less the share kept for the step model's error, not the tighter per-step target of the sizing.
-            tpot_target_s=FREE_STEP_SHARE * node.slo.itl_ms / 1000.0,
+            tpot_target_s=FREE_STEP_SHARE * itl_ms / 1000.0,
             tpot_horizon_tokens=policies.tpot_horizon_tokens,
             max_step_s=sized.step_target_s * policies.max_step_factor,
-            itl_slo_s=node.slo.itl_ms / 1000.0,
+            itl_slo_s=itl_ms / 1000.0,
             tail_budget_fraction=policies.tail_budget_fraction,
             tail_window_gaps=policies.tail_window_gaps,
             decode_step_s_by_num_decodes=sized.decode_step_s_by_num_decodes,
@@ -92,7 +93,7 @@ def _sizing_fields(node: NodeConfig, instance: InstanceConfig, cost_model: CostM
 
 def gang_duty(node: NodeConfig, instance: InstanceConfig) -> float:
     """The share of its GPUs' time an instance gets: its step share inside a gang group, else 1."""
-    return node.step_itl_ms(instance) / node.slo.itl_ms
+    return node.step_itl_ms(instance) / node.slo.for_model(instance.model).itl_ms
 
 
 class LoadReporter:

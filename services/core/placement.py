@@ -80,6 +80,12 @@ class SloConfig:
     ttft_ms: float = 250.0  # default TTFT SLO (P95) when neither the request nor its tier says otherwise
     itl_ms: float = 30.0  # ITL SLO (P95); decode steps are sized against it
     tier_ttft_ms: Mapping[Priority, float] = field(default_factory=_default_tier_ttft_ms)  # tier -> TTFT SLO
+    # Served model -> its own SLOs, resolved (the node values where the model sets none); a model not here has the
+    # node's. Every per-model decision (sizing, the ITL tail, admission, the reports) reads `for_model(model)`.
+    models: Mapping[str, SloConfig] = field(default_factory=dict)
+
+    def for_model(self, model: str) -> SloConfig:
+        return self.models.get(model, self)
 
     def ttft_ms_for(self, tier: Priority) -> float:
         return self.tier_ttft_ms.get(tier, self.ttft_ms)
@@ -187,7 +193,7 @@ class NodeConfig:
         group (the planner's estimate and the router's prefill rate use it; batchers are sized to the full SLO)."""
         group = self.gang.group_of(instance.id) if self.gang else None
         if group is None:
-            return self.slo.itl_ms
+            return self.slo.for_model(instance.model).itl_ms
         share = self.gang.lm_step_share if instance.id == group.lm else 1.0 - self.gang.lm_step_share
         return self.slo.itl_ms * share
 
@@ -239,7 +245,8 @@ _TOP_KEYS = ("gpu", "num_gpus", "models", "instances", "slo", "policies", "cost_
 _GANG_KEYS = ("groups", "lm_step_share",
               *(k for k in GangPolicy.__dataclass_fields__ if k not in ("lm_shared_step_ms", "sm_shared_step_ms")))
 _INSTANCE_KEYS = tuple(f.name for f in dataclasses.fields(InstanceConfig))
-_SLO_KEYS = ("ttft_ms", "itl_ms", "tier_ttft_ms")
+_SLO_KEYS = ("ttft_ms", "itl_ms", "tier_ttft_ms", "models")
+_MODEL_SLO_KEYS = ("ttft_ms", "itl_ms", "tier_ttft_ms")
 _POLICY_KEYS = tuple(f.name for f in dataclasses.fields(PolicyConfig))
 
 
@@ -253,7 +260,7 @@ def node_config_from_dict(d: Mapping[str, Any]) -> NodeConfig:
     instances = tuple(
         inst for i, raw in enumerate(d.get("instances") or ()) if (inst := _instance(i, raw, problems)) is not None
     )
-    slo = _slo(d.get("slo") or {}, problems)
+    slo = _slo(d.get("slo") or {}, problems, models)
     policies = _policies(d.get("policies") or {}, problems)
     cost_profile = _cost_profile(d.get("cost_profile", "default"), problems)
     gang = _gang(d["gang"], slo.itl_ms, problems) if d.get("gang") is not None else None
@@ -430,16 +437,42 @@ def _tier_map(raw: Any, where: str, problems: list[str], base: dict[Priority, An
     return out
 
 
-def _slo(raw: Mapping[str, Any], problems: list[str]) -> SloConfig:
+def _slo(raw: Mapping[str, Any], problems: list[str], models: Mapping[str, Any] | None = None) -> SloConfig:
     _unknown_keys(raw, _SLO_KEYS, "slo", problems)
+    node = _slo_values(raw, "slo", SloConfig(), problems)
+    per_model = raw.get("models") or {}
+    if not isinstance(per_model, Mapping):
+        problems.append(f"slo.models is {per_model!r}; give a mapping of served model -> {{ttft_ms, itl_ms, "
+                        "tier_ttft_ms}}")
+        return node
+    resolved = {}
+    for name, entry in per_model.items():
+        where = f"slo.models.{name}"
+        if models is not None and name not in models:
+            problems.append(f"{where}: {name!r} is not a served model; choose one of: {', '.join(models) or 'none'}")
+            continue
+        if not isinstance(entry, Mapping):
+            problems.append(f"{where} is {entry!r}; give a mapping with ttft_ms, itl_ms and/or tier_ttft_ms")
+            continue
+        _unknown_keys(entry, _MODEL_SLO_KEYS, where, problems)
+        resolved[name] = _slo_values(entry, where, node, problems)
+    return dataclasses.replace(node, models=resolved)
+
+
+def _slo_values(raw: Mapping[str, Any], where: str, base: SloConfig, problems: list[str]) -> SloConfig:
+    """ttft_ms, itl_ms and tier_ttft_ms of `raw` over `base`. A model's own ttft_ms is its STANDARD tier's SLO too
+    (unless its tier_ttft_ms says otherwise): the node's tier map would otherwise hide it."""
     values = {}
     for key in ("ttft_ms", "itl_ms"):
-        value = raw.get(key, {"ttft_ms": 250.0, "itl_ms": 30.0}[key])
+        value = raw.get(key, getattr(base, key))
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            problems.append(f"slo.{key} is {value!r}; set a positive number of milliseconds")
+            problems.append(f"{where}.{key} is {value!r}; set a positive number of milliseconds")
             value = 1.0
         values[key] = float(value)
-    tiers = _tier_map(raw.get("tier_ttft_ms", {}), "slo.tier_ttft_ms", problems, _default_tier_ttft_ms(), float)
+    tier_base = dict(base.tier_ttft_ms)
+    if where != "slo" and "ttft_ms" in raw:
+        tier_base[Priority.STANDARD] = values["ttft_ms"]
+    tiers = _tier_map(raw.get("tier_ttft_ms", {}), f"{where}.tier_ttft_ms", problems, tier_base, float)
     return SloConfig(values["ttft_ms"], values["itl_ms"], tiers)
 
 
@@ -663,7 +696,8 @@ def gang_step_floor_s(config: NodeConfig, inst: InstanceConfig) -> float:
     from octoserve.services.core.slo_sizing import size_for_slo
 
     cost = config.cost_model(inst)
-    sized = size_for_slo(cost, inst.role, itl_slo_ms=config.slo.itl_ms, max_num_seqs=inst.max_num_seqs,
+    sized = size_for_slo(cost, inst.role, itl_slo_ms=config.slo.for_model(inst.model).itl_ms,
+                         max_num_seqs=inst.max_num_seqs,
                          max_num_batched_tokens=inst.max_num_batched_tokens)
     table = sized.decode_step_s_by_num_decodes
     return table[-1] if table else cost.decode_step_time_s(sized.max_num_seqs, sized.context_tokens or 1200)

@@ -237,7 +237,7 @@ class SloBound:
 def instance_capacity_rps(config: NodeConfig, inst: InstanceConfig, load: ModelLoad) -> float:
     cost = config.cost_model(inst)
     kv_tokens = num_kv_blocks_for(config, inst) * inst.block_size
-    slo = config.slo
+    slo = config.slo.for_model(inst.model)
     if inst.role is Role.DECODE:
         return decode_capacity_rps(cost, kv_tokens, load, slo.itl_ms / 1000.0, inst.max_num_seqs)
     if inst.role is Role.PREFILL:
@@ -256,7 +256,8 @@ def slo_bound(config: NodeConfig, mix: WorkloadMix, cache: dict | None = None) -
         per_role: dict[Role, float] = {r: 0.0 for r in Role}
         for inst in config.instances_of(m.model):
             key = (inst.model, inst.role, inst.tp, inst.max_num_seqs, inst.max_num_batched_tokens,
-                   inst.gpu_memory_utilization, inst.block_size, m, config.gpu, config.slo.ttft_ms, config.slo.itl_ms,
+                   inst.gpu_memory_utilization, inst.block_size, m, config.gpu,
+                   config.slo.for_model(inst.model).ttft_ms, config.slo.for_model(inst.model).itl_ms,
                    config.step_itl_ms(inst))
             if key not in cache:
                 cache[key] = instance_capacity_rps(config, inst, m)
@@ -523,7 +524,7 @@ def model_upper_bound_rps(config: NodeConfig, model: str, sample: LengthSample, 
     insts = config.instances_of(model)
     if not insts or not sample.requests:
         return 0.0, 0.0
-    itl_s = config.slo.itl_ms / 1000.0
+    itl_s = config.slo.for_model(model).itl_ms / 1000.0
     costs = {i.id: config.cost_model(i) for i in insts}
     entry = [i for i in insts if i.role is not Role.DECODE]
     fastest = min(entry, key=lambda i: costs[i.id].prefill_time_s(1000))

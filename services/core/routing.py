@@ -379,7 +379,7 @@ class RouterPolicy:
             return Refuse(UnknownModel(spec.model, self.config.models), 0, "unknown_model")
         admit = self.config.policies.admission
         cands = self._candidates(spec, loads)
-        slo_ms = self.config.slo.ttft_ms_for_request(spec)
+        slo_ms = self.config.slo.for_model(spec.model).ttft_ms_for_request(spec)
         if admit and (refusal := self._infeasible(spec, cands, slo_ms)) is not None:
             return refusal
         if admit and (refusal := self._tier_bound(spec, cands)) is not None:
@@ -460,7 +460,7 @@ class RouterPolicy:
             wait_s=wait_s,
             own_prefill_s=_chunked_prefill_s(cost, num_prompt_tokens - cached, cached, inst.max_num_batched_tokens),
             loaded_prefill_s=adm.prefill_wait_s(num_prompt_tokens - cached, throughput),
-            ttft_slo_s=self.config.slo.ttft_ms_for_request(spec) / 1000.0,
+            ttft_slo_s=self.config.slo.for_model(spec.model).ttft_ms_for_request(spec) / 1000.0,
             rescue_ttft_s=self._rescue_ttft_s(load, ahead + num_prompt_tokens - cached, slot_wait),
             model=spec.model,
             slot_wait_s=slot_wait,
@@ -571,7 +571,7 @@ class RouterPolicy:
         decoders = (self._instances_of(spec.model, (Role.DECODE,)) if self._is_disaggregated(spec.model)
                     else ()) or [c.instance for c in cands]  # no decode instance (mid-reconfiguration): its own
         num_prompt_tokens = len(spec.prompt_token_ids)
-        itl_ms = self.config.slo.itl_ms
+        itl_ms = self.config.slo.for_model(spec.model).itl_ms
         if all(num_prompt_tokens > self._longest_itl_context(self._cost_model(i), itl_ms) for i in decoders):
             step_s = min(self._cost_model(i).decode_step_time_s(1, num_prompt_tokens) for i in decoders)
             error = ItlInfeasible(spec.model, spec.priority, num_prompt_tokens, step_s * 1000.0, itl_ms)

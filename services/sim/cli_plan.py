@@ -258,12 +258,12 @@ def _with_profile_slo(config: NodeConfig, profile) -> NodeConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    from octoserve.services.workload_io import node_workload
+    from octoserve.services.workload_io import node_workload, with_workload_slos
 
     configured = load_with_overrides(args.config, [], args.cost_profile)
     # Only the models the config serves (else a clear error before any figure): a trace is fitted to a profile.
     profile, _ = node_workload(args, configured, replays=False)
-    config: NodeConfig = _with_profile_slo(configured, profile)
+    config: NodeConfig = with_workload_slos(_with_profile_slo(configured, profile), profile)
     mix = mix_from_profile(profile)  # --rate is applied to the profile, before unserved models are dropped
     rows = planner.sizing_table(config.models, config.gpu, mix)
     bound = planner.roofline_bound(config.models, config.gpu, config.num_gpus, mix)

@@ -14,11 +14,11 @@ from pathlib import Path
 
 from octoserve.services.config import load_node_config
 from octoserve.services.flags import parse_duration_s  # the one duration parser: 90, 90s, 500ms, 2m
-from octoserve.services.metrics import SloSpec, summary_to_dict
+from octoserve.services.metrics import SloSpec, slo_spec_of, summary_to_dict
 from octoserve.services.progress import Progress
 from octoserve.services.sim.driver import SimResult, cycle_collector_paused, run_simulation
 from octoserve.services.workload import generate_trace
-from octoserve.services.workload_io import add_workload_arguments, node_workload
+from octoserve.services.workload_io import add_workload_arguments, node_workload, with_workload_slos
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -59,6 +59,7 @@ def _run(args: argparse.Namespace) -> tuple[int, tuple]:
     """The command; returns its exit code and the run's large objects (the trace, the result, the simulator)."""
     node = load_with_overrides(args.config, args.overrides, args.cost_profile)
     profile, trace = node_workload(args, node)
+    node = with_workload_slos(node, profile)
     if trace is None:
         trace = generate_trace(profile, args.seed)
     print(f"simulating {len(trace)} requests of {profile.name} at {profile.rate_rps:g} req/s "
@@ -79,12 +80,12 @@ def _run(args: argparse.Namespace) -> tuple[int, tuple]:
             from octoserve.services.sim.faults import plot_fault_attainment
 
             for model in sorted({node.instance(f.instance_id).model for f in faults}):
-                plot_fault_attainment(result.records, SloSpec(node.slo.ttft_ms, node.slo.itl_ms), faults, model,
+                plot_fault_attainment(result.records, slo_spec_of(node.slo), faults, model,
                                       Path(args.plots) / f"fault_attainment_{model}.png")
     if args.json_path:
         write_json(result, args.json_path)
     if args.plots:
-        write_plots(result, args.plots, SloSpec(node.slo.ttft_ms, node.slo.itl_ms))
+        write_plots(result, args.plots, slo_spec_of(node.slo))
     return 0, (trace, result, simulator)
 
 
@@ -158,7 +159,7 @@ def simulate_with_progress(
 def format_fault_reports(node, result: SimResult, faults) -> str:
     from octoserve.services.sim.faults import fault_report, format_reports
 
-    slo = SloSpec(node.slo.ttft_ms, node.slo.itl_ms)
+    slo = slo_spec_of(node.slo)
     reports = [fault_report(result.records, slo, f, node.instance(f.instance_id).model,
                             rerouted=result.fault_counts.get("rerouted", 0), lost=result.fault_counts.get("lost", 0))
                for f in faults]

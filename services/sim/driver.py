@@ -46,7 +46,8 @@ from octoserve.services.core.reconfig import in_place_role
 from octoserve.services.core.types import (
     EngineLoad, FinishReason, HandoffReady, RequestOutput, Role, StepOutputs, StepPlan, StepResult,
 )
-from octoserve.services.metrics import MIN_WARMUP_S, RequestRecord, SloSpec, Summary, Window, detect_window, summarize
+from octoserve.services.metrics import (MIN_WARMUP_S, RequestRecord, Summary, Window, detect_window,
+                                        slo_spec_of, summarize)
 from octoserve.services.sim.gang_sim import GangReport, build_gangs
 from octoserve.services.workload import TraceRequest
 
@@ -698,7 +699,7 @@ class NodeSimulator:
             records.append(tracker.record())
         window = detect_window(self._series.get("occupancy", []), max(last_arrival, 1e-9), warmup_s=warmup_s,
                                min_warmup_s=min_warmup_s)
-        slo = SloSpec(ttft_ms=self.config.slo.ttft_ms, itl_ms=self.config.slo.itl_ms)
+        slo = slo_spec_of(self.config.slo)
         virtual_s = max(self.now, last_arrival)
         stats = tuple(self._instance_stats(iid, inst, window) for iid, inst in self.instances.items())
         gangs = tuple({id(g): g.report(virtual_s) for g in self.gangs.values()}.values())
