@@ -297,10 +297,11 @@ def test_slack_budget_lets_a_step_run_long_only_while_every_decode_keeps_its_mea
     # step may take 34 ms -> (0.034 - 0.011) / 0.0001 = 230 extra tokens, +1 decode = 231.
     plan, _ = step(b, now=0.006)
     assert plan.num_batched_tokens == 231
-    # No decodes at all: only max_step_s bounds it -> (0.060 - 0.010) / 0.0001 = 500 tokens.
+    # No decodes at all: nobody waits on the step but its prompts, so the STANDARD tier's TTFT SLO (250 ms, longer
+    # than max_step_s) bounds it: (0.250 - 0.010) / 0.0001 = 2,400 tokens, so the 1,000-token ceiling.
     b.abort("a")
     plan, _ = step(b, now=1.0)
-    assert plan.num_batched_tokens == 500
+    assert plan.num_batched_tokens == 1000
 
 
 def test_edf_demotes_a_request_whose_own_prefill_already_misses_its_deadline():

@@ -47,7 +47,7 @@ from octoserve.services.core.types import EngineLoad, Priority, RequestSpec, Rol
 
 def same_load(a: EngineLoad, b: EngineLoad) -> bool:
     """`a == b` (the dataclass's equality: every field equal), field by field: compiled, the generated `__eq__`
-    runs as interpreted code and builds two tuples of 17 fields at each routing decision."""
+    runs as interpreted code and builds two tuples of 18 fields at each routing decision."""
     if type(a) is not EngineLoad or type(b) is not EngineLoad:
         return a == b
     return (a.num_free_blocks == b.num_free_blocks and a.queued_prefill_tokens == b.queued_prefill_tokens
@@ -57,7 +57,7 @@ def same_load(a: EngineLoad, b: EngineLoad) -> bool:
             and a.instance_id == b.instance_id and a.model == b.model and a.role == b.role
             and a.num_total_blocks == b.num_total_blocks and a.block_size == b.block_size
             and a.healthy == b.healthy and a.paused == b.paused and a.max_num_seqs == b.max_num_seqs
-            and a.long_prefill_tokens_per_s == b.long_prefill_tokens_per_s)
+            and a.long_prefill_tokens_per_s == b.long_prefill_tokens_per_s and a.busy_until_s == b.busy_until_s)
 
 
 @dataclass(frozen=True, slots=True, init=False)  # __init__ written out: see core/types.py

@@ -209,9 +209,13 @@ class Batcher:
         self._num_reserved = 0
         self._truncated: list[Request] = []  # out of KV while alone in the batch: finished at the next update
         self.tail = TailBudget(config.tail_budget_fraction, config.tail_window_gaps)
+        self._idle_step_s = config.tier_ttft_slo_ms.get(Priority.STANDARD, 0.0) / 1000.0  # longest step, no decodes
         self._planned_gaps = (0.0, 0)  # (plan time, decodes) of the step in flight: its gaps, judged at update
         self._num_decodes = 0  # decodes of the latest step (steady decodes' token lists may run ahead: not counted)
         self._slack_chunk = 1 << 30  # prefill tokens the TPOT slack allowed a step at the latest plan with prompts
+        # When the step in flight ends by the step model (on the clock `now` is on; 0: none planned yet): a prompt
+        # arriving during a long step waits for it (admission reads it from the load snapshot).
+        self.busy_until_s = 0.0
         self._num_swap_blocks_used = 0
         self._step_id = 0
         self._run_seq = 0
@@ -303,7 +307,7 @@ class Batcher:
             self._schedule_waiting(step)
         if deferred:
             self._schedule_running(step, deferred)
-        self._planned_gaps = (now, len(decodes))
+        self._note_plan(now, len(decodes), step.used, extra_kv_s)
         self._step_id += 1
         return step
 
@@ -402,6 +406,14 @@ class Batcher:
             return 0.0
         return chunk / (self._base_step_s(num_decodes) + chunk * self.config.prefill_s_per_token)
 
+    def _note_plan(self, now: float, num_decodes: int, num_tokens: int, extra_kv_s: float) -> None:
+        """The planned step's decodes (their gaps are judged at its update) and when the step model ends it."""
+        self._planned_gaps = (now, num_decodes)
+        cfg = self.config
+        if cfg.decode_step_s_by_num_decodes and cfg.prefill_s_per_token > 0 and num_tokens:
+            self.busy_until_s = (now + self._base_step_s(num_decodes) + extra_kv_s
+                                 + (num_tokens - num_decodes) * cfg.prefill_s_per_token)
+
     def _observe_gaps(self, now: float) -> None:
         """The in-flight step's decode tokens arrive now: one gap each, slow when the step outlasted the SLO."""
         plan_s, num_decodes = self._planned_gaps
@@ -409,6 +421,7 @@ class Batcher:
             self.tail.observe(num_decodes, num_decodes if now - plan_s > self.config.itl_slo_s else 0)
         self._planned_gaps = (now, 0)
         self._num_decodes = num_decodes
+        self.busy_until_s = now
 
     def _extra_kv_read_s(self, decodes: list[Request], num_decode_tokens: int | None = None) -> float:
         """Step time the decodes' context beyond the sized one adds (0 when shorter or when off).
@@ -435,7 +448,8 @@ class Batcher:
         A decode that has produced k tokens after its first at `first_token_s` meets the TPOT target after this
         step and H more at the current pace `base_s` (H = `tpot_horizon_tokens`) if the step ends by
         first_token_s + (k + 1 + H) x target - H x base_s. The tightest request bounds the step; with no decodes
-        only `max_step_s` does (nobody waits on this step but the prompts in it).
+        only `max_step_s`, or the STANDARD tier's TTFT SLO when longer, does (nobody waits on this step but the
+        prompts in it, and a prompt prefilled in one step gets its first token sooner than in two).
         """
         cfg = self.config
         table = cfg.decode_step_s_by_num_decodes
@@ -443,7 +457,7 @@ class Batcher:
             return 0
         base_s = table[min(len(decodes), len(table) - 1)] + extra_kv_s
         payback_s = cfg.tpot_horizon_tokens * (cfg.tpot_target_s - base_s)
-        allowed_s = cfg.max_step_s
+        allowed_s = cfg.max_step_s if decodes else max(cfg.max_step_s, self._idle_step_s)
         for r in decodes:
             if r.first_token_s is not None:
                 k = len(r.token_ids) - r.num_prompt_tokens - 1
@@ -1039,6 +1053,7 @@ class Batcher:
             mean_output_tokens=self.predictor.mean(),
             num_reserved=self._num_reserved,
             long_prefill_tokens_per_s=long_prefill_tokens_per_s,
+            busy_until_s=self.busy_until_s,
         )
 
 

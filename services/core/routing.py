@@ -123,6 +123,7 @@ class Candidate(NamedTuple):
     slot_wait_s: float = 0.0  # wait for a decode slot when the instance's batch is full (colocated)
     loaded_prefill_s: float = 0.0  # its own prefill at the rate the instance's running decodes leave
     ttft_slo_s: float = math.inf  # the request's TTFT SLO
+    step_wait_s: float = 0.0  # until the instance's step in flight ends (a long prefill step holds every newcomer)
     # Its first token if the prompts queued here and its own ran in steps past the ITL SLO (whole prompts at once),
     # which the instance's ITL tail budget affords now; inf when it does not.
     rescue_ttft_s: float = math.inf
@@ -132,21 +133,23 @@ class Candidate(NamedTuple):
         """Its first token in steps within the ITL SLO. The prefill queue and the slot queue drain in parallel; the
         longer one decides when the prefill starts. Then its own chunks run at the rate the decodes beside them
         leave, never faster than on an idle instance."""
-        return max(self.wait_s, self.slot_wait_s) + max(self.own_prefill_s, self.loaded_prefill_s)
+        return self.step_wait_s + max(self.wait_s, self.slot_wait_s) + max(self.own_prefill_s, self.loaded_prefill_s)
 
     @property
     def predicted_ttft_s(self) -> float:
         """Its first token under the batcher's policy: in steps within the ITL SLO when those meet its TTFT SLO,
         else in a step past the ITL SLO when the tail budget affords one (batcher.py, `_needs_long`)."""
         steps = self.steps_ttft_s
-        return steps if steps <= self.ttft_slo_s else min(steps, max(self.rescue_ttft_s, self.own_prefill_s))
+        if steps <= self.ttft_slo_s:
+            return steps
+        return min(steps, self.step_wait_s + max(self.rescue_ttft_s, self.own_prefill_s))
 
     @property
     def earliest_ttft_s(self) -> float:
         """The earliest first token any affordable schedule gives it: what admission holds against the SLO (a
         prompt the steps within the ITL SLO would bring in just in time is rescued by a long step if they slip),
         never sooner than its own prefill on the idle instance."""
-        return min(self.steps_ttft_s, max(self.rescue_ttft_s, self.own_prefill_s))
+        return min(self.steps_ttft_s, self.step_wait_s + max(self.rescue_ttft_s, self.own_prefill_s))
 
 
 # queue ahead (tokens), prefill throughput (tokens/s), KV headroom (blocks), queued count, queue wait (s), slot wait (s)
@@ -266,6 +269,7 @@ class RouterPolicy:
         self.refusal_observers: list[Callable[[RequestSpec, Refuse], None]] = []  # told of every refusal (demand)
         # (instance, tier) -> (ledger version, load, (ledger, config, instance, cost model), figures): _instance_figures
         self._figures: dict[tuple[str, Priority], tuple[int, EngineLoad, tuple, _Figures]] = {}
+        self._now = 0.0  # the clock of the decision in progress (`route`)
         # (model, roles) -> config.instances_of(model, roles) of the config object `_instances_config`: _instances_of
         self._instances_config: NodeConfig | None = None
         self._instances: dict[tuple[str, tuple[Role, ...]], tuple[InstanceConfig, ...]] = {}
@@ -324,10 +328,11 @@ class RouterPolicy:
     # --- the decision ---------------------------------------------------------------------------------------------
 
     def route(self, spec: RequestSpec, loads: Mapping[str, EngineLoad] | Sequence[EngineLoad], now: float) -> Route | Refuse:
-        """Admit and place `spec`, or refuse it. `now` is unused today: snapshots carry the state; kept so
-        deadline-aware policies need no signature change."""
+        """Admit and place `spec`, or refuse it. `now` (the modelled clock the engines' snapshots are on) dates the
+        step each instance has in flight (`EngineLoad.busy_until_s`)."""
         for observe in self.observers:
             observe(spec)
+        self._now = now
         decision = self._route(spec, loads)
         if isinstance(decision, Refuse):
             for observe_refusal in self.refusal_observers:
@@ -461,6 +466,7 @@ class RouterPolicy:
             own_prefill_s=_chunked_prefill_s(cost, num_prompt_tokens - cached, cached, inst.max_num_batched_tokens),
             loaded_prefill_s=adm.prefill_wait_s(num_prompt_tokens - cached, throughput),
             ttft_slo_s=self.config.slo.for_model(spec.model).ttft_ms_for_request(spec) / 1000.0,
+            step_wait_s=max(0.0, load.busy_until_s - self._now) if load.busy_until_s > 0 else 0.0,
             rescue_ttft_s=self._rescue_ttft_s(load, ahead + num_prompt_tokens - cached, slot_wait),
             model=spec.model,
             slot_wait_s=slot_wait,

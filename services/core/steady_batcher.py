@@ -303,7 +303,7 @@ class SteadyBatcher(Batcher):
             self._schedule_waiting(step)
         if deferred:
             self._schedule_running(step, deferred)
-        self._planned_gaps = (now, n)
+        self._note_plan(now, n, step.used, extra_kv_s)
         self._step_id += 1
         return step
 
@@ -315,7 +315,7 @@ class SteadyBatcher(Batcher):
             return 0
         base_s = table[min(n, len(table) - 1)] + extra_kv_s
         payback_s = cfg.tpot_horizon_tokens * (cfg.tpot_target_s - base_s)
-        allowed_s = cfg.max_step_s
+        allowed_s = cfg.max_step_s if n else max(cfg.max_step_s, self._idle_step_s)
         target = cfg.tpot_target_s
         slack = self._slack
         if slack:

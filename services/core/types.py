@@ -201,6 +201,9 @@ class EngineLoad:
     # Prefill rate of a step past the ITL SLO while the ITL tail budget affords one (0: not now); the batcher runs
     # one only for a prompt that steps within the SLO would bring to its first token too late.
     long_prefill_tokens_per_s: float = 0.0
+    # When the instance's step in flight ends by its step model, on the modelled clock routers decide on (seconds;
+    # 0: unknown): a prompt arriving before then starts no sooner.
+    busy_until_s: float = 0.0
 
     def __init__(
         self,
@@ -221,6 +224,7 @@ class EngineLoad:
         mean_output_tokens: float = 0.0,
         num_reserved: int = 0,
         long_prefill_tokens_per_s: float = 0.0,
+        busy_until_s: float = 0.0,
     ) -> None:
         object.__setattr__(self, "instance_id", instance_id)
         object.__setattr__(self, "model", model)
@@ -239,6 +243,7 @@ class EngineLoad:
         object.__setattr__(self, "mean_output_tokens", mean_output_tokens)
         object.__setattr__(self, "num_reserved", num_reserved)
         object.__setattr__(self, "long_prefill_tokens_per_s", long_prefill_tokens_per_s)
+        object.__setattr__(self, "busy_until_s", busy_until_s)
 
     @property
     def kv_usage(self) -> float:

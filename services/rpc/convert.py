@@ -232,6 +232,7 @@ def load_to_pb(load: EngineLoad, seq: int = 0, kv_events: Iterable[KVEvent] = ()
         mean_output_tokens=load.mean_output_tokens,
         num_reserved=load.num_reserved,
         long_prefill_tokens_per_s=load.long_prefill_tokens_per_s,
+        busy_until_s=load.busy_until_s,
     )
 
 
@@ -254,4 +255,5 @@ def load_from_pb(m: w_pb.LoadReport) -> EngineLoad:
         mean_output_tokens=m.mean_output_tokens,
         num_reserved=m.num_reserved,
         long_prefill_tokens_per_s=m.long_prefill_tokens_per_s,
+        busy_until_s=m.busy_until_s,
     )
