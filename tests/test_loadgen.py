@@ -228,21 +228,21 @@ def one_small_instance(tier_queue_bound: int) -> dict:
 
 
 @contextlib.contextmanager
-def real_node(config, time_scale: float):
+def real_node(config, time_scale: float, run_dir):
     from octoserve.services.launcher import start_node
 
-    node = start_node(config, time_scale)
+    node = start_node(config, time_scale, run_dir=run_dir)
     try:
         yield node
     finally:
         node.stop()
 
 
-async def test_bench_against_the_real_node_records_every_request():
+async def test_bench_against_the_real_node_records_every_request(tmp_path):
     trace = generate_trace(scaled(PROFILES["seed-000"], rate_rps=30.0, duration_s=0.5), 3)
     # short outputs keep the run to seconds; exact lengths via max_tokens + ignore_eos (no sim-length hint needed)
     trace = [dataclasses.replace(t, output_len=min(t.output_len, 16), max_tokens=min(t.max_tokens, 64)) for t in trace]
-    with real_node(None, 5.0) as node:
+    with real_node(None, 5.0, tmp_path) as node:
         records = await run_bench(node.router_address, trace, time_scale=5.0,
                                   options=BenchOptions(drain_timeout_s=60.0, output_len_mode="max-tokens"))
     assert [r.request_id for r in records] == [t.request_id for t in trace] and len(records) > 8
@@ -257,12 +257,12 @@ async def test_bench_against_the_real_node_records_every_request():
     assert all(r.retry_after_ms > 0 for r in records if r.refused)
 
 
-async def test_real_node_refusals_are_counted_not_retried():
+async def test_real_node_refusals_are_counted_not_retried(tmp_path):
     # One outstanding request per tier: of a simultaneous burst, the first is admitted and the rest are shed
     # while its prefill runs (40x dilated: hundreds of ms, against a few ms to send the burst).
     burst = [dataclasses.replace(trace_req(i, 0.0, output_len=2), prompt_token_ids=tuple(range(2000, 3000 + i)))
              for i in range(5)]
-    with real_node(one_small_instance(1), 40.0) as node:
+    with real_node(one_small_instance(1), 40.0, tmp_path) as node:
         records = await run_bench(node.router_address, burst, time_scale=40.0,
                                   options=BenchOptions(drain_timeout_s=60.0, output_len_mode="max-tokens"))
     assert sum(r.refused for r in records) == 4 and sum(r.completed for r in records) == 1
