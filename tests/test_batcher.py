@@ -381,6 +381,12 @@ def test_the_tail_is_spent_only_on_a_prompt_that_steps_within_the_slo_would_brin
     b = batcher()
     b.add_request(spec("big", prompt_len=2000, max_tokens=4, first=500, arrival=0.05), 0.05)
     assert b.schedule(0.05).num_batched_tokens == 491
+    # a lost prompt at the head (already past its deadline) spends nothing itself, but one behind it that a long
+    # step (taking both, in queue order) can still save does
+    b = batcher()
+    b.add_request(spec("late", prompt_len=100, max_tokens=4, first=500, arrival=-0.3), 0.05)
+    b.add_request(spec("next", prompt_len=1500, max_tokens=4, first=900, arrival=0.05), 0.05)
+    assert b.schedule(0.05).num_batched_tokens == 491
 
 
 def test_long_decode_contexts_take_their_kv_read_time_out_of_the_prefill_chunk():

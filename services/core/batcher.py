@@ -62,6 +62,7 @@ CHUNK_FLOOR_TOKENS = 16  # prefill tokens a step keeps however long its decodes'
 # A step planned by the linear step model to end within this share of the ITL SLO makes no slow gap: the share
 # left is for the model's error (the attention of a chunk over its own earlier chunks, which it leaves out).
 FREE_STEP_SHARE = 0.95
+NEEDS_LONG_SCAN = 4  # waiting prompts `_needs_long` looks at, past the running prefills
 CAP_MARGIN = 0.75  # share of a gang cap's spare time (past the decodes) given to prefill tokens
 
 DEFAULT_TIER_TTFT_SLO_MS: Mapping[Priority, float] = {
@@ -348,16 +349,17 @@ class Batcher:
     def _needs_long(self, prefills: list[Request], free_chunk: int, now: float) -> bool:
         """Whether a prompt would reach its first token after its TTFT deadline in steps that end within the free
         share of the ITL SLO (each carrying `free_chunk` prefill tokens, one step kept for the step model's error),
-        while one step now could still make it: the running prefills in order, then the head of the queue, each
-        behind the tokens of those before it. A prompt those steps serve in time leaves the tail to one they cannot;
-        a prompt already lost spends none."""
+        while one step now could still make it: the running prefills in order, then the first NEEDS_LONG_SCAN
+        waiting prompts in queue order, each behind the tokens of those before it (a long step takes them in that
+        order). A prompt those steps serve in time leaves the tail to one they cannot; a prompt already lost spends
+        none, but one behind it may still be saved."""
         cfg = self.config
         if free_chunk <= 0:
             return True
         base_s = self._base_step_s(self._num_decodes)
         step_s = base_s + free_chunk * cfg.prefill_s_per_token
         ahead = 0
-        for r in (*prefills, self._waiting.peek()) if self._waiting else prefills:
+        for r in (*prefills, *self._waiting.head(NEEDS_LONG_SCAN)) if self._waiting else prefills:
             ahead += len(r.token_ids) - r.num_computed_tokens
             deadline_s = self._ttft_deadline_s(r)
             if now + (1 - (-ahead // free_chunk)) * step_s > deadline_s >= now + base_s + ahead * cfg.prefill_s_per_token:

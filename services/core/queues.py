@@ -85,5 +85,9 @@ class WaitingQueue(Generic[T]):
         """Items in no particular order (for load accounting)."""
         return (entry[2] for entry in self._heap)
 
+    def head(self, n: int) -> list[T]:
+        """The first `n` items in queue order (one pass over the heap, not a sort of it)."""
+        return [entry[2] for entry in heapq.nsmallest(n, self._heap)]
+
     def ordered(self) -> list[T]:
         return [entry[2] for entry in sorted(self._heap)]
