@@ -29,7 +29,6 @@ VOCAB = 128256
 U32 = 2**32 - 1
 SESSION = "fuzz-session"
 TIMEOUT_S = 10.0
-SEEN: dict[str, set[str]] = {}
 
 
 class Harness:
@@ -85,12 +84,16 @@ edge_u32 = st.one_of(st.sampled_from([0, 1, 16, MAX_CONTEXT, U32]), st.integers(
 doubles = st.one_of(st.sampled_from([0.0, -1.0, float("nan"), float("inf"), 1e300]), st.floats())
 
 
+INSTANCE_MODEL = {"c0": COLOCATED_MODEL, "p0": DISAGG_MODEL, "d0": DISAGG_MODEL}  # small_config()'s instances
+
+
 @st.composite
-def specs(draw) -> w_pb.RequestSpec:
-    """A RequestSpec valid for the instance, with up to three fields replaced by hostile values."""
+def specs(draw, model: str) -> w_pb.RequestSpec:
+    """A RequestSpec valid for an instance of `model`, with up to three fields replaced by hostile values (the model
+    among them: none, an unknown one, or the node's other served model)."""
     spec = w_pb.RequestSpec(
         request_id=f"fz-{draw(st.integers(0, 10**9))}",
-        model=draw(st.sampled_from([COLOCATED_MODEL, DISAGG_MODEL])),
+        model=model,
         prompt_token_ids=draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=48)),
         sampling=w_pb.SamplingParams(max_tokens=draw(st.integers(1, 32)), top_p=1.0, ignore_eos=True),
         arrival_s=0.0,
@@ -102,7 +105,8 @@ def specs(draw) -> w_pb.RequestSpec:
         if name == "request_id":
             spec.request_id = draw(st.one_of(st.just(""), st.text(max_size=30)))
         elif name == "model":
-            spec.model = draw(st.sampled_from(["", "nope", "x" * 3000]))
+            other = DISAGG_MODEL if model == COLOCATED_MODEL else COLOCATED_MODEL
+            spec.model = draw(st.sampled_from(["", "nope", "x" * 3000, other]))
         elif name == "prompt":
             del spec.prompt_token_ids[:]
             spec.prompt_token_ids.extend(draw(st.one_of(
@@ -134,16 +138,21 @@ handoffs = st.builds(
     finish_reason=st.sampled_from(["", "stop", "length", "bogus"]),
 )
 
+def with_spec(method: str, instances: list[str], build):
+    """(method, instance, message) with the message's spec drawn for that instance's model."""
+    return st.sampled_from(instances).flatmap(
+        lambda iid: st.tuples(st.just(method), st.just(iid), build(specs(INSTANCE_MODEL[iid]))))
+
+
 worker_calls = st.one_of(
-    st.tuples(st.just("Generate"), st.sampled_from(["c0", "d0", "p0"]),
-              st.builds(w_pb.WorkerGenerateRequest, session_id=st.sampled_from([SESSION, SESSION, "", "nope"]),
-                        spec=specs())),
-    st.tuples(st.just("Prefill"), st.sampled_from(["p0", "p0", "c0"]), st.builds(w_pb.PrefillRequest, spec=specs())),
-    st.tuples(st.just("Reserve"), st.sampled_from(["d0", "d0", "c0"]),
-              st.builds(w_pb.ReserveRequest, spec=specs(), ttl_ms=st.sampled_from([0, 1, 50, U32]))),
-    st.tuples(st.just("Decode"), st.sampled_from(["d0", "d0", "p0"]),
-              st.builds(w_pb.DecodeRequest, session_id=st.sampled_from([SESSION, "", "x"]), spec=specs(),
-                        handoff=handoffs, source_address=st.sampled_from(["", "127.0.0.1:1", "garbage", "::::"]))),
+    with_spec("Generate", ["c0", "d0", "p0"], lambda spec: st.builds(
+        w_pb.WorkerGenerateRequest, session_id=st.sampled_from([SESSION, SESSION, "", "nope"]), spec=spec)),
+    with_spec("Prefill", ["p0", "p0", "c0"], lambda spec: st.builds(w_pb.PrefillRequest, spec=spec)),
+    with_spec("Reserve", ["d0", "d0", "c0"], lambda spec: st.builds(
+        w_pb.ReserveRequest, spec=spec, ttl_ms=st.sampled_from([0, 1, 50, U32]))),
+    with_spec("Decode", ["d0", "d0", "p0"], lambda spec: st.builds(
+        w_pb.DecodeRequest, session_id=st.sampled_from([SESSION, "", "x"]), spec=spec, handoff=handoffs,
+        source_address=st.sampled_from(["", "127.0.0.1:1", "garbage", "::::"]))),
     st.tuples(st.sampled_from(["Release", "Abort"]), st.sampled_from(["c0", "p0", "d0"]),
               st.builds(w_pb.ReleaseRequest, request_id=st.text(max_size=20))),
     st.tuples(st.just("GetLoad"), st.sampled_from(["c0", "p0", "d0"]), st.just(w_pb.GetLoadRequest())),
@@ -194,19 +203,24 @@ async def call_worker(stubs, channels, method: str, iid: str, msg) -> tuple[grpc
             await stub.Release(w_pb.ReleaseRequest(request_id=spec.request_id), timeout=TIMEOUT_S)
 
 
-@FUZZ_SETTINGS
-@given(case=worker_calls)
-def test_worker_api_fuzz(harness, case):
-    method, iid, msg = case
-    code, details = harness.nt.run(call_worker(harness.stubs, harness.channels, method, iid, msg), 60.0)
-    SEEN.setdefault(method, set()).add(code.name)
-    assert_typed(code, details, f"{method} on {iid}")
+def test_worker_api_fuzz(harness):
+    """Every fuzzed call gets a typed answer, and the sample reaches both outcomes: Generate, Prefill and Reserve
+    each served some specs, and some were refused as invalid (counted by this test itself, so it passes or fails the
+    same run alone or in any order)."""
+    seen: dict[str, set[str]] = {}
 
+    @FUZZ_SETTINGS
+    @given(case=worker_calls)
+    def fuzz(case):
+        method, iid, msg = case
+        code, details = harness.nt.run(call_worker(harness.stubs, harness.channels, method, iid, msg), 60.0)
+        seen.setdefault(method, set()).add(code.name)
+        assert_typed(code, details, f"{method} on {iid}")
 
-def test_worker_fuzz_reached_both_outcomes():
-    for method in ("Generate", "Prefill", "Reserve"):  # each served some specs and refused others
-        assert "OK" in SEEN.get(method, set()), SEEN
-    assert "INVALID_ARGUMENT" in SEEN["Generate"] | SEEN["Prefill"] | SEEN["Reserve"], SEEN
+    fuzz()
+    for method in ("Generate", "Prefill", "Reserve"):
+        assert "OK" in seen.get(method, set()), seen
+    assert "INVALID_ARGUMENT" in seen["Generate"] | seen["Prefill"] | seen["Reserve"], seen
 
 
 def test_worker_rejects_a_spec_for_another_model(harness):

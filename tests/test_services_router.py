@@ -44,6 +44,17 @@ def tokens(responses) -> list[int]:
     return [t for r in responses for t in r.token_ids]
 
 
+def outcomes(node, model: str = COLOCATED_MODEL) -> dict[str, float]:
+    """The router's finished-request counter for `model`, by outcome (what this module's node has counted so far)."""
+    registry = node.router_servicer.metrics.registry
+    return {s.labels["outcome"]: s.value for m in registry.collect() for s in m.samples
+            if s.name == "octoserve_router_requests_total" and s.labels["model"] == model}
+
+
+def counted(node, name: str, labels: dict[str, str]) -> float:
+    return node.router_servicer.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
 @pytest.mark.parametrize("model", [COLOCATED_MODEL, DISAGG_MODEL])
 async def test_streams_exactly_max_tokens_and_finishes_with_length(idle, model):
     responses = await collect(idle.generation().Generate(request(model, max_tokens=12), timeout=10))
@@ -159,10 +170,21 @@ async def test_deadline_shorter_than_predicted_ttft_is_refused_as_deadline_excee
 
 
 async def test_deadline_mid_stream_is_deadline_exceeded_and_frees_kv(idle):
+    before = outcomes(idle)
     call = idle.generation().Generate(request(max_tokens=4000), timeout=0.3)
-    err = await _error(call)
-    assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    # `idle` asserts every worker frees every block afterwards.
+    received = 0
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        async for response in call:
+            received += len(response.token_ids)
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    # Mid-stream: tokens flowed (5 ms decode steps: dozens in 0.3 s), then the deadline ended the stream early.
+    assert 0 < received < 4000
+    # The node saw the deadline too: the request is aborted on its worker (every KV block free again), the router
+    # forgets it, and counts it once, as a stream that ended without finishing (not ok, not an error of its own).
+    assert await idle.wait_all_free() == {iid: NUM_KV_BLOCKS for iid in idle.workers}
+    assert idle.router_servicer.requests == {}
+    after = outcomes(idle)
+    assert {k: after[k] - before.get(k, 0.0) for k in after if after[k] != before.get(k, 0.0)} == {"cancelled": 1.0}
 
 
 async def _read_some_then_cancel(node, model: str, busy_ids: tuple[str, ...]) -> None:
@@ -219,15 +241,27 @@ async def test_health_and_reflection(node):
     assert names == {"octoserve.v1.Generation", "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"}
 
 
-async def test_router_metrics_count_ttft_and_outcomes(node):
-    await collect(node.generation().Generate(request(max_tokens=3), timeout=10))
-    registry = node.router_servicer.metrics.registry
-    assert registry.get_sample_value("octoserve_router_ttft_seconds_count", {"model": COLOCATED_MODEL}) >= 1
-    assert registry.get_sample_value("octoserve_router_requests_total", {"model": COLOCATED_MODEL, "outcome": "ok"}) >= 1
+async def test_router_metrics_count_ttft_and_outcomes(idle):
+    # The module's node has counted earlier tests' requests: one more request moves each counter by exactly one.
+    ttft = {"model": COLOCATED_MODEL}
+    ttft_before, outcomes_before = counted(idle, "octoserve_router_ttft_seconds_count", ttft), outcomes(idle)
+    await collect(idle.generation().Generate(request(max_tokens=3), timeout=10))
+    assert counted(idle, "octoserve_router_ttft_seconds_count", ttft) - ttft_before == 1.0
+    after = outcomes(idle)
+    assert {k: after[k] - outcomes_before.get(k, 0.0) for k in after if after[k] != outcomes_before.get(k, 0.0)} == {
+        "ok": 1.0}
 
 
-# Last: it drains the module's router.
-async def test_draining_router_refuses_new_requests_and_finishes_in_flight_ones(node):
+@pytest_asyncio.fixture(loop_scope="module")
+async def own_node():
+    """A node of this test's own: draining its router must not end the module's node for the tests after it."""
+    n = await start_inprocess_node(settings=RouterSettings(max_pending_deltas=4))
+    yield n
+    await n.stop()
+
+
+async def test_draining_router_refuses_new_requests_and_finishes_in_flight_ones(own_node):
+    node = own_node
     call = node.generation().Generate(request(max_tokens=60), timeout=30)
     stream = call.__aiter__()
     first = await stream.__anext__()

@@ -222,6 +222,9 @@ class TestColocated:
         assert colocated.load().queued_prefill_tokens == 0
 
     async def test_load_geometry_and_measured_timings(self, colocated):
+        # Its own finished requests (run alone too): the timings are measured from their steps, and every request
+        # that finished normally on this engine (these, and any of the class's earlier tests) ran to MAX_TOKENS.
+        await asyncio.gather(*(collect(colocated.generate(spec(f"geometry-{i}", PROMPTS[i]))) for i in (0, 1)))
         load = colocated.load()
         assert (load.instance_id, load.model, load.role) == ("c0", MODEL_NAME, Role.COLOCATED)
         assert (load.num_total_blocks, load.block_size) == (NUM_USABLE_BLOCKS, BLOCK_SIZE)
