@@ -15,10 +15,12 @@ import grpc
 import pytest
 
 from octoserve.services.launcher import start_node
+from octoserve.services.rpc.gen import worker_pb2 as w_pb
+from octoserve.services.rpc.gen import worker_pb2_grpc as w_grpc
 from octoserve.services.rpc.server import ServiceSpec, start_service
 from octoserve.v1 import generate_pb2 as gen_pb
 from octoserve.v1 import generate_pb2_grpc as gen_grpc
-from tests.service_fixtures import COLOCATED_MODEL, small_config_dict
+from tests.service_fixtures import COLOCATED_MODEL, NUM_KV_BLOCKS, small_config_dict
 
 PROMPT = " ".join(("the scheduler admits each request against its budget and routes it to a replica " * 20).split()[:200])
 
@@ -43,6 +45,26 @@ async def _burst(address: str, n: int, request: gen_pb.GenerateRequest) -> colle
     return outcomes
 
 
+async def _loads_once_idle(node, timeout_s: float = 30.0) -> dict[str, tuple[int, int, int, int]]:
+    """Every worker's (free blocks, total blocks, running, waiting), polled until all are idle or `timeout_s`."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    channels = {iid: grpc.aio.insecure_channel(sp.address) for iid, sp in node.workers.items()}
+    try:
+        while True:
+            loads = {}
+            for iid, channel in channels.items():
+                r = await w_grpc.WorkerStub(channel).GetLoad(w_pb.GetLoadRequest(), timeout=5)
+                loads[iid] = (r.num_free_blocks, r.num_total_blocks, r.num_running, r.num_waiting)
+            if all(free == total and running == waiting == 0 for free, total, running, waiting in loads.values()) \
+                    or loop.time() > deadline:
+                return loads
+            await asyncio.sleep(0.1)
+    finally:
+        for channel in channels.values():
+            await channel.close()
+
+
 @pytest.mark.slow
 @pytest.mark.asyncio(loop_scope="function")
 async def test_1500_call_burst_is_only_served_or_refused_with_a_hint(tmp_path):
@@ -50,8 +72,11 @@ async def test_1500_call_burst_is_only_served_or_refused_with_a_hint(tmp_path):
     try:
         request = gen_pb.GenerateRequest(model=COLOCATED_MODEL, text=PROMPT, max_tokens=400, ignore_eos=True)
         outcomes = await _burst(node.router_address, 1500, request)
+        loads = await _loads_once_idle(node)
     finally:
         node.stop()
+    # After the burst every worker has every KV block back and nothing running or queued.
+    assert loads == {inst["id"]: (NUM_KV_BLOCKS, NUM_KV_BLOCKS, 0, 0) for inst in small_config_dict()["instances"]}
     assert sum(outcomes.values()) == 1500
     assert set(outcomes) <= {"served", "RESOURCE_EXHAUSTED+hint"}, outcomes
     assert outcomes["served"] > 0 and outcomes["RESOURCE_EXHAUSTED+hint"] > 0, outcomes

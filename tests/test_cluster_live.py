@@ -26,5 +26,8 @@ def test_killing_a_node_leaves_no_client_without_a_status_and_moves_traffic():
     assert report.num_cut_off > 0  # the kill did catch streams in flight
     # What the dead node did not finish ended with UNAVAILABLE (retryable), nothing else.
     assert set(report.statuses_on_dead) == {"UNAVAILABLE"}
-    assert report.recovery_s is not None  # picks to the dead node stopped ...
+    # Picks to the dead node stopped, and soon: the picker forgets a node whose poll fails, so new traffic leaves it
+    # within one poll interval (the harness's --poll-s 0.1) plus the poll's deadline (0.5 s; a killed router's
+    # refused connection fails sooner), with up to 0.9 s more for scheduling on a loaded 2-core machine.
+    assert report.recovery_s is not None and 0.0 <= report.recovery_s <= 0.1 + 0.5 + 0.9, report.recovery_s
     assert report.num_after_kill_completed > 0  # ... and the live node served the traffic after the kill

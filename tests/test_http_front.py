@@ -156,11 +156,18 @@ def test_models_lists_the_served_models_with_their_windows(client):
 @pytest.mark.slow
 @pytest.mark.parametrize("model", [COLOCATED_MODEL, DISAGG_MODEL])
 def test_completion_returns_every_token_and_the_usage(client, model):
-    r = client.completions.create(model=model, prompt=TOKENS, max_tokens=6, extra_body={"ignore_eos": True})
-    choice = r.choices[0]
-    assert choice.finish_reason == "length" and choice.text.count("<") == 6
-    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (32, 6, 38)
-    assert r.usage.prompt_tokens_details.cached_tokens >= 0 and r.id.startswith("cmpl-")
+    # A prompt no other test sends (one per model): the first run finds nothing cached; the same prompt again finds
+    # its first 16-token KV block cached (the block holding the last prompt token is always computed).
+    prompt = [31_000 + 100 * (model == DISAGG_MODEL) + i for i in range(32)]
+    first = client.completions.create(model=model, prompt=prompt, max_tokens=6, extra_body={"ignore_eos": True})
+    again = client.completions.create(model=model, prompt=prompt, max_tokens=6, extra_body={"ignore_eos": True})
+    for r in (first, again):
+        choice = r.choices[0]
+        assert choice.finish_reason == "length" and choice.text.count("<") == 6
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (32, 6, 38)
+        assert r.id.startswith("cmpl-")
+    assert first.id != again.id
+    assert (first.usage.prompt_tokens_details.cached_tokens, again.usage.prompt_tokens_details.cached_tokens) == (0, 16)
 
 
 @pytest.mark.slow

@@ -107,13 +107,28 @@ async def test_unused_reservation_expires_and_decode_is_then_refused(idle):
     assert "no live reservation for x1 on d0" in info.value.details()
 
 
+def worker_outcomes(node, instance_id: str) -> dict[str, float]:
+    """The worker's requests-by-outcome counter (what this module's node has counted so far)."""
+    registry = node.servicers[instance_id].metrics.registry
+    return {s.labels["outcome"]: s.value for m in registry.collect() for s in m.samples
+            if s.name == "octoserve_worker_requests_total" and s.labels["instance"] == instance_id}
+
+
 async def test_closing_the_session_aborts_its_requests(idle):
     stub = idle.worker("c0")
+    before = worker_outcomes(idle, "c0")
     call, stream = await attach(stub, "closing")
     await stub.Generate(w_pb.WorkerGenerateRequest(session_id="closing", spec=spec_pb("c1", max_tokens=4000)))
-    await stream.__anext__()
+    first = await stream.__anext__()
+    assert {d.request_id for d in first.deltas} == {"c1"}
+    load = await idle.load("c0")
+    assert load.num_running == 1 and load.num_free_blocks < NUM_KV_BLOCKS
     call.cancel()
-    # `idle` waits until c0 frees every block.
+    # 4,000 tokens would take ~20 s at ~5 ms a step: every block free within 5 s means the request was aborted.
+    assert await idle.wait_all_free(timeout_s=5.0) == {iid: NUM_KV_BLOCKS for iid in idle.workers}
+    assert idle.servicers["c0"].tasks == {}
+    after = worker_outcomes(idle, "c0")
+    assert {k: after[k] - before.get(k, 0.0) for k in after if after[k] != before.get(k, 0.0)} == {"aborted": 1.0}
 
 
 async def test_pause_keeps_requests_and_resume_finishes_them(idle):

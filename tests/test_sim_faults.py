@@ -10,7 +10,7 @@ from octoserve.services.core.placement import node_config_from_dict
 from octoserve.services.core.types import Priority
 from octoserve.services.metrics import SloSpec
 from octoserve.services.sim.driver import NodeSimulator
-from octoserve.services.sim.faults import InstanceFault, fault_report, parse_fault
+from octoserve.services.sim.faults import InstanceFault, attainment_by_outcome_time, fault_report, parse_fault
 from octoserve.services.workload import TraceRequest
 from tests.fault_fixtures import disagg_config, two_replica_config
 from tests.service_fixtures import COLOCATED_MODEL, DISAGG_MODEL
@@ -64,10 +64,27 @@ def test_colocated_replica_lost_moves_unstarted_requests_and_fails_started_ones(
     for inst in sim.instances.values():  # nothing left held anywhere
         load = inst.load()
         assert (load.num_running, load.num_waiting, load.num_free_blocks) == (0, 0, load.num_total_blocks)
-    report = fault_report(result.records, SloSpec(node.slo.ttft_ms, node.slo.itl_ms), InstanceFault("c0", 15.01, 5.0),
-                          COLOCATED_MODEL, rerouted=counts["rerouted"], lost=counts["lost"])
+    slo = SloSpec(node.slo.ttft_ms, node.slo.itl_ms)
+    report = fault_report(result.records, slo, InstanceFault("c0", 15.01, 5.0), COLOCATED_MODEL,
+                          rerouted=counts["rerouted"], lost=counts["lost"])
     assert report.dip < report.before and report.dip_at_s >= 14.0
-    assert report.recovery_s is not None and report.recovery_s >= 0.0
+    # Recovery: from the fault to the end of the first 10 s window (on whole seconds of outcome time, from the bin
+    # before the fault's on) that ends once c0 is back (20.01 s) and is within 5 points of the attainment before.
+    # Checked against the records' own per-second attainment, not against a number the simulator happens to give.
+    assert report.recovery_s is not None and report.recovery_s >= 5.0
+    recovered_from = 15.01 + report.recovery_s - 10.0
+    assert recovered_from == pytest.approx(round(recovered_from), abs=1e-9)
+    bins = {round(b.start_s): b for b in attainment_by_outcome_time(
+        [r for r in result.records if r.model == COLOCATED_MODEL], slo, 1.0)}
+
+    def attainment(start: int) -> float:
+        window = [bins[start + k] for k in range(10)]
+        assert all(b.num_offered > 0 for b in window)
+        return sum(b.num_good for b in window) / sum(b.num_offered for b in window)
+
+    floor = report.before - 0.05
+    assert attainment(round(recovered_from)) >= floor
+    assert all(attainment(start) < floor for start in range(14, round(recovered_from))), "recovered earlier"
 
 
 @pytest.mark.parametrize("lost", ["p0", "d0"])

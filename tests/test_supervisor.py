@@ -60,9 +60,18 @@ def test_a_restarted_service_is_reported_ready_and_a_stopped_supervisor_restarts
         sup.wait_for("router", "ready", timeout_s=30)
         assert [e.event for e in sup.events] == ["exited", "restarting", "ready"]
         assert json.loads(ready.read_text())["pid"] == sp.proc.pid and sp.metrics_port == 9
+        sup.stop()
+        assert not sup._thread.is_alive()  # its poll loop has ended: nothing polls on its own any more
+        events, restarted = list(sup.events), sp.proc
+        restarted.kill()  # the child this test started, by its PID
+        restarted.wait()
+        # Even polled by hand, now and past every backoff slot, a stopped supervisor neither records the exit nor
+        # restarts the service.
+        sup.poll(time.monotonic())
+        sup.poll(time.monotonic() + 3600.0)
+        assert sup.events == events and sp.proc is restarted and sup.restarts("router") == 1
     finally:
         sup.stop()
-        sp.proc.kill()  # the child this test started, by its PID
-        sp.proc.wait()
-    time.sleep(0.3)
-    assert sup.restarts("router") == 1 and sp.proc.poll() is not None  # not restarted after stop()
+        if sp.proc.poll() is None:
+            sp.proc.kill()
+            sp.proc.wait()
