@@ -174,6 +174,12 @@ def wait_healthy(address: str, deadline: float, service: str = "", internal: boo
             time.sleep(POLL_S)
 
 
+def user_path(path: str | Path | None) -> str | None:
+    """A path as the caller's shell means it: `~` expanded, a relative one made absolute against the caller's working
+    directory. The node's processes run in the checkout (`_popen`), where a relative path names something else."""
+    return None if path is None else os.path.abspath(os.path.expanduser(os.fspath(path)))
+
+
 def _config_path(config, run_dir: Path) -> str | None:
     """A path for the children: None (embedded default), a path, or a dict written out as YAML."""
     if config is None or isinstance(config, (str, Path)):
@@ -205,8 +211,10 @@ def start_node(
 ) -> Node:
     """Starts every process of the node and returns once all are SERVING (or stops them and raises LaunchError).
 
-    config: None (embedded default placement), a YAML path, or a config dict. extra_env: variables added to every
-    child's environment (e.g. OCTOSERVE_VLLM_DTYPE for the vllm engine). http_port: start the OpenAI-compatible
+    config: None (embedded default placement), a YAML path, or a config dict. Paths (config, model_path, run_dir)
+    are the caller's: relative ones are resolved against its working directory before any child starts (the
+    children run in the checkout). extra_env: variables added to every child's environment (e.g.
+    OCTOSERVE_VLLM_DTYPE for the vllm engine). http_port: start the OpenAI-compatible
     front on it (0: any free port; None: no front); http_inside: served by the router process (the default, measured
     faster: docs/bench/openai_front.md) or, when False, by a process of its own. supervise: restart services that
     exit (`Supervisor`; `on_event` gets its events); `octoserve up` does, harnesses that model a lost node do not.
@@ -216,8 +224,11 @@ def start_node(
     from octoserve.services.config import load_node_config, load_service_sections
     from octoserve.services.rpc.limits import limits_from_dict
 
-    run_dir = Path(run_dir or tempfile.mkdtemp(prefix="octoserve-"))
+    run_dir = Path(user_path(run_dir) if run_dir else tempfile.mkdtemp(prefix="octoserve-"))
     run_dir.mkdir(parents=True, exist_ok=True)
+    if isinstance(config, (str, Path)):
+        config = user_path(config)
+    model_path = user_path(model_path)
     cfg_path = _config_path(config, run_dir)
     node_cfg = load_node_config(cfg_path)  # fail here, in one place, on a bad config
     sections = load_service_sections(cfg_path)
@@ -338,6 +349,8 @@ def run(args: argparse.Namespace) -> int:
 
     check_positive("--time-scale", args.time_scale, "the time scale (wall seconds per modelled second)",
                    "--time-scale 10")
+    # What the user typed means what it means in their shell: the children run in the checkout.
+    args.config, args.model, args.run_dir = user_path(args.config), user_path(args.model), user_path(args.run_dir)
     try:
         node = start_node(config_source(args.config, args.cost_profile), args.time_scale, engine=args.engine, model_path=args.model, port=args.port,
                           run_dir=args.run_dir, startup_timeout_s=startup_timeout_s(args), grace_s=args.grace_s,
