@@ -117,13 +117,25 @@ class Front:
         return self.codecs.get(model, self.default_codec)
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[self._json_errors])
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.list_models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_handler)
         return app
+
+    @web.middleware
+    async def _json_errors(self, request: web.Request, handler):
+        """aiohttp's own errors (unknown path, wrong method, body too large) in OpenAI's JSON shape, not text/plain."""
+        try:
+            return await handler(request)
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            allowed = getattr(e, "allowed_methods", ())
+            return self._error_response(None, protocol.http_error(e.status, e.reason, request.method, request.path,
+                                                                  tuple(allowed)))
 
     # ---- endpoints ----------------------------------------------------------------------------------------------
 
@@ -173,7 +185,7 @@ class Front:
             except ApiError as e:
                 return self._error_response(endpoint, e)
             try:
-                first = await _read(call)
+                first = await _read(call, chat)
             except ApiError as e:
                 return self._error_response(endpoint, e)
             model_label = self.metrics.model_label(parsed.model)
@@ -245,7 +257,7 @@ class Front:
                                                                       _usage(message))))
                     break
                 try:
-                    message = await _read(call)
+                    message = await _read(call, chat)
                 except ApiError as e:  # headers are sent: the error travels as an SSE event
                     await response.write(sse(e.body()))
                     break
@@ -267,7 +279,7 @@ class Front:
                 if message.finish_reason:
                     pieces.append(trim.push(detok.flush()) + trim.finish())
                     break
-                message = await _read(call)
+                message = await _read(call, chat)
         except ApiError as e:
             return self._error_response(None, e)
         finally:
@@ -311,13 +323,15 @@ class Front:
             await self.channel.close()
 
 
-async def _read(call) -> pb.GenerateResponse:
-    """The next message of the router's stream, or the router's status as an ApiError."""
+async def _read(call, chat: bool = False) -> pb.GenerateResponse:
+    """The next message of the router's stream, or the router's status as an ApiError (`param`: the field the
+    router named, if any)."""
     try:
         message = await call.read()
     except grpc.aio.AioRpcError as e:
-        raise protocol.error_for_status(e.code(), e.details() or e.code().name,
-                                        _retry_after_ms(e.trailing_metadata())) from None
+        trailers = tuple(e.trailing_metadata() or ())
+        raise protocol.error_for_status(e.code(), e.details() or e.code().name, _retry_after_ms(trailers),
+                                        param=protocol.field_from_trailers(trailers, chat)) from None
     if message is grpc.aio.EOF:  # the router always ends a stream with a finish reason or a status
         raise ApiError(502, "the router ended the stream without a finish reason", type="internal_error",
                        code="incomplete_stream")

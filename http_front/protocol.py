@@ -6,8 +6,9 @@ Job:
   here; value ranges the router checks (max_tokens >= 1, temperature >= 0, top_p in (0, 1], ...) are left to the
   router so that HTTP and gRPC clients get the same message, except where the value cannot even be put on the
   wire (a negative integer in a uint32 field): then this module raises the router's own sentence.
-- `error_for_status(code, message, retry_after_ms)`: a gRPC status from the router -> the HTTP status, headers and
-  OpenAI error JSON (`{"error": {"message", "type", "param", "code"}}`).
+- `error_for_status(code, message, retry_after_ms, param)`: a gRPC status from the router -> the HTTP status, headers
+  and OpenAI error JSON (`{"error": {"message", "type", "param", "code"}}`); `param` is the field the router named
+  in its `google.rpc.BadRequest` detail (`field_from_trailers`), null where no one field is at fault.
 - Chunk and response builders for both endpoints.
 
 Octoserve's own fields (all optional), as extra body fields or as headers (the header wins when both are given):
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from google.rpc import error_details_pb2, status_pb2
 
 PRIORITIES = ("INTERACTIVE", "STANDARD", "BATCH")
 PRIORITY_HEADER = "x-octoserve-priority"
@@ -92,9 +94,11 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"the request body is not valid JSON ({e}); send a JSON object") from None
+        raise ApiError(400, f"the request body is not valid JSON ({e}); send a JSON object",
+                       code="invalid_json") from None
     if not isinstance(body, dict):
-        raise ApiError(400, f"the request body is a JSON {type(body).__name__}, not an object; send a JSON object")
+        raise ApiError(400, f"the request body is a JSON {type(body).__name__}, not an object; send a JSON object",
+                       code="invalid_json")
     return body
 
 
@@ -303,9 +307,34 @@ _STATUS_MAP: dict[grpc.StatusCode, tuple[int, str, str]] = {
 }
 
 
-def error_for_status(code: grpc.StatusCode, message: str, retry_after_ms: int | None = None) -> ApiError:
+STATUS_DETAILS_KEY = "grpc-status-details-bin"
+
+
+def field_from_trailers(trailing_metadata, chat: bool = False) -> str | None:
+    """The request field a router INVALID_ARGUMENT names (its google.rpc.BadRequest detail), as the HTTP param:
+    the router's `prompt` is `messages` for a chat. None when the status names no field."""
+    for key, value in trailing_metadata or ():
+        if key != STATUS_DETAILS_KEY:
+            continue
+        try:
+            status = status_pb2.Status.FromString(value)
+        except Exception:  # a malformed detail names nothing
+            return None
+        for detail in status.details:
+            if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+                info = error_details_pb2.BadRequest()
+                detail.Unpack(info)
+                for violation in info.field_violations:
+                    field = violation.field
+                    return "messages" if chat and field == "prompt" else field
+    return None
+
+
+def error_for_status(code: grpc.StatusCode, message: str, retry_after_ms: int | None = None,
+                     param: str | None = None) -> ApiError:
     """The HTTP error for a router status. An overload carries `Retry-After` (whole seconds, rounded up, since
-    the header cannot say less) and the exact delay as `retry-after-ms` and in the body."""
+    the header cannot say less) and the exact delay as `retry-after-ms` and in the body; `param` names the field at
+    fault (see `field_from_trailers`)."""
     status, type_, err_code = _STATUS_MAP.get(code, (500, "internal_error", code.name.lower()))
     headers: dict[str, str] = {}
     extra: dict[str, Any] = {}
@@ -313,7 +342,22 @@ def error_for_status(code: grpc.StatusCode, message: str, retry_after_ms: int | 
         headers["Retry-After"] = str(max(1, math.ceil(retry_after_ms / 1000)))
         headers["retry-after-ms"] = str(int(retry_after_ms))
         extra["retry_after_ms"] = int(retry_after_ms)
-    return ApiError(status, message, type=type_, code=err_code, headers=headers, extra=extra)
+    return ApiError(status, message, type=type_, code=err_code, param=param, headers=headers, extra=extra)
+
+
+def http_error(status: int, reason: str, method: str, path: str, allowed: Sequence[str] = ()) -> ApiError:
+    """An error aiohttp raises before a handler runs (no such path, wrong method, body too large), in OpenAI's
+    shape."""
+    if status == 404:
+        return ApiError(404, f"no endpoint {method} {path}; this node serves POST /v1/completions, "
+                             "POST /v1/chat/completions, GET /v1/models, GET /health and GET /metrics",
+                        code="unknown_url")
+    if status == 405:
+        return ApiError(405, f"{path} does not accept {method}; use {' or '.join(sorted(allowed)) or 'another method'}",
+                        code="method_not_allowed", headers={"Allow": ", ".join(sorted(allowed))})
+    if status == 413:
+        return ApiError(413, f"the request body is too large ({reason}); send a smaller body", code="body_too_large")
+    return ApiError(status, f"{method} {path}: {reason}", code=f"http_{status}")
 
 
 def draining_error() -> ApiError:

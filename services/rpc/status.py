@@ -1,6 +1,7 @@
 """The one mapping from octoserve's typed errors to gRPC statuses (and back, for the SDK).
 
-- InvalidArgument -> INVALID_ARGUMENT, UnknownModel -> NOT_FOUND, SloInfeasible and ItlInfeasible -> FAILED_PRECONDITION,
+- InvalidArgument -> INVALID_ARGUMENT with a `google.rpc.BadRequest` detail whose one field violation names the
+  field at fault (the HTTP front reports it as `error.param`), UnknownModel -> NOT_FOUND, SloInfeasible and ItlInfeasible -> FAILED_PRECONDITION,
   DeadlineExceeded -> DEADLINE_EXCEEDED,
   Draining -> UNAVAILABLE, Overloaded -> RESOURCE_EXHAUSTED with a `google.rpc.RetryInfo` detail
   (`grpc-status-details-bin`) and a plain `retry-after-ms` trailer for clients that do not parse rich status.
@@ -59,7 +60,18 @@ def status_for(error: Exception) -> RpcStatus:
     message = error.message if isinstance(error, OctoserveError) else (str(error) or type(error).__name__)
     if isinstance(error, Overloaded):
         return RpcStatus(code, message, retry_trailers(code, message, error.retry_after_ms))
+    if isinstance(error, InvalidArgument) and error.field:
+        return RpcStatus(code, message, field_trailers(code, message, error.field))
     return RpcStatus(code, message)
+
+
+def field_trailers(code: grpc.StatusCode, message: str, field: str) -> tuple[tuple[str, str | bytes], ...]:
+    """Rich status naming the field at fault (google.rpc.BadRequest, one field violation)."""
+    detail = error_details_pb2.BadRequest(field_violations=[
+        error_details_pb2.BadRequest.FieldViolation(field=field, description=message)])
+    status = status_pb2.Status(code=code.value[0], message=message)
+    status.details.add().Pack(detail)
+    return tuple(rpc_status.to_status(status).trailing_metadata)
 
 
 def retry_trailers(code: grpc.StatusCode, message: str, retry_after_ms: int) -> tuple[tuple[str, str | bytes], ...]:
