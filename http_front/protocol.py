@@ -36,7 +36,6 @@ TIMEOUT_HEADER = "x-octoserve-timeout-ms"
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the window
 UINT32_MAX = 2**32 - 1
 UINT64_MAX = 2**64 - 1
-MAX_STOP_STRINGS = 16
 
 
 class ApiError(Exception):
@@ -251,9 +250,7 @@ def _get_stop(body: Mapping[str, Any]) -> tuple[str, ...]:
         stop = [stop]
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
         raise invalid("stop", "stop is not a string or a list of strings")
-    if len(stop) > MAX_STOP_STRINGS:
-        raise invalid("stop", f"stop has {len(stop)} strings; send at most {MAX_STOP_STRINGS}")
-    return tuple(stop)
+    return tuple(stop)  # how many and how long: the router's limits (limits.max_stop_strings, max_stop_chars)
 
 
 def _get_priority(body: Mapping[str, Any], headers: Mapping[str, str]) -> str | None:
