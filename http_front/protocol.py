@@ -185,7 +185,7 @@ def _common(body: Mapping[str, Any], headers: Mapping[str, str], *, prompt, mess
         messages=messages,
         max_tokens=max_tokens,
         temperature=_get_float(body, "temperature", 1.0),
-        top_p=_get_float(body, "top_p", 1.0),
+        top_p=_get_top_p(body),
         seed=seed,
         stop=_get_stop(body),
         ignore_eos=_get_bool(body, "ignore_eos", False),
@@ -231,6 +231,16 @@ def _get_float(body: Mapping[str, Any], key: str, default: float) -> float:
     if not isinstance(v, (int, float)) or isinstance(v, bool):
         raise invalid(key, f"{key} is {v!r}, not a number; send a number")
     return float(v)
+
+
+def _get_top_p(body: Mapping[str, Any]) -> float:
+    """top_p; an explicit 0 is refused here, since on the gRPC wire 0 means unset (1.0) and the router cannot see it.
+    Other out-of-range values are the router's to refuse."""
+    top_p = _get_float(body, "top_p", 1.0)
+    if top_p == 0:
+        raise invalid("top_p", "top_p is 0; set it in (0, 1] (1 disables nucleus sampling; for greedy decoding set "
+                               "temperature to 0)")
+    return top_p
 
 
 def _get_bool(body: Mapping[str, Any], key: str, default: bool) -> bool:
