@@ -43,7 +43,7 @@ import grpc.aio
 import prometheus_client as prom
 from aiohttp import web
 
-from octoserve.client import retry_after_ms_from_trailers
+from octoserve.client import message_too_large, retry_after_ms_from_trailers
 from octoserve.http_front import protocol
 from octoserve.http_front.protocol import ApiError, ParsedRequest
 from octoserve.http_front.text import StopTrimmer, TextCodec
@@ -330,6 +330,9 @@ async def _read(call, chat: bool = False) -> pb.GenerateResponse:
         message = await call.read()
     except grpc.aio.AioRpcError as e:
         trailers = tuple(e.trailing_metadata() or ())
+        too_large = message_too_large(e.code(), e.details(), trailers)
+        if too_large is not None:  # the transport's size limit: invalid input, not an overload
+            raise protocol.invalid("messages" if chat else "prompt", too_large) from None
         raise protocol.error_for_status(e.code(), e.details() or e.code().name, _retry_after_ms(trailers),
                                         param=protocol.field_from_trailers(trailers, chat)) from None
     if message is grpc.aio.EOF:  # the router always ends a stream with a finish reason or a status

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -130,9 +131,35 @@ def retry_after_ms_from_trailers(trailing_metadata: Sequence[tuple[str, str | by
     return trailer_ms
 
 
+_TOO_LARGE = re.compile(r"(Received|Sent) message larger than max \((\d+) vs\. (\d+)\)")
+
+
+def message_too_large(code: grpc.StatusCode, details: str | None,
+                      trailing_metadata: Sequence[tuple[str, str | bytes]] | None) -> str | None:
+    """When a RESOURCE_EXHAUSTED is the gRPC transport's message-size limit (grpc's own wording, no retry delay),
+    not the router's overload (which always carries RetryInfo): what to change, naming the limit. Else None."""
+    if code != grpc.StatusCode.RESOURCE_EXHAUSTED or retry_after_ms_from_trailers(trailing_metadata) is not None:
+        return None
+    m = _TOO_LARGE.search(details or "")
+    if m is None:
+        return None
+    size, limit = int(m.group(2)), int(m.group(3))
+    if m.group(1) == "Sent":
+        return (f"the request is {size} bytes, over this client's {limit}-byte gRPC message limit "
+                "(grpc.max_send_message_length); shorten the prompt or raise the channel option")
+    return (f"the message is {size} bytes, over the {limit}-byte gRPC message size the receiving side accepts; "
+            "shorten the prompt (send it as token ids, or split the work), or raise the node's "
+            "limits.max_message_bytes (the router's transport accepts twice that)")
+
+
 def error_from_rpc(error: grpc.RpcError, attempts: int = 1) -> OctoserveClientError:
-    """Map a grpc failure (sync or aio) to the SDK's typed error."""
+    """Map a grpc failure (sync or aio) to the SDK's typed error. The transport's message-size RESOURCE_EXHAUSTED
+    is invalid input (`InvalidArgumentError`, field `prompt`, never retried), not an overload."""
     code = error.code()
+    too_large = message_too_large(code, error.details(), error.trailing_metadata())
+    if too_large is not None:
+        return InvalidArgumentError(too_large, field="prompt", code=grpc.StatusCode.INVALID_ARGUMENT,
+                                    attempts=attempts)
     error_type = _ERROR_TYPES.get(code, OctoserveClientError)
     return error_type(
         error.details() or code.name,
