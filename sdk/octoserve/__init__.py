@@ -16,7 +16,7 @@ repository. The node's services live under `octoserve.services`, `octoserve.rout
 _CLIENT_NAMES = frozenset({
     "AsyncClient", "Chunk", "Client", "Completion", "DeadlineExceededError", "InvalidArgumentError", "ModelInfo",
     "ModelNotFoundError", "OctoserveClientError", "OverloadedError", "RetryBudget", "RetryPolicy",
-    "SloInfeasibleError", "UnavailableError", "Usage",
+    "SloInfeasibleError", "UnauthenticatedError", "UnavailableError", "Usage",
 })
 _TYPES_NAMES = frozenset({"FinishReason", "Priority"})
 
@@ -40,5 +40,5 @@ def __dir__() -> list[str]:
 __all__ = [
     "AsyncClient", "Chunk", "Client", "Completion", "DeadlineExceededError", "FinishReason", "InvalidArgumentError",
     "ModelInfo", "ModelNotFoundError", "OctoserveClientError", "OverloadedError", "Priority", "RetryBudget",
-    "RetryPolicy", "SloInfeasibleError", "UnavailableError", "Usage",
+    "RetryPolicy", "SloInfeasibleError", "UnauthenticatedError", "UnavailableError", "Usage",
 ]

@@ -102,6 +102,11 @@ class UnavailableError(OctoserveClientError):
     """The router is unreachable or draining."""
 
 
+class UnauthenticatedError(OctoserveClientError):
+    """UNAUTHENTICATED: the node requires a tenant API key and none or an unknown one was sent; pass
+    `api_key=` to the client (sent as `authorization: Bearer <key>`). Not retried."""
+
+
 _ERROR_TYPES: dict[grpc.StatusCode, type[OctoserveClientError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
     grpc.StatusCode.NOT_FOUND: ModelNotFoundError,
@@ -109,7 +114,28 @@ _ERROR_TYPES: dict[grpc.StatusCode, type[OctoserveClientError]] = {
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
     grpc.StatusCode.FAILED_PRECONDITION: SloInfeasibleError,
     grpc.StatusCode.UNAVAILABLE: UnavailableError,
+    grpc.StatusCode.UNAUTHENTICATED: UnauthenticatedError,
 }
+
+
+def _key_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
+    """The metadata a client's `api_key` becomes: `authorization: Bearer <key>`, which the router's tenant gate
+    reads (router/tenants.py)."""
+    if api_key is None:
+        return ()
+    if not isinstance(api_key, str) or not api_key or api_key != api_key.strip() or not api_key.isprintable():
+        raise ValueError("api_key must be a non-empty printable string without surrounding spaces, or None")
+    return (("authorization", f"Bearer {api_key}"),)
+
+
+def _call_metadata(key_metadata: tuple[tuple[str, str], ...],
+                   metadata: Sequence[tuple[str, str]]) -> tuple[tuple[str, str], ...] | None:
+    """The client's key plus a call's own metadata; a call that sends its own key (authorization or x-api-key)
+    sends only that one."""
+    own = tuple(metadata)
+    if any(k.lower() in ("authorization", "x-api-key") for k, _ in own):
+        return own or None
+    return (*key_metadata, *own) or None
 
 
 def retry_after_ms_from_trailers(trailing_metadata: Sequence[tuple[str, str | bytes]] | None) -> float | None:
@@ -456,7 +482,10 @@ class AsyncClient:
         rng: random.Random | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         channel_options: Sequence[tuple[str, object]] = (),
+        api_key: str | None = None,
     ) -> None:
+        """`api_key`: the tenant key, sent on every call (list_models included) as `authorization: Bearer <key>`."""
+        self._key_metadata = _key_metadata(api_key)
         self._channel = grpc.aio.insecure_channel(target, options=_channel_options(channel_options))
         self._stub = pb_grpc.GenerationStub(self._channel)
         self._core = _RetryCore(retry, default_timeout_s, rng)
@@ -509,7 +538,7 @@ class AsyncClient:
         attempts = self._core.attempts(timeout_s)
         while True:
             call = self._stub.Generate(request, timeout=attempts.timeout_s(time.monotonic()),
-                                       metadata=tuple(metadata) or None)
+                                       metadata=_call_metadata(self._key_metadata, metadata))
             received = False
             try:
                 request_id = ""
@@ -532,12 +561,14 @@ class AsyncClient:
         """The whole generation at once."""
         return assemble([chunk async for chunk in self.generate(model, prompt, **kwargs)])
 
-    async def list_models(self, *, timeout_s: float | None = None) -> list[ModelInfo]:
+    async def list_models(self, *, timeout_s: float | None = None,
+                          metadata: Sequence[tuple[str, str]] = ()) -> list[ModelInfo]:
         attempts = self._core.attempts(timeout_s)
         while True:
             try:
                 response = await self._stub.ListModels(
-                    pb.ListModelsRequest(), timeout=attempts.timeout_s(time.monotonic()))
+                    pb.ListModelsRequest(), timeout=attempts.timeout_s(time.monotonic()),
+                    metadata=_call_metadata(self._key_metadata, metadata))
                 return [_model_info(m) for m in response.models]
             except grpc.RpcError as rpc_error:
                 error = error_from_rpc(rpc_error, attempts.count)
@@ -559,7 +590,10 @@ class Client:
         rng: random.Random | None = None,
         sleep: Callable[[float], None] = time.sleep,
         channel_options: Sequence[tuple[str, object]] = (),
+        api_key: str | None = None,
     ) -> None:
+        """`api_key`: the tenant key, sent on every call (list_models included) as `authorization: Bearer <key>`."""
+        self._key_metadata = _key_metadata(api_key)
         self._channel = grpc.insecure_channel(target, options=_channel_options(channel_options))
         self._stub = pb_grpc.GenerationStub(self._channel)
         self._core = _RetryCore(retry, default_timeout_s, rng)
@@ -603,7 +637,7 @@ class Client:
         attempts = self._core.attempts(timeout_s)
         while True:
             call = self._stub.Generate(request, timeout=attempts.timeout_s(time.monotonic()),
-                                       metadata=tuple(metadata) or None)
+                                       metadata=_call_metadata(self._key_metadata, metadata))
             received = False
             try:
                 request_id = ""
@@ -625,11 +659,13 @@ class Client:
     def complete(self, model: str, prompt: str | Sequence[int], **kwargs) -> Completion:
         return assemble(list(self.generate(model, prompt, **kwargs)))
 
-    def list_models(self, *, timeout_s: float | None = None) -> list[ModelInfo]:
+    def list_models(self, *, timeout_s: float | None = None,
+                    metadata: Sequence[tuple[str, str]] = ()) -> list[ModelInfo]:
         attempts = self._core.attempts(timeout_s)
         while True:
             try:
-                response = self._stub.ListModels(pb.ListModelsRequest(), timeout=attempts.timeout_s(time.monotonic()))
+                response = self._stub.ListModels(pb.ListModelsRequest(), timeout=attempts.timeout_s(time.monotonic()),
+                                                 metadata=_call_metadata(self._key_metadata, metadata))
                 return [_model_info(m) for m in response.models]
             except grpc.RpcError as rpc_error:
                 error = error_from_rpc(rpc_error, attempts.count)
