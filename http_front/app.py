@@ -47,6 +47,7 @@ from octoserve.client import message_too_large, retry_after_ms_from_trailers
 from octoserve.http_front import protocol
 from octoserve.http_front.protocol import ApiError, ParsedRequest
 from octoserve.http_front.text import StopTrimmer, TextCodec
+from octoserve.services.rpc.limits import Limits, limits_from_dict
 from octoserve.services.rpc.server import GRPC_OPTIONS, HOST, log_fields, setup_logging, stop_with_launcher
 from octoserve.v1 import generate_pb2 as pb
 from octoserve.v1 import generate_pb2_grpc as pb_grpc
@@ -90,9 +91,11 @@ class FrontMetrics:
 
 class Front:
     def __init__(self, router_address: str, codecs: Mapping[str, TextCodec] | None = None, grace_s: float = 10.0,
-                 default_codec: TextCodec | None = None, stub=None) -> None:
+                 default_codec: TextCodec | None = None, stub=None, chat_default_max_tokens: int | None = None) -> None:
         """`stub`: the router's Generation API; by default a gRPC channel to `router_address`, inside the router
-        process the servicer itself (`local.LocalGeneration`)."""
+        process the servicer itself (`local.LocalGeneration`). `chat_default_max_tokens`: the cap on a chat that
+        sends no max_tokens (`limits.chat_default_max_tokens`; None: the rest of the context window)."""
+        self.chat_default_max_tokens = chat_default_max_tokens
         self.router_address = router_address
         self.codecs = dict(codecs or {})  # model -> its tokenizer and chat template
         self.default_codec = default_codec or TextCodec()  # models without their own (the sim engine)
@@ -210,10 +213,12 @@ class Front:
         else:
             prompt = parsed.prompt
         max_tokens = parsed.max_tokens
-        if max_tokens is None:  # chat without a limit: the rest of the context window
+        if max_tokens is None:  # chat without a limit: the rest of the context window, capped by the config
             window = self.models.get(parsed.model, 0)
             num_prompt = len(prompt.encode()) if isinstance(prompt, str) else len(prompt)
             max_tokens = max(1, window - num_prompt)
+            if self.chat_default_max_tokens is not None:
+                max_tokens = min(max_tokens, self.chat_default_max_tokens)
         req = pb.GenerateRequest(
             model=parsed.model, max_tokens=max_tokens, temperature=parsed.temperature, top_p=parsed.top_p,
             stop=parsed.stop, ignore_eos=parsed.ignore_eos,
@@ -358,9 +363,19 @@ def _metadata(headers: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
 # ---- process ------------------------------------------------------------------------------------------------------
 
 
+def config_limits(config_path: str | None) -> Limits:
+    """The `limits:` section of the node config the front was started with (defaults without one)."""
+    if not config_path:
+        return Limits()
+    from octoserve.services.config import load_service_sections
+
+    return limits_from_dict(load_service_sections(config_path).get("limits"))
+
+
 async def serve(args: argparse.Namespace) -> int:
     stop_with_launcher()
-    front = Front(args.router, grace_s=args.grace_s)
+    front = Front(args.router, grace_s=args.grace_s,
+                  chat_default_max_tokens=config_limits(args.config).chat_default_max_tokens)
     await front.refresh_models(timeout_s=args.startup_timeout_s, wait_for_ready=True)
     load_codecs(front, args.model, args.models_root)
     runner = web.AppRunner(front.app(), access_log=None, handle_signals=False)
@@ -409,7 +424,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ready-file", default=None)
     parser.add_argument("--grace-s", type=float, default=10.0)
     parser.add_argument("--startup-timeout-s", type=float, default=60.0)
-    parser.add_argument("--config", default=None, help="accepted for symmetry with the other services; unused")
+    parser.add_argument("--config", default=None,
+                        help="node config YAML: its limits.chat_default_max_tokens caps chats without max_tokens")
     parser.add_argument("--log-level", default="INFO")
 
 

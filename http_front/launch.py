@@ -12,8 +12,9 @@ POLL_S = 0.05
 
 
 def http_front_args(router: str, http_port: int, model_path: str | None, grace_s: float,
-                    startup_timeout_s: float) -> list[str]:
+                    startup_timeout_s: float, config_path: str | None = None) -> list[str]:
     return ["--router", router, "--port", str(http_port), "--grace-s", str(grace_s),
+            *(["--config", str(config_path)] if config_path else []),
             "--startup-timeout-s", str(startup_timeout_s), *(["--model", model_path] if model_path else [])]
 
 

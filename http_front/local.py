@@ -93,7 +93,8 @@ async def serve_inside(servicer, port: int, model: str | None, models_root: str 
     """Starts the front on host:port in this process (the router's own --host); returns (front, runner)."""
     from octoserve.http_front.app import Front, load_codecs
 
-    front = Front("in-process", grace_s=grace_s, stub=LocalGeneration(servicer))
+    front = Front("in-process", grace_s=grace_s, stub=LocalGeneration(servicer),
+                  chat_default_max_tokens=servicer.settings.limits.chat_default_max_tokens)
     await front.refresh_models(timeout_s=5.0)
     load_codecs(front, model, models_root)
     runner = web.AppRunner(front.app(), access_log=None, handle_signals=False)

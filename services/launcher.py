@@ -273,7 +273,7 @@ def start_node(
             http = ServiceProcess("http_front", router.proc, inside_ready_file(run_dir), router.log_file)
         elif http_port is not None:  # after the router: it needs the router's port
             http = _spawn("http_front", "octoserve.http_front", http_front_args(
-                router.address, http_port, model_path, grace_s, startup_timeout_s), run_dir, env)
+                router.address, http_port, model_path, grace_s, startup_timeout_s, cfg_path), run_dir, env)
             started.append(http)
         if http is not None:
             _wait_ready(http, deadline)

@@ -7,6 +7,8 @@ The `limits:` section of the node config (every key optional; defaults shown):
       max_stop_strings: 64            # entries in GenerateRequest.stop
       max_stop_chars: 1024            # characters per stop string
       max_request_id_chars: 256
+      # chat_default_max_tokens: 1024   # an HTTP chat without max_tokens generates at most this many tokens;
+                                        # unset (the default, as vLLM): the rest of the model's context window
 The longest prompt is the model's context window minus one token (per model, `models.<name>.max_context_len`).
 
 Invariants: every check raises `InvalidArgument(field, message)` whose message says what to change; checks are
@@ -35,10 +37,16 @@ class Limits:
     max_stop_strings: int = 64
     max_stop_chars: int = 1024
     max_request_id_chars: int = 256
+    # The HTTP front's max_tokens for a chat that sends none: min(this, the rest of the context window); None (the
+    # default, as vLLM): the rest of the context window. The gRPC API has no default (max_tokens is required).
+    chat_default_max_tokens: int | None = None
 
     def router_grpc_options(self) -> tuple[tuple[str, int], ...]:
         return (("grpc.max_receive_message_length", TRANSPORT_SLACK * self.max_message_bytes),
                 ("grpc.max_concurrent_streams", self.max_concurrent_streams))
+
+
+OPTIONAL_LIMITS = frozenset({"chat_default_max_tokens"})  # null/None: unset
 
 
 def limits_from_dict(d: Mapping | None) -> Limits:
@@ -48,6 +56,8 @@ def limits_from_dict(d: Mapping | None) -> Limits:
     if unknown := sorted(set(d) - known):
         raise ValueError(f"unknown key(s) {unknown} in limits; known: {sorted(known)}")
     for k, v in d.items():
+        if v is None and k in OPTIONAL_LIMITS:
+            continue
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"limits.{k} must be a positive integer, not {v!r}")
     return Limits(**d)
