@@ -45,7 +45,7 @@ def test_vllm_default_is_vllm_v1_on_an_h100():
 def test_octoserve_and_its_ablations_differ_in_one_policy_each():
     base = configure(BASELINES["octoserve"], STATIC).policies
     assert (base.queue, base.reservation, base.admission, base.slo_sizing, base.picker, base.ttft_slack,
-            base.prefix_aware_routing) == ("edf", "predicted", True, True, "lowest_cost", 0.5, True)
+            base.prefix_aware_routing) == ("edf", "predicted", True, True, "lowest_cost", 1.0, True)
     changed = {
         "octoserve-no-refusal": {"admission": False},
         "octoserve-no-prefix-routing": {"prefix_aware_routing": False},
