@@ -32,7 +32,6 @@ from __future__ import annotations
 import bisect
 import math
 import enum
-from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, overload
@@ -369,10 +368,9 @@ class Batcher:
     def free_budget(self, num_decodes: int, extra_kv_s: float = 0.0) -> int:
         """The largest budget whose step the step model ends within FREE_STEP_SHARE x the ITL SLO (no slow gap)."""
         cfg = self.config
-        table = cfg.decode_step_s_by_num_decodes
-        if not table or cfg.prefill_s_per_token <= 0 or cfg.itl_slo_s <= 0:
+        if not cfg.decode_step_s_by_num_decodes or cfg.prefill_s_per_token <= 0 or cfg.itl_slo_s <= 0:
             return 0
-        base_s = table[min(num_decodes, len(table) - 1)] + extra_kv_s
+        base_s = self._base_step_s(num_decodes) + extra_kv_s
         spare = int((FREE_STEP_SHARE * cfg.itl_slo_s - base_s) / cfg.prefill_s_per_token + 1e-9)
         return num_decodes + max(0, spare)
 

@@ -100,10 +100,10 @@ class LoadReporter:
     """EngineLoad snapshots of one sim instance: the batcher's state plus rates from the cost model.
 
     The prefill rate it reports is what the NEXT steps can give a new prompt: the budget left after this step's
-    decodes, at the step time that mix costs (memoised by batch size and tail state), so admission sees a busy
-    colocated instance prefill slower than an idle one. The budget is the one the batcher would run: the largest
-    step that ends within the SLO's free share, or while the ITL tail budget affords a slow step the configured
-    ceiling (a whole prompt in one step). The decode step time is an exponential average of recent decode-only steps.
+    decodes, at the step time that mix costs (memoised by batch size), so admission sees a busy colocated instance
+    prefill slower than an idle one. With slack chunking the batcher's own step model gives both rates it plans
+    with: steps within the ITL SLO's free share, and a step past it while the ITL tail budget affords one. The
+    decode step time is an exponential average of recent decode-only steps.
     """
 
     EMA = 0.2  # weight of the newest decode step
@@ -118,7 +118,7 @@ class LoadReporter:
         self.batcher = batcher
         self.cost = cost
         self.decode_step_time_s = cost.decode_step_time_s(1, self.CONTEXT_TOKENS)
-        self._prefill_rate: dict[tuple[int, bool], float] = {}  # (running, long step) -> tokens/s
+        self._prefill_rate: dict[int, float] = {}  # running requests -> tokens/s
 
     def note_step(self, plan: StepPlan, step_time_s: float) -> None:
         if plan.chunks:
@@ -129,18 +129,17 @@ class LoadReporter:
         if num_chunks and num_batched_tokens == num_chunks:
             self.decode_step_time_s += self.EMA * (step_time_s - self.decode_step_time_s)
 
-    def prefill_tokens_per_s(self, num_running: int, long: bool = False) -> float:
-        """The prefill rate of the steps the batcher runs beside `num_running` requests: past the sized budget,
-        steps that end within the SLO's free share (no slow gap); `long`: a step past the ITL SLO, at the
-        configured ceiling (a whole prompt at once)."""
-        rate = self._prefill_rate.get((num_running, long))
+    def prefill_tokens_per_s(self, num_running: int) -> float:
+        """The prefill rate of the steps the batcher runs beside `num_running` requests, by the cost model: the
+        sized budget, or past it steps that end within the SLO's free share (no slow gap)."""
+        rate = self._prefill_rate.get(num_running)
         if rate is None:
             b = self.batcher
             ceiling = b.config.max_num_batched_tokens
-            budget = ceiling if long else max(b.step_budget(num_running), min(ceiling, b.free_budget(num_running)))
+            budget = max(b.step_budget(num_running), min(ceiling, b.free_budget(num_running)))
             chunk = max(CHUNK_QUANTUM, budget - num_running)
             step_s = self.cost.step_time_s([(chunk, 0)] + [(1, self.CONTEXT_TOKENS)] * num_running)
-            rate = self._prefill_rate[num_running, long] = self.duty * chunk / step_s
+            rate = self._prefill_rate[num_running] = self.duty * chunk / step_s
         return rate
 
     def load(self) -> EngineLoad:

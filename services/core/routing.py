@@ -422,6 +422,7 @@ class RouterPolicy:
     def _candidates(self, spec: RequestSpec, loads: Mapping[str, EngineLoad]) -> list[Candidate]:
         overlaps: dict[int, dict[str, int]] = {}  # block size -> instance -> cached blocks of the prompt
         required: dict[tuple[int, bool], int] = {}  # (block size, with output) -> blocks the request takes
+        ttft_slo_s = self.config.slo.for_model(spec.model).ttft_ms_for_request(spec) / 1000.0  # once per request
         out = []
         for inst in self._instances_of(spec.model, ENTRY_ROLES):
             load = loads.get(inst.id)
@@ -435,7 +436,7 @@ class RouterPolicy:
             if blocks is None:
                 blocks = required[inst.block_size, colocated] = adm.kv_blocks_required(
                     spec, inst, self.config.policies, with_output=colocated)
-            out.append(self._candidate(spec, inst, load, overlap.get(inst.id, 0), blocks))
+            out.append(self._candidate(spec, inst, load, overlap.get(inst.id, 0), blocks, ttft_slo_s))
         return out
 
     def _prompt_overlap(self, spec: RequestSpec, block_size: int) -> dict[str, int]:
@@ -448,7 +449,7 @@ class RouterPolicy:
         return self.prefix_index.overlap_blocks(self.block_hasher(spec.prompt_token_ids, block_size, key))
 
     def _candidate(self, spec: RequestSpec, inst: InstanceConfig, load: EngineLoad, overlap_blocks: int,
-                   required_blocks: int) -> Candidate:
+                   required_blocks: int, ttft_slo_s: float) -> Candidate:
         num_prompt_tokens = len(spec.prompt_token_ids)
         cached = self._cached_tokens(num_prompt_tokens, inst, overlap_blocks)
         cost = self._cost_model(inst)
@@ -465,7 +466,7 @@ class RouterPolicy:
             wait_s=wait_s,
             own_prefill_s=_chunked_prefill_s(cost, num_prompt_tokens - cached, cached, inst.max_num_batched_tokens),
             loaded_prefill_s=adm.prefill_wait_s(num_prompt_tokens - cached, throughput),
-            ttft_slo_s=self.config.slo.for_model(spec.model).ttft_ms_for_request(spec) / 1000.0,
+            ttft_slo_s=ttft_slo_s,
             step_wait_s=max(0.0, load.busy_until_s - self._now) if load.busy_until_s > 0 else 0.0,
             rescue_ttft_s=self._rescue_ttft_s(load, ahead + num_prompt_tokens - cached, slot_wait),
             model=spec.model,
