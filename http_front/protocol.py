@@ -234,8 +234,8 @@ def _get_float(body: Mapping[str, Any], key: str, default: float) -> float:
 
 
 def _get_top_p(body: Mapping[str, Any]) -> float:
-    """top_p; an explicit 0 is refused here, since on the gRPC wire 0 means unset (1.0) and the router cannot see it.
-    Other out-of-range values are the router's to refuse."""
+    """top_p; an explicit 0 is refused here with a hint for greedy decoding (the router refuses it too: `top_p` is
+    an optional field on the wire). Other out-of-range values are the router's to refuse."""
     top_p = _get_float(body, "top_p", 1.0)
     if top_p == 0:
         raise invalid("top_p", "top_p is 0; set it in (0, 1] (1 disables nucleus sampling; for greedy decoding set "

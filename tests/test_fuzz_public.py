@@ -65,10 +65,12 @@ def generate_requests(draw) -> gen_pb.GenerateRequest:
         model=draw(st.sampled_from([COLOCATED_MODEL, DISAGG_MODEL])),
         max_tokens=draw(st.integers(1, 64)),
         temperature=draw(st.sampled_from([0.0, 0.7, 1.0])),
-        top_p=draw(st.sampled_from([0.0, 0.9, 1.0])),
         ignore_eos=draw(st.booleans()),
         priority=draw(st.sampled_from([0, 1, 2, 3])),
     )
+    top_p = draw(st.sampled_from([None, 0.9, 1.0]))  # None: unset (1.0); an explicit 0 is a hostile value
+    if top_p is not None:
+        req.top_p = top_p
     if draw(st.booleans()):
         req.text = draw(st.text(min_size=1, max_size=200))
     else:

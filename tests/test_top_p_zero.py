@@ -1,9 +1,10 @@
-"""top_p = 0: proto3 cannot tell it from unset, so gRPC reads 0 as 1.0 (documented); the SDK and the HTTP front, which
-can see an explicit 0, refuse it naming top_p, as the router refuses 1.5."""
+"""top_p = 0: `top_p` is an optional field on the wire, so the router tells an explicit 0 from unset and refuses it
+naming top_p, as it refuses 1.5; unset is 1.0. The SDK and the HTTP front refuse 0 before sending."""
 
 from __future__ import annotations
 
 import aiohttp
+import grpc
 import pytest
 from aiohttp.test_utils import TestServer
 
@@ -11,6 +12,8 @@ from octoserve import InvalidArgumentError
 from octoserve.client import build_request
 from octoserve.http_front.app import Front
 from octoserve.http_front.local import LocalGeneration
+from octoserve.http_front.protocol import field_from_trailers
+from octoserve.services.rpc import convert
 from tests.service_fixtures import COLOCATED_MODEL, collect, request, start_inprocess_node
 
 
@@ -18,21 +21,33 @@ def test_sdk_refuses_an_explicit_zero_before_sending():
     with pytest.raises(InvalidArgumentError) as caught:
         build_request(COLOCATED_MODEL, [1, 2, 3], top_p=0)
     assert caught.value.field == "top_p" and caught.value.attempts == 0
-    assert str(caught.value).startswith("top_p: 0 is out of range (on the wire 0 means unset, i.e. 1.0); use a "
-                                        "number in (0, 1], or temperature=0 for greedy decoding")
+    assert str(caught.value).startswith("top_p: 0 is out of range; use a number in (0, 1] (1 disables nucleus "
+                                        "sampling), or temperature=0 for greedy decoding")
     assert build_request(COLOCATED_MODEL, [1, 2, 3], top_p=0.5).top_p == 0.5
 
 
-async def test_http_refuses_zero_and_above_one_and_grpc_reads_zero_as_unset():
+async def test_http_and_raw_grpc_refuse_an_explicit_zero_and_serve_unset_as_one():
     node = await start_inprocess_node()
     front = Front("in-process", stub=LocalGeneration(node.router_servicer))
     await front.refresh_models(timeout_s=5.0)
     server = TestServer(front.app(), host="127.0.0.1")
     await server.start_server()
     try:
-        # gRPC: 0 is the wire's unset, served with top_p 1.0
-        out = await collect(node.generation().Generate(request(max_tokens=2, top_p=0.0), timeout=10))
+        # raw gRPC: an explicit 0 is on the wire (optional field) and refused naming top_p, as 1.5 is
+        for bad in (0.0, 1.5):
+            explicit = request(max_tokens=2, top_p=bad)
+            assert explicit.HasField("top_p") and explicit.SerializeToString() != request(max_tokens=2).SerializeToString()
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await collect(node.generation().Generate(explicit, timeout=10))
+            assert (refused.value.code(), refused.value.details()) == (
+                grpc.StatusCode.INVALID_ARGUMENT, f"top_p is {bad}; set it in (0, 1] (1 disables nucleus sampling)")
+            assert field_from_trailers(refused.value.trailing_metadata()) == "top_p"
+        # unset (absent on the wire) is 1.0: served
+        unset = request(max_tokens=2)
+        assert not unset.HasField("top_p")
+        out = await collect(node.generation().Generate(unset, timeout=10))
         assert out[-1].usage.completion_tokens == 2
+        assert convert.spec_from_public(unset, "r", 0.0).sampling.top_p == 1.0
         async with aiohttp.ClientSession(str(server.make_url(""))) as s:
             body = {"model": COLOCATED_MODEL, "prompt": "hello", "max_tokens": 2}
             async with s.post("/v1/completions", json={**body, "top_p": 0}) as r:

@@ -411,8 +411,8 @@ def build_request(
     _check_int("max_tokens", max_tokens, 1, UINT32_MAX)
     _check_number("temperature", temperature, "0 (greedy) or a positive number")
     _check_number("top_p", top_p, "a number in (0, 1]")
-    if top_p == 0:  # proto3 cannot tell an explicit 0 from unset: the server would read it as 1.0
-        raise _invalid("top_p", "0 is out of range (on the wire 0 means unset, i.e. 1.0); use a number in (0, 1], "
+    if top_p == 0:  # the router refuses it too; refused here before anything is sent, as every range is
+        raise _invalid("top_p", "0 is out of range; use a number in (0, 1] (1 disables nucleus sampling), "
                                 "or temperature=0 for greedy decoding")
     if seed is not None:
         _check_int("seed", seed, 0, UINT64_MAX, ", or None for a random seed")

@@ -2,7 +2,7 @@
 
 Invariants:
 - Pure functions, no I/O. Wire defaults map to the core's meaning here and nowhere else
-  (top_p 0 -> 1.0, ttft_slo_ms 0 -> None, PRIORITY_UNSPECIFIED -> STANDARD).
+  (top_p unset -> 1.0, ttft_slo_ms 0 -> None, PRIORITY_UNSPECIFIED -> STANDARD).
 - Enums are mapped by explicit tables, so renumbering one side cannot silently shift the other.
 """
 
@@ -85,7 +85,7 @@ def spec_from_public(
     sampling = SamplingParams(
         max_tokens=req.max_tokens,
         temperature=req.temperature,
-        top_p=req.top_p if req.top_p != 0 else 1.0,
+        top_p=req.top_p if req.HasField("top_p") else 1.0,  # an explicit 0 is then refused by validation
         seed=req.seed if req.HasField("seed") else None,
         stop=tuple(req.stop),
         ignore_eos=req.ignore_eos,
