@@ -110,9 +110,21 @@ class Front:
         self._idle = asyncio.Event()
         self._idle.set()
 
-    async def refresh_models(self, timeout_s: float, wait_for_ready: bool = False) -> None:
-        reply = await self.stub.ListModels(pb.ListModelsRequest(), timeout=timeout_s, wait_for_ready=wait_for_ready)
-        self.models = {m.name: m.context_window for m in reply.models}
+    async def refresh_models(self, timeout_s: float, wait_for_ready: bool = False, metadata=None) -> None:
+        """The served models from the router's ListModels, asked with a client's tenant key (`metadata`) or, for
+        the front's own refreshes (startup, /health), with none: a router that requires keys then answers
+        UNAUTHENTICATED, which says it is up; the models stay those of the node config (`set_models`)."""
+        try:
+            reply = await self.stub.ListModels(pb.ListModelsRequest(), timeout=timeout_s,
+                                               wait_for_ready=wait_for_ready, metadata=metadata)
+        except grpc.aio.AioRpcError as e:
+            if metadata is None and e.code() == grpc.StatusCode.UNAUTHENTICATED and self.models:
+                return
+            raise
+        self.set_models({m.name: m.context_window for m in reply.models})
+
+    def set_models(self, models: dict[str, int]) -> None:
+        self.models = dict(models)
         self.metrics.served.clear()
         self.metrics.served.update(self.models)
 
@@ -149,8 +161,8 @@ class Front:
         return await self._serve(request, chat=True)
 
     async def list_models(self, request: web.Request) -> web.Response:
-        try:
-            await self.refresh_models(timeout_s=5.0)
+        try:  # with the client's tenant key: a node that requires keys answers 401 without one, as for completions
+            await self.refresh_models(timeout_s=5.0, metadata=_metadata(request.headers))
         except grpc.aio.AioRpcError as e:
             return self._error_response("/v1/models", protocol.error_for_status(e.code(), e.details() or ""))
         self.metrics.requests.labels("/v1/models", "200").inc()
@@ -372,10 +384,19 @@ def config_limits(config_path: str | None) -> Limits:
     return limits_from_dict(load_service_sections(config_path).get("limits"))
 
 
+def config_models(config_path: str | None) -> dict[str, int]:
+    """The served models of the node config the front was started with (the embedded one without), with their
+    context windows: what the router's ListModels answers."""
+    from octoserve.services.config import load_node_config
+
+    return {name: spec.max_context_len for name, spec in load_node_config(config_path).models.items()}
+
+
 async def serve(args: argparse.Namespace) -> int:
     stop_with_launcher()
     front = Front(args.router, grace_s=args.grace_s,
                   chat_default_max_tokens=config_limits(args.config).chat_default_max_tokens)
+    front.set_models(config_models(args.config))  # what a router requiring tenant keys serves (see refresh_models)
     await front.refresh_models(timeout_s=args.startup_timeout_s, wait_for_ready=True)
     load_codecs(front, args.model, args.models_root)
     runner = web.AppRunner(front.app(), access_log=None, handle_signals=False)

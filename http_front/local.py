@@ -84,8 +84,14 @@ class LocalGeneration:
     def Generate(self, request, timeout: float | None = None, metadata=()) -> LocalCall:
         return LocalCall(self.servicer, request, timeout, metadata)
 
-    async def ListModels(self, request, timeout: float | None = None, wait_for_ready: bool = False):
-        return await self.servicer.ListModels(request, None)
+    async def ListModels(self, request, timeout: float | None = None, wait_for_ready: bool = False, metadata=None):
+        """metadata None: the front's own question (no tenant check); a client's headers: checked as over gRPC."""
+        if metadata is None:
+            return await self.servicer.ListModels(request, None)
+        try:
+            return await self.servicer.ListModels(request, _Context(metadata, None))
+        except _Abort as e:
+            raise _rpc_error(e.code, e.details, e.trailing_metadata) from None
 
 
 async def serve_inside(servicer, port: int, model: str | None, models_root: str | None, grace_s: float,

@@ -386,6 +386,13 @@ class GenerationServicer(gen_grpc.GenerationServicer):
     # ---- ListModels / drain ------------------------------------------------------------------------------------
 
     async def ListModels(self, request, context):
+        """The served models; with tenant keys required, only for a known key, as Generate (context None: the HTTP
+        front inside this process asking for itself, not for a client)."""
+        if context is not None:
+            try:
+                self.tenants.identify(context.invocation_metadata())
+            except OctoserveError as e:
+                await rpc_status.abort(context, e)
         loads = self.pool.loads()
         models = []
         for name, spec in sorted(self.config.models.items()):

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import logging
 
+import aiohttp
 import grpc
 import pytest
 import pytest_asyncio
+from aiohttp.test_utils import TestServer
 
+from octoserve.http_front.app import Front
+from octoserve.http_front.local import LocalGeneration
 from octoserve.router.servicer import RouterSettings
 from octoserve.router.tenants import (
     TenantGate, TenantSettings, TenantSpec, TokenBucket, hash_key, tenant_settings_from_dict,
@@ -15,7 +19,8 @@ from octoserve.router.tenants import (
 from octoserve.services.core.errors import Overloaded, Unauthenticated
 from octoserve.services.core.types import Priority
 from octoserve.services.rpc.status import RETRY_AFTER_MS_KEY
-from tests.service_fixtures import COLOCATED_MODEL, collect, request, start_inprocess_node
+from octoserve.v1 import generate_pb2 as gen_pb
+from tests.service_fixtures import COLOCATED_MODEL, DISAGG_MODEL, collect, request, start_inprocess_node
 
 KEY_A, KEY_B, KEY_LIMITED = "key-a-Zx81", "key-b-Qp27", "key-limited-Lm55"
 
@@ -150,3 +155,54 @@ async def test_api_keys_over_grpc_and_no_key_in_any_log(node, caplog):
     for key in (KEY_A, KEY_B, KEY_LIMITED, "wrong-key-Hh42"):
         assert key not in logged
     assert node.router_servicer.tenants.in_flight(COLOCATED_MODEL) == {}
+
+
+async def _list_models(stub, metadata):
+    try:
+        reply = await stub.ListModels(gen_pb.ListModelsRequest(), metadata=metadata, timeout=10.0)
+        return grpc.StatusCode.OK, "", [m.name for m in reply.models]
+    except grpc.aio.AioRpcError as e:
+        return e.code(), e.details(), []
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_list_models_checks_the_key_as_generate_does(node):
+    stub = node.generation()
+    assert await _list_models(stub, (("authorization", f"Bearer {KEY_A}"),)) == (grpc.StatusCode.OK, "", [COLOCATED_MODEL, DISAGG_MODEL])
+    assert await _list_models(stub, (("x-api-key", KEY_B),)) == (grpc.StatusCode.OK, "", [COLOCATED_MODEL, DISAGG_MODEL])
+    assert await _list_models(stub, ()) == (
+        grpc.StatusCode.UNAUTHENTICATED, "this node requires an API key; send it as `authorization: Bearer <key>` metadata", [])
+    assert await _list_models(stub, (("authorization", "Bearer wrong-key-Hh42"),)) == (
+        grpc.StatusCode.UNAUTHENTICATED, "the API key is not known to this node; check the key your operator issued", [])
+
+
+@pytest.mark.asyncio(loop_scope="module")
+@pytest.mark.parametrize("where", ["inside", "beside"])
+async def test_http_models_needs_the_key_and_the_front_still_starts_and_reports_healthy(node, where):
+    """GET /v1/models with the client's key (401 without, as a completion); the front's own keyless refreshes
+    (startup, /health) still find the router up, beside it knowing the models from the node config."""
+    if where == "inside":
+        front = Front("in-process", stub=LocalGeneration(node.router_servicer))
+    else:
+        front = Front(node.router.address)
+        front.set_models({name: spec.max_context_len for name, spec in node.config.models.items()})
+    await front.refresh_models(timeout_s=5.0)
+    assert sorted(front.models) == [COLOCATED_MODEL, DISAGG_MODEL]
+    server = TestServer(front.app(), host="127.0.0.1")
+    await server.start_server()
+    try:
+        async with aiohttp.ClientSession(str(server.make_url(""))) as s:
+            async with s.get("/health") as r:
+                assert (r.status, await r.json()) == (200, {"status": "ok", "models": [COLOCATED_MODEL, DISAGG_MODEL]})
+            async with s.get("/v1/models") as r:
+                assert (r.status, await r.json()) == (401, {"error": {
+                    "message": "this node requires an API key; send it as `authorization: Bearer <key>` metadata",
+                    "type": "authentication_error", "param": None, "code": "invalid_api_key"}})
+            async with s.get("/v1/models", headers={"Authorization": "Bearer wrong-key-Hh42"}) as r:
+                assert r.status == 401
+            async with s.get("/v1/models", headers={"Authorization": f"Bearer {KEY_A}"}) as r:
+                assert r.status == 200
+                assert [m["id"] for m in (await r.json())["data"]] == [COLOCATED_MODEL, DISAGG_MODEL]
+    finally:
+        await server.close()
+        await front.close()
