@@ -7,6 +7,7 @@ Every test leaves the node idle: tests that start work wait until every worker r
 from __future__ import annotations
 
 import asyncio
+import re
 
 import grpc
 import pytest
@@ -161,12 +162,17 @@ async def test_prompt_slower_than_its_slo_even_idle_is_failed_precondition_with_
 
 
 async def test_deadline_shorter_than_predicted_ttft_is_refused_as_deadline_exceeded(node):
-    # BATCH: a 10,000-token prompt (~320 ms of prefill) is within its SLO, but not within a 50 ms deadline.
-    call = node.generation().Generate(request(num_prompt_tokens=10_000, max_tokens=4, priority=gen_pb.BATCH), timeout=0.05)
+    # BATCH: an 11,000-token prompt (~390 ms of prefill by the cost model) is within its SLO, but not within a 300 ms
+    # deadline. The router's refusal must reach the client before that deadline passes on the client's side: 300 ms
+    # leaves a loaded machine room for it (a 50 ms deadline once lost that race to the client's own expiry).
+    call = node.generation().Generate(request(num_prompt_tokens=11_000, max_tokens=4, priority=gen_pb.BATCH), timeout=0.3)
     err = await _error(call)
     assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert err.details().startswith("the first token is predicted in ")
-    assert err.details().endswith("ms; raise the deadline or retry later")
+    found = re.fullmatch(r"the first token is predicted in (\d+) ms but the deadline is in (\d+) ms; "
+                         r"raise the deadline or retry later", err.details())
+    assert found, err.details()
+    predicted_ms, deadline_ms = int(found[1]), int(found[2])
+    assert deadline_ms <= 300 < predicted_ms, err.details()
 
 
 async def test_deadline_mid_stream_is_deadline_exceeded_and_frees_kv(idle):
