@@ -9,6 +9,7 @@ one `PlacementError` listing every problem; a file that is not a YAML mapping ra
 from __future__ import annotations
 
 import io
+import os
 from importlib import resources
 from pathlib import Path
 
@@ -54,8 +55,23 @@ def parse_yaml_mapping(text: str, source: str) -> dict:
 
 
 def load_service_sections(path: str | Path | None) -> dict:
-    """The limits / tenants / tls / elastic / network sections of a node config file (empty for the embedded default)."""
+    """The limits / tenants / tls / elastic / network sections of a node config file (empty for the embedded default).
+    A relative `tls.dir` is made absolute against the file's folder, so every process that reads the file (each
+    with its own working directory) finds the same certificates."""
     if path is None:
         return {}
     data = parse_yaml_mapping(Path(path).read_text(encoding="utf-8"), str(path))
-    return {k: data[k] for k in SERVICE_SECTIONS if data.get(k) is not None}
+    sections = {k: data[k] for k in SERVICE_SECTIONS if data.get(k) is not None}
+    return resolve_section_paths(sections, Path(os.path.abspath(path)).parent)
+
+
+def resolve_section_paths(sections: dict, base: str | Path) -> dict:
+    """`sections` with a relative `tls.dir` (`~` expanded) made absolute against `base`; anything else unchanged
+    (a malformed section is left for its reader to refuse)."""
+    tls = sections.get("tls")
+    if isinstance(tls, dict) and isinstance(tls.get("dir"), str) and tls["dir"]:
+        directory = os.path.expanduser(tls["dir"])
+        if not os.path.isabs(directory):
+            directory = os.path.normpath(os.path.join(os.fspath(base), directory))
+        sections = {**sections, "tls": {**tls, "dir": directory}}
+    return sections

@@ -181,13 +181,17 @@ def user_path(path: str | Path | None) -> str | None:
 
 
 def _config_path(config, run_dir: Path) -> str | None:
-    """A path for the children: None (embedded default), a path, or a dict written out as YAML."""
+    """A path for the children: None (embedded default), a path, or a dict written out as YAML (its relative
+    `tls.dir` made absolute against the caller's working directory first, since the file lands in the run
+    directory)."""
     if config is None or isinstance(config, (str, Path)):
         return None if config is None else str(config)
     import yaml
 
+    from octoserve.services.config import resolve_section_paths
+
     path = run_dir / "node.yaml"
-    path.write_text(yaml.safe_dump(config))
+    path.write_text(yaml.safe_dump(resolve_section_paths(dict(config), os.getcwd())))
     return str(path)
 
 

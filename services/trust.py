@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import ipaddress
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -283,5 +284,6 @@ def run(args: argparse.Namespace) -> int:
                          "pass --force to replace it")
     for path in make_certs(args.dir, args.host, args.days):
         print(path)
-    print(f"set `tls: {{dir: {args.dir}}}` in the node config to require these certificates between services")
+    print(f"set `tls: {{dir: {os.path.abspath(args.dir)}}}` in the node config to require these certificates between "
+          "services (a relative dir is read from the config file's folder)")
     return 0
