@@ -17,6 +17,7 @@ Runs in a daemon thread of the launcher; `Node.stop()` stops it first, so a stop
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -82,6 +83,13 @@ class Supervisor:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{service} did not reach {event} x{count} in {timeout_s:g} s: {self.events}")
             time.sleep(POLL_S)
+
+    @contextlib.contextmanager
+    def held(self):
+        """No restart starts (and no hung worker is killed) while this is held: the supervisor waits for it. For a
+        caller that must act between a service's exit and its restart (a test taking the exited worker's port)."""
+        with self._lock:
+            yield
 
     def is_up(self, sp) -> bool:
         """Started and ready, not exited nor being restarted (what the hang check may judge)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import time
 from dataclasses import dataclass, field
 
 import grpc
@@ -79,15 +80,25 @@ class Stream:
             self.first_token.set()  # also on failure: nobody waits forever
 
 
-def access_log(node) -> dict[str, dict]:
-    """request_id -> the router's access-log line."""
-    lines = {}
-    for line in node.router.log_file.read_text().splitlines():
-        if line.startswith("{"):
-            entry = json.loads(line)
-            if entry.get("logger") == "octoserve.router.access":
-                lines[entry["request_id"]] = entry
-    return lines
+def access_log(node, wait_for=(), timeout_s: float = 30.0) -> dict[str, dict]:
+    """request_id -> the router's access-log line. `wait_for`: request ids (or Streams) whose lines must be there;
+    the file is read again (bounded) until they are, since a client can see its stream end before the router's
+    line for it reaches the log file."""
+    want = {w.request_id if isinstance(w, Stream) else w for w in wait_for}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        lines = {}
+        for line in node.router.log_file.read_text().splitlines():
+            if line.startswith("{") and line.endswith("}"):
+                entry = json.loads(line)
+                if entry.get("logger") == "octoserve.router.access":
+                    lines[entry["request_id"]] = entry
+        missing = want - lines.keys()
+        if not missing:
+            return lines
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no access-log line within {timeout_s} s for {sorted(missing)}")
+        time.sleep(0.05)
 
 
 def router_log(node) -> list[dict]:

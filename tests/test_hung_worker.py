@@ -31,13 +31,22 @@ from tests.service_fixtures import COLOCATED_MODEL
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="function")]
 
-ROUTER_ARGS = ("--access-log", "all", "--hung-after-s", "1.0")
+# The limits apply to every worker, the healthy c1 too: each is several times what a loaded machine may keep a
+# healthy worker quiet (1 s once declared a healthy worker hung or stalled). The router's watchdog (3 s, its default)
+# must find the stopped c0 well before the supervisor's hang check kills it (15 s here), or its streams would end as
+# on a crash rather than by the watchdog.
+ROUTER_HUNG_AFTER_S = 3.0
+SUPERVISOR_HUNG_AFTER_S = 15.0
+STALL_AFTER_S = 5.0
+ROUTER_ARGS = ("--access-log", "all", "--hung-after-s", str(ROUTER_HUNG_AFTER_S))
 HUNG_DETAIL = "sent no load report"
 
 
 def _start(tmp_path):
-    return start_node(two_replica_config(), time_scale=3.0, run_dir=tmp_path, startup_timeout_s=90, grace_s=3,
+    node = start_node(two_replica_config(), time_scale=3.0, run_dir=tmp_path, startup_timeout_s=90, grace_s=3,
                       router_args=ROUTER_ARGS, supervise=True)
+    node.supervisor.hang_watch.hung_after_s = SUPERVISOR_HUNG_AFTER_S
+    return node
 
 
 async def _load_c0_then_stop(node, stub):
@@ -73,7 +82,7 @@ async def _routed_around(stub, streaming) -> list[Stream]:
 
 
 def _check_outcomes(node, streaming, waiting, no_token_at_stop, after) -> list[Stream]:
-    log = access_log(node)
+    log = access_log(node, wait_for=[*streaming, *waiting, *after])
     on_c0 = [s for s in streaming if log[s.request_id]["instances"] == ["c0"]]
     assert on_c0, "no stream was on c0"
     for s in streaming:
@@ -105,7 +114,7 @@ async def _served_by_c0(node, stub) -> bool:
     s = Stream(gen_pb.GenerateRequest(model=COLOCATED_MODEL, token_ids=prompt(32, next(_probe_salt)), max_tokens=2,
                                       ignore_eos=True))
     await s.run(stub)
-    return s.code == grpc.StatusCode.OK and access_log(node)[s.request_id]["instances"] == ["c0"]
+    return s.code == grpc.StatusCode.OK and access_log(node, wait_for=[s])[s.request_id]["instances"] == ["c0"]
 
 
 async def test_stopped_worker_is_routed_around_then_killed_and_restarted(tmp_path):
@@ -167,7 +176,8 @@ async def test_stuck_engine_loop_exits_its_worker_which_is_restarted(tmp_path):
     the worker's own progress check exits it, its requests fail over as on a crash, and it is restarted."""
     node = start_node(two_replica_config(), time_scale=3.0, run_dir=tmp_path, startup_timeout_s=90, grace_s=3,
                       router_args=("--access-log", "all"), supervise=True,
-                      extra_env={"OCTOSERVE_FAULTS": "engine_stall=c0@150"}, worker_args=("--stall-after-s", "1.0"))
+                      extra_env={"OCTOSERVE_FAULTS": "engine_stall=c0@150"},
+                      worker_args=("--stall-after-s", str(STALL_AFTER_S)))
     try:
         old_pid = node.workers["c0"].pid
         async with grpc.aio.insecure_channel(node.router_address) as channel:
@@ -175,7 +185,7 @@ async def test_stuck_engine_loop_exits_its_worker_which_is_restarted(tmp_path):
             streaming = [Stream(gen_pb.GenerateRequest(model=COLOCATED_MODEL, token_ids=prompt(64, i), max_tokens=400,
                                                        ignore_eos=True)) for i in range(8)]
             await asyncio.gather(*(s.run(stub) for s in streaming))
-            log = access_log(node)
+            log = access_log(node, wait_for=streaming)
             on_c0 = [s for s in streaming if log[s.request_id]["instances"] == ["c0"]]
             assert on_c0, "no stream was on c0"
             for s in streaming:

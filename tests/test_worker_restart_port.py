@@ -35,7 +35,7 @@ async def _served_by(node, stub, instance: str) -> bool:
     s = Stream(gen_pb.GenerateRequest(model=COLOCATED_MODEL, token_ids=prompt(32, next(_salt)), max_tokens=2,
                                       ignore_eos=True))
     await s.run(stub)
-    return s.code == grpc.StatusCode.OK and access_log(node)[s.request_id]["instances"] == [instance]
+    return s.code == grpc.StatusCode.OK and access_log(node, wait_for=[s])[s.request_id]["instances"] == [instance]
 
 
 def _take_port(port: int, timeout_s: float = 5.0) -> socket.socket:
@@ -53,6 +53,13 @@ def _take_port(port: int, timeout_s: float = 5.0) -> socket.socket:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.01)
+
+
+def _kill_and_take_port(node, c0, port: int) -> socket.socket:
+    with node.supervisor.held():
+        os.kill(c0.pid, signal.SIGKILL)
+        c0.proc.wait(timeout=30)
+        return _take_port(port)
 
 
 async def test_worker_restarts_on_its_port_then_on_a_free_one_when_taken(tmp_path):
@@ -76,10 +83,10 @@ async def test_worker_restarts_on_its_port_then_on_a_free_one_when_taken(tmp_pat
             assert ready == [f"pid {c0.pid} port {port}"]
             await until(lambda: _served_by(node, stub, "c0"), 60, "c0 serves again on its port")
 
-            # 2. Its port taken while it is down: it serves on another one, and the router follows it there.
-            node.supervisor.backoff_s = (1.0,)  # time for this test to take the port before the restart
-            os.kill(c0.pid, signal.SIGKILL)
-            blocker = await asyncio.to_thread(_take_port, port)
+            # 2. Its port taken while it is down: it serves on another one, and the router follows it there. The
+            # supervisor is held from the kill until the port is taken, so it cannot restart c0 first, however slow
+            # this test's thread is (a 1 s backoff once lost that race on a loaded machine).
+            blocker = await asyncio.to_thread(_kill_and_take_port, node, c0, port)
             try:
                 await asyncio.to_thread(node.supervisor.wait_for, "worker:c0", "ready", 2, 60)
                 ready = [e.detail for e in node.supervisor.events if e.service == "worker:c0" and e.event == "ready"]
