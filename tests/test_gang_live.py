@@ -40,11 +40,13 @@ def spec(request_id: str, model: str, num_prompt: int, max_tokens: int) -> Reque
                        arrival_s=asyncio.get_running_loop().time() / TIME_SCALE)
 
 
-async def run(engine, s: RequestSpec):
+async def run(engine, s: RequestSpec, first_token: asyncio.Event | None = None):
     last, n = None, 0
     async for out in engine.generate(s):
         n += len(out.new_token_ids)
         last = out
+        if n and first_token is not None:
+            first_token.set()
     return last, n
 
 
@@ -119,8 +121,11 @@ async def test_a_member_that_planned_nothing_answers_the_next_grant():
         assert group.driver is not None
         lm_model, sm_model = engines["lm-0"].model, engines["sm-0"].model
         requests = [(engines[f"sm-{i % 8}"], spec(f"sm-{i}", sm_model, 2000, 24)) for i in range(8)]
-        sm_tasks = [asyncio.create_task(run(e, s)) for e, s in requests]
-        await asyncio.sleep(0.2)  # the SMs hold the GPUs, decoding, when the LM's long prompt arrives
+        decoding = [asyncio.Event() for _ in requests]
+        sm_tasks = [asyncio.create_task(run(e, s, d)) for (e, s), d in zip(requests, decoding)]
+        # The SMs hold the GPUs, decoding (each has its first token), when the LM's long prompt arrives.
+        await asyncio.wait_for(asyncio.gather(*(d.wait() for d in decoding)), timeout=120)
+        assert not any(t.done() for t in sm_tasks)  # 23 decode steps each still to run
         lm = (engines["lm-0"], spec("lm-0", lm_model, 2500, 8))
         results = await asyncio.wait_for(asyncio.gather(*sm_tasks, run(*lm)), timeout=180)
         for (_, s), (last, n) in zip([*requests, lm], results):
