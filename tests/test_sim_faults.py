@@ -10,7 +10,9 @@ from octoserve.services.core.placement import node_config_from_dict
 from octoserve.services.core.types import Priority
 from octoserve.services.metrics import SloSpec
 from octoserve.services.sim.driver import NodeSimulator
-from octoserve.services.sim.faults import InstanceFault, attainment_by_outcome_time, fault_report, parse_fault
+from octoserve.services.sim.faults import (
+    InstanceFault, attainment_by_outcome_time, fault_report, outcome_time_s, parse_fault,
+)
 from octoserve.services.workload import TraceRequest
 from tests.fault_fixtures import disagg_config, two_replica_config
 from tests.service_fixtures import COLOCATED_MODEL, DISAGG_MODEL
@@ -67,15 +69,22 @@ def test_colocated_replica_lost_moves_unstarted_requests_and_fails_started_ones(
     slo = SloSpec(node.slo.ttft_ms, node.slo.itl_ms)
     report = fault_report(result.records, slo, InstanceFault("c0", 15.01, 5.0), COLOCATED_MODEL,
                           rerouted=counts["rerouted"], lost=counts["lost"])
-    assert report.dip < report.before and report.dip_at_s >= 14.0
+    # A request lost with c0 is dated by the fault (not by its last token, a step before it): the dip is from the
+    # fault on, and the bin holding the fault holds every lost request.
+    fault = InstanceFault("c0", 15.01, 5.0)
+    assert {outcome_time_s(r, (fault,)) for r in failed} == {15.01}
+    assert all(outcome_time_s(r) < 15.01 for r in failed)  # without the fault: each one's last token, before it
+    assert report.dip < report.before and report.dip_at_s >= 15.01
+    bins = {round(b.start_s): b for b in attainment_by_outcome_time(
+        [r for r in result.records if r.model == COLOCATED_MODEL], slo, 1.0, (fault,))}
+    assert bins[15].num_offered - bins[15].num_good >= len(failed)
+    assert report.dip <= bins[15].attainment_offered
     # Recovery: from the fault to the end of the first 10 s window (on whole seconds of outcome time, from the bin
-    # before the fault's on) that ends once c0 is back (20.01 s) and is within 5 points of the attainment before.
+    # holding the fault on) that ends once c0 is back (20.01 s) and is within 5 points of the attainment before.
     # Checked against the records' own per-second attainment, not against a number the simulator happens to give.
     assert report.recovery_s is not None and report.recovery_s >= 5.0
     recovered_from = 15.01 + report.recovery_s - 10.0
     assert recovered_from == pytest.approx(round(recovered_from), abs=1e-9)
-    bins = {round(b.start_s): b for b in attainment_by_outcome_time(
-        [r for r in result.records if r.model == COLOCATED_MODEL], slo, 1.0)}
 
     def attainment(start: int) -> float:
         window = [bins[start + k] for k in range(10)]
@@ -84,7 +93,7 @@ def test_colocated_replica_lost_moves_unstarted_requests_and_fails_started_ones(
 
     floor = report.before - 0.05
     assert attainment(round(recovered_from)) >= floor
-    assert all(attainment(start) < floor for start in range(14, round(recovered_from))), "recovered earlier"
+    assert all(attainment(start) < floor for start in range(15, round(recovered_from))), "recovered earlier"
 
 
 @pytest.mark.parametrize("lost", ["p0", "d0"])

@@ -149,8 +149,14 @@ def _print_bounds(mix, roofline, current, optimistic) -> None:
           "bound is what limits) or below a simulated goodput; the simulation below decides.")
 
 
+RANKING_ORDER = ("placements that serve every model first, then by estimated goodput, then by mix rate (the order "
+                 "--top N simulates)")
+
+
 def _print_ranking(ranked, limit: int) -> None:
-    print(f"\n{ESTIMATE} per placement (decode steps <= ITL SLO, a mean prompt's prefill <= TTFT SLO, KV fits)")
+    """`ranked`: `planner.rank_placements`' order, which the list keeps (its header says what the order is)."""
+    print(f"\n{ESTIMATE} per placement (decode steps <= ITL SLO, a mean prompt's prefill <= TTFT SLO, KV fits), "
+          f"ranked: {RANKING_ORDER}")
     # The best time-shared (gang) candidate is listed with its rank even when it falls below the limit.
     first_gang = next((i for i, (p, _) in enumerate(ranked) if p.config.gang is not None), None)
     shown = list(range(min(limit, len(ranked)))) + ([first_gang] if first_gang is not None and first_gang >= limit else [])
@@ -158,7 +164,10 @@ def _print_ranking(ranked, limit: int) -> None:
         placement, sb = ranked[i]
         caps = ", ".join(f"{k} {v:.1f}" for k, v in sb.model_capacity_rps.items())
         rank = f"  (rank {i + 1} of {len(ranked)}: best time-shared)" if i >= limit else ""
-        print(f"  goodput ~ {sb.goodput_rps:6.1f} req/s  mix rate ~ {sb.node_rps:6.1f}  [{caps}]  {placement.label}{rank}")
+        unserved = [m for m, v in sb.model_capacity_rps.items() if v <= 0]
+        missing = f"  (serves no {', '.join(unserved)})" if unserved else ""
+        print(f"  goodput ~ {sb.goodput_rps:6.1f} req/s  mix rate ~ {sb.node_rps:6.1f}  [{caps}]  "
+              f"{placement.label}{missing}{rank}")
 
 
 class _Runs:

@@ -161,7 +161,8 @@ def format_fault_reports(node, result: SimResult, faults) -> str:
 
     slo = slo_spec_of(node.slo)
     reports = [fault_report(result.records, slo, f, node.instance(f.instance_id).model,
-                            rerouted=result.fault_counts.get("rerouted", 0), lost=result.fault_counts.get("lost", 0))
+                            rerouted=result.fault_counts.get("rerouted", 0), lost=result.fault_counts.get("lost", 0),
+                            faults=faults)
                for f in faults]
     return format_reports(reports)
 

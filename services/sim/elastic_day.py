@@ -375,14 +375,27 @@ def print_run(run: ProfileRun) -> None:
     print(f"\n[{run.cost_profile}] {run.day.name}, window {run.static.summary.window.start_s:g}-"
           f"{run.static.summary.window.end_s:g} s")
     print(table(run))
-    print(f"static for the average mix {run.static_by_mean:.2f} req/s (elastic / it "
-          f"{_ratio(h['elastic'], run.static_by_mean):.2f}x)")
-    print(f"elastic / static {h['vs_static']:.2f}x, elastic / oracle {h['vs_oracle']:.2f}x (load-weighted "
-          f"{h['load_vs_static']:.2f}x, {h['load_vs_oracle']:.2f}x), lost {h['lost']}, adapted "
-          f"{_adapt_text(h)}, {h['reconfigs']} reconfigurations, {h['migrated']} migrated")
-    print(f"P/D phase, disaggregated: fixed {h['pd_fixed']:.2f} req/s, balanced {h['pd_balanced']:.2f} req/s "
-          f"({h['pd_factor']:.2f}x, {h['pd_reconfigs']} role changes)")
+    print(summary_lines(run, h))
     print("decisions by reason:", dict(sorted(run.elastic.counters.items())))
+
+
+def summary_lines(run: ProfileRun, h: dict | None = None) -> str:
+    """The lines under a run's table: each goodput named as in the table, each ratio naming what it divides."""
+    h = h or headline(run)
+    mean = run.static_by_mean
+    return "\n".join([
+        f"goodput: best static {h['static']:.2f} req/s, static for the average mix {mean:.2f} req/s, hourly oracle "
+        f"{h['oracle']:.2f} req/s, elastic {h['elastic']:.2f} req/s",
+        "  (best static: the best of the static placements simulated for the day; static for the average mix: the "
+        "best of those picked for the day's mean demand alone)",
+        f"elastic / best static {h['vs_static']:.2f}x, elastic / static for the average mix "
+        f"{_ratio(h['elastic'], mean):.2f}x, elastic / hourly oracle {h['vs_oracle']:.2f}x",
+        f"load-weighted goodput: elastic / best static {h['load_vs_static']:.2f}x, elastic / hourly oracle "
+        f"{h['load_vs_oracle']:.2f}x",
+        f"lost {h['lost']}, adapted {_adapt_text(h)}, {h['reconfigs']} reconfigurations, {h['migrated']} migrated",
+        f"P/D phase, disaggregated: fixed ratio {h['pd_fixed']:.2f} req/s, balanced {h['pd_balanced']:.2f} req/s "
+        f"(balanced / fixed {h['pd_factor']:.2f}x, {h['pd_reconfigs']} role changes)",
+    ])
 
 
 def plot_run(run: ProfileRun, out_dir: Path, suffix: str = "") -> list[Path]:

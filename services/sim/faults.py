@@ -6,10 +6,10 @@ to the SLO attainment of its model.
 The driver (`services/sim/driver.py`) applies the fault as the live router and launcher do: requests on the lost
 instance with no token yet are placed again at once, those with tokens fail, the instance is unroutable while down.
 The report, per fault, over the lost instance's model, in `bin_s` bins of outcome time (when each request's fate
-was sealed: its last token, or its refusal; by arrival time a loss would show in the bins of the requests that
-arrived up to a whole generation earlier, before the fault):
+was sealed: its finish, the fault that failed it, or its refusal; by arrival time a loss would show in the bins of
+the requests that arrived up to a whole generation earlier, and by its last token in the bin before the fault):
 - before: attainment (requests meeting the SLO / requests ended) over the `baseline_s` before the fault;
-- dip: the lowest bin attainment from the fault on, and when;
+- dip: the lowest bin attainment from the fault on, and when (the start of its bin, or the fault if later);
 - recovery: time from the fault until the end of the first rolling `hold_s` window, ending after the instance is
   back, whose attainment is within `tolerance` of `before` (None when none is within the run);
 - rerouted / lost: requests moved off the instance, requests failed with it.
@@ -17,6 +17,7 @@ arrived up to a whole generation earlier, before the fault):
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -61,23 +62,35 @@ class FaultReport:
     lost: int
 
 
-def outcome_time_s(record: RequestRecord) -> float:
-    """When a request's fate was sealed: finished, failed (its last token), or refused (on arrival)."""
+# The error the simulator's driver gives a request that failed with its instance (services/sim/driver.py, _on_fault).
+_LOST = re.compile(r"instance (\S+) was lost\b")
+
+
+def outcome_time_s(record: RequestRecord, faults: Sequence[InstanceFault] = ()) -> float:
+    """When a request's fate was sealed: finished; failed with a lost instance (the time of that fault: the first
+    of `faults` on the instance its error names at or after its arrival); failed otherwise (its last token); or
+    refused (on arrival)."""
     if record.finish_s is not None:
         return record.finish_s
+    if record.error and faults and (m := _LOST.match(record.error)):
+        at = [f.at_s for f in faults if f.instance_id == m.group(1) and f.at_s >= record.arrival_s]
+        if at:
+            return min(at)
     if record.token_times_s:
         return record.token_times_s[-1]
     return record.arrival_s
 
 
-def attainment_by_outcome_time(records: Sequence[RequestRecord], slo: SloSpec, bin_s: float) -> list[TimeBin]:
-    """Requests binned by `outcome_time_s` from 0 (empty bins included), with SLO outcomes."""
+def attainment_by_outcome_time(records: Sequence[RequestRecord], slo: SloSpec, bin_s: float,
+                               faults: Sequence[InstanceFault] = ()) -> list[TimeBin]:
+    """Requests binned by `outcome_time_s` (with `faults`) from 0 (empty bins included), with SLO outcomes."""
     if not records:
         return []
-    num_bins = int(max(outcome_time_s(r) for r in records) // bin_s) + 1
+    times = [outcome_time_s(r, faults) for r in records]
+    num_bins = int(max(times) // bin_s) + 1
     offered, admitted, good = [0] * num_bins, [0] * num_bins, [0] * num_bins
-    for r in records:
-        b = int(outcome_time_s(r) // bin_s)
+    for r, t in zip(records, times):
+        b = int(t // bin_s)
         offered[b] += 1
         admitted[b] += not r.refused
         good[b] += meets_slo(r, slo)
@@ -86,18 +99,19 @@ def attainment_by_outcome_time(records: Sequence[RequestRecord], slo: SloSpec, b
 
 def fault_report(records: Sequence[RequestRecord], slo: SloSpec, fault: InstanceFault, model: str, *,
                  rerouted: int, lost: int, bin_s: float = 1.0, baseline_s: float = 20.0, tolerance: float = 0.05,
-                 hold_s: float = 10.0) -> FaultReport:
+                 hold_s: float = 10.0, faults: Sequence[InstanceFault] = ()) -> FaultReport:
+    """`faults`: every fault of the run (default: this one), so each failed request is dated by its own fault."""
     mine = [r for r in records if r.model == model]
     last_arrival_s = max((r.arrival_s for r in mine), default=0.0)
     # Up to the last arrival: after it only the drain's stragglers end, a handful per second.
-    bins = [b for b in attainment_by_outcome_time(mine, slo, bin_s) if b.start_s + bin_s <= last_arrival_s]
-    # A request lost with its instance has its last token (its outcome time) up to a step before the fault, so the
-    # bin before the fault's belongs to the fault too.
-    edge_s = fault.at_s - bin_s
+    bins = [b for b in attainment_by_outcome_time(mine, slo, bin_s, tuple(faults) or (fault,))
+            if b.start_s + bin_s <= last_arrival_s]
+    # A request lost with its instance is dated by the fault, so the bins wholly before it are the baseline.
+    edge_s = fault.at_s
     before_bins = [b for b in bins if edge_s - baseline_s <= b.start_s and b.start_s + bin_s <= edge_s]
     offered = sum(b.num_offered for b in before_bins)
     before = sum(b.num_good for b in before_bins) / offered if offered else 1.0
-    # The bin holding the fault counts as after it: requests that arrived in it can be hit.
+    # The bin holding the fault counts as after it: the requests lost with the instance are in it.
     after = [b for b in bins if b.start_s + bin_s > edge_s and b.num_offered]
     if not after:
         return FaultReport(fault, model, before, before, fault.at_s, 0.0, rerouted, lost)
@@ -113,7 +127,8 @@ def fault_report(records: Sequence[RequestRecord], slo: SloSpec, fault: Instance
     back_s = fault.at_s + fault.down_s
     recovery_s = next((start_s + hold_s - fault.at_s for start_s, attainment in rolling
                        if start_s + hold_s >= back_s and attainment >= floor), None)
-    return FaultReport(fault, model, before, worst.attainment_offered, worst.start_s, recovery_s, rerouted, lost)
+    return FaultReport(fault, model, before, worst.attainment_offered, max(worst.start_s, fault.at_s), recovery_s,
+                       rerouted, lost)
 
 
 def format_reports(reports: Sequence[FaultReport]) -> str:
@@ -123,8 +138,10 @@ def format_reports(reports: Sequence[FaultReport]) -> str:
         recovery = "never" if r.recovery_s is None else f"{r.recovery_s:.0f} s"
         lines.append(f"{name:<21} {r.model:<14} {r.before:>6.1%}  {r.dip:>6.1%} ({r.dip_at_s:>5.0f} s)  "
                      f"{recovery:>8}  {r.rerouted:>8}  {r.lost:>4}")
-    lines.append("(attainment: requests meeting the SLO / requests ended, by second of outcome; recovery: from the "
-                 "fault to the end of the first 10 s window, after the instance is back, within 5 points of before)")
+    lines.append("(attainment: requests meeting the SLO / requests ended, by second of outcome: finish, refusal, or "
+                 "the fault for a request lost with its instance; dip (at): the worst second from the fault on; "
+                 "recovery: from the fault to the end of the first 10 s window, after the instance is back, within 5 "
+                 "points of before)")
     return "\n".join(lines)
 
 
@@ -133,7 +150,7 @@ def plot_fault_attainment(records: Sequence[RequestRecord], slo: SloSpec, faults
     """Attainment (of all and of admitted) of `model` per second of outcome time, each fault's down time shaded."""
     from octoserve.services.plots import _save, plt
 
-    bins = attainment_by_outcome_time([r for r in records if r.model == model], slo, bin_s)
+    bins = attainment_by_outcome_time([r for r in records if r.model == model], slo, bin_s, faults)
     xs = [b.start_s for b in bins]
     fig, ax = plt.subplots(figsize=(10, 4))
     ax.plot(xs, [100 * b.attainment_admitted for b in bins], label="of admitted")
@@ -143,7 +160,7 @@ def plot_fault_attainment(records: Sequence[RequestRecord], slo: SloSpec, faults
         ax.axvline(f.at_s, color="red", lw=1)
         ax.text(f.at_s, 101, f" {f.instance_id} lost", color="red", fontsize=8, va="bottom")
     ax.set_ylim(0, 108)
-    ax.set_xlabel("outcome time (s): finish, last token of a failed request, or refusal")
+    ax.set_xlabel("outcome time (s): finish, refusal, or the fault for a request lost with its instance")
     ax.set_ylabel(f"{model} SLO attainment (%)")
     ax.grid(alpha=0.3)
     ax.legend(loc="lower left", fontsize=8)
