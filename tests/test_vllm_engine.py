@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import math
 import shutil
+import time
 
 import pytest
 import pytest_asyncio
@@ -140,6 +141,20 @@ async def disaggregated(model_dir, reference, tmp_path_factory):
 # ---------------------------------------------------------------- colocated
 
 
+async def _settled(received: dict[int, list[int]], polls: int = 50, timeout_s: float = 10.0) -> bool:
+    """True once no stream's count changed for `polls` polls in a row, 10 ms apart (bounded by `timeout_s`)."""
+    counts, still = None, 0
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        now = {i: len(t) for i, t in received.items()}
+        still = still + 1 if now == counts else 0
+        if still >= polls:
+            return True
+        counts = now
+        await asyncio.sleep(0.01)
+    return False
+
+
 class TestColocated:
     pytestmark = [*needs_vllm, session_loop]
 
@@ -166,7 +181,10 @@ class TestColocated:
         assert await wait_until(lambda: min(len(received[0]), len(received[1])) >= 3)
         await colocated.pause()
         tasks[3] = asyncio.create_task(run(3))  # arrives during the pause: queued, not prefilled
-        await asyncio.sleep(0.05)
+        # Waited for, not slept on: request 3 is queued here, and the last step's outputs (out of the engine when
+        # pause() returns, still in output processing on this loop) have reached their streams.
+        assert await wait_until(lambda: colocated.load().queued_prefill_tokens == len(PROMPTS[3]))
+        assert await _settled(received)
         counts = {i: len(t) for i, t in received.items()}
         load = colocated.load()
         await asyncio.sleep(0.5)
