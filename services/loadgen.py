@@ -14,7 +14,9 @@ Invariants:
   clock of the simulator. A record's arrival is when its request was actually sent: harness lag is not
   charged to the node.
 - No retries by default: a refusal is an outcome to count, not to hide. `--retry` turns on the SDK's policy.
-- The run is bounded: by the trace (duration, `max_requests`) and by `drain_timeout_s` after the last send.
+- The run is bounded: by the trace (duration, `max_requests`) and by `drain_timeout_s` after the last send; the
+  command's default is what `octoserve simulate` waits (`SIM_DRAIN_S`), or longer where a request of the trace
+  needs longer served at its SLOs (`default_drain_timeout_s`), so a request the simulator counts is not cut off here.
 - Steady state: the harness samples its own in-flight count (requests sent and not yet answered in full) every
   modelled second; `metrics.detect_window` finds the warm-up on it (or `--warmup` states it), and the report covers
   arrivals after the warm-up only, as `octoserve simulate` does.
@@ -49,6 +51,7 @@ from octoserve.services.workload_io import add_workload_arguments, profile_from_
 # The workload's true output length, for the sim engine (the public API has no field for it: a real model
 # decides by itself when to stop). The router copies it into RequestSpec.sim_output_len.
 DRAIN_TIMEOUT = "DRAIN_TIMEOUT: unfinished when the drain timeout expired"
+SIM_DRAIN_S = 120.0  # modelled seconds `octoserve simulate` follows the last arrival (run_simulation's drain_s)
 OUTPUT_LEN_MODES = ("hint", "max-tokens")
 _SEPARATE_CONNECTIONS = (("grpc.use_local_subchannel_pool", 1),)  # each channel gets its own HTTP/2 connection
 
@@ -219,9 +222,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0,
                         help="trace seed (default 0); `simulate --seed` with the same seed runs the same requests")
     parser.add_argument("--max-requests", type=int, default=None, help="send at most the trace's first N")
-    parser.add_argument("--drain-timeout", type=parse_duration_s, default=30.0,
-                        help="modelled seconds to wait for streams after the last send (default 30; the real wait "
-                             "is this x --time-scale, so a dilated node gets the same modelled time to finish)")
+    parser.add_argument("--drain-timeout", type=parse_duration_s, default=None,
+                        help="modelled seconds to wait for streams after the last send (default: 120, as simulate, "
+                             "or what the trace's longest request needs at its SLOs if more; the real wait is this x "
+                             "--time-scale, so a dilated node gets the same modelled time to finish)")
     parser.add_argument("--warmup", type=parse_duration_s, default=None,
                         help="modelled warm-up to leave out of every metric, e.g. 10s "
                              "(default: detected on the harness's in-flight count, MSER-5, >= 5 s)")
@@ -272,11 +276,29 @@ def served_models(target: str, timeout_s: float = 10.0) -> list[str]:
                              "start one with `octoserve up`") from None
 
 
-def bench_options(args: argparse.Namespace) -> BenchOptions:
+def default_drain_timeout_s(trace: Sequence[TraceRequest], slo) -> float:
+    """Modelled seconds to wait after the last send: `SIM_DRAIN_S`, as `octoserve simulate` does, or longer when a
+    request of the trace, served at its SLOs (its TTFT SLO, then its output at its model's ITL SLO), would still
+    stream past that (`slo`: the workload's `metrics.SloSpec`)."""
+    if not trace:
+        return SIM_DRAIN_S
+    last_s = max(r.arrival_s for r in trace)
+    need_s = max(r.arrival_s - last_s + (r.ttft_slo_ms or slo.ttft_ms_for(r.model)) / 1000.0
+                 + r.output_len * slo.itl_ms_for(r.model) / 1000.0 for r in trace)
+    return max(SIM_DRAIN_S, need_s)
+
+
+def bench_options(args: argparse.Namespace, trace: Sequence[TraceRequest] = (), slo=None) -> BenchOptions:
     """The harness options of the command line; the drain timeout is given in modelled seconds, so it is dilated
-    by --time-scale like every other modelled duration."""
+    by --time-scale like every other modelled duration (without --drain-timeout: `default_drain_timeout_s` of the
+    trace and its SLOs)."""
+    from octoserve.services.metrics import SloSpec
+
+    drain_s = args.drain_timeout
+    if drain_s is None:
+        drain_s = default_drain_timeout_s(trace, slo or SloSpec())
     return BenchOptions(
-        time_scale=args.time_scale, drain_timeout_s=args.drain_timeout * args.time_scale, num_channels=args.channels,
+        time_scale=args.time_scale, drain_timeout_s=drain_s * args.time_scale, num_channels=args.channels,
         retry=RetryPolicy() if args.retry else None, request_timeout_s=args.request_timeout,
         output_len_mode=args.output_len_mode,
     )
@@ -293,7 +315,7 @@ def check_arguments(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     check_arguments(args)
     trace, profile = build_trace(args, served_models(args.target))
-    options = bench_options(args)
+    options = bench_options(args, trace, profile.slo)
     progress = None
     if not args.no_progress:
         from octoserve.services.progress import Progress

@@ -283,9 +283,33 @@ def test_drain_timeout_is_modelled_seconds_dilated_by_the_time_scale():
     from octoserve.services.loadgen import bench_options
 
     args = parser.parse_args(["--target", "x:1", "--time-scale", "4"])
-    assert bench_options(args).drain_timeout_s == 120.0  # the default 30 modelled s x 4
+    assert bench_options(args).drain_timeout_s == 480.0  # the default, simulate's 120 modelled s, x 4
     args = parser.parse_args(["--target", "x:1", "--time-scale", "2", "--drain-timeout", "5"])
     assert bench_options(args).drain_timeout_s == 10.0
+
+
+def test_the_default_drain_covers_the_traces_longest_request_at_its_slos():
+    """The reported DRAIN_TIMEOUT: a default `bench --rate 20 --duration 60` (seed-000, seed 0) sends a 70B request
+    at 55.9 s with 2,480 output tokens; at its SLOs (250 ms, then 30 ms a token) it streams until ~70 s after the
+    last send, past the old 30 s default, while `simulate` (120 s) counts it served."""
+    from octoserve.services.loadgen import SIM_DRAIN_S, bench_options, default_drain_timeout_s
+
+    profile = scaled(PROFILES["seed-000"], rate_rps=20.0, duration_s=60.0)
+    trace = generate_trace(profile, 0)
+    last_s = max(r.arrival_s for r in trace)
+    longest = max(trace, key=lambda r: r.arrival_s + r.output_len * 0.030)
+    assert (longest.model, longest.output_len) == ("llama-3-70b", 2480)
+    assert longest.arrival_s + 0.250 + 2480 * 0.030 - last_s > 30.0
+    assert default_drain_timeout_s(trace, profile.slo) == SIM_DRAIN_S == 120.0
+    # A trace whose last request needs longer than simulate's drain gets that long.
+    slow = SloSpec(itl_ms=100.0)
+    assert default_drain_timeout_s(trace, slow) == pytest.approx(
+        max(r.arrival_s + r.ttft_slo_ms / 1000.0 + r.output_len * 0.100 for r in trace) - last_s)
+    assert default_drain_timeout_s(trace, slow) > SIM_DRAIN_S
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--target", "x:1", "--time-scale", "3"])
+    assert bench_options(args, trace, slow).drain_timeout_s == pytest.approx(3 * default_drain_timeout_s(trace, slow))
 
 
 async def test_bench_table_breaks_errors_down_by_cause(tmp_path, capsys):
