@@ -62,6 +62,8 @@ def test_bad_completion_bodies_are_400_naming_the_field(body, param, message):
     with pytest.raises(ApiError) as caught:
         protocol.parse_completion(body, {})
     assert (caught.value.status, caught.value.param, caught.value.message) == (400, param, message)
+    assert caught.value.body()["error"] == {"message": message, "type": "invalid_request_error", "param": param,
+                                            "code": "invalid_argument"}
 
 
 def test_chat_body_with_tiers_in_headers_and_body():
@@ -75,23 +77,27 @@ def test_chat_body_with_tiers_in_headers_and_body():
 
 
 @pytest.mark.parametrize(
-    "code, retry_after_ms, status, headers, err_code",
+    "code, retry_after_ms, status, headers, err_type, err_code",
     [
-        (grpc.StatusCode.INVALID_ARGUMENT, None, 400, {}, "invalid_argument"),
-        (grpc.StatusCode.FAILED_PRECONDITION, None, 400, {}, "slo_infeasible"),
-        (grpc.StatusCode.NOT_FOUND, None, 404, {}, "model_not_found"),
-        (grpc.StatusCode.UNAUTHENTICATED, None, 401, {}, "invalid_api_key"),
-        (grpc.StatusCode.RESOURCE_EXHAUSTED, 1200, 429, {"Retry-After": "2", "retry-after-ms": "1200"}, "overloaded"),
-        (grpc.StatusCode.RESOURCE_EXHAUSTED, 40, 429, {"Retry-After": "1", "retry-after-ms": "40"}, "overloaded"),
-        (grpc.StatusCode.UNAVAILABLE, None, 503, {}, "unavailable"),
-        (grpc.StatusCode.DEADLINE_EXCEEDED, None, 504, {}, "deadline_exceeded"),
-        (grpc.StatusCode.INTERNAL, None, 500, {}, "internal"),
+        (grpc.StatusCode.INVALID_ARGUMENT, None, 400, {}, "invalid_request_error", "invalid_argument"),
+        (grpc.StatusCode.FAILED_PRECONDITION, None, 400, {}, "invalid_request_error", "slo_infeasible"),
+        (grpc.StatusCode.NOT_FOUND, None, 404, {}, "invalid_request_error", "model_not_found"),
+        (grpc.StatusCode.UNAUTHENTICATED, None, 401, {}, "authentication_error", "invalid_api_key"),
+        (grpc.StatusCode.PERMISSION_DENIED, None, 403, {}, "permission_error", "permission_denied"),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, 1200, 429, {"Retry-After": "2", "retry-after-ms": "1200"},
+         "overloaded_error", "overloaded"),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, 40, 429, {"Retry-After": "1", "retry-after-ms": "40"},
+         "overloaded_error", "overloaded"),
+        (grpc.StatusCode.UNAVAILABLE, None, 503, {}, "unavailable_error", "unavailable"),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, None, 504, {}, "timeout_error", "deadline_exceeded"),
+        (grpc.StatusCode.CANCELLED, None, 499, {}, "cancelled_error", "cancelled"),
+        (grpc.StatusCode.INTERNAL, None, 500, {}, "internal_error", "internal"),
     ],
 )
-def test_router_statuses_map_to_http(code, retry_after_ms, status, headers, err_code):
+def test_router_statuses_map_to_http(code, retry_after_ms, status, headers, err_type, err_code):
     e = protocol.error_for_status(code, "the message", retry_after_ms)
-    assert (e.status, e.headers, e.body()["error"]["code"], e.body()["error"]["message"]) == (
-        status, headers, err_code, "the message")
+    assert (e.status, e.headers, e.body()["error"]["type"], e.body()["error"]["code"], e.body()["error"]["message"],
+            e.body()["error"]["param"]) == (status, headers, err_type, err_code, "the message", None)
     if retry_after_ms is not None:
         assert e.body()["error"]["retry_after_ms"] == retry_after_ms
 
@@ -226,11 +232,14 @@ def test_invalid_input_is_bad_request_with_the_grpc_message(client, node):
     err = grpc_error(node, request(max_tokens=MAX_CONTEXT))
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model=COLOCATED_MODEL, prompt=TOKENS, max_tokens=MAX_CONTEXT)
-    assert caught.value.status_code == 400 and caught.value.code == "invalid_argument"
+    assert (caught.value.status_code, caught.value.type, caught.value.code) == (
+        400, "invalid_request_error", "invalid_argument")
     assert caught.value.body["message"] == err.details()
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model=COLOCATED_MODEL, prompt=TOKENS, max_tokens=4, temperature=-1)
     assert caught.value.body["message"] == grpc_error(node, request(temperature=-1)).details()
+    assert (caught.value.type, caught.value.code, caught.value.param) == (
+        "invalid_request_error", "invalid_argument", "temperature")
 
 
 @pytest.mark.slow
@@ -238,7 +247,9 @@ def test_unknown_model_is_not_found_with_the_grpc_message(client, node):
     err = grpc_error(node, request("gpt-5"))
     with pytest.raises(openai.NotFoundError) as caught:
         client.chat.completions.create(model="gpt-5", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
-    assert caught.value.body["message"] == err.details() and caught.value.code == "model_not_found"
+    assert caught.value.body["message"] == err.details()
+    assert (caught.value.status_code, caught.value.type, caught.value.code) == (
+        404, "invalid_request_error", "model_not_found")
 
 
 @pytest.mark.slow
@@ -253,7 +264,8 @@ def test_overload_is_rate_limit_with_retry_after(client, node):
                                   extra_headers={"X-Octoserve-Priority": "BATCH"})
     e = caught.value
     retry_ms = int(e.response.headers["retry-after-ms"])
-    assert e.status_code == 429 and e.code == "overloaded" and "no instance has KV headroom" in e.message
+    assert (e.status_code, e.type, e.code) == (429, "overloaded_error", "overloaded")
+    assert "no instance has KV headroom" in e.message
     assert retry_ms == e.body["retry_after_ms"] >= node_min_retry_ms(node)
     assert int(e.response.headers["Retry-After"]) == max(1, -(-retry_ms // 1000))
     assert abs(retry_ms - grpc_retry_ms) <= grpc_retry_ms  # the same order: one computed a moment later
@@ -272,7 +284,9 @@ def test_slo_infeasible_prompt_is_bad_request_saying_what_to_change(client, node
                                                   max_tokens=4))
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model=COLOCATED_MODEL, prompt=big, max_tokens=4)
-    assert caught.value.code == "slo_infeasible" and caught.value.body["message"] == err.details()
+    assert (caught.value.status_code, caught.value.type, caught.value.code) == (
+        400, "invalid_request_error", "slo_infeasible")
+    assert caught.value.body["message"] == err.details()
 
 
 @pytest.mark.slow
@@ -280,7 +294,7 @@ def test_call_deadline_is_504(client):
     with pytest.raises(openai.InternalServerError) as caught:
         client.completions.create(model=COLOCATED_MODEL, prompt=TOKENS, max_tokens=4000,
                                   extra_headers={"X-Octoserve-Timeout-Ms": "1"})
-    assert caught.value.status_code == 504 and caught.value.code == "deadline_exceeded"
+    assert (caught.value.status_code, caught.value.type, caught.value.code) == (504, "timeout_error", "deadline_exceeded")
 
 
 @pytest.mark.slow
@@ -328,7 +342,8 @@ def test_draining_front_refuses_with_503_and_finishes_the_stream_in_flight(tmp_p
             wait_until_draining(node.http_url)  # the signal is delivered asynchronously
             with pytest.raises(openai.InternalServerError) as caught:
                 c.completions.create(model=COLOCATED_MODEL, prompt=TOKENS, max_tokens=3)
-            assert caught.value.status_code == 503 and caught.value.code == "draining"
+            assert (caught.value.status_code, caught.value.type, caught.value.code) == (
+                503, "unavailable_error", "draining")
             rest = list(chunks)
         assert rest[-1].usage.completion_tokens == 300
         assert sum(c.choices[0].text.count("<") for c in [first, *rest] if c.choices) == 300
@@ -389,6 +404,7 @@ def test_tenant_keys_reach_the_router_and_a_bad_key_is_authentication_error(tmp_
         with openai.OpenAI(base_url=node.http_url + "/v1", api_key="wrong", max_retries=0, timeout=30) as c:
             with pytest.raises(openai.AuthenticationError) as caught:
                 c.completions.create(model=COLOCATED_MODEL, prompt=TOKENS, max_tokens=3)
-        assert caught.value.status_code == 401 and caught.value.code == "invalid_api_key"
+        assert (caught.value.status_code, caught.value.type, caught.value.code) == (
+            401, "authentication_error", "invalid_api_key")
     finally:
         node.stop()
