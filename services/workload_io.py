@@ -13,13 +13,16 @@ Trace JSONL, one request a line:
     max_tokens  the request's max_tokens; default output_len (at least one of the two)
     tier        INTERACTIVE | STANDARD | BATCH (default STANDARD; `priority` is read as a synonym)
     ttft_slo_ms the request's TTFT deadline (default: its tier's SLO from the node config)
-    request_id  optional (default r<line index>)
+    request_id  optional (default r<line index>); two lines with the same id are an error
 A text prompt is counted as one token per UTF-8 byte in the simulator (what a tokenizer-less sim engine does with
 text); `bench` sends it as text, so a real engine tokenizes it with the model's tokenizer.
 
 Invariants:
 - Every problem is a `UsageError` naming the file, the line (JSONL) or key (YAML) and what to change.
 - A trace loads the same for every run: prompt_len ids come from `random.Random` seeded by the line's index.
+- A length in a workload (fixed value, uniform bounds, min/max) is a whole number of tokens >= 1: what the sampler
+  would clip is refused, naming the key. A trace line the node can never serve (prompt, or prompt + max_tokens, over
+  its model's context window) is replayed and refused like any other, and named in a warning on stderr.
 - A workload that asks for a model the node does not serve is refused before any run (`check_served`), unless
   the caller asks to drop those requests (`--only-served`), which is reported.
 """
@@ -99,8 +102,25 @@ def _build(where: str, cls, **kwargs):
         raise UsageError(f"{where}: {e}") from None
 
 
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _length(where: str, data) -> LengthDist:
-    return _build(where, LengthDist, **_check_keys(where, data, LengthDist))
+    d = _check_keys(where, data, LengthDist)
+    # A length is a number of tokens, at least one: a value the sampler would clip (a fixed -10 read as 1) is a
+    # mistake to point at, not a request to serve.
+    kind = d.get("kind")
+    needed = {"fixed": ("value",), "uniform": ("lo", "hi")}.get(kind, ())
+    for key in needed:
+        if key not in d:
+            raise UsageError(f"{where}: a {kind} length needs {' and '.join(needed)}; {key} is missing")
+        if not _whole(d[key]) or d[key] < 1:
+            raise UsageError(f"{where}: {key} is {d[key]!r}; a {kind} length's {key} is a whole number of tokens >= 1")
+    for key in ("min_tokens", "max_tokens"):
+        if key in d and (not _whole(d[key]) or d[key] < 1):
+            raise UsageError(f"{where}: {key} is {d[key]!r}; it is a whole number of tokens >= 1")
+    return _build(where, LengthDist, **d)
 
 
 def _traffic(where: str, data) -> ModelTraffic:
@@ -250,9 +270,29 @@ def trace_request_from_row(row, index: int, where: str,
                         max_tokens, tier, float(slo), prefix_group, text)
 
 
-def load_trace(path: str | Path, tier_ttft_ms: Mapping[Priority, float] = DEFAULT_TIER_TTFT_MS) -> list[TraceRequest]:
-    """The requests of a JSONL trace, sorted by arrival (stable); an empty trace is an error."""
+MAX_WINDOW_WARNINGS = 10  # lines named one by one; past that, a count
+
+
+def unservable_reason(request: TraceRequest, window: int) -> str | None:
+    """Why `request` can never be served in a `window`-token context (what the router refuses it for), or None."""
+    n = len(request.prompt_token_ids)
+    if n >= window:
+        return f"the prompt of {n} tokens does not fit the {window}-token context window of {request.model}"
+    if n + request.max_tokens > window:
+        return (f"max_tokens {request.max_tokens} + prompt {n} tokens exceeds the {window}-token context window of "
+                f"{request.model}")
+    return None
+
+
+def load_trace(path: str | Path, tier_ttft_ms: Mapping[Priority, float] = DEFAULT_TIER_TTFT_MS,
+               context_windows: Mapping[str, int] | None = None) -> list[TraceRequest]:
+    """The requests of a JSONL trace, sorted by arrival (stable); an empty trace is an error, and so is a
+    request_id used twice. With `context_windows` (model -> tokens), each request that can never be served there
+    (prompt, or prompt + max_tokens, over its model's window) is named on stderr, line by line: a trace is recorded
+    data, so it is still replayed (and refused, as the router refuses it), but not without a word."""
     trace = []
+    lines: dict[str, int] = {}  # request_id -> its line
+    unservable: list[str] = []
     # universal newlines, as open() reads text; str.splitlines() would also split at U+2028 inside a JSON string
     for number, line in enumerate(io.StringIO(read_utf8(path), newline=None), start=1):
         if not line.strip():
@@ -262,9 +302,24 @@ def load_trace(path: str | Path, tier_ttft_ms: Mapping[Priority, float] = DEFAUL
             row = json.loads(line)
         except json.JSONDecodeError as e:
             raise UsageError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-        trace.append(trace_request_from_row(row, len(trace), where, tier_ttft_ms))
+        request = trace_request_from_row(row, len(trace), where, tier_ttft_ms)
+        if request.request_id in lines:
+            raise UsageError(f"{where}: request_id {request.request_id!r} is already the id of line "
+                             f"{lines[request.request_id]}; give each request its own request_id (or leave it out)")
+        lines[request.request_id] = number
+        window = (context_windows or {}).get(request.model)
+        reason = None if window is None else unservable_reason(request, window)
+        if reason is not None:
+            unservable.append(f"{where}: {reason}")
+        trace.append(request)
     if not trace:
         raise UsageError(f"{path}: the trace has no requests; write one JSON object a line")
+    for problem in unservable[:MAX_WINDOW_WARNINGS]:
+        print(f"warning: {problem}: it can never be served, so it is refused (counted in refused%)",
+              file=sys.stderr)
+    if len(unservable) > MAX_WINDOW_WARNINGS:
+        print(f"warning: {path}: {len(unservable) - MAX_WINDOW_WARNINGS} more requests can never be served (over "
+              "their model's context window); they are refused too", file=sys.stderr)
     trace.sort(key=lambda r: r.arrival_s)
     return trace
 
@@ -346,14 +401,15 @@ def add_workload_arguments(parser: argparse.ArgumentParser, default_profile: str
 
 def profile_from_args(args: argparse.Namespace, served: Iterable[str] | None = None,
                       tier_ttft_ms: Mapping[Priority, float] = DEFAULT_TIER_TTFT_MS,
-                      slo: SloSpec = SloSpec()) -> tuple[WorkloadProfile, list[TraceRequest] | None]:
+                      slo: SloSpec = SloSpec(), context_windows: Mapping[str, int] | None = None,
+                      ) -> tuple[WorkloadProfile, list[TraceRequest] | None]:
     """(profile, trace): the trace is the user's own (`--trace`) or None (generate it from the profile, which has
     --rate / --duration / --burstiness applied when the command has them). With
     `served`, a workload asking for unserved models is refused, or with `--only-served` trimmed (on stderr)."""
     check_workload_flags(args)  # before a file is read or a trace generated
     trace = None
     if getattr(args, "trace", None):
-        trace = load_trace(args.trace, tier_ttft_ms)
+        trace = load_trace(args.trace, tier_ttft_ms, context_windows)
         profile = profile_of_trace(trace, Path(args.trace).stem, slo)
     else:
         profile = load_workload(args.workload) if getattr(args, "workload", None) else PROFILES[args.profile]
@@ -398,7 +454,8 @@ def node_workload(args: argparse.Namespace, node, replays: bool = True,
     check_faults(getattr(args, "faults", ()), [i.id for i in node.instances])  # simulate's, before its trace
     node_slo = slo_spec_of(node.slo)
     profile, trace = profile_from_args(args, served=list(node.models), tier_ttft_ms=node.slo.tier_ttft_ms,
-                                       slo=node_slo)
+                                       slo=node_slo,
+                                       context_windows={m: spec.max_context_len for m, spec in node.models.items()})
     if trace is None and node_slo.per_model:  # the node's per-model SLOs over the profile's own
         profile = dataclasses.replace(profile, slo=dataclasses.replace(
             profile.slo, model_ttft_ms=node_slo.model_ttft_ms, model_itl_ms=node_slo.model_itl_ms))
