@@ -149,12 +149,74 @@ def respawn(sp: ServiceProcess) -> None:
 def _wait_ready(sp: ServiceProcess, deadline: float) -> None:
     while not sp.ready_file.exists():
         if sp.proc.poll() is not None:
-            raise LaunchError(f"{sp.name} exited with code {sp.proc.returncode} while starting; see {sp.log_file}")
+            cause = cause_in_log(sp.log_file)
+            raise LaunchError(f"{sp.name} exited with code {sp.proc.returncode} while starting"
+                              + (f": {cause}" if cause else "") + f"; see {sp.log_file}")
         if time.monotonic() > deadline:
             raise LaunchError(f"{sp.name} did not become ready in time; see {sp.log_file}")
         time.sleep(POLL_S)
     info = json.loads(sp.ready_file.read_text())
     sp.port, sp.metrics_port = info["port"], info["metrics_port"]
+
+
+def cause_in_log(log_file: Path, tail_bytes: int = 65536) -> str | None:
+    """Why a service stopped, as its log says it: the last exception line of a traceback (`OSError: ...`), or the
+    message of the last error-level JSON line, whichever comes last; None when the log says neither."""
+    import re
+
+    try:
+        with open(log_file, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - tail_bytes))
+            lines = f.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return None
+    exception = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Failure)(: .*)?$")
+    for line in reversed(lines):
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(entry, dict) and str(entry.get("level", "")).lower() in ("error", "critical"):
+                return str(entry.get("msg", line))
+        elif exception.match(line):
+            return line
+    return None
+
+
+def check_ports_free(ports: list[tuple[str, int, str]]) -> None:
+    """Each (flag, port, how to change it) can be listened on at 127.0.0.1 now (0: any free port, not checked), and
+    no two flags name the same port: else `UsageError` naming the flag and the port, before anything starts. (The
+    service binds it a moment later: the check cannot hold it, but a port in use is the usual case.)"""
+    import errno
+    import socket
+
+    from octoserve.services.usage import UsageError
+
+    held: dict[int, str] = {}
+    sockets = []
+    try:
+        for flag, port, change in ports:
+            if not 0 <= port <= 65535:
+                raise UsageError(f"{flag} {port}: not a port number; give one in 1-65535 (0: any free port)")
+            if port == 0:
+                continue
+            if port in held:
+                raise UsageError(f"{flag} {port}: {held[port]} is {port} too; give them different ports")
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sockets.append(s)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the services bind: TIME_WAIT is no conflict
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError as e:
+                why = "is already in use" if e.errno == errno.EADDRINUSE else f"cannot be listened on ({e.strerror})"
+                raise UsageError(f"{flag} {port}: 127.0.0.1:{port} {why}; {change}") from None
+            held[port] = flag
+    finally:
+        for s in sockets:
+            s.close()
 
 
 def wait_healthy(address: str, deadline: float, service: str = "", internal: bool = True) -> None:
@@ -355,6 +417,11 @@ def run(args: argparse.Namespace) -> int:
                    "--time-scale 10")
     # What the user typed means what it means in their shell: the children run in the checkout.
     args.config, args.model, args.run_dir = user_path(args.config), user_path(args.model), user_path(args.run_dir)
+    ports = [("--port", args.port, "stop what listens there or give the router another --port (0: any free port)")]
+    if not args.no_http:
+        ports.append(("--http-port", args.http_port, "stop what listens there, give the HTTP front another "
+                                                      "--http-port (0: any free port), or pass --no-http"))
+    check_ports_free(ports)  # before any process starts: a taken port is one line here, not a child's log
     try:
         node = start_node(config_source(args.config, args.cost_profile), args.time_scale, engine=args.engine, model_path=args.model, port=args.port,
                           run_dir=args.run_dir, startup_timeout_s=startup_timeout_s(args), grace_s=args.grace_s,

@@ -170,6 +170,21 @@ def _bind(server: grpc.aio.Server, spec: ServiceSpec, port: int) -> int:
         return 0
 
 
+def _why_unbindable(host: str, port: int) -> str:
+    """What the OS says to binding `host:port` now, as " (Address already in use)"; "" when it can be bound (grpc
+    failed for a reason of its own). grpc's own error names no cause."""
+    import socket
+
+    host = host.strip("[]")
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+    except OSError as e:
+        return f" ({e.strerror})" if e.strerror else ""
+    return ""
+
+
 async def start_service(spec: ServiceSpec) -> RunningService:
     server = grpc.aio.server(options=tuple({**dict(GRPC_OPTIONS), **dict(spec.grpc_options)}.items()))
     spec.add_servicers(server)
@@ -183,7 +198,8 @@ async def start_service(spec: ServiceSpec) -> RunningService:
         logging.getLogger("octoserve.server").warning("port taken; serving on a free port instead",
                                                       extra=log_fields(wanted=spec.port, port=port))
     if port == 0:
-        raise OSError(f"{spec.name}: cannot bind {spec.host}:{spec.port}; choose a free port or 0")
+        raise OSError(f"{spec.name}: cannot bind {spec.host}:{spec.port}{_why_unbindable(spec.host, spec.port)}; "
+                      "choose a free port or 0")
     await server.start()
     metrics_server, metrics_port = None, None
     if spec.metrics_port is not None:
