@@ -141,10 +141,15 @@ def with_front_inside(spec, servicer, args):
             getattr(args, "host", None) or "127.0.0.1")
 
     async def drain(grace_s: float) -> None:
-        if "front" in state:
-            await state["front"].drain()
+        """Both fronts stop taking requests at the same moment (HTTP 503 `draining`, gRPC UNAVAILABLE), then each
+        finishes what it holds: draining the front first left gRPC admitting while HTTP refused."""
+        front = state.get("front")
+        if front is not None:
+            front.draining = True
+        servicer.draining = True
+        waits = ([front.drain()] if front is not None else []) + ([spec.drain(grace_s)] if spec.drain else [])
+        await asyncio.gather(*waits)
+        if front is not None:
             await state["runner"].cleanup()
-        if spec.drain is not None:
-            await spec.drain(grace_s)
 
     return dataclasses.replace(spec, on_serving=on_serving, drain=drain)

@@ -342,6 +342,8 @@ def error_for_status(code: grpc.StatusCode, message: str, retry_after_ms: int | 
     """The HTTP error for a router status. An overload carries `Retry-After` (whole seconds, rounded up, since
     the header cannot say less) and the exact delay as `retry-after-ms` and in the body; `param` names the field at
     fault (see `field_from_trailers`)."""
+    if code == grpc.StatusCode.UNAVAILABLE and message == ROUTER_DRAINING:
+        return draining_error()  # the router drains: the front's own answer while it drains, the same either way
     status, type_, err_code = _STATUS_MAP.get(code, (500, "internal_error", code.name.lower()))
     headers: dict[str, str] = {}
     extra: dict[str, Any] = {}
@@ -365,6 +367,10 @@ def http_error(status: int, reason: str, method: str, path: str, allowed: Sequen
     if status == 413:
         return ApiError(413, f"the request body is too large ({reason}); send a smaller body", code="body_too_large")
     return ApiError(status, f"{method} {path}: {reason}", code=f"http_{status}")
+
+
+# The router's UNAVAILABLE message while it drains (`services.core.errors.Draining`, checked equal in the tests).
+ROUTER_DRAINING = "the server is draining and takes no new requests; retry on another replica"
 
 
 def draining_error() -> ApiError:

@@ -3,8 +3,8 @@
 Start order: scheduler -> workers (each registers with the scheduler) -> router (reads the placement from the
 scheduler, opens a token session to every worker). Each process writes a ready file (pid and ports) once it
 serves, so no ports are guessed; then every service must answer grpc.health.v1 SERVING, all within a bounded time.
-Stop order (Ctrl-C / SIGTERM / `Node.stop()`): router first (it drains client streams), then workers, then the
-scheduler; each gets SIGTERM and its grace period, then SIGKILL. Only processes this launcher started are signalled,
+Stop order (Ctrl-C / SIGTERM / `Node.stop()`): router first (with the HTTP front's own process, if any, at the same
+moment: it drains client streams), then workers, then the scheduler; each gets SIGTERM and its grace period, then SIGKILL. Only processes this launcher started are signalled,
 by PID.
 Under `octoserve up` (`start_node(supervise=True)`), a `Supervisor` (services/supervisor.py) starts again, with
 backoff and on the same port, any service that exits while the node runs (a worker killed mid-stream, the
@@ -14,13 +14,16 @@ scheduler, the router).
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -98,7 +101,9 @@ class Node:
             self.supervisor.stop()  # a stopping node is not restarted
         if self.keeper is not None:
             self.keeper.stop()
-        for group in ([self.http] if self.http else [], [self.router], list(self.workers.values()), [self.scheduler]):
+        # The HTTP front's own process and the router together: both refuse new requests from the same moment
+        # (503 / UNAVAILABLE) while the front's streams finish through the router, which drains until they have.
+        for group in ([*([self.http] if self.http else []), self.router], list(self.workers.values()), [self.scheduler]):
             self.exit_codes.update(_stop_group(group, self.grace_s))
         return self.exit_codes
 
@@ -110,8 +115,12 @@ class Node:
 
 
 def _stop_group(group: list[ServiceProcess], grace_s: float) -> dict[str, int]:
+    """SIGTERM to every process of the group at once (one signal per process: the front inside the router is the
+    router's process), then each one's exit code by name, SIGKILL past its grace."""
+    signalled: set[int] = set()
     for sp in group:
-        if sp.proc.poll() is None:
+        if sp.proc.poll() is None and id(sp.proc) not in signalled:
+            signalled.add(id(sp.proc))
             sp.proc.send_signal(signal.SIGTERM)
     codes = {}
     for sp in group:
@@ -133,8 +142,43 @@ def _spawn(name: str, module: str, args: list[str], run_dir: Path, env: dict[str
 
 def _popen(cmd, log: Path, env: dict[str, str]) -> subprocess.Popen:
     with open(log, "ab") as log_f:
-        return subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=log_f, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # Ctrl-C in a terminal reaches the launcher only
+        return _SPAWNER.popen(cmd, cwd=REPO_ROOT, env=env, stdout=log_f, stderr=subprocess.STDOUT,
+                              start_new_session=True)  # Ctrl-C in a terminal reaches the launcher only
+
+
+class _Spawner:
+    """Starts every service process from one thread that lives as long as this process.
+
+    A service asks the kernel for SIGTERM when its launcher dies (PR_SET_PDEATHSIG, `stop_with_launcher` in
+    services/rpc/server.py), and Linux sends it when the *thread* that started the process ends, not the process. A
+    worker started from the placement keeper's thread (a model change) or the supervisor's (a restart) got SIGTERM
+    when `Node.stop()` ended that thread: ahead of the ordered stop (router first), and when it landed as the worker
+    was already exiting from the launcher's own SIGTERM, the worker died of it (exit -15)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def popen(self, cmd, **kwargs) -> subprocess.Popen:
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="octoserve-spawner", daemon=True)
+                self._thread.start()
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._jobs.put((cmd, kwargs, done))
+        return done.result()
+
+    def _run(self) -> None:
+        while True:  # a daemon thread: it ends with the process, so PR_SET_PDEATHSIG fires with the process only
+            cmd, kwargs, done = self._jobs.get()
+            try:
+                done.set_result(subprocess.Popen(cmd, **kwargs))
+            except BaseException as e:  # noqa: BLE001 (handed to the caller)
+                done.set_exception(e)
+
+
+_SPAWNER = _Spawner()
 
 
 def respawn(sp: ServiceProcess) -> None:
