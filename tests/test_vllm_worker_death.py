@@ -1,0 +1,135 @@
+"""A worker killed under the vllm engine (what `octoserve up --engine vllm` runs: scheduler, one vLLM worker, router as
+processes, the supervisor on), mirroring tests/test_faults_live.py's sim-engine kill:
+
+- a stream that had tokens when its worker was SIGKILLed ends UNAVAILABLE with a retry hint and the router's reason,
+  short of its max_tokens; what it received is exactly the start of the model's greedy output (checked against the
+  restarted worker: no token lost in the middle, none repeated);
+- while the only instance is down, a new request is refused at once, RESOURCE_EXHAUSTED with a retry hint naming
+  why (no healthy instance), not left waiting;
+- the supervisor restarts the worker on its port, the router routes to it again, and every KV block is free after;
+- the node then stops cleanly, the restarted worker included (exit codes all 0).
+
+Engine budget: one vLLM instance at a time, started twice (the node's, then its restart after the kill); no offline
+reference run (the restarted worker's own greedy output is the reference).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+
+import grpc
+import pytest
+from vllm_fixtures import MODEL_NAME, PROMPTS, import_vllm_or_reason, vllm_skip_reason
+
+from octoserve.services.launcher import REPO_ROOT, start_node
+from octoserve.v1 import generate_pb2 as gen_pb
+from octoserve.v1 import generate_pb2_grpc as gen_grpc
+from tests.fault_fixtures import Stream, load, until, wait_all_free
+
+_SKIP = vllm_skip_reason()
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.skipif(_SKIP is not None, reason=_SKIP or ""),
+              pytest.mark.asyncio(loop_scope="function")]
+
+TINY_CONFIG = REPO_ROOT / "services" / "configs" / "tiny-vllm.yaml"
+PROMPT = list(PROMPTS[0])  # 200 tokens
+LONG = 600  # the longest prompt used (390) + 600 fits the 1,024-token window: ~2-3 s of streaming to kill in
+SLO_MS = 10_000  # admission must not refuse on a slow, shared CPU
+LOST_SUFFIX = "; the request had already streamed tokens, so it was not moved: retry it"
+
+
+@pytest.fixture
+def model_dir(tmp_path_factory):
+    if (reason := import_vllm_or_reason()) is not None:
+        pytest.skip(reason)
+    from octoserve.services.engine.test_model import build_test_model
+
+    return build_test_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def request(max_tokens: int, prompt=PROMPT) -> gen_pb.GenerateRequest:
+    return gen_pb.GenerateRequest(model=MODEL_NAME, token_ids=gen_pb.TokenIds(ids=prompt), max_tokens=max_tokens,
+                                  ignore_eos=True, ttft_slo_ms=SLO_MS)
+
+
+async def _kill_mid_stream(node, stub, worker) -> list[Stream]:
+    """Four long streams, each with tokens at the client; then SIGKILL to the worker while vLLM still runs some of
+    them (its own load report says so just before the kill). A machine so slow that the client sees its first tokens
+    only after every stream finished on the worker tries again (bounded): the kill must land mid-stream."""
+    for _ in range(3):
+        streams = [Stream(request(LONG, prompt=list(PROMPTS[i]))) for i in range(4)]
+        tasks = [asyncio.create_task(s.run(stub)) for s in streams]
+        for s in streams:
+            await asyncio.wait_for(s.first_token.wait(), 120)
+        assert all(s.code is None or s.code == grpc.StatusCode.OK for s in streams), [s.details for s in streams]
+        if (await load(worker.address)).num_running > 0:
+            os.kill(worker.pid, signal.SIGKILL)
+            await asyncio.wait_for(asyncio.gather(*tasks), 60)
+            return streams
+        await asyncio.gather(*tasks)  # all done on the worker already: again
+    raise AssertionError("the worker finished every stream before it could be killed, three times")
+
+
+async def test_vllm_worker_killed_mid_stream_fails_the_stream_then_is_restarted_and_serves(model_dir, tmp_path):
+    node = start_node(str(TINY_CONFIG), engine="vllm", model_path=str(model_dir), run_dir=tmp_path,
+                      startup_timeout_s=300.0, grace_s=10.0, router_args=("--access-log", "all"), supervise=True,
+                      extra_env={"OCTOSERVE_VLLM_DTYPE": "float32", "HF_HUB_OFFLINE": "1"})
+    try:
+        worker = node.workers["tiny-0"]
+        old_pid = worker.pid
+        async with grpc.aio.insecure_channel(node.router_address) as channel:
+            stub = gen_grpc.GenerationStub(channel)
+            streams = await _kill_mid_stream(node, stub, worker)
+
+            # A stream still running: UNAVAILABLE, a retry hint, the router's reason, short of max_tokens. (One the
+            # worker had finished before the kill is whole.)
+            lost = [s for s in streams if s.code != grpc.StatusCode.OK]
+            assert lost, [(s.code, len(s.tokens)) for s in streams]
+            for s in streams:
+                if s in lost:
+                    assert s.code == grpc.StatusCode.UNAVAILABLE, (s.code, s.details)
+                    assert s.details.startswith("token stream from tiny-0 failed: UNAVAILABLE ") and \
+                        s.details.endswith(LOST_SUFFIX), s.details
+                    assert s.retry_after_ms is not None and s.retry_after_ms > 0
+                    assert 1 <= len(s.tokens) < LONG
+                else:
+                    assert len(s.tokens) == LONG
+
+            # While the only instance is down: refused at once, with the reason and a hint that agree.
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                async for _ in stub.Generate(request(4), timeout=30):
+                    pass
+            refusal = caught.value
+            assert refusal.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (refusal.code(), refusal.details())
+            found = re.fullmatch(rf"{MODEL_NAME} is overloaded for STANDARD requests \(no healthy instance serves it "
+                                 r"right now\); retry after (\d+) ms", refusal.details())
+            assert found, refusal.details()
+            assert int(dict(refusal.trailing_metadata())["retry-after-ms"]) == int(found[1]) > 0
+
+            # Restarted on its port by the supervisor (a second vLLM start-up), and routed to again.
+            await asyncio.to_thread(node.supervisor.wait_for, "worker:tiny-0", "ready", 1, 300)
+            events = [(e.event, e.detail) for e in node.supervisor.events if e.service == "worker:tiny-0"]
+            assert events == [("exited", f"exit code {-signal.SIGKILL}"),
+                              ("restarting", f"port {worker.port}, restart 1 in a row"),
+                              ("ready", f"pid {worker.pid} port {worker.port}")], events
+            assert worker.pid != old_pid
+
+            async def served() -> bool:
+                probe = Stream(request(2, prompt=list(PROMPTS[7])))
+                await probe.run(stub, timeout_s=60)
+                return probe.code == grpc.StatusCode.OK
+            await until(served, 120, "the restarted worker serves through the router")
+
+            # What a killed stream received is the start of its greedy output: nothing lost, nothing repeated.
+            s = lost[0]
+            again = Stream(request(len(s.tokens) + 8, prompt=list(s.request.token_ids.ids)))
+            await again.run(stub, timeout_s=120)
+            assert (again.code, len(again.tokens)) == (grpc.StatusCode.OK, len(s.tokens) + 8), again.details
+            assert again.tokens[:len(s.tokens)] == s.tokens
+            await wait_all_free(node, timeout_s=60)
+        assert node.supervisor.restarts("worker:tiny-0") == 1
+    finally:
+        codes = node.stop()
+    assert codes == {"router": 0, "worker:tiny-0": 0, "scheduler": 0}
