@@ -344,8 +344,9 @@ def test_slow_steps_spend_the_itl_tail_budget_and_stop_when_it_is_spent():
         now += 0.001
         timed_step(b, now, 0.001)
     assert (b.tail.num_gaps, b.tail.num_slow) == (40, 0)
-    # 2,000 tokens due in 250 ms: 16 free steps (23.75 ms, 127 tokens each) would miss; long steps save it
-    b.add_request(spec("big", prompt_len=2000, max_tokens=4, first=500, arrival=now), now)
+    # 1,800 tokens due in 250 ms: 15 free steps (23.75 ms, 127 tokens each) would miss; four long steps of 490
+    # tokens (4 x 11 ms + 180 ms = 224 ms) save it
+    b.add_request(spec("big", prompt_len=1800, max_tokens=4, first=500, arrival=now), now)
     budgets = []
     for _ in range(5):
         plan = b.schedule(now)
@@ -377,9 +378,14 @@ def test_the_tail_is_spent_only_on_a_prompt_that_steps_within_the_slo_would_brin
     b = batcher()
     b.add_request(spec("lost", prompt_len=3000, max_tokens=4, first=500, arrival=0.05), 0.05)
     assert b.schedule(0.05).num_batched_tokens == 128
-    # 2,000 tokens: free steps miss, a long one saves it
+    # 2,000 tokens: free steps miss, and so do long steps under the 491-token ceiling (5 x 11 ms + 200 ms > 250 ms):
+    # lost either way, no slow step
     b = batcher()
     b.add_request(spec("big", prompt_len=2000, max_tokens=4, first=500, arrival=0.05), 0.05)
+    assert b.schedule(0.05).num_batched_tokens == 128
+    # 1,800 tokens: free steps miss, long ones (4 x 11 ms + 180 ms) save it
+    b = batcher()
+    b.add_request(spec("big", prompt_len=1800, max_tokens=4, first=500, arrival=0.05), 0.05)
     assert b.schedule(0.05).num_batched_tokens == 491
     # a lost prompt at the head (already past its deadline) spends nothing itself, but one behind it that a long
     # step (taking both, in queue order) can still save does
@@ -387,6 +393,57 @@ def test_the_tail_is_spent_only_on_a_prompt_that_steps_within_the_slo_would_brin
     b.add_request(spec("late", prompt_len=100, max_tokens=4, first=500, arrival=-0.3), 0.05)
     b.add_request(spec("next", prompt_len=1500, max_tokens=4, first=900, arrival=0.05), 0.05)
     assert b.schedule(0.05).num_batched_tokens == 491
+
+
+def test_a_long_step_that_can_wait_lets_the_next_free_step_finish_the_prompt_ahead():
+    def batcher():
+        b = make_batcher(num_blocks=4096, max_num_batched_tokens=1000, budget_by_num_decodes=(64, 64, 64),
+                         tpot_target_s=0.020, max_step_s=0.060, decode_step_s_by_num_decodes=(0.010, 0.011, 0.012),
+                         prefill_s_per_token=0.0001, itl_slo_s=0.025, tail_budget_fraction=0.05,
+                         tail_window_gaps=60)
+        b.add_request(spec("a", prompt_len=4, max_tokens=500), 0.0)
+        for i in range(41):
+            timed_step(b, 0.001 * (i + 1), 0.001)
+        return b
+
+    # "ahead" (100 tokens, in time) finishes in the next free step; "big" (1,200 tokens due at 0.30) needs long
+    # steps, which still save it after that free step (0.05 + 2 x 23.7 ms + 3 x 11 ms + 117 ms < 0.30): one free
+    # step first, so "ahead" gets its first token 23.7 ms in rather than after a 60 ms step.
+    b = batcher()
+    b.add_request(spec("ahead", prompt_len=100, max_tokens=4, first=500, arrival=0.05), 0.05)
+    b.add_request(spec("big", prompt_len=1200, max_tokens=4, first=900, arrival=0.05), 0.05)
+    plan = b.schedule(0.05)
+    assert plan.num_batched_tokens == 128
+    assert [(c.request_id, c.num_new_tokens) for c in plan.chunks] == [("a", 1), ("ahead", 100), ("big", 27)]
+    # the same with "big" due 60 ms sooner: waiting a step would lose it, so the long step runs now, "ahead" in it
+    b = batcher()
+    b.add_request(spec("ahead", prompt_len=100, max_tokens=4, first=500, arrival=0.05), 0.05)
+    b.add_request(spec("big", prompt_len=1200, max_tokens=4, first=900, arrival=-0.01), 0.05)
+    assert b.schedule(0.05).num_batched_tokens == 491
+
+
+def test_the_load_snapshot_leaves_the_step_in_flight_out_of_the_queue_and_says_when_a_long_step_is_affordable():
+    b = make_batcher(num_blocks=4096, max_num_batched_tokens=1000, budget_by_num_decodes=(64, 64, 64),
+                     tpot_target_s=0.020, max_step_s=0.060, decode_step_s_by_num_decodes=(0.010, 0.011, 0.012),
+                     prefill_s_per_token=0.0001, itl_slo_s=0.025, tail_budget_fraction=0.05, tail_window_gaps=60)
+    b.add_request(spec("a", prompt_len=4, max_tokens=500), 0.0)
+    for i in range(41):
+        timed_step(b, 0.001 * (i + 1), 0.001)
+    b.add_request(spec("p", prompt_len=1000, max_tokens=4, first=500, arrival=0.05), 0.05)
+    assert b.queued_prefill_tokens() == 1000
+    plan = b.schedule(0.05)  # a free step: 127 of its tokens in flight, their time in busy_until_s
+    assert plan.num_batched_tokens == 128
+    assert b.queued_prefill_tokens() == 873 and b.busy_until_s == pytest.approx(0.05 + 0.011 + 127 * 0.0001)
+    b.update(plan, StepResult({"a": 7}), 0.07)
+    assert b.queued_prefill_tokens() == 873 and b.busy_until_s == 0.07
+    # 3 slow gaps of the 60-gap window spent: the next long step waits until the oldest slides out
+    assert b.long_step_wait_s() == 0.0
+    for _ in range(3):
+        b.tail.observe(1, 1)
+    gaps = b.tail.gaps_until_affordable(1)
+    assert gaps > 0 and not b.tail.affordable(1)
+    free_step_s = 0.011 + 127 * 0.0001
+    assert b.long_step_wait_s() == pytest.approx(gaps * free_step_s)
 
 
 def test_long_decode_contexts_take_their_kv_read_time_out_of_the_prefill_chunk():

@@ -212,6 +212,23 @@ def test_picker_and_prefix_aware_routing_options():
     ]
 
 
+def test_the_slo_budget_policies_parse_and_out_of_range_values_are_refused_with_what_to_set():
+    one = one_instance(tp=4, gpu_ids=[0, 1, 2, 3])
+    cfg = node_config_from_dict({**one, "policies": {"ttft_max_risk": 0.1, "tail_budget_fraction": 0.02}})
+    assert (cfg.policies.ttft_max_risk, cfg.policies.tail_budget_fraction) == (0.1, 0.02)
+    defaults = PolicyConfig()
+    assert (defaults.ttft_quantile, defaults.ttft_max_risk, defaults.tail_budget_fraction,
+            defaults.max_step_factor) == (0.97, 0.25, 0.04, 10.0)
+    assert problems_of({**one, "policies": {"ttft_max_risk": 1.5}}) == [
+        "policies.ttft_max_risk is 1.5; set a probability in [0, 1]: the largest chance of missing its TTFT SLO "
+        "one admitted request may carry"
+    ]
+    assert problems_of({**one, "policies": {"tail_budget_fraction": 0.05}}) == [
+        "policies.tail_budget_fraction is 0.05; set a fraction in [0, 0.05): the share of inter-token gaps a P95 "
+        "ITL SLO lets run slow is 5 %, and the budget must stay inside it"
+    ]
+
+
 def test_cost_profile_key_parses_and_defaults_to_default():
     assert node_config_from_dict(default_dict()).cost_profile == "default"
     assert node_config_from_dict(default_dict(cost_profile="pessimistic")).cost_profile == "pessimistic"

@@ -60,3 +60,45 @@ def test_every_trailing_window_keeps_its_slow_share_within_the_fraction(fraction
         trailing = history[-window:]
         assert sum(trailing) <= fraction * window + 1e-9
         assert t.num_slow >= sum(trailing)  # the counted window covers the trailing one
+
+
+def test_gaps_until_affordable_counts_the_fast_gaps_that_slide_the_slow_ones_out():
+    t = TailBudget(0.05, window_gaps=100)  # 5 slow gaps in any 100
+    assert t.gaps_until_affordable(5) == 0 and t.gaps_until_affordable(0) == 0
+    assert t.gaps_until_affordable(6) == -1  # over the budget alone: never
+    t.observe(4, 4)
+    t.observe(96, 0)
+    assert t.gaps_until_affordable(1) == 0 and t.gaps_until_affordable(2) == 4
+    t.observe(3, 0)
+    assert t.gaps_until_affordable(2) == 1  # 99 held after the slow step: one more gap covers the window
+    t.observe(1, 0)
+    assert t.gaps_until_affordable(2) == 0 and t.affordable(5)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(fraction=st.sampled_from([0.01, 0.025, 0.05, 0.1]), window=st.integers(1, 300),
+       steps=st.lists(st.tuples(st.integers(1, 40), st.booleans()), max_size=120), want=st.integers(1, 30))
+def test_gaps_until_affordable_is_exactly_when_a_step_becomes_affordable(fraction, window, steps, want):
+    """After the answer's number of fast gaps (in one-gap steps) a step of `want` slow gaps is affordable, and
+    after one fewer it is not."""
+    t = TailBudget(fraction, window)
+    for gaps, wants_slow in steps:
+        slow = wants_slow and t.affordable(gaps)
+        t.observe(gaps, gaps if slow else 0)
+    g = t.gaps_until_affordable(want)
+    if want > fraction * window + 1e-9:
+        assert g == -1
+        return
+    assert g >= 0
+
+    def after(n: int) -> bool:
+        probe = TailBudget(fraction, window)
+        for gaps, slow in t._steps:
+            probe.observe(gaps, slow)
+        for _ in range(n):
+            probe.observe(1, 0)
+        return probe.affordable(want)
+
+    assert after(g)
+    if g > 0:
+        assert not after(g - 1)

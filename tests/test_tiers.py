@@ -155,6 +155,36 @@ def test_calibrator_prior_then_exact_nearest_rank_quantile_over_the_window():
         adm.TtftCalibrator(quantile=0.9, window=4, min_samples=5)
 
 
+def test_miss_probability_is_the_share_of_recent_errors_over_the_slack():
+    c = adm.TtftCalibrator(quantile=0.9, window=10, min_samples=4)
+    assert c.miss_probability(SM, I, slack_s=0.03, prior_s=0.02) == 0.0  # uncalibrated: the prior decides
+    assert c.miss_probability(SM, I, slack_s=0.01, prior_s=0.02) == 1.0
+    for e in (0.04, 0.01, 0.03, 0.02):
+        c.observe(SM, I, e)
+    assert c.miss_probability(SM, I, slack_s=0.025, prior_s=9.0) == 0.5  # 0.03 and 0.04 of four
+    assert c.miss_probability(SM, I, slack_s=0.04, prior_s=9.0) == 0.0  # an error equal to the slack just makes it
+    assert c.miss_probability(SM, I, slack_s=-1.0, prior_s=9.0) == 1.0
+    assert c.miss_probability(SM, I, slack_s=0.015, prior_s=9.0, cap_s=0.015) == 0.0  # as safe as the capped margin
+
+
+def test_risk_allowance_spends_the_quantile_s_tail_as_a_budget_over_the_window():
+    c = adm.TtftCalibrator(quantile=0.9, window=4, min_samples=1, max_risk=0.25)
+    assert c.risk_allowance(SM, I) == pytest.approx(0.1)  # nothing admitted yet: one admission's share
+    c.note_admitted(SM, I, 0.0)
+    assert c.risk_allowance(SM, I) == pytest.approx(0.2)  # mean of the two within 0.1
+    c.note_admitted(SM, I, 0.0)
+    c.note_admitted(SM, I, 0.0)
+    assert c.risk_allowance(SM, I) == pytest.approx(0.25)  # 0.4 of budget, capped at max_risk
+    c.note_admitted(SM, I, 0.25)  # window full: 0, 0, 0, 0.25
+    assert c.risk_allowance(SM, I) == pytest.approx(0.15)  # the oldest 0 leaves: 0.4 - 0.25
+    c.note_admitted(SM, I, 0.15)  # 0, 0, 0.25, 0.15
+    assert c.risk_allowance(SM, I) == pytest.approx(0.1)  # spent: the quantile's own share remains
+    assert c.risk_allowance(SM, I, spend=False) == pytest.approx(0.1)
+    assert c.risk_allowance(SM, B) == pytest.approx(0.1)  # each model and tier keeps its own budget
+    with pytest.raises(ValueError, match="max_risk"):
+        adm.TtftCalibrator(quantile=0.9, window=4, min_samples=1, max_risk=1.5)
+
+
 def test_tier_pressure_counts_overload_refusals_in_the_last_window_decisions():
     p = adm.TierPressure(window=10, threshold=0.2)
     assert not p.under_pressure(SM)

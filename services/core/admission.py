@@ -12,12 +12,17 @@ is not in that snapshot, so without it a burst would be admitted against a stale
   and the tier mix of the queue ahead come from it, not from the snapshot.
 
 TTFT calibration: the prediction below is a mean-field estimate; its error depends on the load and the model.
-`TtftCalibrator` keeps, per (model, tier), the last `window` errors (observed TTFT - predicted TTFT, seconds) and
-admits a request only while predicted + correction <= its SLO, where the correction is the `quantile` of those
-errors. Until `min_samples` errors are in, the correction is the prior (1 - ttft_slack) x SLO, which is exactly
-the older rule "predicted <= SLO x slack". With the 0.97 quantile (the default), an admitted request whose
-prediction sits right at the threshold meets its TTFT 97 % of the time, and every request predicted lower does
-better; the 2 points above the 95 % promise leave room for TPOT misses and for the error drifting with the load.
+`TtftCalibrator` keeps, per (model, tier), the last `window` errors (observed TTFT - predicted TTFT, seconds). A
+request predicted with slack s before its SLO misses it with the probability that an error exceeds s: the share
+of those errors above s. A request is admitted when that probability is at most 1 - `quantile` (3 % with the
+default 0.97: predicted + the error quantile <= SLO), or, spending the risk as a budget as the batcher spends the
+ITL tail, at most `max_risk` while the mean miss probability of the model's and tier's last `window` admissions,
+this one included, stays within 1 - `quantile` (the 2 points above the 95 % promise leave room for TPOT misses
+and for the error drifting with the load). At light load most admissions carry no risk, and a prompt predicted
+close to its SLO is still admitted. Under overload a risky admission takes capacity that a safe one behind it
+would have used, so the budget is spent only while the model refuses under `RISK_PRESSURE` of its recent
+latency-tier requests (routing.py); past that the quantile rule alone holds. Until `min_samples` errors are in, the prior decides alone: (1 - ttft_slack) x SLO plus
+`ttft_prior_error` x the queued part of the prediction, as a correction (admit when the slack covers it).
 
 Tiers: a request of tier T never waits behind lower tiers (larger Priority values) except BATCH's protected floor:
 the batcher preempts lower-tier work at iteration boundaries for it (services/core/batcher.py), so only
@@ -57,7 +62,8 @@ def same_load(a: EngineLoad, b: EngineLoad) -> bool:
             and a.instance_id == b.instance_id and a.model == b.model and a.role == b.role
             and a.num_total_blocks == b.num_total_blocks and a.block_size == b.block_size
             and a.healthy == b.healthy and a.paused == b.paused and a.max_num_seqs == b.max_num_seqs
-            and a.long_prefill_tokens_per_s == b.long_prefill_tokens_per_s and a.busy_until_s == b.busy_until_s)
+            and a.long_prefill_tokens_per_s == b.long_prefill_tokens_per_s and a.busy_until_s == b.busy_until_s
+            and a.long_step_wait_s == b.long_step_wait_s)
 
 
 @dataclass(frozen=True, slots=True, init=False)  # __init__ written out: see core/types.py
@@ -300,21 +306,29 @@ def ttft_excess_s(predicted_ttft_s: float, correction_s: float, slo_ms: float) -
 
 
 class TtftCalibrator:
-    """Online error of the TTFT prediction per (model, tier); see the module docstring.
+    """Online error of the TTFT prediction per (model, tier), and the risk budget of admissions; see the module
+    docstring.
 
     `observe` takes one observed - predicted error in seconds; `correction_s` is the `quantile` (nearest rank) of
-    the last `window` errors of that key, or `prior_s` until `min_samples` are in. Exact and clock-free: the
-    window is a count of first tokens, not a time span.
+    the last `window` errors of that key, or `prior_s` until `min_samples` are in. `miss_probability` is the share
+    of those errors larger than a prediction's slack; `risk_allowance` is what the next admission of the key may
+    carry so that the mean miss probability of its last `window` admissions stays within 1 - `quantile`, and never
+    over `max_risk`. Exact and clock-free: the windows are counts of first tokens and admissions, not time spans.
     """
 
-    def __init__(self, quantile: float, window: int, min_samples: int) -> None:
+    def __init__(self, quantile: float, window: int, min_samples: int, max_risk: float = 0.25) -> None:
         if not 0.0 < quantile <= 1.0 or window < 1 or not 1 <= min_samples <= window:
             raise ValueError("need 0 < quantile <= 1 and 1 <= min_samples <= window")
+        if not 0.0 <= max_risk <= 1.0:
+            raise ValueError("need 0 <= max_risk <= 1")
         self.quantile = quantile
         self.window = window
         self.min_samples = min_samples
+        self.max_risk = max_risk
         self._recent: dict[tuple[str, Priority], deque[float]] = {}
         self._sorted: dict[tuple[str, Priority], list[float]] = {}
+        self._risks: dict[tuple[str, Priority], deque[float]] = {}
+        self._risk_sum: dict[tuple[str, Priority], float] = {}
 
     def observe(self, model: str, tier: Priority, error_s: float) -> None:
         key = (model, tier)
@@ -336,6 +350,45 @@ class TtftCalibrator:
             return min(prior_s, cap_s)
         rank = max(1, math.ceil(self.quantile * len(ordered)))
         return min(ordered[rank - 1], cap_s)
+
+    def miss_probability(self, model: str, tier: Priority, slack_s: float, prior_s: float,
+                         cap_s: float = math.inf) -> float:
+        """How likely a request predicted `slack_s` before its SLO misses it: the share of the key's recent errors
+        larger than the slack. Until `min_samples` are in, 0 when the slack covers the prior and 1 when not (the
+        prior as a correction). A slack of `cap_s` or more counts as safe, as the correction is capped."""
+        if slack_s >= cap_s:
+            return 0.0
+        ordered = self._sorted.get((model, tier), ())
+        if len(ordered) < self.min_samples:
+            return 0.0 if slack_s >= min(prior_s, cap_s) else 1.0
+        return (len(ordered) - bisect.bisect_right(ordered, slack_s)) / len(ordered)
+
+    def risk_allowance(self, model: str, tier: Priority, spend: bool = True) -> float:
+        """The largest miss probability the key's next admission may carry: 1 - `quantile` always (the calibrated
+        correction's own rule), and with `spend` more, up to `max_risk`, while the mean over the key's last
+        `window` admissions (the next one included) stays within 1 - `quantile`."""
+        if not spend:
+            return 1.0 - self.quantile
+        key = (model, tier)
+        risks = self._risks.get(key)
+        total = self._risk_sum.get(key, 0.0)
+        n = len(risks) if risks is not None else 0
+        if risks is not None and n >= self.window:  # the oldest leaves the window as the next one enters
+            total -= risks[0]
+            n -= 1
+        return max(1.0 - self.quantile, min(self.max_risk, (1.0 - self.quantile) * (n + 1) - total))
+
+    def note_admitted(self, model: str, tier: Priority, risk: float) -> None:
+        """An admission of the key that carried miss probability `risk`."""
+        key = (model, tier)
+        risks = self._risks.setdefault(key, deque())
+        risks.append(risk)
+        total = self._risk_sum.get(key, 0.0) + risk
+        if len(risks) > self.window:
+            total -= risks.popleft()
+        if risk > 0.0 and len(risks) == self.window:
+            total = math.fsum(risks)  # no drift: re-summed whenever the window is full and a risk came in
+        self._risk_sum[key] = max(0.0, total)
 
 
 class SlidingShare:
@@ -374,5 +427,9 @@ class TierPressure:
         share.observe(refused)
 
     def under_pressure(self, model: str) -> bool:
+        return self.refused_share(model) >= self.threshold
+
+    def refused_share(self, model: str) -> float:
+        """The share of overload refusals among the model's last `window` decisions (0 before any)."""
         refused = self._refused.get(model)
-        return refused is not None and refused.share() >= self.threshold
+        return 0.0 if refused is None else refused.share()

@@ -40,7 +40,7 @@ from octoserve.services.core.kv_cache import KVCacheManager
 from octoserve.services.core.preemption import PREEMPTION_MODES, VICTIM_POLICIES
 from octoserve.services.core.queues import QUEUE_POLICIES, WaitingQueue
 from octoserve.services.core.reservation import OutputLengthPredictor, ReservationContext, make_reservation_policy
-from octoserve.services.core.tail_budget import TailBudget
+from octoserve.services.core.tail_budget import FREE_STEP_SHARE, TailBudget
 if TYPE_CHECKING:
     from octoserve.services.core.steady_batcher import _Steady
 from octoserve.services.core.types import (
@@ -58,9 +58,6 @@ from octoserve.services.core.types import (
 )
 
 CHUNK_FLOOR_TOKENS = 16  # prefill tokens a step keeps however long its decodes' contexts are
-# A step planned by the linear step model to end within this share of the ITL SLO makes no slow gap: the share
-# left is for the model's error (the attention of a chunk over its own earlier chunks, which it leaves out).
-FREE_STEP_SHARE = 0.95
 NEEDS_LONG_SCAN = 4  # waiting prompts `_needs_long` looks at, past the running prefills
 CAP_MARGIN = 0.75  # share of a gang cap's spare time (past the decodes) given to prefill tokens
 
@@ -99,7 +96,7 @@ class BatcherConfig:
     # FREE_STEP_SHARE x `itl_slo_s` delays every decode in it past the SLO, so it runs only while the slow share
     # of the last `tail_window_gaps` inter-token gaps stays within `tail_budget_fraction`; shorter steps are free.
     itl_slo_s: float = 0.0
-    tail_budget_fraction: float = 0.03
+    tail_budget_fraction: float = 0.04
     tail_window_gaps: int = 4000
     # Tier preemption (1.0 = off): BATCH keeps at least this share of max_num_seqs when more urgent work waits.
     batch_min_share: float = 1.0
@@ -216,6 +213,9 @@ class Batcher:
         # When the step in flight ends by the step model (on the clock `now` is on; 0: none planned yet): a prompt
         # arriving during a long step waits for it (admission reads it from the load snapshot).
         self.busy_until_s = 0.0
+        # Prefill tokens of the step in flight: still uncomputed until its update, but already paid for by the wait
+        # until `busy_until_s`, so the load snapshot leaves them out of the queue (no double count in admission).
+        self._inflight_prefill_tokens = 0
         self._num_swap_blocks_used = 0
         self._step_id = 0
         self._run_seq = 0
@@ -346,24 +346,39 @@ class Batcher:
         return max(budget, free)
 
     def _needs_long(self, prefills: list[Request], free_chunk: int, now: float) -> bool:
-        """Whether a prompt would reach its first token after its TTFT deadline in steps that end within the free
-        share of the ITL SLO (each carrying `free_chunk` prefill tokens, one step kept for the step model's error),
-        while one step now could still make it: the running prefills in order, then the first NEEDS_LONG_SCAN
-        waiting prompts in queue order, each behind the tokens of those before it (a long step takes them in that
-        order). A prompt those steps serve in time leaves the tail to one they cannot; a prompt already lost spends
-        none, but one behind it may still be saved."""
+        """Whether a prompt must have a step past the ITL SLO now: it would reach its first token after its TTFT
+        deadline in steps that end within the free share of the ITL SLO (each carrying `free_chunk` prefill
+        tokens, one step kept for the step model's error), long steps starting now would still make it, and long
+        steps starting after one more free step (with one step to spare) would not. The running prefills in
+        order, then the first NEEDS_LONG_SCAN waiting prompts in queue order, each behind the tokens of those
+        before it (a long step takes them in that order). A prompt those steps serve in time leaves the tail to
+        one they cannot; a prompt already lost spends none, but one behind it may still be saved; a long step
+        that can wait does, so the prompts ahead that free steps finish get their first token first."""
         cfg = self.config
         if free_chunk <= 0:
             return True
         base_s = self._base_step_s(self._num_decodes)
         step_s = base_s + free_chunk * cfg.prefill_s_per_token
+        long_chunk = max(1, min(self._slack_chunk, cfg.max_num_batched_tokens - self._num_decodes,
+                                int((cfg.max_step_s - base_s) / cfg.prefill_s_per_token + 1e-9)))
         ahead = 0
+        finishing = False  # a prompt ahead gets its first token from the next free step
         for r in (*prefills, *self._waiting.head(NEEDS_LONG_SCAN)) if self._waiting else prefills:
             ahead += len(r.token_ids) - r.num_computed_tokens
             deadline_s = self._ttft_deadline_s(r)
-            if now + (1 - (-ahead // free_chunk)) * step_s > deadline_s >= now + base_s + ahead * cfg.prefill_s_per_token:
+            if now + (1 - (-ahead // free_chunk)) * step_s <= deadline_s:
+                finishing = finishing or ahead <= free_chunk
+                continue  # free steps make it
+            if deadline_s < now + self._long_s(ahead, long_chunk, base_s):
+                continue  # lost either way
+            if not finishing or deadline_s < now + 2 * step_s + self._long_s(ahead - free_chunk, long_chunk, base_s):
                 return True
         return False
+
+    def _long_s(self, num_tokens: int, long_chunk: int, base_s: float) -> float:
+        """The step model's time of `num_tokens` prefill tokens in steps of at most `long_chunk` beside the
+        running decodes (whose step time is `base_s`)."""
+        return -(-num_tokens // long_chunk) * base_s + num_tokens * self.config.prefill_s_per_token
 
     def free_budget(self, num_decodes: int, extra_kv_s: float = 0.0) -> int:
         """The largest budget whose step the step model ends within FREE_STEP_SHARE x the ITL SLO (no slow gap)."""
@@ -374,11 +389,6 @@ class Batcher:
         spare = int((FREE_STEP_SHARE * cfg.itl_slo_s - base_s) / cfg.prefill_s_per_token + 1e-9)
         return num_decodes + max(0, spare)
 
-    def long_steps_affordable(self) -> bool:
-        """Whether the tail budget would now afford a slow step over the running decodes (admission's view of the
-        prefill rate a new prompt gets)."""
-        return self.config.tpot_target_s > 0 and self.tail.affordable(self._num_decodes)
-
     def free_prefill_tokens_per_s(self) -> float:
         """The prefill rate of steps that end within the free share of the ITL SLO beside the running decodes, by
         the step model (0: no step model); what `_needs_long` plans with, and what admission is told."""
@@ -387,15 +397,29 @@ class Batcher:
         return self._step_rate(d, chunk) if chunk > 0 else 0.0
 
     def long_prefill_tokens_per_s(self) -> float:
-        """The prefill rate of a step past the ITL SLO (as long as `max_step_s` and the token ceiling allow) while
-        the tail budget affords one; 0 when it does not."""
+        """The prefill rate of a step past the ITL SLO (as long as `max_step_s` and the token ceiling allow); 0 when
+        the tail budget can never afford one over the running decodes (`long_step_wait_s` says when it can)."""
         cfg = self.config
-        if not self.long_steps_affordable() or cfg.prefill_s_per_token <= 0 or not cfg.decode_step_s_by_num_decodes:
+        if cfg.tpot_target_s <= 0 or cfg.prefill_s_per_token <= 0 or not cfg.decode_step_s_by_num_decodes:
             return 0.0
         d = self._num_decodes
+        if self.tail.gaps_until_affordable(d) < 0:
+            return 0.0
         room = int((cfg.max_step_s - self._base_step_s(d)) / cfg.prefill_s_per_token + 1e-9)
         # The running decodes' TPOT slack at the latest plan bounds it too (it grows again as they bank time).
         return self._step_rate(d, min(cfg.max_num_batched_tokens - d, room, self._slack_chunk))
+
+    def long_step_wait_s(self) -> float:
+        """Modelled seconds until the tail budget affords a step past the ITL SLO over the running decodes (0: now):
+        the fast gaps it needs, at one a decode a step, each step a free one (prompts wait, so steps carry the free
+        chunk); inf when it never will."""
+        d = self._num_decodes
+        gaps = self.tail.gaps_until_affordable(d)
+        if gaps <= 0:
+            return 0.0 if gaps == 0 else math.inf
+        cfg = self.config
+        free_chunk = max(0, self.free_budget(d) - d)
+        return -(-gaps // d) * (self._base_step_s(d) + free_chunk * cfg.prefill_s_per_token)
 
     def _base_step_s(self, num_decodes: int) -> float:
         table = self.config.decode_step_s_by_num_decodes
@@ -413,6 +437,7 @@ class Batcher:
         if cfg.decode_step_s_by_num_decodes and cfg.prefill_s_per_token > 0 and num_tokens:
             self.busy_until_s = (now + self._base_step_s(num_decodes) + extra_kv_s
                                  + (num_tokens - num_decodes) * cfg.prefill_s_per_token)
+            self._inflight_prefill_tokens = max(0, num_tokens - num_decodes)
 
     def _observe_gaps(self, now: float) -> None:
         """The in-flight step's decode tokens arrive now: one gap each, slow when the step outlasted the SLO."""
@@ -422,6 +447,7 @@ class Batcher:
         self._planned_gaps = (now, 0)
         self._num_decodes = num_decodes
         self.busy_until_s = now
+        self._inflight_prefill_tokens = 0
 
     def _extra_kv_read_s(self, decodes: list[Request], num_decode_tokens: int | None = None) -> float:
         """Step time the decodes' context beyond the sized one adds (0 when shorter or when off).
@@ -1030,13 +1056,15 @@ class Batcher:
         return sum(r.num_computed_tokens for r in self._running)
 
     def queued_prefill_tokens(self) -> int:
+        """Prompt tokens admitted and not computed, less those of the step in flight (its wait is
+        `busy_until_s`)."""
         waiting = sum(r.num_uncomputed_tokens for r in self._waiting)
         # Asked for at every routing decision over the whole running batch: one pass, no property calls.
         partial = sum(u for r in self._running if (u := len(r.token_ids) - r.num_computed_tokens) > 1)
-        return waiting + partial
+        return max(0, waiting + partial - self._inflight_prefill_tokens)
 
     def load(self, instance_id: str, model: str, prefill_tokens_per_s: float, decode_step_time_s: float,
-             long_prefill_tokens_per_s: float = 0.0) -> EngineLoad:
+             long_prefill_tokens_per_s: float = 0.0, long_step_wait_s: float = 0.0) -> EngineLoad:
         return EngineLoad(
             instance_id=instance_id,
             model=model,
@@ -1054,6 +1082,7 @@ class Batcher:
             num_reserved=self._num_reserved,
             long_prefill_tokens_per_s=long_prefill_tokens_per_s,
             busy_until_s=self.busy_until_s,
+            long_step_wait_s=long_step_wait_s,
         )
 
 

@@ -148,6 +148,7 @@ class LoadReporter:
         if b.config.tpot_target_s > 0:  # the batcher's own step model: the rates it plans with (`_needs_long`)
             rate = self.duty * (b.free_prefill_tokens_per_s() or self.prefill_tokens_per_s(n))
             long_rate = self.duty * b.long_prefill_tokens_per_s()
+            long_wait = b.long_step_wait_s() / self.duty if long_rate > 0 else 0.0
         else:
-            rate, long_rate = self.prefill_tokens_per_s(n), 0.0
-        return b.load(self.instance_id, self.model, rate, self.decode_step_time_s, long_rate)
+            rate, long_rate, long_wait = self.prefill_tokens_per_s(n), 0.0, 0.0
+        return b.load(self.instance_id, self.model, rate, self.decode_step_time_s, long_rate, long_wait)

@@ -105,9 +105,12 @@ class PolicyConfig:
     # ...and add this relative error of the step model to the queued part of each prediction until calibrated: the
     # default profile under-predicts published step times by up to ~17 % (docs/COST_MODEL.md).
     ttft_prior_error: float = 0.2
-    # Online TTFT calibration (services/core/admission.py TtftCalibrator): admit while predicted + the
-    # `ttft_quantile` of the last `ttft_window` prediction errors of the model and tier <= the SLO.
+    # Online TTFT calibration and the admission risk budget (services/core/admission.py TtftCalibrator): a request
+    # is admitted while its miss probability (the share of the last `ttft_window` prediction errors of its model and
+    # tier above its slack) is at most 1 - `ttft_quantile`, or at most `ttft_max_risk` while the mean over the
+    # key's last `ttft_window` admissions stays within 1 - `ttft_quantile` (3 %: inside the 95 % promise).
     ttft_quantile: float = 0.97
+    ttft_max_risk: float = 0.25
     ttft_window: int = 256
     ttft_min_samples: int = 32
     # Tiers under saturation: a waiting request preempts running requests of less urgent tiers at iteration
@@ -130,15 +133,16 @@ class PolicyConfig:
     # With slo_sizing: a step may run longer than the ITL target (up to max_step_factor x it) while every running
     # decode keeps its mean time per output token on target (services/core/batcher.py, _slack_budget).
     slack_chunking: bool = True
-    max_step_factor: float = 6.0
+    max_step_factor: float = 10.0
     # ...counting a long step's delay as paid back over each decode's next `tpot_horizon_tokens` tokens at the
     # current step pace (TPOT is a mean over the whole output; 0: the mean so far stays on target at every step).
     tpot_horizon_tokens: int = 32
     # With slack_chunking, the ITL tail budget (services/core/tail_budget.py): a step past the ITL SLO (a whole
     # prompt at once) runs only while the slow share of the instance's last `tail_window_gaps` inter-token gaps
-    # stays within `tail_budget_fraction`. The ITL SLO is a P95, so 5 % of gaps may be slow; spending about half of
-    # that leaves the rest for the cost model's error and for the model's other instances.
-    tail_budget_fraction: float = 0.03
+    # stays within `tail_budget_fraction`. The ITL SLO is a P95, so 5 % of gaps may be slow; every instance of a
+    # model keeping its own share within 4 % keeps the model's pooled share there too, and the last point is for the
+    # step model's error (a free step that runs past the SLO).
+    tail_budget_fraction: float = 0.04
     tail_window_gaps: int = 4000
 
 
@@ -497,7 +501,7 @@ def _policies(raw: Mapping[str, Any], problems: list[str]) -> PolicyConfig:
         problems.append(f"policies.picker: unknown picker {picker!r}; choose one of: {', '.join(ROUTING_PICKERS)}")
     bounds = _tier_map(raw.get("tier_queue_bound", {}), "policies.tier_queue_bound", problems, _default_tier_queue_bound(), int)
     scalars = {k: raw[k] for k in ("ttft_slack", "ttft_prior_error", "predicted_output_tokens", "kv_watermark", "min_retry_after_ms",
-                                   "swap_space_bytes", "max_step_factor", "ttft_quantile", "ttft_window",
+                                   "swap_space_bytes", "max_step_factor", "ttft_quantile", "ttft_max_risk", "ttft_window",
                                    "ttft_min_samples", "batch_min_share", "tail_budget_fraction",
                                    "tail_window_gaps", "tpot_horizon_tokens") if k in raw}
     for key, value in scalars.items():
@@ -507,6 +511,10 @@ def _policies(raw: Mapping[str, Any], problems: list[str]) -> PolicyConfig:
         value = scalars.get(key)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and not 0 < value <= 1:
             problems.append(f"policies.{key} is {value!r}; set a fraction in (0, 1]")
+    risk = scalars.get("ttft_max_risk")
+    if isinstance(risk, (int, float)) and not isinstance(risk, bool) and not 0 <= risk <= 1:
+        problems.append(f"policies.ttft_max_risk is {risk!r}; set a probability in [0, 1]: the largest chance of "
+                        "missing its TTFT SLO one admitted request may carry")
     fraction = scalars.get("tail_budget_fraction")
     if isinstance(fraction, (int, float)) and not isinstance(fraction, bool) and not 0 <= fraction < 0.05:
         problems.append(f"policies.tail_budget_fraction is {fraction!r}; set a fraction in [0, 0.05): the share of "

@@ -125,7 +125,7 @@ class Candidate(NamedTuple):
     ttft_slo_s: float = math.inf  # the request's TTFT SLO
     step_wait_s: float = 0.0  # until the instance's step in flight ends (a long prefill step holds every newcomer)
     # Its first token if the prompts queued here and its own ran in steps past the ITL SLO (whole prompts at once),
-    # which the instance's ITL tail budget affords now; inf when it does not.
+    # once the instance's ITL tail budget affords them; inf when it never does.
     rescue_ttft_s: float = math.inf
 
     @property
@@ -260,7 +260,7 @@ class RouterPolicy:
         self.extra_key = extra_key
         self.ledger = adm.InFlightLedger()
         p = config.policies
-        self.calibrator = adm.TtftCalibrator(p.ttft_quantile, p.ttft_window, p.ttft_min_samples)
+        self.calibrator = adm.TtftCalibrator(p.ttft_quantile, p.ttft_window, p.ttft_min_samples, p.ttft_max_risk)
         self.pressure = adm.TierPressure()
         self._filters = [FILTERS.get(n) for n in config.policies.routing_filters]
         self._scorers = [(SCORERS.get(n), w) for n, w in sorted(config.policies.scorer_weights.items()) if w > 0]
@@ -321,6 +321,15 @@ class RouterPolicy:
 
     def candidate_correction_s(self, spec: RequestSpec, c: Candidate, slo_ms: float) -> float:
         return self.ttft_correction_s(spec.model, spec.priority, slo_ms, c.earliest_ttft_s - c.own_prefill_s)
+
+    def candidate_risk(self, spec: RequestSpec, c: Candidate, slo_ms: float) -> float:
+        """How likely `spec` misses its TTFT SLO on `c`: the calibrated share of errors over its slack (the prior
+        decides until calibrated; see `ttft_correction_s`)."""
+        policies = self.config.policies
+        slo_s = slo_ms / 1000.0
+        prior_s = (1.0 - policies.ttft_slack) * slo_s + policies.ttft_prior_error * (c.earliest_ttft_s - c.own_prefill_s)
+        return self.calibrator.miss_probability(spec.model, spec.priority, slo_s - c.earliest_ttft_s, prior_s,
+                                                MAX_CORRECTION * slo_s)
 
     def on_finished(self, request_id: str) -> None:
         self.ledger.on_finished(request_id)
@@ -407,13 +416,19 @@ class RouterPolicy:
                     return self._refuse(spec, kept, "no decode instance has KV headroom for prompt + reservation",
                                         "kv_headroom")
                 kept = colocated
+        risks: dict[str, float] = {}
         if admit:
-            feasible = [c for c in kept if adm.ttft_excess_s(c.earliest_ttft_s,
-                                                             self.candidate_correction_s(spec, c, slo_ms), slo_ms) <= 0]
+            spend = self.pressure.refused_share(spec.model) < RISK_PRESSURE
+            allowance = self.calibrator.risk_allowance(spec.model, spec.priority, spend) + 1e-12
+            for c in kept:
+                risks[c.instance.id] = self.candidate_risk(spec, c, slo_ms)
+            feasible = [c for c in kept if risks[c.instance.id] <= allowance]
             if not feasible:
                 return self._refuse_ttft(spec, kept, slo_ms)
             kept = feasible
         chosen = self._pick(kept)
+        if admit:
+            self.calibrator.note_admitted(spec.model, spec.priority, risks[chosen.instance.id])
         if chosen.instance.role is not Role.PREFILL:
             decode_id = None  # a colocated entry of a mixed placement runs the whole request: no decode side
         # Rounded to the microsecond: sub-microsecond float noise is not a prediction.
@@ -477,7 +492,7 @@ class RouterPolicy:
     def _rescue_ttft_s(load: EngineLoad, num_tokens: float, slot_wait_s: float) -> float:
         """`Candidate.rescue_ttft_s`: the queued prompts and its own (`num_tokens`) at the long-step rate."""
         rate = load.long_prefill_tokens_per_s
-        return max(slot_wait_s, 0.0) + num_tokens / rate if rate > 0 else math.inf
+        return max(slot_wait_s, load.long_step_wait_s, 0.0) + num_tokens / rate if rate > 0 else math.inf
 
     def _instance_figures(self, inst: InstanceConfig, load: EngineLoad, tier: Priority,
                           cost: CostModelLike) -> _Figures:
@@ -661,6 +676,11 @@ MAX_CONTEXT_TOKENS = 2**31
 # The calibrated TTFT correction never exceeds this fraction of the SLO: requests predicted under the rest still
 # get in, so errors keep being observed and the correction can come down when the load does.
 MAX_CORRECTION = 0.8
+
+# The admission risk budget (admission.py, TtftCalibrator) is spent only while a model refuses less than this share
+# of its recent INTERACTIVE and STANDARD requests: past it the model is overloaded, and a risky admission would take
+# the capacity of safe ones behind it.
+RISK_PRESSURE = 0.25
 
 
 def build_cost_models(config: NodeConfig) -> dict[str, Any]:

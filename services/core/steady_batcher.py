@@ -226,7 +226,7 @@ class SteadyBatcher(Batcher):
             self._explicit.discard(r)
         # A steady request has exactly one token to compute: it adds nothing here.
         partial = sum(u for r in self._explicit if (u := len(r.token_ids) - r.num_computed_tokens) > 1)
-        return waiting + partial
+        return max(0, waiting + partial - self._inflight_prefill_tokens)
 
     def schedule(self, now: float, step_cap_s: float | None = None):
         self.sync_all()

@@ -20,6 +20,10 @@ from __future__ import annotations
 
 from collections import deque
 
+# A step planned by the linear step model to end within this share of the ITL SLO makes no slow gap: the share
+# left is for the model's error (the attention of a chunk over its own earlier chunks, which it leaves out).
+FREE_STEP_SHARE = 0.95
+
 
 class TailBudget:
     """The slow share of an instance's recent inter-token gaps; see the module docstring."""
@@ -55,6 +59,25 @@ class TailBudget:
         if num_gaps <= 0:
             return True
         return self._num_slow + num_gaps <= self.fraction * self.window_gaps + 1e-9
+
+    def gaps_until_affordable(self, num_gaps: int) -> int:
+        """How many more fast gaps must come before a step of `num_gaps` slow ones is `affordable` (0: now; -1:
+        never, the step alone is over the budget). Each new gap pushes the window on; a step leaves it once the
+        steps after it cover the window alone, taking its slow gaps with it."""
+        limit = self.fraction * self.window_gaps + 1e-9
+        if num_gaps <= 0 or self._num_slow + num_gaps <= limit:
+            return 0
+        if num_gaps > limit:
+            return -1
+        slow = self._num_slow
+        dropped = 0
+        for gaps, step_slow in self._steps:
+            dropped += gaps
+            slow -= step_slow
+            if slow + num_gaps <= limit:
+                # This step leaves once the gaps after it (held and new) reach the window.
+                return max(0, self.window_gaps - (self._num_gaps - dropped))
+        return self.window_gaps  # unreachable: with every step gone the slow count is 0
 
     def slow_share(self) -> float:
         """The slow share of the gaps in the window (0 before any)."""

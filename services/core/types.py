@@ -198,12 +198,14 @@ class EngineLoad:
     max_num_seqs: int = 0  # decode slots of the instance (0: unknown, no slot limit assumed)
     mean_output_tokens: float = 0.0  # recent mean completion length (0: unknown)
     num_reserved: int = 0  # decode reservations whose KV has not arrived (each decodes here once it does)
-    # Prefill rate of a step past the ITL SLO while the ITL tail budget affords one (0: not now); the batcher runs
+    # Prefill rate of a step past the ITL SLO (0: none, or the ITL tail budget never affords one); the batcher runs
     # one only for a prompt that steps within the SLO would bring to its first token too late.
     long_prefill_tokens_per_s: float = 0.0
     # When the instance's step in flight ends by its step model, on the modelled clock routers decide on (seconds;
     # 0: unknown): a prompt arriving before then starts no sooner.
     busy_until_s: float = 0.0
+    # Seconds until the ITL tail budget affords such a step (0: now).
+    long_step_wait_s: float = 0.0
 
     def __init__(
         self,
@@ -225,6 +227,7 @@ class EngineLoad:
         num_reserved: int = 0,
         long_prefill_tokens_per_s: float = 0.0,
         busy_until_s: float = 0.0,
+        long_step_wait_s: float = 0.0,
     ) -> None:
         object.__setattr__(self, "instance_id", instance_id)
         object.__setattr__(self, "model", model)
@@ -244,6 +247,7 @@ class EngineLoad:
         object.__setattr__(self, "num_reserved", num_reserved)
         object.__setattr__(self, "long_prefill_tokens_per_s", long_prefill_tokens_per_s)
         object.__setattr__(self, "busy_until_s", busy_until_s)
+        object.__setattr__(self, "long_step_wait_s", long_step_wait_s)
 
     @property
     def kv_usage(self) -> float:

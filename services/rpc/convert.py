@@ -233,6 +233,7 @@ def load_to_pb(load: EngineLoad, seq: int = 0, kv_events: Iterable[KVEvent] = ()
         num_reserved=load.num_reserved,
         long_prefill_tokens_per_s=load.long_prefill_tokens_per_s,
         busy_until_s=load.busy_until_s,
+        long_step_wait_s=load.long_step_wait_s,
     )
 
 
@@ -256,4 +257,5 @@ def load_from_pb(m: w_pb.LoadReport) -> EngineLoad:
         num_reserved=m.num_reserved,
         long_prefill_tokens_per_s=m.long_prefill_tokens_per_s,
         busy_until_s=m.busy_until_s,
+        long_step_wait_s=m.long_step_wait_s,
     )
