@@ -283,7 +283,7 @@ def test_a_cost_model_replaced_after_routing_is_the_one_the_itl_check_uses():
 
 def test_same_load_is_the_dataclass_equality_field_by_field():
     # The ledger compares a new snapshot with the one it holds without the dataclass's interpreted __eq__:
-    # every one of the 19 fields must count, each alone.
+    # every one of the 21 fields must count, each alone.
     base = dataclasses.replace(load("sm-0", running=3, waiting=2, queued=40), max_num_seqs=64,
                                mean_output_tokens=120.5, num_reserved=1)
     assert adm.same_load(base, dataclasses.replace(base)) and base == dataclasses.replace(base)
@@ -291,7 +291,8 @@ def test_same_load_is_the_dataclass_equality_field_by_field():
                "num_total_blocks": 999, "num_free_blocks": 998, "block_size": 32, "queued_prefill_tokens": 41,
                "prefill_tokens_per_s": base.prefill_tokens_per_s * 2, "decode_step_time_s": 0.02, "healthy": False,
                "paused": True, "max_num_seqs": 65, "mean_output_tokens": 121.0, "num_reserved": 2,
-               "long_prefill_tokens_per_s": 9000.0, "busy_until_s": 12.5, "long_step_wait_s": 0.25}
+               "long_prefill_tokens_per_s": 9000.0, "busy_until_s": 12.5, "long_step_wait_s": 0.25,
+                   "long_burst_tokens": 512.0, "long_sustained_tokens_per_s": 777.0}
     assert set(changed) == {f.name for f in dataclasses.fields(base)}
     for name, value in changed.items():
         other = dataclasses.replace(base, **{name: value})

@@ -28,7 +28,7 @@ def _every_field_set() -> EngineLoad:
         num_total_blocks=1000, num_free_blocks=250, block_size=32, queued_prefill_tokens=4096,
         prefill_tokens_per_s=12345.5, decode_step_time_s=0.0264, healthy=False, paused=True, max_num_seqs=7,
         mean_output_tokens=96.5, num_reserved=2, long_prefill_tokens_per_s=23456.5,
-        busy_until_s=77.25, long_step_wait_s=0.375,
+        busy_until_s=77.25, long_step_wait_s=0.375, long_burst_tokens=4096.0, long_sustained_tokens_per_s=1234.5,
     )
 
 

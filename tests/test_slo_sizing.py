@@ -1,5 +1,7 @@
 """SLO sizing: the sized batch and budget keep a step under the ITL target, and are the largest that do."""
 
+from pathlib import Path
+
 import pytest
 
 from octoserve.services.core.cost_model import CostModel
@@ -63,3 +65,36 @@ def test_sizing_probes_are_the_step_times_of_the_batches_they_stand_for(profile,
                 chunk = n * CHUNK_QUANTUM
                 probe = cost.chunks_time_s((chunk,), (0,), 1, num_steady=d, steady_tokens=d * (ctx + 1))
                 assert probe == cost.step_time_s([(chunk, 0)] + [(1, ctx)] * d)
+
+
+def test_with_the_tail_budget_decodes_fill_the_free_step_and_leave_the_tpot_slack():
+    from octoserve.services.core.cost_model import COST_PROFILES
+
+    cost = CostModel(MODEL_PRESETS["llama-3-70b"], H100, 4, COST_PROFILES["pessimistic"])
+    plain = size_for_slo(cost, Role.COLOCATED, itl_slo_ms=30, max_num_seqs=256, max_num_batched_tokens=4096)
+    assert plain.max_num_seqs == 1  # one 70B decode at TP=4 (26.4 ms) is past 0.85 x 0.85 x 30 ms: batch of one
+    tail = size_for_slo(cost, Role.COLOCATED, itl_slo_ms=30, max_num_seqs=256, max_num_batched_tokens=4096,
+                        tail_budget=True)
+    limit_s = 0.95 * 0.97 * 0.030  # the free step's share decodes may fill
+    assert tail.step_target_s == pytest.approx(0.95 * 0.030)
+    assert cost.step_time_s([(1, CTX)] * tail.max_num_seqs) <= limit_s
+    assert cost.step_time_s([(1, CTX)] * (tail.max_num_seqs + 1)) > limit_s
+    assert tail.max_num_seqs > 4 * plain.max_num_seqs
+
+
+def test_instances_size_for_the_tail_budget_except_gang_members():
+    from octoserve.services.config import load_node_config
+    from octoserve.services.core.instance import instance_parts
+
+    node = load_node_config()
+    lm = next(i for i in node.instances if i.model == "llama-3-70b")
+    cost = node.cost_model(lm)
+    tail = size_for_slo(cost, Role.COLOCATED, itl_slo_ms=30, max_num_seqs=lm.max_num_seqs,
+                        max_num_batched_tokens=lm.max_num_batched_tokens, tail_budget=True)
+    assert instance_parts(node, lm).batcher_config.max_num_seqs == tail.max_num_seqs
+    gang = load_node_config(Path(__file__).resolve().parents[1] / "services" / "configs" / "node-gang.yaml")
+    member = gang.instances[0]
+    plain = size_for_slo(gang.cost_model(member), member.role, itl_slo_ms=gang.slo.for_model(member.model).itl_ms,
+                         max_num_seqs=member.max_num_seqs, max_num_batched_tokens=member.max_num_batched_tokens)
+    assert gang.gang.group_of(member.id) is not None
+    assert instance_parts(gang, member).batcher_config.max_num_seqs == plain.max_num_seqs

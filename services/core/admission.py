@@ -63,7 +63,8 @@ def same_load(a: EngineLoad, b: EngineLoad) -> bool:
             and a.num_total_blocks == b.num_total_blocks and a.block_size == b.block_size
             and a.healthy == b.healthy and a.paused == b.paused and a.max_num_seqs == b.max_num_seqs
             and a.long_prefill_tokens_per_s == b.long_prefill_tokens_per_s and a.busy_until_s == b.busy_until_s
-            and a.long_step_wait_s == b.long_step_wait_s)
+            and a.long_step_wait_s == b.long_step_wait_s and a.long_burst_tokens == b.long_burst_tokens
+            and a.long_sustained_tokens_per_s == b.long_sustained_tokens_per_s)
 
 
 @dataclass(frozen=True, slots=True, init=False)  # __init__ written out: see core/types.py

@@ -210,6 +210,7 @@ class Batcher:
         self._planned_gaps = (0.0, 0)  # (plan time, decodes) of the step in flight: its gaps, judged at update
         self._num_decodes = 0  # decodes of the latest step (steady decodes' token lists may run ahead: not counted)
         self._slack_chunk = 1 << 30  # prefill tokens the TPOT slack allowed a step at the latest plan with prompts
+        self._slack_tokens = 1 << 30  # ...and the slack's prefill tokens in all, before max_step_s bounds a step
         # When the step in flight ends by the step model (on the clock `now` is on; 0: none planned yet): a prompt
         # arriving during a long step waits for it (admission reads it from the load snapshot).
         self.busy_until_s = 0.0
@@ -399,15 +400,54 @@ class Batcher:
     def long_prefill_tokens_per_s(self) -> float:
         """The prefill rate of a step past the ITL SLO (as long as `max_step_s` and the token ceiling allow); 0 when
         the tail budget can never afford one over the running decodes (`long_step_wait_s` says when it can)."""
+        chunk = self._long_chunk()
+        return self._step_rate(self._num_decodes, chunk) if chunk > 0 else 0.0
+
+    def _long_chunk(self) -> int:
+        """Prefill tokens one step past the ITL SLO takes beside the running decodes (0: none ever affordable)."""
         cfg = self.config
         if cfg.tpot_target_s <= 0 or cfg.prefill_s_per_token <= 0 or not cfg.decode_step_s_by_num_decodes:
-            return 0.0
+            return 0
         d = self._num_decodes
         if self.tail.gaps_until_affordable(d) < 0:
-            return 0.0
+            return 0
         room = int((cfg.max_step_s - self._base_step_s(d)) / cfg.prefill_s_per_token + 1e-9)
         # The running decodes' TPOT slack at the latest plan bounds it too (it grows again as they bank time).
-        return self._step_rate(d, min(cfg.max_num_batched_tokens - d, room, self._slack_chunk))
+        return max(0, min(cfg.max_num_batched_tokens - d, room, self._slack_chunk))
+
+    def long_burst_tokens(self) -> float:
+        """Prefill tokens the long steps the tail budget affords back to back take, from when the first is
+        affordable: every one it affords now (one when it must wait); inf with no decodes (a step delays no gap)."""
+        chunk = self._long_chunk()
+        d = self._num_decodes
+        if chunk <= 0:
+            return 0.0
+        if d == 0:
+            return math.inf
+        tail = self.tail
+        steps = int((tail.fraction * tail.window_gaps - tail.num_slow + 1e-9) // d)
+        return float(max(chunk, min(chunk * steps, self._slack_tokens)))
+
+    def long_sustained_tokens_per_s(self) -> float:
+        """The prefill rate of long steps once the burst is spent: a window of gaps holds `fraction` of them slow, so
+        one step in 1 / fraction may be long, the rest free ones (each also carrying its free chunk); and the
+        decodes' TPOT slack grows by the target less the step time a step, which a long step spends."""
+        chunk = self._long_chunk()
+        d = self._num_decodes
+        if chunk <= 0:
+            return 0.0
+        if d == 0 or self.tail.fraction <= 0:
+            return self._step_rate(d, chunk) if d == 0 else 0.0
+        cfg = self.config
+        base_s = self._base_step_s(d)
+        free_chunk = max(0, self.free_budget(d) - d)
+        free_steps = 1.0 / self.tail.fraction - 1.0
+        free_step_s = base_s + free_chunk * cfg.prefill_s_per_token
+        period_s = free_steps * free_step_s + base_s + chunk * cfg.prefill_s_per_token
+        tail_rate = (chunk + free_steps * free_chunk) / period_s
+        regain = max(0.0, cfg.tpot_target_s - free_step_s) / free_step_s  # slack seconds a second of free steps
+        tpot_rate = free_chunk / free_step_s + regain / cfg.prefill_s_per_token
+        return min(tail_rate, tpot_rate)
 
     def long_step_wait_s(self) -> float:
         """Modelled seconds until the tail budget affords a step past the ITL SLO over the running decodes (0: now):
@@ -483,13 +523,23 @@ class Batcher:
             return 0
         base_s = table[min(len(decodes), len(table) - 1)] + extra_kv_s
         payback_s = cfg.tpot_horizon_tokens * (cfg.tpot_target_s - base_s)
-        allowed_s = cfg.max_step_s if decodes else max(cfg.max_step_s, self._idle_step_s)
+        tpot_s = math.inf
         for r in decodes:
             if r.first_token_s is not None:
                 k = len(r.token_ids) - r.num_prompt_tokens - 1
-                allowed_s = min(allowed_s, r.first_token_s + (k + 1) * cfg.tpot_target_s - now + payback_s)
+                tpot_s = min(tpot_s, r.first_token_s + (k + 1) * cfg.tpot_target_s - now + payback_s)
+        self._note_slack(tpot_s, base_s)
+        allowed_s = min(tpot_s, cfg.max_step_s if decodes else max(cfg.max_step_s, self._idle_step_s))
         extra_tokens = int((allowed_s - base_s) / cfg.prefill_s_per_token + 1e-9)  # no float round-down
         return min(cfg.max_num_batched_tokens, len(decodes) + max(0, extra_tokens))
+
+    def _note_slack(self, tpot_s: float, base_s: float) -> None:
+        """The prefill tokens the running decodes' TPOT slack affords in all, past the step's own decodes (what
+        long steps may take back to back before the slack runs out)."""
+        if tpot_s == math.inf:
+            self._slack_tokens = 1 << 30
+        else:
+            self._slack_tokens = max(0, int((tpot_s - base_s) / self.config.prefill_s_per_token + 1e-9))
 
     def _capped_budget(self, num_decodes: int, cap_s: float, extra_kv_s: float) -> int:
         cfg = self.config
@@ -1064,7 +1114,8 @@ class Batcher:
         return max(0, waiting + partial - self._inflight_prefill_tokens)
 
     def load(self, instance_id: str, model: str, prefill_tokens_per_s: float, decode_step_time_s: float,
-             long_prefill_tokens_per_s: float = 0.0, long_step_wait_s: float = 0.0) -> EngineLoad:
+             long_prefill_tokens_per_s: float = 0.0, long_step_wait_s: float = 0.0, long_burst_tokens: float = 0.0,
+             long_sustained_tokens_per_s: float = 0.0) -> EngineLoad:
         return EngineLoad(
             instance_id=instance_id,
             model=model,
@@ -1083,6 +1134,8 @@ class Batcher:
             long_prefill_tokens_per_s=long_prefill_tokens_per_s,
             busy_until_s=self.busy_until_s,
             long_step_wait_s=long_step_wait_s,
+            long_burst_tokens=long_burst_tokens,
+            long_sustained_tokens_per_s=long_sustained_tokens_per_s,
         )
 
 

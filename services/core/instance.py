@@ -64,9 +64,12 @@ def _sizing_fields(node: NodeConfig, instance: InstanceConfig, cost_model: CostM
     fields = dict(max_num_seqs=instance.max_num_seqs, max_num_batched_tokens=instance.max_num_batched_tokens)
     if not policies.slo_sizing:
         return fields
+    # A gang member's steps are capped by its lease share, so its batch keeps room for prefill chunks (and the
+    # gang's bounds, checked on that batch, hold).
+    in_gang = node.gang is not None and node.gang.group_of(instance.id) is not None
     sized = size_for_slo(
         cost_model, instance.role, itl_slo_ms=itl_ms, max_num_seqs=instance.max_num_seqs,
-        max_num_batched_tokens=instance.max_num_batched_tokens,
+        max_num_batched_tokens=instance.max_num_batched_tokens, tail_budget=policies.slack_chunking and not in_gang,
     )
     fields.update(max_num_seqs=sized.max_num_seqs, max_num_batched_tokens=sized.max_num_batched_tokens)
     if sized.budget_by_num_decodes:
@@ -149,6 +152,8 @@ class LoadReporter:
             rate = self.duty * (b.free_prefill_tokens_per_s() or self.prefill_tokens_per_s(n))
             long_rate = self.duty * b.long_prefill_tokens_per_s()
             long_wait = b.long_step_wait_s() / self.duty if long_rate > 0 else 0.0
+            burst, sustained = b.long_burst_tokens(), self.duty * b.long_sustained_tokens_per_s()
         else:
             rate, long_rate, long_wait = self.prefill_tokens_per_s(n), 0.0, 0.0
-        return b.load(self.instance_id, self.model, rate, self.decode_step_time_s, long_rate, long_wait)
+            burst, sustained = 0.0, 0.0
+        return b.load(self.instance_id, self.model, rate, self.decode_step_time_s, long_rate, long_wait, burst, sustained)

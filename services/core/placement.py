@@ -136,7 +136,10 @@ class PolicyConfig:
     max_step_factor: float = 10.0
     # ...counting a long step's delay as paid back over each decode's next `tpot_horizon_tokens` tokens at the
     # current step pace (TPOT is a mean over the whole output; 0: the mean so far stays on target at every step).
-    tpot_horizon_tokens: int = 32
+    # 256: under a quarter of a seed-000 request's median output (~1,100 tokens); where decodes run close to the
+    # target (the 70B at TP=4 under the pessimistic profile: 26.6-28.5 ms a step) a shorter horizon leaves no step
+    # long enough for a prompt.
+    tpot_horizon_tokens: int = 256
     # With slack_chunking, the ITL tail budget (services/core/tail_budget.py): a step past the ITL SLO (a whole
     # prompt at once) runs only while the slow share of the instance's last `tail_window_gaps` inter-token gaps
     # stays within `tail_budget_fraction`. The ITL SLO is a P95, so 5 % of gaps may be slow; every instance of a
@@ -706,7 +709,7 @@ def gang_step_floor_s(config: NodeConfig, inst: InstanceConfig) -> float:
     cost = config.cost_model(inst)
     sized = size_for_slo(cost, inst.role, itl_slo_ms=config.slo.for_model(inst.model).itl_ms,
                          max_num_seqs=inst.max_num_seqs,
-                         max_num_batched_tokens=inst.max_num_batched_tokens)
+                         max_num_batched_tokens=inst.max_num_batched_tokens)  # gang members: no tail sizing
     table = sized.decode_step_s_by_num_decodes
     return table[-1] if table else cost.decode_step_time_s(sized.max_num_seqs, sized.context_tokens or 1200)
 

@@ -490,9 +490,14 @@ class RouterPolicy:
 
     @staticmethod
     def _rescue_ttft_s(load: EngineLoad, num_tokens: float, slot_wait_s: float) -> float:
-        """`Candidate.rescue_ttft_s`: the queued prompts and its own (`num_tokens`) at the long-step rate."""
+        """`Candidate.rescue_ttft_s`: the queued prompts and its own (`num_tokens`) in long steps: once the tail
+        budget affords one, the burst it affords at the long-step rate, the rest at the rate it sustains."""
         rate = load.long_prefill_tokens_per_s
-        return max(slot_wait_s, load.long_step_wait_s, 0.0) + num_tokens / rate if rate > 0 else math.inf
+        if rate <= 0:
+            return math.inf
+        burst = min(num_tokens, load.long_burst_tokens) if load.long_sustained_tokens_per_s > 0 else num_tokens
+        sustained_s = (num_tokens - burst) / load.long_sustained_tokens_per_s if num_tokens > burst else 0.0
+        return max(slot_wait_s, load.long_step_wait_s, 0.0) + burst / rate + sustained_s
 
     def _instance_figures(self, inst: InstanceConfig, load: EngineLoad, tier: Priority,
                           cost: CostModelLike) -> _Figures:

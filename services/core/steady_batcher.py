@@ -32,6 +32,8 @@ For the simulator only: it assumes the executor is `SimExecutor` (tokens from `t
 
 from __future__ import annotations
 
+import math
+
 import bisect
 from collections.abc import Sequence
 
@@ -315,7 +317,7 @@ class SteadyBatcher(Batcher):
             return 0
         base_s = table[min(n, len(table) - 1)] + extra_kv_s
         payback_s = cfg.tpot_horizon_tokens * (cfg.tpot_target_s - base_s)
-        allowed_s = cfg.max_step_s if n else max(cfg.max_step_s, self._idle_step_s)
+        tpot_s = math.inf
         target = cfg.tpot_target_s
         slack = self._slack
         if slack:
@@ -324,8 +326,10 @@ class SteadyBatcher(Batcher):
                 if key[0] > limit:
                     break
                 r = key[2]
-                allowed_s = min(allowed_s, r.first_token_s + (r.steady.c + s - r.num_prompt_tokens) * target - now
-                                + payback_s)
+                tpot_s = min(tpot_s, r.first_token_s + (r.steady.c + s - r.num_prompt_tokens) * target - now
+                             + payback_s)
+        self._note_slack(tpot_s, base_s)
+        allowed_s = min(tpot_s, cfg.max_step_s if n else max(cfg.max_step_s, self._idle_step_s))
         extra_tokens = int((allowed_s - base_s) / cfg.prefill_s_per_token + 1e-9)  # no float round-down
         return min(cfg.max_num_batched_tokens, n + max(0, extra_tokens))
 

@@ -204,8 +204,12 @@ class EngineLoad:
     # When the instance's step in flight ends by its step model, on the modelled clock routers decide on (seconds;
     # 0: unknown): a prompt arriving before then starts no sooner.
     busy_until_s: float = 0.0
-    # Seconds until the ITL tail budget affords such a step (0: now).
+    # Seconds until the ITL tail budget affords such a step (0: now), the prefill tokens the steps it then affords
+    # back to back take (inf: any number), and the long steps' prefill rate once those are spent (one step in
+    # 1 / tail_budget_fraction may be long; 0: unknown, the rate above).
     long_step_wait_s: float = 0.0
+    long_burst_tokens: float = 0.0
+    long_sustained_tokens_per_s: float = 0.0
 
     def __init__(
         self,
@@ -228,6 +232,8 @@ class EngineLoad:
         long_prefill_tokens_per_s: float = 0.0,
         busy_until_s: float = 0.0,
         long_step_wait_s: float = 0.0,
+        long_burst_tokens: float = 0.0,
+        long_sustained_tokens_per_s: float = 0.0,
     ) -> None:
         object.__setattr__(self, "instance_id", instance_id)
         object.__setattr__(self, "model", model)
@@ -248,6 +254,8 @@ class EngineLoad:
         object.__setattr__(self, "long_prefill_tokens_per_s", long_prefill_tokens_per_s)
         object.__setattr__(self, "busy_until_s", busy_until_s)
         object.__setattr__(self, "long_step_wait_s", long_step_wait_s)
+        object.__setattr__(self, "long_burst_tokens", long_burst_tokens)
+        object.__setattr__(self, "long_sustained_tokens_per_s", long_sustained_tokens_per_s)
 
     @property
     def kv_usage(self) -> float:

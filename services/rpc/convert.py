@@ -234,6 +234,8 @@ def load_to_pb(load: EngineLoad, seq: int = 0, kv_events: Iterable[KVEvent] = ()
         long_prefill_tokens_per_s=load.long_prefill_tokens_per_s,
         busy_until_s=load.busy_until_s,
         long_step_wait_s=load.long_step_wait_s,
+        long_burst_tokens=load.long_burst_tokens,
+        long_sustained_tokens_per_s=load.long_sustained_tokens_per_s,
     )
 
 
@@ -258,4 +260,6 @@ def load_from_pb(m: w_pb.LoadReport) -> EngineLoad:
         long_prefill_tokens_per_s=m.long_prefill_tokens_per_s,
         busy_until_s=m.busy_until_s,
         long_step_wait_s=m.long_step_wait_s,
+        long_burst_tokens=m.long_burst_tokens,
+        long_sustained_tokens_per_s=m.long_sustained_tokens_per_s,
     )

@@ -238,7 +238,7 @@ class ResumeReply(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("instance_id", "model", "role", "num_running", "num_waiting", "num_total_blocks", "num_free_blocks", "block_size", "queued_prefill_tokens", "prefill_tokens_per_s", "decode_step_time_s", "healthy", "paused", "kv_events", "seq", "max_num_seqs", "mean_output_tokens", "num_reserved", "long_prefill_tokens_per_s", "busy_until_s", "long_step_wait_s")
+    __slots__ = ("instance_id", "model", "role", "num_running", "num_waiting", "num_total_blocks", "num_free_blocks", "block_size", "queued_prefill_tokens", "prefill_tokens_per_s", "decode_step_time_s", "healthy", "paused", "kv_events", "seq", "max_num_seqs", "mean_output_tokens", "num_reserved", "long_prefill_tokens_per_s", "busy_until_s", "long_step_wait_s", "long_burst_tokens", "long_sustained_tokens_per_s")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -260,6 +260,8 @@ class LoadReport(_message.Message):
     LONG_PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     BUSY_UNTIL_S_FIELD_NUMBER: _ClassVar[int]
     LONG_STEP_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    LONG_BURST_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LONG_SUSTAINED_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     model: str
     role: Role
@@ -281,7 +283,9 @@ class LoadReport(_message.Message):
     long_prefill_tokens_per_s: float
     busy_until_s: float
     long_step_wait_s: float
-    def __init__(self, instance_id: _Optional[str] = ..., model: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_step_time_s: _Optional[float] = ..., healthy: _Optional[bool] = ..., paused: _Optional[bool] = ..., kv_events: _Optional[_Iterable[_Union[_kv_pb2.KVEvent, _Mapping]]] = ..., seq: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., mean_output_tokens: _Optional[float] = ..., num_reserved: _Optional[int] = ..., long_prefill_tokens_per_s: _Optional[float] = ..., busy_until_s: _Optional[float] = ..., long_step_wait_s: _Optional[float] = ...) -> None: ...
+    long_burst_tokens: float
+    long_sustained_tokens_per_s: float
+    def __init__(self, instance_id: _Optional[str] = ..., model: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_step_time_s: _Optional[float] = ..., healthy: _Optional[bool] = ..., paused: _Optional[bool] = ..., kv_events: _Optional[_Iterable[_Union[_kv_pb2.KVEvent, _Mapping]]] = ..., seq: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., mean_output_tokens: _Optional[float] = ..., num_reserved: _Optional[int] = ..., long_prefill_tokens_per_s: _Optional[float] = ..., busy_until_s: _Optional[float] = ..., long_step_wait_s: _Optional[float] = ..., long_burst_tokens: _Optional[float] = ..., long_sustained_tokens_per_s: _Optional[float] = ...) -> None: ...
 
 class GetLoadRequest(_message.Message):
     __slots__ = ()
