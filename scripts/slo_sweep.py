@@ -1,7 +1,8 @@
 """Goodput per model against offered load, octoserve beside the engines a user would pick instead, in one run.
 
-Every policy serves the same seed-000 traces on the embedded default placement (the 70B at TP=4 beside four 8B
-replicas): vLLM's defaults (`vllm-default`), Sarathi-Serve's ITL-sized budget (`sarathi`) and octoserve, each at
+Every policy serves the same seed-000 traces: vLLM's defaults (`vllm-default`), Sarathi-Serve's ITL-sized budget
+(`sarathi`) and octoserve on the embedded default placement (the 70B at TP=4 beside four 8B replicas), DistServe
+(`distserve`) on the planner's best placement with every model split into prefill and decode instances, each at
 every rate of `--rates`, under both cost profiles, over `--seeds` seeds. Each run is `--duration` seconds of
 arrivals with the first `--warmup` excluded (+30 s drain). Each model is judged against its own SLOs: a request
 is good when its TTFT and TPOT are within them, a refused request is a miss. A model's row also says whether its
@@ -13,7 +14,7 @@ node's requests pooled). Writes the BENCHMARKS.md section "## SLO budget: goodpu
 (simulator)" and docs/bench/slo_sweep_<profile>.png (good requests per second of each model against the offered
 rate). Progress on stderr.
 
-Usage: python scripts/slo_sweep.py [--rates 2,4,8,12,16,24] [--seeds 0,1,2] [--duration 120] [--warmup 20]
+Usage: python scripts/slo_sweep.py [--rates 1,2,4,8,12,16,24,300] [--seeds 0,1,2] [--duration 120] [--warmup 20]
        [--workers 2] [--benchmarks BENCHMARKS.md] [--plots docs/bench]
 """
 
@@ -21,13 +22,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import statistics
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-POLICIES = ("vllm-default", "sarathi", "octoserve")
+POLICIES = ("vllm-default", "sarathi", "distserve", "octoserve")
 PROFILES = ("default", "pessimistic")
 HEADING = "## SLO budget: goodput per model against load (simulator)"
 THRESHOLD = 0.9
@@ -55,12 +57,24 @@ def run_one(job: tuple[str, str, float, int, float, float]) -> tuple[tuple, dict
     from octoserve.services.workload import generate_trace, scaled
 
     node = dataclasses.replace(load_node_config(), cost_profile=profile)
+    if baselines.BASELINES[policy].placement == baselines.BEST_DISAGGREGATED:
+        node = disaggregated_placement(profile)
     config = baselines.configure(dataclasses.replace(baselines.BASELINES[policy], placement="static"), node)
     trace = generate_trace(scaled(WORKLOADS["seed-000"], rate_rps=rate, duration_s=duration_s), seed)
     summary = run_simulation(config, trace, seed=seed, warmup_s=warmup_s, drain_s=30.0).summary
     cells = {g.name: Cell(g.attainment_offered, g.goodput_rps, g.refused_fraction, g.ttft.p95_ms, g.itl.p95_ms,
                           g.fleet_slo_met) for g in summary.per_model}
     return job, cells, passes_capacity(summary.overall, THRESHOLD)
+
+
+@functools.lru_cache(maxsize=None)
+def disaggregated_placement(profile: str):
+    """The planner's best placement with every model split into prefill and decode instances (what the suite gives
+    DistServe), under `profile`."""
+    from octoserve.services.bench_suite import best_disaggregated, ranked_placements, with_cost_profile
+    from octoserve.services.config import load_node_config
+
+    return best_disaggregated(ranked_placements(with_cost_profile(load_node_config(), profile)))[0].config
 
 
 def median_cell(cells: list[Cell]) -> tuple[Cell, float, float]:
@@ -75,7 +89,8 @@ def per_model_pass(cells: dict[str, Cell]) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rates", default="2,4,8,12,16,24", help="offered rates, req/s (default 2,4,8,12,16,24)")
+    parser.add_argument("--rates", default="1,2,4,8,12,16,24,300",
+                        help="offered rates, req/s (default 1,2,4,8,12,16,24,300: 300 is the seed-000 peak)")
     parser.add_argument("--seeds", default="0,1,2", help="trace seeds (default 0,1,2)")
     parser.add_argument("--duration", type=float, default=120.0, help="arrival window of each run, s (default 120)")
     parser.add_argument("--warmup", type=float, default=20.0, help="arrivals excluded as warm-up, s (default 20)")
@@ -113,7 +128,8 @@ def render(results, profiles, rates, seeds, args, wall_s: float) -> str:
     models = sorted({m for cells, _ in results.values() for m in cells})
     command = (f"python scripts/slo_sweep.py --rates {args.rates} --seeds {args.seeds} --duration {args.duration:g} "
                f"--warmup {args.warmup:g} --benchmarks BENCHMARKS.md --plots docs/bench")
-    out = [f"`{command}` ({wall_s / 60:.0f} min). The seed-000 mix on the embedded default placement, every policy on "
+    out = [f"`{command}` ({wall_s / 60:.0f} min). The seed-000 mix on the embedded default placement (DistServe on the "
+           f"planner's best prefill/decode split), every policy on "
            f"the same traces, seeds {args.seeds}; {args.duration:g} s of arrivals, the first {args.warmup:g} s "
            "excluded. Each cell: the median seed's share of the model's offered requests that were good under its "
            "own SLOs (refused = miss), with the seeds' min-max, then its TTFT P95 / ITL P95 in ms; `*` marks a P95 "
@@ -186,7 +202,8 @@ def plot(results, profile, rates, seeds, path: Path) -> None:
             ys = [median_cell([results[profile, policy, r, s][0][m] for s in seeds])[0].goodput_rps for r in rates]
             ax.plot(rates, ys, marker="o", label=policy)
         ax.set_title(f"{m} ({profile} cost profile)")
-        ax.set_xlabel("offered rate, whole node (req/s)")
+        ax.set_xscale("log")
+        ax.set_xlabel("offered rate, whole node (req/s, log scale)")
         ax.set_ylabel(f"{m} requests good under its SLOs (req/s)")
         ax.grid(alpha=0.3)
         ax.legend()

@@ -495,3 +495,22 @@ def test_output_length_predictor_matches_sorting_its_window_at_every_completion(
             assert p.predict() == recent[min(len(recent) - 1, int(quantile * len(recent)))]
             mean = sum(seen[-window:]) / len(recent)
             assert p.mean() == mean and p.mean() == mean  # twice: the cached one too
+
+
+def test_the_load_snapshot_counts_the_long_step_in_flight_against_the_tail_and_the_tpot_slack():
+    # Tail: 3 slow gaps in any 60; one decode, so three long steps back to back, 490 prompt tokens each (max_step_s).
+    b = make_batcher(num_blocks=4096, max_num_batched_tokens=1000, budget_by_num_decodes=(64, 64, 64),
+                     tpot_target_s=0.020, max_step_s=0.060, decode_step_s_by_num_decodes=(0.010, 0.011, 0.012),
+                     prefill_s_per_token=0.0001, itl_slo_s=0.025, tail_budget_fraction=0.05, tail_window_gaps=60)
+    b.add_request(spec("a", prompt_len=4, max_tokens=500), 0.0)
+    for i in range(41):
+        timed_step(b, 0.001 * (i + 1), 0.001)
+    assert b.long_prefill_tokens_per_s() == pytest.approx(490 / (0.011 + 490 * 0.0001))
+    assert b.long_burst_tokens() == 3 * 490
+    # Once spent: one step in 20 may be long, and free steps (23.7 ms, 127 tokens) already run past the 20 ms TPOT
+    # target, so the decodes regain no slack: the free steps' rate is what lasts.
+    assert b.long_sustained_tokens_per_s() == pytest.approx(127 / (0.011 + 127 * 0.0001))
+    b.add_request(spec("big", prompt_len=1800, max_tokens=4, first=500, arrival=0.05), 0.05)
+    assert b.schedule(0.05).num_batched_tokens == 491  # a long step, in flight
+    assert b.queued_prefill_tokens() == 1800 - 490
+    assert b.long_burst_tokens() == 2 * 490  # its slow gap is not in the window yet, but spent

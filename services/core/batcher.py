@@ -209,7 +209,7 @@ class Batcher:
         self._idle_step_s = config.tier_ttft_slo_ms.get(Priority.STANDARD, 0.0) / 1000.0  # longest step, no decodes
         self._planned_gaps = (0.0, 0)  # (plan time, decodes) of the step in flight: its gaps, judged at update
         self._num_decodes = 0  # decodes of the latest step (steady decodes' token lists may run ahead: not counted)
-        self._slack_chunk = 1 << 30  # prefill tokens the TPOT slack allowed a step at the latest plan with prompts
+        self._slack_chunk = 1 << 30  # prefill tokens the TPOT slack allowed a step at the latest plan
         self._slack_tokens = 1 << 30  # ...and the slack's prefill tokens in all, before max_step_s bounds a step
         # When the step in flight ends by the step model (on the clock `now` is on; 0: none planned yet): a prompt
         # arriving during a long step waits for it (admission reads it from the load snapshot).
@@ -217,6 +217,7 @@ class Batcher:
         # Prefill tokens of the step in flight: still uncomputed until its update, but already paid for by the wait
         # until `busy_until_s`, so the load snapshot leaves them out of the queue (no double count in admission).
         self._inflight_prefill_tokens = 0
+        self._inflight_slow = 0  # slow gaps the long step in flight will add to the tail at its update
         self._num_swap_blocks_used = 0
         self._step_id = 0
         self._run_seq = 0
@@ -293,6 +294,8 @@ class Batcher:
         if self.config.tpot_target_s > 0 and (prefills or self._waiting):
             budget = self._spend_tail(budget, self._slack_budget(decodes, now, extra_kv_s), len(decodes), extra_kv_s,
                                       prefills, now)
+        elif self.config.tpot_target_s > 0:  # nothing to prefill: only the load report's long-step figures stay current
+            self._slack_chunk = self._slack_budget(decodes, now, extra_kv_s) - len(decodes)
         if step_cap_s is not None:
             budget = min(budget, self._capped_budget(len(decodes), step_cap_s, extra_kv_s))
         step = builder(budget)
@@ -425,7 +428,7 @@ class Batcher:
         if d == 0:
             return math.inf
         tail = self.tail
-        steps = int((tail.fraction * tail.window_gaps - tail.num_slow + 1e-9) // d)
+        steps = int((tail.fraction * tail.window_gaps - tail.num_slow - self._inflight_slow + 1e-9) // d)
         return float(max(chunk, min(chunk * steps, self._slack_tokens)))
 
     def long_sustained_tokens_per_s(self) -> float:
@@ -478,6 +481,11 @@ class Batcher:
             self.busy_until_s = (now + self._base_step_s(num_decodes) + extra_kv_s
                                  + (num_tokens - num_decodes) * cfg.prefill_s_per_token)
             self._inflight_prefill_tokens = max(0, num_tokens - num_decodes)
+            long_tokens = self._inflight_prefill_tokens - max(0, self.free_budget(num_decodes, extra_kv_s) - num_decodes)
+            if long_tokens > 0 and num_decodes:  # a long step spends the decodes' TPOT slack and, at its end, the tail
+                self._slack_tokens = max(0, self._slack_tokens - long_tokens)
+                self._slack_chunk = min(self._slack_chunk, self._slack_tokens)
+                self._inflight_slow = num_decodes
 
     def _observe_gaps(self, now: float) -> None:
         """The in-flight step's decode tokens arrive now: one gap each, slow when the step outlasted the SLO."""
@@ -488,6 +496,7 @@ class Batcher:
         self._num_decodes = num_decodes
         self.busy_until_s = now
         self._inflight_prefill_tokens = 0
+        self._inflight_slow = 0
 
     def _extra_kv_read_s(self, decodes: list[Request], num_decode_tokens: int | None = None) -> float:
         """Step time the decodes' context beyond the sized one adds (0 when shorter or when off).

@@ -284,6 +284,8 @@ class SteadyBatcher(Batcher):
         if cfg.tpot_target_s > 0 and (prefills or self._waiting):
             budget = self._spend_tail(budget, self._steady_slack_budget(n, s, now, extra_kv_s), n, extra_kv_s,
                                       prefills, now)
+        elif cfg.tpot_target_s > 0:  # nothing to prefill: only the load report's long-step figures stay current
+            self._slack_chunk = self._steady_slack_budget(n, s, now, extra_kv_s) - n
         if budget < n:
             return None
         growing = self._due(self._grow_at, s, grow=True)
