@@ -14,7 +14,7 @@ node's requests pooled). Writes the BENCHMARKS.md section "## SLO budget: goodpu
 (simulator)" and docs/bench/slo_sweep_<profile>.png (good requests per second of each model against the offered
 rate). Progress on stderr.
 
-Usage: python scripts/slo_sweep.py [--rates 1,2,4,8,12,16,24,300] [--seeds 0,1,2] [--duration 120] [--warmup 20]
+Usage: python scripts/slo_sweep.py [--rates 0.5,1,2,4,8,12,16,24,300] [--seeds 0,1,2] [--duration 120] [--warmup 20]
        [--workers 2] [--benchmarks BENCHMARKS.md] [--plots docs/bench]
 """
 
@@ -89,8 +89,8 @@ def per_model_pass(cells: dict[str, Cell]) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rates", default="1,2,4,8,12,16,24,300",
-                        help="offered rates, req/s (default 1,2,4,8,12,16,24,300: 300 is the seed-000 peak)")
+    parser.add_argument("--rates", default="0.5,1,2,4,8,12,16,24,300",
+                        help="offered rates, req/s (default 0.5,1,2,4,8,12,16,24,300: 300 is the seed-000 peak)")
     parser.add_argument("--seeds", default="0,1,2", help="trace seeds (default 0,1,2)")
     parser.add_argument("--duration", type=float, default=120.0, help="arrival window of each run, s (default 120)")
     parser.add_argument("--warmup", type=float, default=20.0, help="arrivals excluded as warm-up, s (default 20)")
