@@ -2,7 +2,7 @@
 
 Starts the scheduler, the router and one worker process per instance on 127.0.0.1 (sim engines, the embedded
 default placement, every modelled duration dilated by --time-scale so two cores can carry eight virtual GPUs),
-replays a seed-000 trace at its 300 req/s peak through the load harness for about a minute of wall time, prints
+replays a seed-000 trace at its 300 req/s peak through the load harness for about two minutes of wall time, prints
 the SLO report of the live run next to the simulator's report of the very same trace, and stops every process.
 """
 
@@ -13,7 +13,7 @@ import asyncio
 import sys
 
 from octoserve.services.agreement import Agreement, cap_outputs
-from octoserve.services.metrics import format_summary, summarize
+from octoserve.services.metrics import detect_window, format_summary, summarize
 from octoserve.services.progress import Progress
 from octoserve.services.workload import PROFILES, generate_trace, scaled
 
@@ -25,8 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="node config YAML (default: the embedded default placement)")
     parser.add_argument("--profile", default="seed-000", choices=sorted(PROFILES))
     parser.add_argument("--rate", type=float, help="req/s in modelled time (default: the profile's peak)")
-    parser.add_argument("--duration", type=parse_duration_s, default=4.0,
-                        help="arrival window in modelled time, e.g. 4s (default 4 s)")
+    parser.add_argument("--duration", type=parse_duration_s, default=8.0,
+                        help="arrival window in modelled time, e.g. 8s (default 8 s: the window after the warm-up "
+                             "holds enough one-second samples to judge steady state)")
     parser.add_argument("--time-scale", type=float, default=15.0, help="wall seconds per modelled second")
     parser.add_argument("--max-output", type=int, default=128, help="cap on true output lengths (keeps it short)")
     parser.add_argument("--seed", type=int, default=0)
@@ -36,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from octoserve.services.flags import check_positive, check_workload_flags
     from octoserve.services.launcher import describe, start_node
-    from octoserve.services.loadgen import BenchOptions, run_bench
+    from octoserve.services.loadgen import BenchOptions, run_bench_series
     from octoserve.services.sim.cli_simulate import config_source, load_with_overrides
     from octoserve.services.sim.driver import run_simulation
 
@@ -56,14 +57,16 @@ def run(args: argparse.Namespace) -> int:
         drain_s = args.max_output * 0.05 * args.time_scale + 60.0
         options = BenchOptions(drain_timeout_s=drain_s)
         try:
-            records = asyncio.run(run_bench(node.router_address, trace, time_scale=args.time_scale,
-                                            options=options, progress=bar))
+            bench = asyncio.run(run_bench_series(node.router_address, trace, time_scale=args.time_scale,
+                                                 options=options, progress=bar))
         finally:
             bar.close()
     finally:
         codes = node.stop()
     virtual = run_simulation(config, trace).summary
-    live = summarize(records, profile.slo, profile.duration_s, warmup_s=virtual.window.start_s)  # the same window
+    # The simulator's warm-up for both, and the live node's own occupancy to judge its steadiness.
+    window = detect_window(bench.occupancy, profile.duration_s, warmup_s=virtual.window.start_s)
+    live = summarize(bench.records, profile.slo, window)
     print("== live node (latencies in modelled time) ==")
     print(format_summary(live))
     print("\n== the same trace in the simulator ==")
