@@ -115,7 +115,9 @@ def test_colocated_capacity_balances_prefill_and_decode_within_the_itl():
 def test_candidate_placements_are_valid_and_cover_the_splits():
     cands = planner.candidate_placements(H100, MODELS, 8)
     labels = [p.label for p in cands]
-    assert len(labels) == len(set(labels)) == 24 + 6  # 24 static splits, 2 gang shapes x 3 LM step shares
+    # 24 static splits at one TP per model, 4 with the 70B's prefill at its own TP (TP2 + TP4 in either role on six
+    # GPUs, the 8B colocated or split on two), 2 gang shapes x 3 LM step shares
+    assert len(labels) == len(set(labels)) == 24 + 4 + 6
     assert "llama-3-70b TP4 x1 colocated | llama-3-8b TP1 x4 colocated" in labels
     assert "llama-3-70b TP2 1P+2D | llama-3-8b TP1 1P+1D" in labels
     # TP=8 would leave the 8B no GPU of its own: it appears only time-shared, in a gang group.
@@ -126,6 +128,11 @@ def test_candidate_placements_are_valid_and_cover_the_splits():
             assert sorted(g for i in p.config.instances for g in i.gpu_ids) == list(range(8))
         else:
             assert sorted({g for i in p.config.instances for g in i.gpu_ids}) == list(range(8))
+    mixed = next(p for p in cands if p.label == "llama-3-70b 1P TP2 + 1D TP4 | llama-3-8b TP1 x2 colocated").config
+    assert [(i.id, i.role, i.tp, i.gpu_ids) for i in mixed.instances] == [
+        ("lm-p0", Role.PREFILL, 2, (0, 1)), ("lm-d0", Role.DECODE, 4, (2, 3, 4, 5)),
+        ("sm-0", Role.COLOCATED, 1, (6,)), ("sm-1", Role.COLOCATED, 1, (7,)),
+    ]
     disagg = next(p for p in cands if p.label == "llama-3-70b TP2 1P+2D | llama-3-8b TP1 1P+1D").config
     assert [(i.id, i.role, i.gpu_ids) for i in disagg.instances] == [
         ("lm-p0", Role.PREFILL, (0, 1)), ("lm-d0", Role.DECODE, (2, 3)), ("lm-d1", Role.DECODE, (4, 5)),

@@ -280,22 +280,33 @@ class Placement:
     config: NodeConfig
 
 
-def _model_layouts(spec: ModelSpec, gpu: GpuSpec, num_gpus: int, tps: Sequence[int]) -> list[tuple[int, int, int]]:
-    """(tp, num_prefill, num_decode) layouts of one model on `num_gpus` GPUs; num_prefill 0 means colocated."""
+def _model_layouts(spec: ModelSpec, gpu: GpuSpec, num_gpus: int, tps: Sequence[int],
+                   mixed: bool = False) -> list[tuple[int, int, int, int]]:
+    """(tp, num_prefill, num_decode, prefill_tp) layouts of one model on `num_gpus` GPUs; num_prefill 0 means
+    colocated. The prefill instances share the decode instances' TP, or with `mixed` may take another (a TP=2
+    prefill feeding a TP=4 decode instance, say: prefill is compute-bound and needs no decode batch's KV)."""
+    fits = {tp: not (spec.num_attention_heads % tp) and num_kv_blocks(spec, gpu, tp, 0.9, 8192, 16) > 0 for tp in tps}
     out = []
     for tp in tps:
-        if num_gpus % tp or spec.num_attention_heads % tp:
-            continue
-        if num_kv_blocks(spec, gpu, tp, 0.9, 8192, 16) <= 0:  # must fit with a prefill-sized token budget too
+        if num_gpus % tp or not fits[tp]:  # must fit with a prefill-sized token budget too
             continue
         n = num_gpus // tp
-        out.append((tp, 0, n))
-        out += [(tp, p, n - p) for p in range(1, n)]
+        out.append((tp, 0, n, tp))
+        out += [(tp, p, n - p, tp) for p in range(1, n)]
+    if mixed:
+        for tp_d in tps:
+            for tp_p in tps:
+                if tp_p == tp_d or not (fits[tp_d] and fits[tp_p]):
+                    continue
+                for n_p in range(1, num_gpus // tp_p + 1):
+                    rest = num_gpus - n_p * tp_p
+                    if rest >= tp_d and rest % tp_d == 0:
+                        out.append((tp_d, n_p, rest // tp_d, tp_p))
     return out
 
 
-def _instances(model: str, prefix: str, layout: tuple[int, int, int], first_gpu: int) -> list[InstanceConfig]:
-    tp, num_prefill, n = layout
+def _instances(model: str, prefix: str, layout: tuple[int, int, int, int], first_gpu: int) -> list[InstanceConfig]:
+    tp, num_prefill, n, prefill_tp = layout
     out, gpu = [], first_gpu
     roles = [Role.PREFILL] * num_prefill + [Role.DECODE] * n if num_prefill else [Role.COLOCATED] * n
     counters: dict[Role, int] = {}
@@ -303,35 +314,41 @@ def _instances(model: str, prefix: str, layout: tuple[int, int, int], first_gpu:
         k = counters[role] = counters.get(role, -1) + 1
         tag = {Role.COLOCATED: "", Role.PREFILL: "p", Role.DECODE: "d"}[role]
         tokens = 8192 if role is Role.PREFILL else 2048
-        out.append(InstanceConfig(f"{prefix}-{tag}{k}", model, role, tp, tuple(range(gpu, gpu + tp)),
+        width = prefill_tp if role is Role.PREFILL else tp
+        out.append(InstanceConfig(f"{prefix}-{tag}{k}", model, role, width, tuple(range(gpu, gpu + width)),
                                   max_num_batched_tokens=tokens))
-        gpu += tp
+        gpu += width
     return out
 
 
-def _label(model: str, layout: tuple[int, int, int]) -> str:
-    tp, p, n = layout
-    return f"{model} TP{tp} x{n} colocated" if p == 0 else f"{model} TP{tp} {p}P+{n}D"
+def _label(model: str, layout: tuple[int, int, int, int]) -> str:
+    tp, p, n, prefill_tp = layout
+    if p == 0:
+        return f"{model} TP{tp} x{n} colocated"
+    if prefill_tp == tp:
+        return f"{model} TP{tp} {p}P+{n}D"
+    return f"{model} {p}P TP{prefill_tp} + {n}D TP{tp}"
 
 
 def candidate_placements(
     gpu: GpuSpec, models: Mapping[str, ModelSpec], num_gpus: int = 8, *, slo: SloConfig = SloConfig(),
     policies: PolicyConfig = PolicyConfig(), cost_profile: str = "default",
 ) -> list[Placement]:
-    """Every split of the GPUs between two models (the larger first, TP 2/4/8; the smaller at TP 1), colocated or
-    disaggregated per model, plus the time-shared placements of `gang_placements`. One model alone gets all GPUs."""
+    """Every split of the GPUs between two models (the larger first, TP 2/4/8, its prefill instances at their own
+    TP where split; the smaller at TP 1), colocated or disaggregated per model, plus the time-shared placements of
+    `gang_placements`. One model alone gets all GPUs."""
     names = sorted(models, key=lambda n: -models[n].num_params)
     large = names[0]
     out = []
     if len(names) == 1:
-        for layout in _model_layouts(models[large], gpu, num_gpus, TP_OPTIONS):
+        for layout in _model_layouts(models[large], gpu, num_gpus, TP_OPTIONS, mixed=True):
             insts = _instances(large, "lm", layout, 0)
             out.append(Placement(_label(large, layout), NodeConfig(gpu, num_gpus, dict(models), tuple(insts), slo, policies, cost_profile)))
         return [p for p in out if not check_placement(p.config)]
     small = names[1]
     out += gang_placements(gpu, models, num_gpus, slo=slo, policies=policies, cost_profile=cost_profile)
     for large_gpus in range(1, num_gpus):
-        for lay_l in _model_layouts(models[large], gpu, large_gpus, (2, 4, 8)):
+        for lay_l in _model_layouts(models[large], gpu, large_gpus, (2, 4, 8), mixed=True):
             for lay_s in _model_layouts(models[small], gpu, num_gpus - large_gpus, (1,)):
                 insts = _instances(large, "lm", lay_l, 0) + _instances(small, "sm", lay_s, large_gpus)
                 cfg = NodeConfig(gpu, num_gpus, dict(models), tuple(insts), slo, policies, cost_profile)
