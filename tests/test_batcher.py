@@ -322,27 +322,23 @@ def timed_step(b: Batcher, now: float, step_s: float):
     return plan, b.update(plan, StepResult(sampled), now + step_s)
 
 
-def test_slow_steps_spend_the_itl_tail_budget_and_stop_when_it_is_spent():
-    # Linear model: 11 ms for one decode + 0.1 ms a prefill token. ITL SLO 25 ms: a step ends free (no slow gap)
-    # up to 0.95 x 25 = 23.75 ms = 1 decode + 127 tokens; the TPOT slack allows 1 + (60 - 11) / 0.1 = 491.
-    # Tail: 5 % of a 60-gap window = 3 slow gaps in any 60.
-    b = make_batcher(
-        num_blocks=4096,
-        max_num_batched_tokens=1000,
-        budget_by_num_decodes=(64, 64, 64),
-        tpot_target_s=0.020,
-        max_step_s=0.060,
-        decode_step_s_by_num_decodes=(0.010, 0.011, 0.012),
-        prefill_s_per_token=0.0001,
-        itl_slo_s=0.025,
-        tail_budget_fraction=0.05,
-        tail_window_gaps=60,
-    )
+def tail_batcher() -> Batcher:
+    """The tail-budget batcher of the tests below, after decode "a" has run 41 fast steps 1 ms apart (its prefill,
+    then 40 fast gaps banking TPOT slack). Linear model: 11 ms for one decode + 0.1 ms a prefill token. ITL SLO
+    25 ms: a step ends free (no slow gap) up to 0.95 x 25 = 23.75 ms = 1 decode + 127 tokens; the TPOT slack allows
+    1 + (60 - 11) / 0.1 = 491. Tail: 5 % of a 60-gap window = 3 slow gaps in any 60."""
+    b = make_batcher(num_blocks=4096, max_num_batched_tokens=1000, budget_by_num_decodes=(64, 64, 64),
+                     tpot_target_s=0.020, max_step_s=0.060, decode_step_s_by_num_decodes=(0.010, 0.011, 0.012),
+                     prefill_s_per_token=0.0001, itl_slo_s=0.025, tail_budget_fraction=0.05, tail_window_gaps=60)
     b.add_request(spec("a", prompt_len=4, max_tokens=500), 0.0)
-    now = 0.0
-    for _ in range(41):  # the prefill, then 40 fast decodes 1 ms apart: banked slack, 40 fast gaps
-        now += 0.001
-        timed_step(b, now, 0.001)
+    for i in range(41):
+        timed_step(b, 0.001 * (i + 1), 0.001)
+    return b
+
+
+def test_slow_steps_spend_the_itl_tail_budget_and_stop_when_it_is_spent():
+    b = tail_batcher()
+    now = 0.041
     assert (b.tail.num_gaps, b.tail.num_slow) == (40, 0)
     # 1,800 tokens due in 250 ms: 15 free steps (23.75 ms, 127 tokens each) would miss; four long steps of 490
     # tokens (4 x 11 ms + 180 ms = 224 ms) save it
@@ -360,75 +356,50 @@ def test_slow_steps_spend_the_itl_tail_budget_and_stop_when_it_is_spent():
 
 
 def test_the_tail_is_spent_only_on_a_prompt_that_steps_within_the_slo_would_bring_in_late():
-    def batcher():
-        b = make_batcher(num_blocks=4096, max_num_batched_tokens=1000, budget_by_num_decodes=(64, 64, 64),
-                         tpot_target_s=0.020, max_step_s=0.060, decode_step_s_by_num_decodes=(0.010, 0.011, 0.012),
-                         prefill_s_per_token=0.0001, itl_slo_s=0.025, tail_budget_fraction=0.05,
-                         tail_window_gaps=60)
-        b.add_request(spec("a", prompt_len=4, max_tokens=500), 0.0)
-        for i in range(41):
-            timed_step(b, 0.001 * (i + 1), 0.001)
-        return b
-
     # 500 tokens: 4 free steps of 127 tokens (+1 kept for error) = 119 ms, inside its 250 ms: no slow step
-    b = batcher()
+    b = tail_batcher()
     b.add_request(spec("small", prompt_len=500, max_tokens=4, first=500, arrival=0.05), 0.05)
     assert b.schedule(0.05).num_batched_tokens == 128 and b.tail.affordable(1)
     # 3,000 tokens: lost even in one step (0.011 + 0.3 s > 250 ms): no slow step either
-    b = batcher()
+    b = tail_batcher()
     b.add_request(spec("lost", prompt_len=3000, max_tokens=4, first=500, arrival=0.05), 0.05)
     assert b.schedule(0.05).num_batched_tokens == 128
     # 2,000 tokens: free steps miss, and so do long steps under the 491-token ceiling (5 x 11 ms + 200 ms > 250 ms):
     # lost either way, no slow step
-    b = batcher()
+    b = tail_batcher()
     b.add_request(spec("big", prompt_len=2000, max_tokens=4, first=500, arrival=0.05), 0.05)
     assert b.schedule(0.05).num_batched_tokens == 128
     # 1,800 tokens: free steps miss, long ones (4 x 11 ms + 180 ms) save it
-    b = batcher()
+    b = tail_batcher()
     b.add_request(spec("big", prompt_len=1800, max_tokens=4, first=500, arrival=0.05), 0.05)
     assert b.schedule(0.05).num_batched_tokens == 491
     # a lost prompt at the head (already past its deadline) spends nothing itself, but one behind it that a long
     # step (taking both, in queue order) can still save does
-    b = batcher()
+    b = tail_batcher()
     b.add_request(spec("late", prompt_len=100, max_tokens=4, first=500, arrival=-0.3), 0.05)
     b.add_request(spec("next", prompt_len=1500, max_tokens=4, first=900, arrival=0.05), 0.05)
     assert b.schedule(0.05).num_batched_tokens == 491
 
 
 def test_a_long_step_that_can_wait_lets_the_next_free_step_finish_the_prompt_ahead():
-    def batcher():
-        b = make_batcher(num_blocks=4096, max_num_batched_tokens=1000, budget_by_num_decodes=(64, 64, 64),
-                         tpot_target_s=0.020, max_step_s=0.060, decode_step_s_by_num_decodes=(0.010, 0.011, 0.012),
-                         prefill_s_per_token=0.0001, itl_slo_s=0.025, tail_budget_fraction=0.05,
-                         tail_window_gaps=60)
-        b.add_request(spec("a", prompt_len=4, max_tokens=500), 0.0)
-        for i in range(41):
-            timed_step(b, 0.001 * (i + 1), 0.001)
-        return b
-
     # "ahead" (100 tokens, in time) finishes in the next free step; "big" (1,200 tokens due at 0.30) needs long
     # steps, which still save it after that free step (0.05 + 2 x 23.7 ms + 3 x 11 ms + 117 ms < 0.30): one free
     # step first, so "ahead" gets its first token 23.7 ms in rather than after a 60 ms step.
-    b = batcher()
+    b = tail_batcher()
     b.add_request(spec("ahead", prompt_len=100, max_tokens=4, first=500, arrival=0.05), 0.05)
     b.add_request(spec("big", prompt_len=1200, max_tokens=4, first=900, arrival=0.05), 0.05)
     plan = b.schedule(0.05)
     assert plan.num_batched_tokens == 128
     assert [(c.request_id, c.num_new_tokens) for c in plan.chunks] == [("a", 1), ("ahead", 100), ("big", 27)]
     # the same with "big" due 60 ms sooner: waiting a step would lose it, so the long step runs now, "ahead" in it
-    b = batcher()
+    b = tail_batcher()
     b.add_request(spec("ahead", prompt_len=100, max_tokens=4, first=500, arrival=0.05), 0.05)
     b.add_request(spec("big", prompt_len=1200, max_tokens=4, first=900, arrival=-0.01), 0.05)
     assert b.schedule(0.05).num_batched_tokens == 491
 
 
 def test_the_load_snapshot_leaves_the_step_in_flight_out_of_the_queue_and_says_when_a_long_step_is_affordable():
-    b = make_batcher(num_blocks=4096, max_num_batched_tokens=1000, budget_by_num_decodes=(64, 64, 64),
-                     tpot_target_s=0.020, max_step_s=0.060, decode_step_s_by_num_decodes=(0.010, 0.011, 0.012),
-                     prefill_s_per_token=0.0001, itl_slo_s=0.025, tail_budget_fraction=0.05, tail_window_gaps=60)
-    b.add_request(spec("a", prompt_len=4, max_tokens=500), 0.0)
-    for i in range(41):
-        timed_step(b, 0.001 * (i + 1), 0.001)
+    b = tail_batcher()
     b.add_request(spec("p", prompt_len=1000, max_tokens=4, first=500, arrival=0.05), 0.05)
     assert b.queued_prefill_tokens() == 1000
     plan = b.schedule(0.05)  # a free step: 127 of its tokens in flight, their time in busy_until_s
@@ -498,13 +469,8 @@ def test_output_length_predictor_matches_sorting_its_window_at_every_completion(
 
 
 def test_the_load_snapshot_counts_the_long_step_in_flight_against_the_tail_and_the_tpot_slack():
-    # Tail: 3 slow gaps in any 60; one decode, so three long steps back to back, 490 prompt tokens each (max_step_s).
-    b = make_batcher(num_blocks=4096, max_num_batched_tokens=1000, budget_by_num_decodes=(64, 64, 64),
-                     tpot_target_s=0.020, max_step_s=0.060, decode_step_s_by_num_decodes=(0.010, 0.011, 0.012),
-                     prefill_s_per_token=0.0001, itl_slo_s=0.025, tail_budget_fraction=0.05, tail_window_gaps=60)
-    b.add_request(spec("a", prompt_len=4, max_tokens=500), 0.0)
-    for i in range(41):
-        timed_step(b, 0.001 * (i + 1), 0.001)
+    # One decode, so three long steps back to back, 490 prompt tokens each (max_step_s).
+    b = tail_batcher()
     assert b.long_prefill_tokens_per_s() == pytest.approx(490 / (0.011 + 490 * 0.0001))
     assert b.long_burst_tokens() == 3 * 490
     # Once spent: one step in 20 may be long, and free steps (23.7 ms, 127 tokens) already run past the 20 ms TPOT
