@@ -82,19 +82,28 @@ def test_with_the_tail_budget_decodes_fill_the_free_step_and_leave_the_tpot_slac
     assert tail.max_num_seqs > 4 * plain.max_num_seqs
 
 
-def test_instances_size_for_the_tail_budget_except_gang_members():
+def test_instances_size_for_the_tail_budget_only_where_the_plain_batch_starves_and_never_in_a_gang():
+    import dataclasses
+
     from octoserve.services.config import load_node_config
     from octoserve.services.core.instance import instance_parts
+    from octoserve.services.core.slo_sizing import TAIL_SIZING_BELOW
+
+    def sizing(node, inst, tail_budget):
+        return size_for_slo(node.cost_model(inst), inst.role, itl_slo_ms=node.slo.for_model(inst.model).itl_ms,
+                            max_num_seqs=inst.max_num_seqs, max_num_batched_tokens=inst.max_num_batched_tokens,
+                            tail_budget=tail_budget)
 
     node = load_node_config()
     lm = next(i for i in node.instances if i.model == "llama-3-70b")
-    cost = node.cost_model(lm)
-    tail = size_for_slo(cost, Role.COLOCATED, itl_slo_ms=30, max_num_seqs=lm.max_num_seqs,
-                        max_num_batched_tokens=lm.max_num_batched_tokens, tail_budget=True)
-    assert instance_parts(node, lm).batcher_config.max_num_seqs == tail.max_num_seqs
+    # default profile: the plain batch (38 sequences) is not starved, so it stays
+    assert sizing(node, lm, False).max_num_seqs >= TAIL_SIZING_BELOW
+    assert instance_parts(node, lm).batcher_config.max_num_seqs == sizing(node, lm, False).max_num_seqs
+    # pessimistic profile: the plain batch is one sequence, so decodes fill the free step
+    pessimistic = dataclasses.replace(node, cost_profile="pessimistic")
+    assert sizing(pessimistic, lm, False).max_num_seqs == 1
+    assert instance_parts(pessimistic, lm).batcher_config.max_num_seqs == sizing(pessimistic, lm, True).max_num_seqs
     gang = load_node_config(Path(__file__).resolve().parents[1] / "services" / "configs" / "node-gang.yaml")
     member = gang.instances[0]
-    plain = size_for_slo(gang.cost_model(member), member.role, itl_slo_ms=gang.slo.for_model(member.model).itl_ms,
-                         max_num_seqs=member.max_num_seqs, max_num_batched_tokens=member.max_num_batched_tokens)
     assert gang.gang.group_of(member.id) is not None
-    assert instance_parts(gang, member).batcher_config.max_num_seqs == plain.max_num_seqs
+    assert instance_parts(gang, member).batcher_config.max_num_seqs == sizing(gang, member, False).max_num_seqs

@@ -12,7 +12,7 @@ from octoserve.services.core.batcher import FREE_STEP_SHARE, Batcher, BatcherCon
 from octoserve.services.core.cost_model import CostModel
 from octoserve.services.core.kv_cache import KVCacheManager
 from octoserve.services.core.placement import InstanceConfig, NodeConfig, num_kv_blocks_for
-from octoserve.services.core.slo_sizing import CHUNK_QUANTUM, size_for_slo
+from octoserve.services.core.slo_sizing import CHUNK_QUANTUM, TAIL_SIZING_BELOW, size_for_slo
 from octoserve.services.core.types import EngineLoad, StepPlan
 
 EOS_TOKEN_ID = 2
@@ -64,13 +64,18 @@ def _sizing_fields(node: NodeConfig, instance: InstanceConfig, cost_model: CostM
     fields = dict(max_num_seqs=instance.max_num_seqs, max_num_batched_tokens=instance.max_num_batched_tokens)
     if not policies.slo_sizing:
         return fields
+    sized = size_for_slo(
+        cost_model, instance.role, itl_slo_ms=itl_ms, max_num_seqs=instance.max_num_seqs,
+        max_num_batched_tokens=instance.max_num_batched_tokens,
+    )
     # A gang member's steps are capped by its lease share, so its batch keeps room for prefill chunks (and the
     # gang's bounds, checked on that batch, hold).
     in_gang = node.gang is not None and node.gang.group_of(instance.id) is not None
-    sized = size_for_slo(
-        cost_model, instance.role, itl_slo_ms=itl_ms, max_num_seqs=instance.max_num_seqs,
-        max_num_batched_tokens=instance.max_num_batched_tokens, tail_budget=policies.slack_chunking and not in_gang,
-    )
+    if policies.slack_chunking and not in_gang and sized.max_num_seqs < TAIL_SIZING_BELOW:
+        sized = size_for_slo(
+            cost_model, instance.role, itl_slo_ms=itl_ms, max_num_seqs=instance.max_num_seqs,
+            max_num_batched_tokens=instance.max_num_batched_tokens, tail_budget=True,
+        )
     fields.update(max_num_seqs=sized.max_num_seqs, max_num_batched_tokens=sized.max_num_batched_tokens)
     if sized.budget_by_num_decodes:
         fields["budget_by_num_decodes"] = sized.budget_by_num_decodes
