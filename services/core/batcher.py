@@ -363,8 +363,7 @@ class Batcher:
             return True
         base_s = self._base_step_s(self._num_decodes)
         step_s = base_s + free_chunk * cfg.prefill_s_per_token
-        long_chunk = max(1, min(self._slack_chunk, cfg.max_num_batched_tokens - self._num_decodes,
-                                int((cfg.max_step_s - base_s) / cfg.prefill_s_per_token + 1e-9)))
+        long_chunk = max(1, self._long_chunk())
         ahead = 0
         finishing = False  # a prompt ahead gets its first token from the next free step
         for r in (*prefills, *self._waiting.head(NEEDS_LONG_SCAN)) if self._waiting else prefills:
@@ -443,9 +442,8 @@ class Batcher:
             return self._step_rate(d, chunk) if d == 0 else 0.0
         cfg = self.config
         base_s = self._base_step_s(d)
-        free_chunk = max(0, self.free_budget(d) - d)
+        free_chunk, free_step_s = self._free_step(d)
         free_steps = 1.0 / self.tail.fraction - 1.0
-        free_step_s = base_s + free_chunk * cfg.prefill_s_per_token
         period_s = free_steps * free_step_s + base_s + chunk * cfg.prefill_s_per_token
         tail_rate = (chunk + free_steps * free_chunk) / period_s
         regain = max(0.0, cfg.tpot_target_s - free_step_s) / free_step_s  # slack seconds a second of free steps
@@ -460,9 +458,13 @@ class Batcher:
         gaps = self.tail.gaps_until_affordable(d)
         if gaps <= 0:
             return 0.0 if gaps == 0 else math.inf
-        cfg = self.config
-        free_chunk = max(0, self.free_budget(d) - d)
-        return -(-gaps // d) * (self._base_step_s(d) + free_chunk * cfg.prefill_s_per_token)
+        return -(-gaps // d) * self._free_step(d)[1]
+
+    def _free_step(self, num_decodes: int) -> tuple[int, float]:
+        """(prefill tokens, step-model time) of a step beside `num_decodes` decodes that ends within the free share
+        of the ITL SLO."""
+        free_chunk = max(0, self.free_budget(num_decodes) - num_decodes)
+        return free_chunk, self._base_step_s(num_decodes) + free_chunk * self.config.prefill_s_per_token
 
     def _base_step_s(self, num_decodes: int) -> float:
         table = self.config.decode_step_s_by_num_decodes
