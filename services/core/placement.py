@@ -147,6 +147,9 @@ class PolicyConfig:
     # step model's error (a free step that runs past the SLO).
     tail_budget_fraction: float = 0.04
     tail_window_gaps: int = 4000
+    # A request whose instance is lost after it streamed tokens is continued on another instance of its model (its
+    # prompt plus the tokens streamed, max_tokens less them) at most this many times; past it, it fails (0: never).
+    max_continuations: int = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -506,7 +509,7 @@ def _policies(raw: Mapping[str, Any], problems: list[str]) -> PolicyConfig:
     scalars = {k: raw[k] for k in ("ttft_slack", "ttft_prior_error", "predicted_output_tokens", "kv_watermark", "min_retry_after_ms",
                                    "swap_space_bytes", "max_step_factor", "ttft_quantile", "ttft_max_risk", "ttft_window",
                                    "ttft_min_samples", "batch_min_share", "tail_budget_fraction",
-                                   "tail_window_gaps", "tpot_horizon_tokens") if k in raw}
+                                   "tail_window_gaps", "tpot_horizon_tokens", "max_continuations") if k in raw}
     for key, value in scalars.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
             problems.append(f"policies.{key} is {value!r}; set a number >= 0")
@@ -528,7 +531,7 @@ def _policies(raw: Mapping[str, Any], problems: list[str]) -> PolicyConfig:
     window, min_samples = scalars.get("ttft_window", base.ttft_window), scalars.get("ttft_min_samples", base.ttft_min_samples)
     if isinstance(window, (int, float)) and isinstance(min_samples, (int, float)) and not 1 <= min_samples <= window:
         problems.append(f"policies.ttft_min_samples is {min_samples!r}; set it between 1 and ttft_window ({window!r})")
-    for key in ("ttft_window", "ttft_min_samples", "tail_window_gaps", "tpot_horizon_tokens"):
+    for key in ("ttft_window", "ttft_min_samples", "tail_window_gaps", "tpot_horizon_tokens", "max_continuations"):
         if isinstance(scalars.get(key), float):
             scalars[key] = int(scalars[key])
     return PolicyConfig(
