@@ -157,7 +157,8 @@ class Row:
     num_errors: int  # admitted but unfinished when the run stopped
     cost_profile: str = "default"
     seed: int = 0
-    passes: bool = False  # the capacity criterion (octoserve.services.sim.capacity.passes)
+    passes: bool = False  # the capacity criterion (octoserve.services.sim.capacity.passes) on the pooled requests
+    passes_per_model: bool = False  # the same criterion held by every model's own requests, against its own SLOs
     groups: tuple[GroupRow, ...] = ()  # per model, then per tier
     # Gang leases (NaN without a gang group; the worst group over the whole run): the two bounds as measured and
     # lease switches per second.
@@ -232,6 +233,7 @@ def run_job(job: Job) -> JobResult:
         kv_utilisation=_gpu_weighted(res.instances, "kv_mean", gpus),
         gpu_busy=_gpu_weighted(res.instances, "busy_fraction", gpus), num_errors=o.num_errors,
         cost_profile=job.cost_profile, seed=job.seed, passes=passes(o, summary.slo),
+        passes_per_model=all(passes(g) for g in summary.per_model),
         groups=tuple(_group_row(g) for g in (*summary.per_model, *summary.per_tier)),
         **_gang_fields(res),
     )
@@ -368,22 +370,40 @@ class PlacementChoice:
     by_goodput: str
 
 
+PER_MODEL = "per-model"  # the second element of a per-model capacity search's key: (policy, PER_MODEL)
+
+
+def _probe(rate: float, rows: Sequence[Row], per_model: bool) -> Probe:
+    if not per_model:
+        return Probe(rate, tuple(r.passes for r in rows), tuple(r.attainment_offered for r in rows))
+    worst = tuple(min((g.attainment_offered for g in r.groups if g.name.startswith("llama")),
+                      default=r.attainment_offered) for r in rows)
+    return Probe(rate, tuple(r.passes_per_model for r in rows), worst)
+
+
 def capacity_run_step(configs: dict, settings: Settings, cost_profile: str, seeds: Sequence[int], window: Workload,
                       log: Callable[[str], None], rows_out: dict | None = None):
     """A `bisect_capacity` run_step: every asked (key, rate) under every seed, in the pool; keys index `configs`
-    (a key is a policy or a (kind, label) pair; its first element, or itself, names the policy)."""
+    (a key is a policy or a (kind, label) pair; its first element, or itself, names the policy). A key
+    (policy, PER_MODEL) is judged by the per-model criterion (`Row.passes_per_model`, attainment of offered of its
+    worst model); asks for the same config and rate share their runs."""
 
     def run_step(asks):
+        runs: dict = {}  # (id of the config, rate) -> index of its first job
         jobs = []
         for key, rate in asks:
             policy = key if isinstance(key, str) else key[0]
+            if (id(configs[key]), rate) in runs:
+                continue
+            runs[(id(configs[key]), rate)] = len(jobs)
             w = dataclasses.replace(window, label=f"capacity probe {rate:g}", rate_rps=rate)
             jobs += [Job(policy, w, configs[key], s, settings.drain_s, cost_profile) for s in seeds]
         results = run_logged(jobs, settings, f"{cost_profile}: capacity probes", log)
         out = {}
-        for i, (key, rate) in enumerate(asks):
-            rows = [r.row for r in results[i * len(seeds):(i + 1) * len(seeds)]]
-            out[(key, rate)] = Probe(rate, tuple(r.passes for r in rows), tuple(r.attainment_offered for r in rows))
+        for key, rate in asks:
+            first = runs[(id(configs[key]), rate)]
+            rows = [r.row for r in results[first:first + len(seeds)]]
+            out[(key, rate)] = _probe(rate, rows, isinstance(key, tuple) and key[1:] == (PER_MODEL,))
             if rows_out is not None:
                 rows_out[(key, rate)] = tuple(rows)
         return out
@@ -518,8 +538,9 @@ class ProfileResults:
     workloads: tuple
     rows: tuple  # Row, in matrix order (seed `settings.seed`)
     records: dict  # (policy, workload label) -> records (peak and bursty runs)
-    capacity: dict  # policy -> CapacitySearch
-    probe_rows: dict  # (policy, rate) -> Rows, one per seed
+    capacity: dict  # policy -> CapacitySearch (pooled: the node's requests together)
+    probe_rows: dict  # (search key, rate) -> Rows, one per seed
+    capacity_per_model: dict = dataclasses.field(default_factory=dict)  # policy -> CapacitySearch (every model)
 
 
 @dataclass(frozen=True, slots=True)
@@ -558,21 +579,27 @@ def run_profile(settings: Settings, cost_profile: str, log: Callable[[str], None
     rows = tuple(with_bounds(r.row, by_label[r.row.workload], static, cache) for r in results)
     records = {r.job_key[1:3]: r.records for r in results if r.records}
     # Brackets from the seed-000 Poisson rows run on the capacity placement; the probes decide.
-    points: dict[str, list] = {p: [] for p in settings.policies}
+    # Two searches a policy: pooled (key: the policy) and per model (key: (policy, PER_MODEL)); one step's probes
+    # of both run together, and a rate both ask for runs once.
+    points: dict = {k: [] for p in settings.policies for k in (p, (p, PER_MODEL))}
     for r in rows:
         w = by_label[r.workload]
         if w.profile == "seed-000" and w.burstiness is None and placement_kind(r.policy, w) != PLANNER_GOODPUT:
             points[r.policy].append((w.rate_rps, r.passes))
+            points[(r.policy, PER_MODEL)].append((w.rate_rps, r.passes_per_model))
     capacity_load = Workload("capacity probe", "seed-000", 0.0, settings.duration_s, settings.warmup_s)
     configs = {p: config_for(p, capacity_load) for p in settings.policies}
+    configs.update({(p, PER_MODEL): configs[p] for p in settings.policies})
     seeds = [settings.seed + k for k in range(settings.capacity_seeds)]
     probe_rows: dict = {}
-    capacity = bisect_capacity(
-        {p: start_search(points[p], roofline / CAPACITY_ATTAINMENT) for p in settings.policies},
+    searches = bisect_capacity(
+        {k: start_search(v, roofline / CAPACITY_ATTAINMENT) for k, v in points.items()},
         capacity_run_step(configs, settings, cost_profile, seeds, capacity_load, log, probe_rows),
         settings.capacity_steps, log)
+    capacity = {p: searches[p] for p in settings.policies}
+    per_model = {p: searches[(p, PER_MODEL)] for p in settings.policies}
     return ProfileResults(cost_profile, placements, choice, roofline, tuple(loads), rows, records, capacity,
-                          probe_rows)
+                          probe_rows, per_model)
 
 
 def load_node_config_text(name: str) -> NodeConfig:

@@ -182,9 +182,9 @@ def test_table_row_formats_every_column():
     assert br.table_row(_row(slo_estimate_rps=0.0)).split(" | ")[5] == "-"
 
 
-def _profile(rows, capacity, name="default"):
+def _profile(rows, capacity, name="default", per_model=None):
     placements = {bs.STATIC_SPLIT: ("static", _one_sm_node())}  # read for policies.batch_min_share
-    return bs.ProfileResults(name, placements, None, 119.0, (), tuple(rows), {}, capacity, {})
+    return bs.ProfileResults(name, placements, None, 119.0, (), tuple(rows), {}, capacity, {}, per_model or {})
 
 
 def _groups(**by_name):
@@ -199,14 +199,50 @@ def test_headline_and_targets_read_the_run():
             _row("octoserve", "seed-003 625 req/s", goodput=200.0,
                  groups=_groups(**{"llama-3-8b": (180.0, 0.96), "INTERACTIVE": (170.0, 0.96), "BATCH": (30.0, 0.9)}))]
     capacity = {"octoserve": CapacitySearch(25.0, 28.8), "vllm-default": CapacitySearch(10.0, 12.0)}
-    h = br.headline(_profile(rows, capacity))
+    per_model = {"octoserve": CapacitySearch(8.0, 12.0), "vllm-default": CapacitySearch(4.0, 6.0),
+                 "sarathi": CapacitySearch(6.0, 8.0), "octoserve-gang": CapacitySearch(20.0, 24.0)}
+    h = br.headline(_profile(rows, capacity, per_model=per_model))
+    assert h["capacity_per_model_rps"]["octoserve"] == 8.0
+    assert h["best_baseline_per_model"] == (6.0, "sarathi")  # the best of the baselines; octoserve arms are not
+    assert h["octoserve_over_best_per_model"] == pytest.approx(8.0 / 6.0)
     assert h["octoserve_over_vllm"] == 2.5 and h["peak_goodput_rps"] == 98.0
     assert h["peak_admitted_by_model"] == {"llama-3-70b": 0.97, "llama-3-8b": 0.99}
     assert h["worst_model_admitted"] == (0.93, "llama-3-70b", "seed-000 0.25x roofline")
     assert h["seed003_interactive_share"] == 0.85 and h["seed003_batch_share"] == 0.15
-    verdicts = [(round(v, 3), th, v >= th) for _, v, th, _ in br.targets(_profile(rows, capacity))]
-    assert verdicts == [(0.93, 0.95, False), (0.85, 0.8, True), (0.96, 0.95, True), (0.15, 0.1, True),
-                        (98.0, 97.0, True), (2.5, 2.0, True)]
+    verdicts = [(round(v, 3), th, v >= th) for _, v, th, _ in br.targets(_profile(rows, capacity, per_model=per_model))]
+    assert verdicts == [(1.333, 1.5, False), (0.93, 0.95, False), (0.85, 0.8, True), (0.96, 0.95, True),
+                        (0.15, 0.1, True), (98.0, 97.0, True), (2.5, 2.0, True)]
+    pessimistic = br.targets(_profile(rows, capacity, "pessimistic", per_model))[0]
+    assert pessimistic[0].endswith("(here sarathi)") and pessimistic[2] == 1.01  # strictly above the best
+    assert math.isnan(br.targets(_profile(rows, capacity))[0][1])  # no per-model search: not run
+
+
+def test_per_model_probe_passes_only_when_every_model_passes_and_reports_the_worst_model():
+    rows = [_row(passes=True, passes_per_model=False, attainment_offered=0.93,
+                 groups=_groups(**{"llama-3-70b": (2.0, 0.62), "llama-3-8b": (60.0, 0.97), "STANDARD": (62.0, 0.93)})),
+            _row(passes=True, passes_per_model=True, attainment_offered=0.95,
+                 groups=_groups(**{"llama-3-70b": (3.0, 0.91), "llama-3-8b": (60.0, 0.96), "STANDARD": (63.0, 0.95)}))]
+    assert bs._probe(8.0, rows, per_model=False) == Probe(8.0, (True, True), (0.93, 0.95))
+    assert bs._probe(8.0, rows, per_model=True) == Probe(8.0, (False, True), (0.62, 0.91))  # tiers are not models
+
+
+def test_pooled_and_per_model_asks_for_one_rate_share_their_runs(monkeypatch):
+    ran = []
+
+    def fake_run_logged(jobs, settings, label, log, progress_cls=None):
+        ran.extend((j.policy, j.workload.rate_rps, j.seed) for j in jobs)
+        row = _row(passes=True, passes_per_model=False, groups=_groups(**{"llama-3-70b": (1.0, 0.5)}))
+        return [bs.JobResult(("default", j.policy, j.workload.label, j.seed), row) for j in jobs]
+
+    monkeypatch.setattr(bs, "run_logged", fake_run_logged)
+    node = _one_sm_node()
+    configs = {"octoserve": node, ("octoserve", bs.PER_MODEL): node}
+    window = bs.Workload("capacity probe", "seed-000", 0.0, 2.0)
+    step = bs.capacity_run_step(configs, bs.Settings(), "default", [0, 1], window, lambda _m: None)
+    out = step([("octoserve", 4.0), (("octoserve", bs.PER_MODEL), 4.0), (("octoserve", bs.PER_MODEL), 2.0)])
+    assert ran == [("octoserve", 4.0, 0), ("octoserve", 4.0, 1), ("octoserve", 2.0, 0), ("octoserve", 2.0, 1)]
+    assert out[("octoserve", 4.0)].passed == (True, True)
+    assert out[(("octoserve", bs.PER_MODEL), 4.0)] == Probe(4.0, (False, False), (0.5, 0.5))
 
 
 def test_quick_mode_stamps_every_table_and_full_mode_none():
