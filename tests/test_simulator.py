@@ -109,6 +109,25 @@ def test_sim_tokens_are_deterministic_and_never_eos():
     assert all(sim_token_id(n, f, p) >= 1000 for n in (1, 999) for f in (0, 7) for p in range(50))
 
 
+def test_sim_tokens_continue_exactly_from_a_prompt_extended_by_the_tokens_already_produced():
+    """A stream resumed with its prompt plus the k tokens it had (SDK resume, in-node continuation) samples the
+    uninterrupted stream's tokens: the sim model, like a real greedy one, sees only the sequence."""
+    from octoserve.services.core.sim_executor import SIM_TOKEN_LO, SIM_TOKEN_SPAN, SIM_TOKEN_STEP, token_key
+    from octoserve.services.core.types import RequestSpec, SamplingParams
+
+    prompt = (4321, 17, 99, 5)
+    whole = [sim_token_id(len(prompt), prompt[0], p) for p in range(40)]
+    for k in (1, 7, 39):
+        resumed = [sim_token_id(len(prompt) + k, prompt[0], p) for p in range(40 - k)]
+        assert whole[:k] + resumed == whole
+        # The compact path's key gives the same tokens (what the live sim engine and the simulator sample).
+        spec = RequestSpec("r", "m", prompt + tuple(whole[:k]), SamplingParams(max_tokens=40 - k), 0.0)
+        _, offset = token_key(spec, len(spec.prompt_token_ids))
+        keyed = [SIM_TOKEN_LO + (n * SIM_TOKEN_STEP + offset) % SIM_TOKEN_SPAN
+                 for n in range(len(prompt) + k, len(prompt) + 40)]
+        assert keyed == whole[k:]
+
+
 def test_slo_sizing_chunks_a_long_prompt_so_no_step_exceeds_the_itl_target():
     config = node([COLOCATED_8B], slack_chunking=False)
     from octoserve.services.sim.driver import NodeSimulator

@@ -2,8 +2,14 @@
 
 It samples a deterministic pseudo-token for every chunk that samples, and EOS once a request has produced its
 `sim_output_len` tokens (the workload's true output length; `max_tokens` may be far larger). The step's duration
-comes from the cost model. Used by the live sim engine and by the discrete-event simulator alike, so both produce
-the same tokens and the same step times for the same plans.
+comes from the cost model.
+
+The pseudo-token depends only on the sequence so far, as a real model's greedy choice does: on its length and its
+first token, never on where the prompt ended. So a request continued from its prompt plus the tokens it already
+produced (a resumed or continued stream) samples exactly the tokens the uninterrupted request would have.
+
+Used by the live sim engine and by the discrete-event simulator alike, so both produce the same tokens and the same
+step times for the same plans.
 """
 
 from __future__ import annotations
@@ -21,8 +27,9 @@ SIM_TOKEN_STEP = 7919  # from one output position to the next
 
 
 def sim_token_id(prompt_len: int, first_prompt_token: int, position: int) -> int:
-    """Deterministic token for output position `position` of a request (same on every instance)."""
-    return SIM_TOKEN_LO + (position * SIM_TOKEN_STEP + prompt_len * 104_729 + first_prompt_token * 31) % SIM_TOKEN_SPAN
+    """Deterministic token for output position `position` of a request (same on every instance): a function of the
+    sequence's length before it (prompt_len + position) and its first token only."""
+    return SIM_TOKEN_LO + ((prompt_len + position) * SIM_TOKEN_STEP + first_prompt_token * 31) % SIM_TOKEN_SPAN
 
 
 # Token n of the cycle n * SIM_TOKEN_STEP: SIM_TOKEN_LO + n * SIM_TOKEN_STEP % SIM_TOKEN_SPAN, twice over (built on
@@ -71,8 +78,7 @@ def token_key(spec, num_prompt_tokens: int) -> tuple[int | float, int]:
     prompt = spec.prompt_token_ids
     true_len = spec.sim_output_len
     eos_at = float("inf") if true_len is None else num_prompt_tokens + true_len - 1
-    offset = (len(prompt) * 104_729 + (prompt[0] if prompt else 0) * 31
-              - num_prompt_tokens * SIM_TOKEN_STEP) % SIM_TOKEN_SPAN
+    offset = ((len(prompt) - num_prompt_tokens) * SIM_TOKEN_STEP + (prompt[0] if prompt else 0) * 31) % SIM_TOKEN_SPAN
     return eos_at, offset
 
 
