@@ -336,7 +336,9 @@ def candidate_placements(
 ) -> list[Placement]:
     """Every split of the GPUs between two models (the larger first, TP 2/4/8, its prefill instances at their own
     TP where split; the smaller at TP 1), colocated or disaggregated per model, plus the time-shared placements of
-    `gang_placements`. One model alone gets all GPUs."""
+    `gang_placements`, plus the larger model alone on every GPU (TP=8 colocated, a TP=4 prefill + TP=4 decode
+    pair, ...): they drop the smaller model, so `rank_placements` puts them after every placement that serves both,
+    but they answer what the large model alone could do. One model alone gets all GPUs."""
     names = sorted(models, key=lambda n: -models[n].num_params)
     large = names[0]
     out = []
@@ -353,6 +355,10 @@ def candidate_placements(
                 insts = _instances(large, "lm", lay_l, 0) + _instances(small, "sm", lay_s, large_gpus)
                 cfg = NodeConfig(gpu, num_gpus, dict(models), tuple(insts), slo, policies, cost_profile)
                 out.append(Placement(f"{_label(large, lay_l)} | {_label(small, lay_s)}", cfg))
+    for lay_l in _model_layouts(models[large], gpu, num_gpus, (2, 4, 8), mixed=True):
+        cfg = NodeConfig(gpu, num_gpus, {large: models[large]}, tuple(_instances(large, "lm", lay_l, 0)), slo,
+                         policies, cost_profile)
+        out.append(Placement(f"{_label(large, lay_l)} | {small} not placed", cfg))
     return [p for p in out if not check_placement(p.config)]
 
 
