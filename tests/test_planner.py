@@ -116,12 +116,17 @@ def test_candidate_placements_are_valid_and_cover_the_splits():
     cands = planner.candidate_placements(H100, MODELS, 8)
     labels = [p.label for p in cands]
     # 24 static splits at one TP per model, 4 with the 70B's prefill at its own TP (TP2 + TP4 in either role on six
-    # GPUs, the 8B colocated or split on two), 2 gang shapes x 3 LM step shares
-    assert len(labels) == len(set(labels)) == 24 + 4 + 6
+    # GPUs, the 8B colocated or split on two), 2 gang shapes x 3 LM step shares, and 9 of the 70B alone on all eight
+    # GPUs (TP2: 4, TP4: 2, TP8: 1, mixed TP: 2)
+    assert len(labels) == len(set(labels)) == 24 + 4 + 6 + 9
     assert "llama-3-70b TP4 x1 colocated | llama-3-8b TP1 x4 colocated" in labels
     assert "llama-3-70b TP2 1P+2D | llama-3-8b TP1 1P+1D" in labels
-    # TP=8 would leave the 8B no GPU of its own: it appears only time-shared, in a gang group.
-    assert all("gang" in label for label in labels if "TP8" in label)
+    # TP=8 would leave the 8B no GPU of its own: it appears time-shared in a gang group, or with the 8B dropped.
+    assert all("gang" in label or label.endswith("| llama-3-8b not placed") for label in labels if "TP8" in label)
+    alone = [p for p in cands if p.label.endswith("| llama-3-8b not placed")]
+    assert sorted(p.label for p in alone if "TP4" in p.label and "TP2" not in p.label) == [
+        "llama-3-70b TP4 1P+1D | llama-3-8b not placed", "llama-3-70b TP4 x2 colocated | llama-3-8b not placed"]
+    assert {tuple(p.config.models) for p in alone} == {("llama-3-70b",)}
     for p in cands:
         assert check_placement(p.config) == []
         if p.config.gang is None:
