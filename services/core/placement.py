@@ -205,7 +205,7 @@ class NodeConfig:
         if group is None:
             return self.slo.for_model(instance.model).itl_ms
         share = self.gang.lm_step_share if instance.id == group.lm else 1.0 - self.gang.lm_step_share
-        return self.slo.itl_ms * share
+        return gang_itl_ms(self.slo, self.models) * share
 
     def cost_model(self, instance: InstanceConfig) -> CostModel:
         """The step-time model of `instance` under this config's cost profile (the one way to build it)."""
@@ -231,6 +231,12 @@ class NodeConfig:
 
     def num_kv_blocks_for(self, instance: InstanceConfig) -> int:
         return num_kv_blocks_for(self, instance)
+
+
+def gang_itl_ms(slo: SloConfig, models: Mapping[str, Any]) -> float:
+    """The ITL one shared cycle (one LM step and one SM step) must fit: the tightest served model's ITL SLO (the
+    node's own with per-model SLOs unset). An SM token gap that an LM step falls into holds one step of each."""
+    return min((slo.for_model(m).itl_ms for m in models), default=slo.itl_ms)
 
 
 def num_kv_blocks_for(config: NodeConfig, instance: InstanceConfig) -> int:
@@ -273,7 +279,7 @@ def node_config_from_dict(d: Mapping[str, Any]) -> NodeConfig:
     slo = _slo(d.get("slo") or {}, problems, models)
     policies = _policies(d.get("policies") or {}, problems)
     cost_profile = _cost_profile(d.get("cost_profile", "default"), problems)
-    gang = _gang(d["gang"], slo.itl_ms, problems) if d.get("gang") is not None else None
+    gang = _gang(d["gang"], gang_itl_ms(slo, models), problems) if d.get("gang") is not None else None
     if problems:
         raise PlacementError(problems)
     config = NodeConfig(gpu, num_gpus, models, instances, slo, policies, cost_profile, gang)

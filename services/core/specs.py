@@ -204,6 +204,21 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
         vocab_size=128256,
         num_params=8_030_261_248,
     ),
+    # Seed 003's large model: a ~180B dense Llama-style shape (no published checkpoint; the Llama-3 layout scaled
+    # to 96 layers x 12,288 hidden, 8 KV heads, 40,960 MLP). 179.5 B params, 359.0 GB of BF16 weights: 44.9 GB a
+    # GPU at TP=8, 89.8 GB at TP=4 (over an 80 GB GPU), so it needs all eight GPUs. KV: 96 x 8 x 128 x 2 x 2 B =
+    # 384 KiB a token (48 KiB a GPU at TP=8). num_params counts every linear weight, both embeddings and the norms.
+    "dense-180b": ModelSpec(
+        name="dense-180b",
+        num_layers=96,
+        hidden_size=12288,
+        num_attention_heads=96,
+        num_kv_heads=8,
+        head_dim=128,
+        intermediate_size=40960,
+        vocab_size=128256,
+        num_params=179_516_485_632,
+    ),
 }
 
 # Datasheet figures (NVIDIA H100 / H200 / A100 datasheets; see docs/COST_MODEL.md for the citations).

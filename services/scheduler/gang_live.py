@@ -164,7 +164,8 @@ def attach_gang_gate(engine, node_cfg: NodeConfig, instance_id: str, scheduler: 
     if not hasattr(engine, "gate"):
         raise ValueError(f"instance {instance_id} is in a gang group, which needs an engine with a step gate "
                          "(--engine sim); pause/resume engines take turns with EngineSliceMember instead")
-    engine.gate = GangGate(instance_id, scheduler, itl_s=node_cfg.slo.itl_ms / 1000.0, time_scale=time_scale)
+    engine.gate = GangGate(instance_id, scheduler, itl_s=node_cfg.slo.for_model(node_cfg.instance(instance_id).model).itl_ms / 1000.0,
+                         time_scale=time_scale)
 
 
 # ---- scheduler side ----------------------------------------------------------------------------------------------

@@ -32,6 +32,9 @@ class GangReport:
     drain_s: float  # summed over lease starts and SMs with running requests: drain decision -> its last step end
     checkpoint_s: float  # the same SMs' KV out to host and back over PCIe, had they checkpointed instead
     num_sm_pauses: int  # (lease start, SM with running requests) pairs
+    # the longest LM wait and SM stall, the waits still open at the end of the run included (a starved side's)
+    longest_lm_wait_s: float = 0.0
+    longest_sm_stall_s: float = 0.0
 
     @property
     def switches_per_s(self) -> float:
@@ -45,7 +48,8 @@ class GangGroupSim:
         self.lm = instances[group.lm]
         self.sms = [instances[x] for x in group.sms]
         self._start_step = start_step  # (instance, cap_s) -> step seconds, or None when it planned nothing
-        self._itl_s = node.slo.itl_ms / 1000.0
+        # each member's deadlines come from its own model's ITL SLO (per-model SLOs: the LM's and the SMs' differ)
+        self._itl_s = {inst.cfg.id: node.slo.for_model(inst.cfg.model).itl_ms / 1000.0 for inst in self.members()}
         self._blocked: set[str] = set()  # told to start, planned nothing: no work until the next event
         self._drain_from: float | None = None
         self._sm_ran_fill: set[str] = set()
@@ -59,7 +63,7 @@ class GangGroupSim:
     def _view(self, inst) -> MemberView:
         b = inst.batcher
         has_work = (b.has_work or b.has_pending_outputs) and inst.cfg.id not in self._blocked
-        return MemberView(inst.cfg.id, has_work, b.step_floor_s(), b.earliest_deadline_s(self._itl_s))
+        return MemberView(inst.cfg.id, has_work, b.step_floor_s(), b.earliest_deadline_s(self._itl_s[inst.cfg.id]))
 
     def step_done(self, inst, now: float) -> None:
         self.arbiter.finished(inst.cfg.id, now)
@@ -115,8 +119,11 @@ class GangGroupSim:
         self._drain_from = None
 
     def report(self, virtual_s: float) -> GangReport:
-        return GangReport(self.group.lm, self.arbiter.policy.shape, self.arbiter.stats, virtual_s, self.drain_s,
-                          self.checkpoint_s, self.num_sm_pauses)
+        stats = self.arbiter.stats
+        open_lm, open_sm = self.arbiter.open_waits_s(virtual_s)
+        return GangReport(self.group.lm, self.arbiter.policy.shape, stats, virtual_s, self.drain_s,
+                          self.checkpoint_s, self.num_sm_pauses, max(stats.max_lm_wait_s, open_lm),
+                          max(stats.max_sm_stall_s, open_sm))
 
 
 def build_gangs(node: NodeConfig, instances: dict, start_step: Callable) -> dict[str, GangGroupSim]:
