@@ -30,6 +30,13 @@ Shapes (`GangPolicy.shape`), compared in the simulator:
   over its weight, the lower runs next (`min_slice_ms` of hysteresis), and neither banks over `max_lag_ms`.
 Every SM slice lets each SM with work step at least once (no zero-length slices, no ping-pong).
 
+Baseline shapes (`BASELINE_SHAPES`: seed 003's warnings, for comparison; all work-conserving):
+- `lm_first`: LM-first reservation: while the LM has work the whole group is reserved for it (the SMs drain at
+  once and start only fills); the SMs step only while the LM has none;
+- `sm_greedy`: the LM steps only when no SM has work, and a lease ends at the first SM with work;
+- `slices`: coarse time slices, as a pod-level gang scheduler: fixed wall-clock slices of `slice_ms`, SMs in the
+  even ones and the LM in the odd ones; a side steps outside its slices only while the other has no work.
+
 Bounds, enforced over every shape by the caps (they override the shape):
 - LM wait <= `max_lm_wait_ms`, from the boundary the LM has work and is not running to its next step's start:
   every SM step must end by then (cap = that deadline - now; `max_lm_wait_ms` while the LM has no work, since its
@@ -54,6 +61,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 SHAPES = ("interleave", "periodic", "slack")
+# The schedulers seed 003 warns about, as shapes of the same arbiter so they run on the same node and workload
+# (`services/gang_bench.py`). Starving one side is what defines them, so they are run with the bounds out of reach.
+BASELINE_SHAPES = ("lm_first", "sm_greedy", "slices")
 _EPS = 1e-9
 
 
@@ -79,12 +89,17 @@ class GangPolicy:
     # 0: no such cap. Placement sets them from `gang.lm_step_share` and the ITL SLO.
     lm_shared_step_ms: float = 0.0
     sm_shared_step_ms: float = 0.0
+    slice_ms: float = 1000.0  # slices shape: the length of each fixed slice
+
+    @property
+    def is_baseline(self) -> bool:
+        return self.shape in BASELINE_SHAPES
 
     def problems(self) -> list[str]:
         out = []
-        if self.shape not in SHAPES:
-            out.append(f"gang.shape: unknown shape {self.shape!r}; choose one of: {', '.join(SHAPES)}")
-        for name in ("max_lm_wait_ms", "max_sm_stall_ms", "lm_weight", "sm_weight", "period_ms"):
+        if self.shape not in SHAPES + BASELINE_SHAPES:
+            out.append(f"gang.shape: unknown shape {self.shape!r}; choose one of: {', '.join(SHAPES + BASELINE_SHAPES)}")
+        for name in ("max_lm_wait_ms", "max_sm_stall_ms", "lm_weight", "sm_weight", "period_ms", "slice_ms"):
             if not getattr(self, name) > 0:
                 out.append(f"gang.{name} is {getattr(self, name)!r}; set a positive number")
         for name in ("urgent_ms", "min_slice_ms", "max_lag_ms", "lease_ms", "lm_shared_step_ms", "sm_shared_step_ms"):
@@ -241,6 +256,12 @@ class GangArbiter:
         """When the member's last step ended (None before its first)."""
         return self._last_end.get(member_id)
 
+    def open_waits_s(self, now: float) -> tuple[float, float]:
+        """(the LM's wait, the longest SM stall) still open at `now`: a side that never got the GPUs back before the
+        run ended has waited this long, which `GangStats` (closed waits only) cannot show."""
+        lm = now - self._lm_wait_since if self._lm_wait_since is not None else 0.0
+        return lm, max((now - t for t in self._stall_since.values()), default=0.0)
+
     def barrier_end_s(self, now: float) -> float:
         """When the last running SM step ends (`now` when none runs): the earliest an LM step can start."""
         return max((t for m, t in self._busy_until.items() if m != self.lm_id), default=now)
@@ -321,6 +342,8 @@ class GangArbiter:
         if not sm_work:
             return True
         p = self.policy
+        if p.is_baseline:
+            return p.shape == "lm_first" or (p.shape == "slices" and self._lm_slot(now))
         if p.shape == "interleave":
             return False  # one LM step per lease
         if p.shape == "periodic":
@@ -338,9 +361,11 @@ class GangArbiter:
         bound_cap = self._lm_wait_since + self._max_wait_s - now if self._lm_wait_since is not None else self._max_wait_s
         if any(not self._busy(s.member_id) and s.min_step_s > bound_cap + _EPS for s in sm_work):
             return True, True
+        p = self.policy
+        if p.is_baseline:
+            return p.shape == "lm_first" or (p.shape == "slices" and self._lm_slot(now)), False
         if not all(s.member_id in self._stepped_since_lease for s in sm_work):
             return False, False
-        p = self.policy
         if p.shape == "interleave":
             return True, False
         if p.shape == "periodic":
@@ -374,6 +399,10 @@ class GangArbiter:
         sm_deadlines = [s.deadline_s for s in sm_work if s.deadline_s is not None]
         sm_urgent = bool(sm_deadlines) and min(sm_deadlines) - now <= lm.min_step_s + guard
         return lm_urgent, sm_urgent
+
+    def _lm_slot(self, now: float) -> bool:
+        """slices shape: `now` falls in one of the LM's slices (the odd ones)."""
+        return int(now * 1e3 // self.policy.slice_ms) % 2 == 1
 
     def _pull_idle_vtime(self) -> None:
         """Neither side banks more than `max_lag_ms` of credit (an idle side does not starve the other later)."""

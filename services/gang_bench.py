@@ -1,0 +1,374 @@
+"""The gang comparison: octoserve's gang leases against the schedulers seed 003 warns about, on one node and workload.
+
+Two cases, each on seed 003's workload with per-model SLOs (`configs/workload-seed003.yaml`: TTFT 200 ms
+INTERACTIVE, 10 s BATCH; ITL 65 ms for the 8B, 100 ms for the large model):
+- `seed003`: seed 003's own node (`configs/node-seed003.yaml`): dense-180b at TP=8, which needs all eight GPUs by
+  memory, and eight 8B replicas resident beside it;
+- `70b`: the 70B at TP=8 with eight 8B replicas (`configs/node-gang.yaml`); the 70B also fits at TP=4, so here
+  the static split (70B TP=4 beside four 8B, `configs/node-default.yaml`) is a legitimate baseline too.
+Policies: `gang` (the config as shipped), and the baselines as shapes of the same arbiter (`core/gang.py`), run
+with the starvation bounds out of reach because starving one side is what defines them: `lm-first` (the whole
+node reserved for the LM while it has work), `sm-greedy` (the LM steps only when no SM has work), `slices`
+(fixed 1 s slices, as a pod-level gang scheduler); on the 70B case `static-split`.
+
+Measured (`measure`), each run in steady state (arrivals after the warm-up up to the end of the window):
+per model and per tier goodput and attainment, the longest LM wait and SM stall (waits still open at the end
+included), and each model's SLO capacity on a rate grid: the highest grid rate at which the model, and every
+lower grid rate, passes: >= 90 % of its *servable* offered requests good (a request is servable when prefilling
+its uncached prompt on the case's idle LM or SM instance fits its TTFT SLO: no scheduler can serve the rest in
+time; seed 003's long LM prompts make ~15 % of INTERACTIVE LM requests unservable) and its own P95s inside its
+SLOs. Every run is deterministic for its seed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import multiprocessing
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from octoserve.services.core.gang import with_shared_steps
+from octoserve.services.core.placement import (
+    NodeConfig,
+    PlacementError,
+    check_placement,
+    gang_itl_ms,
+    gang_step_floor_s,
+)
+
+WORKLOAD = "workload-seed003.yaml"
+LM_IN_WORKLOAD = "dense-180b"
+CASES = {  # name -> (label, gang config, static-split config or None)
+    "seed003": ("seed-003 node: dense-180b TP=8 + 8 x llama-3-8b", "node-seed003.yaml", None),
+    "70b": ("70B case: llama-3-70b TP=8 + 8 x llama-3-8b", "node-gang.yaml", "node-default.yaml"),
+}
+BASELINE_SHAPES = {"lm-first": "lm_first", "sm-greedy": "sm_greedy", "slices": "slices"}
+STATIC = "static-split"
+POLICIES = ("gang", *BASELINE_SHAPES, STATIC)
+UNBOUNDED_MS = 1e6  # the baselines' bounds: out of reach of any run
+SLICE_MS = 1000.0
+CAPACITY_ATTAINMENT = 0.9  # of servable offered requests good
+CONTEXT_TOKENS = 32768  # seed 003: contexts up to 32k tokens, on every config of the comparison
+
+
+def policies_of(case: str) -> tuple[str, ...]:
+    return tuple(p for p in POLICIES if p != STATIC or CASES[case][2] is not None)
+
+
+# --- the workload and the configs ----------------------------------------------------------------------------
+
+
+def workload(case: str, rate_rps: float | None = None, duration_s: float | None = None):
+    """The seed-003 workload of `case` (its LM renamed to the case's), at `rate_rps` for `duration_s`."""
+    from octoserve.services.config import default_config_text, parse_yaml_mapping
+    from octoserve.services.workload import scaled
+    from octoserve.services.workload_io import workload_from_dict
+
+    profile = workload_from_dict(parse_yaml_mapping(default_config_text(WORKLOAD), WORKLOAD), WORKLOAD)
+    lm = _lm_model(_load(CASES[case][1]))
+    traffic = tuple(dataclasses.replace(t, model=lm if t.model == LM_IN_WORKLOAD else t.model) for t in profile.traffic)
+    profile = dataclasses.replace(profile, traffic=traffic)
+    return scaled(profile, rate_rps=rate_rps, duration_s=duration_s)
+
+
+def _load(name: str) -> NodeConfig:
+    from octoserve.services.config import default_config_text, node_config_from_text
+
+    return node_config_from_text(default_config_text(name), source=name)
+
+
+def _lm_model(node: NodeConfig) -> str:
+    if node.gang is not None:
+        return node.instance(node.gang.groups[0].lm).model
+    return max(node.models, key=lambda m: node.models[m].num_params)
+
+
+def config_for(case: str, policy: str, cost_profile: str) -> NodeConfig:
+    """The node `policy` runs on in `case`: the workload's SLOs, 32k contexts, `cost_profile`; a gang's bounds
+    raised where the workload's SLOs make its floors longer (the bounds stay provable), the baselines' unbounded."""
+    _label, gang_name, static_name = CASES[case]
+    node = _load(static_name if policy == STATIC else gang_name)
+    from octoserve.services.workload_io import with_workload_slos
+
+    models = {m: dataclasses.replace(s, max_context_len=CONTEXT_TOKENS) for m, s in node.models.items()}
+    node = dataclasses.replace(node, models=models, cost_profile=cost_profile)
+    node = with_workload_slos(node, workload(case))
+    if node.gang is not None:
+        node = dataclasses.replace(node, gang=_gang_for(node, policy))
+    problems = check_placement(node)
+    if problems:
+        raise PlacementError(problems)
+    return node
+
+
+def _gang_for(node: NodeConfig, policy: str):
+    gang = node.gang
+    p = with_shared_steps(gang.policy, gang.lm_step_share, gang_itl_ms(node.slo, node.models))
+    if policy in BASELINE_SHAPES:
+        p = dataclasses.replace(p, shape=BASELINE_SHAPES[policy], max_lm_wait_ms=UNBOUNDED_MS,
+                                max_sm_stall_ms=2 * UNBOUNDED_MS, lm_shared_step_ms=0.0, sm_shared_step_ms=0.0,
+                                slice_ms=SLICE_MS)
+    else:
+        group = gang.groups[0]
+        lm_floor_ms = gang_step_floor_s(node, node.instance(group.lm)) * 1e3
+        sm_floor_ms = max(gang_step_floor_s(node, node.instance(x)) for x in group.sms) * 1e3
+        wait = max(p.max_lm_wait_ms, math.ceil(sm_floor_ms))
+        p = dataclasses.replace(p, max_lm_wait_ms=wait, max_sm_stall_ms=max(p.max_sm_stall_ms,
+                                                                            math.ceil(wait + lm_floor_ms)))
+    return dataclasses.replace(gang, policy=p)
+
+
+# --- servable requests -------------------------------------------------------------------------------------------
+
+
+def servable_ids(case: str, trace, cost_profile: str) -> frozenset[str]:
+    """Requests whose uncached prompt prefills within their TTFT SLO on the case's idle gang instance of their
+    model (the LM at its full TP): what any scheduler could serve in time. The system-prompt prefix counts as
+    cached (warm: ~80 % of prompts share one of 16 per model)."""
+    node = config_for(case, "gang", cost_profile)
+    profile = workload(case)
+    prefix = {t.model: t.prefix_len_tokens for t in profile.traffic}
+    costs = {}
+    for inst in node.instances:
+        if inst.model not in costs or inst.tp > costs[inst.model][0]:
+            costs[inst.model] = (inst.tp, node.cost_model(inst))
+    out = []
+    for r in trace:
+        cached = min(prefix[r.model], len(r.prompt_token_ids) - 1) if r.prefix_group >= 0 else 0
+        prefill_s = costs[r.model][1].prefill_time_s(len(r.prompt_token_ids) - cached, cached)
+        if prefill_s * 1e3 <= r.ttft_slo_ms:
+            out.append(r.request_id)
+    return frozenset(out)
+
+
+# --- one run -------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRow:
+    model: str
+    offered: int
+    servable: int
+    goodput_rps: float
+    attainment_admitted: float  # good / admitted
+    attainment_offered: float  # good / offered (refused = miss)
+    attainment_servable: float  # good servable / servable offered
+    ttft_p95_ms: float
+    itl_p95_ms: float
+    passes: bool  # the capacity criterion (module doc)
+
+
+@dataclass(frozen=True, slots=True)
+class TierRow:
+    tier: str
+    goodput_rps: float
+    attainment_admitted: float
+
+
+@dataclass(frozen=True, slots=True)
+class RunRow:
+    case: str
+    policy: str
+    cost_profile: str
+    rate_rps: float
+    seed: int
+    goodput_rps: float
+    models: tuple[ModelRow, ...]
+    tiers: tuple[TierRow, ...]
+    lm_wait_ms: float  # the longest LM wait (NaN: no gang)
+    sm_stall_ms: float  # the longest SM stall
+    lm_held: float  # share of the run the LM held the GPUs
+    overruns: int
+
+    def model(self, name: str) -> ModelRow:
+        return next(m for m in self.models if m.model == name)
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    case: str
+    policy: str
+    cost_profile: str
+    rate_rps: float
+    duration_s: float
+    warmup_s: float
+    seed: int = 0
+    drain_s: float = 30.0
+
+
+def run_job(job: Job) -> RunRow:
+    from octoserve.services.metrics import meets_slo, passes_capacity
+    from octoserve.services.sim.capacity import measured_run
+    from octoserve.services.workload import generate_trace
+
+    node = config_for(job.case, job.policy, job.cost_profile)
+    trace = generate_trace(workload(job.case, job.rate_rps, job.duration_s), job.seed)
+    servable = servable_ids(job.case, trace, job.cost_profile)
+    res, summary = measured_run(node, trace, seed=job.seed, drain_s=job.drain_s, warmup_s=job.warmup_s)
+    window = [r for r in res.records if summary.window.contains(r)] if summary.window else list(res.records)
+    models = []
+    for g in summary.per_model:
+        mine = [r for r in window if r.model == g.name and r.request_id in servable]
+        good = sum(meets_slo(r, summary.slo) for r in mine)
+        att = good / len(mine) if mine else math.nan
+        models.append(ModelRow(g.name, g.num_offered, len(mine), g.goodput_rps, g.attainment_admitted,
+                               g.attainment_offered, att, g.ttft.p95_ms, g.itl.p95_ms,
+                               bool(mine) and att >= CAPACITY_ATTAINMENT and g.fleet_slo_met))
+    tiers = tuple(TierRow(g.name, g.goodput_rps, g.attainment_admitted) for g in summary.per_tier)
+    gangs = res.gangs
+    return RunRow(
+        job.case, job.policy, job.cost_profile, job.rate_rps, job.seed, summary.overall.goodput_rps, tuple(models),
+        tiers,
+        lm_wait_ms=max((g.longest_lm_wait_s for g in gangs), default=math.nan) * 1e3,
+        sm_stall_ms=max((g.longest_sm_stall_s for g in gangs), default=math.nan) * 1e3,
+        lm_held=(gangs[0].stats.lm_held_s / gangs[0].virtual_s) if gangs and gangs[0].virtual_s else math.nan,
+        overruns=sum(g.stats.num_overruns for g in gangs),
+    )
+
+
+
+# --- the comparison ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    peak_rps: float = 625.0  # seed 003's peak (the workload's rate)
+    grid_rps: tuple[float, ...] = (10.0, 20.0, 40.0, 80.0, 160.0)  # the capacity grid
+    duration_s: float = 20.0
+    warmup_s: float = 5.0
+    peak_duration_s: float = 15.0
+    peak_warmup_s: float = 5.0
+    seed: int = 0
+    workers: int = 2
+    cases: tuple[str, ...] = tuple(CASES)
+    cost_profiles: tuple[str, ...] = ("default", "pessimistic")
+
+
+def jobs(settings: Settings) -> list[Job]:
+    out = []
+    for cost in settings.cost_profiles:
+        for case in settings.cases:
+            for policy in policies_of(case):
+                out.append(Job(case, policy, cost, settings.peak_rps, settings.peak_duration_s,
+                               settings.peak_warmup_s, settings.seed))
+                out += [Job(case, policy, cost, r, settings.duration_s, settings.warmup_s, settings.seed)
+                        for r in settings.grid_rps]
+    return out
+
+
+def run_all(settings: Settings, log=None) -> list[RunRow]:
+    todo = jobs(settings)
+    if settings.workers <= 1:
+        rows = []
+        for j in todo:
+            rows.append(run_job(j))
+            if log:
+                log(f"{j.cost_profile} {j.case} {j.policy} {j.rate_rps:g} req/s done")
+        return rows
+    with multiprocessing.get_context("fork").Pool(settings.workers) as pool:
+        rows = []
+        for row in pool.imap(run_job, todo):
+            rows.append(row)
+            if log:
+                log(f"{row.cost_profile} {row.case} {row.policy} {row.rate_rps:g} req/s done")
+        return rows
+
+
+def capacity_rps(rows: Sequence[RunRow], model: str | None) -> float:
+    """The highest grid rate at which `model` (every model: None) passes, with every lower grid rate passing."""
+    best = 0.0
+    for row in sorted(rows, key=lambda r: r.rate_rps):
+        ok = all(m.passes for m in row.models) if model is None else row.model(model).passes
+        if not ok:
+            break
+        best = row.rate_rps
+    return best
+
+
+def _pct(x: float) -> str:
+    return "-" if x is None or math.isnan(x) else f"{100 * x:.1f}"
+
+
+def _ms(x: float) -> str:
+    if math.isnan(x):
+        return "-"
+    return f"{x / 1e3:.1f} s" if x >= 1000 else f"{x:.0f} ms"
+
+
+def render(rows: Sequence[RunRow], settings: Settings) -> str:
+    """The markdown of the comparison: per case and cost profile, one line per policy."""
+    out = []
+    for case in settings.cases:
+        for cost in settings.cost_profiles:
+            mine = [r for r in rows if r.case == case and r.cost_profile == cost]
+            if not mine:
+                continue
+            models = [m.model for m in mine[0].models]
+            lm = next(m for m in models if m != "llama-3-8b")
+            sm = "llama-3-8b"
+            out.append(f"**{CASES[case][0]}, `{cost}` cost profile**, seed-003 mix at {settings.peak_rps:g} req/s "
+                       f"(the seed's peak) and capacity on the grid {', '.join(f'{r:g}' for r in settings.grid_rps)}"
+                       " req/s:")
+            out.append("")
+            out.append(f"| policy | capacity: node | {lm} | {sm} | peak goodput {lm} | {sm} | admitted good {lm} % "
+                       f"| {sm} % | servable good {lm} % | {sm} % | INTERACTIVE share of goodput % | "
+                       f"admitted good INTERACTIVE % | BATCH % | longest LM wait | longest SM stall | LM held % |")
+            out.append("|---|" + "---:|" * 15)
+            for policy in policies_of(case):
+                grid = [r for r in mine if r.policy == policy and r.rate_rps != settings.peak_rps]
+                peak = next((r for r in mine if r.policy == policy and r.rate_rps == settings.peak_rps), None)
+                if peak is None:
+                    continue
+                tiers = {t.tier: t for t in peak.tiers}
+                inter, batch = tiers.get("INTERACTIVE"), tiers.get("BATCH")
+                share = inter.goodput_rps / peak.goodput_rps if inter and peak.goodput_rps else math.nan
+                wait = max([peak.lm_wait_ms] + [r.lm_wait_ms for r in grid])
+                stall = max([peak.sm_stall_ms] + [r.sm_stall_ms for r in grid])
+                out.append(
+                    f"| {policy} | {capacity_rps(grid, None):g} | {capacity_rps(grid, lm):g} | "
+                    f"{capacity_rps(grid, sm):g} | {peak.model(lm).goodput_rps:.1f} | {peak.model(sm).goodput_rps:.1f} | "
+                    f"{_pct(peak.model(lm).attainment_admitted)} | {_pct(peak.model(sm).attainment_admitted)} | "
+                    f"{_pct(peak.model(lm).attainment_servable)} | {_pct(peak.model(sm).attainment_servable)} | "
+                    f"{_pct(share)} | {_pct(inter.attainment_admitted if inter else math.nan)} | "
+                    f"{_pct(batch.attainment_admitted if batch else math.nan)} | {_ms(wait)} | {_ms(stall)} | "
+                    f"{_pct(peak.lm_held)} |")
+            out.append("")
+    return "\n".join(out)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = Settings()
+    parser.add_argument("--cases", default=",".join(d.cases), help="comma-separated: " + ", ".join(CASES))
+    parser.add_argument("--cost-profiles", default=",".join(d.cost_profiles))
+    parser.add_argument("--grid", default=",".join(f"{r:g}" for r in d.grid_rps), help="capacity grid, req/s")
+    parser.add_argument("--peak", type=float, default=d.peak_rps)
+    parser.add_argument("--duration", type=float, default=d.duration_s, help="grid runs' window, s")
+    parser.add_argument("--warmup", type=float, default=d.warmup_s)
+    parser.add_argument("--peak-duration", type=float, default=d.peak_duration_s)
+    parser.add_argument("--peak-warmup", type=float, default=d.peak_warmup_s)
+    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--workers", type=int, default=d.workers)
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    return Settings(peak_rps=args.peak, grid_rps=tuple(float(x) for x in args.grid.split(",") if x),
+                    duration_s=args.duration, warmup_s=args.warmup, peak_duration_s=args.peak_duration,
+                    peak_warmup_s=args.peak_warmup, seed=args.seed, workers=args.workers,
+                    cases=tuple(c for c in args.cases.split(",") if c),
+                    cost_profiles=tuple(c for c in args.cost_profiles.split(",") if c))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m octoserve.services.gang_bench", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    settings = settings_from_args(parser.parse_args(argv))
+    rows = run_all(settings, log=lambda s: print(s, file=sys.stderr, flush=True))
+    print(render(rows, settings))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,153 @@
+"""Seed 003's own node (placement proves the fit, with exact figures), its SLOs, and the baselines the seed warns
+about (LM-first, SM-greedy, coarse slices), each by its defining behaviour on a tiny deterministic schedule."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from octoserve.services.config import default_config_text, parse_yaml_mapping
+from octoserve.services.core.gang import GangArbiter, GangPolicy, MemberView
+from octoserve.services.core.placement import PlacementError, node_config_from_dict
+from octoserve.services.core.specs import GIB, MODEL_PRESETS, activation_reserve_bytes
+from octoserve.services.gang_bench import config_for, workload
+
+UNBOUNDED = dict(max_lm_wait_ms=1e6, max_sm_stall_ms=2e6)
+
+
+def _raw():
+    return parse_yaml_mapping(default_config_text("node-seed003.yaml"), "node-seed003.yaml")
+
+
+def test_the_large_model_needs_all_eight_gpus_by_memory():
+    lm = MODEL_PRESETS["dense-180b"]
+    assert lm.num_params == 179_516_485_632
+    assert lm.weight_bytes_per_gpu(8) == 44_879_121_408  # 44.9 GB a GPU at TP=8
+    assert lm.weight_bytes_per_gpu(4) == 89_758_242_816  # 89.8 GB at TP=4: over an 80 GiB (85.9 GB) GPU
+    assert lm.kv_bytes_per_token_per_gpu(8) == 48 * 1024
+    raw = _raw()
+    raw["instances"] = [dict(raw["instances"][0], tp=4, gpu_ids=[0, 1, 2, 3], gpu_memory_utilization=0.9)]
+    raw.pop("gang")
+    with pytest.raises(PlacementError) as e:
+        node_config_from_dict(raw)
+    assert ("instance lm-0: dense-180b weights need 89.8 GB per GPU at TP=4 but h100-sxm-80gb x 0.9 leaves "
+            "77.3 GB; raise tp or gpu_memory_utilization") in e.value.problems
+
+
+def test_placement_proves_both_models_and_both_kv_pools_fit_each_gpu():
+    node = node_config_from_dict(_raw())
+    lm, sm = node.instance("lm-0"), node.instance("sm-0")
+    assert (lm.tp, lm.gpu_memory_utilization, sm.tp, sm.gpu_memory_utilization) == (8, 0.6, 1, 0.3)
+    assert node.gpu.memory_bytes == 80 * GIB
+    # LM share 51.54 GB = 44.88 weights + 1.52 activations + 5.14 KV; SM share 25.77 GB = 16.06 + 1.36 + 8.35
+    assert activation_reserve_bytes(node.models["dense-180b"], 8, 2048) == 1_516_240_896
+    assert activation_reserve_bytes(node.models["llama-3-8b"], 1, 2048) == 1_361_051_648
+    assert node.num_kv_blocks_for(lm) == 6541 and node.num_kv_blocks_for(sm) == 3980  # 104,656 / 63,680 tokens
+    for i in range(8):
+        members = [x for x in node.instances if i in x.gpu_ids]
+        assert sorted(x.id for x in members) == ["lm-0", f"sm-{i}"]
+        assert sum(x.gpu_memory_utilization for x in members) == pytest.approx(0.9)
+    raw = _raw()
+    raw["instances"][1] = dict(raw["instances"][1], gpu_memory_utilization=0.35)
+    with pytest.raises(PlacementError) as e:
+        node_config_from_dict(raw)
+    assert any(p.startswith("GPU 0 is shared by a gang group: gpu_memory_utilization lm-0 0.6 (44.9 GB weights")
+               and "= 0.95 of 85.9 GB exceeds 0.9" in p for p in e.value.problems)
+
+
+def test_seed003_slos_per_model_and_tier():
+    node = node_config_from_dict(_raw())
+    assert node.slo.for_model("dense-180b").itl_ms == 100 and node.slo.for_model("llama-3-8b").itl_ms == 65
+    assert {t.name: ms for t, ms in node.slo.tier_ttft_ms.items()} == {"INTERACTIVE": 200, "STANDARD": 250,
+                                                                       "BATCH": 10000}
+    profile = workload("seed003")
+    assert profile.rate_rps == 625 and {t.model: t.itl_ms for t in profile.traffic} == {
+        "llama-3-8b": 65, "dense-180b": 100}
+    # The 70B case runs the same workload with its LM renamed, under the same SLOs.
+    assert {t.model for t in workload("70b").traffic} == {"llama-3-8b", "llama-3-70b"}
+    assert config_for("70b", "gang", "default").slo.for_model("llama-3-70b").itl_ms == 100
+
+
+def test_baseline_configs_keep_the_node_and_lift_the_bounds():
+    gang = config_for("seed003", "gang", "pessimistic")
+    assert gang.gang.policy.shape == "slack" and gang.cost_profile == "pessimistic"
+    for policy, shape in (("lm-first", "lm_first"), ("sm-greedy", "sm_greedy"), ("slices", "slices")):
+        c = config_for("seed003", policy, "default")
+        assert c.instances == gang.instances
+        assert c.gang.policy.shape == shape and c.gang.policy.max_lm_wait_ms == 1e6
+        assert c.gang.policy.lm_shared_step_ms == 0 and c.gang.policy.sm_shared_step_ms == 0
+    static = config_for("70b", "static-split", "default")
+    assert static.gang is None
+    assert sorted((i.model, i.tp) for i in static.instances)[0] == ("llama-3-70b", 4)
+
+
+# ---- the baselines' defining behaviour -------------------------------------------------------------------------
+
+
+def _views(lm_work, sm_work):  # floors: LM 20 ms, SM 10 ms
+    return MemberView("lm", lm_work, 0.020), [MemberView(f"sm{i}", w, 0.010) for i, w in enumerate(sm_work)]
+
+
+def _schedule(shape, work, until_s, **policy):
+    """Run the arbiter with fixed steps (LM 20 ms, SM 10 ms) while `work(now)` says who has work; the starts."""
+    arb = GangArbiter(GangPolicy(shape=shape, **UNBOUNDED, **policy), "lm", ["sm0", "sm1"])
+    now, out = 0.0, []
+    busy: dict[str, float] = {}
+    while now < until_s - 1e-9:
+        lm_work, sm_work = work(now)
+        d = arb.decide(now, *_views(lm_work, sm_work))
+        if d.run_lm:
+            arb.started("lm", now, 0.020, d.lm_cap_s)
+            busy["lm"] = now + 0.020
+            out.append((round(now, 3), "LM"))
+        for s, cap in d.sm_starts:
+            arb.started(s, now, 0.010, cap)
+            busy[s] = now + 0.010
+            out.append((round(now, 3), s))
+        now = round(min(busy.values()) if busy else now + 0.010, 9)  # whole ms: no float drift at slice edges
+        for m in [m for m, t in busy.items() if t <= now + 1e-12]:
+            arb.finished(m, now)
+            del busy[m]
+    return arb, out
+
+
+def test_lm_first_reserves_the_node_while_the_lm_has_work():
+    arb, out = _schedule("lm_first", lambda now: (now < 0.095, [True, True]), 0.16)
+    # The LM holds every GPU from the first boundary until its work ends (0.1 s): the SMs starve meanwhile.
+    assert [t for t, who in out if who == "LM"] == [0.0, 0.02, 0.04, 0.06, 0.08]
+    assert [t for t, who in out if who == "sm0"] == [0.1, 0.11, 0.12, 0.13, 0.14, 0.15]
+    assert arb.stats.max_sm_stall_s == pytest.approx(0.1)
+
+
+def test_sm_greedy_runs_the_lm_only_when_every_sm_is_idle():
+    arb, out = _schedule("sm_greedy", lambda now: (True, [now < 0.095, now < 0.045]), 0.16)
+    # sm1 idles at 0.05 s, but sm0 still has work: the LM waits until every SM is idle (0.1 s).
+    assert [t for t, who in out if who == "LM"] == [0.1, 0.12, 0.14]
+    assert arb.stats.max_lm_wait_s == pytest.approx(0.1)
+    _, out = _schedule("sm_greedy", lambda now: (True, [now >= 0.025, False]), 0.1)
+    # SM work arriving during an LM step ends the lease at that step's end.
+    assert out == [(0.0, "LM"), (0.02, "LM"), (0.04, "sm0"), (0.05, "sm0"), (0.06, "sm0"), (0.07, "sm0"),
+                   (0.08, "sm0"), (0.09, "sm0")]
+
+
+def test_slices_alternate_fixed_slices_whatever_the_deadlines():
+    arb, out = _schedule("slices", lambda now: (True, [True, True]), 0.3, slice_ms=100.0)
+    lm = [t for t, who in out if who == "LM"]
+    sm = [t for t, who in out if who == "sm0"]
+    assert sm == [0.0, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.07, 0.08, 0.09, 0.2, 0.21, 0.22, 0.23, 0.24, 0.25,
+                  0.26, 0.27, 0.28, 0.29]
+    assert lm == [0.1, 0.12, 0.14, 0.16, 0.18]
+    assert arb.stats.max_lm_wait_s == pytest.approx(0.1) and arb.stats.max_sm_stall_s == pytest.approx(0.1)
+    # Work-conserving: with no SM work the LM steps in the SMs' slice too.
+    _, out = _schedule("slices", lambda now: (True, [False, False]), 0.06, slice_ms=100.0)
+    assert out == [(0.0, "LM"), (0.02, "LM"), (0.04, "LM")]
+
+
+def test_baseline_shapes_are_validated_and_unbounded_waits_are_reported_open():
+    assert GangPolicy(shape="slices", slice_ms=0).problems() == ["gang.slice_ms is 0; set a positive number"]
+    arb = GangArbiter(GangPolicy(shape="sm_greedy", **UNBOUNDED), "lm", ["sm0"])
+    arb.decide(0.0, MemberView("lm", True, 0.02), [MemberView("sm0", True, 0.01)])
+    arb.started("sm0", 0.0, 0.01, 1.0)
+    assert arb.open_waits_s(0.5) == (0.5, 0.0)  # the LM has waited since 0 s and never ran
+    assert dataclasses.replace(GangPolicy(), shape="lm_first").is_baseline
