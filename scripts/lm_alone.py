@@ -109,7 +109,8 @@ def render(results, rates, seeds, args, wall_s: float) -> str:
              "SLO on most seeds). The default placement serves the whole seed-000 mix at four times the 70B rate; "
              "the other arms drop the 8B and serve the 70B requests alone, on all eight GPUs.", ""]
     for profile in PROFILES:
-        lines += [f"**{profile} cost profile**", "",
+        best = max(ALONE_ARMS, key=lambda a: sum(cell(results, profile, a, r, seeds)[0] for r in rates))
+        lines += [f"**{profile} cost profile** (the 70B served best, summed over the grid: {best})", "",
                   "| placement | " + " | ".join(f"{r:g} req/s" for r in rates) + " | 70B SLO capacity on the grid |",
                   "|---|" + "---:|" * (len(rates) + 1)]
         for arm in (DEFAULT_ARM, *ALONE_ARMS):
@@ -121,6 +122,14 @@ def render(results, rates, seeds, args, wall_s: float) -> str:
                 capacity = r if passing else capacity  # every lower rate passes too
             lines.append(f"| {arm} | " + " | ".join(cells) + f" | {capacity:g} |")
         lines.append("")
+    lines += [
+        "Reading: the arms that drop the 8B serve none of its requests, three quarters of seed-000's, so the planner "
+        "ranks them after every placement that serves both models and `plan` never recommends them for this mix. "
+        "They answer what the 70B alone could do. TP=8 gives a prompt twice the prefill rate of TP=4: seed-000's "
+        "long 70B prompts that no TP=4 instance can prefill within the 250 ms TTFT SLO even when idle are served at "
+        "TP=8, which is why the TP=4 arms, split or not, stay near the default placement at low rates. "
+        "Splitting the 70B into prefill and decode instances helps only under load, when prefill chunks would "
+        "otherwise share steps with a full decode batch."]
     return "\n".join(lines).rstrip() + "\n"
 
 
