@@ -14,6 +14,10 @@ re-routed (`router/failover.py`), after freeing what the surviving instances hol
 UNAVAILABLE with a retry hint (the client has seen tokens; a replay would repeat them). The instance is unroutable
 from that moment until its session is back.
 
+A client resuming a cut stream (`resume_from`: the tokens it received before a router restart or a refused
+continuation) is a new request here: its prompt carries those tokens (`convert.resumed_spec`), and usage moves
+them (`RequestState.resumed`) from the prompt count to the completion count, so it reports the whole request.
+
 Bounds: at most `max_pending_deltas` undelivered deltas per request. A client that stops reading fills that
 bound, is cut off with ABORTED (after the messages already written), and its request is aborted on the workers,
 so its worker never waits for it.
@@ -61,7 +65,7 @@ class RequestState:
     __slots__ = (
         "spec", "pending", "wakeup", "num_sent", "num_prompt_tokens", "num_cached_tokens", "finish_reason",
         "error", "instance_ids", "max_pending", "closed", "first_token_s", "last_token_s", "wall_start_s",
-        "dispatch", "served_by", "rerouted", "timeout_s",
+        "dispatch", "served_by", "rerouted", "timeout_s", "resumed",
     )
 
     def __init__(self, spec, instance_ids: tuple[str, ...], max_pending: int, wall_start_s: float) -> None:
@@ -83,6 +87,7 @@ class RequestState:
         self.served_by: list[str] = list(instance_ids)  # every instance it was placed on, in order
         self.rerouted = 0
         self.timeout_s: float | None = None
+        self.resumed = 0  # tokens the client resumed from (resume_from): in spec's prompt, counted as output
 
     @property
     def streamed(self) -> bool:
@@ -165,6 +170,7 @@ class GenerationServicer(gen_grpc.GenerationServicer):
             self.access.refused(request, "", e)
             await rpc_status.abort(context, e)
         st = RequestState(spec, route_instances(route), self.settings.max_pending_deltas, wall_start_s)
+        st.resumed = len(request.resume_from.ids)
         st.timeout_s = context.time_remaining()
         self._track(st)
         self.policy.on_dispatched(spec.request_id, route, spec)
@@ -195,6 +201,7 @@ class GenerationServicer(gen_grpc.GenerationServicer):
         if model is None:
             raise UnknownModel(spec.model, self.config.models)
         validate_request(spec, model)
+        spec = convert.resumed_spec(spec, request, model)  # a client resuming a cut stream (resume_from)
         self.tenants.admit(tenant, spec.model, spec.priority, request_id,
                            int(self.config.policies.min_retry_after_ms * self.settings.time_scale))
         try:
@@ -298,9 +305,9 @@ class GenerationServicer(gen_grpc.GenerationServicer):
             response.request_id = st.spec.request_id
         if finished:
             response.finish_reason = st.finish_reason
-            response.usage.prompt_tokens = st.num_prompt_tokens
-            response.usage.completion_tokens = st.num_sent
-            response.usage.cached_prompt_tokens = st.num_cached_tokens
+            response.usage.prompt_tokens = st.num_prompt_tokens - st.resumed
+            response.usage.completion_tokens = st.num_sent + st.resumed
+            response.usage.cached_prompt_tokens = min(st.num_cached_tokens, st.num_prompt_tokens - st.resumed)
         return response
 
     def _observe(self, st: RequestState, response: gen_pb.GenerateResponse) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from octoserve.services.core.errors import InvalidArgument
 from octoserve.services.core.types import (
     BlockRemoved,
     BlockStored,
@@ -99,6 +100,48 @@ def spec_from_public(
         priority=PRIORITY_FROM_PB.get(req.priority, Priority.STANDARD),
         ttft_slo_ms=float(req.ttft_slo_ms) if req.ttft_slo_ms else None,
         sim_output_len=sim_output_len,
+    )
+
+
+def resumed_spec(spec: RequestSpec, req: gen_pb.GenerateRequest, model) -> RequestSpec:
+    """The request a client resumes (`GenerateRequest.resume_from`: the tokens its earlier stream received), as a
+    continuation of `spec` (the request as validated without them): prompt + those tokens, max_tokens less their
+    number (and the sim engine's output length, so its EOS stays where it was), everything else unchanged: the rule
+    of the router's own continuation on another worker. `spec` unchanged when resume_from is unset or empty.
+
+    Refused (InvalidArgument, field resume_from): as many tokens as max_tokens or more (nothing would be left to
+    generate), or an id outside the model's vocabulary. The context window needs no check of its own: the
+    validated request has prompt + max_tokens <= window, so prompt + fewer than max_tokens tokens fits."""
+    ids = tuple(req.resume_from.ids)
+    if not ids:
+        return spec
+    max_tokens = spec.sampling.max_tokens
+    if len(ids) >= max_tokens:
+        raise InvalidArgument(
+            "resume_from",
+            f"resume_from holds {len(ids)} tokens but max_tokens is {max_tokens}; max_tokens counts the whole "
+            f"request, resumed tokens included, so nothing is left to generate: send at most {max_tokens - 1} "
+            "resumed tokens with the original max_tokens (a stream that received max_tokens tokens has finished)",
+        )
+    vocab = getattr(model, "vocab_size", None)
+    if vocab is not None:
+        for position, token_id in enumerate(ids):
+            if token_id >= vocab:
+                raise InvalidArgument(
+                    "resume_from",
+                    f"resume_from token id {token_id} at position {position} is outside the vocabulary of "
+                    f"{model.name} (ids 0..{vocab - 1}); send the token ids the stream returned",
+                )
+    s, true_len = spec.sampling, spec.sim_output_len
+    return RequestSpec(
+        request_id=spec.request_id,
+        model=spec.model,
+        prompt_token_ids=tuple(spec.prompt_token_ids) + ids,
+        sampling=SamplingParams(max_tokens - len(ids), s.temperature, s.top_p, s.seed, s.stop, s.ignore_eos),
+        arrival_s=spec.arrival_s,
+        priority=spec.priority,
+        ttft_slo_ms=spec.ttft_slo_ms,
+        sim_output_len=None if true_len is None else max(1, true_len - len(ids)),
     )
 
 

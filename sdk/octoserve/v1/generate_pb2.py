@@ -24,33 +24,33 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1boctoserve/v1/generate.proto\x12\x0coctoserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xbf\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.octoserve.v1.TokenIdsH\x00\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x13\n\x0btemperature\x18\x05 \x01(\x02\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12(\n\x08priority\x18\n \x01(\x0e\x32\x16.octoserve.v1.Priority\x12\x13\n\x0bttft_slo_ms\x18\x0b \x01(\r\x12\x12\n\nrequest_id\x18\x0c \x01(\tB\x08\n\x06promptB\x08\n\x06_top_pB\x07\n\x05_seed\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\x9e\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.octoserve.v1.FinishReason\x12\"\n\x05usage\x18\x04 \x01(\x0b\x32\x13.octoserve.v1.Usage\x12\x12\n\nrequest_id\x18\x05 \x01(\t\"\x13\n\x11ListModelsRequest\"m\n\x05Model\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_window\x18\x02 \x01(\r\x12\'\n\x05state\x18\x03 \x01(\x0e\x32\x18.octoserve.v1.ModelState\x12\x15\n\rnum_instances\x18\x04 \x01(\r\"9\n\x12ListModelsResponse\x12#\n\x06models\x18\x01 \x03(\x0b\x32\x13.octoserve.v1.Model*N\n\x08Priority\x12\x18\n\x14PRIORITY_UNSPECIFIED\x10\x00\x12\x0f\n\x0bINTERACTIVE\x10\x01\x12\x0c\n\x08STANDARD\x10\x02\x12\t\n\x05\x42\x41TCH\x10\x03*N\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x08\n\x04STOP\x10\x01\x12\n\n\x06LENGTH\x10\x02\x12\t\n\x05\x41\x42ORT\x10\x03*`\n\nModelState\x12\x1b\n\x17MODEL_STATE_UNSPECIFIED\x10\x00\x12\t\n\x05READY\x10\x01\x12\x0b\n\x07LOADING\x10\x02\x12\x0c\n\x08\x44RAINING\x10\x03\x12\x0f\n\x0bUNAVAILABLE\x10\x04\x32\xaa\x01\n\nGeneration\x12K\n\x08Generate\x12\x1d.octoserve.v1.GenerateRequest\x1a\x1e.octoserve.v1.GenerateResponse0\x01\x12O\n\nListModels\x12\x1f.octoserve.v1.ListModelsRequest\x1a .octoserve.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1boctoserve/v1/generate.proto\x12\x0coctoserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xec\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.octoserve.v1.TokenIdsH\x00\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x13\n\x0btemperature\x18\x05 \x01(\x02\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12(\n\x08priority\x18\n \x01(\x0e\x32\x16.octoserve.v1.Priority\x12\x13\n\x0bttft_slo_ms\x18\x0b \x01(\r\x12\x12\n\nrequest_id\x18\x0c \x01(\t\x12+\n\x0bresume_from\x18\r \x01(\x0b\x32\x16.octoserve.v1.TokenIdsB\x08\n\x06promptB\x08\n\x06_top_pB\x07\n\x05_seed\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\x9e\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.octoserve.v1.FinishReason\x12\"\n\x05usage\x18\x04 \x01(\x0b\x32\x13.octoserve.v1.Usage\x12\x12\n\nrequest_id\x18\x05 \x01(\t\"\x13\n\x11ListModelsRequest\"m\n\x05Model\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_window\x18\x02 \x01(\r\x12\'\n\x05state\x18\x03 \x01(\x0e\x32\x18.octoserve.v1.ModelState\x12\x15\n\rnum_instances\x18\x04 \x01(\r\"9\n\x12ListModelsResponse\x12#\n\x06models\x18\x01 \x03(\x0b\x32\x13.octoserve.v1.Model*N\n\x08Priority\x12\x18\n\x14PRIORITY_UNSPECIFIED\x10\x00\x12\x0f\n\x0bINTERACTIVE\x10\x01\x12\x0c\n\x08STANDARD\x10\x02\x12\t\n\x05\x42\x41TCH\x10\x03*N\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x08\n\x04STOP\x10\x01\x12\n\n\x06LENGTH\x10\x02\x12\t\n\x05\x41\x42ORT\x10\x03*`\n\nModelState\x12\x1b\n\x17MODEL_STATE_UNSPECIFIED\x10\x00\x12\t\n\x05READY\x10\x01\x12\x0b\n\x07LOADING\x10\x02\x12\x0c\n\x08\x44RAINING\x10\x03\x12\x0f\n\x0bUNAVAILABLE\x10\x04\x32\xaa\x01\n\nGeneration\x12K\n\x08Generate\x12\x1d.octoserve.v1.GenerateRequest\x1a\x1e.octoserve.v1.GenerateResponse0\x01\x12O\n\nListModels\x12\x1f.octoserve.v1.ListModelsRequest\x1a .octoserve.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'octoserve.v1.generate_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PRIORITY']._serialized_start=833
-  _globals['_PRIORITY']._serialized_end=911
-  _globals['_FINISHREASON']._serialized_start=913
-  _globals['_FINISHREASON']._serialized_end=991
-  _globals['_MODELSTATE']._serialized_start=993
-  _globals['_MODELSTATE']._serialized_end=1089
+  _globals['_PRIORITY']._serialized_start=878
+  _globals['_PRIORITY']._serialized_end=956
+  _globals['_FINISHREASON']._serialized_start=958
+  _globals['_FINISHREASON']._serialized_end=1036
+  _globals['_MODELSTATE']._serialized_start=1038
+  _globals['_MODELSTATE']._serialized_end=1134
   _globals['_TOKENIDS']._serialized_start=45
   _globals['_TOKENIDS']._serialized_end=68
   _globals['_GENERATEREQUEST']._serialized_start=71
-  _globals['_GENERATEREQUEST']._serialized_end=390
-  _globals['_USAGE']._serialized_start=392
-  _globals['_USAGE']._serialized_end=479
-  _globals['_GENERATERESPONSE']._serialized_start=482
-  _globals['_GENERATERESPONSE']._serialized_end=640
-  _globals['_LISTMODELSREQUEST']._serialized_start=642
-  _globals['_LISTMODELSREQUEST']._serialized_end=661
-  _globals['_MODEL']._serialized_start=663
-  _globals['_MODEL']._serialized_end=772
-  _globals['_LISTMODELSRESPONSE']._serialized_start=774
-  _globals['_LISTMODELSRESPONSE']._serialized_end=831
-  _globals['_GENERATION']._serialized_start=1092
-  _globals['_GENERATION']._serialized_end=1262
+  _globals['_GENERATEREQUEST']._serialized_end=435
+  _globals['_USAGE']._serialized_start=437
+  _globals['_USAGE']._serialized_end=524
+  _globals['_GENERATERESPONSE']._serialized_start=527
+  _globals['_GENERATERESPONSE']._serialized_end=685
+  _globals['_LISTMODELSREQUEST']._serialized_start=687
+  _globals['_LISTMODELSREQUEST']._serialized_end=706
+  _globals['_MODEL']._serialized_start=708
+  _globals['_MODEL']._serialized_end=817
+  _globals['_LISTMODELSRESPONSE']._serialized_start=819
+  _globals['_LISTMODELSRESPONSE']._serialized_end=876
+  _globals['_GENERATION']._serialized_start=1137
+  _globals['_GENERATION']._serialized_end=1307
 # @@protoc_insertion_point(module_scope)
