@@ -14,7 +14,9 @@ GET /health, GET /metrics. Request and response shapes: `protocol.py`; text and 
 
 Per request: parse (400 on bad input) -> template and tokenize -> one Generate stream to the router. The HTTP
 status is chosen after the router's first message or error, so an admission refusal is a real 429/404/400/503
-with its Retry-After, never a 200 stream that fails; once tokens flowed, a failure is an SSE `error` event.
+with its Retry-After, never a 200 stream that fails. Once tokens flowed, a router stream that ends UNAVAILABLE (the
+router restarted, or could not continue the request on another worker) is resumed where it stopped
+(`RouterStream`), within bounds; any other failure, or one past the bounds, is an SSE `error` event.
 A client that disconnects cancels its gRPC stream, which aborts the request on every worker (the router's rule).
 
 Headers that travel to the router as gRPC metadata: `authorization` and `x-api-key` (the tenant key, checked by the
@@ -32,6 +34,7 @@ import asyncio
 import json
 import logging
 import os
+import random
 import signal
 import time
 import uuid
@@ -43,7 +46,7 @@ import grpc.aio
 import prometheus_client as prom
 from aiohttp import web
 
-from octoserve.client import message_too_large, retry_after_ms_from_trailers
+from octoserve.client import RetryPolicy, message_too_large, retry_after_ms_from_trailers
 from octoserve.http_front import protocol
 from octoserve.http_front.protocol import ApiError, ParsedRequest
 from octoserve.http_front.text import StopTrimmer, TextCodec
@@ -84,6 +87,9 @@ class FrontMetrics:
                                    ["model"], registry=self.registry)
         self.in_flight = prom.Gauge("octoserve_http_in_flight", "requests being served (requests)",
                                     registry=self.registry)
+        self.resumes = prom.Counter("octoserve_http_resumed_streams",
+                                    "router streams cut after tokens and resumed where they stopped (resumes)",
+                                    ["model"], registry=self.registry)
 
     def model_label(self, model: str) -> str:
         return model if model in self.served else OTHER_MODEL
@@ -91,10 +97,14 @@ class FrontMetrics:
 
 class Front:
     def __init__(self, router_address: str, codecs: Mapping[str, TextCodec] | None = None, grace_s: float = 10.0,
-                 default_codec: TextCodec | None = None, stub=None, chat_default_max_tokens: int | None = None) -> None:
+                 default_codec: TextCodec | None = None, stub=None, chat_default_max_tokens: int | None = None,
+                 resume_policy: RetryPolicy = RetryPolicy(), rng: random.Random | None = None) -> None:
         """`stub`: the router's Generation API; by default a gRPC channel to `router_address`, inside the router
         process the servicer itself (`local.LocalGeneration`). `chat_default_max_tokens`: the cap on a chat that
-        sends no max_tokens (`limits.chat_default_max_tokens`; None: the rest of the context window)."""
+        sends no max_tokens (`limits.chat_default_max_tokens`; None: the rest of the context window).
+        `resume_policy`: the bounds and delays of resuming a cut stream (`RouterStream`; max_resumes 0: never)."""
+        self.resume_policy = resume_policy
+        self.rng = rng if rng is not None else random.Random()
         self.chat_default_max_tokens = chat_default_max_tokens
         self.router_address = router_address
         self.codecs = dict(codecs or {})  # model -> its tokenizer and chat template
@@ -195,12 +205,12 @@ class Front:
             try:
                 body = protocol.parse_body(await request.read())
                 parsed = (protocol.parse_chat if chat else protocol.parse_completion)(body, request.headers)
-                call = self.stub.Generate(self._grpc_request(parsed, chat), timeout=parsed.timeout_s,
-                                          metadata=_metadata(request.headers))
+                call = RouterStream(self, self._grpc_request(parsed, chat), parsed.timeout_s,
+                                    _metadata(request.headers), chat)
             except ApiError as e:
                 return self._error_response(endpoint, e)
             try:
-                first = await _read(call, chat)
+                first = await call.read()
             except ApiError as e:
                 return self._error_response(endpoint, e)
             model_label = self.metrics.model_label(parsed.model)
@@ -245,7 +255,7 @@ class Front:
             req.seed = parsed.seed
         return req
 
-    async def _stream(self, request: web.Request, call, first: pb.GenerateResponse, parsed: ParsedRequest,
+    async def _stream(self, request: web.Request, call: RouterStream, first: pb.GenerateResponse, parsed: ParsedRequest,
                       chat: bool, model_label: str) -> web.StreamResponse:
         rid = ("chatcmpl-" if chat else "cmpl-") + (first.request_id or uuid.uuid4().hex)
         created = int(time.time())
@@ -274,7 +284,7 @@ class Front:
                                                                       _usage(message))))
                     break
                 try:
-                    message = await _read(call, chat)
+                    message = await call.read()
                 except ApiError as e:  # headers are sent: the error travels as an SSE event
                     await response.write(sse(e.body()))
                     break
@@ -282,10 +292,10 @@ class Front:
         except ConnectionResetError:  # the client went away: the finally below aborts its request
             log.info("client disconnected mid-stream", extra=log_fields(request_id=rid))
         finally:
-            call.cancel()  # no-op once the stream ended; aborts the request when the client went away
+            call.cancel()
         return response
 
-    async def _collect(self, call, first: pb.GenerateResponse, parsed: ParsedRequest, chat: bool,
+    async def _collect(self, call: RouterStream, first: pb.GenerateResponse, parsed: ParsedRequest, chat: bool,
                        model_label: str) -> web.Response:
         rid = ("chatcmpl-" if chat else "cmpl-") + (first.request_id or uuid.uuid4().hex)
         detok, trim = self.codec(parsed.model).detokenizer(), StopTrimmer(parsed.stop)
@@ -296,7 +306,7 @@ class Front:
                 if message.finish_reason:
                     pieces.append(trim.push(detok.flush()) + trim.finish())
                     break
-                message = await _read(call, chat)
+                message = await call.read()
         except ApiError as e:
             return self._error_response(None, e)
         finally:
@@ -340,22 +350,96 @@ class Front:
             await self.channel.close()
 
 
-async def _read(call, chat: bool = False) -> pb.GenerateResponse:
-    """The next message of the router's stream, or the router's status as an ApiError (`param`: the field the
-    router named, if any)."""
-    try:
-        message = await call.read()
-    except grpc.aio.AioRpcError as e:
-        trailers = tuple(e.trailing_metadata() or ())
-        too_large = message_too_large(e.code(), e.details(), trailers)
-        if too_large is not None:  # the transport's size limit: invalid input, not an overload
-            raise protocol.invalid("messages" if chat else "prompt", too_large) from None
-        raise protocol.error_for_status(e.code(), e.details() or e.code().name, _retry_after_ms(trailers),
-                                        param=protocol.field_from_trailers(trailers, chat)) from None
-    if message is grpc.aio.EOF:  # the router always ends a stream with a finish reason or a status
-        raise ApiError(502, "the router ended the stream without a finish reason", type="internal_error",
-                       code="incomplete_stream")
-    return message
+class RouterStream:
+    """One request's Generate stream to the router, resumed where it stopped when it ends UNAVAILABLE after tokens
+    (the router restarted, or refused to continue the request on another worker), as the SDK resumes
+    (octoserve.client): the same request under the router's id for it, with `resume_from` = every token received,
+    so the router generates only the rest and reports usage for the whole request; the client's SSE stream or JSON
+    body goes on as one, only with a longer gap. Every stream is resumed, sampled ones too: an OpenAI client cannot
+    resume one itself, and the text the front sends stays cut at a stop string across the gap (`StopTrimmer`).
+
+    Bounds: at most `front.resume_policy.max_resumes` resumes per request (a resumed call that fails UNAVAILABLE
+    before its own first token counts as one more); each waits the router's retry hint (none above
+    `max_backoff_s`) or the backoff, then up to `resume_wait_s` for a separate-process front's channel to
+    reconnect, and none outlives the request's deadline. A failure not resumed is the router's status as an
+    ApiError, as before."""
+
+    def __init__(self, front: Front, request: pb.GenerateRequest, timeout_s: float | None, metadata,
+                 chat: bool) -> None:
+        self.front, self.request, self.metadata, self.chat = front, request, metadata, chat
+        self.deadline_s = None if timeout_s is None else time.monotonic() + timeout_s
+        self.call = front.stub.Generate(request, timeout=timeout_s, metadata=metadata)
+        self.request_id = ""
+        self.received: list[int] = []
+        self.resumes = 0
+
+    async def read(self) -> pb.GenerateResponse:
+        """The next message of the router's stream, or the router's status as an ApiError (`param`: the field the
+        router named, if any)."""
+        while True:
+            try:
+                message = await self.call.read()
+            except grpc.aio.AioRpcError as e:
+                delay_s = self._resume_delay_s(e)
+                if delay_s is None:
+                    raise _api_error(e, self.chat) from None
+                await self._resume(delay_s, e)
+                continue
+            if message is grpc.aio.EOF:  # the router always ends a stream with a finish reason or a status
+                raise ApiError(502, "the router ended the stream without a finish reason", type="internal_error",
+                               code="incomplete_stream")
+            self.request_id = self.request_id or message.request_id
+            self.received.extend(message.token_ids)
+            return message
+
+    def cancel(self) -> None:
+        self.call.cancel()  # no-op once the stream ended; aborts the request when the client went away
+
+    def _resume_delay_s(self, e: grpc.aio.AioRpcError) -> float | None:
+        policy = self.front.resume_policy
+        if (e.code() != grpc.StatusCode.UNAVAILABLE or self.resumes >= policy.max_resumes
+                or not 0 < len(self.received) < self.request.max_tokens):
+            return None
+        hint_ms = retry_after_ms_from_trailers(tuple(e.trailing_metadata() or ()))
+        hint_s = None if hint_ms is None else hint_ms / 1000.0
+        if hint_s is not None and hint_s > policy.max_backoff_s:
+            return None
+        delay_s = policy.delay_s(self.resumes, hint_s, self.front.rng)
+        if self.deadline_s is not None and time.monotonic() + delay_s >= self.deadline_s:
+            return None
+        return delay_s
+
+    async def _resume(self, delay_s: float, cause: grpc.aio.AioRpcError) -> None:
+        self.call.cancel()
+        self.resumes += 1
+        self.front.metrics.resumes.labels(self.front.metrics.model_label(self.request.model)).inc()
+        log.info("resuming a cut stream", extra=log_fields(request_id=self.request_id, tokens=len(self.received),
+                                                           resume=self.resumes, cause=cause.details()))
+        await asyncio.sleep(delay_s)
+        if self.front.channel is not None:  # a front of its own: its router may be restarting
+            wait_s = self.front.resume_policy.resume_wait_s
+            if self.deadline_s is not None:
+                wait_s = max(0.0, min(wait_s, self.deadline_s - time.monotonic()))
+            try:
+                await asyncio.wait_for(self.front.channel.channel_ready(), wait_s)
+            except TimeoutError:
+                pass  # the resumed call fails UNAVAILABLE and the bound decides
+        resumed = pb.GenerateRequest()
+        resumed.CopyFrom(self.request)
+        resumed.request_id = self.request_id
+        resumed.resume_from.ids[:] = self.received
+        timeout_s = None if self.deadline_s is None else max(0.0, self.deadline_s - time.monotonic())
+        self.call = self.front.stub.Generate(resumed, timeout=timeout_s, metadata=self.metadata)
+
+
+def _api_error(e: grpc.aio.AioRpcError, chat: bool) -> ApiError:
+    """The router's status as the front's error."""
+    trailers = tuple(e.trailing_metadata() or ())
+    too_large = message_too_large(e.code(), e.details(), trailers)
+    if too_large is not None:  # the transport's size limit: invalid input, not an overload
+        return protocol.invalid("messages" if chat else "prompt", too_large)
+    return protocol.error_for_status(e.code(), e.details() or e.code().name, _retry_after_ms(trailers),
+                                     param=protocol.field_from_trailers(trailers, chat))
 
 
 def _retry_after_ms(trailing_metadata) -> int | None:

@@ -283,12 +283,13 @@ async def test_retry_budget_exhaustion_stops_retrying():
 
 
 async def test_no_retry_after_the_first_token():
+    """Without resume (tests/test_sdk_resume.py), a failure after tokens is raised: never replayed."""
     servicer = ScriptedGeneration([Fail(grpc.StatusCode.UNAVAILABLE, after_responses=(resp((1,), request_id="r"),))])
     sleep = SleepLog()
     async with serve(servicer) as target, AsyncClient(target, retry=RetryPolicy(), sleep=sleep) as c:
         seen = []
         with pytest.raises(UnavailableError):
-            async for chunk in c.generate("llama-3-8b", "hi"):
+            async for chunk in c.generate("llama-3-8b", "hi", resume=False):
                 seen.append(chunk.token_ids)
     assert seen == [(1,)] and len(servicer.requests) == 1 and sleep.delays_s == []
 

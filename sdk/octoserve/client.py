@@ -6,7 +6,16 @@
 
 Invariants:
 - Only RESOURCE_EXHAUSTED and UNAVAILABLE are retried, and only before the first response message: once tokens
-  have streamed, a failure is raised, never replayed (the caller has seen tokens; a replay would repeat them).
+  have streamed, a failure is never replayed (the caller has seen tokens; a replay would repeat them).
+- Resume: a stream that ends UNAVAILABLE after tokens (its router restarted, or refused to continue it on another
+  worker) may instead be resumed: the same request, with the same id, sent again with `resume_from` = every token
+  received so far; the router appends them to the prompt, generates only the rest of max_tokens and reports usage
+  for the whole request, so the caller's iterator goes on as one stream. Greedy decoding gives exactly the tokens an
+  uninterrupted run gives. At most `RetryPolicy.max_resumes` resumes per call; each waits the server's retry hint
+  (or the backoff), then up to `resume_wait_s` for the router to be reachable, within the call's deadline, and
+  withdraws from the retry budget; the resumed request's own sends are retried as a new call's. On by default
+  (`generate(resume=None)`) only where it is exact: with a retry policy, for greedy requests without stop strings;
+  `resume=True` resumes any request, `resume=False` none.
 - A retry waits the server's delay (google.rpc.RetryInfo, else the `retry-after-ms` trailer, else exponential
   backoff), stretched by a random factor in [1, 1 + jitter_fraction): never shorter than the server asked, and
   spread so that clients refused together do not come back together.
@@ -210,6 +219,8 @@ class RetryPolicy:
     budget_ratio: float = 0.1  # retry tokens each call deposits
     budget_max_tokens: float = 10.0  # bucket size; the bucket starts full
     retryable_codes: frozenset[grpc.StatusCode] = RETRYABLE_CODES
+    max_resumes: int = 2  # streams cut after tokens resumed per call (see generate's `resume`); 0: never
+    resume_wait_s: float = 10.0  # how long a resume waits for the router to be reachable again (a restart)
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
@@ -218,6 +229,9 @@ class RetryPolicy:
             raise ValueError("backoffs must be >= 0 and backoff_multiplier >= 1")
         if self.jitter_fraction < 0 or self.budget_ratio < 0 or self.budget_max_tokens < 0:
             raise ValueError("jitter_fraction, budget_ratio and budget_max_tokens must be >= 0")
+        if self.max_resumes < 0 or self.resume_wait_s < 0:
+            raise ValueError(f"max_resumes and resume_wait_s must be >= 0, got {self.max_resumes} and "
+                             f"{self.resume_wait_s}")
 
     def delay_s(self, retry_index: int, server_delay_s: float | None, rng: random.Random) -> float:
         """Delay before retry number `retry_index` (0 = the first retry)."""
@@ -251,12 +265,15 @@ class RetryBudget:
 
 
 class _Attempts:
-    """One call's retry state: how many sends so far, and whether a failure earns another one."""
+    """One call's retry state: how many sends so far, and whether a failure earns another one (a retry before the
+    first token, a resume after)."""
 
     def __init__(
         self, policy: RetryPolicy | None, budget: RetryBudget | None, rng: random.Random, deadline_s: float | None
     ) -> None:
-        self.count = 0
+        self.count = 0  # sends of the current request (the original, or its latest resume): max_attempts bounds it
+        self.sends = 0  # sends of the whole call
+        self.resumes = 0
         self._policy, self._budget, self._rng, self._deadline_s = policy, budget, rng, deadline_s
         if budget is not None:
             budget.record_call()
@@ -264,13 +281,41 @@ class _Attempts:
     def timeout_s(self, now_s: float) -> float | None:
         """The per-send grpc timeout: what is left of the call's deadline."""
         self.count += 1
+        self.sends += 1
         if self._deadline_s is None:
             return None
         remaining_s = self._deadline_s - now_s
         if remaining_s <= 0:
             raise DeadlineExceededError("the call's deadline passed before it could be sent",
-                                        code=grpc.StatusCode.DEADLINE_EXCEEDED, attempts=self.count - 1)
+                                        code=grpc.StatusCode.DEADLINE_EXCEEDED, attempts=self.sends - 1)
         return remaining_s
+
+    def wait_s(self, now_s: float, limit_s: float) -> float:
+        """`limit_s`, cut to what is left of the call's deadline."""
+        return limit_s if self._deadline_s is None else max(0.0, min(limit_s, self._deadline_s - now_s))
+
+    def resume_delay_s(self, error: OctoserveClientError, now_s: float, num_received: int, max_tokens: int,
+                       policy: RetryPolicy) -> float | None:
+        """Seconds to wait before resuming a stream cut after `num_received` tokens, or None when the error must
+        be raised. The resumed request's sends are bounded afresh by max_attempts, under `policy` when the client
+        has none (the caller asked for `resume=True`)."""
+        if error.code != grpc.StatusCode.UNAVAILABLE or self.resumes >= policy.max_resumes:
+            return None
+        if not 0 < num_received < max_tokens:
+            return None  # nothing to resume from, or nothing left to generate
+        server_delay_s = None if error.retry_after_ms is None else error.retry_after_ms / 1000.0
+        if server_delay_s is not None and server_delay_s > policy.max_backoff_s:
+            return None
+        delay_s = policy.delay_s(self.resumes, server_delay_s, self._rng)
+        if self._deadline_s is not None and now_s + delay_s >= self._deadline_s:
+            return None
+        if self._budget is not None and not self._budget.try_withdraw():
+            return None
+        self.resumes += 1
+        self.count = 0
+        if self._policy is None:
+            self._policy = policy
+        return delay_s
 
     def retry_delay_s(self, error: OctoserveClientError, now_s: float) -> float | None:
         """Seconds to wait before resending, or None when the error must be raised."""
@@ -402,8 +447,9 @@ def build_request(
     priority: Priority | str | None = None,
     ttft_slo_ms: int | None = None,
     request_id: str = "",
+    resume_from: Sequence[int] = (),
 ) -> pb.GenerateRequest:
-    """The wire request. Raises `InvalidArgumentError` naming the field for what the wire cannot carry (a negative
+    """The wire request (`resume_from`: the tokens a cut stream already received, see the module docstring). Raises `InvalidArgumentError` naming the field for what the wire cannot carry (a negative
     or too large integer, a wrong type, an unknown tier); limits that depend on the model (its context window,
     vocabulary) are the server's to check, with the same error type."""
     if not isinstance(model, str):
@@ -439,7 +485,55 @@ def build_request(
         request.token_ids.ids.extend(prompt)
     if seed is not None:
         request.seed = seed
+    if resume_from:
+        request.resume_from.ids.extend(resume_from)
     return request
+
+
+def _resume_on(resume: bool | None, policy: RetryPolicy | None, temperature: float, stop: Sequence[str]) -> bool:
+    """Whether a stream cut after tokens is resumed: as asked, else (None) where the resumed stream is exactly the
+    uninterrupted one: a greedy request without stop strings (the server matches a stop string in the new output
+    only, so one split by the cut would be missed), on a client with a retry policy."""
+    if resume is not None and not isinstance(resume, bool):
+        raise _invalid("resume", f"{resume!r} is not a bool; use True, False or None (resume greedy requests "
+                                 "without stop strings when the client has a retry policy)")
+    if resume is not None:
+        return resume
+    return policy is not None and policy.max_resumes > 0 and temperature == 0 and not stop
+
+
+class _Resume:
+    """What a call keeps to resume its stream: the request, the id the server gave it, every token received."""
+
+    def __init__(self, request: pb.GenerateRequest, enabled: bool, policy: RetryPolicy | None) -> None:
+        self.request = request
+        self.enabled = enabled
+        self.policy = policy or RetryPolicy()
+        self.request_id = request.request_id
+        self.received: list[int] = []
+
+    def next_request(self) -> pb.GenerateRequest:
+        """The original request, or once tokens were received, the request that resumes it."""
+        if not self.received:
+            return self.request
+        resumed = pb.GenerateRequest()
+        resumed.CopyFrom(self.request)
+        resumed.request_id = self.request_id
+        resumed.resume_from.ids[:] = self.received
+        return resumed
+
+    def on_chunk(self, chunk: Chunk) -> None:
+        self.request_id = chunk.request_id
+        self.received.extend(chunk.token_ids)
+
+    def delay_s(self, error: OctoserveClientError, responded: bool, attempts: _Attempts) -> float | None:
+        """Before resending: a retry when this send had no response yet, a resume when tokens had streamed."""
+        now_s = time.monotonic()
+        if not responded:
+            return attempts.retry_delay_s(error, now_s)
+        if not self.enabled:
+            return None
+        return attempts.resume_delay_s(error, now_s, len(self.received), self.request.max_tokens, self.policy)
 
 
 def _channel_options(given: Sequence[tuple[str, object]]) -> list[tuple[str, object]]:
@@ -527,35 +621,49 @@ class AsyncClient:
         request_id: str = "",
         timeout_s: float | None = None,
         metadata: Sequence[tuple[str, str]] = (),
+        resume: bool | None = None,
     ) -> AsyncIterator[Chunk]:
-        """Stream the chunks of one generation. `timeout_s` bounds the whole call, retries included (default:
-        the client's `default_timeout_s`). Closing the iterator early cancels the call, which frees the request's
-        KV on the node. `metadata` is sent as gRPC request metadata."""
+        """Stream the chunks of one generation. `timeout_s` bounds the whole call, retries and resumes included
+        (default: the client's `default_timeout_s`). Closing the iterator early cancels the call, which frees the
+        request's KV on the node. `metadata` is sent as gRPC request metadata. `resume`: whether a stream cut
+        after tokens (UNAVAILABLE: a router restart) is resumed where it stopped, at most
+        `RetryPolicy.max_resumes` times; None (default) resumes greedy requests without stop strings when the
+        client has a retry policy (see the module docstring)."""
         request = build_request(
             model, prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop,
             ignore_eos=ignore_eos, priority=priority, ttft_slo_ms=ttft_slo_ms, request_id=request_id,
         )
+        stream = _Resume(request, _resume_on(resume, self._core.retry, temperature, stop), self._core.retry)
         attempts = self._core.attempts(timeout_s)
         while True:
-            call = self._stub.Generate(request, timeout=attempts.timeout_s(time.monotonic()),
+            call = self._stub.Generate(stream.next_request(), timeout=attempts.timeout_s(time.monotonic()),
                                        metadata=_call_metadata(self._key_metadata, metadata))
-            received = False
+            responded = False
             try:
-                request_id = ""
                 async for response in call:
-                    received = True
-                    chunk = chunk_from_response(response, request_id)
-                    request_id = chunk.request_id
+                    responded = True
+                    chunk = chunk_from_response(response, stream.request_id)
+                    stream.on_chunk(chunk)
                     yield chunk
                 return
             except grpc.RpcError as rpc_error:
-                error = error_from_rpc(rpc_error, attempts.count)
-                delay_s = None if received else attempts.retry_delay_s(error, time.monotonic())
+                error = error_from_rpc(rpc_error, attempts.sends)
+                delay_s = stream.delay_s(error, responded, attempts)
                 if delay_s is None:
                     raise error from None
             finally:
                 call.cancel()  # a no-op once the stream ended; otherwise the consumer left early
             await self._sleep(delay_s)
+            if responded:  # a resume: its router may be restarting
+                await self._wait_reachable(attempts.wait_s(time.monotonic(), stream.policy.resume_wait_s))
+
+    async def _wait_reachable(self, wait_s: float) -> None:
+        """Up to `wait_s` for the channel to connect; past that the send fails UNAVAILABLE and the retry rules
+        decide."""
+        try:
+            await asyncio.wait_for(self._channel.channel_ready(), wait_s)
+        except asyncio.TimeoutError:
+            pass
 
     async def complete(self, model: str, prompt: str | Sequence[int], **kwargs) -> Completion:
         """The whole generation at once."""
@@ -628,33 +736,43 @@ class Client:
         request_id: str = "",
         timeout_s: float | None = None,
         metadata: Sequence[tuple[str, str]] = (),
+        resume: bool | None = None,
     ) -> Iterator[Chunk]:
         """Like `AsyncClient.generate`, as a blocking iterator."""
         request = build_request(
             model, prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop,
             ignore_eos=ignore_eos, priority=priority, ttft_slo_ms=ttft_slo_ms, request_id=request_id,
         )
+        stream = _Resume(request, _resume_on(resume, self._core.retry, temperature, stop), self._core.retry)
         attempts = self._core.attempts(timeout_s)
         while True:
-            call = self._stub.Generate(request, timeout=attempts.timeout_s(time.monotonic()),
+            call = self._stub.Generate(stream.next_request(), timeout=attempts.timeout_s(time.monotonic()),
                                        metadata=_call_metadata(self._key_metadata, metadata))
-            received = False
+            responded = False
             try:
-                request_id = ""
                 for response in call:
-                    received = True
-                    chunk = chunk_from_response(response, request_id)
-                    request_id = chunk.request_id
+                    responded = True
+                    chunk = chunk_from_response(response, stream.request_id)
+                    stream.on_chunk(chunk)
                     yield chunk
                 return
             except grpc.RpcError as rpc_error:
-                error = error_from_rpc(rpc_error, attempts.count)
-                delay_s = None if received else attempts.retry_delay_s(error, time.monotonic())
+                error = error_from_rpc(rpc_error, attempts.sends)
+                delay_s = stream.delay_s(error, responded, attempts)
                 if delay_s is None:
                     raise error from None
             finally:
                 call.cancel()
             self._sleep(delay_s)
+            if responded:  # a resume: its router may be restarting
+                self._wait_reachable(attempts.wait_s(time.monotonic(), stream.policy.resume_wait_s))
+
+    def _wait_reachable(self, wait_s: float) -> None:
+        ready = grpc.channel_ready_future(self._channel)
+        try:
+            ready.result(timeout=wait_s)
+        except grpc.FutureTimeoutError:
+            ready.cancel()
 
     def complete(self, model: str, prompt: str | Sequence[int], **kwargs) -> Completion:
         return assemble(list(self.generate(model, prompt, **kwargs)))
