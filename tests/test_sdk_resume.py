@@ -288,6 +288,23 @@ async def test_the_fronts_stream_is_resumed_and_the_client_sees_one_stream():
     assert resumed == 1.0
 
 
+async def test_the_front_inside_the_router_resumes_through_the_servicer_itself():
+    """Inside the router (`local.LocalGeneration`, no channel): a continuation the router refused is resumed."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from octoserve.http_front.app import Front
+    from octoserve.http_front.local import LocalGeneration
+
+    servicer = ScriptedGeneration([CUT, REST])
+    front = Front("in-process", stub=LocalGeneration(servicer))
+    front.set_models({"llama-3-8b": 8192})
+    async with TestClient(TestServer(front.app())) as http:
+        reply = await http.post("/v1/completions", json=BODY)
+        body = await reply.json()
+    assert reply.status == 200 and body["choices"][0]["text"] == "".join(f"<{t}>" for t in (11, 12, 13, 14, 15))
+    assert [list(r.resume_from.ids) for r in servicer.requests] == [[], [11, 12, 13]]
+
+
 async def test_the_fronts_whole_completion_is_resumed():
     servicer = ScriptedGeneration([CUT, REST])
     async with serve(servicer) as target, front_on(target) as (_, http):
