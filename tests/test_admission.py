@@ -297,3 +297,29 @@ def test_same_load_is_the_dataclass_equality_field_by_field():
     for name, value in changed.items():
         other = dataclasses.replace(base, **{name: value})
         assert not adm.same_load(base, other) and not adm.same_load(other, base) and base != other, name
+
+
+def test_a_request_placed_again_after_a_fault_meets_the_capacity_checks_only():
+    """`route(..., admitted=True)`: a re-route or a stream continuation (services/core/continuation.py) is not
+    judged again by the arrival gates (TTFT risk, infeasible prompt, tier bound), only by where it fits."""
+    queued = with_loads(**{"sm-0": load("sm-0", queued=3000), "sm-1": load("sm-1", queued=4000),
+                           "sm-2": load("sm-2", queued=5000)})
+    p = policy(colocated_config())
+    assert policy(colocated_config()).route(request(), queued, 0.0).reason == "ttft"
+    r = p.route(request(), queued, 0.0, admitted=True)
+    assert isinstance(r, Route) and r.instance_id == "sm-0" and r.predicted_ttft_ms == 400.0  # the lowest TTFT
+    # A prompt no idle instance prefills within the SLO (a continuation: prompt + tokens streamed) still moves.
+    assert policy(colocated_config()).route(request(prompt=3000), IDLE, 0.0).reason == "slo_infeasible"
+    assert isinstance(policy(colocated_config()).route(request(prompt=3000), IDLE, 0.0, admitted=True), Route)
+    # The tier bound guards first tokens of arrivals, not requests placed again.
+    bound = policy(colocated_config(tier_queue_bound={"standard": 1}))
+    bound.on_dispatched("a", bound.route(request("a"), IDLE, 0.0), request("a"))
+    assert bound.route(request("b"), IDLE, 0.0).reason == "tier_bound"
+    assert isinstance(bound.route(request("b"), IDLE, 0.0, admitted=True), Route)
+    # No KV headroom anywhere: refused as on arrival (the request then fails with its instance).
+    full = with_loads(**{f"sm-{i}": load(f"sm-{i}", free=68) for i in range(3)})
+    assert policy(colocated_config()).route(request(), full, 0.0, admitted=True).reason == "kv_headroom"
+    # It is no arrival for the shedding pressure either.
+    p = policy(colocated_config())
+    p.route(request(), full, 0.0, admitted=True)
+    assert not p.pressure.under_pressure(SM)

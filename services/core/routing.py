@@ -27,7 +27,11 @@ route(spec, loads, now):
    the filters dropped: the baseline that ignores load and cache. `policies.prefix_aware_routing: false` makes
    every candidate's expected cache hit 0 (the router ignores its prefix index; engines still cache).
 With `policies.admission: false` only steps 1, 4 (model and health filters) and 7 run: the baseline that sheds
-nothing.
+nothing. `route(..., admitted=True)` places a request the node admitted before and must place again (its instance
+was lost: a re-route, or a continuation of a stream, services/core/continuation.py): the arrival gates (2, 3, 4b
+and 6) are not run again, since they guard first tokens that request has already waited for or received, and
+shedding it would lose work the node took on; the capacity checks stay (4's filters, 5's fit), so an instance still
+needs KV for it, and none with room refuses it as on arrival.
 
 Warm busy vs cold idle (seed 003 follow-up): with prompt N, a warm instance caching h·N of it and a queue of W
 seconds ahead, versus a cold idle instance, waiting for the warm one is faster exactly when
@@ -336,17 +340,19 @@ class RouterPolicy:
 
     # --- the decision ---------------------------------------------------------------------------------------------
 
-    def route(self, spec: RequestSpec, loads: Mapping[str, EngineLoad] | Sequence[EngineLoad], now: float) -> Route | Refuse:
+    def route(self, spec: RequestSpec, loads: Mapping[str, EngineLoad] | Sequence[EngineLoad], now: float,
+              admitted: bool = False) -> Route | Refuse:
         """Admit and place `spec`, or refuse it. `now` (the modelled clock the engines' snapshots are on) dates the
-        step each instance has in flight (`EngineLoad.busy_until_s`)."""
+        step each instance has in flight (`EngineLoad.busy_until_s`). `admitted`: the node admitted it before and
+        places it again (module doc): capacity checks only, and it is no arrival for the shedding pressure."""
         for observe in self.observers:
             observe(spec)
         self._now = now
-        decision = self._route(spec, loads)
+        decision = self._route(spec, loads, admitted)
         if isinstance(decision, Refuse):
             for observe_refusal in self.refusal_observers:
                 observe_refusal(spec, decision)
-        if spec.priority < Priority.BATCH and self.config.policies.admission:
+        if spec.priority < Priority.BATCH and self.config.policies.admission and not admitted:
             self.pressure.observe(spec.model, isinstance(decision, Refuse) and isinstance(decision.error, Overloaded))
         return decision
 
@@ -382,7 +388,8 @@ class RouterPolicy:
     def _is_disaggregated(self, model: str) -> bool:
         return bool(self._instances_of(model, (Role.PREFILL,)))
 
-    def _route(self, spec: RequestSpec, loads: Mapping[str, EngineLoad] | Sequence[EngineLoad]) -> Route | Refuse:
+    def _route(self, spec: RequestSpec, loads: Mapping[str, EngineLoad] | Sequence[EngineLoad],
+               admitted: bool = False) -> Route | Refuse:
         if type(loads) is not dict and not isinstance(loads, Mapping):  # a dict skips the ABC's isinstance hook
             loads = {load.instance_id: load for load in loads}
         held = self.ledger.snapshots
@@ -392,16 +399,17 @@ class RouterPolicy:
         if spec.model not in self.config.models:
             return Refuse(UnknownModel(spec.model, self.config.models), 0, "unknown_model")
         admit = self.config.policies.admission
+        gate = admit and not admitted  # the arrival gates (module doc)
         cands = self._candidates(spec, loads)
         slo_ms = self.config.slo.for_model(spec.model).ttft_ms_for_request(spec)
-        if admit and (refusal := self._infeasible(spec, cands, slo_ms)) is not None:
+        if gate and (refusal := self._infeasible(spec, cands, slo_ms)) is not None:
             return refusal
-        if admit and (refusal := self._tier_bound(spec, cands)) is not None:
+        if gate and (refusal := self._tier_bound(spec, cands)) is not None:
             return refusal
         kept = [c for c in cands if self.passes_filters(c)] if admit else [c for c in cands if filter_model(c) and filter_healthy(c)]
         if not kept:
             return self._refuse_no_instance(spec, cands)
-        if admit and spec.priority is Priority.BATCH and self.pressure.under_pressure(spec.model):
+        if gate and spec.priority is Priority.BATCH and self.pressure.under_pressure(spec.model):
             kept = [c for c in kept if self._below_batch_share(c)]
             if not kept:
                 return self._refuse(spec, cands, "more urgent requests of this model are being shed and BATCH "
@@ -417,7 +425,7 @@ class RouterPolicy:
                                         "kv_headroom")
                 kept = colocated
         risks: dict[str, float] = {}
-        if admit:
+        if gate:
             spend = self.pressure.refused_share(spec.model) < RISK_PRESSURE
             allowance = self.calibrator.risk_allowance(spec.model, spec.priority, spend) + 1e-12
             for c in kept:
@@ -427,7 +435,7 @@ class RouterPolicy:
                 return self._refuse_ttft(spec, kept, slo_ms)
             kept = feasible
         chosen = self._pick(kept)
-        if admit:
+        if gate:
             self.calibrator.note_admitted(spec.model, spec.priority, risks[chosen.instance.id])
         if chosen.instance.role is not Role.PREFILL:
             decode_id = None  # a colocated entry of a mixed placement runs the whole request: no decode side
