@@ -89,6 +89,8 @@ class RequestRecord:
     retry_after_ms: float | None = None  # the hint a refusal carried
     error: str = ""  # non-empty: the request failed after admission
     num_preemptions: int = 0
+    # Times its stream went on from its last token on another instance after its own was lost (simulator faults)
+    num_continuations: int = 0
 
     @property
     def completed(self) -> bool:

@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 from octoserve.services.sim.cli_plan import RANKING_ORDER
 from octoserve.services.sim.elastic_day import summary_lines
 
@@ -27,23 +29,35 @@ def octoserve(*argv: str, cwd) -> subprocess.CompletedProcess:
     return done
 
 
-FAULT_HEADER = "fault                 model          before    dip (at)         recovery   rerouted  lost"
+FAULT_HEADER = ("fault                 model          before    dip (at)         recovery   rerouted  continued  failed  "
+                "bound  refused")
 FAULT_NOTE = ("(attainment: requests meeting the SLO / requests ended, by second of outcome: finish, refusal, or the "
               "fault for a request lost with its instance; dip (at): the worst second from the fault on; recovery: "
               "from the fault to the end of the first 10 s window, after the instance is back, within 5 points of "
-              "before)")
-FAULT_ROW = re.compile(r"sm-0@20\+5 +llama-3-8b +(\d+\.\d)% +(\d+\.\d)% \( *(\d+) s\) +(\d+ s|never) +(\d+) +(\d+)")
+              "before; rerouted: moved before their first token; continued: streams that went on from their last "
+              "token on another instance; failed: requests the fault ended, because their continuations were spent "
+              "(bound, policies.max_continuations) or no instance had room to take them again (refused))")
+FAULT_ROW = re.compile(r"sm-0@20\+5 +llama-3-8b +(\d+\.\d)% +(\d+\.\d)% \( *(\d+) s\) +(\d+ s|never) +(\d+) +(\d+) "
+                       r"+(\d+) +(\d+) +(\d+)")
 
 
-def test_simulate_dates_the_fault_dip_from_the_fault_on(tmp_path):
-    out = octoserve("simulate", "--rate", "60", "--duration", "40s", "--fault", "sm-0@20+5", cwd=tmp_path).stdout
+@pytest.mark.parametrize("bound", [None, 0])
+def test_simulate_dates_the_fault_dip_from_the_fault_on(tmp_path, bound):
+    sets = [] if bound is None else ["--set", f"policies.max_continuations={bound}"]
+    out = octoserve("simulate", "--rate", "60", "--duration", "40s", "--fault", "sm-0@20+5", *sets,
+                    cwd=tmp_path).stdout
     lines = out.splitlines()
     i = lines.index(FAULT_HEADER)
     assert lines[i + 2] == FAULT_NOTE and i + 3 == len(lines)
     row = FAULT_ROW.fullmatch(lines[i + 1])
     assert row, lines[i + 1]
-    before, dip, dip_at, _, _, lost = row.groups()
-    assert float(dip) < float(before) and int(lost) > 0
+    before, dip, dip_at, _, _, continued, failed, bound_failed, refused = row.groups()
+    assert int(failed) == int(bound_failed) + int(refused)
+    if bound == 0:  # the streams on sm-0 fail with it, and make the dip
+        assert int(continued) == 0 and int(failed) > 0 and int(failed) == int(bound_failed)
+        assert float(dip) < float(before)
+    else:  # they go on elsewhere
+        assert int(continued) > 0 and int(failed) == 0
     # Before: the dip (its requests lost with sm-0, by their last token) was dated 19 s, before the fault at 20 s.
     assert int(dip_at) >= 20
 

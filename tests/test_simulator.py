@@ -245,10 +245,10 @@ def test_a_trackers_record_puts_every_value_in_its_named_field():
     trace = dataclasses.replace(one_request(prompt_len=37), priority=Priority.BATCH, ttft_slo_ms=321.0)
     t = _Tracker(trace)
     t.num_cached, t.first_token_s, t.token_times_s, t.finish_s = 16, 0.75, [0.75, 0.8, 0.9], 0.95
-    t.refused, t.retry_after_ms, t.error, t.preemptions = True, 12.5, "boom", 2
+    t.refused, t.retry_after_ms, t.error, t.preemptions, t.continuations = True, 12.5, "boom", 2, 1
     assert dataclasses.asdict(t.record()) == {
         "request_id": "r0000000", "model": "llama-3-8b", "priority": Priority.BATCH, "arrival_s": 0.5,
         "ttft_slo_ms": 321.0, "num_prompt_tokens": 37, "num_cached_prompt_tokens": 16, "num_output_tokens": 3,
         "first_token_s": 0.75, "token_times_s": (0.75, 0.8, 0.9), "finish_s": 0.95, "refused": True,
-        "retry_after_ms": 12.5, "error": "boom", "num_preemptions": 2,
+        "retry_after_ms": 12.5, "error": "boom", "num_preemptions": 2, "num_continuations": 1,
     }

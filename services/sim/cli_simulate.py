@@ -39,7 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plots", help="directory for PNG plots")
     parser.add_argument("--fault", dest="faults", action="append", default=[], metavar="INSTANCE@T[+DOWN]",
                         help="lose an instance at T s, back after DOWN s (default 5), e.g. sm-0@30+5; repeatable: "
-                             "reports the attainment dip and recovery time (services/sim/faults.py)")
+                             "reports the attainment dip, recovery time, and the requests moved, continued "
+                             "and failed (services/sim/faults.py)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -160,10 +161,8 @@ def format_fault_reports(node, result: SimResult, faults) -> str:
     from octoserve.services.sim.faults import fault_report, format_reports
 
     slo = slo_spec_of(node.slo)
-    reports = [fault_report(result.records, slo, f, node.instance(f.instance_id).model,
-                            rerouted=result.fault_counts.get("rerouted", 0), lost=result.fault_counts.get("lost", 0),
-                            faults=faults)
-               for f in faults]
+    reports = [fault_report(result.records, slo, f, node.instance(f.instance_id).model, counts=counts, faults=faults)
+               for f, counts in zip(faults, result.fault_counts_by_fault)]
     return format_reports(reports)
 
 

@@ -7,7 +7,9 @@ Pop an event, set the time, let the event produce new events (as in Vidur). Enti
 - KV hand-offs between prefill and decode instances, each an event after its modelled NVLink time;
 - injected faults (`services/sim/faults.py`): an instance lost at time t and back after its restart time, handled as
   the live router does: requests with no token yet are placed again (their other instance's KV freed first), those
-  with tokens fail; the instance takes no request while down and comes back empty (a fresh batcher and KV).
+  with tokens are continued on another instance of their model (`services/core/continuation.py`: the prompt plus
+  the tokens streamed, admission applied, at most `policies.max_continuations` times) or fail; the instance takes
+  no request while down and comes back empty (a fresh batcher and KV).
 
 Invariants: virtual time never goes backwards; a request is refused, or admitted to exactly one (colocated or
 prefill) instance, with its decode KV reserved before its prefill starts when the model is disaggregated; every
@@ -38,13 +40,14 @@ from typing import TYPE_CHECKING, Any
 from mypy_extensions import mypyc_attr
 
 from octoserve.services.core.batcher import Batcher, CompactOutputs, CompactStep, Request, RequestStatus
+from octoserve.services.core.continuation import continuation_spec, may_continue
 from octoserve.services.core.instance import LoadReporter, gang_duty, instance_parts
 from octoserve.services.core.placement import InstanceConfig, NodeConfig
 from octoserve.services.core.sim_executor import SimExecutor
 from octoserve.services.core.steady_batcher import SteadyBatcher
 from octoserve.services.core.reconfig import in_place_role
 from octoserve.services.core.types import (
-    EngineLoad, FinishReason, HandoffReady, RequestOutput, Role, StepOutputs, StepPlan, StepResult,
+    EngineLoad, FinishReason, HandoffReady, RequestOutput, RequestSpec, Role, StepOutputs, StepPlan, StepResult,
 )
 from octoserve.services.metrics import (MIN_WARMUP_S, RequestRecord, Summary, Window, detect_window,
                                         slo_spec_of, summarize)
@@ -56,6 +59,10 @@ if TYPE_CHECKING:
 
 _ARRIVAL, _STEP_DONE, _TRANSFER_DONE, _SAMPLE, _FAULT, _RECOVER, _CALL = range(7)
 MAX_REROUTES = 3  # as the live router (router/failover.py)
+# What a fault did to the requests it found on its instance (`SimResult.fault_counts`): "lost" is every failure,
+# "failed_bound" (its continuations spent, or placed again MAX_REROUTES times before its first token) +
+# "failed_refused" (its continuation refused); "reroute_refused" ends as a refusal, as on arrival.
+FAULT_COUNT_KEYS = ("rerouted", "reroute_refused", "continued", "failed_bound", "failed_refused", "lost")
 FAST_PATH_ENV = "OCTOSERVE_SIM_FAST"  # "0" turns the simulator's fast path off (NodeSimulator's `fast`)
 
 
@@ -122,7 +129,8 @@ class _Tracker:
     """What the simulator learns about one request as it runs."""
 
     __slots__ = ("trace", "route", "first_token_s", "token_times_s", "finish_s", "num_cached",
-                 "preemptions", "refused", "retry_after_ms", "error", "committed", "reroutes")
+                 "preemptions", "refused", "retry_after_ms", "error", "committed", "reroutes", "spec",
+                 "continuations", "awaiting_first")
 
     def __init__(self, trace: TraceRequest) -> None:
         self.trace = trace
@@ -137,10 +145,18 @@ class _Tracker:
         self.error = ""
         self.committed = False  # decode side has taken the KV
         self.reroutes = 0  # times it was placed again after losing its instance
+        self.spec: RequestSpec | None = None  # the continuation now running (None: the request as it arrived)
+        self.continuations = 0  # times it was continued on another instance after losing its own with tokens
+        self.awaiting_first = False  # a continuation placed whose first token the router has not heard of yet
 
     @property
     def num_output(self) -> int:
         return len(self.token_times_s)
+
+    @property
+    def placed(self) -> int:
+        """Which placement of the request this is (0: on arrival; one more per re-route or continuation)."""
+        return self.reroutes + self.continuations
 
     def record(self) -> RequestRecord:
         trace = self.trace
@@ -162,6 +178,7 @@ class _Tracker:
             self.retry_after_ms,  # retry_after_ms
             self.error,  # error
             self.preemptions,  # num_preemptions
+            self.continuations,  # num_continuations
         )
 
 
@@ -187,7 +204,9 @@ class SimResult:
     timeseries: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     virtual_s: float = 0.0
     wall_s: float = 0.0
-    fault_counts: dict[str, int] = field(default_factory=dict)  # "rerouted", "lost": requests, over every fault
+    # FAULT_COUNT_KEYS -> requests, over every fault (empty without faults); and the same for each fault, in order
+    fault_counts: dict[str, int] = field(default_factory=dict)
+    fault_counts_by_fault: tuple[dict[str, int], ...] = ()
     gangs: tuple[GangReport, ...] = ()  # one per gang group (whole run)
 
     @property
@@ -242,8 +261,11 @@ class NodeSimulator:
         self.now = 0.0
         self.faults = tuple(faults)
         self.down: set[str] = set()
-        self.num_rerouted = 0
-        self.num_lost = 0
+        # Over every fault: requests placed again (no token yet), continued (tokens streamed), failed because their
+        # continuations were spent ("bound"), because admission refused the continuation ("refused"), or placed
+        # again and refused then ("reroute_refused": an admitted request lost before its first token).
+        self.fault_counts: dict[str, int] = dict.fromkeys(FAULT_COUNT_KEYS, 0)
+        self.fault_counts_by_fault: list[dict[str, int]] = [dict.fromkeys(FAULT_COUNT_KEYS, 0) for _ in faults]
         self._migrations: dict[str, list] = {}  # source instance -> migrations waiting for its step boundary
         for fault in self.faults:
             if fault.instance_id not in self.instances:
@@ -293,8 +315,8 @@ class NodeSimulator:
         last_arrival = trace[-1].arrival_s if trace else 0.0
         end_s = last_arrival + drain_s
         self._push(0.0, _SAMPLE, None)
-        for fault in self.faults:
-            self._push(fault.at_s, _FAULT, fault)
+        for i, fault in enumerate(self.faults):
+            self._push(fault.at_s, _FAULT, i)
             self._push(fault.at_s + fault.down_s, _RECOVER, fault)
         handlers: dict[int, Callable[[Any], None]] = {  # event kind -> its handler, given the event's payload
             _ARRIVAL: self._on_arrival,
@@ -347,20 +369,26 @@ class NodeSimulator:
     def _on_arrival(self, req: TraceRequest) -> None:
         tracker = _Tracker(req)
         self._trackers[req.request_id] = tracker
-        self._place(tracker)
+        retry_after_ms = self._place(tracker, req.to_request_spec())
+        if retry_after_ms is not None:
+            tracker.refused = True
+            tracker.retry_after_ms = retry_after_ms
 
-    def _place(self, tracker: _Tracker) -> None:
+    def _request_spec(self, tracker: _Tracker) -> RequestSpec:
+        """What the engines run for `tracker` now: its continuation, else the request as it arrived."""
+        return tracker.spec if tracker.spec is not None else tracker.trace.to_request_spec()
+
+    def _place(self, tracker: _Tracker, spec: RequestSpec, admitted: bool = False) -> float | None:
+        """Admit and place `spec` (the tracker's request, or its continuation); None when placed (or failed at once
+        with `tracker.error`), else refused: the refusal's retry hint (ms), for the caller to give the request.
+        `admitted`: placed again after a fault (`RouterPolicy.route`: capacity checks only)."""
         from octoserve.services.core.routing import Refuse
 
-        req = tracker.trace
-        spec = req.to_request_spec()
         loads = {iid: (inst.cached_load() if self.fast else inst.load()) for iid, inst in self.instances.items()
-                 if inst.cfg.model == req.model and iid not in self.down}
-        decision = self.router.route(spec, loads, self.now)
+                 if inst.cfg.model == spec.model and iid not in self.down}
+        decision = self.router.route(spec, loads, self.now, admitted)
         if isinstance(decision, Refuse):
-            tracker.refused = True
-            tracker.retry_after_ms = decision.retry_after_ms
-            return
+            return decision.retry_after_ms
         if decision.decode_instance_id is not None:
             decode = self.instances[decision.decode_instance_id]
             if not decode.batcher.reserve(spec, self.now):
@@ -368,12 +396,10 @@ class NodeSimulator:
 
                 # The live router's hint for this refusal: the policies' floor (router/servicer.py).
                 retry_after_ms = self.config.policies.min_retry_after_ms
-                tracker.refused = True
-                tracker.retry_after_ms = float(retry_after_ms)
                 self.router.refused_after_routing(spec, Overloaded(
                     spec.model, spec.priority, retry_after_ms, f"decode instance {decision.decode_instance_id} has "
                     "no KV left to reserve"), "decode_reserve")
-                return
+                return float(retry_after_ms)
         tracker.route = decision
         instance = self.instances[decision.instance_id]
         try:
@@ -381,11 +407,12 @@ class NodeSimulator:
         except ValueError as e:  # larger than the instance's whole KV pool (only reachable with admission off)
             tracker.error = str(e)
             if decision.decode_instance_id is not None:
-                self.instances[decision.decode_instance_id].batcher.release_reservation(req.request_id)
-            return
+                self.instances[decision.decode_instance_id].batcher.release_reservation(spec.request_id)
+            return None
         self._in_flight += 1
-        self.router.on_dispatched(req.request_id, decision, spec)
+        self.router.on_dispatched(spec.request_id, decision, spec)
         self._wake(instance)
+        return None
 
     def _wake(self, inst: _Instance) -> None:
         gang = self.gangs.get(inst.cfg.id)
@@ -473,6 +500,9 @@ class NodeSimulator:
                 tracker.first_token_s = self.now
                 tracker.num_cached = output.num_cached_prompt_tokens
                 self.router.on_first_token(output.request_id, self.now)
+            elif tracker.awaiting_first:  # a continuation's first token: to the client, one more inter-token gap
+                tracker.awaiting_first = False
+                self.router.on_first_token(output.request_id, self.now)
             tracker.token_times_s.extend([self.now] * len(output.new_token_ids))
         if output.finish_reason not in (None, FinishReason.HANDOFF):
             self._finish(tracker)
@@ -490,14 +520,15 @@ class NodeSimulator:
 
     def _start_transfer(self, source: _Instance, handoff: HandoffReady) -> None:
         transfer_s = source.cost.kv_transfer_time_s(handoff.num_prompt_tokens)
-        self._push(self.now + transfer_s, _TRANSFER_DONE, (source, handoff))
+        self._push(self.now + transfer_s, _TRANSFER_DONE, (source, handoff, self._trackers[handoff.request_id].placed))
 
-    def _on_transfer_done(self, payload: tuple[_Instance, HandoffReady]) -> None:
-        source, handoff = payload
+    def _on_transfer_done(self, payload: tuple[_Instance, HandoffReady, int]) -> None:
+        source, handoff, placed = payload
         tracker = self._trackers[handoff.request_id]
         if self.instances[source.cfg.id] is not source or tracker.route is None or tracker.error \
-                or tracker.route.instance_id != source.cfg.id or tracker.finish_s is not None:
-            return  # one end was lost mid-transfer: the fault already moved or failed the request
+                or tracker.route.instance_id != source.cfg.id or tracker.finish_s is not None \
+                or tracker.placed != placed:
+            return  # one end was lost mid-transfer: the fault already moved, continued or failed the request
         source.batcher.release_handoff(handoff.request_id)
         self._wake(source)  # freed blocks may unblock its queue
         decode_id = tracker.route.decode_instance_id
@@ -512,7 +543,8 @@ class NodeSimulator:
 
     # ---- faults --------------------------------------------------------------------------------------------
 
-    def _on_fault(self, fault) -> None:
+    def _on_fault(self, index: int) -> None:
+        fault = self.faults[index]
         iid = fault.instance_id
         old = self.instances[iid]
         for inst in self.instances.values():
@@ -522,29 +554,79 @@ class NodeSimulator:
         self.instances[iid] = fresh
         self.down.add(iid)
         self.router.prefix_index.remove_instance(iid)  # its cache died with it
+        counts = self.fault_counts_by_fault[index]
         for tracker in list(self._trackers.values()):
             route = tracker.route
             if route is None or tracker.finish_s is not None or tracker.error or tracker.refused:
                 continue
-            if iid not in (route.instance_id, route.decode_instance_id):
+            # A request the decode side has taken (its KV committed there) no longer needs its prefill instance.
+            if iid != route.decode_instance_id and (iid != route.instance_id or tracker.committed):
                 continue
             request_id = tracker.trace.request_id
+            streamed = self._streamed_token_ids(tracker, old) if tracker.first_token_s is not None else []
             for other in (route.instance_id, route.decode_instance_id):
                 if other is not None and other != iid:
                     self.instances[other].batcher.abort(request_id)  # frees its reservation / hand-off / KV
                     self._wake(self.instances[other])
             self._in_flight -= 1
             self.router.on_finished(request_id)
-            if tracker.first_token_s is None and tracker.reroutes < MAX_REROUTES:
-                tracker.route, tracker.committed = None, False
+            tracker.route, tracker.committed, tracker.awaiting_first = None, False, False
+            if tracker.first_token_s is not None:
+                self._continue(tracker, iid, streamed, counts)
+            elif tracker.reroutes < MAX_REROUTES:
                 tracker.reroutes += 1
-                self.num_rerouted += 1
-                self._place(tracker)
+                counts["rerouted"] += 1
+                retry_after_ms = self._place(tracker, self._request_spec(tracker), admitted=True)
+                if retry_after_ms is not None:  # as a refusal on arrival: the client has seen nothing
+                    tracker.refused = True
+                    tracker.retry_after_ms = retry_after_ms
+                    counts["reroute_refused"] += 1
             else:
-                tracker.error = f"instance {iid} was lost after the request's first token"
-                self.num_lost += 1
+                tracker.error = f"instance {iid} was lost before the request's first token, {MAX_REROUTES} times"
+                counts["failed_bound"] += 1
+                counts["lost"] += 1
+        for key, n in counts.items():
+            self.fault_counts[key] += n
         for inst in self.instances.values():
             self._drain_token_times(inst)
+
+    def _streamed_token_ids(self, tracker: _Tracker, lost: _Instance) -> list[int]:
+        """The output tokens `tracker`'s client has seen, from the instance that holds them (the decode side once it
+        took the KV, else the entry instance; `lost` if that is the one the fault took)."""
+        route = tracker.route
+        assert route is not None
+        holder_id = route.decode_instance_id if tracker.committed else route.instance_id
+        assert holder_id is not None
+        holder = lost if holder_id == lost.cfg.id else self.instances[holder_id]
+        req = holder.batcher.request(tracker.trace.request_id)
+        assert req is not None, f"{tracker.trace.request_id} is not on {holder_id}"
+        streamed = req.token_ids[len(tracker.trace.prompt_token_ids):]
+        assert len(streamed) == tracker.num_output, (tracker.trace.request_id, len(streamed), tracker.num_output)
+        return streamed
+
+    def _continue(self, tracker: _Tracker, iid: str, streamed: list[int], counts: dict[str, int]) -> None:
+        """A request that lost instance `iid` after streaming `streamed`: continued as a new request (the prompt
+        plus those tokens) on another instance of its model, or failed: its continuations spent, or refused."""
+        bound = self.config.policies.max_continuations
+        if not may_continue(tracker.continuations, bound):
+            tracker.error = (f"instance {iid} was lost after the request's first token; its continuations are "
+                             f"spent ({tracker.continuations} of policies.max_continuations = {bound})")
+            counts["failed_bound"] += 1
+            counts["lost"] += 1
+            return
+        spec = continuation_spec(tracker.trace.to_request_spec(), streamed, self.now)
+        retry_after_ms = self._place(tracker, spec, admitted=True)
+        if retry_after_ms is not None:
+            tracker.error = f"instance {iid} was lost after the request's first token; its continuation was refused"
+            tracker.retry_after_ms = retry_after_ms
+            counts["failed_refused"] += 1
+        if tracker.error:  # refused, or (admission off) larger than the instance's whole KV pool
+            counts["lost"] += 1
+            return
+        tracker.spec = spec
+        tracker.continuations += 1
+        tracker.awaiting_first = True
+        counts["continued"] += 1
 
     def _on_recover(self, fault) -> None:
         self.down.discard(fault.instance_id)
@@ -626,11 +708,11 @@ class NodeSimulator:
                 on_done("gone")
                 continue
             if target is None or target_id in self.down \
-                    or not target.batcher.reserve_migrated(tracker.trace.to_request_spec(), tokens, self.now):
+                    or not target.batcher.reserve_migrated(self._request_spec(tracker), tokens, self.now):
                 source.batcher.resume_suspended(request_id)
                 on_done("target_refused")
                 continue
-            transfer_s = source.cost.kv_transfer_time_s(len(tracker.trace.prompt_token_ids) + len(tokens) - 1)
+            transfer_s = source.cost.kv_transfer_time_s(len(self._request_spec(tracker).prompt_token_ids) + len(tokens) - 1)
             self.call_at(self.now + transfer_s, functools.partial(self._migrated, source, target, request_id, on_done))
 
     def _migrated(self, source: _Instance, target: _Instance, request_id: str, on_done) -> None:
@@ -704,7 +786,8 @@ class NodeSimulator:
         stats = tuple(self._instance_stats(iid, inst, window) for iid, inst in self.instances.items())
         gangs = tuple({id(g): g.report(virtual_s) for g in self.gangs.values()}.values())
         return SimResult(tuple(records), summarize(records, slo, window), stats, self._series, virtual_s, wall_s,
-                         fault_counts={"rerouted": self.num_rerouted, "lost": self.num_lost} if self.faults else {},
+                         fault_counts=dict(self.fault_counts) if self.faults else {},
+                         fault_counts_by_fault=tuple(dict(c) for c in self.fault_counts_by_fault),
                          gangs=gangs)
 
     def _instance_stats(self, iid: str, inst: _Instance, window: Window) -> InstanceStats:

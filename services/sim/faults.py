@@ -4,7 +4,10 @@ to the SLO attainment of its model.
     octoserve simulate --fault sm-0@30+5 [--fault ...]     # instance sm-0 lost at t = 30 s, serving again at 35 s
 
 The driver (`services/sim/driver.py`) applies the fault as the live router and launcher do: requests on the lost
-instance with no token yet are placed again at once, those with tokens fail, the instance is unroutable while down.
+instance with no token yet are placed again at once; those with tokens are continued on another instance of their
+model (a new request: the prompt plus the tokens streamed, `services/core/continuation.py`), or fail when they were
+continued `policies.max_continuations` times already (bound) or no instance has room for the continuation (refused);
+the instance is unroutable while down.
 The report, per fault, over the lost instance's model, in `bin_s` bins of outcome time (when each request's fate
 was sealed: its finish, the fault that failed it, or its refusal; by arrival time a loss would show in the bins of
 the requests that arrived up to a whole generation earlier, and by its last token in the bin before the fault):
@@ -12,13 +15,16 @@ the requests that arrived up to a whole generation earlier, and by its last toke
 - dip: the lowest bin attainment from the fault on, and when (the start of its bin, or the fault if later);
 - recovery: time from the fault until the end of the first rolling `hold_s` window, ending after the instance is
   back, whose attainment is within `tolerance` of `before` (None when none is within the run);
-- rerouted / lost: requests moved off the instance, requests failed with it.
+- rerouted: requests moved off the instance before their first token; continued: streams continued elsewhere;
+  failed: requests the fault ended, by cause: bound (continuations spent, or moved MAX_REROUTES times already) and
+  refused (no instance had room to take the request again; a request moved before its first token and refused then
+  ends as a refusal, the others with an error).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from octoserve.services.metrics import RequestRecord, SloSpec, TimeBin, meets_slo
@@ -32,6 +38,10 @@ class InstanceFault:
     instance_id: str
     at_s: float
     down_s: float = DEFAULT_DOWN_S
+
+
+FAULT_HEADER = ("fault                 model          before    dip (at)         recovery   rerouted  continued  failed  "
+                "bound  refused")
 
 
 def parse_fault(text: str) -> InstanceFault:
@@ -58,8 +68,14 @@ class FaultReport:
     dip: float
     dip_at_s: float
     recovery_s: float | None
-    rerouted: int
-    lost: int
+    rerouted: int  # moved before their first token (refused ones included)
+    continued: int  # streams continued on another instance
+    failed_bound: int  # ended: continuations (or re-routes) spent
+    failed_refused: int  # ended: taking them again was refused (continuations and re-routes)
+
+    @property
+    def failed(self) -> int:
+        return self.failed_bound + self.failed_refused
 
 
 # The error the simulator's driver gives a request that failed with its instance (services/sim/driver.py, _on_fault).
@@ -98,9 +114,13 @@ def attainment_by_outcome_time(records: Sequence[RequestRecord], slo: SloSpec, b
 
 
 def fault_report(records: Sequence[RequestRecord], slo: SloSpec, fault: InstanceFault, model: str, *,
-                 rerouted: int, lost: int, bin_s: float = 1.0, baseline_s: float = 20.0, tolerance: float = 0.05,
+                 counts: Mapping[str, int], bin_s: float = 1.0, baseline_s: float = 20.0, tolerance: float = 0.05,
                  hold_s: float = 10.0, faults: Sequence[InstanceFault] = ()) -> FaultReport:
-    """`faults`: every fault of the run (default: this one), so each failed request is dated by its own fault."""
+    """`counts`: what this fault did to its instance's requests (`SimResult.fault_counts_by_fault`, keys
+    `driver.FAULT_COUNT_KEYS`); `faults`: every fault of the run (default: this one), so each failed request is
+    dated by its own fault."""
+    outcomes = (counts.get("rerouted", 0), counts.get("continued", 0), counts.get("failed_bound", 0),
+                counts.get("failed_refused", 0) + counts.get("reroute_refused", 0))
     mine = [r for r in records if r.model == model]
     last_arrival_s = max((r.arrival_s for r in mine), default=0.0)
     # Up to the last arrival: after it only the drain's stragglers end, a handful per second.
@@ -114,7 +134,7 @@ def fault_report(records: Sequence[RequestRecord], slo: SloSpec, fault: Instance
     # The bin holding the fault counts as after it: the requests lost with the instance are in it.
     after = [b for b in bins if b.start_s + bin_s > edge_s and b.num_offered]
     if not after:
-        return FaultReport(fault, model, before, before, fault.at_s, 0.0, rerouted, lost)
+        return FaultReport(fault, model, before, before, fault.at_s, 0.0, *outcomes)
     worst = min(after, key=lambda b: b.attainment_offered)
     floor = before - tolerance
     hold_bins = max(1, round(hold_s / bin_s))
@@ -128,20 +148,24 @@ def fault_report(records: Sequence[RequestRecord], slo: SloSpec, fault: Instance
     recovery_s = next((start_s + hold_s - fault.at_s for start_s, attainment in rolling
                        if start_s + hold_s >= back_s and attainment >= floor), None)
     return FaultReport(fault, model, before, worst.attainment_offered, max(worst.start_s, fault.at_s), recovery_s,
-                       rerouted, lost)
+                       *outcomes)
 
 
 def format_reports(reports: Sequence[FaultReport]) -> str:
-    lines = ["fault                 model          before    dip (at)         recovery   rerouted  lost"]
+    lines = [FAULT_HEADER]
     for r in reports:
         name = f"{r.fault.instance_id}@{r.fault.at_s:g}+{r.fault.down_s:g}"
         recovery = "never" if r.recovery_s is None else f"{r.recovery_s:.0f} s"
         lines.append(f"{name:<21} {r.model:<14} {r.before:>6.1%}  {r.dip:>6.1%} ({r.dip_at_s:>5.0f} s)  "
-                     f"{recovery:>8}  {r.rerouted:>8}  {r.lost:>4}")
+                     f"{recovery:>8}  {r.rerouted:>8}  {r.continued:>9}  {r.failed:>6}  {r.failed_bound:>5}  "
+                     f"{r.failed_refused:>7}")
     lines.append("(attainment: requests meeting the SLO / requests ended, by second of outcome: finish, refusal, or "
                  "the fault for a request lost with its instance; dip (at): the worst second from the fault on; "
                  "recovery: from the fault to the end of the first 10 s window, after the instance is back, within 5 "
-                 "points of before)")
+                 "points of before; rerouted: moved before their first token; continued: streams that went on from "
+                 "their last token on another instance; failed: requests the fault ended, because their "
+                 "continuations were spent (bound, policies.max_continuations) or no instance had room to take them "
+                 "again (refused))")
     return "\n".join(lines)
 
 
