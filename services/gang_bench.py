@@ -47,7 +47,9 @@ CASES = {  # name -> (label, gang config, static-split config or None)
 }
 BASELINE_SHAPES = {"lm-first": "lm_first", "sm-greedy": "sm_greedy", "slices": "slices"}
 STATIC = "static-split"
-POLICIES = ("gang", *BASELINE_SHAPES, STATIC)
+# the shipped shape, and the others beside it (a variant whose shape is the shipped one is not run twice)
+GANG_SHAPES = {"gang": None, "gang-slack": "slack", "gang-deadline": "deadline"}
+POLICIES = (*GANG_SHAPES, *BASELINE_SHAPES, STATIC)
 UNBOUNDED_MS = 1e6  # the baselines' bounds: out of reach of any run
 SLICE_MS = 1000.0
 CAPACITY_ATTAINMENT = 0.9  # of servable offered requests good
@@ -55,14 +57,16 @@ CONTEXT_TOKENS = 32768  # seed 003: contexts up to 32k tokens, on every config o
 
 
 def policies_of(case: str) -> tuple[str, ...]:
-    return tuple(p for p in POLICIES if p != STATIC or CASES[case][2] is not None)
+    shipped = _load(CASES[case][1]).gang.policy.shape
+    return tuple(p for p in POLICIES if (p != STATIC or CASES[case][2] is not None) and GANG_SHAPES.get(p) != shipped)
 
 
 # --- the workload and the configs ----------------------------------------------------------------------------
 
 
-def workload(case: str, rate_rps: float | None = None, duration_s: float | None = None):
-    """The seed-003 workload of `case` (its LM renamed to the case's), at `rate_rps` for `duration_s`."""
+def workload(case: str, rate_rps: float | None = None, duration_s: float | None = None, only: str | None = None):
+    """The seed-003 workload of `case` (its LM renamed to the case's), at `rate_rps` for `duration_s`; `only`:
+    "lm" or "sm", that model's traffic alone (a one-model peak)."""
     from octoserve.services.config import default_config_text, parse_yaml_mapping
     from octoserve.services.workload import scaled
     from octoserve.services.workload_io import workload_from_dict
@@ -70,6 +74,8 @@ def workload(case: str, rate_rps: float | None = None, duration_s: float | None 
     profile = workload_from_dict(parse_yaml_mapping(default_config_text(WORKLOAD), WORKLOAD), WORKLOAD)
     lm = _lm_model(_load(CASES[case][1]))
     traffic = tuple(dataclasses.replace(t, model=lm if t.model == LM_IN_WORKLOAD else t.model) for t in profile.traffic)
+    if only is not None:
+        traffic = tuple(t for t in traffic if (t.model == lm) == (only == "lm"))
     profile = dataclasses.replace(profile, traffic=traffic)
     return scaled(profile, rate_rps=rate_rps, duration_s=duration_s)
 
@@ -112,6 +118,8 @@ def _gang_for(node: NodeConfig, policy: str):
                                 max_sm_stall_ms=2 * UNBOUNDED_MS, lm_shared_step_ms=0.0, sm_shared_step_ms=0.0,
                                 slice_ms=SLICE_MS)
     else:
+        if GANG_SHAPES.get(policy):
+            p = dataclasses.replace(p, shape=GANG_SHAPES[policy])
         group = gang.groups[0]
         lm_floor_ms = gang_step_floor_s(node, node.instance(group.lm)) * 1e3
         sm_floor_ms = max(gang_step_floor_s(node, node.instance(x)) for x in group.sms) * 1e3
@@ -197,6 +205,7 @@ class Job:
     warmup_s: float
     seed: int = 0
     drain_s: float = 30.0
+    only: str | None = None  # "lm" / "sm": one model's traffic alone
 
 
 def run_job(job: Job) -> RunRow:
@@ -205,7 +214,7 @@ def run_job(job: Job) -> RunRow:
     from octoserve.services.workload import generate_trace
 
     node = config_for(job.case, job.policy, job.cost_profile)
-    trace = generate_trace(workload(job.case, job.rate_rps, job.duration_s), job.seed)
+    trace = generate_trace(workload(job.case, job.rate_rps, job.duration_s, job.only), job.seed)
     servable = servable_ids(job.case, trace, job.cost_profile)
     res, summary = measured_run(node, trace, seed=job.seed, drain_s=job.drain_s, warmup_s=job.warmup_s)
     window = [r for r in res.records if summary.window.contains(r)] if summary.window else list(res.records)
@@ -220,7 +229,7 @@ def run_job(job: Job) -> RunRow:
     tiers = tuple(TierRow(g.name, g.goodput_rps, g.attainment_admitted) for g in summary.per_tier)
     gangs = res.gangs
     return RunRow(
-        job.case, job.policy, job.cost_profile, job.rate_rps, job.seed, summary.overall.goodput_rps, tuple(models),
+        job.case, job.policy + (f" {job.only} only" if job.only else ""), job.cost_profile, job.rate_rps, job.seed, summary.overall.goodput_rps, tuple(models),
         tiers,
         lm_wait_ms=max((g.longest_lm_wait_s for g in gangs), default=math.nan) * 1e3,
         sm_stall_ms=max((g.longest_sm_stall_s for g in gangs), default=math.nan) * 1e3,
@@ -233,18 +242,30 @@ def run_job(job: Job) -> RunRow:
 # --- the comparison ------------------------------------------------------------------------------------------
 
 
+SECTION = "## Gang leases on seed 003's node (simulator)"
+QUICK_BANNER = "QUICK RUN: short windows; not for citing."
+ONE_MODEL_PEAKS = (("lm", 100.0), ("sm", 1500.0))  # the seed's "~100 LM req/s or ~1,500 SM req/s"
+
+
 @dataclass(frozen=True, slots=True)
 class Settings:
     peak_rps: float = 625.0  # seed 003's peak (the workload's rate)
-    grid_rps: tuple[float, ...] = (10.0, 20.0, 40.0, 80.0, 160.0)  # the capacity grid
-    duration_s: float = 20.0
-    warmup_s: float = 5.0
-    peak_duration_s: float = 15.0
+    grid_rps: tuple[float, ...] = (2.5, 5.0, 10.0, 20.0, 40.0, 80.0)  # the capacity grid
+    duration_s: float = 60.0
+    warmup_s: float = 10.0
+    peak_duration_s: float = 20.0
     peak_warmup_s: float = 5.0
     seed: int = 0
     workers: int = 2
     cases: tuple[str, ...] = tuple(CASES)
     cost_profiles: tuple[str, ...] = ("default", "pessimistic")
+    quick: bool = False
+
+
+def quick_settings(**given) -> Settings:
+    base = dict(grid_rps=(5.0, 20.0), duration_s=10.0, warmup_s=3.0, peak_duration_s=5.0, peak_warmup_s=2.0,
+                quick=True)
+    return Settings(**{**base, **given})
 
 
 def jobs(settings: Settings) -> list[Job]:
@@ -256,25 +277,27 @@ def jobs(settings: Settings) -> list[Job]:
                                settings.peak_warmup_s, settings.seed))
                 out += [Job(case, policy, cost, r, settings.duration_s, settings.warmup_s, settings.seed)
                         for r in settings.grid_rps]
+            if case == "seed003":
+                out += [Job(case, "gang", cost, rate, settings.peak_duration_s, settings.peak_warmup_s,
+                            settings.seed, only=only) for only, rate in ONE_MODEL_PEAKS]
     return out
 
 
 def run_all(settings: Settings, log=None) -> list[RunRow]:
     todo = jobs(settings)
+    rows = []
     if settings.workers <= 1:
-        rows = []
-        for j in todo:
-            rows.append(run_job(j))
-            if log:
-                log(f"{j.cost_profile} {j.case} {j.policy} {j.rate_rps:g} req/s done")
-        return rows
-    with multiprocessing.get_context("fork").Pool(settings.workers) as pool:
-        rows = []
-        for row in pool.imap(run_job, todo):
-            rows.append(row)
-            if log:
-                log(f"{row.cost_profile} {row.case} {row.policy} {row.rate_rps:g} req/s done")
-        return rows
+        results = map(run_job, todo)
+    else:
+        pool = multiprocessing.get_context("fork").Pool(settings.workers)
+        results = pool.imap(run_job, todo)
+    for row in results:
+        rows.append(row)
+        if log:
+            log(f"{row.cost_profile} {row.case} {row.policy} {row.rate_rps:g} req/s done")
+    if settings.workers > 1:
+        pool.close()
+    return rows
 
 
 def capacity_rps(rows: Sequence[RunRow], model: str | None) -> float:
@@ -298,25 +321,30 @@ def _ms(x: float) -> str:
     return f"{x / 1e3:.1f} s" if x >= 1000 else f"{x:.0f} ms"
 
 
+def _cap(x: float, grid: Sequence[float]) -> str:
+    return f"< {min(grid):g}" if x == 0 else f"{x:g}"
+
+
 def render(rows: Sequence[RunRow], settings: Settings) -> str:
     """The markdown of the comparison: per case and cost profile, one line per policy."""
-    out = []
+    out = [QUICK_BANNER, ""] if settings.quick else []
     for case in settings.cases:
         for cost in settings.cost_profiles:
-            mine = [r for r in rows if r.case == case and r.cost_profile == cost]
+            mine = [r for r in rows if r.case == case and r.cost_profile == cost and " only" not in r.policy]
             if not mine:
                 continue
             models = [m.model for m in mine[0].models]
             lm = next(m for m in models if m != "llama-3-8b")
             sm = "llama-3-8b"
-            out.append(f"**{CASES[case][0]}, `{cost}` cost profile**, seed-003 mix at {settings.peak_rps:g} req/s "
-                       f"(the seed's peak) and capacity on the grid {', '.join(f'{r:g}' for r in settings.grid_rps)}"
-                       " req/s:")
+            out.append(f"**{CASES[case][0]}, `{cost}` cost profile.** Capacity (req/s of the mix) on the grid "
+                       f"{', '.join(f'{r:g}' for r in settings.grid_rps)}; the rest at {settings.peak_rps:g} req/s "
+                       "(the seed's peak); waits: the longest over every run of the row.")
             out.append("")
-            out.append(f"| policy | capacity: node | {lm} | {sm} | peak goodput {lm} | {sm} | admitted good {lm} % "
-                       f"| {sm} % | servable good {lm} % | {sm} % | INTERACTIVE share of goodput % | "
-                       f"admitted good INTERACTIVE % | BATCH % | longest LM wait | longest SM stall | LM held % |")
-            out.append("|---|" + "---:|" * 15)
+            out.append(f"| policy | capacity: every model | {lm} | {sm} | peak goodput {lm} | {sm} | "
+                       f"admitted good {lm} % | {sm} % | servable good {lm} % | {sm} % | INTERACTIVE share of goodput % "
+                       f"| admitted good INTERACTIVE % | BATCH % | longest LM wait | longest SM stall | LM held % | "
+                       "steps over cap |")
+            out.append("|---|" + "---:|" * 16)
             for policy in policies_of(case):
                 grid = [r for r in mine if r.policy == policy and r.rate_rps != settings.peak_rps]
                 peak = next((r for r in mine if r.policy == policy and r.rate_rps == settings.peak_rps), None)
@@ -325,18 +353,80 @@ def render(rows: Sequence[RunRow], settings: Settings) -> str:
                 tiers = {t.tier: t for t in peak.tiers}
                 inter, batch = tiers.get("INTERACTIVE"), tiers.get("BATCH")
                 share = inter.goodput_rps / peak.goodput_rps if inter and peak.goodput_rps else math.nan
-                wait = max([peak.lm_wait_ms] + [r.lm_wait_ms for r in grid])
-                stall = max([peak.sm_stall_ms] + [r.sm_stall_ms for r in grid])
+                runs = [peak, *grid]
+                wait = max(r.lm_wait_ms for r in runs)
+                stall = max(r.sm_stall_ms for r in runs)
+                over = sum(r.overruns for r in runs) if policy in GANG_SHAPES else "-"
+                g = settings.grid_rps
                 out.append(
-                    f"| {policy} | {capacity_rps(grid, None):g} | {capacity_rps(grid, lm):g} | "
-                    f"{capacity_rps(grid, sm):g} | {peak.model(lm).goodput_rps:.1f} | {peak.model(sm).goodput_rps:.1f} | "
+                    f"| {policy} | {_cap(capacity_rps(grid, None), g)} | {_cap(capacity_rps(grid, lm), g)} | "
+                    f"{_cap(capacity_rps(grid, sm), g)} | {peak.model(lm).goodput_rps:.1f} | "
+                    f"{peak.model(sm).goodput_rps:.1f} | "
                     f"{_pct(peak.model(lm).attainment_admitted)} | {_pct(peak.model(sm).attainment_admitted)} | "
                     f"{_pct(peak.model(lm).attainment_servable)} | {_pct(peak.model(sm).attainment_servable)} | "
                     f"{_pct(share)} | {_pct(inter.attainment_admitted if inter else math.nan)} | "
                     f"{_pct(batch.attainment_admitted if batch else math.nan)} | {_ms(wait)} | {_ms(stall)} | "
-                    f"{_pct(peak.lm_held)} |")
+                    f"{_pct(peak.lm_held)} | {over} |")
             out.append("")
+    one = [r for r in rows if " only" in r.policy]
+    if one:
+        out.append("**One-model peaks on seed 003's node** (gang config; the other model idle, so every shape runs "
+                   "the same schedule): SLO-good req/s of the seed's offered peak, and what bounds it.")
+        out.append("")
+        out.append("| cost profile | load | offered req/s | goodput req/s | % of offered | servable % of offered | "
+                   "admitted good % | TTFT P95 ms |")
+        out.append("|---|---|---:|---:|---:|---:|---:|---:|")
+        for r in sorted(one, key=lambda r: (r.cost_profile, r.policy)):
+            m = r.models[0]
+            out.append(f"| {r.cost_profile} | {m.model} only | {r.rate_rps:g} | {m.goodput_rps:.1f} | "
+                       f"{_pct(m.attainment_offered)} | {_pct(m.servable / m.offered if m.offered else math.nan)} | "
+                       f"{_pct(m.attainment_admitted)} | {m.ttft_p95_ms:.0f} |")
+        out.append("")
+        out.append(one_model_arithmetic(settings.cost_profiles))
     return "\n".join(out)
+
+
+def one_model_arithmetic(cost_profiles: Sequence[str]) -> str:
+    """What bounds each model alone on seed 003's node: the GPU time a request costs (its uncached prefill plus
+    its share of decode steps at a full batch), by the cost model, over a sample of the workload's requests."""
+    import statistics
+
+    from octoserve.services.workload import generate_trace
+
+    lines = []
+    trace = generate_trace(workload("seed003", 200.0, 10.0), 0)
+    prefix = {t.model: t.prefix_len_tokens for t in workload("seed003").traffic}
+    for cost in cost_profiles:
+        node = config_for("seed003", "gang", cost)
+        for inst_id, count in (("lm-0", 1), ("sm-0", 8)):
+            inst = node.instance(inst_id)
+            c = node.cost_model(inst)
+            batch = inst.max_num_seqs
+            costs = []
+            for r in (r for r in trace if r.model == inst.model):
+                cached = min(prefix[r.model], len(r.prompt_token_ids) - 1) if r.prefix_group >= 0 else 0
+                ctx = len(r.prompt_token_ids) + r.output_len / 2
+                costs.append(c.prefill_time_s(len(r.prompt_token_ids) - cached, cached)
+                             + r.output_len * c.decode_step_time_s(batch, ctx) / batch)
+            mean, median = statistics.fmean(costs), statistics.median(costs)
+            where = "the whole node" if count == 1 else "one GPU"
+            lines.append(f"- `{cost}`, {inst.model} ({'TP=8' if count == 1 else 'eight TP=1 replicas'}): a request "
+                         f"costs {1e3 * mean:.0f} ms of {where} on average (uncached prefill, system prompt cached, "
+                         f"plus its decode steps' share at a batch of {batch}), {1e3 * median:.0f} ms at the median: "
+                         f"{count / mean:.0f} req/s if every request is served, {count / median:.0f} req/s of the "
+                         "cheaper half; the seed's peak is far beyond either, so the rest is refused at admission.")
+    return "\n".join(lines)
+
+
+def write_section(path, rows: Sequence[RunRow], settings: Settings, intro: str) -> None:
+    """BENCHMARKS.md with its seed-003 gang section (re)written from `rows`."""
+    from pathlib import Path
+
+    from octoserve.services.bench_report import replace_section
+
+    path = Path(path)
+    text = path.read_text(encoding="utf-8") if path.exists() else "# octoserve benchmarks\n"
+    path.write_text(replace_section(text, SECTION, intro + "\n\n" + render(rows, settings)), encoding="utf-8")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -351,23 +441,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peak-warmup", type=float, default=d.peak_warmup_s)
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--workers", type=int, default=d.workers)
+    parser.add_argument("--quick", action="store_true", help="short windows; the tables say so")
+    parser.add_argument("--write", metavar="BENCHMARKS.md", help="(re)write the section in this file too")
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
-    return Settings(peak_rps=args.peak, grid_rps=tuple(float(x) for x in args.grid.split(",") if x),
-                    duration_s=args.duration, warmup_s=args.warmup, peak_duration_s=args.peak_duration,
-                    peak_warmup_s=args.peak_warmup, seed=args.seed, workers=args.workers,
-                    cases=tuple(c for c in args.cases.split(",") if c),
-                    cost_profiles=tuple(c for c in args.cost_profiles.split(",") if c))
+    given = dict(peak_rps=args.peak, seed=args.seed, workers=args.workers,
+                 cases=tuple(c for c in args.cases.split(",") if c),
+                 cost_profiles=tuple(c for c in args.cost_profiles.split(",") if c))
+    if args.quick:
+        return quick_settings(**given)
+    return Settings(grid_rps=tuple(float(x) for x in args.grid.split(",") if x), duration_s=args.duration,
+                    warmup_s=args.warmup, peak_duration_s=args.peak_duration, peak_warmup_s=args.peak_warmup, **given)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m octoserve.services.gang_bench", description=__doc__.split("\n")[0])
     add_arguments(parser)
-    settings = settings_from_args(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    settings = settings_from_args(args)
     rows = run_all(settings, log=lambda s: print(s, file=sys.stderr, flush=True))
     print(render(rows, settings))
+    if args.write:
+        write_section(args.write, rows, settings, INTRO)
     return 0
+
+
+INTRO = ""  # set below: the section's fixed text (node, SLOs, definitions, commands)
 
 
 if __name__ == "__main__":

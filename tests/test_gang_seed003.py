@@ -71,7 +71,7 @@ def test_seed003_slos_per_model_and_tier():
 
 def test_baseline_configs_keep_the_node_and_lift_the_bounds():
     gang = config_for("seed003", "gang", "pessimistic")
-    assert gang.gang.policy.shape == "slack" and gang.cost_profile == "pessimistic"
+    assert gang.gang.policy.shape == "deadline" and gang.cost_profile == "pessimistic"
     for policy, shape in (("lm-first", "lm_first"), ("sm-greedy", "sm_greedy"), ("slices", "slices")):
         c = config_for("seed003", policy, "default")
         assert c.instances == gang.instances
@@ -151,3 +151,40 @@ def test_baseline_shapes_are_validated_and_unbounded_waits_are_reported_open():
     arb.started("sm0", 0.0, 0.01, 1.0)
     assert arb.open_waits_s(0.5) == (0.5, 0.0)  # the LM has waited since 0 s and never ran
     assert dataclasses.replace(GangPolicy(), shape="lm_first").is_baseline
+
+
+def test_deadline_shape_leases_by_each_sides_own_deadline():
+    # The LM decodes with its next token due at 0.1 s (its latest start), the SMs have work without deadlines.
+    arb = GangArbiter(GangPolicy(shape="deadline", max_lm_wait_ms=200, max_sm_stall_ms=300), "lm", ["sm0", "sm1"])
+    now, starts = 0.0, []
+    for _ in range(12):
+        lm_deadline = 0.1 if now < 0.1 else 0.2
+        lm = MemberView("lm", True, 0.020, lm_deadline)
+        sms = [MemberView(f"sm{i}", True, 0.010) for i in range(2)]
+        d = arb.decide(now, lm, sms)
+        if d.run_lm:
+            arb.started("lm", now, 0.020, d.lm_cap_s)
+            starts.append((round(now, 3), "LM"))
+            now = round(now + 0.020, 9)
+            arb.finished("lm", now)
+            continue
+        for s, cap in d.sm_starts:
+            arb.started(s, now, 0.010, cap)
+        starts.append((round(now, 3), "SM" if d.sm_starts else "-"))
+        now = round(now + 0.010, 9)
+        for s, _ in d.sm_starts:
+            arb.finished(s, now)
+    # Not urgent: the SMs step; within the SM floor + urgent_ms (15 ms) of 0.1 s the LM takes one step, then gives
+    # the GPUs back (its next deadline is 0.2 s): several SM steps per LM step.
+    assert starts == [(0.0, "SM"), (0.01, "SM"), (0.02, "SM"), (0.03, "SM"), (0.04, "SM"), (0.05, "SM"),
+                      (0.06, "SM"), (0.07, "SM"), (0.08, "SM"), (0.09, "LM"), (0.11, "SM"), (0.12, "SM")]
+
+
+def test_a_gang_members_duty_is_its_step_share_of_its_own_itl():
+    node = node_config_from_dict(_raw())
+    # 0.6 of the LM's 100 ms and 0.4 of the 8B's 65 ms: duties 0.6 and 0.4 whatever the two ITLs.
+    assert node.step_itl_ms(node.instance("lm-0")) == pytest.approx(60.0)
+    assert node.step_itl_ms(node.instance("sm-0")) == pytest.approx(26.0)
+    # The shared-step caps split 0.85 x the tightest ITL (65 ms): one LM step and one SM step fit an 8B token gap.
+    assert node.gang.policy.lm_shared_step_ms == pytest.approx(0.6 * 0.85 * 65)
+    assert node.gang.policy.sm_shared_step_ms == pytest.approx(0.4 * 0.85 * 65)

@@ -111,7 +111,7 @@ def test_gang_keys_are_validated():
     problems = e.value.problems
     assert any(p.startswith("unknown key 'slack_ms' in gang") for p in problems)
     assert "gang.lm_step_share is 1.5; set a fraction in (0, 1), e.g. 0.6" in problems
-    assert "gang.shape: unknown shape 'greedy'; choose one of: interleave, periodic, slack, lm_first, sm_greedy, slices" in problems
+    assert "gang.shape: unknown shape 'greedy'; choose one of: interleave, periodic, slack, deadline, lm_first, sm_greedy, slices" in problems
     assert "gang.lease_ms (40) must be below gang.period_ms (30)" in problems
 
 

@@ -28,6 +28,12 @@ Shapes (`GangPolicy.shape`), compared in the simulator:
   chunks; the side whose latest start is within the other's floor plus `urgent_ms` takes the GPUs; when neither
   or both are urgent, virtual-time fair share decides: each side's virtual time grows by the group time it held
   over its weight, the lower runs next (`min_slice_ms` of hysteresis), and neither banks over `max_lag_ms`.
+- `deadline`: leases by each side's own deadline (per-model ITLs: the LM needs one step per its ITL, the SMs one
+  per theirs): capped as `slack`, but the LM takes the GPUs only when its latest start is urgent (or no SM has
+  work) and gives them back after the step unless it is still urgent and the SMs are not; the SMs run otherwise,
+  several SM steps per LM step when the LM's ITL is the longer, and an LM that only decodes costs one step per
+  its ITL instead of a fair share. When both are urgent they alternate (one round of every SM with work between
+  LM steps).
 Every SM slice lets each SM with work step at least once (no zero-length slices, no ping-pong).
 
 Baseline shapes (`BASELINE_SHAPES`: seed 003's warnings, for comparison; all work-conserving):
@@ -60,7 +66,8 @@ import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-SHAPES = ("interleave", "periodic", "slack")
+SHAPES = ("interleave", "periodic", "slack", "deadline")
+_DEADLINE_SHAPES = ("slack", "deadline")  # steps capped by the other side's latest start
 # The schedulers seed 003 warns about, as shapes of the same arbiter so they run on the same node and workload
 # (`services/gang_bench.py`). Starving one side is what defines them, so they are run with the bounds out of reach.
 BASELINE_SHAPES = ("lm_first", "sm_greedy", "slices")
@@ -322,7 +329,7 @@ class GangArbiter:
             cap = min(cap, max(self._lm_floor, self.policy.lm_shared_step_ms / 1e3))
         if horizon and self.policy.shape == "periodic" and sm_work and self.holder is Holder.LM:
             cap = min(cap, self._lease_start + self.policy.lease_ms / 1e3 - now)
-        if horizon and self.policy.shape == "slack":
+        if horizon and self.policy.shape in _DEADLINE_SHAPES:
             # Deadlines already missed cap nothing: shrinking every step to its floor would stop all prefill.
             deadlines = [s.deadline_s for s in sm_work if s.deadline_s is not None and s.deadline_s >= now]
             if deadlines:
@@ -333,7 +340,7 @@ class GangArbiter:
         cap = self._max_wait_s if self._lm_wait_since is None else self._lm_wait_since + self._max_wait_s - now
         if lm.has_work and self.policy.sm_shared_step_ms > 0:
             cap = min(cap, max(floor_s, self.policy.sm_shared_step_ms / 1e3))
-        if self.policy.shape == "slack" and lm.has_work and lm.deadline_s is not None and lm.deadline_s >= now:
+        if self.policy.shape in _DEADLINE_SHAPES and lm.has_work and lm.deadline_s is not None and lm.deadline_s >= now:
             cap = min(cap, max(floor_s, lm.deadline_s - now))
         return cap
 
@@ -351,6 +358,8 @@ class GangArbiter:
         lm_urgent, sm_urgent = self._urgent(now, lm, sm_work)
         if lm_urgent != sm_urgent:
             return lm_urgent
+        if p.shape == "deadline":
+            return False  # neither urgent: the SMs run; both: they alternate (the SMs' turn)
         self._pull_idle_vtime()
         return self._vt_lm <= self._vt_sm + p.min_slice_ms / 1e3
 
@@ -371,8 +380,8 @@ class GangArbiter:
         if p.shape == "periodic":
             return now >= self._lease_start + (p.period_ms - p.lease_ms) / 1e3 - _EPS, False
         lm_urgent, sm_urgent = self._urgent(now, lm, sm_work)
-        if lm_urgent != sm_urgent:
-            return lm_urgent, False
+        if lm_urgent != sm_urgent or p.shape == "deadline":
+            return lm_urgent, False  # deadline: the LM takes the GPUs only when its own deadline calls
         self._pull_idle_vtime()
         return self._vt_sm > self._vt_lm + p.min_slice_ms / 1e3, False
 

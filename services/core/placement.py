@@ -205,7 +205,7 @@ class NodeConfig:
         if group is None:
             return self.slo.for_model(instance.model).itl_ms
         share = self.gang.lm_step_share if instance.id == group.lm else 1.0 - self.gang.lm_step_share
-        return gang_itl_ms(self.slo, self.models) * share
+        return self.slo.for_model(instance.model).itl_ms * share  # its own ITL: the duty is `share` of the GPUs
 
     def cost_model(self, instance: InstanceConfig) -> CostModel:
         """The step-time model of `instance` under this config's cost profile (the one way to build it)."""
