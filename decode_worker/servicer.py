@@ -8,7 +8,8 @@ per-token cost at one repeated-field append on both ends.
 Hand-off: `Reserve` holds KV and arms a TTL timer; `Decode` cancels the timer, runs the engine's decode (which
 takes the KV in: the sim engine waits the modelled NVLink time) up to its first output, which marks the commit,
 and replies; the rest streams on the session. A failed or timed-out transfer releases the reservation, answers
-UNAVAILABLE (the router ends the request with a retry hint; its prefill side is released) and is counted in
+UNAVAILABLE with the `x-octoserve-kv-transfer-failed` trailer (the router continues the request elsewhere, this
+instance included; its prefill side is released) and is counted in
 `octoserve_worker_kv_transfer_failures_total{reason=timeout|corrupt|error}`. Injected transfer faults
 (services/faults.py) are applied here.
 
@@ -243,7 +244,9 @@ class DecodeWorkerServicer(WorkerBase):
             err = e if isinstance(e, EngineError) else HandoffError(
                 f"KV transfer of {spec.request_id} into {self.engine.instance_id} did not commit within "
                 f"{self.transfer_timeout_s:g} s; retry the request")
-            await rpc_status.abort(context, err)
+            st = rpc_status.status_for(err)
+            await context.abort(st.code, st.message,
+                                trailing_metadata=(*st.trailing_metadata, (rpc_status.KV_TRANSFER_FAILED_KEY, reason)))
         self.metrics.handoff_s.observe(time.monotonic() - t0)
         self._start_stream(session, spec.request_id, outputs, first)
         return w_pb.SubmitReply()

@@ -4,7 +4,9 @@ A line (JSON, logger `octoserve.router.access`, msg "request") carries: request_
 ("ok", "refused", "cancelled", "failed"), code (the gRPC status name), reason (the error's sentence, when not ok),
 retry_after_ms (refusals with a hint), ttft_ms (wall clock, when a token went out), tokens_out, cached_tokens,
 instances (every instance that served the request, in order: a re-routed request lists the dead one first),
-rerouted (how many times it was moved off a lost worker) and e2e_ms.
+rerouted (how many times it was moved off a lost worker before its first token), continued (how many times it was
+continued on another instance after streaming tokens) with continued_causes (crash, hang, kv_transfer or drain, one
+per continuation, in order), and e2e_ms.
 
 Cost: the hook runs once per request, never per token. Mode `all` writes every request; `errors` (the default)
 writes every request that did not end ok and one in `sample_every` of the ok ones (a counter, not a random draw,
@@ -82,6 +84,9 @@ class AccessLog:
         }
         if st.rerouted:
             fields["rerouted"] = st.rerouted
+        if st.continued:
+            fields["continued"] = len(st.continued)
+            fields["continued_causes"] = list(st.continued)
         if reason:
             fields["reason"] = reason
         if st.error is not None:

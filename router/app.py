@@ -81,9 +81,9 @@ def router_spec(
     watchdog = HangWatchdog(servicer, hung_after_s)
 
     def make_client(inst, address: str) -> WorkerClient:
-        def on_down(instance_id: str, reason: str) -> None:
+        def on_down(instance_id: str, reason: str, cause: str) -> None:
             if pool.clients.get(instance_id) is client:  # a replaced session's end says nothing of its successor
-                servicer.on_worker_down(instance_id, reason)
+                servicer.on_worker_down(instance_id, reason, cause)
 
         client = WorkerClient(WorkerEndpoint(inst.id, address, inst.role is not Role.PREFILL), servicer.session_id,
                               servicer.on_delta, on_down, policy.on_kv_events, policy.forget_instance)

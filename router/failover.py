@@ -1,18 +1,31 @@
-"""What the router does when a worker is lost under its requests (the worker process died, or an RPC to it failed
-UNAVAILABLE: gone, or draining).
+"""What the router does when a worker is lost under its requests (the worker process died, it hung, an RPC to it
+failed UNAVAILABLE: gone, or draining, or a KV transfer into it failed).
 
 - The instance is unroutable from the moment its token session or load stream breaks (`WorkerClient.mark_down`),
   until the session is re-established (the launcher restarts the worker on the same port and the pool's loops
-  reconnect).
+  reconnect). A failed KV transfer does not make its decode instance unroutable: the worker answered.
 - A request that has no token at the router yet is placed again: the surviving instances of its old placement
   are told to Abort it first (that frees the decode reservation when the prefill worker died, and the held hand-off
-  when the decode worker died), then the policy routes it as if it had just arrived, with the lost instance
-  excluded. At most `MAX_REROUTES` times; a request the policy refuses now gets that refusal (RESOURCE_EXHAUSTED
-  with its retry hint).
+  when the decode worker died), then the policy places it again as a request the node admitted before
+  (`RouterPolicy.route(..., admitted=True)`: capacity checks only), with the lost instance excluded. At most
+  `MAX_REROUTES` times; a request the policy refuses now gets that refusal (RESOURCE_EXHAUSTED with its retry hint).
+- A request that has tokens is continued, by the rule the simulator follows too (services/core/continuation.py):
+  the policy places, as admitted before, a new request with the same id whose prompt is the original prompt plus
+  every token the router received for it, `max_tokens` (and a sim node's output length) less them, the same
+  sampling parameters and tier, arriving now. Its tokens go on the same
+  client stream after the ones already there, so the client sees one longer gap; usage still reports the original
+  prompt and every completion token. Greedy decoding gives exactly the uninterrupted run's tokens (a model's next
+  token depends only on the sequence so far); seeded sampling restarts its generator at the seam (vLLM seeds per
+  request), so it continues with valid samples but not the uninterrupted run's. Stop strings are matched by the
+  engine within each placement's own output: one that straddles the seam is not seen.
+- At most `policies.max_continuations` continuations per request (0: none). Past the bound, or when the policy
+  refuses the continuation (an overloaded node), the stream ends UNAVAILABLE with a retry hint.
 - Its entries in the prefix index are dropped (its cache died with it).
-- A request that has tokens ends UNAVAILABLE with a retry hint: the client has seen tokens, a replay would repeat
-  them, and the SDK never retries after the first token.
-Counted in `octoserve_router_failovers_total{outcome=rerouted|lost}`.
+Counted in `octoserve_router_failovers_total{outcome=rerouted|lost|refused}` (requests without tokens, and every
+stream that ended UNAVAILABLE after tokens) and `octoserve_router_continuations_total{cause, outcome}` with cause
+crash (the token session broke, an RPC failed UNAVAILABLE), hang (router/watchdog.py), kv_transfer (the decode
+worker could not take the hand-off's KV) or drain (the worker closed its stream itself, or a live migration's
+hand-off failed), and outcome continued, refused (by the policy) or bound (past max_continuations).
 """
 
 from __future__ import annotations
@@ -24,6 +37,7 @@ import time
 
 import grpc
 
+from octoserve.services.core.continuation import continuation_spec, may_continue
 from octoserve.services.rpc import status as rpc_status
 from octoserve.services.rpc.gen import worker_pb2 as w_pb
 
@@ -31,15 +45,20 @@ log = logging.getLogger("octoserve.router.failover")
 
 MAX_REROUTES = 3
 ABORT_TIMEOUT_S = 2.0
+CAUSES = ("crash", "hang", "kv_transfer", "drain")
+# Causes where the instance answered and stays routable: only the request's hand-off failed there.
+_INSTANCE_LIVES = frozenset({"kv_transfer", "drain"})
 
 
 class WorkerLost(Exception):
-    """An RPC to a worker failed UNAVAILABLE: the worker is gone (or draining), the request may move."""
+    """An RPC to a worker failed UNAVAILABLE: the worker is gone (or draining), or it could not take a KV transfer;
+    the request may move. `cause`: one of CAUSES."""
 
-    def __init__(self, instance_id: str, reason: str) -> None:
+    def __init__(self, instance_id: str, reason: str, cause: str = "crash") -> None:
         super().__init__(reason)
         self.instance_id = instance_id
         self.reason = reason
+        self.cause = cause
 
 
 class Failover:
@@ -53,34 +72,38 @@ class Failover:
             return await rpc
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.UNAVAILABLE:
-                raise WorkerLost(instance_id, f"{instance_id} unavailable: {e.details() or 'connection lost'}") from None
+                transfer = any(k == rpc_status.KV_TRANSFER_FAILED_KEY for k, _ in e.trailing_metadata() or ())
+                raise WorkerLost(instance_id, f"{instance_id} unavailable: {e.details() or 'connection lost'}",
+                                 "kv_transfer" if transfer else "crash") from None
             raise
 
-    def lost_status(self, reason: str) -> rpc_status.RpcStatus:
+    def lost_status(self, reason: str, why: str = "the request had already streamed tokens, so it was not moved"
+                    ) -> rpc_status.RpcStatus:
         """UNAVAILABLE with a retry hint: the node still serves the model on its other instances."""
         hint_ms = int(round(self.s.config.policies.min_retry_after_ms * self.s.settings.time_scale))
-        message = f"{reason}; the request had already streamed tokens, so it was not moved: retry it"
+        message = f"{reason}; {why}: retry it"
         return rpc_status.RpcStatus(grpc.StatusCode.UNAVAILABLE, message,
                                     rpc_status.retry_trailers(grpc.StatusCode.UNAVAILABLE, message, hint_ms))
 
-    def worker_down(self, instance_id: str, reason: str) -> None:
-        """The worker's token session broke: move or end every request placed on it."""
+    def worker_down(self, instance_id: str, reason: str, cause: str = "crash") -> None:
+        """The worker's token session broke (or it hung): move, continue or end every request placed on it."""
         client = self.s.pool.clients.get(instance_id)
         if client is not None:
             client.mark_down()
         self.forget_cache(instance_id)
         for st in list(self.s.requests.values()):
-            if instance_id not in st.instance_ids or st.closed:
+            if instance_id not in st.instance_ids or st.closed or st.ending:
                 continue
             if st.dispatch is not None and not st.dispatch.done():
                 continue  # its dispatch is mid-RPC: that RPC fails too, and the dispatch moves the request
-            if st.streamed or st.rerouted >= MAX_REROUTES:
+            if not st.streamed and st.rerouted >= MAX_REROUTES:
                 self._lose(st, reason)
             else:
-                st.dispatch = asyncio.create_task(self._move(st, instance_id, reason))
+                st.dispatch = asyncio.create_task(self.move(st, instance_id, reason, cause))
 
-    async def _move(self, st, instance_id: str, reason: str) -> None:
-        route = await self.replace_route(st, instance_id, reason)
+    async def move(self, st, instance_id: str, reason: str, cause: str = "crash") -> None:
+        """Places (or continues) a request whose worker was lost, then dispatches it there."""
+        route = await self.replace_route(st, instance_id, reason, cause)
         if route is not None:
             await self.s._dispatch(st, route, remaining_s(st))
 
@@ -88,19 +111,39 @@ class Failover:
         """A lost worker's prefix cache died with it (no BlockRemoved will come): stop steering prompts there."""
         self.s.policy.prefix_index.remove_instance(instance_id)
 
-    def _lose(self, st, reason: str) -> None:
+    def _lose(self, st, reason: str, *why: str) -> None:
         self.metrics.failovers.labels("lost").inc()
-        st.fail(self.lost_status(reason))
+        st.fail(self.lost_status(reason, *why))
 
-    async def replace_route(self, st, lost_id: str, reason: str):
-        """A new placement for a request whose worker was lost, or None (then the request has failed)."""
-        if st.closed:
+    def _may_continue(self, st, cause: str, reason: str) -> bool:
+        """A streamed request: within the bound it may be continued; past it, it ends here."""
+        bound = self.s.config.policies.max_continuations
+        if may_continue(len(st.continued), bound):
+            return True
+        self.metrics.continuation(cause, "bound")
+        if bound == 0:
+            self._lose(st, reason, "the request had already streamed tokens and this node does not continue streams "
+                       "(policies.max_continuations is 0)")
+        else:
+            self._lose(st, reason, f"the request had already streamed tokens and was continued {len(st.continued)} "
+                       f"time(s), the most policies.max_continuations allows")
+        return False
+
+    async def replace_route(self, st, lost_id: str, reason: str, cause: str = "crash"):
+        """A new placement for a request whose worker was lost (a continuation when it had streamed tokens), or
+        None (then the request has failed)."""
+        if st.closed or st.ending:
             return None
-        if st.streamed or st.rerouted >= MAX_REROUTES:
+        continuing = st.streamed
+        if continuing and not self._may_continue(st, cause, reason):
+            return None
+        if not continuing and st.rerouted >= MAX_REROUTES:
             self._lose(st, reason)
             return None
         request_id = st.spec.request_id
-        self.forget_cache(lost_id)
+        instance_lives = cause in _INSTANCE_LIVES
+        if not instance_lives:
+            self.forget_cache(lost_id)
         survivors = [i for i in st.instance_ids if i != lost_id and self.s.pool[i].reachable]
         st.instance_ids = ()
         self.s.policy.on_finished(request_id)
@@ -109,24 +152,36 @@ class Failover:
               for i in survivors),
             return_exceptions=True,
         )
-        if st.closed:  # the client left while the old placement was being freed
+        if st.closed or st.ending:  # the client left (or the stream ended) while the old placement was being freed
             return None
         loads = dict(self.s.pool.loads())
-        if lost_id in loads:
+        if lost_id in loads and not instance_lives:
             loads[lost_id] = dataclasses.replace(loads[lost_id], healthy=False)
-        decision = self.s.policy.route(st.spec, loads, time.monotonic() / self.s.settings.time_scale)
+        now = time.monotonic() / self.s.settings.time_scale
+        spec = continuation_spec(st.spec, st.received_ids(), now) if continuing else st.worker_spec
+        decision = self.s.policy.route(spec, loads, now, admitted=True)
         if not hasattr(decision, "instance_id"):
-            error = self.s._wall_clock_error(decision.error)
-            st.fail(rpc_status.status_for(error))
-            self.metrics.failovers.labels("refused").inc()
+            if continuing:
+                self.metrics.continuation(cause, "refused")
+                self._lose(st, reason, f"the request had already streamed tokens, and continuing it on another "
+                           f"instance was refused ({decision.error.message})")
+            else:
+                error = self.s._wall_clock_error(decision.error)
+                st.fail(rpc_status.status_for(error))
+                self.metrics.failovers.labels("refused").inc()
             return None
-        st.rerouted += 1
+        if continuing:
+            st.continue_as(spec, cause)
+            self.metrics.continuation(cause, "continued")
+        else:
+            st.rerouted += 1
+            self.metrics.failovers.labels("rerouted").inc()
         st.instance_ids = (decision.instance_id,) + ((decision.decode_instance_id,) if decision.decode_instance_id else ())
         st.served_by.extend(st.instance_ids)
-        self.s.policy.on_dispatched(request_id, decision, st.spec)
-        self.metrics.failovers.labels("rerouted").inc()
-        log.info("request moved off a lost worker", extra={"fields": {
-            "request_id": request_id, "lost": lost_id, "to": list(st.instance_ids), "reason": reason}})
+        self.s.policy.on_dispatched(request_id, decision, spec)
+        log.info("request continued on another worker" if continuing else "request moved off a lost worker",
+                 extra={"fields": {"request_id": request_id, "lost": lost_id, "to": list(st.instance_ids),
+                                   "reason": reason, "cause": cause, "tokens_streamed": st.output_base}})
         return decision
 
 

@@ -95,6 +95,11 @@ class RouterMetrics:
         self.failovers = prom.Counter("octoserve_router_failovers", "requests whose worker was lost, by what followed "
                                       "(rerouted, lost: ended UNAVAILABLE after tokens, refused on re-routing), count",
                                       ["outcome"], registry=r)
+        self.continuations = prom.Counter("octoserve_router_continuations", "streams whose instance was lost after "
+                                          "they had streamed tokens, by cause (crash, hang, kv_transfer, drain) and "
+                                          "what followed (continued on another instance; refused: by admission, the "
+                                          "stream ended UNAVAILABLE; bound: past policies.max_continuations, ended "
+                                          "UNAVAILABLE), count", ["cause", "outcome"], registry=r)
         self._children: dict[str, tuple] = {}
 
     def label(self, model: str) -> str:
@@ -116,6 +121,9 @@ class RouterMetrics:
 
     def itl(self, model: str, gap_s: float, num_tokens: int) -> None:
         self._itl.observe(self._for(model)[1], gap_s / self.time_scale, num_tokens)
+
+    def continuation(self, cause: str, outcome: str) -> None:
+        self.continuations.labels(cause, outcome).inc()
 
     def refused(self, model: str, error: OctoserveError) -> None:
         self._refusals.labels(self.label(model), type(error).__name__).inc()

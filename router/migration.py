@@ -7,8 +7,9 @@ token, streaming on this router's session there), then `Release` on the source, 
 request keeps its id and its client stream; the router's record of where it runs moves from the source to the
 target, so the source's retirement (its session closes) no longer concerns it.
 
-A hand-off that fails (the target went away mid-transfer) ends the request UNAVAILABLE with a retry hint, as a
-failed disaggregated transfer does: the client has seen tokens, and a replay would repeat them.
+A hand-off that fails (the target went away mid-transfer, or the router does not know it) is continued as any
+other lost stream is (router/failover.py, cause `drain`): prompt plus the tokens already streamed, on an instance
+the policy picks; past `policies.max_continuations`, or refused, it ends UNAVAILABLE with a retry hint.
 """
 
 from __future__ import annotations
@@ -47,9 +48,9 @@ def follow(s, st, delta: w_pb.TokenDelta) -> None:
         return
     if target is None:
         _counter(s.metrics).labels(st.spec.model, "failed").inc()
-        st.fail(s.failover.lost_status(f"{source_id} handed the request to {target_id}, which this router does not "
-                                       "know yet"))
         _release(s, source, st.spec.request_id)
+        _continue(s, st, source_id, f"{source_id} handed the request to {target_id}, which this router does not "
+                  "know yet")
         return
     st.instance_ids = tuple(i for i in st.instance_ids if i != source_id) + (target_id,)
     st.served_by.append(target_id)
@@ -62,8 +63,9 @@ def follow(s, st, delta: w_pb.TokenDelta) -> None:
 
 
 async def _hand_over(s, st, delta: w_pb.TokenDelta, source, target) -> None:
-    request = w_pb.DecodeRequest(session_id=s.session_id, spec=convert.spec_to_pb(st.spec), handoff=delta.migration,
+    request = w_pb.DecodeRequest(session_id=s.session_id, spec=convert.spec_to_pb(st.worker_spec), handoff=delta.migration,
                                  source_address=source.address if source is not None else "")
+    failed = None
     try:
         await target.stub.Decode(request, timeout=DECODE_TIMEOUT_S)
         _counter(s.metrics).labels(st.spec.model, "followed").inc()
@@ -71,10 +73,19 @@ async def _hand_over(s, st, delta: w_pb.TokenDelta, source, target) -> None:
         _counter(s.metrics).labels(st.spec.model, "failed").inc()
         log.warning("migration hand-off failed", extra={"fields": {
             "request_id": st.spec.request_id, "to": target.instance_id, "code": e.code().name, "details": e.details()}})
-        st.fail(s.failover.lost_status(f"the hand-off of this running request to {target.instance_id} failed "
-                                       f"({e.code().name})"))
+        failed = f"the hand-off of this running request to {target.instance_id} failed ({e.code().name})"
     finally:
         _release(s, source, st.spec.request_id)
+    if failed is not None:
+        _continue(s, st, target.instance_id, failed)
+
+
+def _continue(s, st, lost_id: str, reason: str) -> None:
+    """The hand-off failed: continue the request from the tokens it streamed (or end it, past the bound)."""
+    if st.dispatch is None or st.dispatch.done():
+        st.dispatch = asyncio.create_task(s.failover.move(st, lost_id, reason, "drain"))
+    else:  # cannot happen while a migration marker arrives (the dispatch ended with the submission); kept safe
+        st.fail(s.failover.lost_status(reason))
 
 
 def _release(s, source, request_id: str) -> None:

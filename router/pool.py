@@ -66,7 +66,7 @@ class WorkerClient:
         endpoint: WorkerEndpoint,
         session_id: str,
         on_delta: Callable[[w_pb.TokenDelta], None],
-        on_down: Callable[[str, str], None],
+        on_down: Callable[[str, str, str], None],  # (instance id, reason, cause: router/failover.py CAUSES)
         on_kv_events: Callable[[str, Sequence[KVEvent]], None],
         on_kv_lost: Callable[[str], None] = lambda instance_id: None,
     ) -> None:
@@ -132,17 +132,19 @@ class WorkerClient:
                         if ignored and delta.request_id in ignored:
                             continue  # moved off this instance while it was hung: the client has it elsewhere
                         self._on_delta(delta)
-                reason = "the worker closed the token stream"
+                # A killed process cannot end the stream cleanly: this worker ended it itself (it drained and
+                # stopped, with requests its grace did not cover).
+                reason, cause = "the worker closed the token stream", "drain"
             except grpc.aio.AioRpcError as e:
-                reason = f"token stream from {self.instance_id} failed: {e.code().name} {e.details()}"
+                reason, cause = f"token stream from {self.instance_id} failed: {e.code().name} {e.details()}", "crash"
             except Exception:  # a bug in delta handling must not silently end the session for every request
                 log.exception("token session handling failed", extra={"fields": {"instance": self.instance_id}})
-                reason = f"the router failed handling tokens from {self.instance_id}"
+                reason, cause = f"the router failed handling tokens from {self.instance_id}", "crash"
             if self.retiring:
                 return
             self.attached.clear()
             self.mark_down()
-            self._on_down(self.instance_id, reason)
+            self._on_down(self.instance_id, reason, cause)
             await asyncio.sleep(RECONNECT_BACKOFF_S[min(attempt, len(RECONNECT_BACKOFF_S) - 1)])
             attempt += 1
 

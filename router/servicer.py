@@ -9,14 +9,19 @@ the client at once), decode Decode (transfer + commit), prefill Release. Every w
 finished stream (client cancel, deadline, cut-off, error) aborts the request on every worker it touched, which
 frees its KV there.
 
-A lost worker (its token session or an RPC to it fails UNAVAILABLE): a request that has not produced a token yet is
-re-routed (`router/failover.py`), after freeing what the surviving instances hold for it; one that has is ended
-UNAVAILABLE with a retry hint (the client has seen tokens; a replay would repeat them). The instance is unroutable
-from that moment until its session is back.
+A lost worker (its token session or an RPC to it fails UNAVAILABLE, it hung, a KV transfer into it failed): a request
+that has not produced a token yet is re-routed (`router/failover.py`), after freeing what the surviving instances
+hold for it; one that has is continued on another instance from its prompt plus the tokens already received, on the
+same client stream (at most `policies.max_continuations` times; past that, or refused, it ends UNAVAILABLE with a
+retry hint). The instance is unroutable from that moment until its session is back.
 
 A client resuming a cut stream (`resume_from`: the tokens it received before a router restart or a refused
 continuation) is a new request here: its prompt carries those tokens (`convert.resumed_spec`), and usage moves
 them (`RequestState.resumed`) from the prompt count to the completion count, so it reports the whole request.
+
+Token accounting across placements: `output_ids` are the tokens merged for the client; a delta's
+`num_output_tokens` counts the tokens of its own placement, so `output_base` (the tokens received before the
+current placement) is added to it; usage reports the original prompt and every completion token.
 
 Bounds: at most `max_pending_deltas` undelivered deltas per request. A client that stops reading fills that
 bound, is cut off with ABORTED (after the messages already written), and its request is aborted on the workers,
@@ -65,7 +70,8 @@ class RequestState:
     __slots__ = (
         "spec", "pending", "wakeup", "num_sent", "num_prompt_tokens", "num_cached_tokens", "finish_reason",
         "error", "instance_ids", "max_pending", "closed", "first_token_s", "last_token_s", "wall_start_s",
-        "dispatch", "served_by", "rerouted", "timeout_s", "resumed",
+        "dispatch", "served_by", "rerouted", "timeout_s", "worker_spec", "output_ids", "output_base", "continued",
+        "awaiting_first", "resumed",
     )
 
     def __init__(self, spec, instance_ids: tuple[str, ...], max_pending: int, wall_start_s: float) -> None:
@@ -87,12 +93,51 @@ class RequestState:
         self.served_by: list[str] = list(instance_ids)  # every instance it was placed on, in order
         self.rerouted = 0
         self.timeout_s: float | None = None
+        self.worker_spec = spec  # what the workers are sent: the original request, or its latest continuation
+        self.output_ids: list[int] = []  # every token merged for the client, in order
+        self.output_base = 0  # tokens received before the current placement (its deltas count from 0)
+        self.continued: list[str] = []  # the cause of each continuation (router/failover.py CAUSES)
+        self.awaiting_first = False  # a continuation whose first token the policy has not heard of yet
         self.resumed = 0  # tokens the client resumed from (resume_from): in spec's prompt, counted as output
 
     @property
     def streamed(self) -> bool:
         """Whether a token reached the router for it: from then on it can no longer move to another worker."""
         return self.first_token_s is not None or self.num_sent > 0 or bool(self.pending)
+
+    @property
+    def ending(self) -> bool:
+        """Whether its last delta (a finish or an error) already reached the router: nothing is left to move."""
+        return any(d.finish_reason or d.error_code for d in self.pending)
+
+    def received_ids(self) -> list[int]:
+        """Every token received for this request, merged or still pending; folds the pending deltas into one
+        (their counts are relative to the placement that sent them, which is about to change)."""
+        ids = list(self.output_ids)
+        count = self.num_sent
+        prompt = cached = 0
+        for d in self.pending:
+            if d.error_code or d.finish_reason:
+                break
+            num_ids = len(d.token_ids)
+            total = d.num_output_tokens + self.output_base if d.num_output_tokens else count + num_ids
+            num_new = min(total - count, num_ids)
+            if num_new > 0:
+                ids.extend(d.token_ids[num_ids - num_new:])
+                count += num_new
+            if d.num_prompt_tokens and not prompt:
+                prompt, cached = d.num_prompt_tokens, d.num_cached_prompt_tokens
+        if self.pending:
+            self.pending = [w_pb.TokenDelta(request_id=self.spec.request_id, token_ids=ids[self.num_sent:],
+                                            num_prompt_tokens=prompt, num_cached_prompt_tokens=cached)]
+        return ids
+
+    def continue_as(self, spec, cause: str) -> None:
+        """From now on the workers serve `spec`, the continuation built from `received_ids()`."""
+        self.output_base = len(spec.prompt_token_ids) - len(self.spec.prompt_token_ids)
+        self.worker_spec = spec
+        self.continued.append(cause)
+        self.awaiting_first = True
 
     def deliver(self, delta: w_pb.TokenDelta) -> bool:
         """Returns False when this delta overflowed the bound (the caller cuts the client off)."""
@@ -147,8 +192,8 @@ class GenerationServicer(gen_grpc.GenerationServicer):
         elif not st.deliver(delta):
             self._cut_off(st)
 
-    def on_worker_down(self, instance_id: str, reason: str) -> None:
-        self.failover.worker_down(instance_id, reason)
+    def on_worker_down(self, instance_id: str, reason: str, cause: str = "crash") -> None:
+        self.failover.worker_down(instance_id, reason, cause)
 
     def _cut_off(self, st: RequestState) -> None:
         self.metrics.cutoffs.inc()
@@ -286,12 +331,12 @@ class GenerationServicer(gen_grpc.GenerationServicer):
                 break
             ids = d.token_ids  # one upb container lookup: field access is the cost on this path
             num_ids = len(ids)
-            total = d.num_output_tokens or st.num_sent + num_ids
+            total = d.num_output_tokens + st.output_base if d.num_output_tokens else st.num_sent + num_ids
             num_new = min(total - st.num_sent, num_ids)
             if num_new > 0:
                 tokens.extend(ids if num_new == num_ids else ids[num_ids - num_new:])
                 st.num_sent += num_new
-            if d.num_prompt_tokens:
+            if d.num_prompt_tokens and not st.continued:  # a continuation's prompt holds earlier output tokens
                 st.num_prompt_tokens, st.num_cached_tokens = d.num_prompt_tokens, d.num_cached_prompt_tokens
             if d.finish_reason:
                 st.finish_reason = d.finish_reason
@@ -300,6 +345,7 @@ class GenerationServicer(gen_grpc.GenerationServicer):
         finished = st.finish_reason != gen_pb.FINISH_REASON_UNSPECIFIED
         if not tokens and not finished:
             return None
+        st.output_ids.extend(tokens)
         response = gen_pb.GenerateResponse(token_ids=tokens)
         if st.first_token_s is None:
             response.request_id = st.spec.request_id
@@ -319,6 +365,9 @@ class GenerationServicer(gen_grpc.GenerationServicer):
             self.metrics.ttft(st.spec.model, now - st.wall_start_s)
         elif n:
             self.metrics.itl(st.spec.model, (now - st.last_token_s) / n, n)
+            if st.awaiting_first:  # a continuation's first tokens (their ledger entry waits for them)
+                st.awaiting_first = False
+                self.policy.on_first_token(st.spec.request_id, now / self.settings.time_scale)
         if n:
             st.last_token_s = now
 
@@ -334,7 +383,7 @@ class GenerationServicer(gen_grpc.GenerationServicer):
                     await self._disaggregated(st, route, timeout_s)
                 return
             except WorkerLost as lost:
-                route = await self.failover.replace_route(st, lost.instance_id, lost.reason)
+                route = await self.failover.replace_route(st, lost.instance_id, lost.reason, lost.cause)
                 timeout_s = time_left_s(st)
             except grpc.aio.AioRpcError as e:
                 st.fail(self._worker_status(st, e))
@@ -344,11 +393,11 @@ class GenerationServicer(gen_grpc.GenerationServicer):
                 return
 
     async def _colocated(self, st: RequestState, route, timeout_s: float | None) -> None:
-        request = w_pb.WorkerGenerateRequest(session_id=self.session_id, spec=convert.spec_to_pb(st.spec))
+        request = w_pb.WorkerGenerateRequest(session_id=self.session_id, spec=convert.spec_to_pb(st.worker_spec))
         await self.failover.call(route.instance_id, self.pool[route.instance_id].stub.Generate(request, timeout=timeout_s))
 
     async def _disaggregated(self, st: RequestState, route, timeout_s: float | None) -> None:
-        spec_pb = convert.spec_to_pb(st.spec)
+        spec_pb = convert.spec_to_pb(st.worker_spec)
         prefill, decode = self.pool[route.instance_id], self.pool[route.decode_instance_id]
         call = self.failover.call
         reply = await call(decode.instance_id,
@@ -356,7 +405,7 @@ class GenerationServicer(gen_grpc.GenerationServicer):
         if not reply.reserved:
             error = Overloaded(st.spec.model, st.spec.priority, self.config.policies.min_retry_after_ms,
                                f"decode instance {route.decode_instance_id} has no KV left to reserve")
-            self.policy.refused_after_routing(st.spec, error, "decode_reserve")
+            self.policy.refused_after_routing(st.worker_spec, error, "decode_reserve")
             raise self._wall_clock_error(error)
         handoff = (await call(prefill.instance_id,
                               prefill.stub.Prefill(w_pb.PrefillRequest(spec=spec_pb), timeout=timeout_s))).handoff

@@ -9,7 +9,7 @@ nothing for `hung_after_s` wall seconds:
 - it is unroutable (`mark_down`) and its prefix-index entries are dropped;
 - every request placed on it is ended or moved as on a crash: a worker RPC still waiting on it (a submission, a
   reservation, a prefill) is cancelled first, since a stopped peer never fails it; then a request with no token yet
-  is placed again elsewhere, and one that has streamed ends UNAVAILABLE with a retry hint;
+  is placed again elsewhere, and one that has streamed is continued on another instance (router/failover.py);
 - the ids of those requests are remembered: any delta the instance sends for them later (it resumed, SIGCONT) is
   dropped, so the client never receives a token twice, and when its reports resume the router Aborts them there
   (freeing their KV) before forgetting them.
@@ -98,7 +98,7 @@ class HangWatchdog:
         await asyncio.gather(*waiting, return_exceptions=True)
         log.warning("worker hung: routing around it", extra={"fields": {
             "instance": iid, "silent_s": round(silent_s, 2), "requests": len(placed)}})
-        self.s.failover.worker_down(iid, reason)
+        self.s.failover.worker_down(iid, reason, "hang")
 
     def resumed(self, client) -> None:
         """A client's `on_resumed`: its instance reports again after it was declared hung."""

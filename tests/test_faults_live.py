@@ -3,8 +3,10 @@ supervisor on: workers SIGKILLed mid-stream, the scheduler and the router killed
 
 What each test holds the node to:
 - a request that had no token when its worker died is moved and served in full (no token lost, none repeated);
-- a request that had tokens ends UNAVAILABLE with a retry hint, having received fewer tokens than asked and never
-  one twice;
+- a request that had tokens is continued on another instance (router/failover.py) and completes with exactly the
+  tokens an uninterrupted greedy run gives (none lost at the seam, none repeated);
+- a KV transfer that times out or fails verification is continued (the decode worker lives: it may take the
+  continuation's own transfer), not failed;
 - the dead instance gets no new request once the router has noticed the loss (the first requests sent after the
   first stream on it ended are all served, none re-routed);
 - KV held elsewhere for the lost requests is freed (every surviving worker back to all blocks free);
@@ -22,12 +24,13 @@ import signal
 import grpc
 import pytest
 
+from octoserve.services.core.sim_executor import sim_token_id
 from octoserve.services.launcher import start_node
 from octoserve.v1 import generate_pb2 as gen_pb
 from octoserve.v1 import generate_pb2_grpc as gen_grpc
 from tests.fault_fixtures import (
     until,
-    Stream, access_log, disagg_config, load, prompt, two_replica_config, wait_all_free,
+    Stream, access_log, disagg_config, load, prompt, router_log, two_replica_config, wait_all_free,
 )
 from tests.service_fixtures import COLOCATED_MODEL, DISAGG_MODEL
 
@@ -58,6 +61,16 @@ async def _generation(node):
     """A Generation stub on the node's router, over a channel closed on exit."""
     async with grpc.aio.insecure_channel(node.router_address) as channel:
         yield gen_grpc.GenerationStub(channel)
+
+
+def _greedy(s: Stream) -> list[int]:
+    """The sim engine's uninterrupted output for the stream's prompt, as long as it asked for."""
+    ids = list(s.request.token_ids.ids)
+    return [sim_token_id(len(ids), ids[0], p) for p in range(s.request.max_tokens)]
+
+
+def _continued(node) -> bool:
+    return any(e.get("msg") == "request continued on another worker" for e in router_log(node))
 
 
 def _stream(model: str, prompt_len: int, salt: int, max_tokens: int, **kw) -> Stream:
@@ -92,26 +105,24 @@ async def test_colocated_worker_killed_mid_stream(live_node):
         no_token_at_kill = [s for s in waiting if not s.tokens]
         os.kill(node.workers["c0"].pid, signal.SIGKILL)
 
-        # Once the router has noticed (a stream on c0 ended), no new request may be placed on the dead instance.
-        async def a_stream_ended():
-            return any(s.code is not None for s in streaming)
-        await until(a_stream_ended, 30, "a stream on c0 ends")
+        # Once the router has noticed (it continued a stream that was on c0), no new request may be placed there.
+        await until(lambda: _continued(node), 30, "a stream on c0 is continued")
         after = [_stream(COLOCATED_MODEL, 32, 200 + i, 4, priority=gen_pb.BATCH) for i in range(6)]
         await asyncio.gather(*(s.run(stub) for s in after))
         await asyncio.gather(*tasks)
         node.supervisor.wait_for("worker:c0", "ready", timeout_s=60)
         log = access_log(node)
 
-        # Streams that had tokens: the ones on c0 end UNAVAILABLE with a hint, short, never duplicated.
-        on_c0 = [s for s in streaming if log[s.request_id]["instances"] == ["c0"]]
+        # Streams that had tokens: the ones on c0 were continued on c1; every one has the uninterrupted tokens.
+        on_c0 = [s for s in streaming if log[s.request_id]["instances"][0] == "c0"]
         assert on_c0, "no stream was on c0"
         for s in streaming:
+            assert (s.code, s.tokens) == (grpc.StatusCode.OK, _greedy(s)), (s.code, s.details, len(s.tokens))
+            line = log[s.request_id]
             if s in on_c0:
-                assert s.code == grpc.StatusCode.UNAVAILABLE and s.retry_after_ms and s.retry_after_ms > 0, s
-                assert 0 < len(s.tokens) < 400
-                assert log[s.request_id]["outcome"] == "failed" and log[s.request_id]["code"] == "UNAVAILABLE"
+                assert (line["outcome"], line["instances"], line["continued_causes"]) == ("ok", ["c0", "c1"], ["crash"])
             else:
-                assert s.code == grpc.StatusCode.OK and len(s.tokens) == 400, s
+                assert line["instances"] == ["c1"] and "continued" not in line
         # Requests with no token when c0 died: served in full; the ones that were on c0 were moved.
         assert all(s.code == grpc.StatusCode.OK and len(s.tokens) == 16 for s in waiting), \
             [(s.code, s.details, len(s.tokens)) for s in waiting]
@@ -176,18 +187,19 @@ async def test_disaggregated_prefill_then_decode_worker_killed(live_node):
         for s in moved:
             assert log[s.request_id]["instances"][0] == victim and victim not in log[s.request_id]["instances"][2:]
 
-        # A decode worker dies under streams with tokens: those end UNAVAILABLE with a hint, the rest finish.
+        # A decode worker dies under streams with tokens: those are continued (a prefill, then d1), all finish whole.
         os.kill(node.workers["d0"].pid, signal.SIGKILL)
         await asyncio.gather(*tasks)
-        log = access_log(node)
-        on_d0 = [s for s in streaming if log[s.request_id]["instances"][-1] == "d0"]
+        log = access_log(node, wait_for=streaming)
+        on_d0 = [s for s in streaming if log[s.request_id]["instances"][1] == "d0"]
         assert on_d0, "no stream was decoding on d0"
         for s in streaming:
+            assert (s.code, s.tokens) == (grpc.StatusCode.OK, _greedy(s)), (s.code, s.details, len(s.tokens))
+            line = log[s.request_id]
             if s in on_d0:
-                assert s.code == grpc.StatusCode.UNAVAILABLE and s.retry_after_ms and s.retry_after_ms > 0, s
-                assert 0 < len(s.tokens) < 300
+                assert line.get("continued_causes") == ["crash"] and line["instances"][3] == "d1", line
             else:
-                assert s.code == grpc.StatusCode.OK and len(s.tokens) == 300, s
+                assert "continued" not in line, line
 
         node.supervisor.wait_for(f"worker:{victim}", "ready", timeout_s=60)
         node.supervisor.wait_for("worker:d0", "ready", timeout_s=60)
@@ -264,26 +276,35 @@ def _metric(address_port: int, name: str, labels: str) -> float:
     return 0.0
 
 
-async def test_slow_and_corrupt_kv_transfers_time_out_fall_back_and_are_counted(live_node):
+async def test_slow_and_corrupt_kv_transfers_time_out_are_continued_and_counted(live_node):
     config = disagg_config()
     config["instances"] = [i for i in config["instances"] if i["id"] in ("p0", "d0")]
-    # Transfers in order: 8 s late (past the 5 s transfer timeout), corrupt, then fine.
-    node = live_node(config, time_scale=1.0, extra_env={"OCTOSERVE_FAULTS": "kv_transfer=slow:8,corrupt,ok"})
+    # Transfers in order: 8 s late (past the 5 s transfer timeout), corrupt, fine; then corrupt three times.
+    node = live_node(config, time_scale=1.0,
+                     extra_env={"OCTOSERVE_FAULTS": "kv_transfer=slow:8,corrupt,ok,corrupt,corrupt,corrupt"})
     async with _generation(node) as stub:
-        results = []
-        for i in range(3):
-            s = _stream(DISAGG_MODEL, 64, i, 20)
-            await s.run(stub, timeout_s=60)
-            results.append(s)
-    slow, corrupt, fine = results
-    for s in (slow, corrupt):  # the first token came from the prefill; the transfer failed: retry with a hint
-        assert s.code == grpc.StatusCode.UNAVAILABLE and s.retry_after_ms and len(s.tokens) == 1, s
-    assert "did not commit within 5 s" in slow.details and "failed verification" in corrupt.details
-    assert fine.code == grpc.StatusCode.OK and len(fine.tokens) == 20
+        s = _stream(DISAGG_MODEL, 64, 0, 20)
+        await s.run(stub, timeout_s=60)
+        bounded = _stream(DISAGG_MODEL, 64, 1, 20)
+        await bounded.run(stub, timeout_s=60)
+    # The first token came from p0; each failed transfer into d0 was continued from there (p0 again, then d0, which
+    # lives: only that hand-off failed), twice, the default bound; the third transfer was fine.
+    assert (s.code, s.tokens) == (grpc.StatusCode.OK, _greedy(s)), (s.code, s.details)
+    line = access_log(node, wait_for=[s])[s.request_id]
+    assert (line["instances"], line["continued_causes"]) == (["p0", "d0"] * 3, ["kv_transfer", "kv_transfer"])
+    # Three failed transfers: past the bound, it ends UNAVAILABLE with a hint, holding the three first tokens p0 gave.
+    assert bounded.code == grpc.StatusCode.UNAVAILABLE and bounded.retry_after_ms, (bounded.code, bounded.details)
+    assert "failed verification" in bounded.details and bounded.details.endswith(
+        "; the request had already streamed tokens and was continued 2 time(s), the most "
+        "policies.max_continuations allows: retry it"), bounded.details
+    assert bounded.tokens == _greedy(bounded)[:3]
     d0_metrics = node.workers["d0"].metrics_port
     name = "octoserve_worker_kv_transfer_failures_total"
     assert _metric(d0_metrics, name, 'reason="timeout"') == 1.0
-    assert _metric(d0_metrics, name, 'reason="corrupt"') == 1.0
+    assert _metric(d0_metrics, name, 'reason="corrupt"') == 4.0
+    continuations = "octoserve_router_continuations_total"
+    assert _metric(node.router.metrics_port, continuations, 'cause="kv_transfer",outcome="continued"') == 4.0
+    assert _metric(node.router.metrics_port, continuations, 'cause="kv_transfer",outcome="bound"') == 1.0
     await wait_all_free(node)
     assert _expiry_warnings(node) == []  # the hand-offs were released by the router, not by a TTL
 

@@ -51,7 +51,7 @@ async def test_a_retired_session_delivers_its_last_tokens_and_neither_goes_down_
     await server.start()
     deltas, downs = [], []
     client = WorkerClient(WorkerEndpoint("d1", f"127.0.0.1:{port}", True), "router-session", deltas.append,
-                          lambda iid, reason: downs.append((iid, reason)), lambda iid, events: None)
+                          lambda iid, reason, cause: downs.append((iid, reason)), lambda iid, events: None)
     try:
         client.start()
         await asyncio.wait_for(client.attached.wait(), 10)

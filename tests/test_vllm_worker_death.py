@@ -1,16 +1,20 @@
-"""A worker killed under the vllm engine (what `octoserve up --engine vllm` runs: scheduler, one vLLM worker, router as
-processes, the supervisor on), mirroring tests/test_faults_live.py's sim-engine kill:
+"""A worker killed under the vllm engine (what `octoserve up --engine vllm` runs: scheduler, vLLM workers, router as
+processes), mirroring tests/test_faults_live.py's sim-engine kill:
 
-- a stream that had tokens when its worker was SIGKILLed ends UNAVAILABLE with a retry hint and the router's reason,
-  short of its max_tokens; what it received is exactly the start of the model's greedy output (checked against the
-  restarted worker: no token lost in the middle, none repeated);
+- with two instances, every greedy stream on the killed worker is continued on the other (prompt plus the tokens it
+  had) and ends with exactly the tokens an uninterrupted run gives (the survivor's own run of the same prompts),
+  usage counting the original prompt and every completion token;
+- with one instance (supervisor on), a stream that had tokens when its worker was SIGKILLed cannot be continued
+  (no healthy instance): it ends UNAVAILABLE with a retry hint and the router's reason, short of its max_tokens;
+  what it received is exactly the start of the model's greedy output (checked against the restarted worker: no
+  token lost in the middle, none repeated);
 - while the only instance is down, a new request is refused at once, RESOURCE_EXHAUSTED with a retry hint naming
   why (no healthy instance), not left waiting;
 - the supervisor restarts the worker on its port, the router routes to it again, and every KV block is free after;
 - the node then stops cleanly, the restarted worker included (exit codes all 0).
 
-Engine budget: one vLLM instance at a time, started twice (the node's, then its restart after the kill); no offline
-reference run (the restarted worker's own greedy output is the reference).
+Engine budget: four vLLM starts in all (two instances, no restart; then one instance and its restart); no offline
+reference run (a surviving or restarted worker's own greedy output is the reference).
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import os
 import re
 import signal
 
+import yaml
+
 import grpc
 import pytest
 from vllm_fixtures import MODEL_NAME, PROMPTS, import_vllm_or_reason, vllm_skip_reason
@@ -27,7 +33,7 @@ from vllm_fixtures import MODEL_NAME, PROMPTS, import_vllm_or_reason, vllm_skip_
 from octoserve.services.launcher import REPO_ROOT, start_node
 from octoserve.v1 import generate_pb2 as gen_pb
 from octoserve.v1 import generate_pb2_grpc as gen_grpc
-from tests.fault_fixtures import Stream, load, until, wait_all_free
+from tests.fault_fixtures import Stream, access_log, load, until, wait_all_free
 
 _SKIP = vllm_skip_reason()
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.skipif(_SKIP is not None, reason=_SKIP or ""),
@@ -37,7 +43,8 @@ TINY_CONFIG = REPO_ROOT / "services" / "configs" / "tiny-vllm.yaml"
 PROMPT = list(PROMPTS[0])  # 200 tokens
 LONG = 600  # the longest prompt used (390) + 600 fits the 1,024-token window: ~2-3 s of streaming to kill in
 SLO_MS = 10_000  # admission must not refuse on a slow, shared CPU
-LOST_SUFFIX = "; the request had already streamed tokens, so it was not moved: retry it"
+REFUSED = ("; the request had already streamed tokens, and continuing it on another instance was refused "
+           f"({MODEL_NAME} is overloaded for STANDARD requests (no healthy instance serves it right now); retry after ")
 
 
 @pytest.fixture
@@ -91,7 +98,7 @@ async def test_vllm_worker_killed_mid_stream_fails_the_stream_then_is_restarted_
                 if s in lost:
                     assert s.code == grpc.StatusCode.UNAVAILABLE, (s.code, s.details)
                     assert s.details.startswith("token stream from tiny-0 failed: UNAVAILABLE ") and \
-                        s.details.endswith(LOST_SUFFIX), s.details
+                        REFUSED in s.details and s.details.endswith(" ms): retry it"), s.details
                     assert s.retry_after_ms is not None and s.retry_after_ms > 0
                     assert 1 <= len(s.tokens) < LONG
                 else:
@@ -133,3 +140,76 @@ async def test_vllm_worker_killed_mid_stream_fails_the_stream_then_is_restarted_
     finally:
         codes = node.stop()
     assert codes == {"router": 0, "worker:tiny-0": 0, "scheduler": 0}
+
+
+def _two_instances() -> dict:
+    config = yaml.safe_load(TINY_CONFIG.read_text())
+    config["num_gpus"] = 2
+    config["instances"].append({**config["instances"][0], "id": "tiny-1", "gpu_ids": [1]})
+    return config
+
+
+class _Usage(Stream):
+    """A Stream that also keeps the last message's usage."""
+
+    usage: tuple[int, int] | None = None
+
+    async def run(self, stub, timeout_s: float = 120.0) -> None:
+        try:
+            async for response in stub.Generate(self.request, timeout=timeout_s):
+                self.request_id = self.request_id or response.request_id
+                self.tokens.extend(response.token_ids)
+                if response.finish_reason:
+                    self.usage = (response.usage.prompt_tokens, response.usage.completion_tokens)
+                if self.tokens:
+                    self.first_token.set()
+            self.code = grpc.StatusCode.OK
+        except grpc.aio.AioRpcError as e:
+            self.code, self.details = e.code(), e.details() or ""
+        finally:
+            self.first_token.set()
+
+
+async def test_vllm_streams_on_a_killed_worker_continue_on_the_other_with_the_uninterrupted_greedy_tokens(
+        model_dir, tmp_path):
+    node = start_node(_two_instances(), engine="vllm", model_path=str(model_dir), run_dir=tmp_path,
+                      startup_timeout_s=300.0, grace_s=10.0, router_args=("--access-log", "all"), supervise=False,
+                      extra_env={"OCTOSERVE_VLLM_DTYPE": "float32", "HF_HUB_OFFLINE": "1"})
+    try:
+        async with grpc.aio.insecure_channel(node.router_address) as channel:
+            stub = gen_grpc.GenerationStub(channel)
+            victim = None
+            for _ in range(3):  # bounded: a machine so slow every stream ended before the kill tries again
+                streams = [_Usage(request(LONG, prompt=list(PROMPTS[i]))) for i in range(4)]
+                tasks = [asyncio.create_task(s.run(stub)) for s in streams]
+                await until(lambda: all(len(s.tokens) >= 8 or s.code is not None for s in streams), 120,
+                            "every stream has tokens")
+                running = {iid: (await load(sp.address)).num_running for iid, sp in node.workers.items()}
+                busiest = max(sorted(running), key=lambda iid: running[iid])
+                if running[busiest] > 0:
+                    victim = busiest
+                    os.kill(node.workers[victim].pid, signal.SIGKILL)
+                    await asyncio.wait_for(asyncio.gather(*tasks), 180)
+                    break
+                await asyncio.gather(*tasks)
+            assert victim is not None, "the workers finished every stream before one could be killed, three times"
+            survivor = next(iid for iid in node.workers if iid != victim)
+
+            # The same prompts, uninterrupted, on the survivor (the killed worker is not restarted here).
+            reference = [_Usage(request(LONG, prompt=list(PROMPTS[i]))) for i in range(4)]
+            await asyncio.wait_for(asyncio.gather(*(r.run(stub) for r in reference)), 180)
+        log = access_log(node, wait_for=[*streams, *reference])
+        assert all(log[r.request_id]["instances"] == [survivor] for r in reference)
+        continued = [s for s in streams if log[s.request_id].get("continued")]
+        assert continued, [log[s.request_id] for s in streams]
+        for s, r in zip(streams, reference):
+            assert (s.code, r.code) == (grpc.StatusCode.OK, grpc.StatusCode.OK), (s.details, r.details)
+            assert len(s.tokens) == LONG and s.tokens == r.tokens, s.request_id
+            assert s.usage == r.usage == (len(s.request.token_ids.ids), LONG)
+        for s in continued:
+            line = log[s.request_id]
+            assert (line["instances"], line["continued_causes"]) == ([victim, survivor], ["crash"]), line
+    finally:
+        codes = node.stop()
+    assert {k: v for k, v in codes.items() if k != f"worker:{victim}"} == {
+        "router": 0, f"worker:{survivor}": 0, "scheduler": 0}

@@ -32,6 +32,9 @@ from octoserve.services.core.errors import (
 from octoserve.services.engine.base import CapacityError, EngineError, HandoffError
 
 RETRY_AFTER_MS_KEY = "retry-after-ms"
+# Trailer of a decode worker's UNAVAILABLE when a KV transfer into it failed (value: timeout, corrupt or error): the
+# worker lives and stays routable; only the request's hand-off failed.
+KV_TRANSFER_FAILED_KEY = "x-octoserve-kv-transfer-failed"
 
 _CODES: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),

@@ -1,0 +1,250 @@
+"""Stream continuation inside the node (router/failover.py): a request whose instance is lost after it streamed
+tokens goes on, on the same client stream, from its prompt plus the tokens already streamed.
+
+In-process nodes (the real servicers, SimEngines and router over gRPC on 127.0.0.1, in the test's event loop):
+- a colocated worker stopped under streams (its server gone: the router's token session breaks): every stream
+  completes with exactly the uninterrupted greedy tokens, usage reports the original prompt and all completion
+  tokens, and the continuation is counted by cause and outcome and logged with its request;
+- a KV transfer that fails verification on the decode worker is continued there, not failed;
+- `policies.max_continuations: 0` keeps the old rule: UNAVAILABLE with a retry hint, short of max_tokens;
+- a continuation the policy refuses (no other instance serves the model) ends UNAVAILABLE with a retry hint that
+  says why.
+The process-level probes (SIGKILL and SIGSTOP under `octoserve up`) are in tests/test_continuation_live.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import grpc
+import pytest
+
+from octoserve.router.access_log import AccessLog
+from octoserve.router.servicer import RouterSettings
+from octoserve.services.core.placement import node_config_from_dict
+from octoserve.services.core.sim_executor import sim_token_id
+from octoserve.services.faults import FaultPlan
+from octoserve.v1 import generate_pb2 as gen_pb
+from tests.service_fixtures import COLOCATED_MODEL, DISAGG_MODEL, MAX_CONTEXT, start_inprocess_node
+
+ASYNC = pytest.mark.asyncio(loop_scope="function")
+
+INSTANCE = {"tp": 1, "gpu_memory_utilization": 0.3}
+
+
+def greedy(prompt: list[int], n: int) -> list[int]:
+    """What an uninterrupted sim-engine run of `prompt` streams: its first n tokens."""
+    return [sim_token_id(len(prompt), prompt[0], p) for p in range(n)]
+
+
+def _prompt(n: int, salt: int) -> list[int]:
+    return [1000 + (salt * 7919 + i * 31) % 30000 for i in range(n)]
+
+
+def colocated_pair(**policies) -> dict:
+    return {
+        "gpu": "h100-sxm-80gb", "num_gpus": 8,
+        "models": {COLOCATED_MODEL: {"preset": "llama-3-8b", "max_context_len": MAX_CONTEXT}},
+        "instances": [
+            {"id": "c0", "model": COLOCATED_MODEL, "role": "colocated", "gpu_ids": [0], **INSTANCE},
+            {"id": "c1", "model": COLOCATED_MODEL, "role": "colocated", "gpu_ids": [1], **INSTANCE},
+        ],
+        "policies": policies,
+    }
+
+
+class Client:
+    """One Generate call as the client saw it: tokens, the last message's usage and finish, the end status."""
+
+    def __init__(self, stub, prompt: list[int], max_tokens: int, **kw) -> None:
+        self.prompt = prompt
+        self.max_tokens = max_tokens
+        self.request = gen_pb.GenerateRequest(model=kw.pop("model", COLOCATED_MODEL), token_ids=gen_pb.TokenIds(ids=prompt),
+                                              max_tokens=max_tokens, ignore_eos=True, **kw)
+        self.stub = stub
+        self.tokens: list[int] = []
+        self.request_id = ""
+        self.usage = None
+        self.finish = None
+        self.code: grpc.StatusCode | None = None
+        self.details = ""
+        self.retry_after_ms: int | None = None
+        self.first_token = asyncio.Event()
+
+    async def run(self) -> None:
+        try:
+            async for r in self.stub.Generate(self.request, timeout=60):
+                self.request_id = self.request_id or r.request_id
+                self.tokens.extend(r.token_ids)
+                self.first_token.set()
+                if r.finish_reason:
+                    self.finish, self.usage = r.finish_reason, (r.usage.prompt_tokens, r.usage.completion_tokens)
+            self.code = grpc.StatusCode.OK
+        except grpc.aio.AioRpcError as e:
+            self.code, self.details = e.code(), e.details() or ""
+            trailers = dict(e.trailing_metadata() or ())
+            if "retry-after-ms" in trailers:
+                self.retry_after_ms = int(trailers["retry-after-ms"])
+        finally:
+            self.first_token.set()
+
+
+def _sample(node, name: str, labels: dict) -> float:
+    return node.router_servicer.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+def _continued(node, cause: str, outcome: str) -> float:
+    return _sample(node, "octoserve_router_continuations_total", {"cause": cause, "outcome": outcome})
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fields: dict[str, dict] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        fields = getattr(record, "fields", None)
+        if fields is not None:
+            self.fields[fields["request_id"]] = json.loads(json.dumps(fields))
+
+
+@pytest.fixture
+def access_lines():
+    handler = _Lines()
+    logger = logging.getLogger("octoserve.router.access")
+    old_level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    yield handler.fields
+    logger.removeHandler(handler)
+    logger.setLevel(old_level)
+
+
+async def _streaming(clients: list[Client], min_tokens: int) -> list[asyncio.Task]:
+    tasks = [asyncio.create_task(c.run()) for c in clients]
+
+    async def all_have_tokens() -> None:
+        while not all(len(c.tokens) >= min_tokens or c.code is not None for c in clients):
+            await asyncio.sleep(0.01)
+    await asyncio.wait_for(all_have_tokens(), 30)
+    assert all(c.code is None for c in clients), [(c.code, c.details) for c in clients]
+    return tasks
+
+
+@ASYNC
+async def test_a_lost_colocated_worker_s_streams_continue_with_the_uninterrupted_tokens(access_lines):
+    node = await start_inprocess_node(node_config_from_dict(colocated_pair()), time_scale=0.5,
+                                      settings=RouterSettings(time_scale=0.5, access_log=AccessLog("all")))
+    try:
+        stub = node.generation()
+        clients = [Client(stub, _prompt(48, i), 160) for i in range(8)]
+        tasks = await _streaming(clients, 5)
+        placed = {rid: st.instance_ids for rid, st in node.router_servicer.requests.items()}
+        on_c0 = [c for c in clients if placed[c.request_id] == ("c0",)]
+        assert on_c0 and len(on_c0) < len(clients), placed
+        await node.workers["c0"].server.stop(None)  # the process is gone: its token session breaks
+        await asyncio.wait_for(asyncio.gather(*tasks), 60)
+
+        for c in clients:
+            assert (c.code, c.details) == (grpc.StatusCode.OK, "")
+            assert c.tokens == greedy(c.prompt, 160)
+            assert (c.finish, c.usage) == (gen_pb.LENGTH, (48, 160))
+        for c in clients:
+            line = access_lines[c.request_id]
+            assert (line["outcome"], line["tokens_out"]) == ("ok", 160)
+            if c in on_c0:
+                assert (line["instances"], line["continued"], line["continued_causes"]) == (["c0", "c1"], 1, ["crash"])
+            else:
+                assert line["instances"] == ["c1"] and "continued" not in line
+        assert _continued(node, "crash", "continued") == len(on_c0)
+        assert _continued(node, "crash", "bound") == _continued(node, "crash", "refused") == 0
+    finally:
+        await node.stop()
+
+
+def _disagg_pair() -> dict:
+    return {
+        "gpu": "h100-sxm-80gb", "num_gpus": 8,
+        "models": {DISAGG_MODEL: {"preset": "llama-3-8b", "max_context_len": MAX_CONTEXT}},
+        "instances": [
+            {"id": "p0", "model": DISAGG_MODEL, "role": "prefill", "gpu_ids": [0], "max_num_batched_tokens": 2048,
+             **INSTANCE},
+            {"id": "d0", "model": DISAGG_MODEL, "role": "decode", "gpu_ids": [1], **INSTANCE},
+        ],
+    }
+
+
+@ASYNC
+async def test_a_corrupt_kv_transfer_is_continued_not_failed(access_lines):
+    node = await start_inprocess_node(node_config_from_dict(_disagg_pair()),
+                                      settings=RouterSettings(access_log=AccessLog("all")))
+    try:
+        node.servicers["d0"].faults = FaultPlan.parse("kv_transfer=corrupt,ok")
+        stub = node.generation()
+        c = Client(stub, _prompt(64, 1), 40, model=DISAGG_MODEL)
+        await asyncio.wait_for(c.run(), 60)
+        assert (c.code, c.details) == (grpc.StatusCode.OK, "")
+        assert c.tokens == greedy(c.prompt, 40)
+        assert (c.finish, c.usage) == (gen_pb.LENGTH, (64, 40))
+        line = access_lines[c.request_id]
+        # The first token came from p0; d0 failed the transfer; the continuation (prompt + that token) ran on p0
+        # and d0 again: the decode worker lives, only that hand-off failed.
+        assert (line["instances"], line["continued"], line["continued_causes"]) == \
+            (["p0", "d0", "p0", "d0"], 1, ["kv_transfer"])
+        assert _continued(node, "kv_transfer", "continued") == 1
+        await node.wait_all_free()
+    finally:
+        await node.stop()
+
+
+@ASYNC
+async def test_with_max_continuations_0_a_lost_stream_ends_unavailable_with_a_retry_hint(access_lines):
+    node = await start_inprocess_node(node_config_from_dict(colocated_pair(max_continuations=0)),
+                                      settings=RouterSettings(access_log=AccessLog("all")))
+    try:
+        stub = node.generation()
+        clients = [Client(stub, _prompt(48, i), 400) for i in range(4)]
+        tasks = await _streaming(clients, 3)
+        placed = {rid: st.instance_ids for rid, st in node.router_servicer.requests.items()}
+        on_c0 = [c for c in clients if placed[c.request_id] == ("c0",)]
+        assert on_c0, placed
+        await node.workers["c0"].server.stop(None)
+        await asyncio.wait_for(asyncio.gather(*tasks), 60)
+        for c in clients:
+            if c in on_c0:
+                assert c.code == grpc.StatusCode.UNAVAILABLE and c.retry_after_ms == 50, (c.code, c.details)
+                assert c.details.startswith("token stream from c0 failed: ")
+                assert c.details.endswith("; the request had already streamed tokens and this node does not "
+                                          "continue streams (policies.max_continuations is 0): retry it"), c.details
+                assert 0 < len(c.tokens) < 400 and c.tokens == greedy(c.prompt, len(c.tokens))
+                assert "continued" not in access_lines[c.request_id]
+            else:
+                assert (c.code, c.tokens) == (grpc.StatusCode.OK, greedy(c.prompt, 400))
+        assert _continued(node, "crash", "bound") == len(on_c0)
+        assert _continued(node, "crash", "continued") == 0
+    finally:
+        await node.stop()
+
+
+@ASYNC
+async def test_a_continuation_the_policy_refuses_ends_unavailable_with_the_refusal_and_a_hint():
+    config = colocated_pair()
+    config["instances"] = config["instances"][:1]  # c0 alone: nowhere to continue
+    node = await start_inprocess_node(node_config_from_dict(config))
+    try:
+        stub = node.generation()
+        c = Client(stub, _prompt(48, 3), 400)
+        (task,) = await _streaming([c], 3)
+        await node.workers["c0"].server.stop(None)
+        await asyncio.wait_for(task, 60)
+        assert c.code == grpc.StatusCode.UNAVAILABLE and c.retry_after_ms == 50, (c.code, c.details)
+        assert c.details.startswith("token stream from c0 failed: ")
+        assert "; the request had already streamed tokens, and continuing it on another instance was refused " \
+               "(llama-3-8b is overloaded for STANDARD requests (no healthy instance serves it right now)" in c.details
+        assert c.details.endswith(": retry it"), c.details
+        assert 0 < len(c.tokens) < 400 and c.tokens == greedy(c.prompt, len(c.tokens))
+        assert _continued(node, "crash", "refused") == 1
+    finally:
+        await node.stop()
