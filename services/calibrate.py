@@ -336,3 +336,97 @@ def _cpu_e2e(model: ModelSpec, gpu: GpuSpec, profile: dict) -> dict:
 def constants_from_profile_file(path: str | Path) -> CostConstants:
     """The CostConstants a profile file gives (defaults for what it omits)."""
     return replace(DEFAULT_CONSTANTS, **read_profile(path))
+
+
+# --- whole engine steps (scripts/gpu_check.py) -----------------------------------------------------------------------
+
+# The constants a fit of whole engine steps sets. layer_overhead_s is left at its default: per step it is a constant
+# (layers x value), indistinguishable from step_overhead_s in step times alone.
+STEP_FIT_KEYS = ("linear_eff", "hbm_eff", "attn_eff", "step_overhead_s")
+_STEP_FIT_BOUNDS = {"linear_eff": (0.01, 1.0), "hbm_eff": (0.01, 1.0), "attn_eff": (0.01, 1.0),
+                    "step_overhead_s": (1e-6, 0.5)}
+
+
+@dataclass(frozen=True, slots=True)
+class StepSample:
+    """One measured engine step: `chunks` holds (num_new_tokens, num_context_tokens) for every sequence in it, the
+    shape `CostModel.step_time_s` prices."""
+
+    name: str
+    chunks: tuple[tuple[int, int], ...]
+    measured_s: float
+
+
+def step_fit_error(samples: Sequence[StepSample], model: ModelSpec, gpu: GpuSpec, tp: int,
+                   constants: CostConstants) -> float:
+    """Root mean square of log(predicted / measured) over the samples: a ratio error, so a 50 us decode step and a
+    200 ms prefill weigh the same."""
+    import math
+
+    from octoserve.services.core.cost_model import CostModel
+
+    cm = CostModel(model, gpu, tp, constants)
+    logs = [math.log(cm.step_time_s(s.chunks) / s.measured_s) for s in samples]
+    return math.sqrt(sum(x * x for x in logs) / len(logs))
+
+
+def fit_step_profile(samples: Sequence[StepSample], model: ModelSpec, gpu: GpuSpec, tp: int,
+                     base: CostConstants = DEFAULT_CONSTANTS) -> dict:
+    """The `STEP_FIT_KEYS` constants that minimise `step_fit_error`: Nelder-Mead over their logarithms, started
+    from `base`, each value clipped to its bounds (fractions in (0, 1], the overhead in [1 us, 0.5 s]), restarted
+    from its own result until a restart no longer improves. Deterministic: no random starts."""
+    import math
+
+    if not samples:
+        raise ValueError("fit_step_profile needs at least one measured step")
+    bounds = [(math.log(lo), math.log(hi)) for lo, hi in (_STEP_FIT_BOUNDS[k] for k in STEP_FIT_KEYS)]
+
+    def values(x: Sequence[float]) -> dict:
+        return {k: math.exp(min(hi, max(lo, v))) for k, v, (lo, hi) in zip(STEP_FIT_KEYS, x, bounds)}
+
+    def error(x: Sequence[float]) -> float:
+        return step_fit_error(samples, model, gpu, tp, replace(base, **values(x)))
+
+    x = [math.log(getattr(base, k)) for k in STEP_FIT_KEYS]
+    best = error(x)
+    for _ in range(8):
+        x, e = _nelder_mead(error, x, step=0.5)
+        if e > best - 1e-9:
+            break
+        best = e
+    return {k: round(v, 4) if k.endswith("_eff") else round(v, 7) for k, v in values(x).items()}
+
+
+def _nelder_mead(f: Callable[[Sequence[float]], float], x0: Sequence[float], step: float,
+                 iterations: int = 400) -> tuple[list[float], float]:
+    """The textbook simplex search (reflect 1, expand 2, contract 0.5, shrink 0.5) from `x0`: (best x, f(x))."""
+    n = len(x0)
+    simplex = [list(x0)] + [[v + (step if i == j else 0.0) for j, v in enumerate(x0)] for i in range(n)]
+    scored = sorted(((f(p), p) for p in simplex), key=lambda t: t[0])
+    for _ in range(iterations):
+        (f_best, best), (f_worst, worst) = scored[0], scored[-1]
+        centroid = [sum(p[j] for _, p in scored[:-1]) / n for j in range(n)]
+
+        def toward(t: float) -> list[float]:
+            return [c + t * (w - c) for c, w in zip(centroid, worst)]
+
+        reflected = toward(-1.0)
+        f_r = f(reflected)
+        if f_r < f_best:
+            expanded = toward(-2.0)
+            f_e = f(expanded)
+            scored[-1] = (f_e, expanded) if f_e < f_r else (f_r, reflected)
+        elif f_r < scored[-2][0]:
+            scored[-1] = (f_r, reflected)
+        else:
+            contracted = toward(0.5)
+            f_c = f(contracted)
+            if f_c < f_worst:
+                scored[-1] = (f_c, contracted)
+            else:
+                scored = [scored[0]] + [(f(q), q) for q in
+                                        ([b + 0.5 * (v - b) for b, v in zip(best, p)] for _, p in scored[1:])]
+        scored.sort(key=lambda t: t[0])
+        if scored[-1][0] - scored[0][0] < 1e-12:
+            break
+    return scored[0][1], scored[0][0]

@@ -97,3 +97,32 @@ def test_cpu_command_writes_a_profile(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "predicted us" in text and "attn decode b=16 ctx=256" in text
     assert set(cal.read_profile(out)) == {"linear_eff", "hbm_eff", "attn_eff"}
+
+
+def _engine_steps(constants, model, gpu) -> list:
+    """Synthetic whole-step measurements at the simulator's shapes, priced by `constants`."""
+    cm = CostModel(model, gpu, 1, constants)
+    shapes = [(f"decode b={b}", tuple((1, 512) for _ in range(b))) for b in (1, 4, 16, 64, 256)]
+    shapes += [(f"prefill {n}", ((n, 0),)) for n in (128, 512, 1024, 2048, 4096)]
+    return [cal.StepSample(name, chunks, cm.step_time_s(chunks)) for name, chunks in shapes]
+
+
+def test_step_fit_recovers_the_constants_that_made_the_steps():
+    from dataclasses import replace
+
+    truth = replace(DEFAULT_CONSTANTS, linear_eff=0.45, hbm_eff=0.7, attn_eff=0.3, step_overhead_s=2.5e-3)
+    model, gpu = MODEL_PRESETS["llama-3-8b"], GPU_PRESETS["h200-141gb"]
+    samples = _engine_steps(truth, model, gpu)
+    fitted = cal.fit_step_profile(samples, model, gpu, 1)
+    assert set(fitted) == set(cal.STEP_FIT_KEYS)
+    assert cal.step_fit_error(samples, model, gpu, 1, replace(DEFAULT_CONSTANTS, **fitted)) < 0.01
+    assert fitted["linear_eff"] == pytest.approx(0.45, rel=0.03)
+    assert fitted["hbm_eff"] == pytest.approx(0.7, rel=0.03)
+    assert fitted["step_overhead_s"] == pytest.approx(2.5e-3, rel=0.05)
+    # The fitted profile is what CostModel.from_profile reads.
+    CostModel.from_profile(model, gpu, 1, fitted)
+
+
+def test_step_fit_needs_a_sample():
+    with pytest.raises(ValueError, match="at least one"):
+        cal.fit_step_profile([], MODEL_PRESETS["llama-3-8b"], GPU_PRESETS["h200-141gb"], 1)
