@@ -94,24 +94,25 @@ def build_tokenizer(vocab: int, seed: int = 0):
     return tok
 
 
-def _llama_config(hidden: int, layers: int, heads: int, kv_heads: int, vocab: int, max_position: int, ids: dict):
+def _llama_config(hidden: int, layers: int, heads: int, kv_heads: int, vocab: int, max_position: int, ids: dict,
+                  *, intermediate: int | None = None, rope_theta: float = 10000.0, dtype: str = "float32"):
     from transformers import LlamaConfig
 
     return LlamaConfig(
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=hidden * 2,
+        intermediate_size=intermediate or hidden * 2,
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         max_position_embeddings=max_position,
         rms_norm_eps=1e-5,
-        rope_theta=10000.0,
+        rope_theta=rope_theta,
         tie_word_embeddings=False,
         bos_token_id=ids["bos"],
         eos_token_id=ids["eos"],
         pad_token_id=ids["pad"],
-        torch_dtype="float32",
+        torch_dtype=dtype,
         initializer_range=0.02,
     )
 
@@ -178,6 +179,40 @@ def build_test_model(
     model = LlamaForCausalLM(config).to(torch.float32)
     _randomize(model, seed, ids["eos"])
     model.save_pretrained(out, safe_serialization=True)
+    GenerationConfig(bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"]).save_pretrained(out)
+    _write_tokenizer_files(out, tok, max_position)
+    return out
+
+
+def build_shape_only_model(
+    out_dir: str | os.PathLike,
+    *,
+    hidden: int,
+    intermediate: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    vocab: int,
+    max_position: int,
+    rope_theta: float = 500000.0,
+    dtype: str = "bfloat16",
+    seed: int = 0,
+) -> Path:
+    """A model folder with config.json, generation_config.json and a locally trained tokenizer of exactly `vocab`
+    ids, but no weight files: for vLLM's `load_format="dummy"` (random weights of the config's shape, drawn by the
+    engine), so a real shape such as Llama-3-8B's is timed without writing 16 GB of weights."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    from transformers import GenerationConfig
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer(vocab, seed)
+    ids = {"bos": tok.token_to_id(BOS_TOKEN), "eos": tok.token_to_id(EOS_TOKEN), "pad": tok.token_to_id(PAD_TOKEN)}
+    config = _llama_config(hidden, layers, heads, kv_heads, vocab, max_position, ids, intermediate=intermediate,
+                           rope_theta=rope_theta, dtype=dtype)
+    config.architectures = ["LlamaForCausalLM"]
+    config.save_pretrained(out)
     GenerationConfig(bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"]).save_pretrained(out)
     _write_tokenizer_files(out, tok, max_position)
     return out

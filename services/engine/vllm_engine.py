@@ -202,6 +202,8 @@ class VllmEngine:
         kv_cache_space_gib: float,
         kv_transfer: KvTransfer | None = None,
         dtype: str = "auto",
+        load_format: str = "auto",
+        gpu_memory_utilization: float | None = None,
         default_ttft_slo_ms: float = 1000.0,
         warmup: bool = True,
         seed: int = 0,
@@ -227,6 +229,10 @@ class VllmEngine:
             tensor_parallel_size=tp, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
             kv_cache_memory_bytes=int(kv_cache_space_gib * (1 << 30)), dtype=dtype, seed=seed,
+            # "dummy": random weights of the checkpoint's shape, no weight files (timing runs at a real shape).
+            load_format=load_format,
+            # Only when set: two engines sharing one GPU must each claim less than vLLM's default 0.9.
+            **({"gpu_memory_utilization": gpu_memory_utilization} if gpu_memory_utilization is not None else {}),
         )
         # A flippable instance's connector is "kv_both", so its role can change without a restart
         # (services/engine/vllm_reconfig.py); its kv_transfer stays whatever the current role.
@@ -558,7 +564,9 @@ def make_vllm_engine(
     Read from the instance: id (or instance_id), model, role, tp, max_num_seqs, max_num_batched_tokens,
     enable_prefix_caching. `max_model_len` is the node's context length for the model (when `node_cfg` is given)
     capped at the checkpoint's `max_position_embeddings`. KV space: `kv_cache_space_gib` (default: the
-    VLLM_CPU_KVCACHE_SPACE variable, else 1 GiB); dtype: the OCTOSERVE_VLLM_DTYPE variable, else "auto".
+    VLLM_CPU_KVCACHE_SPACE variable, else 1 GiB); dtype: the OCTOSERVE_VLLM_DTYPE variable, else "auto"; load
+    format: OCTOSERVE_VLLM_LOAD_FORMAT, else "auto" ("dummy": random weights, only config.json and a tokenizer in the
+    folder); GPU memory share: OCTOSERVE_VLLM_GPU_MEMORY_UTILIZATION, else vLLM's default.
     Disaggregated and flippable (`flippable=True`) instances without `kv_transfer` use the example connector under
     $OCTOSERVE_KV_DIR/<model> (default <tmp>/octoserve-kv/<model>), which every instance of the model on the
     machine shares.
@@ -582,7 +590,10 @@ def make_vllm_engine(
         kv_cache_space_gib=float(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or 1.0),
         # "auto" runs a float32 checkpoint as bfloat16 on CPU; float32 makes greedy outputs batch-independent.
         dtype=os.environ.get("OCTOSERVE_VLLM_DTYPE") or "auto",
+        load_format=os.environ.get("OCTOSERVE_VLLM_LOAD_FORMAT") or "auto",
     )
+    if os.environ.get("OCTOSERVE_VLLM_GPU_MEMORY_UTILIZATION"):
+        kwargs["gpu_memory_utilization"] = float(os.environ["OCTOSERVE_VLLM_GPU_MEMORY_UTILIZATION"])
     if node_cfg is not None and hasattr(node_cfg, "slo"):
         tier_slo = dict(getattr(node_cfg.slo, "tier_ttft_ms", {}) or {})
         if tier_slo:
