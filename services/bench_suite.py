@@ -702,6 +702,9 @@ def run(args: argparse.Namespace) -> int:
         log(QUICK_BANNER)
     results = run_suite(settings, log, Progress)
     write_report(results, settings, Path(args.output), Path(args.plots))
+    from octoserve.services.gang_bench import run_section
+
+    run_section(Path(args.output), settings.cost_profiles, settings.workers, settings.quick, log)  # its own section
     if args.pickle:
         import pickle
 

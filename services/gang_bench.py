@@ -429,6 +429,13 @@ def write_section(path, rows: Sequence[RunRow], settings: Settings, intro: str) 
     path.write_text(replace_section(text, SECTION, intro + "\n\n" + render(rows, settings)), encoding="utf-8")
 
 
+def run_section(path, cost_profiles: Sequence[str], workers: int, quick: bool, log=None) -> None:
+    """`bench-suite`'s one call: the comparison under its default settings, written into its section of `path`."""
+    given = dict(cost_profiles=tuple(cost_profiles), workers=workers)
+    settings = quick_settings(**given) if quick else Settings(**given)
+    write_section(path, run_all(settings, log), settings, INTRO)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = Settings()
     parser.add_argument("--cases", default=",".join(d.cases), help="comma-separated: " + ", ".join(CASES))
@@ -467,7 +474,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-INTRO = ""  # set below: the section's fixed text (node, SLOs, definitions, commands)
+INTRO = """Seed 003's node, `services/configs/node-seed003.yaml`: `dense-180b` (a ~180B dense Llama-style shape, 44.9 GB
+of BF16 weights a GPU at TP=8 and 89.8 GB at TP=4, so it needs all eight GPUs) time-shared with eight 8B replicas
+resident beside it, both KV pools resident (per GPU 0.6 + 0.3 of 85.9 GB: 6,541 LM and 3,980 SM KV blocks). The
+workload is seed 003's mix (`services/configs/workload-seed003.yaml`: 90 % 8B, 10 % LM, prompts up to 32k tokens,
+~80 % sharing one of 16 system prompts) at 625 req/s, one peak's worth of the seed's "~1,500 SM or ~100 LM
+req/s", with the seed's SLOs: INTERACTIVE (70 %) TTFT 200 ms, BATCH (30 %) 10 s; ITL 65 ms for the 8B (one SM
+step plus one LM step at the seed's longest, 15 + 50 ms) and 100 ms for the LM (its step plus as much for the
+SMs). The second case is the 70B gang (`node-gang.yaml`, the 70B at TP=8 with eight 8B) on the same workload and
+SLOs, where the static split (`node-default.yaml`: 70B TP=4 beside four 8B) is a legitimate baseline.
+
+Policies, all on the same node, workload and seed: **gang** (the config as shipped: shape `deadline` on seed 003's
+node, `interleave` on the 70B case), the other gang shapes beside it, and the seed's baselines as shapes of the same
+arbiter, run with the starvation bounds out of reach (starving one side is what defines them): **lm-first** (the
+whole node reserved for the LM while it has work), **sm-greedy** (the LM steps only when no SM has work),
+**slices** (fixed 1 s slices, as a pod-level gang scheduler; work-conserving). Definitions: every run is measured
+in steady state (arrivals after the warm-up to the end of the window: grid runs 60 s after 10 s, peak runs 20 s
+after 5 s; 30 s drain). *Servable*: a request whose uncached prompt (system prompt counted cached) prefills within
+its TTFT SLO on an idle instance of its model at the case's largest TP, which no scheduler can beat; *capacity*
+of a model: the highest grid rate (of the whole mix) at which >= 90 % of its servable offered requests are good
+and its TTFT and ITL P95s hold, with every lower grid rate passing too ("< 2.5": not even the lowest); *admitted
+good*: good / admitted; *longest LM wait* and *SM stall*: the longest over every run of the row, waits still
+open at the end included; *steps over cap*: gang steps that ran past the arbiter's cap (the batcher's step model
+under-predicting the cost model), summed over the row's runs.
+
+Reproduce (both cost profiles, ~25 min on two cores): `.venv/bin/python -m octoserve.services.gang_bench --write
+BENCHMARKS.md` (`--cases seed003`, `--cost-profiles default`, `--grid 2.5,5,10` narrow it; `--quick` for a smoke
+run); `make bench` runs it too, after the policy suite. One run by hand: `.venv/bin/octoserve simulate --config
+services/configs/node-seed003.yaml --workload services/configs/workload-seed003.yaml --duration 20s --warmup 5s
+--cost-profile pessimistic` (the gang; `--set` cannot change the shape, `gang_bench` does)."""
 
 
 if __name__ == "__main__":

@@ -188,3 +188,38 @@ def test_a_gang_members_duty_is_its_step_share_of_its_own_itl():
     # The shared-step caps split 0.85 x the tightest ITL (65 ms): one LM step and one SM step fit an 8B token gap.
     assert node.gang.policy.lm_shared_step_ms == pytest.approx(0.6 * 0.85 * 65)
     assert node.gang.policy.sm_shared_step_ms == pytest.approx(0.4 * 0.85 * 65)
+
+
+# ---- the comparison's figures ------------------------------------------------------------------------------------
+
+
+def _row(rate, lm_pass, sm_pass, policy="gang"):
+    from octoserve.services.gang_bench import ModelRow, RunRow, TierRow
+
+    def m(name, ok):
+        return ModelRow(name, 100, 90, 1.0, 0.97, 0.9, 0.95 if ok else 0.5, 150.0, 40.0, ok)
+
+    return RunRow("seed003", policy, "default", rate, 0, 2.0, (m("dense-180b", lm_pass), m("llama-3-8b", sm_pass)),
+                  (TierRow("INTERACTIVE", 1.6, 0.97), TierRow("BATCH", 0.4, 1.0)), 60.0, 150.0, 0.4, 0)
+
+
+def test_capacity_is_the_highest_grid_rate_with_every_lower_rate_passing():
+    from octoserve.services.gang_bench import capacity_rps
+
+    rows = [_row(2.5, True, True), _row(5, True, True), _row(10, False, True), _row(20, True, True),
+            _row(40, False, False)]
+    assert capacity_rps(rows, "dense-180b") == 5  # 20 passes again, but 10 did not
+    assert capacity_rps(rows, "llama-3-8b") == 20
+    assert capacity_rps(rows, None) == 5
+    assert capacity_rps([_row(2.5, False, True)], None) == 0
+
+
+def test_the_table_states_each_policys_capacity_goodput_and_starvation():
+    from octoserve.services.gang_bench import Settings, render
+
+    settings = Settings(grid_rps=(2.5, 5.0), cases=("seed003",), cost_profiles=("default",))
+    rows = [_row(r, True, r < 5, p) for p in ("gang", "gang-slack", "lm-first", "sm-greedy", "slices")
+            for r in (2.5, 5.0, 625.0)]
+    text = render(rows, settings)
+    assert "| gang | 2.5 | 5 | 2.5 | 1.0 | 1.0 | 97.0 | 97.0 | 95.0 | 50.0 | 80.0 | 97.0 | 100.0 | 60 ms | 150 ms | 40.0 | 0 |" in text
+    assert "| lm-first | 2.5 | 5 | 2.5 |" in text and "| 60 ms | 150 ms | 40.0 | - |" in text
