@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from octoserve.services.core.continuation import continuation_spec
 from octoserve.services.core.errors import InvalidArgument
 from octoserve.services.core.types import (
     BlockRemoved,
@@ -105,9 +106,10 @@ def spec_from_public(
 
 def resumed_spec(spec: RequestSpec, req: gen_pb.GenerateRequest, model) -> RequestSpec:
     """The request a client resumes (`GenerateRequest.resume_from`: the tokens its earlier stream received), as a
-    continuation of `spec` (the request as validated without them): prompt + those tokens, max_tokens less their
-    number (and the sim engine's output length, so its EOS stays where it was), everything else unchanged: the rule
-    of the router's own continuation on another worker. `spec` unchanged when resume_from is unset or empty.
+    continuation of `spec` (the request as validated without them), by the rule of the router's own continuation
+    on another worker (`core/continuation.py`): prompt + those tokens, max_tokens less their number (and the sim
+    engine's output length, so its EOS stays where it was), everything else unchanged. `spec` unchanged when
+    resume_from is unset or empty.
 
     Refused (InvalidArgument, field resume_from): as many tokens as max_tokens or more (nothing would be left to
     generate), or an id outside the model's vocabulary. The context window needs no check of its own: the
@@ -132,17 +134,7 @@ def resumed_spec(spec: RequestSpec, req: gen_pb.GenerateRequest, model) -> Reque
                     f"resume_from token id {token_id} at position {position} is outside the vocabulary of "
                     f"{model.name} (ids 0..{vocab - 1}); send the token ids the stream returned",
                 )
-    s, true_len = spec.sampling, spec.sim_output_len
-    return RequestSpec(
-        request_id=spec.request_id,
-        model=spec.model,
-        prompt_token_ids=tuple(spec.prompt_token_ids) + ids,
-        sampling=SamplingParams(max_tokens - len(ids), s.temperature, s.top_p, s.seed, s.stop, s.ignore_eos),
-        arrival_s=spec.arrival_s,
-        priority=spec.priority,
-        ttft_slo_ms=spec.ttft_slo_ms,
-        sim_output_len=None if true_len is None else max(1, true_len - len(ids)),
-    )
+    return continuation_spec(spec, ids, spec.arrival_s)
 
 
 def spec_to_pb(spec: RequestSpec) -> w_pb.RequestSpec:
