@@ -13,6 +13,9 @@ instance included; its prefill side is released) and is counted in
 `octoserve_worker_kv_transfer_failures_total{reason=timeout|corrupt|error}`. Injected transfer faults
 (services/faults.py) are applied here.
 
+Drain (SIGTERM): work in flight finishes within the grace; whatever still streams `DRAIN_END_MARGIN_S` before
+the grace ends has its router session ended cleanly (the router continues those requests elsewhere, cause `drain`).
+
 Live migration (services/rpc/migration.py) uses the same two RPCs: `Reserve` with the output tokens a running
 request already produced elsewhere, then `Decode` with a hand-off carrying them (colocated instances take these
 too); the request decodes on from its last token. On the source, a handed-over request's stream ends with the
@@ -44,6 +47,10 @@ log = logging.getLogger("octoserve.decode_worker")
 DEFAULT_RESERVE_TTL_MS = 10_000  # a reservation nobody decodes into is returned after this long
 MAX_RESERVE_TTL_MS = 60_000  # longer would let one caller hold KV for days
 DEFAULT_TRANSFER_TIMEOUT_S = 5.0
+# A drain whose grace runs out with requests still streaming ends the router sessions this long before the grace
+# does (at most a quarter of it), cleanly: the router reads the end as a drain (and continues those requests
+# elsewhere), where a stream cut by the server's stop would read as a crash.
+DRAIN_END_MARGIN_S = 0.5
 
 
 class Session:
@@ -93,6 +100,16 @@ class DecodeWorkerServicer(WorkerBase):
         self.reserve_ttl_ms = reserve_ttl_ms
         self.transfer_timeout_s = transfer_timeout_s
         self.migrating: dict[str, migration.Handover] = {}  # handed to another instance, KV held until Release
+
+    async def drain(self, grace_s: float) -> None:
+        margin_s = min(DRAIN_END_MARGIN_S, grace_s / 4)
+        try:
+            await asyncio.wait_for(super().drain(grace_s), timeout=grace_s - margin_s)
+        except TimeoutError:
+            log.warning("drain grace nearly over with requests streaming: ending the router sessions",
+                        extra={"fields": {"in_flight": self.in_flight, "sessions": len(self.sessions)}})
+            for session in list(self.sessions.values()):
+                session.close()
 
     # ---- sessions ---------------------------------------------------------------------------------------------
 

@@ -25,7 +25,8 @@ Counted in `octoserve_router_failovers_total{outcome=rerouted|lost|refused}` (re
 stream that ended UNAVAILABLE after tokens) and `octoserve_router_continuations_total{cause, outcome}` with cause
 crash (the token session broke, an RPC failed UNAVAILABLE), hang (router/watchdog.py), kv_transfer (the decode
 worker could not take the hand-off's KV) or drain (the worker closed its stream itself, or a live migration's
-hand-off failed), and outcome continued, refused (by the policy) or bound (past max_continuations).
+hand-off failed; decode_worker ends its sessions that way when a drain's grace runs out), and outcome continued,
+refused (by the policy) or bound (past max_continuations).
 """
 
 from __future__ import annotations

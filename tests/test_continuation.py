@@ -6,6 +6,8 @@ In-process nodes (the real servicers, SimEngines and router over gRPC on 127.0.0
   completes with exactly the uninterrupted greedy tokens, usage reports the original prompt and all completion
   tokens, and the continuation is counted by cause and outcome and logged with its request;
 - a KV transfer that fails verification on the decode worker is continued there, not failed;
+- a worker drained (SIGTERM) past its grace with streams running ends their sessions cleanly: they are continued
+  for the cause `drain`;
 - `policies.max_continuations: 0` keeps the old rule: UNAVAILABLE with a retry hint, short of max_tokens;
 - a continuation the policy refuses (no other instance serves the model) ends UNAVAILABLE with a retry hint that
   says why.
@@ -246,5 +248,29 @@ async def test_a_continuation_the_policy_refuses_ends_unavailable_with_the_refus
         assert c.details.endswith(": retry it"), c.details
         assert 0 < len(c.tokens) < 400 and c.tokens == greedy(c.prompt, len(c.tokens))
         assert _continued(node, "crash", "refused") == 1
+    finally:
+        await node.stop()
+
+
+@ASYNC
+async def test_streams_a_drain_cannot_finish_are_continued_for_the_cause_drain(access_lines):
+    node = await start_inprocess_node(node_config_from_dict(colocated_pair()), grace_s=1.0,
+                                      settings=RouterSettings(access_log=AccessLog("all")))
+    try:
+        stub = node.generation()
+        clients = [Client(stub, _prompt(48, i), 400) for i in range(6)]
+        tasks = await _streaming(clients, 3)
+        placed = {rid: st.instance_ids for rid, st in node.router_servicer.requests.items()}
+        on_c0 = [c for c in clients if placed[c.request_id] == ("c0",)]
+        assert on_c0, placed
+        await node.workers["c0"].shutdown()  # SIGTERM's sequence: 1 s of grace, far less than 400 tokens take
+        await asyncio.wait_for(asyncio.gather(*tasks), 60)
+        for c in clients:
+            assert (c.code, c.tokens, c.usage) == (grpc.StatusCode.OK, greedy(c.prompt, 400), (48, 400)), c.details
+            line = access_lines[c.request_id]
+            if c in on_c0:
+                assert (line["instances"], line["continued_causes"]) == (["c0", "c1"], ["drain"])
+        assert _continued(node, "drain", "continued") == len(on_c0)
+        assert _continued(node, "crash", "continued") == 0
     finally:
         await node.stop()
