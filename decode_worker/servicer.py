@@ -37,6 +37,7 @@ from octoserve.services.engine.base import EngineError, HandoffError
 from octoserve.services.faults import FaultPlan
 from octoserve.services.rpc import convert
 from octoserve.services.rpc import migration
+from octoserve.services.rpc import seam_stop
 from octoserve.services.rpc import status as rpc_status
 from octoserve.v1 import generate_pb2 as gen_pb
 from octoserve.services.rpc.gen import worker_pb2 as w_pb
@@ -155,7 +156,10 @@ class DecodeWorkerServicer(WorkerBase):
         await self._refuse_if_draining(context)
         session = await self._session(request.session_id, context)
         spec = await self._checked_spec(request.spec, context)
-        self._start_stream(session, spec.request_id, self.engine.generate(spec))
+        outputs = self.engine.generate(spec)
+        k = seam_stop.seam_tokens(context.invocation_metadata())
+        check = seam_stop.checker(self.engine, spec.sampling.stop, spec.prompt_token_ids[len(spec.prompt_token_ids) - k:])
+        self._start_stream(session, spec.request_id, outputs if check is None else seam_stop.stop_at_seam(outputs, check))
         return w_pb.SubmitReply()
 
     def _start_stream(self, session: Session, request_id: str, outputs: AsyncIterator[RequestOutput],
@@ -248,7 +252,13 @@ class DecodeWorkerServicer(WorkerBase):
                                 "Reserve first and Decode within its ttl_ms")
         timer.cancel()
         handoff = convert.handoff_from_pb(request.handoff)
-        outputs = aiter(self.engine.decode(spec, handoff))
+        outputs = self.engine.decode(spec, handoff)
+        if not migrated:  # the prefill's first token, and any output at the end of the prompt, precede this stream
+            k = seam_stop.seam_tokens(context.invocation_metadata())
+            before = (*spec.prompt_token_ids[len(spec.prompt_token_ids) - k:], handoff.first_token_id)
+            check = seam_stop.checker(self.engine, spec.sampling.stop, before)
+            outputs = outputs if check is None else seam_stop.stop_at_seam(outputs, check)
+        outputs = aiter(outputs)
         t0 = time.monotonic()
         try:
             first = await asyncio.wait_for(self._transfer_and_commit(handoff, outputs), self.transfer_timeout_s)

@@ -8,12 +8,14 @@ died mid-request cannot leak KV. Held hand-offs count as in-flight work for the 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 
 from octoserve.services.core.types import Role
 from octoserve.services.engine.base import EngineError
 from octoserve.services.rpc import convert
+from octoserve.services.rpc import seam_stop
 from octoserve.services.rpc import status as rpc_status
 from octoserve.services.rpc.gen import worker_pb2 as w_pb
 from octoserve.services.rpc.worker_base import WorkerBase
@@ -50,6 +52,10 @@ class PrefillWorkerServicer(WorkerBase):
             await self.engine.abort(spec.request_id)
             raise
         self.metrics.prefill_s.observe(time.monotonic() - t0)
+        k = seam_stop.seam_tokens(context.invocation_metadata())
+        check = seam_stop.checker(self.engine, spec.sampling.stop, spec.prompt_token_ids[len(spec.prompt_token_ids) - k:])
+        if check is not None and not handoff.finish_reason and check.feed((handoff.first_token_id,)) == 0:
+            handoff = dataclasses.replace(handoff, finish_reason="stop")  # a stop string spanning the seam ends here
         loop = asyncio.get_running_loop()
         self.held[spec.request_id] = loop.call_later(self.handoff_ttl_ms / 1000.0, self._expire, spec.request_id)
         return w_pb.PrefillReply(handoff=convert.handoff_to_pb(handoff))

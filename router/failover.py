@@ -16,8 +16,9 @@ failed UNAVAILABLE: gone, or draining, or a KV transfer into it failed).
   client stream after the ones already there, so the client sees one longer gap; usage still reports the original
   prompt and every completion token. Greedy decoding gives exactly the uninterrupted run's tokens (a model's next
   token depends only on the sequence so far); seeded sampling restarts its generator at the seam (vLLM seeds per
-  request), so it continues with valid samples but not the uninterrupted run's. Stop strings are matched by the
-  engine within each placement's own output: one that straddles the seam is not seen.
+  request), so it continues with valid samples but not the uninterrupted run's. An engine matches stop strings in
+  its own output only: the router names the seam (`servicer.seam_metadata`) and the worker ends the stream at a
+  stop string that spans it (services/rpc/seam_stop.py), where the uninterrupted run would have stopped.
 - At most `policies.max_continuations` continuations per request (0: none). Past the bound, or when the policy
   refuses the continuation (an overloaded node), the stream ends UNAVAILABLE with a retry hint.
 - Its entries in the prefix index are dropped (its cache died with it).

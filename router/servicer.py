@@ -45,6 +45,7 @@ from octoserve.services.core.errors import DeadlineExceeded, Draining, InvalidAr
 from octoserve.services.core.placement import NodeConfig
 from octoserve.services.core.validation import validate_request
 from octoserve.services.rpc import convert
+from octoserve.services.rpc import seam_stop
 from octoserve.services.rpc import status as rpc_status
 from octoserve.v1 import generate_pb2 as gen_pb
 from octoserve.v1 import generate_pb2_grpc as gen_grpc
@@ -394,7 +395,8 @@ class GenerationServicer(gen_grpc.GenerationServicer):
 
     async def _colocated(self, st: RequestState, route, timeout_s: float | None) -> None:
         request = w_pb.WorkerGenerateRequest(session_id=self.session_id, spec=convert.spec_to_pb(st.worker_spec))
-        await self.failover.call(route.instance_id, self.pool[route.instance_id].stub.Generate(request, timeout=timeout_s))
+        await self.failover.call(route.instance_id, self.pool[route.instance_id].stub.Generate(
+            request, timeout=timeout_s, metadata=seam_metadata(st)))
 
     async def _disaggregated(self, st: RequestState, route, timeout_s: float | None) -> None:
         spec_pb = convert.spec_to_pb(st.worker_spec)
@@ -407,8 +409,9 @@ class GenerationServicer(gen_grpc.GenerationServicer):
                                f"decode instance {route.decode_instance_id} has no KV left to reserve")
             self.policy.refused_after_routing(st.worker_spec, error, "decode_reserve")
             raise self._wall_clock_error(error)
-        handoff = (await call(prefill.instance_id,
-                              prefill.stub.Prefill(w_pb.PrefillRequest(spec=spec_pb), timeout=timeout_s))).handoff
+        seam = seam_metadata(st)
+        handoff = (await call(prefill.instance_id, prefill.stub.Prefill(w_pb.PrefillRequest(spec=spec_pb),
+                                                                        timeout=timeout_s, metadata=seam))).handoff
         try:
             if handoff.finish_reason:  # the first token ended it: nothing to decode, return the reservation
                 self._spawn(decode.stub.Release(w_pb.ReleaseRequest(request_id=st.spec.request_id), timeout=5.0))
@@ -418,7 +421,7 @@ class GenerationServicer(gen_grpc.GenerationServicer):
             decode_request = w_pb.DecodeRequest(
                 session_id=self.session_id, spec=spec_pb, handoff=handoff, source_address=prefill.address
             )
-            await call(decode.instance_id, decode.stub.Decode(decode_request, timeout=timeout_s))
+            await call(decode.instance_id, decode.stub.Decode(decode_request, timeout=timeout_s, metadata=seam))
         finally:
             if prefill.reachable:
                 self._spawn(prefill.stub.Release(w_pb.ReleaseRequest(request_id=st.spec.request_id), timeout=5.0))
@@ -467,6 +470,13 @@ class GenerationServicer(gen_grpc.GenerationServicer):
     async def close(self) -> None:
         for task in list(self._background):
             task.cancel()
+
+
+def seam_metadata(st: RequestState) -> tuple[tuple[str, str], ...] | None:
+    """The worker RPC's metadata naming the output tokens at the end of its prompt (a continuation's streamed
+    tokens, a client's resumed ones): the worker matches stop strings across that seam (services/rpc/seam_stop.py)."""
+    num = st.output_base + st.resumed
+    return ((seam_stop.SEAM_TOKENS_KEY, str(num)),) if num and st.spec.sampling.stop else None
 
 
 def route_instances(route) -> tuple[str, ...]:

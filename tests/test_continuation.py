@@ -274,3 +274,68 @@ async def test_streams_a_drain_cannot_finish_are_continued_for_the_cause_drain(a
         assert _continued(node, "crash", "continued") == 0
     finally:
         await node.stop()
+
+
+def _toy_detokenize(ids) -> str:
+    return "".join(f"<{i}>" for i in ids)
+
+
+@pytest.mark.parametrize("before, new, expected", [
+    ((1, 2), (3, 4), 0),  # "<1><2>" + "<3>": "2><3" spans the seam, completed by the first new token
+    ((2,), (3, 4), 0),
+    ((7, 2), (5, 3, 4), None),  # "2><5" is no stop string; "<3><4" lies wholly in the new text: the engine's own
+    ((9,), (8, 2, 3), None),  # the seam's text is passed before the match could start: it is the engine's
+])
+def test_seam_stop_finds_only_stop_strings_that_span_the_seam(before, new, expected):
+    from octoserve.services.rpc.seam_stop import SeamStop
+
+    check = SeamStop(_toy_detokenize, before, ("2><3", "3><4"))
+    assert check.feed(new) == expected
+
+
+@ASYNC
+async def test_stop_at_seam_ends_the_stream_at_the_completing_token_and_closes_the_engine_s():
+    from octoserve.services.core.types import FinishReason, RequestOutput
+    from octoserve.services.rpc.seam_stop import SeamStop, stop_at_seam
+
+    closed = []
+
+    async def engine_stream():
+        try:
+            yield RequestOutput("r", (3, 4), None, 10, 0, 2)
+            yield RequestOutput("r", (5,), None, 10, 0, 3)
+        finally:
+            closed.append(True)
+
+    outs = [o async for o in stop_at_seam(engine_stream(), SeamStop(_toy_detokenize, (1, 2), ("2><3",)))]
+    assert [(o.new_token_ids, o.finish_reason, o.num_output_tokens) for o in outs] == [((3,), FinishReason.STOP, 1)]
+    assert closed == [True]
+
+
+@ASYNC
+async def test_a_stop_string_across_the_seam_of_a_continued_stream_ends_it_as_an_uninterrupted_run_would(
+        access_lines):
+    """Disaggregated, so the seams are known: a prefill's first token t0, then the decode worker's stream; with a
+    failed transfer, the continuation's prompt ends with t0 and its prefill samples t1. A stop string spanning t0|t1
+    ends the stream at t1 both ways (the engines match stop strings in their own output only; the workers check
+    the seam, here with a toy tokenizer on the sim engines)."""
+    node = await start_inprocess_node(node_config_from_dict(_disagg_pair()),
+                                      settings=RouterSettings(access_log=AccessLog("all")))
+    try:
+        for iid in ("p0", "d0"):
+            node.servicers[iid].engine.detokenize = _toy_detokenize
+        stub = node.generation()
+        prompts = [_prompt(64, 5), _prompt(64, 6)]
+        t = [greedy(p, 2) for p in prompts]
+        plain = Client(stub, prompts[0], 40, model=DISAGG_MODEL, stop=[f"{t[0][0]}><{t[0][1]}"])
+        await asyncio.wait_for(plain.run(), 60)
+        node.servicers["d0"].faults = FaultPlan.parse("kv_transfer=corrupt,ok")
+        continued = Client(stub, prompts[1], 40, model=DISAGG_MODEL, stop=[f"{t[1][0]}><{t[1][1]}"])
+        await asyncio.wait_for(continued.run(), 60)
+        for c, tokens in ((plain, t[0]), (continued, t[1])):
+            assert (c.code, c.tokens, c.finish, c.usage) == (grpc.StatusCode.OK, tokens, gen_pb.STOP, (64, 2)), c.details
+        assert "continued" not in access_lines[plain.request_id]
+        assert access_lines[continued.request_id]["continued_causes"] == ["kv_transfer"]
+        await node.wait_all_free()
+    finally:
+        await node.stop()

@@ -358,6 +358,12 @@ class VllmEngine:
             if not existed:  # a folder found before the request is another instance's hand-off: left alone
                 vllm_kv.remove_example_kv(folder)
 
+    def detokenize(self, token_ids) -> str:
+        """The text of `token_ids` as vLLM's own output text decodes it (services/rpc/seam_stop.py matches stop
+        strings across a seam in it)."""
+        self._require_started()
+        return self._llm.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
     async def prefill(self, spec: RequestSpec) -> KVHandoff:
         """PREFILL: compute the prompt, sample the first token, leave the KV for the decode side to take."""
         self._require_role(Role.PREFILL)
