@@ -59,7 +59,8 @@ def _watch(sim: NodeSimulator, faults) -> list[dict[str, list[str]]]:
 
 def _roomy(config: dict) -> dict:
     """`config` with 0.5 of each GPU's memory for its instance (not 0.22): room on the survivors to take the lost
-    instance's streams."""
+    instance's requests, so every one is placed again (with 0.22 a survivor may have no KV for one: refused, which
+    `test_a_continuation_with_no_instance_left_is_refused` covers where no instance is up at all)."""
     return {**config, "instances": [{**i, "gpu_memory_utilization": 0.5} for i in config["instances"]]}
 
 
@@ -94,7 +95,7 @@ def test_unknown_instance_is_named():
 def test_colocated_replica_lost_continues_streams_and_moves_unstarted_requests():
     # Short, frequent requests: at the fault c0 has prompts in prefill (moved) and streams (continued on c1).
     fault = InstanceFault("c0", 15.01, 5.0)
-    node = node_config_from_dict(two_replica_config())
+    node = node_config_from_dict(_roomy(two_replica_config()))
     sim = NodeSimulator(node, seed=0, faults=[fault])
     [held] = _watch(sim, [fault])
     result = sim.run(_trace(COLOCATED_MODEL, 100.0, 40.0, 1000, 20), drain_s=120.0)
@@ -128,7 +129,7 @@ def test_colocated_replica_lost_continues_streams_and_moves_unstarted_requests()
 def test_colocated_replica_lost_fails_started_streams_with_continuations_off():
     # policies.max_continuations 0: the streams on c0 fail with it, as before continuations.
     fault = InstanceFault("c0", 15.01, 5.0)
-    node = node_config_from_dict(_with_policies(two_replica_config(), max_continuations=0))
+    node = node_config_from_dict(_with_policies(_roomy(two_replica_config()), max_continuations=0))
     sim = NodeSimulator(node, seed=0, faults=[fault])
     [held] = _watch(sim, [fault])
     result = sim.run(_trace(COLOCATED_MODEL, 100.0, 40.0, 1000, 20), drain_s=120.0)
