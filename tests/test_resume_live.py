@@ -8,6 +8,9 @@ Clients on one node, all mid-stream when the router dies:
 - one SDK stream with `resume=False`;
 - one SSE stream through the OpenAI front running as a process of its own (`up --http-process`), whose gRPC
   stream to the router is cut the same way.
+A worker SIGKILLed mid-stream on a node that may not continue a request itself (`max_continuations: 0`): the router
+ends the lost worker's streams UNAVAILABLE with a retry hint, and the SDK (resumed by default: greedy, a retry
+policy) and the OpenAI front inside the router resume them on the surviving replica, with the same guarantees.
 Nothing here asserts a duration; every wait is bounded.
 """
 
@@ -28,7 +31,7 @@ from octoserve.services.launcher import start_node
 from octoserve.types import FinishReason
 from octoserve.v1 import generate_pb2 as gen_pb
 from octoserve.v1 import generate_pb2_grpc as gen_grpc
-from tests.fault_fixtures import prompt, two_replica_config, until, wait_all_free
+from tests.fault_fixtures import prompt, router_log, two_replica_config, until, wait_all_free
 from tests.service_fixtures import COLOCATED_MODEL
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="function")]
@@ -160,3 +163,67 @@ async def test_the_router_refuses_a_resume_with_nothing_left_to_generate(node):
         "resume_from holds 4 tokens but max_tokens is 4; max_tokens counts the whole request, resumed tokens "
         "included, so nothing is left to generate: send at most 3 resumed tokens with the original max_tokens (a "
         "stream that received max_tokens tokens has finished)")
+
+
+@pytest.fixture
+def no_continuation_node(tmp_path):
+    config = {**two_replica_config(), "policies": {"max_continuations": 0}}
+    for instance in config["instances"]:
+        instance["gpu_memory_utilization"] = 0.5  # room for every stream on the surviving replica
+    n = start_node(config, time_scale=1.0, run_dir=tmp_path, startup_timeout_s=90, grace_s=3, supervise=True,
+                   http_port=0, router_args=("--access-log", "all"))
+    yield n
+    n.stop()
+
+
+async def test_streams_refused_a_continuation_by_the_router_resume_on_the_surviving_replica(no_continuation_node):
+    node = no_continuation_node
+    sdk_streams = [SdkStream(prompt(48, 20 + salt).ids, None) for salt in range(6)]
+    sse_streams = [SseStream(list(prompt(40, 30 + salt).ids)) for salt in range(4)]
+    async with AsyncClient(node.router_address, retry=POLICY) as client:
+        tasks = [asyncio.create_task(s.run(client)) for s in sdk_streams]
+        tasks += [asyncio.create_task(s.run(node.http_url)) for s in sse_streams]
+        await until(lambda: all(s.tokens for s in sdk_streams) and all(s.num_text_events for s in sse_streams), 60,
+                    "every stream has tokens")
+        os.kill(node.workers["c0"].pid, signal.SIGKILL)
+        assert all(len(s.tokens) < MAX_TOKENS for s in sdk_streams) and all(s.finish is None for s in sse_streams)
+        await asyncio.wait_for(asyncio.gather(*tasks), 180)
+
+    for s in sdk_streams:
+        assert s.error is None, s.error
+        assert s.tokens == greedy_tokens(s.prompt)
+        assert (s.chunks[-1].usage.prompt_tokens, s.chunks[-1].usage.completion_tokens) == (len(s.prompt), MAX_TOKENS)
+    for s in sse_streams:
+        assert s.error is None, s.error
+        assert "".join(s.text) == "".join(f"<{t}>" for t in greedy_tokens(s.prompt))
+        assert (s.usage["prompt_tokens"], s.usage["completion_tokens"]) == (len(s.prompt), MAX_TOKENS)
+    # The router's account: a stream cut on c0 has a failed line there (UNAVAILABLE, no continuation allowed) and
+    # an ok line on c1 under the same request id, for the tokens after the cut.
+    lines: dict[str, list[dict]] = {}
+    for entry in router_log(node):
+        if entry.get("logger") == "octoserve.router.access":
+            lines.setdefault(entry["request_id"], []).append(entry)
+    cut = {rid: l for rid, l in lines.items() if len(l) == 2}
+    assert cut, "no stream was on c0"
+    for first, second in cut.values():
+        assert (first["instances"], first["code"], second["instances"], second["outcome"]) == \
+            (["c0"], "UNAVAILABLE", ["c1"], "ok")
+        assert first["tokens_out"] + second["tokens_out"] == MAX_TOKENS
+    assert all(len(l) == 1 and l[0]["instances"] == ["c1"] for rid, l in lines.items() if rid not in cut)
+    assert len(lines) == len(sdk_streams) + len(sse_streams)
+    sdk_cut = {s.chunks[0].request_id for s in sdk_streams} & cut.keys()
+    num_sse_cut = len(cut) - len(sdk_cut)
+    assert sdk_cut, "no SDK stream was on c0"
+    # The front resumed each of its streams that were on c0, once (how many were is the router's choice: 0-4).
+    assert _front_resumes(node.http_url) == num_sse_cut
+    await wait_all_free(node)
+
+
+def _front_resumes(url: str) -> float:
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=5) as reply:
+        for line in reply.read().decode().splitlines():
+            if line.startswith("octoserve_http_resumed_streams_total{"):
+                return float(line.rsplit(" ", 1)[1])
+    return 0.0
