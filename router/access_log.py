@@ -6,7 +6,8 @@ retry_after_ms (refusals with a hint), ttft_ms (wall clock, when a token went ou
 instances (every instance that served the request, in order: a re-routed request lists the dead one first),
 rerouted (how many times it was moved off a lost worker before its first token), continued (how many times it was
 continued on another instance after streaming tokens) with continued_causes (crash, hang, kv_transfer or drain, one
-per continuation, in order), and e2e_ms.
+per continuation, in order), resumed_tokens (a client resuming a cut stream: the tokens it had received, which
+tokens_out does not count), and e2e_ms.
 
 Cost: the hook runs once per request, never per token. Mode `all` writes every request; `errors` (the default)
 writes every request that did not end ok and one in `sample_every` of the ok ones (a counter, not a random draw,
@@ -87,6 +88,8 @@ class AccessLog:
         if st.continued:
             fields["continued"] = len(st.continued)
             fields["continued_causes"] = list(st.continued)
+        if st.resumed:
+            fields["resumed_tokens"] = st.resumed
         if reason:
             fields["reason"] = reason
         if st.error is not None:

@@ -209,6 +209,7 @@ async def test_streams_refused_a_continuation_by_the_router_resume_on_the_surviv
         assert (first["instances"], first["code"], second["instances"], second["outcome"]) == \
             (["c0"], "UNAVAILABLE", ["c1"], "ok")
         assert first["tokens_out"] + second["tokens_out"] == MAX_TOKENS
+        assert "resumed_tokens" not in first and second["resumed_tokens"] == first["tokens_out"]
     assert all(len(l) == 1 and l[0]["instances"] == ["c1"] for rid, l in lines.items() if rid not in cut)
     assert len(lines) == len(sdk_streams) + len(sse_streams)
     sdk_cut = {s.chunks[0].request_id for s in sdk_streams} & cut.keys()
