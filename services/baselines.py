@@ -41,7 +41,8 @@ from typing import Any
 
 from octoserve.services.core.cost_model import CostModel
 from octoserve.services.core.placement import NodeConfig, PlacementError, PolicyConfig, check_placement
-from octoserve.services.core.slo_sizing import CHUNK_QUANTUM
+from octoserve.services.core.slo_sizing import CHUNK_QUANTUM, WIDE_BATCH_AT, size_for_slo
+from octoserve.services.core.tail_budget import FREE_STEP_SHARE
 from octoserve.services.core.types import Role
 
 # Placement kinds a baseline runs on (the suite resolves each to a NodeConfig).
@@ -100,7 +101,8 @@ def sarathi_budget(cost: CostModel, itl_slo_ms: float, *, context_tokens: int = 
     """Sarathi-Serve's token budget: the largest multiple of CHUNK_QUANTUM tokens such that a step of that many
     tokens fits `itl_slo_ms x headroom` whatever its mix of decodes (at `context_tokens`) and prefill chunk:
     stall-free batching promises every hybrid step the TBT SLO, so the budget is set for the worst mix. The same
-    headroom as octoserve's sizing (slo_sizing.py) keeps the comparison about policy, not margins."""
+    headroom as octoserve's sizing gives the instance (slo_sizing.py: 0.85, FREE_STEP_SHARE for a wide batch) keeps
+    the comparison about policy, not margins."""
     target_s = itl_slo_ms / 1000.0 * headroom
 
     def fits(tokens: int) -> bool:
@@ -137,7 +139,11 @@ def _instance_knobs(baseline: Baseline, node: NodeConfig, inst):
         changes["max_num_batched_tokens"] = baseline.max_num_batched_tokens
     if baseline.sarathi_budget and inst.role is Role.COLOCATED:
         cost = node.cost_model(inst)
-        changes["max_num_batched_tokens"] = sarathi_budget(cost, node.slo.itl_ms)
+        # The headroom octoserve's sizing gives this instance: FREE_STEP_SHARE where its plain batch is wide.
+        plain = size_for_slo(cost, inst.role, itl_slo_ms=node.slo.itl_ms, max_num_seqs=inst.max_num_seqs,
+                             max_num_batched_tokens=inst.max_num_batched_tokens)
+        headroom = FREE_STEP_SHARE if plain.max_num_seqs >= WIDE_BATCH_AT else 0.85
+        changes["max_num_batched_tokens"] = sarathi_budget(cost, node.slo.itl_ms, headroom=headroom)
     return dataclasses.replace(inst, **changes)
 
 

@@ -76,8 +76,13 @@ def test_sarathi_sets_the_colocated_budgets_only():
             assert inst == orig
         elif inst.role is Role.COLOCATED:
             cost = CostModel(MODEL_PRESETS[inst.model], H100, inst.tp)
-            assert inst.max_num_batched_tokens == sarathi_budget(cost, 30.0)
+            # the headroom octoserve's sizing gives the instance: 0.95 for the 8B's wide batch, else 0.85
+            headroom = 0.95 if inst.model == "llama-3-8b" else 0.85
+            assert inst.max_num_batched_tokens == sarathi_budget(cost, 30.0, headroom=headroom)
     assert cfg.policies.admission is False and cfg.policies.queue == "fcfs"
+    static = configure(BASELINES["sarathi"], STATIC)
+    assert [(i.id, i.max_num_batched_tokens) for i in static.instances] == [
+        ("lm-0", 64), ("sm-0", 256), ("sm-1", 256), ("sm-2", 256), ("sm-3", 256)]
 
 
 def test_distserve_dispatches_by_shortest_queue_and_keeps_prefill_chunks():

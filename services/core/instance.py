@@ -12,7 +12,7 @@ from octoserve.services.core.batcher import FREE_STEP_SHARE, Batcher, BatcherCon
 from octoserve.services.core.cost_model import CostModel
 from octoserve.services.core.kv_cache import KVCacheManager
 from octoserve.services.core.placement import InstanceConfig, NodeConfig, num_kv_blocks_for
-from octoserve.services.core.slo_sizing import CHUNK_QUANTUM, TAIL_SIZING_BELOW, size_for_slo
+from octoserve.services.core.slo_sizing import CHUNK_QUANTUM, TAIL_SIZING_BELOW, WIDE_BATCH_AT, size_for_slo
 from octoserve.services.core.types import EngineLoad, StepPlan
 
 EOS_TOKEN_ID = 2
@@ -75,6 +75,11 @@ def _sizing_fields(node: NodeConfig, instance: InstanceConfig, cost_model: CostM
         sized = size_for_slo(
             cost_model, instance.role, itl_slo_ms=itl_ms, max_num_seqs=instance.max_num_seqs,
             max_num_batched_tokens=instance.max_num_batched_tokens, tail_budget=True,
+        )
+    elif policies.slack_chunking and not in_gang and sized.max_num_seqs >= WIDE_BATCH_AT:
+        sized = size_for_slo(
+            cost_model, instance.role, itl_slo_ms=itl_ms, max_num_seqs=instance.max_num_seqs,
+            max_num_batched_tokens=instance.max_num_batched_tokens, headroom=FREE_STEP_SHARE,
         )
     fields.update(max_num_seqs=sized.max_num_seqs, max_num_batched_tokens=sized.max_num_batched_tokens)
     if sized.budget_by_num_decodes:
