@@ -3,7 +3,8 @@ processes), mirroring tests/test_faults_live.py's sim-engine kill:
 
 - with two instances, every greedy stream on the killed worker is continued on the other (prompt plus the tokens it
   had) and ends with exactly the tokens an uninterrupted run gives (the survivor's own run of the same prompts),
-  usage counting the original prompt and every completion token;
+  usage counting the original prompt and every completion token; a stop string spanning a resumed stream's seam
+  ends it where the uninterrupted run stops;
 - with one instance (supervisor on), a stream that had tokens when its worker was SIGKILLed cannot be continued
   (no healthy instance): it ends UNAVAILABLE with a retry hint and the router's reason, short of its max_tokens;
   what it received is exactly the start of the model's greedy output (checked against the restarted worker: no
@@ -170,6 +171,35 @@ class _Usage(Stream):
             self.first_token.set()
 
 
+async def _stop_across_a_seam(stub, model_dir, tokens: list[int]) -> tuple[_Usage, _Usage]:
+    """A stop string of two characters, the last of token k-1's text and the first of token k's, at the first k where
+    it first occurs there in the whole greedy text; then the uninterrupted request with it, and the same request
+    resumed from the first k tokens (its prompt ends with them: vLLM's own stop check cannot see the seam)."""
+    from vllm.tokenizers import get_tokenizer
+
+    tokenizer = get_tokenizer(str(model_dir))
+
+    def text(ids) -> str:
+        return tokenizer.decode(list(ids), skip_special_tokens=True)
+    whole = text(tokens)
+    for k in range(4, len(tokens) - 1):
+        before, after = text(tokens[:k]), text(tokens[:k + 1])
+        if before and len(after) > len(before) and after.startswith(before):
+            stop = before[-1] + after[len(before)]
+            if whole.find(stop) == len(before) - 1:
+                break
+    else:
+        raise AssertionError("no token boundary whose two characters occur first there")
+    plain = _Usage(gen_pb.GenerateRequest(model=MODEL_NAME, token_ids=gen_pb.TokenIds(ids=PROMPT), max_tokens=LONG,
+                                          ignore_eos=True, ttft_slo_ms=SLO_MS, stop=[stop]))
+    resumed = _Usage(gen_pb.GenerateRequest(model=MODEL_NAME, token_ids=gen_pb.TokenIds(ids=PROMPT), max_tokens=LONG,
+                                            ignore_eos=True, ttft_slo_ms=SLO_MS, stop=[stop],
+                                            resume_from=gen_pb.TokenIds(ids=tokens[:k])))
+    await plain.run(stub)
+    await resumed.run(stub)
+    return plain, resumed
+
+
 async def test_vllm_streams_on_a_killed_worker_continue_on_the_other_with_the_uninterrupted_greedy_tokens(
         model_dir, tmp_path):
     node = start_node(_two_instances(), engine="vllm", model_path=str(model_dir), run_dir=tmp_path,
@@ -198,6 +228,7 @@ async def test_vllm_streams_on_a_killed_worker_continue_on_the_other_with_the_un
             # The same prompts, uninterrupted, on the survivor (the killed worker is not restarted here).
             reference = [_Usage(request(LONG, prompt=list(PROMPTS[i]))) for i in range(4)]
             await asyncio.wait_for(asyncio.gather(*(r.run(stub) for r in reference)), 180)
+            plain, resumed = await _stop_across_a_seam(stub, model_dir, reference[0].tokens)
         log = access_log(node, wait_for=[*streams, *reference])
         assert all(log[r.request_id]["instances"] == [survivor] for r in reference)
         continued = [s for s in streams if log[s.request_id].get("continued")]
@@ -209,6 +240,12 @@ async def test_vllm_streams_on_a_killed_worker_continue_on_the_other_with_the_un
         for s in continued:
             line = log[s.request_id]
             assert (line["instances"], line["continued_causes"]) == ([victim, survivor], ["crash"]), line
+        # A stop string spanning the seam of a resumed stream ends it where the uninterrupted run stops.
+        k = len(resumed.request.resume_from.ids)
+        assert (plain.code, plain.tokens, plain.usage) == (grpc.StatusCode.OK, reference[0].tokens[:k + 1],
+                                                           (len(PROMPT), k + 1)), plain.details
+        assert (resumed.code, resumed.tokens, resumed.usage) == (grpc.StatusCode.OK, reference[0].tokens[k:k + 1],
+                                                                 (len(PROMPT), k + 1)), resumed.details
     finally:
         codes = node.stop()
     assert {k: v for k, v in codes.items() if k != f"worker:{victim}"} == {
