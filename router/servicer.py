@@ -332,7 +332,8 @@ class GenerationServicer(gen_grpc.GenerationServicer):
                 break
             ids = d.token_ids  # one upb container lookup: field access is the cost on this path
             num_ids = len(ids)
-            total = d.num_output_tokens + st.output_base if d.num_output_tokens else st.num_sent + num_ids
+            total = d.num_output_tokens  # read once: upb field access is the cost here
+            total = total + st.output_base if total else st.num_sent + num_ids
             num_new = min(total - st.num_sent, num_ids)
             if num_new > 0:
                 tokens.extend(ids if num_new == num_ids else ids[num_ids - num_new:])
