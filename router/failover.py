@@ -50,6 +50,7 @@ ABORT_TIMEOUT_S = 2.0
 CAUSES = ("crash", "hang", "kv_transfer", "drain")
 # Causes where the instance answered and stays routable: only the request's hand-off failed there.
 _INSTANCE_LIVES = frozenset({"kv_transfer", "drain"})
+_REROUTED_ENOUGH = f"the request was already placed again {MAX_REROUTES} times"
 
 
 class WorkerLost(Exception):
@@ -99,7 +100,7 @@ class Failover:
             if st.dispatch is not None and not st.dispatch.done():
                 continue  # its dispatch is mid-RPC: that RPC fails too, and the dispatch moves the request
             if not st.streamed and st.rerouted >= MAX_REROUTES:
-                self._lose(st, reason)
+                self._lose(st, reason, _REROUTED_ENOUGH)
             else:
                 st.dispatch = asyncio.create_task(self.move(st, instance_id, reason, cause))
 
@@ -140,7 +141,7 @@ class Failover:
         if continuing and not self._may_continue(st, cause, reason):
             return None
         if not continuing and st.rerouted >= MAX_REROUTES:
-            self._lose(st, reason)
+            self._lose(st, reason, _REROUTED_ENOUGH)
             return None
         request_id = st.spec.request_id
         instance_lives = cause in _INSTANCE_LIVES
