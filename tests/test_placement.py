@@ -118,7 +118,7 @@ def test_model_overrides_and_prefill_token_default():
         ),
         (
             {"models": ["gpt-4"], "instances": []},
-            "models.gpt-4: unknown preset 'gpt-4'; choose one of: llama-3-70b, llama-3-8b",
+            "models.gpt-4: unknown preset 'gpt-4'; choose one of: dense-180b, llama-3-70b, llama-3-8b",
         ),
         (
             {"gpu": "tpu-v5", **one_instance(tp=4, gpu_ids=[0, 1, 2, 3])},
