@@ -27,7 +27,8 @@ import dataclasses
 import math
 import multiprocessing
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 from dataclasses import dataclass
 
 from octoserve.services.core.gang import with_shared_steps
@@ -286,6 +287,7 @@ def jobs(settings: Settings) -> list[Job]:
 def run_all(settings: Settings, log=None) -> list[RunRow]:
     todo = jobs(settings)
     rows = []
+    results: Iterable[RunRow]
     if settings.workers <= 1:
         results = map(run_job, todo)
     else:
@@ -431,7 +433,7 @@ def write_section(path, rows: Sequence[RunRow], settings: Settings, intro: str) 
 
 def run_section(path, cost_profiles: Sequence[str], workers: int, quick: bool, log=None) -> None:
     """`bench-suite`'s one call: the comparison under its default settings, written into its section of `path`."""
-    given = dict(cost_profiles=tuple(cost_profiles), workers=workers)
+    given: dict[str, Any] = dict(cost_profiles=tuple(cost_profiles), workers=workers)
     settings = quick_settings(**given) if quick else Settings(**given)
     write_section(path, run_all(settings, log), settings, INTRO)
 
@@ -453,7 +455,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
-    given = dict(peak_rps=args.peak, seed=args.seed, workers=args.workers,
+    given: dict[str, Any] = dict(peak_rps=args.peak, seed=args.seed, workers=args.workers,
                  cases=tuple(c for c in args.cases.split(",") if c),
                  cost_profiles=tuple(c for c in args.cost_profiles.split(",") if c))
     if args.quick:
