@@ -655,6 +655,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", default="BENCHMARKS.md", help="markdown file whose sections are (re)written")
     parser.add_argument("--plots", default="docs/bench", help="directory for the PNGs and results.json")
     parser.add_argument("--pickle", help="also save the raw results here (to re-render the report)")
+    parser.add_argument("--no-gang-section", action="store_true",
+                        help="skip the section on gang leases on seed 003's node (about half the suite's time)")
     parser.add_argument("--render", help="re-render the report from a --pickle file instead of simulating")
     from octoserve.services.user_suite import add_user_workload_arguments
 
@@ -702,9 +704,10 @@ def run(args: argparse.Namespace) -> int:
         log(QUICK_BANNER)
     results = run_suite(settings, log, Progress)
     write_report(results, settings, Path(args.output), Path(args.plots))
-    from octoserve.services.gang_bench import run_section
+    if not args.no_gang_section:
+        from octoserve.services.gang_bench import run_section
 
-    run_section(Path(args.output), settings.cost_profiles, settings.workers, settings.quick, log)  # its own section
+        run_section(Path(args.output), settings.cost_profiles, settings.workers, settings.quick, log)  # its own
     if args.pickle:
         import pickle
 
