@@ -4,7 +4,8 @@ One worker process (`octoserve.decode_worker --engine vllm --flippable`, the tin
 driven over gRPC: three requests run, SetRole(PREFILL) drains them (each finishes with all its tokens), the worker
 then serves a Prefill and refuses a Generate as the wrong role; SetRole(COLOCATED) flips it back and a Generate is
 served again. The process and its vLLM engine-core child are the same throughout (the engine was neither stopped
-nor started). Engine budget: one vLLM instance.
+nor started). Engine budget: one vLLM instance, shared by the module's tests (`_Engines`): one engine start in
+file order.
 """
 
 from __future__ import annotations
@@ -42,24 +43,108 @@ def model_dir(tmp_path_factory):
     return build_test_model(tmp_path_factory.mktemp("tiny-llama"))
 
 
-@pytest.fixture
-def worker(model_dir, tmp_path):
-    env = {**os.environ, "OCTOSERVE_VLLM_DTYPE": "float32", "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "OCTOSERVE_KV_DIR": str(tmp_path / "kv")}
-    args = ["--config", str(TINY_CONFIG), "--instance", "tiny-0", "--engine", "vllm", "--model", str(model_dir),
-            "--flippable", "--port", "0", "--grace-s", "10"]
-    sp = _spawn("worker:tiny-0", WORKER_MODULES[Role.COLOCATED], args, tmp_path, env)
-    try:
-        _wait_ready(sp, time.monotonic() + 300.0)
-        yield sp
-    finally:
-        if sp.proc.poll() is None:
+class _Engines:
+    """The module's one worker process (and vLLM engine), started on first use and shared by the tests.
+
+    Each test gets it in a known state: colocated, resumed, nothing running, waiting or reserved, every KV block free
+    (`_restore` after every test). A test that ends the process (the role flip test checks a clean SIGTERM exit) or
+    leaves it in a state `_restore` cannot undo gets a fresh worker for the next test, so every test passes alone
+    and in any order; in file order the module starts one engine."""
+
+    def __init__(self, model_dir: Path, tmp_path_factory) -> None:
+        self.model_dir, self.tmp_path_factory = model_dir, tmp_path_factory
+        self.sp = None
+        self.kv_dir: Path | None = None
+        self.starts = 0
+
+    def get(self):
+        if self.sp is None or self.sp.proc.poll() is not None:
+            self.stop()
+            run_dir = self.tmp_path_factory.mktemp("worker")
+            self.kv_dir = run_dir / "kv"
+            env = {**os.environ, "OCTOSERVE_VLLM_DTYPE": "float32", "HF_HUB_OFFLINE": "1",
+                   "VLLM_CPU_KVCACHE_SPACE": "1", "OCTOSERVE_KV_DIR": str(self.kv_dir)}
+            args = ["--config", str(TINY_CONFIG), "--instance", "tiny-0", "--engine", "vllm", "--model",
+                    str(self.model_dir), "--flippable", "--port", "0", "--grace-s", "10"]
+            self.sp = _spawn("worker:tiny-0", WORKER_MODULES[Role.COLOCATED], args, run_dir, env)
+            self.starts += 1
+            try:
+                _wait_ready(self.sp, time.monotonic() + 300.0)
+            except BaseException:
+                self.stop()
+                raise
+        return self.sp
+
+    def restore_or_stop(self) -> None:
+        """After a test: the worker back to the known state, or stopped (the next test starts a fresh one)."""
+        if self.sp is None or self.sp.proc.poll() is not None:
+            return
+        try:
+            clean = asyncio.run(_restore(self.sp.address))
+        except Exception:
+            clean = False
+        if not clean:
+            self.stop()
+
+    def stop(self) -> None:
+        sp, self.sp = self.sp, None
+        if sp is not None and sp.proc.poll() is None:
             sp.proc.send_signal(signal.SIGTERM)  # this process only, by its PID
             try:
                 sp.proc.wait(timeout=60)
             except Exception:
                 sp.proc.kill()
                 sp.proc.wait()
+
+
+def _is_known_state(load) -> bool:
+    return (load.role == convert.ROLE_TO_PB[Role.COLOCATED] and not load.paused and load.healthy
+            and (load.num_running, load.num_waiting, load.num_reserved) == (0, 0, 0)
+            and load.num_free_blocks == load.num_total_blocks)
+
+
+async def _restore(address: str, timeout_s: float = 60.0) -> bool:
+    """Resume, back to colocated (draining what still runs), then wait for nothing running and every KV block
+    free; True once the worker is in that state, False if it is not by the deadline."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = w_grpc.WorkerStub(channel)
+        load = await stub.GetLoad(w_pb.GetLoadRequest(), timeout=30)
+        if load.paused:
+            await stub.Resume(w_pb.ResumeRequest(), timeout=30)
+        if load.role != convert.ROLE_TO_PB[Role.COLOCATED]:
+            await stub.SetRole(w_pb.SetRoleRequest(role=convert.ROLE_TO_PB[Role.COLOCATED], drain_timeout_ms=30_000),
+                               timeout=60)
+        deadline = time.monotonic() + timeout_s
+        while not _is_known_state(load := await stub.GetLoad(w_pb.GetLoadRequest(), timeout=30)):
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.2)
+        return True
+
+
+@pytest.fixture(scope="module")
+def engines(model_dir, tmp_path_factory):
+    e = _Engines(model_dir, tmp_path_factory)
+    try:
+        yield e
+    finally:
+        e.stop()
+        print(f"\n{__name__}: {e.starts} vLLM engine start(s)")
+
+
+@pytest.fixture
+def worker(engines):
+    sp = engines.get()
+    assert _is_known_state(asyncio.run(_get_load(sp.address)))  # what every test starts from
+    try:
+        yield sp
+    finally:
+        engines.restore_or_stop()
+
+
+async def _get_load(address: str):
+    async with grpc.aio.insecure_channel(address) as channel:
+        return await w_grpc.WorkerStub(channel).GetLoad(w_pb.GetLoadRequest(), timeout=30)
 
 
 def children(pid: int) -> set[int]:
@@ -113,6 +198,43 @@ async def generate_three(stub, session_id: str, prefix: str) -> dict[str, tuple]
     return prompts
 
 
+async def _in_place_under_load(address: str, pid: int) -> None:
+    engine_children = children(pid)
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = w_grpc.WorkerStub(channel)
+        call, stream = await attach(stub, "inplace")
+        prompts = await generate_three(stub, "inplace", "i")
+        reading = asyncio.create_task(read_until_finished(stream, set(prompts)))
+        # Colocated -> decode in place while the three run: nothing drains, the reply comes before they finish.
+        reply = await stub.SetRole(w_pb.SetRoleRequest(role=convert.ROLE_TO_PB[Role.DECODE], in_place=True), timeout=30)
+        assert (reply.drained_requests, reply.drain_s, reply.migrated_requests) == (0, 0.0, 0)
+        assert not reading.done()
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.Generate(w_pb.WorkerGenerateRequest(session_id="inplace", spec=spec_pb("g1", PROMPTS[3])))
+        assert info.value.code() is grpc.StatusCode.UNAVAILABLE
+        assert info.value.details() == "tiny-0 now serves the decode role; route elsewhere (the placement changed)"
+        # The three stream on over the same session to their last token.
+        assert_complete(await reading, prompts)
+        # A prefill role cannot be reached in place: refused, naming what to send, and nothing changed.
+        with pytest.raises(grpc.aio.AioRpcError) as bad:
+            await stub.SetRole(w_pb.SetRoleRequest(role=convert.ROLE_TO_PB[Role.PREFILL], in_place=True), timeout=30)
+        assert bad.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert bad.value.details() == ("only decode <-> colocated changes run in place, not decode -> prefill; "
+                                       "send in_place false to drain")
+        # Back to colocated in place: a Generate is served again on the same session.
+        await stub.SetRole(w_pb.SetRoleRequest(role=convert.ROLE_TO_PB[Role.COLOCATED], in_place=True), timeout=30)
+        await stub.Generate(w_pb.WorkerGenerateRequest(session_id="inplace", spec=spec_pb("c1", PROMPTS[4])))
+        assert_complete(await read_until_finished(stream, {"c1"}), {"c1": PROMPTS[4]})
+        call.cancel()
+        assert children(pid) == engine_children  # the same engine core throughout
+
+
+def test_vllm_worker_changes_role_in_place_while_its_requests_run(worker):
+    pid = worker.pid
+    asyncio.run(_in_place_under_load(worker.address, pid))
+    assert worker.proc.poll() is None and worker.pid == pid
+
+
 async def _flip_under_load(address: str, pid: int, kv_dir: Path) -> None:
     engine_children = children(pid)
     assert engine_children, "the vLLM engine core runs as a child of the worker process"
@@ -155,46 +277,11 @@ async def _flip_under_load(address: str, pid: int, kv_dir: Path) -> None:
     assert sorted(p.name for p in (kv_dir / MODEL).iterdir()) == []
 
 
-def test_vllm_worker_flips_role_by_set_role_on_the_same_engine(worker, tmp_path):
+# Last in the file: it ends the worker (a clean SIGTERM exit is part of what it checks), so the tests before it share
+# one engine; run alone or in another order, the next test gets a fresh worker.
+def test_vllm_worker_flips_role_by_set_role_on_the_same_engine(worker, engines):
     pid = worker.pid
-    asyncio.run(_flip_under_load(worker.address, pid, tmp_path / "kv"))
+    asyncio.run(_flip_under_load(worker.address, pid, engines.kv_dir))
     assert worker.proc.poll() is None and worker.pid == pid  # no restart
     worker.proc.send_signal(signal.SIGTERM)
     assert worker.proc.wait(timeout=60) == 0
-
-
-async def _in_place_under_load(address: str, pid: int) -> None:
-    engine_children = children(pid)
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = w_grpc.WorkerStub(channel)
-        call, stream = await attach(stub, "inplace")
-        prompts = await generate_three(stub, "inplace", "i")
-        reading = asyncio.create_task(read_until_finished(stream, set(prompts)))
-        # Colocated -> decode in place while the three run: nothing drains, the reply comes before they finish.
-        reply = await stub.SetRole(w_pb.SetRoleRequest(role=convert.ROLE_TO_PB[Role.DECODE], in_place=True), timeout=30)
-        assert (reply.drained_requests, reply.drain_s, reply.migrated_requests) == (0, 0.0, 0)
-        assert not reading.done()
-        with pytest.raises(grpc.aio.AioRpcError) as info:
-            await stub.Generate(w_pb.WorkerGenerateRequest(session_id="inplace", spec=spec_pb("g1", PROMPTS[3])))
-        assert info.value.code() is grpc.StatusCode.UNAVAILABLE
-        assert info.value.details() == "tiny-0 now serves the decode role; route elsewhere (the placement changed)"
-        # The three stream on over the same session to their last token.
-        assert_complete(await reading, prompts)
-        # A prefill role cannot be reached in place: refused, naming what to send, and nothing changed.
-        with pytest.raises(grpc.aio.AioRpcError) as bad:
-            await stub.SetRole(w_pb.SetRoleRequest(role=convert.ROLE_TO_PB[Role.PREFILL], in_place=True), timeout=30)
-        assert bad.value.code() is grpc.StatusCode.INVALID_ARGUMENT
-        assert bad.value.details() == ("only decode <-> colocated changes run in place, not decode -> prefill; "
-                                       "send in_place false to drain")
-        # Back to colocated in place: a Generate is served again on the same session.
-        await stub.SetRole(w_pb.SetRoleRequest(role=convert.ROLE_TO_PB[Role.COLOCATED], in_place=True), timeout=30)
-        await stub.Generate(w_pb.WorkerGenerateRequest(session_id="inplace", spec=spec_pb("c1", PROMPTS[4])))
-        assert_complete(await read_until_finished(stream, {"c1"}), {"c1": PROMPTS[4]})
-        call.cancel()
-        assert children(pid) == engine_children  # the same engine core throughout
-
-
-def test_vllm_worker_changes_role_in_place_while_its_requests_run(worker):
-    pid = worker.pid
-    asyncio.run(_in_place_under_load(worker.address, pid))
-    assert worker.proc.poll() is None and worker.pid == pid
