@@ -133,7 +133,9 @@ class DirectWorker:
         await self.channel.close()
 
 
-async def node_probe(node, n: int) -> None:
+async def node_ttfts(node, n: int) -> tuple[list[float], list[float]]:
+    """TTFTs (s) of `n` requests sent straight to the worker's gRPC API and `n` through the router, alternately
+    (the first two of each kind dropped)."""
     from octoserve.client import AsyncClient
 
     direct = DirectWorker(node.workers["tiny-0"].address)
@@ -154,11 +156,16 @@ async def node_probe(node, n: int) -> None:
                         first = time.perf_counter() - t0
                 (router_t if i >= 4 else []).append(first)
             await asyncio.sleep(GAP_S)
-        print(summary("(3) worker gRPC (Attach+Generate)", worker_t))
-        print(summary("(4) router (client stream)", router_t))
     finally:
         await direct.close()
         await client.close()
+    return worker_t, router_t
+
+
+async def node_probe(node, n: int) -> None:
+    worker_t, router_t = await node_ttfts(node, n)
+    print(summary("(3) worker gRPC (Attach+Generate)", worker_t))
+    print(summary("(4) router (client stream)", router_t))
 
 
 def _cpu_s(pid: int) -> float:

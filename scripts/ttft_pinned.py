@@ -99,37 +99,8 @@ async def vllm_side(model: Path, n: int, run_dir: Path) -> list[float]:
         stop_process(proc)
 
 
-async def node_side(node, n: int) -> tuple[list[float], list[float]]:
-    from ttft_layers import GAP_S, MODEL_NAME, OUT_LEN, DirectWorker, prompts
-
-    from octoserve.client import AsyncClient
-
-    direct = DirectWorker(node.workers["tiny-0"].address)
-    await direct.start()
-    client = AsyncClient(node.router_address)
-    worker_t, router_t = [], []
-    try:
-        for i, p in enumerate(prompts(2, 2 * n + 4)):
-            if i % 2 == 0:
-                t = await direct.ttft_s(p)
-                (worker_t if i >= 4 else []).append(t)
-            else:
-                t0 = time.perf_counter()
-                first = None
-                async for chunk in client.generate(MODEL_NAME, list(p), max_tokens=OUT_LEN, ignore_eos=True,
-                                                   timeout_s=30.0):
-                    if first is None and chunk.token_ids:
-                        first = time.perf_counter() - t0
-                (router_t if i >= 4 else []).append(first)
-            await asyncio.sleep(GAP_S)
-    finally:
-        await direct.close()
-        await client.close()
-    return worker_t, router_t
-
-
 def run_node(model: Path, n: int, run_dir: Path) -> tuple[list[float], list[float]]:
-    from ttft_layers import CONFIG
+    from ttft_layers import CONFIG, node_ttfts
 
     from octoserve.services.launcher import start_node
 
@@ -140,7 +111,7 @@ def run_node(model: Path, n: int, run_dir: Path) -> tuple[list[float], list[floa
         r = pin_tree(node.router.proc.pid, OTHER_CORE) + pin_tree(node.scheduler.proc.pid, OTHER_CORE)
         print(f"node: pinned {w} worker-tree threads to core {ENGINE_CORE}, {r} router/scheduler threads to core "
               f"{OTHER_CORE}", flush=True)
-        return asyncio.run(node_side(node, n))
+        return asyncio.run(node_ttfts(node, n))
     finally:
         node.stop()
 

@@ -62,12 +62,15 @@ class Stream:
     details: str = ""
     retry_after_ms: int | None = None
     first_token: asyncio.Event = field(default_factory=asyncio.Event)
+    usage: tuple[int, int] | None = None  # (prompt, completion) tokens of the last message, once finished
 
     async def run(self, stub, timeout_s: float = 120.0) -> None:
         try:
             async for response in stub.Generate(self.request, timeout=timeout_s):
                 self.request_id = self.request_id or response.request_id
                 self.tokens.extend(response.token_ids)
+                if response.finish_reason:
+                    self.usage = (response.usage.prompt_tokens, response.usage.completion_tokens)
                 if self.tokens:
                     self.first_token.set()
             self.code = grpc.StatusCode.OK

@@ -49,27 +49,6 @@ def _config() -> dict:
     }
 
 
-class Recorded(Stream):
-    """A Stream that also keeps the last message's usage."""
-
-    usage: tuple[int, int] | None = None
-
-    async def run(self, stub, timeout_s: float = 180.0) -> None:
-        try:
-            async for response in stub.Generate(self.request, timeout=timeout_s):
-                self.request_id = self.request_id or response.request_id
-                self.tokens.extend(response.token_ids)
-                if response.finish_reason:
-                    self.usage = (response.usage.prompt_tokens, response.usage.completion_tokens)
-                if self.tokens:
-                    self.first_token.set()
-            self.code = grpc.StatusCode.OK
-        except grpc.aio.AioRpcError as e:
-            self.code, self.details = e.code(), e.details() or ""
-        finally:
-            self.first_token.set()
-
-
 def _metric(port: int, name: str, labels: dict[str, str]) -> float:
     want = ",".join(f'{k}="{v}"' for k, v in labels.items())
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as http:
@@ -89,10 +68,10 @@ def _start(tmp_path):
 async def _probe(node, sig: int, cause: str) -> None:
     async with grpc.aio.insecure_channel(node.router_address) as channel:
         stub = gen_grpc.GenerationStub(channel)
-        streams = [Recorded(gen_pb.GenerateRequest(model=COLOCATED_MODEL, token_ids=prompt(PROMPT_TOKENS, i),
+        streams = [Stream(gen_pb.GenerateRequest(model=COLOCATED_MODEL, token_ids=prompt(PROMPT_TOKENS, i),
                                                    max_tokens=MAX_TOKENS, ignore_eos=True))
                    for i in range(NUM_STREAMS)]
-        tasks = [asyncio.create_task(s.run(stub)) for s in streams]
+        tasks = [asyncio.create_task(s.run(stub, timeout_s=180.0)) for s in streams]
         await until(lambda: all(len(s.tokens) >= TOKENS_AT_LOSS or s.code is not None for s in streams), 90,
                     f"every stream has {TOKENS_AT_LOSS} tokens")
         assert all(s.code is None for s in streams), [(s.code, s.details) for s in streams]

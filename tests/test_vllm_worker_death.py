@@ -150,28 +150,7 @@ def _two_instances() -> dict:
     return config
 
 
-class _Usage(Stream):
-    """A Stream that also keeps the last message's usage."""
-
-    usage: tuple[int, int] | None = None
-
-    async def run(self, stub, timeout_s: float = 120.0) -> None:
-        try:
-            async for response in stub.Generate(self.request, timeout=timeout_s):
-                self.request_id = self.request_id or response.request_id
-                self.tokens.extend(response.token_ids)
-                if response.finish_reason:
-                    self.usage = (response.usage.prompt_tokens, response.usage.completion_tokens)
-                if self.tokens:
-                    self.first_token.set()
-            self.code = grpc.StatusCode.OK
-        except grpc.aio.AioRpcError as e:
-            self.code, self.details = e.code(), e.details() or ""
-        finally:
-            self.first_token.set()
-
-
-async def _stop_across_a_seam(stub, model_dir, tokens: list[int]) -> tuple[_Usage, _Usage]:
+async def _stop_across_a_seam(stub, model_dir, tokens: list[int]) -> tuple[Stream, Stream]:
     """A stop string of two characters, the last of token k-1's text and the first of token k's, at the first k where
     it first occurs there in the whole greedy text; then the uninterrupted request with it, and the same request
     resumed from the first k tokens (its prompt ends with them: vLLM's own stop check cannot see the seam)."""
@@ -190,9 +169,9 @@ async def _stop_across_a_seam(stub, model_dir, tokens: list[int]) -> tuple[_Usag
                 break
     else:
         raise AssertionError("no token boundary whose two characters occur first there")
-    plain = _Usage(gen_pb.GenerateRequest(model=MODEL_NAME, token_ids=gen_pb.TokenIds(ids=PROMPT), max_tokens=LONG,
+    plain = Stream(gen_pb.GenerateRequest(model=MODEL_NAME, token_ids=gen_pb.TokenIds(ids=PROMPT), max_tokens=LONG,
                                           ignore_eos=True, ttft_slo_ms=SLO_MS, stop=[stop]))
-    resumed = _Usage(gen_pb.GenerateRequest(model=MODEL_NAME, token_ids=gen_pb.TokenIds(ids=PROMPT), max_tokens=LONG,
+    resumed = Stream(gen_pb.GenerateRequest(model=MODEL_NAME, token_ids=gen_pb.TokenIds(ids=PROMPT), max_tokens=LONG,
                                             ignore_eos=True, ttft_slo_ms=SLO_MS, stop=[stop],
                                             resume_from=gen_pb.TokenIds(ids=tokens[:k])))
     await plain.run(stub)
@@ -210,7 +189,7 @@ async def test_vllm_streams_on_a_killed_worker_continue_on_the_other_with_the_un
             stub = gen_grpc.GenerationStub(channel)
             victim = None
             for _ in range(3):  # bounded: a machine so slow every stream ended before the kill tries again
-                streams = [_Usage(request(LONG, prompt=list(PROMPTS[i]))) for i in range(4)]
+                streams = [Stream(request(LONG, prompt=list(PROMPTS[i]))) for i in range(4)]
                 tasks = [asyncio.create_task(s.run(stub)) for s in streams]
                 await until(lambda: all(len(s.tokens) >= 8 or s.code is not None for s in streams), 120,
                             "every stream has tokens")
@@ -226,7 +205,7 @@ async def test_vllm_streams_on_a_killed_worker_continue_on_the_other_with_the_un
             survivor = next(iid for iid in node.workers if iid != victim)
 
             # The same prompts, uninterrupted, on the survivor (the killed worker is not restarted here).
-            reference = [_Usage(request(LONG, prompt=list(PROMPTS[i]))) for i in range(4)]
+            reference = [Stream(request(LONG, prompt=list(PROMPTS[i]))) for i in range(4)]
             await asyncio.wait_for(asyncio.gather(*(r.run(stub) for r in reference)), 180)
             plain, resumed = await _stop_across_a_seam(stub, model_dir, reference[0].tokens)
         log = access_log(node, wait_for=[*streams, *reference])
