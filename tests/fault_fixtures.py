@@ -19,14 +19,15 @@ from tests.service_fixtures import COLOCATED_MODEL, DISAGG_MODEL, MAX_CONTEXT
 INSTANCE = {"tp": 1, "gpu_memory_utilization": 0.22}
 
 
-def two_replica_config() -> dict:
+def two_replica_config(gpu_memory_utilization: float = INSTANCE["gpu_memory_utilization"]) -> dict:
     """One 8B served by two colocated replicas (c0, c1)."""
+    inst = {**INSTANCE, "gpu_memory_utilization": gpu_memory_utilization}
     return {
         "gpu": "h100-sxm-80gb", "num_gpus": 8,
         "models": {COLOCATED_MODEL: {"preset": "llama-3-8b", "max_context_len": MAX_CONTEXT}},
         "instances": [
-            {"id": "c0", "model": COLOCATED_MODEL, "role": "colocated", "gpu_ids": [0], **INSTANCE},
-            {"id": "c1", "model": COLOCATED_MODEL, "role": "colocated", "gpu_ids": [1], **INSTANCE},
+            {"id": "c0", "model": COLOCATED_MODEL, "role": "colocated", "gpu_ids": [0], **inst},
+            {"id": "c1", "model": COLOCATED_MODEL, "role": "colocated", "gpu_ids": [1], **inst},
         ],
     }
 
@@ -63,6 +64,7 @@ class Stream:
     retry_after_ms: int | None = None
     first_token: asyncio.Event = field(default_factory=asyncio.Event)
     usage: tuple[int, int] | None = None  # (prompt, completion) tokens of the last message, once finished
+    finish: int | None = None  # the last message's finish reason
 
     async def run(self, stub, timeout_s: float = 120.0) -> None:
         try:
@@ -70,6 +72,7 @@ class Stream:
                 self.request_id = self.request_id or response.request_id
                 self.tokens.extend(response.token_ids)
                 if response.finish_reason:
+                    self.finish = response.finish_reason
                     self.usage = (response.usage.prompt_tokens, response.usage.completion_tokens)
                 if self.tokens:
                     self.first_token.set()

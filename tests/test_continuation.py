@@ -29,6 +29,7 @@ from octoserve.services.core.placement import node_config_from_dict
 from octoserve.services.core.sim_executor import sim_token_id
 from octoserve.services.faults import FaultPlan
 from octoserve.v1 import generate_pb2 as gen_pb
+from tests.fault_fixtures import Stream
 from tests.service_fixtures import COLOCATED_MODEL, DISAGG_MODEL, MAX_CONTEXT, start_inprocess_node
 
 ASYNC = pytest.mark.asyncio(loop_scope="function")
@@ -57,40 +58,17 @@ def colocated_pair(**policies) -> dict:
     }
 
 
-class Client:
+class Client(Stream):
     """One Generate call as the client saw it: tokens, the last message's usage and finish, the end status."""
 
     def __init__(self, stub, prompt: list[int], max_tokens: int, **kw) -> None:
-        self.prompt = prompt
-        self.max_tokens = max_tokens
-        self.request = gen_pb.GenerateRequest(model=kw.pop("model", COLOCATED_MODEL), token_ids=gen_pb.TokenIds(ids=prompt),
-                                              max_tokens=max_tokens, ignore_eos=True, **kw)
-        self.stub = stub
-        self.tokens: list[int] = []
-        self.request_id = ""
-        self.usage = None
-        self.finish = None
-        self.code: grpc.StatusCode | None = None
-        self.details = ""
-        self.retry_after_ms: int | None = None
-        self.first_token = asyncio.Event()
+        super().__init__(gen_pb.GenerateRequest(model=kw.pop("model", COLOCATED_MODEL),
+                                                token_ids=gen_pb.TokenIds(ids=prompt), max_tokens=max_tokens,
+                                                ignore_eos=True, **kw))
+        self.stub, self.prompt, self.max_tokens = stub, prompt, max_tokens
 
-    async def run(self) -> None:
-        try:
-            async for r in self.stub.Generate(self.request, timeout=60):
-                self.request_id = self.request_id or r.request_id
-                self.tokens.extend(r.token_ids)
-                self.first_token.set()
-                if r.finish_reason:
-                    self.finish, self.usage = r.finish_reason, (r.usage.prompt_tokens, r.usage.completion_tokens)
-            self.code = grpc.StatusCode.OK
-        except grpc.aio.AioRpcError as e:
-            self.code, self.details = e.code(), e.details() or ""
-            trailers = dict(e.trailing_metadata() or ())
-            if "retry-after-ms" in trailers:
-                self.retry_after_ms = int(trailers["retry-after-ms"])
-        finally:
-            self.first_token.set()
+    async def run(self) -> None:  # type: ignore[override]
+        await super().run(self.stub, timeout_s=60)
 
 
 def _sample(node, name: str, labels: dict) -> float:

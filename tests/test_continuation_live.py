@@ -24,8 +24,8 @@ from octoserve.services.core.sim_executor import sim_token_id
 from octoserve.services.launcher import start_node
 from octoserve.v1 import generate_pb2 as gen_pb
 from octoserve.v1 import generate_pb2_grpc as gen_grpc
-from tests.fault_fixtures import Stream, access_log, prompt, until
-from tests.service_fixtures import COLOCATED_MODEL, MAX_CONTEXT
+from tests.fault_fixtures import Stream, access_log, prompt, two_replica_config, until
+from tests.service_fixtures import COLOCATED_MODEL
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="function")]
 
@@ -35,20 +35,6 @@ MAX_TOKENS = 600
 TOKENS_AT_LOSS = 100  # the seam lands well inside every stream
 ROUTER_HUNG_AFTER_S = 3.0
 SUPERVISOR_HUNG_AFTER_S = 30.0  # the router's watchdog must find a stopped worker long before the supervisor kills it
-INSTANCE = {"tp": 1, "gpu_memory_utilization": 0.5}  # room for all 24 streams on one replica
-
-
-def _config() -> dict:
-    return {
-        "gpu": "h100-sxm-80gb", "num_gpus": 8,
-        "models": {COLOCATED_MODEL: {"preset": "llama-3-8b", "max_context_len": MAX_CONTEXT}},
-        "instances": [
-            {"id": "c0", "model": COLOCATED_MODEL, "role": "colocated", "gpu_ids": [0], **INSTANCE},
-            {"id": "c1", "model": COLOCATED_MODEL, "role": "colocated", "gpu_ids": [1], **INSTANCE},
-        ],
-    }
-
-
 def _metric(port: int, name: str, labels: dict[str, str]) -> float:
     want = ",".join(f'{k}="{v}"' for k, v in labels.items())
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as http:
@@ -59,7 +45,8 @@ def _metric(port: int, name: str, labels: dict[str, str]) -> float:
 
 
 def _start(tmp_path):
-    node = start_node(_config(), time_scale=3.0, run_dir=tmp_path, startup_timeout_s=90, grace_s=3,
+    config = two_replica_config(gpu_memory_utilization=0.5)  # room for all 24 streams on one replica
+    node = start_node(config, time_scale=3.0, run_dir=tmp_path, startup_timeout_s=90, grace_s=3,
                       router_args=("--access-log", "all", "--hung-after-s", str(ROUTER_HUNG_AFTER_S)), supervise=True)
     node.supervisor.hang_watch.hung_after_s = SUPERVISOR_HUNG_AFTER_S
     return node
