@@ -96,10 +96,12 @@ def headline(pr: ProfileResults) -> dict:
     per_model = {p: s.capacity_rps for p, s in pr.capacity_per_model.items()}
     baselines = [(per_model[p], p) for p in PER_MODEL_BASELINES if p in per_model]
     best_value, best_name = max(baselines, default=(math.nan, "-"))
+    octo = per_model.get("octoserve", math.nan)
     return {
         "capacity_per_model_rps": per_model,
         "best_baseline_per_model": (best_value, best_name),
-        "octoserve_over_best_per_model": _ratio(per_model.get("octoserve", math.nan), best_value),
+        # equal capacities are 1.00x, both zero included (then nothing passes the lowest probe on either side)
+        "octoserve_over_best_per_model": 1.0 if octo == best_value == 0 else _ratio(octo, best_value),
         "capacity_rps": cap,
         "capacity_spread": {p: s.spread() for p, s in pr.capacity.items()},
         "octoserve_over_vllm": _ratio(cap.get("octoserve", math.nan), cap.get("vllm-default", math.nan)),
@@ -117,9 +119,11 @@ def targets(pr: ProfileResults) -> list[tuple[str, float, float, str]]:
     h = headline(pr)
     worst, model, workload = h["worst_model_admitted"]
     share = batch_min_share(pr.placements[STATIC_SPLIT][1])
-    best = h["best_baseline_per_model"][1]
+    best_value, best = h["best_baseline_per_model"]
+    octo = h["capacity_per_model_rps"].get("octoserve", math.nan)
     return [
-        (f"per-model SLO capacity, octoserve / the best of {', '.join(PER_MODEL_BASELINES)} (here {best})",
+        (f"per-model SLO capacity, octoserve / the best of {', '.join(PER_MODEL_BASELINES)} "
+         f"(here {best}: {octo:.1f} vs {best_value:.1f} req/s)",
          h["octoserve_over_best_per_model"], PER_MODEL_TARGET.get(pr.cost_profile, 1.5), "{:.2f}x"),
         (f"admitted requests of each model meeting both SLOs, worst model x load (here {model}, {workload})",
          worst, 0.95, "{:.3f}"),

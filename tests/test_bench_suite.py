@@ -213,7 +213,9 @@ def test_headline_and_targets_read_the_run():
     assert verdicts == [(1.333, 1.5, False), (0.93, 0.95, False), (0.85, 0.8, True), (0.96, 0.95, True),
                         (0.15, 0.1, True), (98.0, 97.0, True), (2.5, 2.0, True)]
     pessimistic = br.targets(_profile(rows, capacity, "pessimistic", per_model))[0]
-    assert pessimistic[0].endswith("(here sarathi)") and pessimistic[2] == 1.01  # strictly above the best
+    assert pessimistic[0].endswith("(here sarathi: 8.0 vs 6.0 req/s)") and pessimistic[2] == 1.01  # strictly above
+    zero = {"octoserve": CapacitySearch(0.0, 1.0), "vllm-default": CapacitySearch(0.0, 1.0)}
+    assert br.targets(_profile(rows, capacity, "pessimistic", zero))[0][1:3] == (1.0, 1.01)  # equal: not above
     assert math.isnan(br.targets(_profile(rows, capacity))[0][1])  # no per-model search: not run
 
 
