@@ -114,6 +114,36 @@ class Node:
         self.stop()
 
 
+def reap_leftovers(proc: subprocess.Popen) -> bool:
+    """SIGKILL whatever an exited service left running. Every service starts as the leader of its own process group
+    (`_popen`: start_new_session), so what is still in that group is a child it started and never stopped: a
+    SIGKILLed vLLM worker leaves its engine core running, holding its memory (and on a GPU the device's), which a
+    restarted worker would then share with. The group's number is not reused while any member lives, so this signals
+    nothing else. True when something was left."""
+    if proc.poll() is None:
+        raise ValueError(f"process {proc.pid} is still running: stop it before reaping its group")
+    if not group_members(proc.pid):
+        return False
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:  # they exited meanwhile
+        return False
+    return True
+
+
+def group_members(pgid: int) -> list[int]:
+    """The live processes of process group `pgid` (zombies left out: they hold nothing but a process table slot)."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # it exited while we read
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(int(stat.parent.name))
+    return members
+
+
 def _stop_group(group: list[ServiceProcess], grace_s: float) -> dict[str, int]:
     """SIGTERM to every process of the group at once (one signal per process: the front inside the router is the
     router's process), then each one's exit code by name, SIGKILL past its grace."""
@@ -129,6 +159,7 @@ def _stop_group(group: list[ServiceProcess], grace_s: float) -> dict[str, int]:
         except subprocess.TimeoutExpired:
             sp.proc.kill()  # this process only, by its PID
             codes[sp.name] = sp.proc.wait()
+        reap_leftovers(sp.proc)
     return codes
 
 

@@ -145,11 +145,13 @@ class Supervisor:
             self._restart_at[name] = now + self.backoff_s[min(streak, len(self.backoff_s) - 1)]
 
     def _restart(self, sp, now: float) -> None:
-        from octoserve.services.launcher import respawn
+        from octoserve.services.launcher import reap_leftovers, respawn
 
+        old = sp.proc
+        if reap_leftovers(old):  # the dead process's own children (a vLLM engine core) go with it
+            self._emit(sp, "reaped", "killed what the exited process left running in its process group")
         self._streak[sp.name] = self._streak.get(sp.name, 0) + 1
         self._emit(sp, "restarting", f"port {sp.port}, restart {self._streak[sp.name]} in a row")
-        old = sp.proc
         respawn(sp)
         for other in self.node.processes:  # entries served by the same process follow it
             if other is not sp and other.proc is old:

@@ -9,7 +9,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from octoserve.services.launcher import ServiceProcess, _popen
+from octoserve.services.launcher import ServiceProcess, _popen, group_members
 from octoserve.services.supervisor import Supervisor
 
 
@@ -75,3 +75,74 @@ def test_a_restarted_service_is_reported_ready_and_a_stopped_supervisor_restarts
         if sp.proc.poll() is None:
             sp.proc.kill()
             sp.proc.wait()
+
+
+# A service that starts a child and dies without stopping it (as a SIGKILLed vLLM worker leaves its engine core).
+ORPHANING = ("import subprocess, sys; "
+             "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+             "open(sys.argv[1], 'a').write(f'{child.pid}\\n'); sys.exit(9)")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def _wait_gone(pid: int, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return not _alive(pid)
+
+
+def test_reap_leftovers_kills_what_an_exited_service_left_in_its_process_group(tmp_path):
+    from octoserve.services.launcher import reap_leftovers
+
+    pid_file = tmp_path / "child.pid"
+    proc = _popen((sys.executable, "-c", ORPHANING, str(pid_file)), tmp_path / "svc.log", None)
+    assert proc.wait(timeout=30) == 9
+    child = int(pid_file.read_text())
+    assert _alive(child) and group_members(proc.pid) == [child]  # outlived its parent, in its process group
+    assert reap_leftovers(proc) is True
+    assert _wait_gone(child)
+    assert reap_leftovers(proc) is False  # nothing left the second time
+
+
+def test_reap_leftovers_refuses_a_running_process(tmp_path):
+    import pytest
+
+    from octoserve.services.launcher import reap_leftovers
+
+    proc = _popen((sys.executable, "-c", "import time; time.sleep(30)"), tmp_path / "svc.log", None)
+    try:
+        with pytest.raises(ValueError, match=f"process {proc.pid} is still running: stop it before reaping its group"):
+            reap_leftovers(proc)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_the_supervisor_kills_a_dead_services_leftovers_before_restarting_it(tmp_path):
+    from octoserve.services.launcher import reap_leftovers
+
+    pid_file = tmp_path / "child.pid"
+    cmd = (sys.executable, "-c", ORPHANING, str(pid_file))
+    sp = ServiceProcess("worker:x", _popen(cmd, tmp_path / "x.log", None), tmp_path / "x.ready.json",
+                        tmp_path / "x.log", port=4321, cmd=cmd)
+    sup = Supervisor(_Node([sp]), backoff_s=(0.05,), max_restarts=1, stable_s=60)
+    sup.start()
+    try:
+        deadline = time.monotonic() + 30
+        while sup.gave_up is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        sup.stop()
+    kinds = [e.event for e in sup.events]
+    assert kinds == ["exited", "reaped", "restarting", "exited", "gave_up"]
+    first, second = (int(line) for line in pid_file.read_text().split())
+    assert _wait_gone(first)  # reaped before the restart
+    assert _alive(second) and reap_leftovers(sp.proc)  # given up on: the node's stop reaps the last one's group
+    assert _wait_gone(second)
