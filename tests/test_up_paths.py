@@ -39,6 +39,8 @@ class _Stop(Exception):
 
 
 class _NoProcess:
+    pid = (1 << 22) + 1  # above the kernel's largest pid: no process group has this number
+
     def poll(self):
         return 0
 

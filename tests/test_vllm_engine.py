@@ -374,7 +374,7 @@ def test_make_vllm_engine_from_an_instance_config(tmp_path, monkeypatch):
     assert (engine.instance_id, engine.model, engine.role) == ("sm-d0", "llama-3-8b", Role.DECODE)
     assert engine._engine_kwargs == dict(
         tensor_parallel_size=1, max_model_len=2048, max_num_seqs=32, max_num_batched_tokens=512,
-        enable_prefix_caching=True, kv_cache_memory_bytes=1 << 30, dtype="auto", seed=0)
+        enable_prefix_caching=True, kv_cache_memory_bytes=1 << 30, dtype="auto", seed=0, load_format="auto")
     assert engine._kv == KvTransfer(storage_path=str(tmp_path / "kv" / "llama-3-8b"))  # one folder per model
     with pytest.raises(ValueError, match="max_num_batched_tokens >= max_model_len"):
         make_vllm_engine({**{"id": "p", "model": "m", "role": "prefill"}, "max_num_batched_tokens": 512},
