@@ -25,16 +25,20 @@ def _service(tmp_path, name: str, code: str) -> ServiceProcess:
     return sp
 
 
-def test_a_crash_looping_service_is_restarted_with_backoff_then_given_up(tmp_path):
-    sp = _service(tmp_path, "worker:x", "import sys; sys.exit(3)")
-    sup = Supervisor(_Node([sp]), backoff_s=(0.05, 0.1), max_restarts=3, stable_s=60)
+def _run_until_given_up(sup: Supervisor, timeout_s: float = 30.0) -> None:
     sup.start()
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + timeout_s
         while sup.gave_up is None and time.monotonic() < deadline:
             time.sleep(0.05)
     finally:
         sup.stop()
+
+
+def test_a_crash_looping_service_is_restarted_with_backoff_then_given_up(tmp_path):
+    sp = _service(tmp_path, "worker:x", "import sys; sys.exit(3)")
+    sup = Supervisor(_Node([sp]), backoff_s=(0.05, 0.1), max_restarts=3, stable_s=60)
+    _run_until_given_up(sup)
     assert sup.gave_up == "worker:x"
     kinds = [e.event for e in sup.events]
     assert kinds == ["exited", "restarting"] * 3 + ["exited", "gave_up"]
@@ -133,13 +137,7 @@ def test_the_supervisor_kills_a_dead_services_leftovers_before_restarting_it(tmp
     sp = ServiceProcess("worker:x", _popen(cmd, tmp_path / "x.log", None), tmp_path / "x.ready.json",
                         tmp_path / "x.log", port=4321, cmd=cmd)
     sup = Supervisor(_Node([sp]), backoff_s=(0.05,), max_restarts=1, stable_s=60)
-    sup.start()
-    try:
-        deadline = time.monotonic() + 30
-        while sup.gave_up is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-    finally:
-        sup.stop()
+    _run_until_given_up(sup)
     kinds = [e.event for e in sup.events]
     assert kinds == ["exited", "reaped", "restarting", "exited", "gave_up"]
     first, second = (int(line) for line in pid_file.read_text().split())

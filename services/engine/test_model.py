@@ -165,15 +165,10 @@ def build_test_model(
     max_position: int = 2048,
 ) -> Path:
     """Write the model folder and return its path. Safe to call again on the same folder (overwrites)."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    out, tok, ids = _start_model_dir(out_dir, vocab, seed)
     import torch
     from transformers import GenerationConfig, LlamaForCausalLM
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tok = build_tokenizer(vocab, seed)
-    ids = {"bos": tok.token_to_id(BOS_TOKEN), "eos": tok.token_to_id(EOS_TOKEN), "pad": tok.token_to_id(PAD_TOKEN)}
     config = _llama_config(hidden, layers, heads, kv_heads, vocab, max_position, ids)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(torch.float32)
@@ -182,6 +177,17 @@ def build_test_model(
     GenerationConfig(bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"]).save_pretrained(out)
     _write_tokenizer_files(out, tok, max_position)
     return out
+
+
+def _start_model_dir(out_dir: str | os.PathLike, vocab: int, seed: int):
+    """(folder, tokenizer, its special ids) for a model folder about to be written; offline Hugging Face."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer(vocab, seed)
+    ids = {"bos": tok.token_to_id(BOS_TOKEN), "eos": tok.token_to_id(EOS_TOKEN), "pad": tok.token_to_id(PAD_TOKEN)}
+    return out, tok, ids
 
 
 def build_shape_only_model(
@@ -201,14 +207,9 @@ def build_shape_only_model(
     """A model folder with config.json, generation_config.json and a locally trained tokenizer of exactly `vocab`
     ids, but no weight files: for vLLM's `load_format="dummy"` (random weights of the config's shape, drawn by the
     engine), so a real shape such as Llama-3-8B's is timed without writing 16 GB of weights."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    out, tok, ids = _start_model_dir(out_dir, vocab, seed)
     from transformers import GenerationConfig
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tok = build_tokenizer(vocab, seed)
-    ids = {"bos": tok.token_to_id(BOS_TOKEN), "eos": tok.token_to_id(EOS_TOKEN), "pad": tok.token_to_id(PAD_TOKEN)}
     config = _llama_config(hidden, layers, heads, kv_heads, vocab, max_position, ids, intermediate=intermediate,
                            rope_theta=rope_theta, dtype=dtype)
     config.architectures = ["LlamaForCausalLM"]
