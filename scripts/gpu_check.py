@@ -424,7 +424,7 @@ def harness_argv(s: Settings, out: Path, side: str, base_url: str, rate: str, se
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,95",
             "--goodput", f"ttft:{s.ttft_slo_ms:g}", f"tpot:{s.tpot_slo_ms:g}", "--num-warmups", "2",
             "--save-result", "--result-dir", str(out / "bench"), "--result-filename", f"{side}-{rate}.json",
-            "--disable-tqdm"]
+            "--save-detailed", "--disable-tqdm"]
     if rate == "isolated":
         return argv + ["--num-prompts", str(s.isolated_requests), "--max-concurrency", "1", "--request-rate", "inf"]
     return argv + ["--num-prompts", str(num_requests(s, rate)), "--request-rate", rate]
@@ -469,8 +469,20 @@ def run_harness(s: Settings, out: Path, side: str, base_url: str) -> dict:
         if not result.exists():
             raise RuntimeError(f"vllm bench serve wrote no result for {side} at {rate}; see logs/{log.name}")
         full = json.loads(result.read_text())
-        rows[rate] = {"num_requests": num_requests(s, rate), **{key: full.get(key) for _, key in BENCH_METRICS}}
+        rows[rate] = {"num_requests": num_requests(s, rate), **{key: full.get(key) for _, key in BENCH_METRICS},
+                      "failures": failure_reasons(full.get("errors") or [])}
     return rows
+
+
+def failure_reasons(errors: list) -> dict[str, int]:
+    """Failed requests by their error's first line: the HTTP reason for a refusal ("Too Many Requests" is load
+    shed with a Retry-After, as octoserve does under overload), the exception for anything else."""
+    reasons: dict[str, int] = {}
+    for error in errors:
+        if error:
+            reason = error.strip().splitlines()[-1] if "Traceback" in error else error.strip().splitlines()[0]
+            reasons[reason] = reasons.get(reason, 0) + 1
+    return reasons
 
 
 def bench_side(s: Settings, out: Path, say: Progress, side: str, timeout_s: float) -> dict:
@@ -730,6 +742,10 @@ def _bench_md(d: dict) -> list[str]:
             a, b = o[rate].get(key), v[rate].get(key)
             ratio = f"{a / b:.2f}" if a is not None and b else ""
             out.append(f"| {rate} | {label} | {_num(a)} | {_num(b)} | {ratio} |")
+        for side, row in (("octoserve", o[rate]), ("vLLM", v[rate])):
+            for reason, count in row.get("failures", {}).items():
+                out.append(f"| {rate} | failed: {reason} | {count if side == 'octoserve' else ''} "
+                           f"| {count if side == 'vLLM' else ''} | |")
     return out
 
 

@@ -109,8 +109,14 @@ def test_dry_run_bench_rows_and_ratios(dry_run):
         assert list(bench["runs"][side]) == bench["rates"]
         for rate, row in bench["runs"][side].items():
             assert row["num_requests"] == gpu_check.num_requests(gpu_check.DRY, rate)
-            assert row["completed"] == row["num_requests"] and row["failed"] == 0, (side, rate)
+            assert row["completed"] + row["failed"] == row["num_requests"], (side, rate)
+            assert sum(row["failures"].values()) == row["failed"], (side, rate, row["failures"])
             assert row["median_ttft_ms"] > 0 and row["output_throughput"] > 0
+            if rate == bench["rates"][-1] and side == "octoserve":
+                # Into overload octoserve may shed load: a refusal with Retry-After, never another error.
+                assert set(row["failures"]) <= {"Too Many Requests"}, row["failures"]
+            else:
+                assert row["failed"] == 0, (side, rate, row["failures"])
     summary = bench["summary"]
     assert summary["isolated_ttft_p50_ratio"] > 0 and set(summary["throughput_ratio"]) == {"4", "32"}
     assert summary["overload_rate"] == "32" and set(summary["overload_goodput"]) == {"octoserve", "vllm"}
@@ -134,3 +140,9 @@ def test_dry_run_report_has_a_table_per_stage(dry_run):
                     "## octoserve vs bare vLLM (vllm bench serve)", "## Prefill -> decode hand-off"):
         assert heading in md
     assert "| 200 | yes |" in md and "| 300 | yes |" in md
+
+
+def test_failure_reasons_name_the_refusal_or_the_exception():
+    errors = [None, "", "Too Many Requests", "Too Many Requests",
+              "Traceback (most recent call last):\n  File \"x.py\", line 1, in f\nClientConnectorError: refused"]
+    assert gpu_check.failure_reasons(errors) == {"Too Many Requests": 2, "ClientConnectorError: refused": 1}
