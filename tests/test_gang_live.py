@@ -87,6 +87,9 @@ async def test_gang_members_step_only_on_grants_and_never_overlap():
         assert stats.num_lm_steps == len(lm_steps)
         assert stats.num_sm_steps == len(sm_steps)
         assert stats.num_switches >= 2
+        # Grants say when the other side had work, and the engines' load reports follow (shared-step rates).
+        for iid in ("lm-0", "sm-0"):
+            assert 0 < gates[iid].num_shared_grants <= gates[iid].num_grants
         figures = servicer.gang.stats()["lm-0"]
         assert figures["lm_steps"] == len(lm_steps) and figures["decisions"] > 0
     finally:

@@ -564,6 +564,12 @@ class Batcher:
         spare_s = (cap_s - base_s) * CAP_MARGIN
         return num_decodes + max(0, int(spare_s / cfg.prefill_s_per_token + 1e-9))
 
+    def capped_prefill_tokens(self, cap_s: float) -> int:
+        """Prefill tokens a step capped at `cap_s` carries beside the running decodes (a gang member's shared step,
+        as `schedule(step_cap_s=...)` cuts it; 0 when the decodes alone fill the cap)."""
+        d = self._num_decodes
+        return max(0, min(self._capped_budget(d, cap_s, 0.0), self.config.max_num_batched_tokens) - d)
+
     def step_floor_s(self) -> float:
         """The shortest step this batcher can run now: its running decodes alone (0 with none), by the step model."""
         decodes, prefills = self._split_running()

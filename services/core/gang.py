@@ -10,6 +10,7 @@ The adapter's loop (the simulator and the live scheduler run the same one):
     d = arbiter.decide(now, lm_view, sm_views)      # at every boundary: a step ended, work arrived
     if d.run_lm: run one LM step within d.lm_cap_s;               arbiter.started(lm_id, now, step_s, d.lm_cap_s)
     for sm, cap_s in d.sm_starts: run one step of sm within cap_s; arbiter.started(sm, now, step_s, cap_s)
+    (d.lm_shared / d.sm_shared: the other side had work; the member's load report turns to shared rates)
     a member told to start that plans nothing:                     arbiter.nothing_to_run(member_id)
     when a step ends:                                              arbiter.finished(member_id, now); decide again
 
@@ -148,6 +149,10 @@ class Decision:
     lm_cap_s: float = 0.0  # with run_lm: the LM step must end within this
     sm_starts: tuple[tuple[str, float], ...] = ()  # (SM id, cap s): the SMs that start a step now
     fills: bool = False  # those SM steps only fill the barrier while the group drains toward a lease
+    # Whether the other side had work at this decision: the started steps take turns with its steps (a member's
+    # load report then gives the rates of shared steps, services/core/instance.py GangShare).
+    lm_shared: bool = False
+    sm_shared: bool = False
 
     @property
     def start_sm_ids(self) -> tuple[str, ...]:
@@ -210,7 +215,7 @@ class GangArbiter:
         if self.holder is Holder.LM:
             cap = self._lm_cap(now, sm_work)
             if lm.has_work and cap >= lm.min_step_s - _EPS and self._lm_may_continue(now, lm, sm_work):
-                return Decision(run_lm=True, lm_cap_s=cap)
+                return Decision(run_lm=True, lm_cap_s=cap, lm_shared=bool(sm_work))
             stall_cap = self._lm_cap(now, sm_work, horizon=False)
             self._switch(now, Holder.SM, forced=lm.has_work and stall_cap < lm.min_step_s - _EPS)
         if not lm.has_work:
@@ -222,7 +227,7 @@ class GangArbiter:
         if self.draining and not any(self._busy(s) for s in self.sm_ids):
             self._note_barrier(now)
             self._switch(now, Holder.LM, self._drain_forced)
-            return Decision(run_lm=True, lm_cap_s=self._lm_cap(now, sm_work))
+            return Decision(run_lm=True, lm_cap_s=self._lm_cap(now, sm_work), lm_shared=bool(sm_work))
         return self._sm_starts(now, lm, sm_work)
 
     def started(self, member_id: str, now: float, step_s: float, cap_s: float) -> None:
@@ -391,13 +396,13 @@ class GangArbiter:
             cap = self.barrier_end_s(now) - now
             starts = tuple((s.member_id, cap) for s in idle if s.min_step_s <= cap + _EPS and cap > _EPS)
             self.stats.num_fill_steps += len(starts)
-            return Decision(sm_starts=starts, fills=bool(starts))
+            return Decision(sm_starts=starts, fills=bool(starts), sm_shared=lm.has_work and bool(starts))
         starts = []
         for s in idle:
             cap = self._sm_cap(now, lm, s.min_step_s)
             if s.min_step_s <= cap + _EPS:
                 starts.append((s.member_id, cap))
-        return Decision(sm_starts=tuple(starts))
+        return Decision(sm_starts=tuple(starts), sm_shared=lm.has_work and bool(starts))
 
     def _urgent(self, now: float, lm: MemberView, sm_work: Sequence[MemberView]) -> tuple[bool, bool]:
         """(LM urgent, SMs urgent): a side's latest start falls within the other side's step floor plus

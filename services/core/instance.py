@@ -6,6 +6,7 @@ either clock: one policy, two clocks.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from octoserve.services.core.batcher import FREE_STEP_SHARE, Batcher, BatcherConfig
@@ -16,6 +17,7 @@ from octoserve.services.core.slo_sizing import CHUNK_QUANTUM, TAIL_SIZING_BELOW,
 from octoserve.services.core.types import EngineLoad, StepPlan
 
 EOS_TOKEN_ID = 2
+SHARED_HOLD_S = 1.0  # a gang member reports shared rates this long after the other side last had work at a grant
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +111,29 @@ def gang_duty(node: NodeConfig, instance: InstanceConfig) -> float:
     return node.step_itl_ms(instance) / node.slo.for_model(instance.model).itl_ms
 
 
+@dataclass(frozen=True, slots=True)
+class GangShare:
+    """What a gang member gets of its GPUs while the other side of its group has work: its steps are capped at
+    `own_cap_s` and each is followed by one of the other side's, capped at `other_cap_s` (the policy's shared-step
+    caps, `GangPolicy.lm/sm_shared_step_ms`); `duty` is its step share, used where the policy sets no caps. While
+    the other side has no work the member steps alone, in full."""
+
+    duty: float
+    own_cap_s: float
+    other_cap_s: float
+
+
+def gang_share(node: NodeConfig, instance: InstanceConfig) -> GangShare | None:
+    """The member's GangShare; None outside a gang group."""
+    group = node.gang.group_of(instance.id) if node.gang else None
+    if group is None:
+        return None
+    policy = node.gang.policy
+    lm_s, sm_s = policy.lm_shared_step_ms / 1e3, policy.sm_shared_step_ms / 1e3
+    own, other = (lm_s, sm_s) if instance.id == group.lm else (sm_s, lm_s)
+    return GangShare(gang_duty(node, instance), own, other)
+
+
 class LoadReporter:
     """EngineLoad snapshots of one sim instance: the batcher's state plus rates from the cost model.
 
@@ -122,16 +147,31 @@ class LoadReporter:
     EMA = 0.2  # weight of the newest decode step
     CONTEXT_TOKENS = 1200  # typical decode context for the rate estimate
 
-    def __init__(self, instance_id: str, model: str, batcher: Batcher, cost: CostModel, duty: float = 1.0) -> None:
-        # duty: the share of its GPUs' time the instance gets (a gang member's step share; 1.0 alone), which
-        # scales the prefill rate it reports, so the router predicts TTFT on a time-shared GPU honestly.
-        self.duty = duty
+    def __init__(self, instance_id: str, model: str, batcher: Batcher, cost: CostModel,
+                 gang: GangShare | None = None) -> None:
+        # gang: what the instance gets of its GPUs while it shares them (a gang member); `shared`: whether the other
+        # side of its group had work at a grant within the last SHARED_HOLD_S (`note_grant`, called by the gang
+        # adapter: the simulator's or the live gate): shared, the rates it reports are those of capped steps
+        # taking turns with the other side's.
+        self.gang = gang
+        self.shared = False
+        self._shared_at_s = -math.inf
         self.instance_id = instance_id
         self.model = model
         self.batcher = batcher
         self.cost = cost
         self.decode_step_time_s = cost.decode_step_time_s(1, self.CONTEXT_TOKENS)
         self._prefill_rate: dict[int, float] = {}  # running requests -> tokens/s
+
+    def note_grant(self, now_s: float, shared: bool) -> None:
+        """A gang grant at `now_s`; `shared`: the other side of the group had work. Shared reports hold for
+        SHARED_HOLD_S after the last shared grant: the other side's work comes and goes between two grants (an LM
+        decoding a few requests), and a prompt admitted in a lull prefills beside it."""
+        if shared:
+            self._shared_at_s = now_s
+            self.shared = True
+        elif now_s - self._shared_at_s >= SHARED_HOLD_S:
+            self.shared = False
 
     def note_step(self, plan: StepPlan, step_time_s: float) -> None:
         if plan.chunks:
@@ -152,18 +192,37 @@ class LoadReporter:
             budget = max(b.step_budget(num_running), min(ceiling, b.free_budget(num_running)))
             chunk = max(CHUNK_QUANTUM, budget - num_running)
             step_s = self.cost.step_time_s([(chunk, 0)] + [(1, self.CONTEXT_TOKENS)] * num_running)
-            rate = self._prefill_rate[num_running] = self.duty * chunk / step_s
+            rate = self._prefill_rate[num_running] = chunk / step_s
         return rate
 
     def load(self) -> EngineLoad:
         b = self.batcher
         n = b.num_running
+        if self.gang is not None and self.shared:
+            return self._shared_load()
         if b.config.tpot_target_s > 0:  # the batcher's own step model: the rates it plans with (`_needs_long`)
-            rate = self.duty * (b.free_prefill_tokens_per_s() or self.prefill_tokens_per_s(n))
-            long_rate = self.duty * b.long_prefill_tokens_per_s()
-            long_wait = b.long_step_wait_s() / self.duty if long_rate > 0 else 0.0
-            burst, sustained = b.long_burst_tokens(), self.duty * b.long_sustained_tokens_per_s()
+            rate = b.free_prefill_tokens_per_s() or self.prefill_tokens_per_s(n)
+            long_rate = b.long_prefill_tokens_per_s()
+            long_wait = b.long_step_wait_s() if long_rate > 0 else 0.0
+            burst, sustained = b.long_burst_tokens(), b.long_sustained_tokens_per_s()
         else:
             rate, long_rate, long_wait = self.prefill_tokens_per_s(n), 0.0, 0.0
             burst, sustained = 0.0, 0.0
         return b.load(self.instance_id, self.model, rate, self.decode_step_time_s, long_rate, long_wait, burst, sustained)
+
+    def _shared_load(self) -> EngineLoad:
+        """The snapshot of a gang member whose group's other side has work: each of its steps is capped and
+        followed by one of the other side's, so a prompt gets the prefill tokens a capped step carries beside the
+        running decodes once per cycle (its cap plus the other side's), a running request one token per cycle, and
+        no step runs past the cap (no long steps). A policy without shared-step caps: the step share (`duty`) of
+        the rates of steps alone."""
+        b, share = self.batcher, self.gang
+        assert share is not None
+        if share.own_cap_s <= 0 or share.other_cap_s <= 0:
+            n = b.num_running
+            rate = share.duty * (b.free_prefill_tokens_per_s() or self.prefill_tokens_per_s(n))
+            return b.load(self.instance_id, self.model, rate, self.decode_step_time_s / share.duty, 0.0, 0.0, 0.0, 0.0)
+        chunk = b.capped_prefill_tokens(share.own_cap_s)
+        rate = chunk / (share.own_cap_s + share.other_cap_s)
+        cadence_s = self.decode_step_time_s + share.other_cap_s
+        return b.load(self.instance_id, self.model, rate, cadence_s, 0.0, 0.0, 0.0, 0.0)

@@ -52,13 +52,13 @@ def make_engine(
 
 def make_sim_engine(node_cfg: Any, instance: Any, *, time_scale: float = 1.0) -> Engine:
     """A SimEngine built from the same parts the discrete-event simulator uses (octoserve.services.core.instance)."""
-    from octoserve.services.core.instance import gang_duty, instance_parts
+    from octoserve.services.core.instance import gang_share, instance_parts
     from octoserve.services.engine.sim_engine import SimEngine
 
     parts = instance_parts(node_cfg, instance)
     engine = SimEngine(
         instance.id, instance.model, parts.batcher_config, parts.new_kv(instance), parts.cost_model,
-        time_scale=time_scale, duty=gang_duty(node_cfg, instance),
+        time_scale=time_scale, gang=gang_share(node_cfg, instance),
     )
     engine.batcher_config_for = lambda role: instance_parts(
         node_cfg, dataclasses.replace(instance, role=role), parts.cost_model).batcher_config

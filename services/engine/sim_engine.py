@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator, Callable
 from octoserve.services.core.batcher import Batcher, BatcherConfig
 from octoserve.services.core.reconfig import in_place_role
 from octoserve.services.core.cost_model import CostModel
-from octoserve.services.core.instance import LoadReporter
+from octoserve.services.core.instance import GangShare, LoadReporter
 from octoserve.services.core.kv_cache import KVCacheManager
 from octoserve.services.core.sim_executor import SimExecutor
 from octoserve.services.core.types import EngineLoad, FinishReason, RequestOutput, RequestSpec, Role
@@ -44,7 +44,7 @@ class SimEngine:
         cost_model: CostModel,
         *,
         time_scale: float = 1.0,
-        duty: float = 1.0,
+        gang: GangShare | None = None,
     ) -> None:
         if time_scale <= 0:
             raise ValueError(f"time_scale must be > 0, got {time_scale}")
@@ -55,7 +55,7 @@ class SimEngine:
         self.batcher = Batcher(batcher_config, kv)
         self.cost_model = cost_model
         self.executor = SimExecutor(cost_model, kv.block_size, batcher_config.eos_token_id)
-        self.reporter = LoadReporter(instance_id, model, self.batcher, cost_model, duty)
+        self.reporter = LoadReporter(instance_id, model, self.batcher, cost_model, gang)
         self.gate = None  # a gang member's step gate (GangGate): set before start()
         # role -> this instance's batcher config in that role (services/engine/factory.py), for in-place changes
         self.batcher_config_for: Callable[[Role], BatcherConfig] | None = None
@@ -129,6 +129,8 @@ class SimEngine:
             else:
                 cap_s = await self.gate.turn(self.batcher, self._wakeup)
             start = loop.time()
+            if self.gate is not None:  # the latest grant's: the other side had work (GangShare: shared-step rates)
+                self.reporter.note_grant(start / self.time_scale, self.gate.shared)
             plan = self.batcher.schedule(start / self.time_scale, cap_s)
             if plan.is_empty and not self.batcher.has_pending_outputs:  # nothing fits the cap, or all wait on KV
                 self._wakeup.clear()

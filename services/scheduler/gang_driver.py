@@ -44,9 +44,9 @@ class GangMember(Protocol):
     def view(self) -> MemberView:
         """Its state at this boundary (work, step floor, earliest deadline), in virtual seconds."""
 
-    async def start(self, cap_s: float) -> float | None:
+    async def start(self, cap_s: float, shared: bool = False) -> float | None:
         """Begin one arbiter step that ends within `cap_s` (virtual s); its planned length, or None if it has
-        nothing to run."""
+        nothing to run. `shared`: the other side of the group had work (the member reports shared rates)."""
 
     async def wait_end(self) -> None:
         """Return when the started step has ended (the member is idle at an iteration boundary)."""
@@ -118,7 +118,8 @@ class GangDriver:
             if not starts:
                 self._ended_at = None  # what follows waits on the arbiter (a barrier, no work), not on the loop
                 return
-            steps = await asyncio.gather(*(m.start(cap) for m, cap in starts))
+            steps = await asyncio.gather(*(m.start(cap, d.lm_shared if m is self._lm else d.sm_shared)
+                                           for m, cap in starts))
             if self._ended_at is not None:
                 self.stats.latencies_s.append((asyncio.get_running_loop().time() - self._ended_at) / self.time_scale)
                 self._ended_at = None

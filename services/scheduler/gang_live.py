@@ -67,7 +67,10 @@ class GangGate:
         self.time_scale = time_scale
         self._scheduler = scheduler
         self._out: asyncio.Queue[s_pb.GangReport] = asyncio.Queue()
-        self._grants: asyncio.Queue[float] = asyncio.Queue()
+        self._grants: asyncio.Queue[s_pb.GangGrant] = asyncio.Queue()
+        self.shared = False  # the latest grant's: the other side of the group had work (shared-step load reports)
+        self.num_grants = 0
+        self.num_shared_grants = 0
         self._channel: grpc.aio.Channel | None = None
         self._reader: asyncio.Task | None = None
         self._began: float | None = None
@@ -91,7 +94,7 @@ class GangGate:
 
         async def read() -> None:
             async for grant in stream:
-                self._grants.put_nowait(grant.cap_s)
+                self._grants.put_nowait(grant)
 
         self._reader = asyncio.create_task(read(), name=f"gang-gate-{self.instance_id}")
 
@@ -108,7 +111,7 @@ class GangGate:
             done, _ = await asyncio.wait([grant, woken, self._reader], return_when=asyncio.FIRST_COMPLETED)
             woken.cancel()
             if grant in done:
-                return grant.result()
+                return self._granted(grant.result())
             grant.cancel()
             if self._reader in done:  # the scheduler went away: rejoin (its restart), never step ungated
                 log.warning("gang stream ended; rejoining", extra={"fields": {"instance": self.instance_id}})
@@ -125,9 +128,15 @@ class GangGate:
         done, _ = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
         woken.cancel()
         if grant in done:
-            return grant.result()
+            return self._granted(grant.result())
         grant.cancel()
         return None  # new work, or the stream ended (the next `turn` rejoins)
+
+    def _granted(self, grant: s_pb.GangGrant) -> float:
+        self.shared = grant.shared
+        self.num_grants += 1
+        self.num_shared_grants += grant.shared
+        return grant.cap_s
 
     def started(self, step_s: float) -> None:
         self._began = asyncio.get_running_loop().time()
@@ -209,12 +218,12 @@ class RemoteStepMember:
     def view(self) -> MemberView:
         return self._view
 
-    async def start(self, cap_s: float) -> float | None:
+    async def start(self, cap_s: float, shared: bool = False) -> float | None:
         if not self.connected or self._grants is None:
             return None
         self._ended.clear()
         self._started = asyncio.get_running_loop().create_future()
-        self._grants.put_nowait(s_pb.GangGrant(cap_s=cap_s))
+        self._grants.put_nowait(s_pb.GangGrant(cap_s=cap_s, shared=shared))
         return await self._started
 
     async def wait_end(self) -> None:

@@ -86,7 +86,7 @@ class EngineSliceMember:
     def view(self) -> MemberView:
         return MemberView(self.member_id, self._num_active > 0, self.min_slice_s)
 
-    async def start(self, cap_s: float) -> float | None:
+    async def start(self, cap_s: float, shared: bool = False) -> float | None:
         if self._num_active == 0:
             return None
         length_s = max(self.min_slice_s, min(self.slice_s, cap_s) - self.stop_margin_s)

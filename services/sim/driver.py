@@ -41,7 +41,7 @@ from mypy_extensions import mypyc_attr
 
 from octoserve.services.core.batcher import Batcher, CompactOutputs, CompactStep, Request, RequestStatus
 from octoserve.services.core.continuation import continuation_spec, may_continue
-from octoserve.services.core.instance import LoadReporter, gang_duty, instance_parts
+from octoserve.services.core.instance import LoadReporter, gang_share, instance_parts
 from octoserve.services.core.placement import InstanceConfig, NodeConfig
 from octoserve.services.core.sim_executor import SimExecutor
 from octoserve.services.core.steady_batcher import SteadyBatcher
@@ -68,7 +68,7 @@ FAST_PATH_ENV = "OCTOSERVE_SIM_FAST"  # "0" turns the simulator's fast path off 
 
 class _Instance:
     __slots__ = ("cfg", "batcher", "executor", "cost", "reporter", "busy", "busy_s", "steps", "_load", "_load_version",
-                 "_load_free", "_load_decode_s")
+                 "_load_free", "_load_decode_s", "_load_shared")
 
     def __init__(self, node: NodeConfig, cfg: InstanceConfig, steady: bool = False) -> None:
         parts = instance_parts(node, cfg)
@@ -80,7 +80,7 @@ class _Instance:
         self.cost = parts.cost_model
         # A SimExecutor, or a wrapper of one that offers only `execute` (services/cluster/sim.py squeezes steps)
         self.executor: Any = SimExecutor(self.cost, cfg.block_size, parts.batcher_config.eos_token_id)
-        self.reporter = LoadReporter(cfg.id, cfg.model, self.batcher, self.cost, gang_duty(node, cfg))
+        self.reporter = LoadReporter(cfg.id, cfg.model, self.batcher, self.cost, gang_share(node, cfg))
         self.busy = False
         self.busy_s = 0.0  # modelled GPU-busy seconds so far
         self.steps = 0
@@ -89,6 +89,7 @@ class _Instance:
         self._load_version = -1
         self._load_free = -1
         self._load_decode_s = 0.0
+        self._load_shared = False
 
     def load(self) -> EngineLoad:
         return self.reporter.load()
@@ -96,13 +97,17 @@ class _Instance:
     def cached_load(self) -> EngineLoad:
         """`load()`, reused while nothing it reads has changed: every arrival asks every instance of its model,
         and several arrivals fall inside one step. The key covers all of the snapshot's inputs: the batcher's
-        state version (bumped by each of its mutating calls), its free KV blocks, and the reporter's decode EMA."""
+        state version (bumped by each of its mutating calls), its free KV blocks, the reporter's decode EMA and its
+        gang-shared flag."""
         batcher = self.batcher
         version, free, decode_s = batcher.state_version, batcher.kv.num_free_blocks, self.reporter.decode_step_time_s
+        shared = self.reporter.shared
         load = self._load
-        if load is None or version != self._load_version or free != self._load_free or decode_s != self._load_decode_s:
+        if (load is None or version != self._load_version or free != self._load_free or decode_s != self._load_decode_s
+                or shared != self._load_shared):
             load = self._load = self.reporter.load()
             self._load_version, self._load_free, self._load_decode_s = version, free, decode_s
+            self._load_shared = shared
         return load
 
 

@@ -86,6 +86,7 @@ class GangGroupSim:
                 self._note_lease_start(now)
             blocked_any = False
             for inst, cap in starts:
+                inst.reporter.note_grant(now, d.lm_shared if inst is self.lm else d.sm_shared)
                 step_s = self._start_step(inst, cap)
                 if step_s is None:
                     self.arbiter.nothing_to_run(inst.cfg.id)
