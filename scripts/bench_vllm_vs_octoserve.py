@@ -18,6 +18,13 @@ arrival window. Refused requests (octoserve's early RESOURCE_EXHAUSTED) count ag
 Invariants: loopback only; the two servers never run at once (memory); every process this script starts is
 stopped by its PID; bounded (request count, per-request timeout, start timeouts); seeded, so two runs send the
 same traces.
+
+`--pin` holds the engine's CPU equal, as scripts/ttft_pinned.py does (helpers in scripts/pinning.py): this script
+(the load-generating client, all its threads) runs on core 1; on the vLLM side the API server's whole process tree
+(API server, engine core, model runner) goes to core 0; on the octoserve side the vLLM worker's tree (octoserve's
+worker, vLLM's engine core, model runner) goes to core 0 and the router and scheduler to core 1. Every thread is
+pinned right after start-up, again after the warm-up and before each rate (threads inherit it, processes spawned
+later may not), printing how many; the report and the saved outcomes say whether the run was pinned.
 """
 
 from __future__ import annotations
@@ -38,6 +45,9 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(REPO_ROOT / "scripts"))  # pinning.py
+
+from pinning import ENGINE_CORE, OTHER_CORE, pin_self, pin_tree  # noqa: E402
 
 MODEL_NAME = "tiny-llama"  # the served name in tiny-vllm.yaml; vLLM's server gets the same one
 TINY_CONFIG = REPO_ROOT / "services" / "configs" / "tiny-vllm.yaml"
@@ -261,15 +271,42 @@ def warmup_trace(prompt_len: int) -> list[Req]:
             for i in range(4)]
 
 
+def pin_vllm_side(args, proc: subprocess.Popen, when: str) -> None:
+    """--pin: the vLLM API server's process tree (API server, engine core, model runner) on ENGINE_CORE, this client
+    on OTHER_CORE; prints how many threads each got."""
+    if not args.pin:
+        return
+    engine = pin_tree(proc.pid, ENGINE_CORE)
+    client = pin_self(OTHER_CORE)
+    print(f"vllm pin {when}: {engine} vLLM server-tree threads to core {ENGINE_CORE}, {client} client threads to "
+          f"core {OTHER_CORE}", file=sys.stderr, flush=True)
+
+
+def pin_octoserve_side(args, node, when: str) -> None:
+    """--pin: every vLLM worker's process tree (octoserve's worker, vLLM's engine core, model runner) on ENGINE_CORE;
+    the router, the scheduler (and the HTTP front, if any) and this client on OTHER_CORE. The node's current
+    processes, so a worker the supervisor restarted is pinned too."""
+    if not args.pin:
+        return
+    engine = sum(pin_tree(w.pid, ENGINE_CORE) for w in node.workers.values())
+    others = [node.router, node.scheduler, *([node.http] if node.http else [])]
+    rest = sum(pin_tree(sp.pid, OTHER_CORE) for sp in others if sp.pid not in {w.pid for w in node.workers.values()})
+    client = pin_self(OTHER_CORE)
+    print(f"octoserve pin {when}: {engine} worker-tree threads to core {ENGINE_CORE}, {rest} router/scheduler "
+          f"threads and {client} client threads to core {OTHER_CORE}", file=sys.stderr, flush=True)
+
+
 def run_vllm_side(args, traces: dict[float, list[Req]]) -> dict[float, list[Outcome]]:
     proc = start_vllm_server(args.model, args.port, args.out_dir / "vllm-server.log")
     try:
         t = time.monotonic()
         wait_http_healthy(proc, args.port, args.start_timeout)
         print(f"vLLM server up in {time.monotonic() - t:.0f} s", file=sys.stderr)
+        pin_vllm_side(args, proc, "after start-up")
         asyncio.run(drive_vllm(args.port, warmup_trace(args.prompt_len), args.timeout))
         results = {}
         for rate, trace in traces.items():
+            pin_vllm_side(args, proc, f"before rate {label(rate)}")
             results[rate] = asyncio.run(drive_vllm(args.port, trace, args.timeout))
             print(f"vllm rate {label(rate)}: done ({os.getloadavg()[0]:.1f} load)", file=sys.stderr)
             time.sleep(args.pause_s)
@@ -288,15 +325,30 @@ def run_octoserve_side(args, traces: dict[float, list[Req]]) -> dict[float, list
                                  "VLLM_CPU_KVCACHE_SPACE": str(int(KV_CACHE_GIB))})
     try:
         print(f"octoserve node up in {time.monotonic() - t:.0f} s", file=sys.stderr)
+        pin_octoserve_side(args, node, "after start-up")
         drive_octoserve(node.router_address, warmup_trace(args.prompt_len), args.ttft_slo_ms, args.timeout)
         results = {}
         for rate, trace in traces.items():
+            pin_octoserve_side(args, node, f"before rate {label(rate)}")
             results[rate] = drive_octoserve(node.router_address, trace, args.ttft_slo_ms, args.timeout)
             print(f"octoserve rate {label(rate)}: done ({os.getloadavg()[0]:.1f} load)", file=sys.stderr)
             time.sleep(args.pause_s)
         return results
     finally:
         node.stop()
+
+
+def pinning_note(pinned: bool | dict[str, bool]) -> str:
+    """The report's line on pinning: one side's flag, or every side's (saved runs may differ)."""
+    if isinstance(pinned, dict):
+        flags = set(pinned.values())
+        if len(flags) > 1:
+            return "; ".join(f"{n}: {pinning_note(p)}" for n, p in pinned.items())
+        pinned = flags.pop() if flags else False
+    if pinned:
+        return (f"yes: engine process tree (vLLM's API server, or octoserve's vLLM worker, with engine core and model "
+                f"runner) on core {ENGINE_CORE}; client, router and scheduler on core {OTHER_CORE}")
+    return "no (every process on any core)"
 
 
 def _ratio(o, v) -> str:
@@ -335,6 +387,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--only", choices=("vllm", "octoserve"), default=None, help="run one side only")
     p.add_argument("--sessions", type=int, default=2, help="server sessions per side, alternated ABBA")
+    p.add_argument("--pin", action="store_true",
+                   help=f"engine's process tree on core {ENGINE_CORE}, client/router/scheduler on core {OTHER_CORE}")
     p.add_argument("--report-only", action="store_true", help="re-summarize the outcomes saved in --out-dir")
     p.add_argument("--out-dir", type=Path, default=Path("/tmp/bench-vllm-vs-octoserve"))
     return p.parse_args(argv)
@@ -343,6 +397,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
+    if args.pin and not args.report_only:
+        if len(os.sched_getaffinity(0) & {ENGINE_CORE, OTHER_CORE}) < 2:
+            raise SystemExit(f"--pin needs cores {ENGINE_CORE} and {OTHER_CORE}; this process may use "
+                             f"{sorted(os.sched_getaffinity(0))}")
+        # Before anything starts: the servers' processes then start on the client's core, as in ttft_pinned.py,
+        # and their trees are moved to ENGINE_CORE once up.
+        print(f"client: pinned {pin_self(OTHER_CORE)} threads to core {OTHER_CORE}", file=sys.stderr, flush=True)
     if not (args.model / "config.json").exists():
         from octoserve.services.engine.test_model import build_test_model
 
@@ -357,6 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     order = [n for i in range(args.sessions) for n in (names if i % 2 == 0 else names[::-1])]
     runs: dict[str, list[dict[float, list[Outcome]]]] = {n: [] for n in names}
     loads: dict[str, list[float]] = {n: [] for n in names}
+    pinned = {n: args.pin for n in names}
     for name in ([] if args.report_only else order):
         runs[name].append(runners[name](args, traces))
         loads[name].append(round(os.getloadavg()[1], 1))  # 5-minute load average after the session
@@ -364,17 +426,21 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:
             saved = json.loads((args.out_dir / f"{name}.json").read_text())
             loads[name] = saved["load_avg_5min"]
+            pinned[name] = saved.get("pinned", False)  # outcomes saved before --pin existed were unpinned
             runs[name] = [{float(r): [Outcome(**{**o, "token_times_s": tuple(o["token_times_s"])}) for o in outs]
                            for r, outs in run.items()} for run in saved["outcomes"]]
     sides = {n: {rate: summarize([r[rate] for r in runs[n]], traces[rate], *slo) for rate in rates} for n in names}
     for name in names:
         (args.out_dir / f"{name}.json").write_text(json.dumps(
             {"summary": {str(r): s for r, s in sides[name].items()}, "load_avg_5min": loads[name],
+             "pinned": pinned[name], "pinning": pinning_note(pinned[name]),
              "outcomes": [{str(r): [asdict(o) for o in outs] for r, outs in run.items()} for run in runs[name]]}))
     print(f"session order: {' '.join(order)}; 5-min load averages after each: {loads}")
+    print(f"pinned: {pinning_note(pinned)}")
     if len(sides) == 2:
         print(table([(rate, sides["vllm"][rate], sides["octoserve"][rate]) for rate in rates]))
-    print(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "summary": sides, "loads": loads}, indent=1))
+    print(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "summary": sides, "loads": loads,
+                      "pinned": pinned}, indent=1))
     return 0
 
 

@@ -31,41 +31,7 @@ sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-ENGINE_CORE, OTHER_CORE = 0, 1
-
-
-def tree_pids(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        try:
-            for t in Path(f"/proc/{p}/task").iterdir():
-                todo.extend(int(k) for k in (t / "children").read_text().split())
-        except (FileNotFoundError, ProcessLookupError):
-            pass
-    return out
-
-
-def pin_tree(pid: int, core: int) -> int:
-    """Every thread of `pid` and its descendants to `core`; how many threads were pinned."""
-    n = 0
-    for p in tree_pids(pid):
-        try:
-            for t in Path(f"/proc/{p}/task").iterdir():
-                try:
-                    os.sched_setaffinity(int(t.name), {core})
-                    n += 1
-                except (ProcessLookupError, PermissionError):
-                    pass
-        except FileNotFoundError:
-            pass
-    return n
-
-
-def pin_self(core: int) -> None:
-    for t in Path("/proc/self/task").iterdir():
-        os.sched_setaffinity(int(t.name), {core})
+from pinning import ENGINE_CORE, OTHER_CORE, pin_self, pin_tree, tree_pids  # noqa: E402,F401  (one place)
 
 
 def summary(name: str, xs: list[float]) -> str:
