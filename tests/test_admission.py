@@ -177,6 +177,35 @@ def test_queue_ahead_scales_the_snapshot_by_the_ledger_tier_mix():
     assert adm.queue_ahead_tokens(ledger.snapshots["sm-0"], ledger, Priority.INTERACTIVE, "fcfs") == 2000.0
 
 
+def test_edf_counts_less_urgent_work_whose_deadline_came_first():
+    ledger = adm.InFlightLedger()
+    snap = load("sm-0", queued=4000)
+    ledger.observe_load(snap)
+    for rid, tier, tokens, deadline_s in (("i", Priority.INTERACTIVE, 1000, 0.2), ("old", Priority.BATCH, 1000, 10.0),
+                                          ("new", Priority.BATCH, 2000, 19.0)):
+        ledger.on_dispatched(adm.Dispatched(rid, SM, tier, "sm-0", None, tokens, 1, 0, deadline_s=deadline_s))
+    ledger.observe_load(dataclasses.replace(snap, queued_prefill_tokens=2000))  # newer: holds all three, half done
+    s = ledger.snapshots["sm-0"]
+    # A new INTERACTIVE request due at 10.1 s runs after the BATCH prompt due at 10 s, before the one due at 19 s.
+    assert adm.aged_ahead_tokens(s, ledger, Priority.INTERACTIVE, 10.1) == 500.0
+    assert adm.aged_ahead_tokens(s, ledger, Priority.INTERACTIVE, 9.9) == 0.0
+    assert adm.aged_ahead_tokens(s, ledger, Priority.STANDARD, 20.0) == 1500.0
+    assert adm.aged_ahead_tokens(s, ledger, Priority.BATCH, 20.0) == 0.0  # the least urgent tier is all FCFS by key
+
+
+def test_an_aged_batch_prompt_delays_a_later_interactive_one_under_edf():
+    loads = {"sm-0": load("sm-0")}
+    p = policy(colocated_config(queue="edf"))
+    batch = request("b", prompt=3000, tier=Priority.BATCH)
+    p.on_dispatched("b", p.route(batch, loads, 0.0), batch)
+    assert p.ledger.outstanding["b"].deadline_s == 10.0  # arrival 0 + the BATCH tier's 10 s
+    early = request("i", tier=Priority.INTERACTIVE)
+    assert type(p.route(early, loads, 0.0)) is Route  # due at 0.2 s: before the BATCH prompt
+    late = dataclasses.replace(early, request_id="j", arrival_s=9.9)
+    # Due at 10.1 s: the BATCH prompt (due at 10 s) runs first, 0.3 s + its own 0.1 s > 200 ms.
+    assert type(p.route(late, loads, 9.9)) is Refuse
+
+
 def test_admission_off_routes_what_it_would_refuse():
     loads = with_loads(**{f"sm-{i}": load(f"sm-{i}", queued=9000, free=0) for i in range(3)})
     r = policy(colocated_config(admission=False)).route(request(), loads, 0.0)

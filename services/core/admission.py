@@ -81,6 +81,7 @@ class Dispatched:
     decode_blocks: int  # KV blocks reserved on decode_instance_id (0 when colocated)
     arrival_s: float = 0.0  # on the clock `now` is on, for the TTFT calibration
     predicted_ttft_s: float = 0.0
+    deadline_s: float = math.inf  # its TTFT deadline (arrival + its SLO): where an EDF queue puts it
 
     def __init__(
         self,
@@ -94,6 +95,7 @@ class Dispatched:
         decode_blocks: int,
         arrival_s: float = 0.0,
         predicted_ttft_s: float = 0.0,
+        deadline_s: float = math.inf,
     ) -> None:
         object.__setattr__(self, "request_id", request_id)
         object.__setattr__(self, "model", model)
@@ -105,6 +107,7 @@ class Dispatched:
         object.__setattr__(self, "decode_blocks", decode_blocks)
         object.__setattr__(self, "arrival_s", arrival_s)
         object.__setattr__(self, "predicted_ttft_s", predicted_ttft_s)
+        object.__setattr__(self, "deadline_s", deadline_s)
 
 
 _TIERS = tuple(Priority)  # iterating the enum class itself costs a generator per call (once per candidate)
@@ -233,8 +236,8 @@ def queue_ahead_tokens(load: EngineLoad, ledger: InFlightLedger, tier: Priority,
 
     Under "fcfs" that is the whole queue. Under "edf" / "priority" more urgent tiers go first: the queue is
     scaled by the share of it, in the router's own ledger, that belongs to tiers at least as urgent (the
-    snapshot carries no tiers; the ledger does). EDF is approximated by tier order since tier deadlines differ
-    by far more than a queue's wait.
+    snapshot carries no tiers; the ledger does). Under "edf" this is the tier order; `aged_ahead_tokens` adds the
+    less urgent requests whose deadlines have come before the new one's.
     """
     total = queued_prefill_tokens(load, ledger)
     if queue_policy == "fcfs":
@@ -245,6 +248,25 @@ def queue_ahead_tokens(load: EngineLoad, ledger: InFlightLedger, tier: Priority,
         return float(total)
     ahead = sum(n for t, n in by_tier.items() if t <= tier)
     return total * ahead / known
+
+
+def aged_ahead_tokens(load: EngineLoad, ledger: InFlightLedger, tier: Priority, deadline_s: float) -> float:
+    """Under "edf": queued prefill tokens of less urgent tiers whose deadlines come before `deadline_s`, a new
+    request's of `tier`, so they run before it although `queue_ahead_tokens` (tier order) puts them after: a
+    BATCH prompt that has waited most of its 10 s precedes an INTERACTIVE one. Scaled from the ledger's tokens to
+    the snapshot's queue as `queue_ahead_tokens` is; 0 for the least urgent tier or an empty ledger."""
+    if tier is Priority.BATCH:
+        return 0.0
+    instance_id = load.instance_id
+    known = aged = 0
+    for r in ledger.outstanding.values():
+        if r.instance_id == instance_id:
+            known += r.uncached_prefill_tokens
+            if r.tier > tier and r.deadline_s <= deadline_s:
+                aged += r.uncached_prefill_tokens
+    if aged == 0:
+        return 0.0
+    return queued_prefill_tokens(load, ledger) * aged / known
 
 
 def preemptible_slots(load: EngineLoad, ledger: InFlightLedger, tier: Priority, batch_min_share: float) -> int:

@@ -222,7 +222,9 @@ class LoadReporter:
             n = b.num_running
             rate = share.duty * (b.free_prefill_tokens_per_s() or self.prefill_tokens_per_s(n))
             return b.load(self.instance_id, self.model, rate, self.decode_step_time_s / share.duty, 0.0, 0.0, 0.0, 0.0)
-        chunk = b.capped_prefill_tokens(share.own_cap_s)
+        # Decodes that fill the cap leave no prefill until some finish: one token a cycle stands for that (a rate
+        # of 0 would read as "unknown", which routing replaces by the cost model's rate alone).
+        chunk = max(1, b.capped_prefill_tokens(share.own_cap_s))
         rate = chunk / (share.own_cap_s + share.other_cap_s)
         cadence_s = self.decode_step_time_s + share.other_cap_s
         return b.load(self.instance_id, self.model, rate, cadence_s, 0.0, 0.0, 0.0, 0.0)

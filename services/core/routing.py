@@ -305,6 +305,7 @@ class RouterPolicy:
                 decode_blocks=0 if decode is None else adm.kv_blocks_required(spec, decode, cfg.policies, with_output=True),
                 arrival_s=spec.arrival_s,
                 predicted_ttft_s=route.predicted_ttft_ms / 1000.0,
+                deadline_s=spec.arrival_s + cfg.slo.for_model(spec.model).ttft_ms_for_request(spec) / 1000.0,
             )
         )
 
@@ -478,6 +479,11 @@ class RouterPolicy:
         cost = self._cost_model(inst)
         ahead, throughput, headroom, num_queued, wait_s, slot_wait = self._instance_figures(inst, load, spec.priority,
                                                                                           cost)
+        if self.config.policies.queue == "edf":  # the less urgent requests whose deadlines came first run first
+            aged = adm.aged_ahead_tokens(load, self.ledger, spec.priority, spec.arrival_s + ttft_slo_s)
+            if aged > 0.0:
+                ahead += aged
+                wait_s = adm.prefill_wait_s(ahead, throughput)
         return Candidate(
             instance=inst,
             load=load,
