@@ -205,7 +205,9 @@ class Job:
     duration_s: float
     warmup_s: float
     seed: int = 0
-    drain_s: float = 30.0
+    # Long enough for the LM's longest admitted stream (~1,000 tokens at one LM step a cycle): a shorter drain
+    # counts streams still running as misses.
+    drain_s: float = 120.0
     only: str | None = None  # "lm" / "sm": one model's traffic alone
 
 
@@ -492,7 +494,7 @@ arbiter, run with the starvation bounds out of reach (starving one side is what 
 whole node reserved for the LM while it has work), **sm-greedy** (the LM steps only when no SM has work),
 **slices** (fixed 1 s slices, as a pod-level gang scheduler; work-conserving). Definitions: every run is measured
 in steady state (arrivals after the warm-up to the end of the window: grid runs 60 s after 10 s, peak runs 20 s
-after 5 s; 30 s drain). *Servable*: a request whose uncached prompt (system prompt counted cached) prefills within
+after 5 s; 120 s drain, so the LM's longest streams finish). *Servable*: a request whose uncached prompt (system prompt counted cached) prefills within
 its TTFT SLO on an idle instance of its model at the case's largest TP, which no scheduler can beat; *capacity*
 of a model: the highest grid rate (of the whole mix) at which >= 90 % of its servable offered requests are good
 and its TTFT and ITL P95s hold, with every lower grid rate passing too ("< 2.5": not even the lowest); *admitted
