@@ -255,9 +255,10 @@ def aged_ahead_tokens(load: EngineLoad, ledger: InFlightLedger, tier: Priority, 
     request's of `tier`, so they run before it although `queue_ahead_tokens` (tier order) puts them after: a
     BATCH prompt that has waited most of its 10 s precedes an INTERACTIVE one. Scaled from the ledger's tokens to
     the snapshot's queue as `queue_ahead_tokens` is; 0 for the least urgent tier or an empty ledger."""
-    if tier is Priority.BATCH:
-        return 0.0
     instance_id = load.instance_id
+    # Nothing less urgent dispatched there (a one-tier workload): no ledger pass on this per-candidate path.
+    if not any(n for t, n in ledger.num_dispatched_by_tier(instance_id).items() if t > tier):
+        return 0.0
     known = aged = 0
     for r in ledger.outstanding.values():
         if r.instance_id == instance_id:

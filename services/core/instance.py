@@ -201,7 +201,7 @@ class LoadReporter:
         if self.gang is not None and self.shared:
             return self._shared_load()
         if b.config.tpot_target_s > 0:  # the batcher's own step model: the rates it plans with (`_needs_long`)
-            rate = b.free_prefill_tokens_per_s() or self.prefill_tokens_per_s(n)
+            rate = self._free_rate()
             long_rate = b.long_prefill_tokens_per_s()
             long_wait = b.long_step_wait_s() if long_rate > 0 else 0.0
             burst, sustained = b.long_burst_tokens(), b.long_sustained_tokens_per_s()
@@ -209,6 +209,12 @@ class LoadReporter:
             rate, long_rate, long_wait = self.prefill_tokens_per_s(n), 0.0, 0.0
             burst, sustained = 0.0, 0.0
         return b.load(self.instance_id, self.model, rate, self.decode_step_time_s, long_rate, long_wait, burst, sustained)
+
+    def _free_rate(self) -> float:
+        """The prefill rate of steps within the ITL SLO's free share beside the running decodes (the batcher's step
+        model), else of its sized steps."""
+        b = self.batcher
+        return b.free_prefill_tokens_per_s() or self.prefill_tokens_per_s(b.num_running)
 
     def _shared_load(self) -> EngineLoad:
         """The snapshot of a gang member whose group's other side has work: each of its steps is capped and
@@ -219,8 +225,7 @@ class LoadReporter:
         b, share = self.batcher, self.gang
         assert share is not None
         if share.own_cap_s <= 0 or share.other_cap_s <= 0:
-            n = b.num_running
-            rate = share.duty * (b.free_prefill_tokens_per_s() or self.prefill_tokens_per_s(n))
+            rate = share.duty * self._free_rate()
             return b.load(self.instance_id, self.model, rate, self.decode_step_time_s / share.duty, 0.0, 0.0, 0.0, 0.0)
         # Decodes that fill the cap leave no prefill until some finish: one token a cycle stands for that (a rate
         # of 0 would read as "unknown", which routing replaces by the cost model's rate alone).
