@@ -6,6 +6,8 @@ against the machine's scheduling noise. Requests go straight to the engines. Che
 - no LM step overlaps any SM step, on the engines' own clock (the barrier holds live);
 - every step an engine ran was granted: the arbiter counted exactly the steps the engines' gates logged;
 - every request finished with its full length; both sides got steps and the holder switched;
+- an idle member hears of the other side's work by the arbiter's notice, with no grant (its load report turns to
+  shared rates before a prompt reaches it);
 - a stream that does not open with a member's HELLO, or sends a malformed report, is refused; a gang member needs a
   scheduler.
 The process-level agreement with the simulator is `python -m octoserve.services.gang_agreement` (BENCHMARKS.md).
@@ -40,6 +42,10 @@ def spec(request_id: str, model: str, num_prompt: int, max_tokens: int) -> Reque
                        arrival_s=asyncio.get_running_loop().time() / TIME_SCALE)
 
 
+def gates_of(engines: dict) -> dict:
+    return {iid: e.gate for iid, e in engines.items()}
+
+
 async def run(engine, s: RequestSpec, first_token: asyncio.Event | None = None):
     last, n = None, 0
     async for out in engine.generate(s):
@@ -70,13 +76,25 @@ async def test_gang_members_step_only_on_grants_and_never_overlap():
         assert group.driver is not None, "the group's driver starts once all nine members said HELLO"
 
         lm_model, sm_model = engines["lm-0"].model, engines["sm-0"].model
+        # An idle SM is told that the LM has work the moment the arbiter sees it (a notice, not a grant): its load
+        # report turns to shared rates before any prompt reaches it.
+        assert not any(e.reporter.shared for e in engines.values())
+        first = asyncio.ensure_future(run(engines["lm-0"], spec("lm-first", lm_model, 200, 4)))
+        for _ in range(400):
+            if engines["sm-7"].reporter.shared:
+                break
+            await asyncio.sleep(0.005)
+        assert engines["sm-7"].reporter.shared and gates_of(engines)["sm-7"].num_notices >= 1
+        assert gates_of(engines)["sm-7"].num_grants == 0
+        assert not engines["lm-0"].reporter.shared  # the SMs have nothing: the LM steps alone
+        await first
         requests = [(engines["lm-0"], spec(f"lm-{i}", lm_model, 300 + 50 * i, 12)) for i in range(4)]
         requests += [(engines[f"sm-{i % 8}"], spec(f"sm-{i}", sm_model, 200 + 10 * i, 16)) for i in range(16)]
         results = await asyncio.wait_for(asyncio.gather(*(run(e, s) for e, s in requests)), timeout=240)
         for (_, s), (last, n) in zip(requests, results):
             assert last.finish_reason is FinishReason.LENGTH and n == s.sampling.max_tokens, s.request_id
 
-        gates = {iid: e.gate for iid, e in engines.items()}
+        gates = gates_of(engines)
         lm_steps = list(gates["lm-0"].steps)
         sm_steps = [iv for iid, g in gates.items() if iid != "lm-0" for iv in g.steps]
         assert lm_steps and sm_steps
@@ -123,6 +141,18 @@ async def test_a_member_that_planned_nothing_answers_the_next_grant():
             await asyncio.sleep(0.01)
         assert group.driver is not None
         lm_model, sm_model = engines["lm-0"].model, engines["sm-0"].model
+        # An idle SM is told that the LM has work the moment the arbiter sees it (a notice, not a grant): its load
+        # report turns to shared rates before any prompt reaches it.
+        assert not any(e.reporter.shared for e in engines.values())
+        first = asyncio.ensure_future(run(engines["lm-0"], spec("lm-first", lm_model, 200, 4)))
+        for _ in range(400):
+            if engines["sm-7"].reporter.shared:
+                break
+            await asyncio.sleep(0.005)
+        assert engines["sm-7"].reporter.shared and gates_of(engines)["sm-7"].num_notices >= 1
+        assert gates_of(engines)["sm-7"].num_grants == 0
+        assert not engines["lm-0"].reporter.shared  # the SMs have nothing: the LM steps alone
+        await first
         requests = [(engines[f"sm-{i % 8}"], spec(f"sm-{i}", sm_model, 2000, 24)) for i in range(8)]
         decoding = [asyncio.Event() for _ in requests]
         sm_tasks = [asyncio.create_task(run(e, s, d)) for (e, s), d in zip(requests, decoding)]

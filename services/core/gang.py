@@ -10,9 +10,16 @@ The adapter's loop (the simulator and the live scheduler run the same one):
     d = arbiter.decide(now, lm_view, sm_views)      # at every boundary: a step ended, work arrived
     if d.run_lm: run one LM step within d.lm_cap_s;               arbiter.started(lm_id, now, step_s, d.lm_cap_s)
     for sm, cap_s in d.sm_starts: run one step of sm within cap_s; arbiter.started(sm, now, step_s, cap_s)
-    (d.lm_shared / d.sm_shared: the other side had work; the member's load report turns to shared rates)
+    for member_id, shared in d.notices: tell the member (idle ones too); its load report turns to shared rates
     a member told to start that plans nothing:                     arbiter.nothing_to_run(member_id)
     when a step ends:                                              arbiter.finished(member_id, now); decide again
+
+*Sharing*: a member is shared while the other side of its group has work, and for SHARING_HOLD_S after (the other
+side's work comes and goes between two decisions: an LM decoding a few requests). A shared member's load report
+gives the rates of capped steps taking turns with the other side's (`services/core/instance.py`), so admission
+predicts what a prompt gets once both sides step. Every decision returns the members whose sharing changed
+(`Decision.notices`), idle members included: a prompt routed to an idle SM just after the LM got work is predicted
+at the shared rate, not at the rate of the GPUs alone that it had when it last stepped.
 
 Every step the arbiter starts carries a *cap*: the member's batcher cuts its prefill chunk so that the step fits
 (`Batcher.schedule(now, step_cap_s=...)`). A step is never shorter than its member's `MemberView.min_step_s` (the
@@ -73,6 +80,8 @@ _DEADLINE_SHAPES = ("slack", "deadline")  # steps capped by the other side's lat
 # (`services/gang_bench.py`). Starving one side is what defines them, so they are run with the bounds out of reach.
 BASELINE_SHAPES = ("lm_first", "sm_greedy", "slices")
 _EPS = 1e-9
+# A member stays shared this long after the other side of its group last had work at a decision.
+SHARING_HOLD_S = 1.0
 
 
 class Holder(enum.Enum):
@@ -149,10 +158,11 @@ class Decision:
     lm_cap_s: float = 0.0  # with run_lm: the LM step must end within this
     sm_starts: tuple[tuple[str, float], ...] = ()  # (SM id, cap s): the SMs that start a step now
     fills: bool = False  # those SM steps only fill the barrier while the group drains toward a lease
-    # Whether the other side had work at this decision: the started steps take turns with its steps (a member's
-    # load report then gives the rates of shared steps, services/core/instance.py GangShare).
+    # Whether the started steps are shared (module docstring): the LM's, and the SMs'.
     lm_shared: bool = False
     sm_shared: bool = False
+    # (member id, shared): the members whose sharing changed at this decision, each to be told even when idle.
+    notices: tuple[tuple[str, bool], ...] = ()
 
     @property
     def start_sm_ids(self) -> tuple[str, ...]:
@@ -200,12 +210,46 @@ class GangArbiter:
         self._max_wait_s = policy.max_lm_wait_ms / 1e3
         self._max_stall_s = policy.max_sm_stall_ms / 1e3
         self._lm_floor = 0.0
+        self._lm_work_at = -float("inf")  # the last decision at which the LM / some SM had work
+        self._sm_work_at = -float("inf")
+        self._told: dict[str, bool] = {}  # member -> the sharing it was last told (absent: never, or forgotten)
 
     # ---- the protocol ------------------------------------------------------------------------------------------
 
     def decide(self, now: float, lm: MemberView, sms: Sequence[MemberView]) -> Decision:
         """What starts at this boundary. Call it after every step end and every arrival; it commits its decision:
-        the adapter starts what it returns and reports each start with `started` (or `nothing_to_run`)."""
+        the adapter starts what it returns and reports each start with `started` (or `nothing_to_run`), and tells
+        each member in `notices` its sharing."""
+        lm_shared, sm_shared, notices = self._sharing(now, lm, sms)
+        d = self._decide(now, lm, sms)
+        if d.run_lm or d.sm_starts or notices:
+            return dataclasses.replace(d, lm_shared=lm_shared and d.run_lm, sm_shared=sm_shared and bool(d.sm_starts),
+                                       notices=notices)
+        return d
+
+    def forget(self, member_id: str) -> None:
+        """`member_id` (re)joined knowing nothing: the next decision tells it its sharing."""
+        self._told.pop(member_id, None)
+
+    def shared(self, member_id: str) -> bool:
+        """The sharing `member_id` was last told (False before any)."""
+        return self._told.get(member_id, False)
+
+    def _sharing(self, now: float, lm: MemberView, sms: Sequence[MemberView]) -> tuple[bool, bool, tuple]:
+        if lm.has_work:
+            self._lm_work_at = now
+        if any(s.has_work for s in sms):
+            self._sm_work_at = now
+        hold = SHARING_HOLD_S - _EPS
+        lm_shared, sm_shared = now - self._sm_work_at < hold, now - self._lm_work_at < hold
+        notices = []
+        for member_id, shared in ((self.lm_id, lm_shared), *((sm, sm_shared) for sm in self.sm_ids)):
+            if self._told.get(member_id) is not shared:
+                self._told[member_id] = shared
+                notices.append((member_id, shared))
+        return lm_shared, sm_shared, tuple(notices)
+
+    def _decide(self, now: float, lm: MemberView, sms: Sequence[MemberView]) -> Decision:
         self._note_waits(now, lm, sms)
         self._charge(now)
         if self._busy(self.lm_id):
@@ -215,7 +259,7 @@ class GangArbiter:
         if self.holder is Holder.LM:
             cap = self._lm_cap(now, sm_work)
             if lm.has_work and cap >= lm.min_step_s - _EPS and self._lm_may_continue(now, lm, sm_work):
-                return Decision(run_lm=True, lm_cap_s=cap, lm_shared=bool(sm_work))
+                return Decision(run_lm=True, lm_cap_s=cap)
             stall_cap = self._lm_cap(now, sm_work, horizon=False)
             self._switch(now, Holder.SM, forced=lm.has_work and stall_cap < lm.min_step_s - _EPS)
         if not lm.has_work:
@@ -227,7 +271,7 @@ class GangArbiter:
         if self.draining and not any(self._busy(s) for s in self.sm_ids):
             self._note_barrier(now)
             self._switch(now, Holder.LM, self._drain_forced)
-            return Decision(run_lm=True, lm_cap_s=self._lm_cap(now, sm_work), lm_shared=bool(sm_work))
+            return Decision(run_lm=True, lm_cap_s=self._lm_cap(now, sm_work))
         return self._sm_starts(now, lm, sm_work)
 
     def started(self, member_id: str, now: float, step_s: float, cap_s: float) -> None:
@@ -396,13 +440,13 @@ class GangArbiter:
             cap = self.barrier_end_s(now) - now
             starts = tuple((s.member_id, cap) for s in idle if s.min_step_s <= cap + _EPS and cap > _EPS)
             self.stats.num_fill_steps += len(starts)
-            return Decision(sm_starts=starts, fills=bool(starts), sm_shared=lm.has_work and bool(starts))
+            return Decision(sm_starts=starts, fills=bool(starts))
         starts = []
         for s in idle:
             cap = self._sm_cap(now, lm, s.min_step_s)
             if s.min_step_s <= cap + _EPS:
                 starts.append((s.member_id, cap))
-        return Decision(sm_starts=tuple(starts), sm_shared=lm.has_work and bool(starts))
+        return Decision(sm_starts=tuple(starts))
 
     def _urgent(self, now: float, lm: MemberView, sm_work: Sequence[MemberView]) -> tuple[bool, bool]:
         """(LM urgent, SMs urgent): a side's latest start falls within the other side's step floor plus

@@ -6,7 +6,6 @@ either clock: one policy, two clocks.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from octoserve.services.core.batcher import FREE_STEP_SHARE, Batcher, BatcherConfig
@@ -17,7 +16,6 @@ from octoserve.services.core.slo_sizing import CHUNK_QUANTUM, TAIL_SIZING_BELOW,
 from octoserve.services.core.types import EngineLoad, StepPlan
 
 EOS_TOKEN_ID = 2
-SHARED_HOLD_S = 1.0  # a gang member reports shared rates this long after the other side last had work at a grant
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,29 +147,17 @@ class LoadReporter:
 
     def __init__(self, instance_id: str, model: str, batcher: Batcher, cost: CostModel,
                  gang: GangShare | None = None) -> None:
-        # gang: what the instance gets of its GPUs while it shares them (a gang member); `shared`: whether the other
-        # side of its group had work at a grant within the last SHARED_HOLD_S (`note_grant`, called by the gang
-        # adapter: the simulator's or the live gate): shared, the rates it reports are those of capped steps
-        # taking turns with the other side's.
+        # gang: what the instance gets of its GPUs while it shares them (a gang member); `shared`: the arbiter's
+        # notice (services/core/gang.py, sharing), set by the gang adapter (the simulator's, or the live gate):
+        # shared, the rates it reports are those of capped steps taking turns with the other side's.
         self.gang = gang
         self.shared = False
-        self._shared_at_s = -math.inf
         self.instance_id = instance_id
         self.model = model
         self.batcher = batcher
         self.cost = cost
         self.decode_step_time_s = cost.decode_step_time_s(1, self.CONTEXT_TOKENS)
         self._prefill_rate: dict[int, float] = {}  # running requests -> tokens/s
-
-    def note_grant(self, now_s: float, shared: bool) -> None:
-        """A gang grant at `now_s`; `shared`: the other side of the group had work. Shared reports hold for
-        SHARED_HOLD_S after the last shared grant: the other side's work comes and goes between two grants (an LM
-        decoding a few requests), and a prompt admitted in a lull prefills beside it."""
-        if shared:
-            self._shared_at_s = now_s
-            self.shared = True
-        elif now_s - self._shared_at_s >= SHARED_HOLD_S:
-            self.shared = False
 
     def note_step(self, plan: StepPlan, step_time_s: float) -> None:
         if plan.chunks:

@@ -129,8 +129,6 @@ class SimEngine:
             else:
                 cap_s = await self.gate.turn(self.batcher, self._wakeup)
             start = loop.time()
-            if self.gate is not None:  # the latest grant's: the other side had work (GangShare: shared-step rates)
-                self.reporter.note_grant(start / self.time_scale, self.gate.shared)
             plan = self.batcher.schedule(start / self.time_scale, cap_s)
             if plan.is_empty and not self.batcher.has_pending_outputs:  # nothing fits the cap, or all wait on KV
                 self._wakeup.clear()

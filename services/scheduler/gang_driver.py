@@ -46,7 +46,10 @@ class GangMember(Protocol):
 
     async def start(self, cap_s: float, shared: bool = False) -> float | None:
         """Begin one arbiter step that ends within `cap_s` (virtual s); its planned length, or None if it has
-        nothing to run. `shared`: the other side of the group had work (the member reports shared rates)."""
+        nothing to run. `shared`: the member is shared (core/gang.py: it reports shared rates)."""
+
+    def notify(self, shared: bool) -> None:
+        """The arbiter's notice: the member's sharing changed (it may be idle); nothing to answer."""
 
     async def wait_end(self) -> None:
         """Return when the started step has ended (the member is idle at an iteration boundary)."""
@@ -114,6 +117,8 @@ class GangDriver:
             now = self.now()
             d = self.arbiter.decide(now, self._view(self._lm), [self._view(s) for s in self._sms])
             self.stats.num_decisions += 1
+            for member_id, shared in d.notices:
+                self._members[member_id].notify(shared)
             starts = ([(self._lm, d.lm_cap_s)] if d.run_lm else []) + [(self._members[i], c) for i, c in d.sm_starts]
             if not starts:
                 self._ended_at = None  # what follows waits on the arbiter (a barrier, no work), not on the loop

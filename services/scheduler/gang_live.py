@@ -6,6 +6,7 @@ Live, the steps run in the workers' processes, so each member's step loop asks b
     worker (GangGate, in the sim engine's step loop)        scheduler (GangHub: one GangDriver per group)
     BOUNDARY(view)  ------------------------------------->  view updated, driver woken
                     <-------------------------------------  GangGrant(cap_s)        (the arbiter started it)
+    sets its load report's sharing  <---------------------  GangGrant(notice, shared) (its sharing changed)
     schedule(now, step_cap_s=cap); STARTED(step_s) ------>  arbiter.started(...)
     ... the step runs (modelled time x K) ...
     ENDED(view after the step) -------------------------->  arbiter.finished(...); decide again
@@ -68,9 +69,11 @@ class GangGate:
         self._scheduler = scheduler
         self._out: asyncio.Queue[s_pb.GangReport] = asyncio.Queue()
         self._grants: asyncio.Queue[s_pb.GangGrant] = asyncio.Queue()
-        self.shared = False  # the latest grant's: the other side of the group had work (shared-step load reports)
+        self.shared = False  # the arbiter's latest word: the member is shared (its load report turns to shared rates)
+        self.on_sharing = lambda shared: None  # called with each notice (the engine's LoadReporter.shared)
         self.num_grants = 0
         self.num_shared_grants = 0
+        self.num_notices = 0
         self._channel: grpc.aio.Channel | None = None
         self._reader: asyncio.Task | None = None
         self._began: float | None = None
@@ -94,7 +97,12 @@ class GangGate:
 
         async def read() -> None:
             async for grant in stream:
-                self._grants.put_nowait(grant)
+                if grant.notice:  # not a step: the member's sharing changed, nothing to answer
+                    self.shared = grant.shared
+                    self.num_notices += 1
+                    self.on_sharing(grant.shared)
+                else:
+                    self._grants.put_nowait(grant)
 
         self._reader = asyncio.create_task(read(), name=f"gang-gate-{self.instance_id}")
 
@@ -175,6 +183,12 @@ def attach_gang_gate(engine, node_cfg: NodeConfig, instance_id: str, scheduler: 
                          "(--engine sim); pause/resume engines take turns with EngineSliceMember instead")
     engine.gate = GangGate(instance_id, scheduler, itl_s=node_cfg.slo.for_model(node_cfg.instance(instance_id).model).itl_ms / 1000.0,
                          time_scale=time_scale)
+    reporter = engine.reporter
+
+    def on_sharing(shared: bool) -> None:
+        reporter.shared = shared
+
+    engine.gate.on_sharing = on_sharing
 
 
 # ---- scheduler side ----------------------------------------------------------------------------------------------
@@ -226,6 +240,10 @@ class RemoteStepMember:
         self._grants.put_nowait(s_pb.GangGrant(cap_s=cap_s, shared=shared))
         return await self._started
 
+    def notify(self, shared: bool) -> None:
+        if self.connected and self._grants is not None:
+            self._grants.put_nowait(s_pb.GangGrant(shared=shared, notice=True))
+
     async def wait_end(self) -> None:
         await self._ended.wait()
 
@@ -256,6 +274,8 @@ class LiveGroup:
             self._task.add_done_callback(self._driver_done)
             log.info("gang group running", extra={"fields": {"lm": self.group.lm, "time_scale": self.time_scale}})
         elif self.driver is not None:
+            assert self.arbiter is not None
+            self.arbiter.forget(member.member_id)  # a rejoined worker starts unshared: tell it again
             self.driver.wake()
 
     def _driver_done(self, task: asyncio.Task) -> None:

@@ -47,6 +47,7 @@ class GangGroupSim:
         self.arbiter = GangArbiter(node.gang.policy, group.lm, group.sms)
         self.lm = instances[group.lm]
         self.sms = [instances[x] for x in group.sms]
+        self._by_id = {inst.cfg.id: inst for inst in self.members()}
         self._start_step = start_step  # (instance, cap_s) -> step seconds, or None when it planned nothing
         # each member's deadlines come from its own model's ITL SLO (per-model SLOs: the LM's and the SMs' differ)
         self._itl_s = {inst.cfg.id: node.slo.for_model(inst.cfg.model).itl_ms / 1000.0 for inst in self.members()}
@@ -77,6 +78,8 @@ class GangGroupSim:
             d = self.arbiter.decide(now, self._view(self.lm), [self._view(s) for s in self.sms])
             if self.arbiter.draining and not was_draining:
                 self._drain_from, self._sm_ran_fill = now, set()
+            for member_id, shared in d.notices:
+                self._by_id[member_id].reporter.shared = shared
             starts = ([(self.lm, d.lm_cap_s)] if d.run_lm else []) + [
                 (inst, cap) for inst in self.sms for sm_id, cap in d.sm_starts if sm_id == inst.cfg.id
             ]
@@ -86,7 +89,6 @@ class GangGroupSim:
                 self._note_lease_start(now)
             blocked_any = False
             for inst, cap in starts:
-                inst.reporter.note_grant(now, d.lm_shared if inst is self.lm else d.sm_shared)
                 step_s = self._start_step(inst, cap)
                 if step_s is None:
                     self.arbiter.nothing_to_run(inst.cfg.id)

@@ -235,9 +235,11 @@ class GangReport(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., event: _Optional[_Union[GangReport.Event, str]] = ..., has_work: _Optional[bool] = ..., min_step_s: _Optional[float] = ..., has_deadline: _Optional[bool] = ..., deadline_s: _Optional[float] = ..., step_s: _Optional[float] = ..., time_scale: _Optional[float] = ...) -> None: ...
 
 class GangGrant(_message.Message):
-    __slots__ = ("cap_s", "shared")
+    __slots__ = ("cap_s", "shared", "notice")
     CAP_S_FIELD_NUMBER: _ClassVar[int]
     SHARED_FIELD_NUMBER: _ClassVar[int]
+    NOTICE_FIELD_NUMBER: _ClassVar[int]
     cap_s: float
     shared: bool
-    def __init__(self, cap_s: _Optional[float] = ..., shared: _Optional[bool] = ...) -> None: ...
+    notice: bool
+    def __init__(self, cap_s: _Optional[float] = ..., shared: _Optional[bool] = ..., notice: _Optional[bool] = ...) -> None: ...
