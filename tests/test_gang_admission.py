@@ -110,7 +110,7 @@ def test_a_shared_member_reports_capped_steps_taking_turns(instance_id):
     alone = rep.load()
     rep.shared = True
     shared = rep.load()
-    chunk = b.capped_prefill_tokens(share.own_cap_s)
+    chunk = b.capped_prefill_tokens(share.own_cap_s, 1)  # beside the one decode the waiting prompt becomes
     assert chunk > 0
     assert shared.prefill_tokens_per_s == pytest.approx(chunk / (share.own_cap_s + share.other_cap_s))
     assert shared.decode_step_time_s == pytest.approx(rep.decode_step_time_s + share.other_cap_s)
@@ -118,9 +118,30 @@ def test_a_shared_member_reports_capped_steps_taking_turns(instance_id):
     # Alone, the member steps in full: several times the shared rate, at its own decode step.
     assert alone.prefill_tokens_per_s > 3 * shared.prefill_tokens_per_s
     assert alone.decode_step_time_s == rep.decode_step_time_s
-    # The capped chunk is what the batcher cuts a capped step to.
+    # The capped chunk is what the batcher cuts a capped step to (no decode yet in this one; a step without decodes
+    # pays a one-decode step's fixed cost, so the chunk is the same).
     plan = b.schedule(0.0, step_cap_s=share.own_cap_s)
-    assert plan.num_batched_tokens == chunk
+    assert plan.num_batched_tokens == b.capped_prefill_tokens(share.own_cap_s, 0) == chunk
+
+
+def test_queued_prompts_count_as_the_decodes_they_become():
+    """A burst of short prompts on a shared member: each one queued becomes a decode of the capped step, so the
+    prefill the report offers the next prompt shrinks with the queue (seed 003: a cached 1,024-token system prompt
+    plus two tokens, admitted by the dozen at a rate that held for the first of them only)."""
+    node = _node("pessimistic")
+    rep = _reporter(node, "sm-0")
+    rep.shared = True
+    b, share = rep.batcher, rep.gang
+    cycle_s = share.own_cap_s + share.other_cap_s
+    rates = []
+    for i in range(6):
+        rates.append(rep.load().prefill_tokens_per_s)
+        b.add_request(RequestSpec(f"r{i}", "llama-3-8b", tuple(range(10, 40)), SamplingParams(max_tokens=8),
+                                  arrival_s=0.0), 0.0)
+        assert b.num_future_decodes() == i + 1
+    assert rates == [pytest.approx(max(1, b.capped_prefill_tokens(share.own_cap_s, i)) / cycle_s) for i in range(6)]
+    # The first prompt's decode costs what any step's fixed cost does; each one after it takes prefill away.
+    assert rates[0] == rates[1] and all(later < earlier for earlier, later in zip(rates[1:], rates[2:]))
 
 
 def test_decodes_that_fill_the_cap_leave_no_prefill_while_shared():

@@ -564,10 +564,10 @@ class Batcher:
         spare_s = (cap_s - base_s) * CAP_MARGIN
         return num_decodes + max(0, int(spare_s / cfg.prefill_s_per_token + 1e-9))
 
-    def capped_prefill_tokens(self, cap_s: float) -> int:
-        """Prefill tokens a step capped at `cap_s` carries beside the running decodes (a gang member's shared step,
-        as `schedule(step_cap_s=...)` cuts it; 0 when the decodes alone fill the cap)."""
-        d = self._num_decodes
+    def capped_prefill_tokens(self, cap_s: float, num_decodes: int = -1) -> int:
+        """Prefill tokens a step capped at `cap_s` carries beside `num_decodes` decodes (default: its latest step's)
+        (a gang member's shared step, as `schedule(step_cap_s=...)` cuts it; 0 when the decodes alone fill the cap)."""
+        d = self._num_decodes if num_decodes < 0 else num_decodes
         return max(0, min(self._capped_budget(d, cap_s, 0.0), self.config.max_num_batched_tokens) - d)
 
     def step_floor_s(self) -> float:
@@ -1117,6 +1117,11 @@ class Batcher:
     @property
     def num_waiting(self) -> int:
         return len(self._waiting) + len(self._swapped)
+
+    def num_future_decodes(self) -> int:
+        """The decodes its steps carry once every request it holds has started: running, reserved, waiting and
+        swapped, at most `max_num_seqs`."""
+        return min(self.config.max_num_seqs, self._num_active() + self.num_waiting)
 
     def running_context_tokens(self) -> int:
         """KV tokens the running requests hold computed (what a checkpoint to host would copy)."""

@@ -205,17 +205,20 @@ class LoadReporter:
     def _shared_load(self) -> EngineLoad:
         """The snapshot of a gang member whose group's other side has work: each of its steps is capped and
         followed by one of the other side's, so a prompt gets the prefill tokens a capped step carries beside the
-        running decodes once per cycle (its cap plus the other side's), a running request one token per cycle, and
-        no step runs past the cap (no long steps). A policy without shared-step caps: the step share (`duty`) of
+        decodes of every request it holds once per cycle (its cap plus the other side's), a running request one
+        token per cycle, and no step runs past the cap (no long steps). A policy without shared-step caps: the step share (`duty`) of
         the rates of steps alone."""
         b, share = self.batcher, self.gang
         assert share is not None
         if share.own_cap_s <= 0 or share.other_cap_s <= 0:
             rate = share.duty * self._free_rate()
             return b.load(self.instance_id, self.model, rate, self.decode_step_time_s / share.duty, 0.0, 0.0, 0.0, 0.0)
-        # Decodes that fill the cap leave no prefill until some finish: one token a cycle stands for that (a rate
-        # of 0 would read as "unknown", which routing replaces by the cost model's rate alone).
-        chunk = max(1, b.capped_prefill_tokens(share.own_cap_s))
+        # The chunk beside every request it holds decoding, queued ones included: each prompt it admits becomes a
+        # decode in the capped step, so a burst of short prompts (a cached system prompt and a few tokens) shrinks
+        # the prefill left to the later ones. Decodes that fill the cap leave no prefill until some finish: one
+        # token a cycle stands for that (a rate of 0 would read as "unknown", which routing replaces by the cost
+        # model's rate alone).
+        chunk = max(1, b.capped_prefill_tokens(share.own_cap_s, b.num_future_decodes()))
         rate = chunk / (share.own_cap_s + share.other_cap_s)
         cadence_s = self.decode_step_time_s + share.other_cap_s
         return b.load(self.instance_id, self.model, rate, cadence_s, 0.0, 0.0, 0.0, 0.0)
