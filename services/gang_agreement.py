@@ -1,8 +1,11 @@
 """The time-shared (gang) node, live against virtual: the agreement check of services/agreement.py plus the gang
 figures of both sides and the live control-loop latency.
 
-    python -m octoserve.services.gang_agreement [--config services/configs/node-gang.yaml] [--profile seed-000]
-        [--rate 10] [--duration 6] [--time-scale 10] [--cost-profile default|pessimistic] [--json F]
+    python -m octoserve.services.gang_agreement [--config services/configs/node-gang.yaml]
+        [--profile seed-000 | --workload W.yaml] [--rate 10] [--duration 6] [--time-scale 10]
+        [--cost-profile default|pessimistic] [--json F]
+
+Seed 003's node: `--config services/configs/node-seed003.yaml --workload services/configs/workload-seed003.yaml`.
 
 Live, the scheduler runs each gang group's arbiter over the members' sim-engine workers, one grant per step
 (services/scheduler/gang_live.py); the simulator runs the same arbiter in virtual time (services/sim/gang_sim.py).
@@ -55,7 +58,8 @@ def with_cost_profile(config_path: str, cost_profile: str | None, run_dir: Path)
     return str(out)
 
 
-def run(config_path: str, trace, time_scale: float, *, duration_s: float, slo) -> dict:
+def run(config_path: str, trace, time_scale: float, *, duration_s: float, slo=None) -> dict:
+    """`slo`: what both sides are judged by (None: the config's, per model and tier, as the simulator judges)."""
     from octoserve.services.config import load_node_config
     from octoserve.services.launcher import start_node
     from octoserve.services.loadgen import BenchOptions, run_bench
@@ -63,6 +67,7 @@ def run(config_path: str, trace, time_scale: float, *, duration_s: float, slo) -
 
     node_cfg = load_node_config(config_path)
     virtual = run_simulation(node_cfg, trace)
+    slo = virtual.summary.slo if slo is None else slo
     last_finish_s = max((r.finish_s for r in virtual.records if r.finish_s is not None), default=duration_s)
     drain_s = (last_finish_s - duration_s) * time_scale * 2.0 + 60.0
     node = start_node(config_path, time_scale)
@@ -112,7 +117,9 @@ def gang_table(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=DEFAULT_CONFIG)
-    parser.add_argument("--profile", default="seed-000", choices=sorted(PROFILES))
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--profile", default="seed-000", choices=sorted(PROFILES))
+    source.add_argument("--workload", help="a workload YAML (its models must be the config's)")
     parser.add_argument("--rate", type=float, default=10.0)
     parser.add_argument("--duration", type=float, default=6.0)
     parser.add_argument("--time-scale", type=float, default=10.0)
@@ -121,12 +128,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cost-profile", choices=("default", "pessimistic"), default=None)
     parser.add_argument("--json", dest="json_path")
     args = parser.parse_args(argv)
-    profile = scaled(PROFILES[args.profile], rate_rps=args.rate, duration_s=args.duration)
+    if args.workload:
+        from octoserve.services.workload_io import load_workload
+
+        base = load_workload(args.workload)
+    else:
+        base = PROFILES[args.profile]
+    profile = scaled(base, rate_rps=args.rate, duration_s=args.duration)
     trace = cap_outputs(generate_trace(profile, args.seed), args.max_output)
     config = with_cost_profile(args.config, args.cost_profile, Path(tempfile.mkdtemp(prefix="gang-agree-")))
-    print(f"live (K={args.time_scale:g}) and virtual: {len(trace)} requests of {args.profile} at {args.rate:g} req/s "
+    print(f"live (K={args.time_scale:g}) and virtual: {len(trace)} requests of {profile.name} at {args.rate:g} req/s "
           f"for {args.duration:g} s, cost profile {args.cost_profile or 'of the config'}", flush=True)
-    result = run(config, trace, args.time_scale, duration_s=args.duration, slo=profile.slo)
+    # A workload file's SLOs are per model in the config (seed 003: the LM's ITL is not the 8B's): judge by those.
+    result = run(config, trace, args.time_scale, duration_s=args.duration, slo=None if args.workload else profile.slo)
     agreement: Agreement = result["agreement"]
     print(agreement.table())
     ok = agreement.within()

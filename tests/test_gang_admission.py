@@ -76,6 +76,16 @@ def test_decisions_tell_each_member_its_sharing_idle_ones_too():
     assert d == Decision(notices=(("sm", False),))
 
 
+@pytest.mark.parametrize("shape,told", [("deadline", {"lm": True, "sm": True}), ("lm_first", {"lm": False, "sm": True}),
+                                        ("sm_greedy", {"lm": True, "sm": False})])
+def test_a_side_that_gets_the_gpus_whenever_it_has_work_is_never_shared(shape, told):
+    """LM-first reservation never makes the LM take turns, SM-greedy never the SMs: neither is told it is shared."""
+    policy = dataclasses.replace(_node().gang.policy, shape=shape)
+    arb = GangArbiter(policy, "lm", ["sm"])
+    arb.decide(0.0, MemberView("lm", True, 0.02), [MemberView("sm", True, 0.01)])
+    assert {m: arb.shared(m) for m in ("lm", "sm")} == told
+
+
 def test_a_prompt_routed_just_after_the_lm_got_work_is_predicted_shared():
     """An 8B prompt of 3,000 tokens, 20 ms after a 70B request reached the idle gang group: on the GPUs alone its
     prefill takes ~100 ms, shared ~0.9 s; the SM it goes to was idle (no grant since), yet the router predicts the

@@ -19,7 +19,8 @@ side's work comes and goes between two decisions: an LM decoding a few requests)
 gives the rates of capped steps taking turns with the other side's (`services/core/instance.py`), so admission
 predicts what a prompt gets once both sides step. Every decision returns the members whose sharing changed
 (`Decision.notices`), idle members included: a prompt routed to an idle SM just after the LM got work is predicted
-at the shared rate, not at the rate of the GPUs alone that it had when it last stepped.
+at the shared rate, not at the rate of the GPUs alone that it had when it last stepped. The baselines that give
+one side the GPUs whenever it has work never share that side: the LM under `lm_first`, the SMs under `sm_greedy`.
 
 Every step the arbiter starts carries a *cap*: the member's batcher cuts its prefill chunk so that the step fits
 (`Batcher.schedule(now, step_cap_s=...)`). A step is never shorter than its member's `MemberView.min_step_s` (the
@@ -241,7 +242,9 @@ class GangArbiter:
         if any(s.has_work for s in sms):
             self._sm_work_at = now
         hold = SHARING_HOLD_S - _EPS
-        lm_shared, sm_shared = now - self._sm_work_at < hold, now - self._lm_work_at < hold
+        shape = self.policy.shape
+        lm_shared = shape != "lm_first" and now - self._sm_work_at < hold
+        sm_shared = shape != "sm_greedy" and now - self._lm_work_at < hold
         notices = []
         for member_id, shared in ((self.lm_id, lm_shared), *((sm, sm_shared) for sm in self.sm_ids)):
             if self._told.get(member_id) is not shared:
