@@ -51,23 +51,23 @@ def test_decisions_tell_each_member_its_sharing_idle_ones_too():
     idle, busy = MemberView("sm", False, 0.0), MemberView("sm", True, 0.01)
     d = arb.decide(0.0, MemberView("lm", True, 0.02), [idle])
     # The LM steps alone (the SMs have nothing); the idle SM is told at once that the LM has work.
-    assert d.run_lm and d.lm_shared is False
+    assert d.run_lm and arb.shared("lm") is False
     assert d.notices == (("lm", False), ("sm", True))
     arb.started("lm", 0.0, 0.02, d.lm_cap_s)
     arb.finished("lm", 0.02)
     d = arb.decide(0.02, MemberView("lm", False, 0.0), [busy])
     # The LM had work 20 ms ago: the SM steps shared (the hold); the LM, idle, is told the SMs have work.
-    assert d.start_sm_ids == ("sm",) and d.sm_shared is True
+    assert d.start_sm_ids == ("sm",) and arb.shared("sm") is True
     assert d.notices == (("lm", True),)
     arb.started("sm", 0.02, 0.01, d.sm_starts[0][1])
     arb.finished("sm", 0.03)
     t = SHARING_HOLD_S - 0.02  # the LM last had work at 0: within the hold, nothing changed
     d = arb.decide(t, MemberView("lm", False, 0.0), [busy])
-    assert d.sm_shared is True and d.notices == ()
+    assert arb.shared("sm") is True and d.notices == ()
     arb.started("sm", t, 0.01, d.sm_starts[0][1])
     arb.finished("sm", t + 0.01)
     d = arb.decide(t + 0.03, MemberView("lm", False, 0.0), [busy])  # past the hold
-    assert d.start_sm_ids == ("sm",) and d.sm_shared is False and d.notices == (("sm", False),)
+    assert d.start_sm_ids == ("sm",) and arb.shared("sm") is False and d.notices == (("sm", False),)
     assert (arb.shared("lm"), arb.shared("sm")) == (True, False)
     arb.started("sm", t + 0.03, 0.01, d.sm_starts[0][1])
     arb.finished("sm", t + 0.04)

@@ -159,9 +159,6 @@ class Decision:
     lm_cap_s: float = 0.0  # with run_lm: the LM step must end within this
     sm_starts: tuple[tuple[str, float], ...] = ()  # (SM id, cap s): the SMs that start a step now
     fills: bool = False  # those SM steps only fill the barrier while the group drains toward a lease
-    # Whether the started steps are shared (module docstring): the LM's, and the SMs'.
-    lm_shared: bool = False
-    sm_shared: bool = False
     # (member id, shared): the members whose sharing changed at this decision, each to be told even when idle.
     notices: tuple[tuple[str, bool], ...] = ()
 
@@ -221,22 +218,19 @@ class GangArbiter:
         """What starts at this boundary. Call it after every step end and every arrival; it commits its decision:
         the adapter starts what it returns and reports each start with `started` (or `nothing_to_run`), and tells
         each member in `notices` its sharing."""
-        lm_shared, sm_shared, notices = self._sharing(now, lm, sms)
+        notices = self._sharing(now, lm, sms)
         d = self._decide(now, lm, sms)
-        if d.run_lm or d.sm_starts or notices:
-            return dataclasses.replace(d, lm_shared=lm_shared and d.run_lm, sm_shared=sm_shared and bool(d.sm_starts),
-                                       notices=notices)
-        return d
+        return dataclasses.replace(d, notices=notices) if notices else d
 
     def forget(self, member_id: str) -> None:
         """`member_id` (re)joined knowing nothing: the next decision tells it its sharing."""
         self._told.pop(member_id, None)
 
     def shared(self, member_id: str) -> bool:
-        """The sharing `member_id` was last told (False before any)."""
+        """The sharing `member_id` was last told (False before any): what its steps started now run under."""
         return self._told.get(member_id, False)
 
-    def _sharing(self, now: float, lm: MemberView, sms: Sequence[MemberView]) -> tuple[bool, bool, tuple]:
+    def _sharing(self, now: float, lm: MemberView, sms: Sequence[MemberView]) -> tuple[tuple[str, bool], ...]:
         if lm.has_work:
             self._lm_work_at = now
         if any(s.has_work for s in sms):
@@ -250,7 +244,7 @@ class GangArbiter:
             if self._told.get(member_id) is not shared:
                 self._told[member_id] = shared
                 notices.append((member_id, shared))
-        return lm_shared, sm_shared, tuple(notices)
+        return tuple(notices)
 
     def _decide(self, now: float, lm: MemberView, sms: Sequence[MemberView]) -> Decision:
         self._note_waits(now, lm, sms)

@@ -123,8 +123,7 @@ class GangDriver:
             if not starts:
                 self._ended_at = None  # what follows waits on the arbiter (a barrier, no work), not on the loop
                 return
-            steps = await asyncio.gather(*(m.start(cap, d.lm_shared if m is self._lm else d.sm_shared)
-                                           for m, cap in starts))
+            steps = await asyncio.gather(*(m.start(cap, self.arbiter.shared(m.member_id)) for m, cap in starts))
             if self._ended_at is not None:
                 self.stats.latencies_s.append((asyncio.get_running_loop().time() - self._ended_at) / self.time_scale)
                 self._ended_at = None
