@@ -129,9 +129,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", dest="json_path")
     args = parser.parse_args(argv)
     if args.workload:
+        from octoserve.services.usage import UsageError
         from octoserve.services.workload_io import load_workload
 
-        base = load_workload(args.workload)
+        try:
+            base = load_workload(args.workload)
+        except (OSError, ValueError, UsageError) as e:
+            parser.error(f"--workload {args.workload}: {e}")
     else:
         base = PROFILES[args.profile]
     profile = scaled(base, rate_rps=args.rate, duration_s=args.duration)

@@ -213,3 +213,17 @@ def test_live_gang_node_and_simulator_agree_within_tolerance():
     live, virtual = result["live_gang"]["lm-0"], result["virtual_gang"]["lm-0"]
     assert live["lm_steps"] > 0 and live["sm_steps"] > 0 and live["switches"] > 0
     assert live["overruns"] == 0  # every live step fit the cap the arbiter gave it
+
+
+@pytest.mark.parametrize("text,problem", [(None, "No such file"), ("traffic: [\n", "is not valid YAML")])
+def test_gang_agreement_names_an_unusable_workload_file(tmp_path, capsys, text, problem):
+    from octoserve.services.gang_agreement import main
+
+    path = tmp_path / "w.yaml"
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(SystemExit) as stop:
+        main(["--workload", str(path)])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--workload {path}: " in err and problem in err
