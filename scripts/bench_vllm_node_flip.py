@@ -13,6 +13,8 @@ one request after another through the router's public gRPC API (the SDK's `Async
    request: `tiny-0` serves the model alone.
 2. after `--per-phase` more requests, `octoserve reconfigure --role tiny-1=colocated` (the CLI, which sends the same
    RPC) flips it back: the router routes to `tiny-1` again.
+Each phase lasts until `--per-phase` requests sent in it have finished; the first and the last also until both
+instances have served one of them (300 s at most; the router's log of the phase is printed when they do not).
 Every request must finish with all its tokens; the router's access log says which instance served each one.
 Prints per flip: its drain and switch (the scheduler's figures, from its log), the call's wall time, the requests
 running on `tiny-1` when it drained, the requests served while the flip ran, and per phase which instances served
@@ -131,11 +133,20 @@ async def _drive(node, *, clients: int, max_tokens: int, per_phase: int) -> tupl
                 s.error = f"{type(e).__name__}: {e}"
             s.done_s = time.monotonic()
 
-    async def finished_since(t: float, n: int, what: str) -> None:
+    def served_by(instance_id: str, t: float) -> bool:
+        """Whether a request sent since `t` was served by `instance_id`, per the router's access log so far."""
+        since = {s.request_id for s in sent if s.sent_s >= t and s.done_s}
+        return any(instance_id in e.get("instances", ()) for rid, e in access_log(node).items() if rid in since)
+
+    async def finished_since(t: float, n: int, what: str, served: tuple[str, ...] = ()) -> None:
+        """Until `n` requests sent since `t` have finished, and each instance in `served` has served one of them (the
+        router follows a flip by its placement watch and a new worker session, at a pace nothing here asserts)."""
         deadline = time.monotonic() + 300.0
-        while sum(1 for s in sent if s.sent_s >= t and s.done_s) < n:
+        while (sum(1 for s in sent if s.sent_s >= t and s.done_s) < n
+               or not all(served_by(i, t) for i in served)):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"fewer than {n} requests finished within 300 s {what}")
+                raise TimeoutError(f"within 300 s {what}, fewer than {n} requests finished or not each of "
+                                   f"{list(served)} served one; the router's log since:\n" + router_events(node, t))
             await asyncio.sleep(0.05)
 
     flips: list[Flip] = []
@@ -143,7 +154,7 @@ async def _drive(node, *, clients: int, max_tokens: int, per_phase: int) -> tupl
         scheduler = s_grpc.SchedulerStub(ch)
         tasks = [asyncio.create_task(client(c)) for _ in range(clients)]
         try:
-            await finished_since(0.0, per_phase, "before the first flip")
+            await finished_since(0.0, per_phase, "before the first flip", served=("tiny-0", FLIPPED))
             for name, via in (("prefill", "rpc"), ("colocated", "cli")):
                 began = time.monotonic()
                 print(f"flip {FLIPPED} -> {name} ({via}) with {sum(1 for s in sent if not s.done_s)} requests in "
@@ -159,7 +170,8 @@ async def _drive(node, *, clients: int, max_tokens: int, per_phase: int) -> tupl
                     if code != 0:
                         raise RuntimeError(f"octoserve reconfigure --role {FLIPPED}={name} exited {code}")
                 flips.append(Flip(name, via, began, time.monotonic()))
-                await finished_since(flips[-1].ended_s, per_phase, f"after the flip to {name}")
+                await finished_since(flips[-1].ended_s, per_phase, f"after the flip to {name}",
+                                     served=("tiny-0", FLIPPED) if name == "colocated" else ())
         finally:
             stop.set()
             await asyncio.gather(*tasks)
@@ -180,6 +192,18 @@ def access_log(node) -> dict[str, dict]:
             if entry.get("logger") == "octoserve.router.access":
                 out[entry["request_id"]] = entry
     return out
+
+
+def router_events(node, since_monotonic: float) -> str:
+    """The router's log lines other than the access log, from `since_monotonic` on (a failed run's diagnosis)."""
+    since = time.time() - (time.monotonic() - since_monotonic)
+    out = []
+    for line in node.router.log_file.read_text().splitlines():
+        if line.startswith("{"):
+            entry = json.loads(line)
+            if entry.get("logger") != "octoserve.router.access" and entry.get("ts", 0.0) >= since:
+                out.append(f"{entry['ts'] - since:+.3f} s {line[:300]}")
+    return "\n".join(out[-40:])
 
 
 def flip_run(model_dir: str, run_dir: Path, *, clients: int = 4, max_tokens: int = 32, per_phase: int = 12

@@ -9,9 +9,11 @@ flips it back. Held to:
 - the model kept serving on `tiny-0` while `tiny-1` drained;
 - the router followed the placement: before the first flip both instances served requests; between the flips only
   `tiny-0` did (a prefill instance with no decode partner takes no request); after the flip back `tiny-1` served
-  requests again, as a colocated instance (one instance per request). Requests sent while a flip ran may go either
-  way (the router learns of the drain by its watch stream; one that reaches `tiny-1` as its drain begins is refused
-  before its first token and placed on `tiny-0`); every one of them is served in full all the same.
+  requests again, as a colocated instance (one instance per request). The run waits (bounded) for both to serve
+  before the first flip and after the last: how soon the router opens a session to a flipped worker is not
+  what this test holds. Requests sent while a flip ran may go either way (the router learns of the drain by its
+  watch stream; one that reaches `tiny-1` as its drain begins is refused before its first token and placed on
+  `tiny-0`); every one of them is served in full all the same.
 Nothing here asserts a duration. Engine budget: two vLLM instances.
 """
 
