@@ -20,7 +20,7 @@ def http_front_args(router: str, http_port: int, model_path: str | None, grace_s
 
 def wait_http_healthy(address: str, deadline: float) -> None:
     """Polls GET /health until 200 or the deadline (raises the launcher's LaunchError)."""
-    from octoserve.services.launcher import LaunchError
+    from octoserve.services.processes import LaunchError
 
     while True:
         try:

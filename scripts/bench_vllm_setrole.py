@@ -25,7 +25,8 @@ import grpc
 
 from octoserve.services.core.types import RequestSpec, Role, SamplingParams
 from octoserve.services.engine.test_model import build_test_model
-from octoserve.services.launcher import REPO_ROOT, WORKER_MODULES, _spawn, _wait_ready
+from octoserve.services.launcher import WORKER_MODULES
+from octoserve.services.processes import REPO_ROOT, spawn, wait_ready
 from octoserve.services.rpc import convert
 from octoserve.services.rpc.gen import worker_pb2 as w_pb
 from octoserve.services.rpc.gen import worker_pb2_grpc as w_grpc
@@ -104,9 +105,9 @@ def main() -> int:
                 "--flippable", "--port", "0"]
         print("starting the worker (vLLM engine start and warm-up) ...", file=sys.stderr)
         t0 = time.perf_counter()
-        sp = _spawn("worker:tiny-0", WORKER_MODULES[Role.COLOCATED], argv, Path(tmp), env)
+        sp = spawn("worker:tiny-0", WORKER_MODULES[Role.COLOCATED], argv, Path(tmp), env)
         try:
-            _wait_ready(sp, time.monotonic() + 300.0)
+            wait_ready(sp, time.monotonic() + 300.0)
             print(f"worker start (launch -> serving, what a restart costs at least): "
                   f"{time.perf_counter() - t0:.1f} s")
             asyncio.run(measure(sp.address, sp.pid, args))

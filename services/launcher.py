@@ -14,60 +14,38 @@ scheduler, the router).
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import contextlib
-import json
 import os
-import queue
 import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from octoserve.http_front.launch import http_front_args, inside_ready_file, inside_router_args, wait_http_healthy
 from octoserve.services import trust
 from octoserve.services.core.types import Role
+from octoserve.services.processes import (
+    REPO_ROOT,
+    LaunchError,
+    ServiceProcess,
+    check_ports_free,
+    spawn,
+    stop_group,
+    wait_healthy,
+    wait_ready,
+)
 from octoserve.services.rpc.server import LAUNCHER_PID_ENV
 from octoserve.services.supervisor import Supervisor
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-POLL_S = 0.05
+__all__ = ["REPO_ROOT", "LaunchError", "Node", "ServiceProcess", "start_node"]  # what callers of `octoserve up` use
+
 DEFAULT_STARTUP_TIMEOUT_S = 60.0
 VLLM_STARTUP_TIMEOUT_S = 300.0  # a vLLM engine starts in 20-110 s on a busy CPU machine, minutes for 70B on GPUs
 DEFAULT_GRACE_S = 10.0
 WORKER_MODULES = {Role.COLOCATED: "octoserve.decode_worker", Role.DECODE: "octoserve.decode_worker", Role.PREFILL: "octoserve.prefill_worker"}
-
-
-class LaunchError(RuntimeError):
-    """A service did not come up; the message names it and points at its log."""
-
-
-@dataclass
-class ServiceProcess:
-    name: str
-    proc: subprocess.Popen
-    ready_file: Path
-    log_file: Path
-    port: int = 0
-    metrics_port: int | None = None
-    cmd: tuple[str, ...] = ()  # how it was started: a restart runs it again with --port pinned
-    env: dict[str, str] | None = None
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
 
 
 @dataclass
@@ -104,7 +82,7 @@ class Node:
         # The HTTP front's own process and the router together: both refuse new requests from the same moment
         # (503 / UNAVAILABLE) while the front's streams finish through the router, which drains until they have.
         for group in ([*([self.http] if self.http else []), self.router], list(self.workers.values()), [self.scheduler]):
-            self.exit_codes.update(_stop_group(group, self.grace_s))
+            self.exit_codes.update(stop_group(group, self.grace_s))
         return self.exit_codes
 
     def __enter__(self) -> Node:
@@ -114,206 +92,9 @@ class Node:
         self.stop()
 
 
-def reap_leftovers(proc: subprocess.Popen) -> bool:
-    """SIGKILL whatever an exited service left running. Every service starts as the leader of its own process group
-    (`_popen`: start_new_session), so what is still in that group is a child it started and never stopped: a
-    SIGKILLed vLLM worker leaves its engine core running, holding its memory (and on a GPU the device's), which a
-    restarted worker would then share with. The group's number is not reused while any member lives, so this signals
-    nothing else. True when something was left."""
-    if proc.poll() is None:
-        raise ValueError(f"process {proc.pid} is still running: stop it before reaping its group")
-    if not group_members(proc.pid):
-        return False
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:  # they exited meanwhile
-        return False
-    return True
-
-
-def group_members(pgid: int) -> list[int]:
-    """The live processes of process group `pgid` (zombies left out: they hold nothing but a process table slot)."""
-    members = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:  # it exited while we read
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            members.append(int(stat.parent.name))
-    return members
-
-
-def _stop_group(group: list[ServiceProcess], grace_s: float) -> dict[str, int]:
-    """SIGTERM to every process of the group at once (one signal per process: the front inside the router is the
-    router's process), then each one's exit code by name, SIGKILL past its grace."""
-    signalled: set[int] = set()
-    for sp in group:
-        if sp.proc.poll() is None and id(sp.proc) not in signalled:
-            signalled.add(id(sp.proc))
-            sp.proc.send_signal(signal.SIGTERM)
-    codes = {}
-    for sp in group:
-        try:
-            codes[sp.name] = sp.proc.wait(timeout=grace_s + 5.0)
-        except subprocess.TimeoutExpired:
-            sp.proc.kill()  # this process only, by its PID
-            codes[sp.name] = sp.proc.wait()
-        reap_leftovers(sp.proc)
-    return codes
-
-
-def _spawn(name: str, module: str, args: list[str], run_dir: Path, env: dict[str, str]) -> ServiceProcess:
-    safe = name.replace(":", "-").replace("/", "-")
-    ready = run_dir / f"{safe}.ready.json"
-    log = run_dir / f"{safe}.log"
-    cmd = (sys.executable, "-m", module, *args, "--ready-file", str(ready))
-    return ServiceProcess(name, _popen(cmd, log, env), ready, log, cmd=cmd, env=env)
-
-
-def _popen(cmd, log: Path, env: dict[str, str]) -> subprocess.Popen:
-    with open(log, "ab") as log_f:
-        return _SPAWNER.popen(cmd, cwd=REPO_ROOT, env=env, stdout=log_f, stderr=subprocess.STDOUT,
-                              start_new_session=True)  # Ctrl-C in a terminal reaches the launcher only
-
-
-class _Spawner:
-    """Starts every service process from one thread that lives as long as this process.
-
-    A service asks the kernel for SIGTERM when its launcher dies (PR_SET_PDEATHSIG, `stop_with_launcher` in
-    services/rpc/server.py), and Linux sends it when the *thread* that started the process ends, not the process. A
-    worker started from the placement keeper's thread (a model change) or the supervisor's (a restart) got SIGTERM
-    when `Node.stop()` ended that thread: ahead of the ordered stop (router first), and when it landed as the worker
-    was already exiting from the launcher's own SIGTERM, the worker died of it (exit -15)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-
-    def popen(self, cmd, **kwargs) -> subprocess.Popen:
-        with self._lock:
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="octoserve-spawner", daemon=True)
-                self._thread.start()
-        done: concurrent.futures.Future = concurrent.futures.Future()
-        self._jobs.put((cmd, kwargs, done))
-        return done.result()
-
-    def _run(self) -> None:
-        while True:  # a daemon thread: it ends with the process, so PR_SET_PDEATHSIG fires with the process only
-            cmd, kwargs, done = self._jobs.get()
-            try:
-                done.set_result(subprocess.Popen(cmd, **kwargs))
-            except BaseException as e:  # noqa: BLE001 (handed to the caller)
-                done.set_exception(e)
-
-
-_SPAWNER = _Spawner()
-
-
-def respawn(sp: ServiceProcess) -> None:
-    """Starts an exited service again on the port it had (its peers reconnect there); its ready file is rewritten.
-    A worker whose port was taken meanwhile serves on a free one and registers that address with the scheduler,
-    whose placement the router follows (router/placement_watch.py); the supervisor reads the new port from the ready file."""
-    sp.ready_file.unlink(missing_ok=True)
-    fallback = ("--port-fallback",) if sp.name.startswith("worker:") else ()
-    sp.proc = _popen((*sp.cmd, "--port", str(sp.port), *fallback), sp.log_file, sp.env)
-
-
-def _wait_ready(sp: ServiceProcess, deadline: float) -> None:
-    while not sp.ready_file.exists():
-        if sp.proc.poll() is not None:
-            cause = cause_in_log(sp.log_file)
-            raise LaunchError(f"{sp.name} exited with code {sp.proc.returncode} while starting"
-                              + (f": {cause}" if cause else "") + f"; see {sp.log_file}")
-        if time.monotonic() > deadline:
-            raise LaunchError(f"{sp.name} did not become ready in time; see {sp.log_file}")
-        time.sleep(POLL_S)
-    info = json.loads(sp.ready_file.read_text())
-    sp.port, sp.metrics_port = info["port"], info["metrics_port"]
-
-
-def cause_in_log(log_file: Path, tail_bytes: int = 65536) -> str | None:
-    """Why a service stopped, as its log says it: the last exception line of a traceback (`OSError: ...`), or the
-    message of the last error-level JSON line, whichever comes last; None when the log says neither."""
-    import re
-
-    try:
-        with open(log_file, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - tail_bytes))
-            lines = f.read().decode("utf-8", "replace").splitlines()
-    except OSError:
-        return None
-    exception = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Failure)(: .*)?$")
-    for line in reversed(lines):
-        line = line.strip()
-        if line.startswith("{"):
-            try:
-                entry = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(entry, dict) and str(entry.get("level", "")).lower() in ("error", "critical"):
-                return str(entry.get("msg", line))
-        elif exception.match(line):
-            return line
-    return None
-
-
-def check_ports_free(ports: list[tuple[str, int, str]]) -> None:
-    """Each (flag, port, how to change it) can be listened on at 127.0.0.1 now (0: any free port, not checked), and
-    no two flags name the same port: else `UsageError` naming the flag and the port, before anything starts. (The
-    service binds it a moment later: the check cannot hold it, but a port in use is the usual case.)"""
-    import errno
-    import socket
-
-    from octoserve.services.usage import UsageError
-
-    held: dict[int, str] = {}
-    sockets = []
-    try:
-        for flag, port, change in ports:
-            if not 0 <= port <= 65535:
-                raise UsageError(f"{flag} {port}: not a port number; give one in 1-65535 (0: any free port)")
-            if port == 0:
-                continue
-            if port in held:
-                raise UsageError(f"{flag} {port}: {held[port]} is {port} too; give them different ports")
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sockets.append(s)
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the services bind: TIME_WAIT is no conflict
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError as e:
-                why = "is already in use" if e.errno == errno.EADDRINUSE else f"cannot be listened on ({e.strerror})"
-                raise UsageError(f"{flag} {port}: 127.0.0.1:{port} {why}; {change}") from None
-            held[port] = flag
-    finally:
-        for s in sockets:
-            s.close()
-
-
-def wait_healthy(address: str, deadline: float, service: str = "", internal: bool = True) -> None:
-    """Polls grpc.health.v1 Check until SERVING or the deadline (raises LaunchError); `internal`: the node's mTLS,
-    when configured (the router's public port is plaintext)."""
-    with (trust.sync_channel(address) if internal else grpc.insecure_channel(address)) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while True:
-            try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            if time.monotonic() > deadline:
-                raise LaunchError(f"{address} is not SERVING after the startup timeout")
-            time.sleep(POLL_S)
-
-
 def user_path(path: str | Path | None) -> str | None:
     """A path as the caller's shell means it: `~` expanded, a relative one made absolute against the caller's working
-    directory. The node's processes run in the checkout (`_popen`), where a relative path names something else."""
+    directory. The node's processes run in the checkout (`processes.popen`), where a relative path names something else."""
     return None if path is None else os.path.abspath(os.path.expanduser(os.fspath(path)))
 
 
@@ -387,40 +168,40 @@ def start_node(
     deadline = time.monotonic() + startup_timeout_s
     started: list[ServiceProcess] = []
     try:
-        scheduler = _spawn("scheduler", "octoserve.services.scheduler", [*common, "--time-scale", str(time_scale),
+        scheduler = spawn("scheduler", "octoserve.services.scheduler", [*common, "--time-scale", str(time_scale),
                            "--placement-file", str(run_dir / "placement.json")], run_dir, env)
         started.append(scheduler)
-        _wait_ready(scheduler, deadline)
+        wait_ready(scheduler, deadline)
         workers = {}
         for inst in node_cfg.instances:
             args = [*common, "--instance", inst.id, "--engine", engine, "--time-scale", str(time_scale),
                     "--scheduler", scheduler.address, *(["--model", model_path] if model_path else []), *worker_args]
-            workers[inst.id] = _spawn(f"worker:{inst.id}", WORKER_MODULES[inst.role], args, run_dir, env)
+            workers[inst.id] = spawn(f"worker:{inst.id}", WORKER_MODULES[inst.role], args, run_dir, env)
             started.append(workers[inst.id])
         # The router waits for a complete placement and every worker's session: give it the whole startup budget
         # (vLLM workers take 20-110 s to start on a CPU machine, past the router's own 60 s default).
         inside = http_port is not None and http_inside
-        router = _spawn("router", "octoserve.router", [*common, "--scheduler", scheduler.address, "--time-scale",
+        router = spawn("router", "octoserve.router", [*common, "--scheduler", scheduler.address, "--time-scale",
                                              str(time_scale), "--port", str(port),
                                              "--startup-timeout-s", str(startup_timeout_s), *router_args,
                                              *(inside_router_args(http_port, model_path, run_dir) if inside else ())],
                         run_dir, env)
         started.append(router)
         for sp in started:
-            _wait_ready(sp, deadline)
+            wait_ready(sp, deadline)
             wait_healthy(sp.address, deadline, internal=sp is not router)
         http = None
         if http_port is not None and inside:  # the router process serves it: the same process, its own ready file
             http = ServiceProcess("http_front", router.proc, inside_ready_file(run_dir), router.log_file)
         elif http_port is not None:  # after the router: it needs the router's port
-            http = _spawn("http_front", "octoserve.http_front", http_front_args(
+            http = spawn("http_front", "octoserve.http_front", http_front_args(
                 router.address, http_port, model_path, grace_s, startup_timeout_s, cfg_path), run_dir, env)
             started.append(http)
         if http is not None:
-            _wait_ready(http, deadline)
+            wait_ready(http, deadline)
             wait_http_healthy(http.address, deadline)
     except BaseException:
-        _stop_group(list(reversed(started)), grace_s=1.0)
+        stop_group(list(reversed(started)), grace_s=1.0)
         raise
     node = Node(router, scheduler, workers, run_dir, grace_s, http=http)
     node.keeper = _placement_keeper(node, cfg_path, grace_s, engine, time_scale, model_path, env)
@@ -445,9 +226,9 @@ def _placement_keeper(node: Node, cfg_path: str | None, grace_s: float, engine: 
         args = ["--config", config_path, "--grace-s", str(grace_s), "--instance", instance_id, "--engine", engine,
                 "--time-scale", str(time_scale), "--scheduler", node.scheduler.address,
                 *(["--model", model_path] if model_path else [])]
-        return _spawn(f"worker:{instance_id}", WORKER_MODULES[convert.ROLE_FROM_PB[role_pb]], args, node.run_dir, env)
+        return spawn(f"worker:{instance_id}", WORKER_MODULES[convert.ROLE_FROM_PB[role_pb]], args, node.run_dir, env)
 
-    keeper = PlacementKeeper(node, base, spawn_worker, lambda sp: _stop_group([sp], grace_s))
+    keeper = PlacementKeeper(node, base, spawn_worker, lambda sp: stop_group([sp], grace_s))
     keeper.start()
     return keeper
 

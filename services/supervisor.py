@@ -145,7 +145,7 @@ class Supervisor:
             self._restart_at[name] = now + self.backoff_s[min(streak, len(self.backoff_s) - 1)]
 
     def _restart(self, sp, now: float) -> None:
-        from octoserve.services.launcher import reap_leftovers, respawn
+        from octoserve.services.processes import reap_leftovers, respawn
 
         old = sp.proc
         if reap_leftovers(old):  # the dead process's own children (a vLLM engine core) go with it

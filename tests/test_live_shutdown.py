@@ -23,13 +23,12 @@ import urllib.request
 import grpc
 import pytest
 
-from octoserve.services import launcher
+from octoserve.services import processes
 from octoserve.services.launcher import start_node
 from octoserve.services.rpc.gen import scheduler_pb2 as s_pb
 from octoserve.services.rpc.gen import scheduler_pb2_grpc as s_grpc
 from octoserve.services.rpc.gen import worker_pb2 as w_pb
 from octoserve.services.rpc.server import LAUNCHER_PID_ENV
-from octoserve.v1 import generate_pb2 as gen_pb
 from octoserve.v1 import generate_pb2_grpc as gen_grpc
 from tests.service_fixtures import COLOCATED_MODEL, MAX_CONTEXT, request
 
@@ -132,10 +131,10 @@ def test_a_process_started_from_a_thread_outlives_that_thread(tmp_path):
     sends when the thread that started it ends. The launcher starts every process from one thread that lives as
     long as it does."""
     env = {**os.environ, LAUNCHER_PID_ENV: str(os.getpid()),
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(launcher.REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(processes.REPO_ROOT), os.environ.get("PYTHONPATH")]))}
     started: list[subprocess.Popen] = []
     t = threading.Thread(target=lambda: started.append(
-        launcher._popen((sys.executable, "-c", CHILD), tmp_path / "child.log", env)))
+        processes.popen((sys.executable, "-c", CHILD), tmp_path / "child.log", env)))
     t.start()
     t.join(30)
     (proc,) = started

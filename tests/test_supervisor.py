@@ -9,7 +9,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from octoserve.services.launcher import ServiceProcess, _popen, group_members
+from octoserve.services.processes import ServiceProcess, group_members, popen
 from octoserve.services.supervisor import Supervisor
 
 
@@ -21,7 +21,7 @@ class _Node:
 def _service(tmp_path, name: str, code: str) -> ServiceProcess:
     cmd = (sys.executable, "-c", code)
     log = tmp_path / f"{name}.log"
-    sp = ServiceProcess(name, _popen(cmd, log, None), tmp_path / f"{name}.ready.json", log, port=4321, cmd=cmd)
+    sp = ServiceProcess(name, popen(cmd, log, None), tmp_path / f"{name}.ready.json", log, port=4321, cmd=cmd)
     return sp
 
 
@@ -103,10 +103,10 @@ def _wait_gone(pid: int, timeout_s: float = 10.0) -> bool:
 
 
 def test_reap_leftovers_kills_what_an_exited_service_left_in_its_process_group(tmp_path):
-    from octoserve.services.launcher import reap_leftovers
+    from octoserve.services.processes import reap_leftovers
 
     pid_file = tmp_path / "child.pid"
-    proc = _popen((sys.executable, "-c", ORPHANING, str(pid_file)), tmp_path / "svc.log", None)
+    proc = popen((sys.executable, "-c", ORPHANING, str(pid_file)), tmp_path / "svc.log", None)
     assert proc.wait(timeout=30) == 9
     child = int(pid_file.read_text())
     assert _alive(child) and group_members(proc.pid) == [child]  # outlived its parent, in its process group
@@ -118,9 +118,9 @@ def test_reap_leftovers_kills_what_an_exited_service_left_in_its_process_group(t
 def test_reap_leftovers_refuses_a_running_process(tmp_path):
     import pytest
 
-    from octoserve.services.launcher import reap_leftovers
+    from octoserve.services.processes import reap_leftovers
 
-    proc = _popen((sys.executable, "-c", "import time; time.sleep(30)"), tmp_path / "svc.log", None)
+    proc = popen((sys.executable, "-c", "import time; time.sleep(30)"), tmp_path / "svc.log", None)
     try:
         with pytest.raises(ValueError, match=f"process {proc.pid} is still running: stop it before reaping its group"):
             reap_leftovers(proc)
@@ -130,11 +130,11 @@ def test_reap_leftovers_refuses_a_running_process(tmp_path):
 
 
 def test_the_supervisor_kills_a_dead_services_leftovers_before_restarting_it(tmp_path):
-    from octoserve.services.launcher import reap_leftovers
+    from octoserve.services.processes import reap_leftovers
 
     pid_file = tmp_path / "child.pid"
     cmd = (sys.executable, "-c", ORPHANING, str(pid_file))
-    sp = ServiceProcess("worker:x", _popen(cmd, tmp_path / "x.log", None), tmp_path / "x.ready.json",
+    sp = ServiceProcess("worker:x", popen(cmd, tmp_path / "x.log", None), tmp_path / "x.ready.json",
                         tmp_path / "x.log", port=4321, cmd=cmd)
     sup = Supervisor(_Node([sp]), backoff_s=(0.05,), max_restarts=1, stable_s=60)
     _run_until_given_up(sup)

@@ -63,8 +63,8 @@ def test_start_node_hands_its_children_absolute_paths(tmp_path, monkeypatch):
             raise _Stop
         return launcher.ServiceProcess(name, _NoProcess(), run_dir / f"{name}.ready.json", run_dir / f"{name}.log")
 
-    monkeypatch.setattr(launcher, "_spawn", spawn)
-    monkeypatch.setattr(launcher, "_wait_ready", lambda sp, deadline: None)
+    monkeypatch.setattr(launcher, "spawn", spawn)
+    monkeypatch.setattr(launcher, "wait_ready", lambda sp, deadline: None)
     with pytest.raises(_Stop):
         launcher.start_node("node.yaml", model_path="models/tiny-llama", run_dir="run", http_port=0)
 

@@ -21,7 +21,8 @@ import pytest
 from vllm_fixtures import PROMPTS, import_vllm_or_reason, vllm_skip_reason
 
 from octoserve.services.core.types import FinishReason, RequestSpec, Role, SamplingParams
-from octoserve.services.launcher import REPO_ROOT, WORKER_MODULES, _spawn, _wait_ready
+from octoserve.services.launcher import WORKER_MODULES
+from octoserve.services.processes import REPO_ROOT, spawn, wait_ready
 from octoserve.services.rpc import convert
 from octoserve.services.rpc.gen import worker_pb2 as w_pb
 from octoserve.services.rpc.gen import worker_pb2_grpc as w_grpc
@@ -66,10 +67,10 @@ class _Engines:
                    "VLLM_CPU_KVCACHE_SPACE": "1", "OCTOSERVE_KV_DIR": str(self.kv_dir)}
             args = ["--config", str(TINY_CONFIG), "--instance", "tiny-0", "--engine", "vllm", "--model",
                     str(self.model_dir), "--flippable", "--port", "0", "--grace-s", "10"]
-            self.sp = _spawn("worker:tiny-0", WORKER_MODULES[Role.COLOCATED], args, run_dir, env)
+            self.sp = spawn("worker:tiny-0", WORKER_MODULES[Role.COLOCATED], args, run_dir, env)
             self.starts += 1
             try:
-                _wait_ready(self.sp, time.monotonic() + 300.0)
+                wait_ready(self.sp, time.monotonic() + 300.0)
             except BaseException:
                 self.stop()
                 raise

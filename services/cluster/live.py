@@ -34,11 +34,12 @@ from pathlib import Path
 import grpc
 
 from octoserve.client import AsyncClient
-from octoserve.services import launcher
+from octoserve.services import launcher, processes
 from octoserve.services.agreement import Agreement, cap_outputs
 from octoserve.services.cluster.service import pick_node
 from octoserve.services.loadgen import BenchOptions, _send
-from octoserve.services.metrics import SloSpec, summarize
+from octoserve.services.metrics import summarize
+from octoserve.services.rpc.server import LAUNCHER_PID_ENV
 from octoserve.services.rpc.status import retry_after_ms_from
 from octoserve.services.workload import PROFILES, TraceRequest, generate_trace, scaled
 
@@ -46,14 +47,14 @@ from octoserve.services.workload import PROFILES, TraceRequest, generate_trace, 
 @dataclass
 class LiveCluster:
     nodes: list[launcher.Node]
-    picker: launcher.ServiceProcess
+    picker: processes.ServiceProcess
 
     @property
     def picker_address(self) -> str:
         return self.picker.address
 
     def stop(self) -> None:
-        launcher._stop_group([self.picker], 2.0)
+        processes.stop_group([self.picker], 2.0)
         for node in self.nodes:
             node.stop()
 
@@ -64,15 +65,15 @@ def start_cluster(num_nodes: int, time_scale: float, *, config=None, startup_tim
         for _ in range(num_nodes):
             nodes.append(launcher.start_node(config, time_scale, startup_timeout_s=startup_timeout_s, grace_s=3.0))
         run_dir = Path(tempfile.mkdtemp(prefix="octoserve-picker-"))
-        env = {**os.environ, launcher.LAUNCHER_PID_ENV: str(os.getpid()),
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(launcher.REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+        env = {**os.environ, LAUNCHER_PID_ENV: str(os.getpid()),
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(processes.REPO_ROOT), os.environ.get("PYTHONPATH")]))}
         args = ["--nodes", ",".join(n.router_address for n in nodes), "--port", "0", "--poll-s", "0.1"]
         if isinstance(config, (str, Path)):
             args += ["--config", str(config)]
-        picker = launcher._spawn("picker", "octoserve.services.cluster", args, run_dir, env)
+        picker = processes.spawn("picker", "octoserve.services.cluster", args, run_dir, env)
         deadline = time.monotonic() + 60.0
-        launcher._wait_ready(picker, deadline)
-        launcher.wait_healthy(picker.address, deadline)
+        processes.wait_ready(picker, deadline)
+        processes.wait_healthy(picker.address, deadline)
     except BaseException:
         for node in nodes:
             node.stop()
