@@ -104,8 +104,8 @@ def _request_kwargs(req: TraceRequest, options: BenchOptions) -> dict:
     return kwargs | dict(max_tokens=req.output_len, ignore_eos=True)
 
 
-async def _send(client: AsyncClient, req: TraceRequest, t0: float, options: BenchOptions,
-                out: list, index: int) -> None:
+async def send_request(client: AsyncClient, req: TraceRequest, t0: float, options: BenchOptions,
+                       out: list, index: int) -> None:
     """Run one request and put its record at `out[index]`, also when the drain timeout cancels it."""
     stream = _Stream(time.monotonic() - t0, len(req.prompt_token_ids))
     try:
@@ -201,7 +201,7 @@ async def _dispatch(clients, trace, options: BenchOptions, records: list, progre
         send_at_s = t0 + req.arrival_s * options.time_scale
         while (delay_s := send_at_s - time.monotonic()) > 0:  # loop: asyncio timers may fire a tick early
             await asyncio.sleep(delay_s)
-        task = loop.create_task(_send(clients[i % len(clients)], req, t0, options, records, i))
+        task = loop.create_task(send_request(clients[i % len(clients)], req, t0, options, records, i))
         if progress is not None:
             task.add_done_callback(lambda _t: progress.update(1))
         tasks.append(task)

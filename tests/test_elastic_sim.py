@@ -222,9 +222,9 @@ def test_demand_window_scores_a_step_and_not_a_steady_rate():
 
 
 def test_an_instances_decode_batch_follows_the_mean_lengths():
-    from octoserve.services.sim.elastic_sim import _Inst
+    from octoserve.services.sim.elastic_sim import SimInstance
 
-    inst = _Inst(NODE, SMS[0], 0.0, (1000.0, 250.0), 0.027)
+    inst = SimInstance(NODE, SMS[0], 0.0, (1000.0, 250.0), 0.027)
     base = (inst.full_slots, inst.tau_s)
     inst.rebalance(1.0, (2000.0, 60.0))  # prefill-heavy: longer contexts, fewer slots fit
     assert inst.full_slots < base[0]

@@ -37,7 +37,7 @@ from octoserve.client import AsyncClient
 from octoserve.services import launcher, processes
 from octoserve.services.agreement import Agreement, cap_outputs
 from octoserve.services.cluster.service import pick_node
-from octoserve.services.loadgen import BenchOptions, _send
+from octoserve.services.loadgen import BenchOptions, send_request
 from octoserve.services.metrics import summarize
 from octoserve.services.rpc.server import LAUNCHER_PID_ENV
 from octoserve.services.rpc.status import retry_after_ms_from
@@ -114,7 +114,7 @@ async def replay(cluster: LiveCluster, trace: Sequence[TraceRequest], time_scale
         offers = [chosen["node"], *chosen.get("fallbacks", ())]
         first_arrival_s, retries = None, []
         for k, node in enumerate(offers):
-            await _send(clients[node], req, t0, options, records, index)
+            await send_request(clients[node], req, t0, options, records, index)
             record = records[index]
             first_arrival_s = record.arrival_s if first_arrival_s is None else first_arrival_s
             if not record.refused or record.retry_after_ms is None or k == len(offers) - 1:

@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from octoserve.services.core.balancer import BalancerPolicy, MoveCandidate
 from octoserve.services.core.placement import NodeConfig
 from octoserve.services.core.types import EngineLoad
-from octoserve.services.sim.elastic_sim import ElasticSim, _Inst, _Req
+from octoserve.services.sim.elastic_sim import ElasticSim, SimInstance, SimRequest
 from octoserve.services.sim.forward_ranker import ForwardSimRanker
 from octoserve.services.workload_day import DayProfile, DayRequest
 
@@ -42,7 +42,7 @@ def node_twin(node: NodeConfig, policy: BalancerPolicy, view, now_s: float, wind
     twin.now_s = now_s
     mean = twin._mean_lengths(now_s)
     for cfg in placement:
-        inst = _Inst(node, cfg, now_s, mean[cfg.model], twin.itl_target_s)
+        inst = SimInstance(node, cfg, now_s, mean[cfg.model], twin.itl_target_s)
         load = view.engine_loads.get(cfg.id)
         inst.accepting = bool(view.accepting.get(cfg.id, False)) and (load is None or load.healthy)
         if load is not None:
@@ -55,7 +55,7 @@ def _nothing(t_s: float):  # a twin has no schedule of its own: its arrivals are
     raise AssertionError("the twin's arrivals come from the view")
 
 
-def _seed(inst: _Inst, load: EngineLoad, now_s: float, mean: tuple[float, float], ttft_slo_ms: float) -> None:
+def _seed(inst: SimInstance, load: EngineLoad, now_s: float, mean: tuple[float, float], ttft_slo_ms: float) -> None:
     """The instance's queues from its load report (module doc)."""
     if inst.prefills and load.queued_prefill_tokens > 0:
         inst.prefill_free_s = now_s + load.queued_prefill_tokens / inst.prefill_rate
@@ -67,7 +67,7 @@ def _seed(inst: _Inst, load: EngineLoad, now_s: float, mean: tuple[float, float]
         left = max(1, round(output * (k + 0.5) / n))
         req = DayRequest(f"live-{inst.cfg.id}-{k}", now_s, inst.cfg.model, round(mean[0]), left + 1, ttft_slo_ms,
                          "live")
-        tr = _Req(req)
+        tr = SimRequest(req)
         tr.prefill_begin_s = tr.busy_until_s = tr.first_s = tr.decode_start_s = now_s
         tr.finish_s = now_s + left * inst.tau_s
         tr.entry = tr.decoder = inst.cfg.id

@@ -67,10 +67,13 @@ from octoserve.services.workload_day import DayProfile, DayRequest
 
 MODES = ("static", "oracle", "elastic")
 ORACLE_TRIALS = 3  # the oracle simulates this many of the estimate's best placements for each hour
-_SIZES: dict[tuple, dict[tuple[int, int], tuple[int, float]]] = {}  # `_Inst._size` memo, per instance shape
+_SIZES: dict[tuple, dict[tuple[int, int], tuple[int, float]]] = {}  # `SimInstance._size` memo, per instance shape
 
 
-class _Req:
+class SimRequest:
+    """One request of the day in the queueing model: where it runs and when each of its phases began and ended
+    (the scheduler's forward ranker replays live requests as these)."""
+
     __slots__ = ("req", "first_s", "decode_start_s", "finish_s", "entry", "decoder", "migrations", "tau_s",
                  "prefill_begin_s", "busy_until_s", "reroutes", "entry_inst", "decoder_inst")
 
@@ -79,8 +82,8 @@ class _Req:
         self.prefill_begin_s = math.nan
         self.busy_until_s = math.nan  # when its prefill releases the entry instance's prefill server
         self.reroutes = 0
-        self.entry_inst: _Inst | None = None
-        self.decoder_inst: _Inst | None = None
+        self.entry_inst: SimInstance | None = None
+        self.decoder_inst: SimInstance | None = None
         self.first_s = math.nan
         self.decode_start_s = math.nan
         self.finish_s = math.nan
@@ -90,7 +93,7 @@ class _Req:
         self.tau_s = 0.0
 
 
-class _Inst:
+class SimInstance:
     """One engine instance in the queueing model."""
 
     def __init__(self, node: NodeConfig, cfg: InstanceConfig, now_s: float, mean_lengths: tuple[float, float],
@@ -107,8 +110,8 @@ class _Inst:
         self.prefill_free_s = now_s
         self.heap: list[float] = []
         self.share = 1.0 if cfg.role is Role.PREFILL else 0.0  # prefill's share of the GPU time
-        self.running: list[_Req] = []  # requests whose decode is (or will be) on this instance
-        self.queued: list[_Req] = []  # requests whose prefill is (or will be) on this instance
+        self.running: list[SimRequest] = []  # requests whose decode is (or will be) on this instance
+        self.queued: list[SimRequest] = []  # requests whose prefill is (or will be) on this instance
         self.removed_s = math.inf  # when a reconfiguration took it away
         self.rebalance(now_s, mean_lengths)
 
@@ -277,13 +280,13 @@ class ElasticSim:
         self.progress = progress
         self.now_s = 0.0
         mean = self._mean_lengths(0.0)
-        self.instances: dict[str, _Inst] = {c.id: _Inst(node, c, 0.0, mean[c.model], self.itl_target_s)
+        self.instances: dict[str, SimInstance] = {c.id: SimInstance(node, c, 0.0, mean[c.model], self.itl_target_s)
                                             for c in placement}
         self.reconfigs: list[ReconfigEvent] = []
         self.initial = tuple(placement)
         self.placements: list[tuple[float, str]] = [(0.0, label_of(placement))]
         self.layout_log: list[tuple[float, tuple[InstanceConfig, ...]]] = [(0.0, tuple(placement))]
-        self.trackers: list[_Req] = []
+        self.trackers: list[SimRequest] = []
         self.refused: list[DayRequest] = []
         self.lost = 0
         self.migrated = 0
@@ -314,13 +317,13 @@ class ElasticSim:
     # - admission and routing -
 
     def _admit(self, req: DayRequest) -> None:
-        tr = _Req(req)
+        tr = SimRequest(req)
         if self._place(tr, req.arrival_s, force=False):
             self.trackers.append(tr)
         else:
             self.refused.append(req)
 
-    def _place(self, tr: _Req, t: float, *, force: bool) -> bool:
+    def _place(self, tr: SimRequest, t: float, *, force: bool) -> bool:
         """Put `tr` on the instance (pair) with the earliest first token from `t`. Unless `force` (a request already
         admitted, placed again), refuse when its predicted TTFT or TPOT misses the SLO."""
         req = tr.req
@@ -365,7 +368,7 @@ class ElasticSim:
         e.queued.append(tr)
         return True
 
-    def _unplace(self, tr: _Req) -> None:
+    def _unplace(self, tr: SimRequest) -> None:
         """Take back a request that has no token yet: free its prefill turn and its decode slot."""
         e, d = tr.entry_inst, tr.decoder_inst
         if e is not None:
@@ -412,7 +415,7 @@ class ElasticSim:
         self.reconfigs.append(ev)
         return ev
 
-    def _migrate_out(self, inst: _Inst, retiring: set[str]) -> int:
+    def _migrate_out(self, inst: SimInstance, retiring: set[str]) -> int:
         """KV hand-off of `inst`'s running decodes to other instances of its model, when faster than finishing."""
         now = self.now_s
         inst.running = [x for x in inst.running if x.finish_s > now]
@@ -475,7 +478,7 @@ class ElasticSim:
                     if r.in_place:
                         self.instances[c.id].switch_role(c, ev.done_s, mean[c.model])
                     else:
-                        self.instances[c.id] = _Inst(self.node, c, ev.done_s, mean[c.model], self.itl_target_s)
+                        self.instances[c.id] = SimInstance(self.node, c, ev.done_s, mean[c.model], self.itl_target_s)
                 self._placed(ev.done_s)
 
     def _placed(self, t_s: float) -> None:
@@ -521,10 +524,10 @@ class ElasticSim:
             target = self._oracle_measured(hour, demand, target)
         current = {(c.model, c.role, c.tp, c.gpu_ids): iid for iid, c in self._current_configs().items()}
         mean = self._mean_lengths(self.now_s)
-        new: dict[str, _Inst] = {}
+        new: dict[str, SimInstance] = {}
         for c in target:
             iid = current.get((c.model, c.role, c.tp, c.gpu_ids))
-            new[c.id] = self.instances[iid] if iid is not None else _Inst(self.node, c, self.now_s, mean[c.model],
+            new[c.id] = self.instances[iid] if iid is not None else SimInstance(self.node, c, self.now_s, mean[c.model],
                                                                           self.itl_target_s)
         # Zero switching cost: the replaced instances' running requests finish as planned (they are not lost).
         if set(new) != set(self.instances) or any(new[k] is not self.instances.get(k) for k in new):

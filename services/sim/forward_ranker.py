@@ -38,7 +38,7 @@ from octoserve.services.core.reconfig import Phase, Reconfiguration
 from octoserve.services.workload_day import DayRequest
 
 if TYPE_CHECKING:
-    from octoserve.services.sim.elastic_sim import ElasticSim, _Inst, _Req
+    from octoserve.services.sim.elastic_sim import ElasticSim, SimInstance, SimRequest
 
 
 REPLAY_NEIGHBOURS = 3  # a forecast arrival takes the lengths of one of the 2 x this + 1 past ones nearest its offset
@@ -110,7 +110,7 @@ def fork(sim: "ElasticSim", requests: Sequence[DayRequest]) -> "ElasticSim":
     return twin
 
 
-def _clone_inst(inst: "_Inst", memo: dict[int, object]) -> "_Inst":
+def _clone_inst(inst: "SimInstance", memo: dict[int, object]) -> "SimInstance":
     if id(inst) in memo:
         return memo[id(inst)]
     twin = copy.copy(inst)  # shares the config, the cost model and the batch-size memo (read-only here)
@@ -121,7 +121,7 @@ def _clone_inst(inst: "_Inst", memo: dict[int, object]) -> "_Inst":
     return twin
 
 
-def _clone_req(req: "_Req", memo: dict[int, object]) -> "_Req":
+def _clone_req(req: "SimRequest", memo: dict[int, object]) -> "SimRequest":
     if id(req) in memo:
         return memo[id(req)]
     twin = copy.copy(req)
