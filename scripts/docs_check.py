@@ -1,7 +1,10 @@
 """`make docs-check`: the user docs hold inside the repository.
 
 Checks README.md, BENCHMARKS.md, docs/**/*.md and examples/*:
-- every relative Markdown link `[text](path)` points at a file or folder that exists;
+- every relative Markdown link `[text](path)` points at a file or folder that exists, and its `#anchor`, if any, at a
+  heading of that page (GitHub's heading anchors);
+- a page with a contents list (a paragraph starting "Contents", before its first `## ` heading) lists every one of
+  its `## ` headings;
 - every repository path quoted in backticks (`docs/COST_MODEL.md`, `docs/bench/cdf_peak_<policy>.png`) exists
   (`<...>` placeholders match any name);
 - no absolute machine paths or temporary files (/work/, /home/, /tmp/, ...), no links outside the repository
@@ -49,6 +52,45 @@ def _exists(root: Path, rel: str) -> bool:
     return any(fnmatch.fnmatch(str(p.relative_to(root)), pattern) for p in root.glob(pattern.split("*")[0] + "*"))
 
 
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped (hyphens and underscores kept), spaces to
+    hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _headings(text: str) -> list[tuple[int, str]]:
+    """(level, title) of each Markdown heading outside code fences."""
+    out, fenced = [], False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and (m := re.match(r"(#{1,6}) (.+)", line)):
+            out.append((len(m.group(1)), m.group(2)))
+    return out
+
+
+def anchors(text: str) -> set[str]:
+    """Every heading anchor of a page; a repeated heading's later anchors end in -1, -2, ... as on GitHub."""
+    seen: dict[str, int] = {}
+    out = set()
+    for _, title in _headings(text):
+        slug = _slug(title)
+        out.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
+        seen[slug] = seen.get(slug, 0) + 1
+    return out
+
+
+def _contents_problems(rel: Path, text: str) -> list[str]:
+    first = re.search(r"^## ", text, re.M)
+    head = text[: first.start()] if first else text
+    start = re.search(r"^Contents", head, re.M)
+    if start is None:
+        return []
+    listed = set(re.findall(r"\]\(#([^)\s]+)\)", head[start.start():]))
+    return [f"{rel}: its contents list leaves out the heading '## {title}'"
+            for level, title in _headings(text) if level == 2 and _slug(title) not in listed]
+
+
 def _sections(text: str) -> list[str]:
     return re.split(r"\n(?=#{1,2} )", text)
 
@@ -68,15 +110,20 @@ def problems(root: Path) -> list[str]:
             if path.suffix != ".md":
                 continue
             for target in LINK.findall(line):
-                if re.match(r"[a-z]+:", target) or target.startswith("#"):
+                if re.match(r"[a-z]+:", target):
                     continue
-                target_path = target.split("#")[0]
-                if target_path and not (path.parent / target_path).exists():
+                target_path, _, anchor = target.partition("#")
+                page = path.parent / target_path if target_path else path
+                if target_path and not page.exists():
                     found.append(f"{rel}:{number}: link to a missing file: {target}")
+                elif anchor and page.suffix == ".md" and anchor not in anchors(page.read_text(encoding="utf-8")):
+                    found.append(f"{rel}:{number}: link to a missing heading: {target}")
             for quoted in QUOTED_PATH.findall(line):
                 if not _exists(root, quoted):
                     found.append(f"{rel}:{number}: names a missing file: {quoted}")
     md = {rel: t for rel, t in texts.items() if rel.suffix == ".md"}
+    for rel, text in md.items():
+        found += _contents_problems(rel, text)
     for figure in sorted((root / "docs").rglob("*.png")):
         rel = str(figure.relative_to(root))
         stated = False

@@ -19,7 +19,9 @@ def test_the_repository_docs_pass():
 
 def test_the_check_catches_each_kind_of_problem(tmp_path):
     (tmp_path / "docs" / "bench").mkdir(parents=True)
-    (tmp_path / "docs" / "present.md").write_text("# ok\n")
+    (tmp_path / "docs" / "present.md").write_text(
+        "# ok\nContents: [One](#one) · [a `code` one, too](#a-code-one-too) · [gone](#nowhere) · "
+        "[up](../README.md#plots)\n## One\n## A `code` one, too\n## Left out\n")
     (tmp_path / "README.md").write_text(
         "# x\n"
         "See [design](../shared/DESIGN.md) and [here](docs/present.md) and [gone](docs/gone.md#part).\n"
@@ -38,6 +40,8 @@ def test_the_check_catches_each_kind_of_problem(tmp_path):
         "README.md:3: an absolute machine path or temporary file: '/work/'",
         "README.md:3: an issue number: 'issue 3'",
         "README.md:4: names a missing file: docs/bench/missing.yaml",
+        "docs/present.md:2: link to a missing heading: #nowhere",
+        "docs/present.md: its contents list leaves out the heading '## Left out'",
         "docs/bench/orphan.png: a figure no Markdown section names next to the command that reproduces it",
         "docs/bench/page.md: a results page without the command that reproduces it",
         "BENCHMARKS.md: section '## Results' has measured figures but no command that reproduces them",
