@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from octoserve.services.core.balancer import candidate_layouts  # noqa: E402
 from octoserve.services.core.specs import GPU_PRESETS  # noqa: E402
-from octoserve.services.elastic_agreement import day_trace  # noqa: E402
+from octoserve.services.workload_day import day_trace  # noqa: E402
 from octoserve.services.metrics import summarize  # noqa: E402
 from octoserve.services.sim.elastic_day import best_static, day_node  # noqa: E402
 from octoserve.services.sim.elastic_sim import model_alone_rps  # noqa: E402

@@ -37,10 +37,8 @@ import sys
 import time
 
 from octoserve.services.core.balancer import BalancerPolicy
-from octoserve.services.core.types import Priority
 from octoserve.services.metrics import summarize
-from octoserve.services.workload import TraceRequest
-from octoserve.services.workload_day import LARGE, SMALL, DayRequest, generate_day, mix_shift_day
+from octoserve.services.workload_day import LARGE, SMALL, day_trace, generate_day, mix_shift_day
 
 TOLERANCE = 0.15
 # The balancer's policy on both sides, sized for a shortened day (a move must pay for itself over 30 s). With
@@ -54,14 +52,6 @@ PERIOD_S, WINDOW_S = 1.0, 6.0
 def policy_for(ranker: str) -> dict:
     """POLICY for `ranker`: the forward ranker with decode <-> colocated role changes in place (the default pair)."""
     return POLICY if ranker == "none" else {**POLICY, "role_in_place": None}
-
-
-def day_trace(requests: list[DayRequest]) -> list[TraceRequest]:
-    """The day's requests as the load harness sends them: distinct token prompts (no shared prefix)."""
-    return [TraceRequest(r.request_id, r.arrival_s, r.model,
-                         tuple(1000 + (n * 7919 + i * 31) % 30000 for i in range(r.prompt_tokens)),
-                         r.output_tokens, r.output_tokens, Priority.STANDARD, r.ttft_slo_ms)
-            for n, r in enumerate(requests)]
 
 
 def node_config(base_path: str | None, cost_profile: str | None = None, ranker: str = "none") -> dict:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from octoserve.services.core.types import Priority
 from octoserve.services.metrics import RequestRecord, SloSpec
-from octoserve.services.workload import LengthDist
+from octoserve.services.workload import LengthDist, TraceRequest
 
 SMALL, LARGE = "llama-3-8b", "llama-3-70b"
 COMPRESSION = 240.0  # one real hour -> 15 simulated seconds
@@ -163,3 +163,11 @@ def pd_phase_day(rate_rps: float = 16.0, small_share: float = 0.5, hours: float 
 
 
 DAY_PROFILES: dict[str, Callable[..., DayProfile]] = {"mix-shift-day": mix_shift_day, "pd-phase": pd_phase_day}
+
+
+def day_trace(requests: list[DayRequest]) -> list[TraceRequest]:
+    """The day's requests as the load harness sends them: distinct token prompts (no shared prefix)."""
+    return [TraceRequest(r.request_id, r.arrival_s, r.model,
+                         tuple(1000 + (n * 7919 + i * 31) % 30000 for i in range(r.prompt_tokens)),
+                         r.output_tokens, r.output_tokens, Priority.STANDARD, r.ttft_slo_ms)
+            for n, r in enumerate(requests)]

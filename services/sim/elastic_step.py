@@ -314,7 +314,7 @@ def day_rows(cost_profile: str, *, hour_s: float, load: float, gpu: str, seed: i
     import dataclasses
 
     from octoserve.services.core.balancer import candidate_layouts
-    from octoserve.services.elastic_agreement import day_trace
+    from octoserve.services.workload_day import day_trace
     from octoserve.services.metrics import summarize
     from octoserve.services.sim.driver import run_simulation
     from octoserve.services.sim.elastic_day import best_static, day_node
