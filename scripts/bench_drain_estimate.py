@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from octoserve.services.core.balancer import candidate_layouts  # noqa: E402
+from octoserve.services.core.elastic_layouts import candidate_layouts
 from octoserve.services.core.specs import GPU_PRESETS  # noqa: E402
 from octoserve.services.workload_day import day_trace  # noqa: E402
 from octoserve.services.metrics import summarize  # noqa: E402

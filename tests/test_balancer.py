@@ -7,19 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from octoserve.services.core.balancer import (
-    BalancerPolicy,
-    ElasticBalancer,
-    InstanceLoad,
-    ModelDemand,
-    NodeLoad,
-    candidate_layouts,
-    demand_trend,
-    diff_components,
-    placement_goodput_rps,
-    reachable,
-    weight_load_s,
-)
+from octoserve.services.core.balancer import BalancerPolicy, ElasticBalancer
+from octoserve.services.core.elastic_capacity import placement_goodput_rps, weight_load_s
+from octoserve.services.core.elastic_layouts import candidate_layouts, diff_components, reachable
+from octoserve.services.core.elastic_load import InstanceLoad, ModelDemand, NodeLoad, demand_trend
 from octoserve.services.core.placement import InstanceConfig, NodeConfig
 from octoserve.services.core.reconfig import ReconfigKind, Reconfiguration, apply, check_reconfiguration
 from octoserve.services.core.specs import GPU_PRESETS, LOCAL_DISK_READ_BYTES_PER_S, MODEL_PRESETS
@@ -214,7 +205,7 @@ def test_a_gain_within_the_forecasts_noise_holds():
     """The 70B at 7.5 req/s measured over 10 s (sd 0.87 req/s) between its capacity now (6.4 req/s) and after the
     move (8.2): the gain, 1.1 req/s, clears the hysteresis margin but moves by 0.78 req/s when the rate moves by one
     sd, so at two sd it holds (`hold:noise`); at 9 req/s, past the new capacity, the same move's gain is sure."""
-    from octoserve.services.core.balancer import gain_noise
+    from octoserve.services.core.elastic_capacity import gain_noise
 
     current = [LM, *SM_C]
     grown = [LM, inst("lm-1", L, Role.COLOCATED, (4, 5)), SM_C[2], SM_C[3]]
@@ -303,7 +294,7 @@ def test_guards_hold_over_any_load_sequence(start, steps, max_in_flight):
 
 
 def test_reasons_carry_the_load_figures():
-    from octoserve.services.core.balancer import pressure
+    from octoserve.services.core.elastic_load import pressure
 
     nl = load([LM, *SM_PD], [ModelDemand(S, 10.0)],
               **{"sm-p0": {"prefill_backlog_tokens": 6000.0, "ttft_slack_s": 0.04},
@@ -330,7 +321,7 @@ H100_NODE = NodeConfig(GPU_PRESETS["h100-sxm-80gb"], 8, MODELS, ())
 
 
 def test_step_score_is_the_recent_rate_against_the_earlier_part_in_standard_errors():
-    from octoserve.services.core.balancer import step_score
+    from octoserve.services.core.elastic_load import step_score
 
     # 5 bins of 2 s: 20, 20, 20 arrivals, then 40, 40: recent 20 req/s vs earlier 10 req/s.
     recent, z = step_score([20, 20, 20, 40, 40], 2.0)
@@ -360,7 +351,7 @@ def test_a_step_is_forecast_from_the_recent_rate_and_needs_no_confirmation():
 def test_a_placement_that_leaves_a_model_no_capacity_is_never_a_target():
     """On 80-GB GPUs a 70B TP 2 instance cannot decode within the ITL SLO: a placement whose only 70B instance is
     one would free six GPUs for the 8B (more request goodput) while refusing every 70B request."""
-    from octoserve.services.core.balancer import unserved
+    from octoserve.services.core.elastic_capacity import unserved
 
     lm4 = inst("lm-0", L, Role.COLOCATED, (0, 1, 2, 3))
     current = [lm4, *SM_C]
@@ -408,7 +399,7 @@ def test_a_better_placement_that_no_order_of_changes_reaches_is_held_as_unreacha
     8B-heavy hours (36 req/s) the 8B's four-GPU placement serves 10 req/s more by the estimate, but every change
     toward it retires one of the 70B's two instances, and neither serves alone: the balancer holds, and says why
     (not `hold:no_gain`, which would claim nothing better exists)."""
-    from octoserve.services.core.balancer import stranded_models
+    from octoserve.services.core.elastic_layouts import stranded_models
 
     assert stranded_models(SIX, FOUR) == [L] and stranded_models(FOUR, SIX) == [L]
     assert stranded_models(FOUR, [*FOUR[:1], *FOUR[1:]]) == []
@@ -481,7 +472,7 @@ def test_forward_candidates_are_distinct_shapes_laid_out_nearest_the_current_pla
     estimate's best shape is the 70B on a TP 4 and its TP 2 beside two 8B GPUs. The candidate layouts hold that shape three ways (the 70B first, or
     last in either TP order); the one played forward keeps the TP 2 where it is and loads a TP 4 on GPUs 2-5 (one
     change, four GPUs), not one that moves the TP 2 as well. Each shape is played once."""
-    from octoserve.services.core.balancer import layout_shape
+    from octoserve.services.core.elastic_layouts import layout_shape
 
     current = [*(inst(f"sm-{k}", S, Role.COLOCATED, (k,)) for k in range(6)), inst("lm-6", L, Role.COLOCATED, (6, 7))]
     layouts = candidate_layouts(NODE)
@@ -508,7 +499,7 @@ def test_a_shape_is_also_laid_out_around_the_current_instances():
     the 70B on one TP 2 is in the candidate layouts only with that TP 2 at either end (GPUs 0-1 or 6-7), each a
     weight load of the 70B and more. `arrange_near` keeps the TP 2 where it is and lays four 8B instances out on the
     TP 4's GPUs: one change, and the 70B keeps serving on its TP 2 throughout. The forward ranking plays that one."""
-    from octoserve.services.core.balancer import arrange_near, layout_shape
+    from octoserve.services.core.elastic_layouts import arrange_near, layout_shape
 
     current = [inst("sm-0", S, Role.COLOCATED, (0,)), inst("sm-1", S, Role.COLOCATED, (1,)),
                inst("lm-2", L, Role.COLOCATED, (2, 3)), inst("lm-4", L, Role.COLOCATED, (4, 5, 6, 7))]
@@ -578,7 +569,7 @@ def test_a_switching_reconfigurations_started_instances_count_as_placed():
 
 
 def test_load_objective_weighs_each_model_by_its_alone_capacity():
-    from octoserve.services.core.balancer import alone_capacity_rps, objective_weights
+    from octoserve.services.core.elastic_capacity import alone_capacity_rps, objective_weights
 
     alone = {m: alone_capacity_rps(H100_NODE, m, 1000.0, 250.0) for m in (L, S)}
     assert alone[S] > 10 * alone[L]
@@ -634,7 +625,7 @@ def test_a_placement_observed_to_serve_less_than_its_estimate_is_ranked_by_what_
 
 
 def test_dwell_tracker_horizon_follows_how_long_the_mix_holds():
-    from octoserve.services.core.balancer import DwellTracker
+    from octoserve.services.core.elastic_capacity import DwellTracker
 
     d = DwellTracker({L: 10.0, S: 1.0}, tolerance=0.15, cap_s=60.0)
     for t in range(0, 40, 2):
@@ -675,7 +666,7 @@ def test_in_place_role_changes_open_the_70b_trap_in_both_directions():
     """Decode <-> colocated in place keeps the instance serving: SIX -> FOUR turns the TP 4 decoder colocated first
     (in place), then lets the TP 2 prefill go; FOUR -> SIX starts the TP 2 prefill first, then turns the TP 4
     decoding (in place). Without in-place changes neither order exists."""
-    from octoserve.services.core.balancer import reach_order, stranded_models
+    from octoserve.services.core.elastic_layouts import reach_order, stranded_models
 
     assert not reachable(SIX, FOUR) and not reachable(FOUR, SIX)
     assert reachable(SIX, FOUR, in_place=True) and reachable(FOUR, SIX, in_place=True)

@@ -10,7 +10,8 @@ import dataclasses
 import pytest
 
 from octoserve.services.core import migration
-from octoserve.services.core.balancer import BalancerPolicy, ModelDemand
+from octoserve.services.core.balancer import BalancerPolicy
+from octoserve.services.core.elastic_load import ModelDemand
 from octoserve.services.core.placement import node_config_from_dict
 from octoserve.services.core.types import EngineLoad, Role
 from octoserve.services.scheduler.live_balancer import LiveElasticBalancer, LiveView, node_load

@@ -6,7 +6,8 @@ import math
 import pytest
 
 from octoserve.services.cli import main
-from octoserve.services.core.balancer import BalancerPolicy, candidate_layouts
+from octoserve.services.core.balancer import BalancerPolicy
+from octoserve.services.core.elastic_layouts import candidate_layouts
 from octoserve.services.core.placement import InstanceConfig, NodeConfig
 from octoserve.services.core.reconfig import Phase, ReconfigKind, Reconfiguration
 from octoserve.services.core.specs import GPU_PRESETS, MODEL_PRESETS
@@ -236,7 +237,8 @@ def test_an_instances_decode_batch_follows_the_mean_lengths():
 def test_oracle_never_picks_a_placement_that_cannot_serve_a_model():
     """On 80-GB GPUs the 70B's TP 2 instance cannot decode within the ITL SLO; by request goodput alone the oracle
     would put the 70B there in the 8B-heavy hours and refuse every 70B request."""
-    from octoserve.services.core.balancer import CapacityModel, ModelDemand, placement_goodput_rps, unserved
+    from octoserve.services.core.elastic_capacity import CapacityModel, placement_goodput_rps, unserved
+    from octoserve.services.core.elastic_load import ModelDemand
     from octoserve.services.sim.elastic_sim import best_layout
 
     h100 = NodeConfig(GPU_PRESETS["h100-sxm-80gb"], 8, {LARGE: MODEL_PRESETS[LARGE], SMALL: MODEL_PRESETS[SMALL]}, ())
@@ -305,7 +307,7 @@ def test_best_static_is_shortlisted_by_the_hours_and_not_only_by_the_days_mean()
     19 req/s) fits in two GPUs, so the estimate ranks first the 70B on six GPUs (0.05 req/s more 70B). Hour by hour
     the 8B offers up to 36 req/s and needs four: the mean of the hours' estimates ranks the 70B on four GPUs first,
     and simulated over the day that placement serves more, so it is the best static one."""
-    from octoserve.services.core.balancer import CapacityModel, placement_goodput_rps
+    from octoserve.services.core.elastic_capacity import CapacityModel, placement_goodput_rps
     from octoserve.services.sim.elastic_day import best_static, day_node, hourly_estimate
     from octoserve.services.sim.elastic_sim import demand_of, label_of
 

@@ -5,16 +5,9 @@ import dataclasses
 
 import pytest
 
-from octoserve.services.core.balancer import (
-    BalancerPolicy,
-    ElasticBalancer,
-    InstanceLoad,
-    ModelDemand,
-    MoveCandidate,
-    NodeLoad,
-    _key,
-    candidate_layouts,
-)
+from octoserve.services.core.balancer import BalancerPolicy, ElasticBalancer, MoveCandidate
+from octoserve.services.core.elastic_layouts import candidate_layouts, layout_key as _key
+from octoserve.services.core.elastic_load import InstanceLoad, ModelDemand, NodeLoad
 from octoserve.services.core.placement import InstanceConfig, NodeConfig
 from octoserve.services.core.reconfig import ReconfigKind, apply, check_reconfiguration
 from octoserve.services.core.specs import GPU_PRESETS, MODEL_PRESETS

@@ -8,6 +8,10 @@ Input (`NodeLoad`, built each balancing period by the simulator or the live sche
   of the window;
 - the current placement (the instances, draining ones included).
 
+The balancer composes three modules: what it reads (`NodeLoad`, services/core/elastic_load.py), its capacity
+model (services/core/elastic_capacity.py) and the candidate placements and their reachability
+(services/core/elastic_layouts.py); it holds the forecast, the guards and the forward ranking.
+
 Output: `Reconfiguration`s (services/core/reconfig.py). The balancer forecasts each model's demand (rate + trend x
 half of min(`forecast_window_s`, the load window): the mean of a linear trend, extrapolated no further than it was
 measured; within `step_hold_s` of a step, a recent rate `step_z` standard errors off the window's earlier part, the
@@ -82,133 +86,36 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from octoserve.services.core.placement import InstanceConfig, NodeConfig, num_kv_blocks_for
-from octoserve.services.core.planner import ModelLoad, decode_capacity_rps
-from octoserve.services.core.reconfig import ReconfigKind, Reconfiguration, apply, check_reconfiguration, in_place_role
-from octoserve.services.core.specs import GPUS_PER_PCIE_UPLINK, LOCAL_DISK_READ_BYTES_PER_S, GpuSpec, ModelSpec
-from octoserve.services.core.types import Role
-
-WEIGHT_SOURCES = ("host", "disk")
-# "requests": goodput in req/s, every request alike; "load": each model's req/s over the req/s it would serve with
-# the whole node to itself (`alone_capacity_rps`), so a 70B request weighs what it costs in GPU time.
-OBJECTIVES = ("requests", "load")
-
-
-def weight_load_s(model: ModelSpec, gpu: GpuSpec, tp: int, source: str = "host") -> float:
-    """Seconds to put one instance's weights on its GPUs.
-
-    host: the weights are kept pinned in host memory and each GPU copies its shard over PCIe
-    (`gpu.pcie_bytes_per_s`, measured 55 GB/s on the H200 machine); the GPUs of a TP group load at once, and two GPUs
-    share a switch uplink (`GPUS_PER_PCIE_UPLINK`), so a group of two or more gets half that rate per GPU: 70B at
-    TP 4, 35.3 GB per GPU / 27.5 GB/s = 1.28 s; the 8B at TP 1, 16.1 GB / 55 GB/s = 0.29 s.
-    disk: every shard comes from one local disk (`LOCAL_DISK_READ_BYTES_PER_S`, measured cold: 2.07 GB/s), shared
-    by the loading GPUs, so the whole model / the disk rate (70B: 141 GB / 2.07 GB/s = 68 s); the PCIe hop overlaps."""
-    if source == "host":
-        shared = min(tp, GPUS_PER_PCIE_UPLINK)
-        return model.weight_bytes_per_gpu(tp) / (gpu.pcie_bytes_per_s / shared)
-    if source == "disk":
-        model.check_tp(tp)
-        return model.weight_bytes / LOCAL_DISK_READ_BYTES_PER_S
-    raise ValueError(f"unknown weight source {source!r}; use one of {WEIGHT_SOURCES}")
-
-
-# --- the input ---------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class InstanceLoad:
-    """One instance over the last window."""
-
-    instance_id: str
-    prefill_backlog_tokens: float = 0.0  # uncached prompt tokens waiting or in prefill
-    ttft_slack_s: float = math.inf  # TTFT SLO minus the predicted TTFT of a request arriving now (< 0: late)
-    decode_batch: int = 0  # running decodes
-    decode_batch_limit: int = 0  # the largest batch whose step fits the ITL SLO (0: not a decoding instance)
-    kv_used: float = 0.0  # fraction of its KV blocks in use
-    itl_headroom: float = 1.0  # 1 - step time / ITL SLO over the window (< 0: steps overran)
-    accepting: bool = True  # False while it drains for a reconfiguration
-    running: int = 0  # requests admitted and not finished
-    est_drain_s: float = 0.0  # until its last running request finishes, if it stopped taking requests now
-    good_rps: float = 0.0  # requests it finished within their SLO per second over the window
-
-
-@dataclass(frozen=True, slots=True)
-class ModelDemand:
-    """One model's demand over the last window."""
-
-    model: str
-    arrival_rps: float  # requests arriving per second (refused ones included)
-    trend_rps_per_s: float = 0.0  # slope of the arrival rate over the window (`demand_trend`)
-    mean_prompt_tokens: float = 1000.0
-    mean_output_tokens: float = 400.0
-    cached_fraction: float = 0.0  # share of prompt tokens the prefix cache served
-    refused_rps: float = 0.0  # requests admission refused per second, every reason (the routers' reports live)
-    recent_rps: float | None = None  # the rate over the window's last part (`step_score`); None: not measured
-    step_z: float = 0.0  # how many standard errors the recent rate is off the earlier part's (`step_score`)
-
-    def forecast_rps(self, horizon_s: float, step: bool = False) -> float:
-        """Mean rate over the next `horizon_s` under a linear trend, never below 0; with `step` (a step change was
-        seen) the recent rate, held flat: a ramp fitted across a step is neither the old level nor the new one."""
-        if step and self.recent_rps is not None:
-            return max(0.0, self.recent_rps)
-        return max(0.0, self.arrival_rps + self.trend_rps_per_s * horizon_s / 2.0)
-
-    def as_model_load(self, share: float) -> ModelLoad:
-        return ModelLoad(self.model, share, max(1.0, self.mean_prompt_tokens), max(1.0, self.mean_output_tokens),
-                         self.cached_fraction)
-
-
-@dataclass(frozen=True, slots=True)
-class NodeLoad:
-    """What `ElasticBalancer.plan` reads each period."""
-
-    window_s: float  # the length of the window the figures cover
-    placement: tuple[InstanceConfig, ...]  # every instance now on the node, draining ones included
-    instances: tuple[InstanceLoad, ...]  # one per instance of `placement` (missing ones count as idle)
-    demand: tuple[ModelDemand, ...]  # one per model
-
-    def load_of(self, instance_id: str) -> InstanceLoad:
-        for load in self.instances:
-            if load.instance_id == instance_id:
-                return load
-        return InstanceLoad(instance_id)
-
-    def demand_of(self, model: str) -> ModelDemand:
-        for d in self.demand:
-            if d.model == model:
-                return d
-        return ModelDemand(model, 0.0)
-
-
-def demand_trend(samples: Sequence[tuple[float, float]]) -> float:
-    """Least-squares slope of [(t_s, rate)] samples (req/s per s); 0 with fewer than two distinct times."""
-    n = len(samples)
-    if n < 2:
-        return 0.0
-    mt = sum(t for t, _ in samples) / n
-    mv = sum(v for _, v in samples) / n
-    var = sum((t - mt) ** 2 for t, _ in samples)
-    if var <= 0:
-        return 0.0
-    return sum((t - mt) * (v - mv) for t, v in samples) / var
-
-
-RECENT_SHARE = 0.4  # a step's recent rate is counted over this share of the window (2 of the callers' 5 bins)
-
-
-def step_score(counts: Sequence[int], bin_s: float, recent_bins: int = 2) -> tuple[float, float]:
-    """(recent rate, z) from per-bin arrival counts of one window: the rate over the last `recent_bins` bins and how
-    many Poisson standard errors it lies from the rate over the earlier bins (signed: > 0 when demand jumped up).
-    A step change shows as a large |z| at once, where the window's least-squares trend only tilts; a steady or
-    slowly drifting rate keeps |z| near 1."""
-    n = len(counts)
-    if n <= recent_bins or bin_s <= 0:
-        return (sum(counts) / (n * bin_s) if n and bin_s > 0 else 0.0), 0.0
-    recent_s, early_s = recent_bins * bin_s, (n - recent_bins) * bin_s
-    recent, early = sum(counts[-recent_bins:]) / recent_s, sum(counts[:-recent_bins]) / early_s
-    var = max(recent, 1.0 / recent_s) / recent_s + max(early, 1.0 / early_s) / early_s
-    return recent, (recent - early) / math.sqrt(var)
-
+from octoserve.services.core.elastic_capacity import (
+    OBJECTIVES,
+    WEIGHT_SOURCES,
+    CapacityModel,
+    Corrections,
+    DwellTracker,
+    gain_noise,
+    objective_weights,
+    placement_goodput_rps,
+    unserved,
+    weight_load_s,
+)
+from octoserve.services.core.elastic_layouts import (
+    arrange_near,
+    candidate_layouts,
+    diff_components,
+    layout_distance,
+    layout_key,
+    layout_shape,
+    layout_text,
+    orphaned_by,
+    reach_order,
+    reachable,
+    role_only,
+    runs_in_place,
+    stranded_models,
+)
+from octoserve.services.core.elastic_load import ModelDemand, NodeLoad, pressure
+from octoserve.services.core.placement import InstanceConfig, NodeConfig
+from octoserve.services.core.reconfig import ReconfigKind, Reconfiguration, apply, check_reconfiguration
 
 # --- the policy and the explanations -----------------------------------------------------------------------------
 
@@ -315,375 +222,6 @@ class ForwardRanker(Protocol):
         ...
 
 
-# --- capacity ------------------------------------------------------------------------------------------------------
-
-
-class CapacityModel:
-    """Per-instance req/s at given mean lengths (see the module doc), memoised."""
-
-    def __init__(self, node: NodeConfig, decode_step_fraction: float = 0.9) -> None:
-        self.node = node
-        self.fraction = decode_step_fraction
-        self._cache: dict = {}
-
-    def _rates(self, inst: InstanceConfig, load: ModelLoad) -> tuple[float, float]:
-        """(prefill req/s, decode req/s) of `inst` alone at `load`'s lengths, as if it did only that."""
-        key = (inst.model, inst.tp, inst.max_num_batched_tokens, inst.max_num_seqs, inst.gpu_memory_utilization,
-               inst.block_size, round(load.uncached_prompt_tokens), round(load.mean_prompt_tokens),
-               round(load.mean_output_tokens))
-        if key not in self._cache:
-            node = self.node
-            cost = node.cost_model(inst)
-            chunk = max(2048, inst.max_num_batched_tokens)
-            prefill = cost.prefill_tokens_per_s(chunk) / max(1.0, load.uncached_prompt_tokens)
-            kv_tokens = num_kv_blocks_for(node, inst) * inst.block_size
-            itl_s = node.slo.itl_ms / 1000.0 * self.fraction
-            decode = decode_capacity_rps(cost, kv_tokens, load, itl_s, inst.max_num_seqs)
-            self._cache[key] = (prefill, decode)
-        return self._cache[key]
-
-    def instance_rps(self, inst: InstanceConfig, load: ModelLoad) -> tuple[float, float]:
-        """(prefill req/s, decode req/s) this instance contributes in its role."""
-        p, d = self._rates(inst, load)
-        if inst.role is Role.PREFILL:
-            return p, 0.0
-        if inst.role is Role.DECODE:
-            return 0.0, d
-        both = 0.0 if p <= 0 or d <= 0 else 1.0 / (1.0 / p + 1.0 / d)
-        return both, both
-
-    def model_capacity_rps(self, instances: Sequence[InstanceConfig], load: ModelLoad) -> float:
-        colocated = prefill = decode = 0.0
-        for inst in instances:
-            p, d = self.instance_rps(inst, load)
-            if inst.role is Role.COLOCATED:
-                colocated += p
-            else:
-                prefill, decode = prefill + p, decode + d
-        return colocated + min(prefill, decode)
-
-
-def shape_of(instances: Sequence[InstanceConfig], model: str) -> tuple:
-    """One model's placement shape: how many instances of each (TP, role) it has (where they sit does not matter)."""
-    return tuple(sorted(Counter((i.tp, i.role.value) for i in instances if i.model == model).items()))
-
-
-def placement_goodput_rps(capacity: CapacityModel, instances: Sequence[InstanceConfig],
-                          demand: Mapping[str, ModelDemand], horizon_s: float,
-                          weights: Mapping[str, float] | None = None, step: bool = False,
-                          corrections: "Corrections | None" = None) -> tuple[float, dict[str, float]]:
-    """Forecast goodput of a placement: sum over models of weight x min(forecast demand, correction x capacity)
-    (weights default to 1: req/s; the correction, `Corrections.factor`, is what this model's shape was measured to
-    serve when saturated against its estimated capacity, 1 without); and the (uncorrected) capacities. `step`: forecast from the recent
-    rates (`ModelDemand.forecast_rps`)."""
-    caps: dict[str, float] = {}
-    total = 0.0
-    for model, d in demand.items():
-        mine = [i for i in instances if i.model == model]
-        cap = capacity.model_capacity_rps(mine, d.as_model_load(1.0))
-        caps[model] = cap
-        f = 1.0 if corrections is None else corrections.factor(model, shape_of(mine, model))
-        total += (1.0 if weights is None else weights.get(model, 1.0)) * min(d.forecast_rps(horizon_s, step), f * cap)
-    return total, caps
-
-
-def gain_noise(demand: Mapping[str, ModelDemand], caps_now: Mapping[str, float], caps_to: Mapping[str, float],
-               weights: Mapping[str, float] | None, horizon_s: float, step: bool, window_s: float) -> float:
-    """The standard error of a move's forecast gain from the demand's own noise: each model's rate, counted over
-    `window_s` (a step's recent rate over the recent share of it, `RECENT_SHARE`), is Poisson with sd
-    sqrt(rate / window); the gain weight x (min(rate, cap after) - min(rate, cap now)) is taken at the rate +- one sd,
-    half the difference is that model's share, and the models' shares add in quadrature."""
-    var = 0.0
-    for model, d in demand.items():
-        rate = d.forecast_rps(horizon_s, step)
-        span = window_s * (RECENT_SHARE if step and d.recent_rps is not None else 1.0)
-        sd = math.sqrt(max(rate, 1.0 / span) / span)
-        now, to = caps_now.get(model, 0.0), caps_to.get(model, 0.0)
-
-        def gain(x: float) -> float:
-            return min(x, to) - min(x, now)
-
-        w = 1.0 if weights is None else weights.get(model, 1.0)
-        var += (w * (gain(rate + sd) - gain(max(0.0, rate - sd))) / 2.0) ** 2
-    return math.sqrt(var)
-
-
-SATURATED = 0.05  # a model refusing at least this share of its arrivals is serving all it can
-
-
-class Corrections:
-    """Measured correction factors of the capacity estimate, per (model, shape) (`shape_of`).
-
-    The estimate counts capacity and ignores queueing, so it can rank two placements the other way round from what
-    they serve. Each period, a model whose shape has held (no instance of it changed, none draining) for a whole load
-    window and that was saturated over it (refusals >= `SATURATED` of its arrivals, and demand >= `min_load` of the
-    shape's estimated capacity: only then does what it served say what it can serve) is observed: ratio = measured
-    goodput (arrivals - refusals) / estimated capacity, clamped to [0.2, 1.5], blended into the shape's factor
-    with `weight`; `factor` (relative to the model's other observed shapes) scales the shape's capacity in
-    `placement_goodput_rps`. A shape not yet observed, or the only one observed on its number of GPUs, is left
-    at 1: the measurements shift the ranking only between splits of the same GPUs that were seen. Clock-free: the caller passes its time."""
-
-    def __init__(self, weight: float = 0.3, min_load: float = 0.5) -> None:
-        self.weight, self.min_load = weight, min_load
-        self.factors: dict[tuple[str, tuple], float] = {}
-        self._held: dict[str, tuple[tuple, float]] = {}  # model -> (shape, since when it has held)
-
-    def factor(self, model: str, shape: tuple) -> float:
-        """The shape's measured factor over the mean of the observed ones of the model on as many GPUs (1 when
-        unobserved): relative, so the measurements re-rank the role and TP splits of a model's GPUs that were seen,
-        and leave how many GPUs each model gets to the estimate (shapes on other GPU counts were seen at other
-        times of the day, under other loads, and their factors do not compare)."""
-        f = self.factors.get((model, shape))
-        if f is None:
-            return 1.0
-        gpus = _gpus(shape)
-        seen = [v for (m, sh), v in self.factors.items() if m == model and _gpus(sh) == gpus]
-        return f / (sum(seen) / len(seen))
-
-    def observe(self, now_s: float, capacity: CapacityModel, loads: NodeLoad, changing: set[str]) -> list[str]:
-        """Update from one window; `changing`: models with a reconfiguration in flight. The lines it observed."""
-        out = []
-        for model in sorted({i.model for i in loads.placement}):
-            mine = [i for i in loads.placement if i.model == model]
-            shape = shape_of(mine, model)
-            if model in changing or not all(loads.load_of(i.id).accepting for i in mine):
-                self._held.pop(model, None)
-                continue
-            held = self._held.get(model)
-            if held is None or held[0] != shape:
-                self._held[model] = (shape, now_s)
-                continue
-            if now_s - held[1] < loads.window_s:
-                continue
-            d = loads.demand_of(model)
-            cap = capacity.model_capacity_rps(mine, d.as_model_load(1.0))
-            if cap <= 0 or d.arrival_rps < self.min_load * cap or d.refused_rps < SATURATED * d.arrival_rps:
-                continue
-            ratio = min(1.5, max(0.2, max(0.0, d.arrival_rps - d.refused_rps) / cap))
-            old = self.factors.get((model, shape))
-            new = ratio if old is None else old + self.weight * (ratio - old)
-            self.factors[(model, shape)] = new
-            out.append(f"{model} {_shape_text(shape)} served {ratio:.2f} of its estimated capacity, saturated "
-                       f"(factor {new:.2f})")
-        return out
-
-    def text(self) -> str:
-        return ", ".join(f"{m} {_shape_text(sh)} x{f:.2f}" for (m, sh), f in sorted(self.factors.items()))
-
-
-def _gpus(shape: tuple) -> int:
-    return sum(tp * n for (tp, _), n in shape)
-
-
-def _shape_text(shape: tuple) -> str:
-    return " ".join(f"TP{tp}{role[0].upper()}x{n}" for (tp, role), n in shape)
-
-
-class DwellTracker:
-    """How long the node's demand mix holds: the horizon the cost check uses when `cost_horizon_s` is None.
-
-    The mix is the per-model window rates weighted by the load weights (`objective_weights(..., "load")`: each
-    model's req/s over its alone capacity). It has moved when the weighted rates differ from the segment's first
-    ones by more than `tolerance` of the segment's total weighted load; a segment ends there. The horizon is the
-    longer of the mean completed segment (EMA, weight 0.5) and the current one's age, at most `cap_s`; with no
-    segment completed yet, `cap_s`. A day compressed tenfold holds its mix a tenth as long, and so does the
-    horizon a move must pay for itself over."""
-
-    def __init__(self, weights: Mapping[str, float], tolerance: float, cap_s: float) -> None:
-        self.weights, self.tolerance, self.cap_s = weights, tolerance, cap_s
-        self._ref: dict[str, float] | None = None
-        self._since = 0.0
-        self.mean_s: float | None = None
-
-    def update(self, now_s: float, rates: Mapping[str, float]) -> None:
-        w = {m: self.weights.get(m, 1.0) * r for m, r in rates.items()}
-        if self._ref is None:
-            self._ref, self._since = w, now_s
-            return
-        total = max(sum(self._ref.values()), sum(w.values()), 1e-9)
-        moved = sum(abs(w.get(m, 0.0) - self._ref.get(m, 0.0)) for m in set(w) | set(self._ref)) / total
-        if moved > self.tolerance:
-            held = now_s - self._since
-            self.mean_s = held if self.mean_s is None else 0.5 * (self.mean_s + held)
-            self._ref, self._since = w, now_s
-
-    def horizon_s(self, now_s: float) -> float:
-        if self.mean_s is None:
-            return self.cap_s
-        return min(self.cap_s, max(self.mean_s, now_s - self._since))
-
-
-def unserved(caps: Mapping[str, float]) -> list[str]:
-    """Models a placement gives no capacity at all (say a 70B TP 2 instance whose decode step cannot meet the ITL
-    SLO at any batch): such a placement keeps an instance of the model but serves none of its requests."""
-    return sorted(m for m, c in caps.items() if c <= 0)
-
-
-def alone_capacity_rps(node: NodeConfig, model: str, prompt_tokens: float, output_tokens: float) -> float:
-    """The req/s `model` would serve with the whole node to itself (the best of its one-model layouts)."""
-    alone = replace(node, models={model: node.models[model]}, instances=())
-    capacity = CapacityModel(alone)
-    load = ModelDemand(model, 0.0, 0.0, prompt_tokens, output_tokens).as_model_load(1.0)
-    return max((capacity.model_capacity_rps(layout, load) for layout in candidate_layouts(alone)), default=0.0)
-
-
-def objective_weights(node: NodeConfig, objective: str, prompt_tokens: float = 1000.0,
-                      output_tokens: float = 250.0) -> dict[str, float]:
-    """Per-model weights of a placement's score (`OBJECTIVES`). "load": the largest alone capacity over each model's
-    own (at the given mean lengths), so the score stays in req/s of the fastest model: on 8 H100s at 1000/250
-    tokens, the 8B weighs 1 and the 70B 142.2 / 13.5 = 10.5."""
-    if objective == "requests":
-        return {m: 1.0 for m in node.models}
-    alone = {m: alone_capacity_rps(node, m, prompt_tokens, output_tokens) for m in node.models}
-    top = max(alone.values())
-    return {m: (top / a if a > 0 else 1.0) for m, a in alone.items()}
-
-
-def _role_splits(n: int) -> list[tuple[Role, ...]]:
-    """Roles of n same-shaped instances, in canonical order (prefill, decode, colocated): every (p, d, c) with
-    p + d + c = n (the model as a whole must have both sides or neither: `_model_instances` checks that)."""
-    out = []
-    for p in range(n + 1):
-        for d in range(n + 1 - p):
-            out.append((Role.PREFILL,) * p + (Role.DECODE,) * d + (Role.COLOCATED,) * (n - p - d))
-    return out
-
-
-def _tp_groups(num_gpus: int, tps: Sequence[int]) -> list[tuple[int, ...]]:
-    """Multisets of TP degrees (largest first) that add up to `num_gpus`."""
-    if num_gpus == 0:
-        return [()]
-    out = []
-    for tp in sorted(tps, reverse=True):
-        if tp <= num_gpus:
-            out += [(tp, *rest) for rest in _tp_groups(num_gpus - tp, [t for t in tps if t <= tp])]
-    return out
-
-
-def _model_instances(model: str, tps: tuple[int, ...], first_gpu: int,
-                     smallest_first: bool = False) -> list[list[InstanceConfig]]:
-    """Every role assignment of instances of TP degrees `tps` laid out from `first_gpu`, the largest TP first (or,
-    with `smallest_first`, the smallest; same-TP instances in canonical role order), as lists of instances."""
-    by_tp: dict[int, int] = {}
-    for tp in tps:
-        by_tp[tp] = by_tp.get(tp, 0) + 1
-    per_tp = [[(tp, roles) for roles in _role_splits(n)]
-              for tp, n in sorted(by_tp.items(), reverse=not smallest_first)]
-    combos: list[list[tuple[int, tuple[Role, ...]]]] = [[]]
-    for options in per_tp:
-        combos = [c + [o] for c in combos for o in options]
-    out = []
-    for combo in combos:
-        roles_all = [r for _, roles in combo for r in roles]
-        if (Role.PREFILL in roles_all) != (Role.DECODE in roles_all):
-            continue
-        insts, gpu = [], first_gpu
-        for tp, roles in combo:
-            for role in roles:
-                insts.append(_instance(model, role, tp, tuple(range(gpu, gpu + tp))))
-                gpu += tp
-        out.append(insts)
-    return out
-
-
-def candidate_layouts(node: NodeConfig, small_tps: Sequence[int] = (1,)) -> list[tuple[InstanceConfig, ...]]:
-    """The placements the balancer may move to, for two models: the larger on the first (or the last, its instances
-    then in either TP order) GPUs as instances of any mix of TP degrees (2, 4, 8) whose weights leave KV room, the
-    smaller on the rest at
-    `small_tps`, every role split of each model (`_role_splits`); each model keeps at least one instance. One model alone: its layouts on
-    every GPU. Layouts that fail `check_placement` are left out."""
-    from octoserve.services.core.placement import check_placement  # noqa: PLC0415 (a cycle-free local import)
-
-    names = sorted(node.models, key=lambda n: -node.models[n].num_params)
-    large = names[0]
-
-    def tps_of(model: str, options: Sequence[int]) -> list[int]:
-        spec = node.models[model]
-        ok = []
-        for tp in options:
-            if tp > node.num_gpus or spec.num_attention_heads % tp:
-                continue
-            probe = InstanceConfig("probe", model, Role.PREFILL, tp, tuple(range(tp)), max_num_batched_tokens=8192)
-            if num_kv_blocks_for(replace(node, instances=(probe,)), probe) > 0:
-                ok.append(tp)
-        return ok
-
-    large_tps = tps_of(large, (1, 2, 4, 8))
-    layouts: list[tuple[InstanceConfig, ...]] = []
-    if len(names) == 1:
-        for groups in _tp_groups(node.num_gpus, large_tps):
-            layouts += [tuple(l) for l in _model_instances(large, groups, 0)]
-    else:
-        small = names[1]
-        s_tps = tps_of(small, small_tps)
-        for large_gpus in range(1, node.num_gpus):
-            small_gpus = node.num_gpus - large_gpus
-            for lg in _tp_groups(large_gpus, large_tps):
-                for sg in _tp_groups(small_gpus, s_tps):
-                    for li in _model_instances(large, lg, 0):
-                        layouts += [tuple(li + si) for si in _model_instances(small, sg, large_gpus)]
-                    # and mirrored (the smaller model first), so a pool can grow or shrink from either end; there
-                    # the larger model's instances also in the other order, so that it grows and shrinks at its
-                    # inner edge too (a TP 4 on GPUs 4-7 gains a TP 2 on GPUs 2-3 without moving)
-                    orders = (False, True) if len(set(lg)) > 1 else (False,)
-                    for si in _model_instances(small, sg, 0):
-                        layouts += [tuple(si + li) for o in orders for li in _model_instances(large, lg, small_gpus, o)]
-    return [l for l in layouts if not check_placement(replace(node, instances=l, gang=None))]
-
-
-def _signature(inst: InstanceConfig) -> tuple:
-    return (inst.model, inst.role, inst.tp, inst.gpu_ids)
-
-
-def diff_components(current: Sequence[InstanceConfig], target: Sequence[InstanceConfig]
-                    ) -> list[tuple[tuple[InstanceConfig, ...], tuple[InstanceConfig, ...]]]:
-    """Groups of (current instances, target instances) that hold the same GPUs and differ; unchanged ones left out.
-
-    Two instances are in one group when their GPUs overlap, transitively; a group is unchanged when its current and
-    target instances have the same model, role, TP and GPUs. Ordered by first GPU."""
-    cur_sig = {_signature(i) for i in current}
-    tgt_sig = {_signature(i) for i in target}
-    cur = [i for i in current if _signature(i) not in tgt_sig]
-    tgt = [i for i in target if _signature(i) not in cur_sig]
-    groups: list[tuple[set[int], list[InstanceConfig], list[InstanceConfig]]] = []
-    for inst, side in [(i, 0) for i in cur] + [(i, 1) for i in tgt]:
-        gpus = set(inst.gpu_ids)
-        merged = [g for g in groups if g[0] & gpus]
-        new = (gpus, [], [])
-        for g in merged:
-            groups.remove(g)
-            new[0].update(g[0])
-            new[1].extend(g[1])
-            new[2].extend(g[2])
-        new[1 + side].append(inst)
-        groups.append(new)
-    out = [(tuple(sorted(c, key=lambda i: i.gpu_ids)), tuple(sorted(t, key=lambda i: i.gpu_ids)))
-           for _, c, t in sorted(groups, key=lambda g: min(g[0]))]
-    return [(c, t) for c, t in out if c and t]
-
-
-def serving_models(instances: Sequence[InstanceConfig]) -> set[str]:
-    """Models that `instances` can serve a request of: a colocated instance, or a prefill and a decode instance."""
-    roles: dict[str, set[Role]] = {}
-    for i in instances:
-        roles.setdefault(i.model, set()).add(i.role)
-    return {m for m, r in roles.items() if Role.COLOCATED in r or {Role.PREFILL, Role.DECODE} <= r}
-
-
-def pressure(loads: NodeLoad, model: str) -> str:
-    """One model's load figures for a log line: prefill backlog against the tightest TTFT slack, decode batch
-    against its limit, KV use and the ITL headroom, over its instances that take requests."""
-    ids = {i.id for i in loads.placement if i.model == model}
-    mine = [l for l in loads.instances if l.instance_id in ids and l.accepting]
-    if not mine:
-        return "no instance taking requests"
-    slack = min(l.ttft_slack_s for l in mine)
-    limit = sum(l.decode_batch_limit for l in mine)
-    return (f"prefill backlog {sum(l.prefill_backlog_tokens for l in mine):.0f} tok, TTFT slack "
-            f"{'inf' if math.isinf(slack) else f'{slack * 1000:.0f} ms'}, decode {sum(l.decode_batch for l in mine)}/"
-            f"{limit}, KV {max(l.kv_used for l in mine):.0%}, ITL headroom {min(l.itl_headroom for l in mine):.0%}")
-
-
 # --- the balancer --------------------------------------------------------------------------------------------------
 
 
@@ -777,10 +315,10 @@ class ElasticBalancer:
                 return []
         out = self._emit(now_s, ctx, target)
         if out:
-            if self._committed != _key(target.layout):
+            if self._committed != layout_key(target.layout):
                 self._before = tuple(ctx.current.values())
             self._streak_target, self._streak = None, 0
-            self._committed = _key(target.layout)
+            self._committed = layout_key(target.layout)
         return out
 
     def _score(self, instances: Sequence[InstanceConfig], ctx: "_Context") -> tuple[float, dict[str, float]]:
@@ -845,8 +383,8 @@ class ElasticBalancer:
                 self._decide(now_s, "hold:no_gain", "no candidate placement reachable under the allowed changes")
             return None
         top = max(s[0] for s in scored)
-        committed = [s for s in scored if self._committed is not None and _key(s[1]) == self._committed]
-        if committed and committed[0][0] >= top - margin and _key(current) != self._committed:
+        committed = [s for s in scored if self._committed is not None and layout_key(s[1]) == self._committed]
+        if committed and committed[0][0] >= top - margin and layout_key(current) != self._committed:
             # A move under way (some of its changes done or in flight) keeps its target while that stays within the
             # hysteresis margin of the best: a noisy forecast must not turn it around halfway.
             scored = committed
@@ -902,8 +440,8 @@ class ElasticBalancer:
             return False
         current = list(ctx.current.values())
         self._decide(now_s, "hold:unreachable",
-                     f"{_layout_text(layout)} would serve {good:.1f} {self._unit} against {ctx.now_good:.1f} now "
-                     f"(+{good - ctx.now_good:.1f}), but every change toward it from {_layout_text(current)} leaves "
+                     f"{layout_text(layout)} would serve {good:.1f} {self._unit} against {ctx.now_good:.1f} now "
+                     f"(+{good - ctx.now_good:.1f}), but every change toward it from {layout_text(current)} leaves "
                      f"{stranded_models(current, layout, self.in_place)} with no instance taking "
                      "requests for a moment; "
                      f"{self._forecast_text(ctx, caps)}")
@@ -930,7 +468,7 @@ class ElasticBalancer:
 
     def _confirmed(self, now_s: float, ctx: "_Context", target: "_Target") -> bool:
         """Hysteresis in time: the same target best `confirm_periods` periods running (one, after a step)."""
-        key = _key(target.layout)
+        key = layout_key(target.layout)
         if key == self._committed:
             return True
         self._streak = self._streak + 1 if key == self._streak_target else 1
@@ -949,8 +487,8 @@ class ElasticBalancer:
         for cur, tgt in target.components:
             without = [i for i in ctx.current.values() if i not in cur]
             good_without, _ = self._score(without, ctx)
-            role = _role_only(cur, tgt)
-            if self.in_place and _runs_in_place(cur, tgt):
+            role = role_only(cur, tgt)
+            if self.in_place and runs_in_place(cur, tgt):
                 target.costs.append(_Cost(True, 0.0, 0.0, 0.0, in_place=True))  # it serves throughout
                 continue
             drain_s = max((ctx.loads.load_of(i.id).est_drain_s for i in cur), default=0.0)
@@ -985,7 +523,7 @@ class ElasticBalancer:
         current = list(ctx.current.values())
         if self._committed is not None:
             layout = self._forward_layout
-            if _key(current) != self._committed and reachable(current, layout, self.in_place):
+            if layout_key(current) != self._committed and reachable(current, layout, self.in_place):
                 return self._forward_target(ctx, layout, self._forward_gain, "move under way")
             self._committed = None
         settled_s = self._step_seen_s + policy.step_settle_s
@@ -1028,7 +566,7 @@ class ElasticBalancer:
                              f"moves over {len(horizons)} horizons")
         line = (" / ".join(f"{h:.0f}" for h in horizons) + " s played forward at "
                 + ", ".join(f"{m} {r:.1f}" for m, r in rates.items()) + " req/s: "
-                + "; ".join(f"{m.name} {_layout_text(m.layout)} " + " / ".join(f"{x:.2f}" for x in per)
+                + "; ".join(f"{m.name} {layout_text(m.layout)} " + " / ".join(f"{x:.2f}" for x in per)
                             + f" (estimate {m.estimate:.2f})" for m, per in zip(moves, scores)) + f" {self._unit}")
         self._verdict = f"{now_s:.0f} s: {line}"
         # Each move is judged over the horizon it must pay back in: role changes only (cheap to undo at the next
@@ -1048,7 +586,7 @@ class ElasticBalancer:
         self._decide(now_s, f"ranked:{self.ranker.name}",
                      f"{moves[best].name} beats hold by {gain:.2f} {self._unit} over {horizon:.0f} s (margin "
                      f"{margin:.2f}): {line}")
-        self._before, self._committed = tuple(current), _key(moves[best].layout)
+        self._before, self._committed = tuple(current), layout_key(moves[best].layout)
         return self._forward_target(ctx, moves[best].layout, gain * horizon,
                                     f"played forward over {horizon:.0f} s: {moves[best].name} {scores[best][h]:.2f} "
                                     f"vs hold {scores[0][h]:.2f}")
@@ -1065,7 +603,7 @@ class ElasticBalancer:
         return target
 
     def _nearest(self, current: Sequence[InstanceConfig], shape: tuple) -> tuple[InstanceConfig, ...] | None:
-        """The layout of `shape` that is allowed, reachable and nearest `current` (`_distance`), among the candidate
+        """The layout of `shape` that is allowed, reachable and nearest `current` (`layout_distance`), among the candidate
         layouts of that shape and, when the shape moves GPUs between instances (a model change: weights to load),
         those `arrange_near` builds around the current instances; None when none is. A shape of role changes only
         keeps the candidate layouts' role order: laid out around the current instances, a role split becomes one
@@ -1081,7 +619,7 @@ class ElasticBalancer:
             if built is not None and not check_placement(replace(self.node, instances=built, gang=None)):
                 options.append(built)
         options = [l for l in options if self._allowed(current, l) and reachable(current, l, self.in_place)]
-        return min(options, key=lambda l: _distance(current, l, self.in_place)) if options else None
+        return min(options, key=lambda l: layout_distance(current, l, self.in_place)) if options else None
 
     def _move_candidates(self, ctx: "_Context") -> list[MoveCandidate]:
         """Hold, the estimate's best reachable targets (`forward_top_k`) and the way back (module doc). Each is a
@@ -1121,8 +659,8 @@ class ElasticBalancer:
         in_place = self.in_place
         for k, (cur, tgt) in enumerate(reach_order(list(ctx.current.values()), layout, in_place) or []):
             drain_s = max((ctx.loads.load_of(i.id).est_drain_s for i in cur), default=0.0)
-            if _role_only(cur, tgt):
-                here = in_place and _runs_in_place(cur, tgt)
+            if role_only(cur, tgt):
+                here = in_place and runs_in_place(cur, tgt)
                 out.append(Reconfiguration(f"fw{k + 1}", ReconfigKind.ROLE, tuple(i.id for i in cur),
                                            (replace(tgt[0], id=cur[0].id),), "forward candidate",
                                            est_drain_s=0.0 if here else drain_s, in_place=here))
@@ -1198,149 +736,6 @@ class ElasticBalancer:
                 self._gpu_changed_s[g] = now_s
             self._decide(now_s, f"planned:{r.kind.value}", r.reason)
         return [r for r, _ in ready]
-
-
-def _key(layout: Sequence[InstanceConfig]) -> tuple:
-    return tuple(sorted(_signature(i) for i in layout))
-
-
-def layout_shape(layout: Sequence[InstanceConfig]) -> tuple:
-    """A layout up to where its instances sit: each instance's model, TP degree and role (what the capacity estimate
-    scores)."""
-    return tuple(sorted((i.model, i.tp, i.role.value) for i in layout))
-
-
-def arrange_near(current: Sequence[InstanceConfig], shape: tuple, num_gpus: int, in_place: bool = False,
-                 keep_low: bool = True) -> tuple[InstanceConfig, ...] | None:
-    """A layout of `shape` (`layout_shape`) built around `current`: the instances that already have a place in it
-    stay as they are; then those of a model and TP degree it still needs change role where they are (decode <->
-    colocated first, when such changes run in place); what is left is laid out on the GPUs freed and unused, largest
-    TP first, each on the lowest contiguous run that fits. `keep_low`: of equal instances, the lowest-numbered GPUs'
-    stay (else the highest's). None when the freed GPUs do not fit what is left."""
-    want = Counter(shape)
-    order = sorted(current, key=lambda i: i.gpu_ids, reverse=not keep_low)
-    kept: list[InstanceConfig] = []
-    rest = []
-    for inst in order:
-        key = (inst.model, inst.tp, inst.role.value)
-        if want[key] > 0:
-            want[key] -= 1
-            kept.append(inst)
-        else:
-            rest.append(inst)
-    freed: set[int] = set(range(num_gpus)) - {g for i in current for g in i.gpu_ids}
-    for inst in rest:
-        roles = [Role(k[2]) for k, n in want.items() if n > 0 and k[:2] == (inst.model, inst.tp)]
-        if not roles:
-            freed.update(inst.gpu_ids)
-            continue
-        role = min(roles, key=lambda r: (not (in_place and in_place_role(inst.role, r)), r.value))
-        want[(inst.model, inst.tp, role.value)] -= 1
-        kept.append(_instance(inst.model, role, inst.tp, inst.gpu_ids))
-    for model, tp, role in sorted(want.elements(), key=lambda k: (-k[1], k)):
-        free = sorted(freed)
-        run = next((free[k:k + tp] for k in range(len(free) - tp + 1) if free[k + tp - 1] - free[k] == tp - 1), None)
-        if run is None:
-            return None
-        kept.append(_instance(model, Role(role), tp, tuple(run)))
-        freed.difference_update(run)
-    return tuple(sorted(kept, key=lambda i: i.gpu_ids))
-
-
-def _instance(model: str, role: Role, tp: int, gpus: tuple[int, ...]) -> InstanceConfig:
-    """A candidate layout's instance, as `_model_instances` builds them."""
-    tokens = 8192 if role is Role.PREFILL else 2048
-    return InstanceConfig(f"{model}-{role.value}-g{gpus[0]}", model, role, tp, tuple(gpus), max_num_batched_tokens=tokens)
-
-
-def _distance(current: Sequence[InstanceConfig], target: Sequence[InstanceConfig], in_place: bool) -> tuple:
-    """How far `target` is from `current`, to order layouts of one shape: the GPUs whose weights would load (model
-    changes), then the GPUs that would change role with a drain, then those changing role in place, then the
-    number of changes."""
-    loads = drains = flips = 0
-    comps = diff_components(current, target)
-    for cur, tgt in comps:
-        gpus = len({g for i in cur for g in i.gpu_ids})
-        if not _role_only(cur, tgt):
-            loads += gpus
-        elif in_place and _runs_in_place(cur, tgt):
-            flips += gpus
-        else:
-            drains += gpus
-    return loads, drains, flips, len(comps)
-
-
-def orphaned_by(cur: Sequence[InstanceConfig], tgt: Sequence[InstanceConfig], others: Sequence[InstanceConfig],
-                in_place: bool = False) -> set[str]:
-    """The models of `cur` that no instance would serve while the change `cur` -> `tgt` is out, `others` serving
-    beside it. An in-place role change (`in_place_role`, with `in_place`) keeps its instance serving: in its old
-    role until the switch, then in the new one, so `others` with the new role must serve its model."""
-    keep = list(tgt) if in_place and _runs_in_place(cur, tgt) else []
-    return {i.model for i in cur} - serving_models([*others, *keep])
-
-
-def reachable(current: Sequence[InstanceConfig], target: Sequence[InstanceConfig], in_place: bool = False) -> bool:
-    """Whether `target` can be reached from `current` one change (`diff_components`) at a time with every model
-    served throughout: each change, started once the ones before it are done, leaves the models of the instances it
-    retires served by the rest (`orphaned_by`). Without in-place role changes (`in_place` False), a 70B whose only
-    decoding instance must change role while its other instance goes cannot (it would be unserved for a moment):
-    such a target is never chosen, rather than started halfway. With them, the decoding instance changes role in
-    place first and the other goes after."""
-    return reach_order(current, target, in_place) is not None
-
-
-def reach_order(current: Sequence[InstanceConfig], target: Sequence[InstanceConfig], in_place: bool = False
-                ) -> list[tuple[tuple[InstanceConfig, ...], tuple[InstanceConfig, ...]]] | None:
-    """The changes from `current` to `target` in an order that keeps every model served (`reachable`); None when
-    there is none."""
-    placement = list(current)
-    comps = diff_components(current, target)
-    out = []
-    while comps:
-        for k, (cur, tgt) in enumerate(comps):
-            rest = [i for i in placement if i not in cur]
-            if not orphaned_by(cur, tgt, rest, in_place):
-                placement = rest + list(tgt)
-                out.append(comps.pop(k))
-                break
-        else:
-            return None
-    return out
-
-
-def stranded_models(current: Sequence[InstanceConfig], target: Sequence[InstanceConfig], in_place: bool = False
-                    ) -> list[str]:
-    """The models that block `target` (`reachable` False): once the changes that can go first are done, each change
-    left would leave one of these without a serving instance (`serving_models`). Empty when `target` is reachable."""
-    placement = list(current)
-    comps = diff_components(current, target)
-    progress = True
-    while comps and progress:
-        progress = False
-        for k, (cur, tgt) in enumerate(comps):
-            rest = [i for i in placement if i not in cur]
-            if not orphaned_by(cur, tgt, rest, in_place):
-                placement = rest + list(tgt)
-                comps.pop(k)
-                progress = True
-                break
-    return sorted({m for cur, tgt in comps for m in orphaned_by(cur, tgt, [i for i in placement if i not in cur],
-                                                                 in_place)})
-
-
-def _layout_text(layout: Sequence[InstanceConfig]) -> str:
-    return " | ".join(f"{m} {_shape_text(shape_of(layout, m))}" for m in sorted({i.model for i in layout}))
-
-
-def _role_only(cur: Sequence[InstanceConfig], tgt: Sequence[InstanceConfig]) -> bool:
-    """A change of one instance's role on the same GPUs, model and TP (no weights move)."""
-    return (len(cur) == len(tgt) == 1 and cur[0].gpu_ids == tgt[0].gpu_ids and cur[0].model == tgt[0].model
-            and cur[0].tp == tgt[0].tp)
-
-
-def _runs_in_place(cur: Sequence[InstanceConfig], tgt: Sequence[InstanceConfig]) -> bool:
-    """A role change that may run in place: one instance, same GPUs, model and TP, decode <-> colocated."""
-    return _role_only(cur, tgt) and in_place_role(cur[0].role, tgt[0].role)
 
 
 @dataclass

@@ -39,7 +39,7 @@ LOGITS_BYTES_PER_VOCAB_ENTRY = 4
 # Local weight storage: sequential read of one local disk with a cold page cache, as measured on the H200 machine
 # (scripts/gpu_load_check.py, BENCHMARKS.md "Cost model against a real GPU (H200)": 2.07 GB/s; 5.9 GB/s from the page
 # cache). A datacenter PCIe Gen4 NVMe drive is rated at ~7 GB/s, so this is the slow end. Used for the weight-load
-# time of an instance started from disk (services/core/balancer.py, weight_load_s).
+# time of an instance started from disk (services/core/elastic_capacity.py, weight_load_s).
 LOCAL_DISK_READ_BYTES_PER_S = 2.07e9
 # GPUs per PCIe switch uplink on an 8-GPU HGX board: a TP group that loads all its shards at once shares each uplink
 # between two GPUs, so each sees half the pinned host->GPU rate (same BENCHMARKS section).

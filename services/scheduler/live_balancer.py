@@ -26,9 +26,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
 from octoserve.services.core import migration
-from octoserve.services.core.balancer import (
-    RANKERS, BalancerPolicy, ElasticBalancer, InstanceLoad, ModelDemand, NodeLoad, demand_trend, step_score,
-)
+from octoserve.services.core.balancer import BalancerPolicy, ElasticBalancer, RANKERS
+from octoserve.services.core.elastic_load import InstanceLoad, ModelDemand, NodeLoad, demand_trend, step_score
 from octoserve.services.core.placement import InstanceConfig, NodeConfig
 from octoserve.services.core.reconfig import Reconfiguration
 from octoserve.services.core.types import EngineLoad, Role

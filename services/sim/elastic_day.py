@@ -28,17 +28,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from octoserve.services.core.balancer import (
-    OBJECTIVES,
-    BalancerPolicy,
+from octoserve.services.core.balancer import BalancerPolicy
+from octoserve.services.core.elastic_capacity import (
     CapacityModel,
-    ModelDemand,
-    candidate_layouts,
+    OBJECTIVES,
     objective_weights,
     placement_goodput_rps,
     unserved,
     weight_load_s,
 )
+from octoserve.services.core.elastic_layouts import candidate_layouts
+from octoserve.services.core.elastic_load import ModelDemand
 from octoserve.services.core.placement import InstanceConfig, NodeConfig
 from octoserve.services.core.planner import ModelLoad, WorkloadMix, candidate_placements, rank_placements
 from octoserve.services.core.specs import GPU_PRESETS, MODEL_PRESETS

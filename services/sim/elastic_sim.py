@@ -42,22 +42,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from octoserve.services.core import migration
-from octoserve.services.core.balancer import (
-    BalancerPolicy,
+from octoserve.services.core.balancer import BalancerPolicy, ElasticBalancer, RANKERS
+from octoserve.services.core.elastic_capacity import (
     CapacityModel,
-    ElasticBalancer,
-    InstanceLoad,
-    ModelDemand,
-    NodeLoad,
-    RANKERS,
     alone_capacity_rps,
-    candidate_layouts,
-    demand_trend,
     objective_weights,
     placement_goodput_rps,
-    step_score,
     unserved,
 )
+from octoserve.services.core.elastic_layouts import candidate_layouts
+from octoserve.services.core.elastic_load import InstanceLoad, ModelDemand, NodeLoad, demand_trend, step_score
 from octoserve.services.core.placement import InstanceConfig, NodeConfig, num_kv_blocks_for
 from octoserve.services.core.reconfig import Phase, ReconfigKind, Reconfiguration
 from octoserve.services.core.types import Role

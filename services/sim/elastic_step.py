@@ -37,7 +37,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from octoserve.services.core import migration
-from octoserve.services.core.balancer import BalancerPolicy, ElasticBalancer, NodeLoad
+from octoserve.services.core.balancer import BalancerPolicy, ElasticBalancer
+from octoserve.services.core.elastic_load import NodeLoad
 from octoserve.services.core.placement import InstanceConfig, NodeConfig
 from octoserve.services.core.reconfig import Phase, ReconfigKind, Reconfiguration
 from octoserve.services.core.types import Role
@@ -313,7 +314,7 @@ def day_rows(cost_profile: str, *, hour_s: float, load: float, gpu: str, seed: i
     goodput of both hour by hour and the elastic run's reconfigurations, as text lines."""
     import dataclasses
 
-    from octoserve.services.core.balancer import candidate_layouts
+    from octoserve.services.core.elastic_layouts import candidate_layouts
     from octoserve.services.workload_day import day_trace
     from octoserve.services.metrics import summarize
     from octoserve.services.sim.driver import run_simulation

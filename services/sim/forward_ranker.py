@@ -33,7 +33,8 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from octoserve.services.core.balancer import MoveCandidate, orphaned_by
+from octoserve.services.core.balancer import MoveCandidate
+from octoserve.services.core.elastic_layouts import orphaned_by
 from octoserve.services.core.reconfig import Phase, Reconfiguration
 from octoserve.services.workload_day import DayRequest
 
