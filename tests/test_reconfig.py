@@ -46,3 +46,27 @@ def test_role_change_must_be_one_instance_of_the_same_model():
     other = dataclasses.replace(SMS[0], model="llama-3-70b")
     r = Reconfiguration("r5", ReconfigKind.ROLE, ("sm-0",), (other,), "x")
     assert check_reconfiguration(NODE, r) == ["r5: a role change keeps the model; use a model change"]
+
+
+def test_every_driver_moves_through_the_same_legal_phases():
+    """One state machine for the scheduler, both simulators and a vLLM slot (`reconfig.advance`)."""
+    from octoserve.services.core.reconfig import IN_FLIGHT, TRANSITIONS, Phase, advance
+
+    drained = [Phase.PLANNED, Phase.DRAINING, Phase.SWITCHING, Phase.DONE, Phase.DRAINING, Phase.ABORTED,
+               Phase.DRAINING]  # a slot's next reconfiguration starts where its last one ended
+    in_place = [Phase.PLANNED, Phase.SWITCHING, Phase.ABORTED]
+    for path in (drained, in_place):
+        phase = path[0]
+        for to in path[1:]:
+            phase = advance(phase, to)
+        assert phase is path[-1]
+    assert IN_FLIGHT == {Phase.DRAINING, Phase.SWITCHING}
+    assert set(TRANSITIONS) == set(Phase) and all(Phase.PLANNED not in to for to in TRANSITIONS.values())
+    for current, to, legal in ((Phase.PLANNED, Phase.DONE, "aborted, draining, switching"),
+                               (Phase.SWITCHING, Phase.DRAINING, "aborted, done"),
+                               (Phase.DONE, Phase.SWITCHING, "draining"),
+                               (Phase.DRAINING, Phase.DRAINING, "aborted, switching")):
+        with pytest.raises(ValueError) as info:
+            advance(current, to)
+        assert str(info.value) == (f"a reconfiguration cannot go from {current.value} to {to.value} "
+                                   f"(from {current.value}: {legal})")

@@ -9,7 +9,8 @@ A reconfiguration retires some instances and starts others on the GPUs they free
 Life of one reconfiguration (`Phase`): PLANNED -> DRAINING (the retired instances take no new request; their running
 requests finish, or migrate by KV hand-off to another instance of the same model when that is faster) -> SWITCHING
 (weights load, roles change) -> DONE. A reconfiguration that cannot proceed ends ABORTED and the retired instances
-take requests again. No request is dropped in any phase.
+take requests again. No request is dropped in any phase. The legal moves are `TRANSITIONS`, and every driver (the
+scheduler, both elastic simulators, a vLLM slot) moves through them with `advance`.
 
 An in-place role change (`in_place`, only between decode and colocated: `in_place_role`) has no DRAINING: both roles
 decode, so the instance keeps its running requests, its held hand-offs and its reservations, and takes new requests
@@ -45,6 +46,29 @@ class Phase(str, enum.Enum):
     SWITCHING = "switching"  # roles change / weights load; the GPUs serve nothing
     DONE = "done"
     ABORTED = "aborted"
+
+
+# The legal moves, for every driver: the scheduler (services/scheduler/elastic.py), both elastic simulators
+# (services/sim/elastic_sim.py, elastic_step.py) and a vLLM slot (services/engine/vllm_reconfig.py). An in-place
+# role change goes PLANNED -> SWITCHING; a slot that carries out one reconfiguration after another starts its next
+# DRAINING from the DONE or ABORTED of the last.
+TRANSITIONS: dict[Phase, frozenset[Phase]] = {
+    Phase.PLANNED: frozenset({Phase.DRAINING, Phase.SWITCHING, Phase.ABORTED}),
+    Phase.DRAINING: frozenset({Phase.SWITCHING, Phase.ABORTED}),
+    Phase.SWITCHING: frozenset({Phase.DONE, Phase.ABORTED}),
+    Phase.DONE: frozenset({Phase.DRAINING}),
+    Phase.ABORTED: frozenset({Phase.DRAINING}),
+}
+IN_FLIGHT = frozenset({Phase.DRAINING, Phase.SWITCHING})  # what counts against the balancer's `max_in_flight`
+
+
+def advance(current: Phase, to: Phase) -> Phase:
+    """`to`, when `TRANSITIONS` allows it from `current`; a driver that skips or repeats a phase raises ValueError."""
+    if to not in TRANSITIONS[current]:
+        legal = ", ".join(sorted(p.value for p in TRANSITIONS[current]))
+        raise ValueError(f"a reconfiguration cannot go from {current.value} to {to.value} (from {current.value}: "
+                         f"{legal})")
+    return to
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from octoserve.services.core.placement import InstanceConfig
-from octoserve.services.core.reconfig import Phase, ReconfigKind, Reconfiguration, check_reconfiguration
+from octoserve.services.core.reconfig import Phase, ReconfigKind, Reconfiguration, advance, check_reconfiguration
 from octoserve.services.core.types import EngineLoad, RequestOutput, RequestSpec, Role
 from octoserve.services.engine import vllm_kv
 from octoserve.services.engine.base import CapacityError, Engine, EngineError, KVHandoff
@@ -234,7 +234,7 @@ class ReconfigurableInstance:
             refused_before = self.num_refused
             closed, drained = self._clock(), await self._drain(reconfig_id, drain_timeout_s)
             t0 = self._clock()
-            self.phase = Phase.SWITCHING
+            self.phase = advance(self.phase, Phase.SWITCHING)
             self.engine.role = role
             self.config = new
             self._open()
@@ -256,7 +256,7 @@ class ReconfigurableInstance:
             refused_before = self.num_refused
             closed, drained = self._clock(), await self._drain(reconfig_id, drain_timeout_s)
             t0 = self._clock()
-            self.phase = Phase.SWITCHING
+            self.phase = advance(self.phase, Phase.SWITCHING)
             await self._stop_drained()
             t_stopped = self._clock()
             try:
@@ -278,13 +278,13 @@ class ReconfigurableInstance:
     async def _drain(self, reconfig_id: str, timeout_s: float) -> tuple[str, ...]:
         """Close the gate and wait until nothing is in flight; the ids of the requests that were."""
         self.reconfig_id = reconfig_id
-        self.phase = Phase.DRAINING
+        self.phase = advance(self.phase, Phase.DRAINING)
         self._accepting = False
         drained = self.in_flight_ids
         try:
             await asyncio.wait_for(self._idle.wait(), timeout_s)
         except TimeoutError:
-            self.phase = Phase.ABORTED
+            self.phase = advance(self.phase, Phase.ABORTED)
             self._accepting = True
             raise ReconfigError(f"{reconfig_id}: {self.num_in_flight} requests still ran on {self.instance_id} "
                                 f"after {timeout_s:g} s of drain; aborted, the instance serves in its old role") from None
@@ -298,13 +298,13 @@ class ReconfigurableInstance:
             await stop()
 
     def _open(self) -> None:
-        self.phase = Phase.DONE
+        self.phase = advance(self.phase, Phase.DONE)
         self._accepting = True
 
     async def _restore(self, old: InstanceConfig) -> None:
         """After a failed start: the old config again (ABORTED), or no engine at all when that fails too."""
         assert self._build is not None
-        self.phase = Phase.ABORTED
+        self.phase = advance(self.phase, Phase.ABORTED)
         try:
             engine = self._build(old)
             await engine.start()

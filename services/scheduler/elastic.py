@@ -44,6 +44,7 @@ from octoserve.services.core.reconfig import (
     Phase,
     ReconfigKind,
     Reconfiguration,
+    advance,
     check_reconfiguration,
     in_place_role,
 )
@@ -244,7 +245,7 @@ class ElasticRunner:
         try:
             if r.in_place:
                 return await self._in_place(r, out)
-            out.phase = Phase.DRAINING
+            out.phase = advance(out.phase, Phase.DRAINING)
             for i in r.retire:
                 self.placement.states[i] = State.DRAINING
             await self.placement.publish()
@@ -263,7 +264,7 @@ class ElasticRunner:
                     out.kept_by_reason[reason] = out.kept_by_reason.get(reason, 0) + n
             # A role change switches inside SetRole: the drain is what the workers measured, the rest is switching.
             out.drain_s = max(rep.drain_s for rep in replies)
-            out.phase = Phase.SWITCHING
+            out.phase = advance(out.phase, Phase.SWITCHING)
             t1 = t0 + out.drain_s
             if r.kind is ReconfigKind.ROLE:
                 inst = r.start[0]
@@ -274,7 +275,7 @@ class ElasticRunner:
             else:
                 await self._switch_model(r)
             out.switch_s = time.monotonic() - t1
-            out.phase = Phase.DONE
+            out.phase = advance(out.phase, Phase.DONE)
             log.info("reconfiguration done", extra={"fields": {
                 "id": r.reconfig_id, "drain_s": round(out.drain_s, 3), "switch_s": round(out.switch_s, 3),
                 "drained_requests": out.drained_requests, "migrated_requests": out.migrated_requests,
@@ -289,7 +290,7 @@ class ElasticRunner:
         where it runs (nothing drains), then the placement names the new role under the same engine generation,
         so routers keep their sessions to it (router/placement_watch.py)."""
         inst = r.start[0]
-        out.phase = Phase.SWITCHING
+        out.phase = advance(out.phase, Phase.SWITCHING)
         t0 = time.monotonic()
         request = w_pb.SetRoleRequest(role=convert.ROLE_TO_PB[inst.role], in_place=True)
         try:
@@ -302,7 +303,7 @@ class ElasticRunner:
         self.placement.instances[inst.id] = inst
         await self.placement.publish()
         out.switch_s = time.monotonic() - t0
-        out.phase = Phase.DONE
+        out.phase = advance(out.phase, Phase.DONE)
         log.info("reconfiguration done in place", extra={"fields": {
             "id": r.reconfig_id, "instance": inst.id, "role": inst.role.value, "switch_s": round(out.switch_s, 3)}})
         return out
@@ -335,7 +336,7 @@ class ElasticRunner:
         return targets
 
     async def _abort(self, r: Reconfiguration, out: Outcome, why: str) -> None:
-        out.phase, out.error = Phase.ABORTED, f"reconfiguration {r.reconfig_id} aborted: {why}"
+        out.phase, out.error = advance(out.phase, Phase.ABORTED), f"reconfiguration {r.reconfig_id} aborted: {why}"
         log.warning("reconfiguration aborted", extra={"fields": {"id": r.reconfig_id, "why": why}})
         for i in r.retire:
             self.placement.states[i] = State.SERVING

@@ -53,7 +53,7 @@ from octoserve.services.core.elastic_capacity import (
 from octoserve.services.core.elastic_layouts import candidate_layouts
 from octoserve.services.core.elastic_load import InstanceLoad, ModelDemand, NodeLoad, demand_trend, step_score
 from octoserve.services.core.placement import InstanceConfig, NodeConfig, num_kv_blocks_for
-from octoserve.services.core.reconfig import Phase, ReconfigKind, Reconfiguration
+from octoserve.services.core.reconfig import IN_FLIGHT, Phase, ReconfigKind, Reconfiguration, advance
 from octoserve.services.core.types import Role
 from octoserve.services.sim.forward_ranker import ForwardSimRanker
 from octoserve.services.metrics import RequestRecord, Summary, Window, detect_window, summarize
@@ -461,12 +461,12 @@ class ElasticSim:
                 # by `_tick`, which must not pull it earlier).
                 ev.drain_end_s = max([ev.drain_end_s] + [self.instances[i].drain_end_s(ev.planned_s) for i in r.retire])
                 if ev.drain_end_s <= until_s:
-                    ev.phase = Phase.SWITCHING
+                    ev.phase = advance(ev.phase, Phase.SWITCHING)
                     for iid in r.retire:
                         self.instances.pop(iid).removed_s = ev.drain_end_s
                     ev.done_s = ev.drain_end_s + (r.load_s if r.kind is ReconfigKind.MODEL else self.policy.role_switch_s)
             if ev.phase is Phase.SWITCHING and ev.done_s <= until_s:
-                ev.phase = Phase.DONE
+                ev.phase = advance(ev.phase, Phase.DONE)
                 mean = self._mean_lengths(ev.done_s)
                 for c in r.start:
                     if r.in_place:
@@ -481,7 +481,7 @@ class ElasticSim:
         self.layout_log.append((t_s, configs))
 
     def _in_flight(self) -> list[Reconfiguration]:
-        return [ev.reconfig for ev in self.reconfigs if ev.phase in (Phase.DRAINING, Phase.SWITCHING)]
+        return [ev.reconfig for ev in self.reconfigs if ev.phase in IN_FLIGHT]
 
     def _node_load(self) -> NodeLoad:
         now = self.now_s

@@ -40,7 +40,7 @@ from octoserve.services.core import migration
 from octoserve.services.core.balancer import BalancerPolicy, ElasticBalancer
 from octoserve.services.core.elastic_load import NodeLoad
 from octoserve.services.core.placement import InstanceConfig, NodeConfig
-from octoserve.services.core.reconfig import Phase, ReconfigKind, Reconfiguration
+from octoserve.services.core.reconfig import IN_FLIGHT, Phase, ReconfigKind, Reconfiguration, advance
 from octoserve.services.core.types import Role
 from octoserve.services.scheduler.live_balancer import (
     DemandWindow,
@@ -134,7 +134,7 @@ class ElasticStepSim:
         self.placements.append((self.sim.now, tuple(self.sim.instances)))
 
     def _in_flight(self) -> list[Reconfiguration]:
-        return [r.reconfig for r in self.reconfigs if r.phase in (Phase.DRAINING, Phase.SWITCHING)]
+        return [r.reconfig for r in self.reconfigs if r.phase in IN_FLIGHT]
 
     def node_load(self, now_s: float) -> NodeLoad:
         """The balancer's input, built as the live scheduler builds it (`live_balancer.node_load`: with migration
@@ -218,7 +218,7 @@ class ElasticStepSim:
 
         def finish() -> None:
             self.sim.set_role_in_place(r.retire[0], r.start[0].role)
-            ev.phase = Phase.DONE
+            ev.phase = advance(ev.phase, Phase.DONE)
             self._publish()
         self.sim.call_at(ev.done_s, finish)
         return ev
@@ -262,7 +262,7 @@ class ElasticStepSim:
             self.sim.call_at(self.sim.now + self.poll_s, lambda: self._poll(ev))
             return
         ev.drain_end_s = self.sim.now
-        ev.phase = Phase.SWITCHING
+        ev.phase = advance(ev.phase, Phase.SWITCHING)
         for iid in r.retire:
             ev.lost += self.sim.remove_instance(iid)
         for cfg in r.start:
@@ -276,7 +276,7 @@ class ElasticStepSim:
         for cfg in ev.reconfig.start:
             self.starting.pop(cfg.id, None)
             self.sim.add_instance(cfg)
-        ev.phase = Phase.DONE
+        ev.phase = advance(ev.phase, Phase.DONE)
         self._publish()
 
     # - the run -
