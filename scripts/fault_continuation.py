@@ -134,6 +134,7 @@ def simulate_args(cost_profile: str, no_continuations: bool) -> list[str]:
 def run_one(cost_profile: str, no_continuations: bool) -> str:
     """One simulation as `octoserve simulate` runs it; its table row."""
     from octoserve.services.metrics import slo_spec_of
+    from octoserve.services import config
     from octoserve.services.sim import cli_simulate
     from octoserve.services.sim.driver import cycle_collector_paused
     from octoserve.services.sim.faults import fault_report, parse_fault
@@ -146,7 +147,7 @@ def run_one(cost_profile: str, no_continuations: bool) -> str:
     args = parser.parse_args(argv)
     print(f"octoserve simulate {' '.join(argv)}", file=sys.stderr)
     with cycle_collector_paused():
-        node = cli_simulate.load_with_overrides(args.config, args.overrides, args.cost_profile)
+        node = config.load_with_overrides(args.config, args.overrides, args.cost_profile)
         profile, trace = node_workload(args, node)
         node = with_workload_slos(node, profile)
         if trace is None:

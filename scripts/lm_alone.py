@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
     text = render(results, rates, seeds, args, time.perf_counter() - start)
     if args.benchmarks:
-        from octoserve.services.bench_report import replace_section
+        from octoserve.services.report_sections import replace_section
 
         path = Path(args.benchmarks)
         path.write_text(replace_section(path.read_text(), HEADING, text))

@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     body = render(results, profiles, rates, seeds, args, time.monotonic() - started)
     print(body)
     if args.benchmarks:
-        from octoserve.services.bench_report import replace_section
+        from octoserve.services.report_sections import replace_section
 
         path = Path(args.benchmarks)
         path.write_text(replace_section(path.read_text(encoding="utf-8"), HEADING, body), encoding="utf-8")

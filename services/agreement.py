@@ -88,7 +88,7 @@ def compare(config_path: str | None, trace: list[TraceRequest], time_scale: floa
     under `cost_profile` when given (else the config's)."""
     from octoserve.services.launcher import start_node
     from octoserve.services.loadgen import BenchOptions, run_bench
-    from octoserve.services.sim.cli_simulate import config_source, load_with_overrides
+    from octoserve.services.config import config_source, load_with_overrides
     from octoserve.services.sim.driver import run_simulation
 
     virtual = run_simulation(load_with_overrides(config_path, [], cost_profile), trace)
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-output", type=int, default=96, help="cap on true output lengths (wall time)")
     parser.add_argument("--json", dest="json_path")
-    from octoserve.services.sim.cli_simulate import add_cost_profile_argument
+    from octoserve.services.config import add_cost_profile_argument
 
     add_cost_profile_argument(parser)
     args = parser.parse_args(argv)

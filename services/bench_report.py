@@ -34,6 +34,7 @@ from octoserve.services.bench_suite import (
     SuiteResults,
     batch_min_share,
 )
+from octoserve.services.report_sections import replace_section
 from octoserve.services.sim.capacity import CapacitySearch
 
 PEAK_GOODPUT_TARGET_RPS = 97.0
@@ -65,17 +66,6 @@ def table_row(r: Row) -> str:
             f"| {_f(r.attainment_offered, 1, True)} | {_f(r.ttft_p95_ms, 0)} | {_f(r.itl_p95_ms, 1)} "
             f"| {_f(r.refused_fraction, 1, True)} | {r.num_preemptions} | {_f(r.kv_utilisation, 1, True)} "
             f"| {_f(r.gpu_busy, 1, True)} |")
-
-
-def replace_section(text: str, heading: str, body: str) -> str:
-    """`text` with the section under `heading` (up to the next '## ' heading) replaced by `body`, or appended."""
-    lines = text.splitlines()
-    new = [heading, "", *body.strip("\n").splitlines(), ""]
-    if heading not in lines:
-        return "\n".join([*lines, "", *new]).strip("\n") + "\n"
-    start = lines.index(heading)
-    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-    return "\n".join([*lines[:start], *new, *lines[end:]]).rstrip("\n") + "\n"
 
 
 def _ratio(a: float, b: float) -> float:

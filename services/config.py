@@ -8,6 +8,7 @@ one `PlacementError` listing every problem; a file that is not a YAML mapping ra
 
 from __future__ import annotations
 
+import argparse
 import io
 import os
 from importlib import resources
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import yaml
 
+from octoserve.services.core.cost_model import COST_PROFILES
 from octoserve.services.core.placement import NodeConfig, PlacementError, node_config_from_dict
 
 DEFAULT_CONFIG = "node-default.yaml"
@@ -75,3 +77,44 @@ def resolve_section_paths(sections: dict, base: str | Path) -> dict:
             directory = os.path.normpath(os.path.join(os.fspath(base), directory))
         sections = {**sections, "tls": {**tls, "dir": directory}}
     return sections
+
+
+# --- the command line's view of a config: a path, `--set` overrides and `--cost-profile` ----------------------
+
+
+def add_cost_profile_argument(parser: argparse.ArgumentParser) -> None:
+    """`--cost-profile NAME`: sets the config's `cost_profile` key (shared by simulate, plan, up and demo)."""
+    parser.add_argument("--cost-profile", choices=list(COST_PROFILES), default=None,
+                        help="cost-model constants (default: the config's cost_profile, else 'default')")
+
+
+def raw_config_with_overrides(path: str | None, overrides: list[str], cost_profile: str | None = None) -> dict:
+    """The node config as a plain dict, `section.key=value` overrides and `cost_profile` applied, not validated."""
+    from octoserve.services.usage import UsageError
+
+    text = default_config_text() if path is None else Path(path).read_text(encoding="utf-8")
+    raw = parse_yaml_mapping(text, str(path or "node-default.yaml"))
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        section, dot, name = key.partition(".")
+        if not sep or not dot or section not in ("policies", "slo"):
+            raise UsageError(f"--set {item!r}: use policies.KEY=VALUE or slo.KEY=VALUE")
+        try:
+            raw.setdefault(section, {})[name] = yaml.safe_load(value)
+        except yaml.YAMLError as e:
+            raise UsageError(f"--set {item!r}: VALUE is not valid YAML ({e})") from None
+    if cost_profile is not None:
+        raw["cost_profile"] = cost_profile
+    return raw
+
+
+def config_source(path: str | None, cost_profile: str | None):
+    """What `start_node` takes: the path itself, or a dict when `--cost-profile` changes the config."""
+    return path if cost_profile is None else raw_config_with_overrides(path, [], cost_profile)
+
+
+def load_with_overrides(path: str | None, overrides: list[str], cost_profile: str | None = None):
+    """The node config with `section.key=value` overrides and `--cost-profile` applied before validation."""
+    if not overrides and cost_profile is None:
+        return load_node_config(path)
+    return node_config_from_dict(placement_part(raw_config_with_overrides(path, overrides, cost_profile)))

@@ -20,7 +20,7 @@ from octoserve.services.workload import PROFILES, generate_trace, scaled
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from octoserve.services.flags import parse_duration_s
-    from octoserve.services.sim.cli_simulate import add_cost_profile_argument
+    from octoserve.services.config import add_cost_profile_argument
 
     parser.add_argument("--config", help="node config YAML (default: the embedded default placement)")
     parser.add_argument("--profile", default="seed-000", choices=sorted(PROFILES))
@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     from octoserve.services.flags import check_positive, check_workload_flags
     from octoserve.services.launcher import describe, start_node
     from octoserve.services.loadgen import BenchOptions, run_bench_series
-    from octoserve.services.sim.cli_simulate import config_source, load_with_overrides
+    from octoserve.services.config import config_source, load_with_overrides
     from octoserve.services.sim.driver import run_simulation
 
     check_workload_flags(args)  # before the node starts

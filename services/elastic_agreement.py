@@ -387,7 +387,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ranker", choices=("none", "forward"), default="none",
                         help="the balancer on every side: the estimate alone with drained role changes (default, as "
                              "first measured), or the node's default, the forward ranker with in-place role changes")
-    from octoserve.services.sim.cli_simulate import add_cost_profile_argument
+    from octoserve.services.config import add_cost_profile_argument
 
     add_cost_profile_argument(parser)
     parser.add_argument("--model-change", action="store_true",

@@ -426,7 +426,7 @@ def write_section(path, rows: Sequence[RunRow], settings: Settings, intro: str) 
     """BENCHMARKS.md with its seed-003 gang section (re)written from `rows`."""
     from pathlib import Path
 
-    from octoserve.services.bench_report import replace_section
+    from octoserve.services.report_sections import replace_section
 
     path = Path(path)
     text = path.read_text(encoding="utf-8") if path.exists() else "# octoserve benchmarks\n"

@@ -238,7 +238,7 @@ def _placement_keeper(node: Node, cfg_path: str | None, grace_s: float, engine: 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from octoserve.services.flags import parse_duration_s
-    from octoserve.services.sim.cli_simulate import add_cost_profile_argument
+    from octoserve.services.config import add_cost_profile_argument
 
     parser.add_argument("--config", default=None, help="node config YAML (default: the embedded placement)")
     parser.add_argument("--time-scale", type=float, default=1.0,
@@ -267,7 +267,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from octoserve.services.flags import check_positive
-    from octoserve.services.sim.cli_simulate import config_source
+    from octoserve.services.config import config_source
 
     check_positive("--time-scale", args.time_scale, "the time scale (wall seconds per modelled second)",
                    "--time-scale 10")

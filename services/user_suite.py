@@ -40,7 +40,8 @@ def wants_user_workload(args: argparse.Namespace) -> bool:
 def run_user_workload(args: argparse.Namespace, policies: tuple[str, ...], cost_profiles: tuple[str, ...],
                       duration_s: float | None, warmup_s: float | None, drain_s: float, seed: int) -> int:
     """The table of `policies` x `cost_profiles` on the user's workload (drain_s: kept for the full suite's flag)."""
-    from octoserve.services.sim.cli_simulate import load_with_overrides, simulate_with_progress
+    from octoserve.services.config import load_with_overrides
+    from octoserve.services.sim.cli_simulate import simulate_with_progress
     from octoserve.services.workload import generate_trace
     from octoserve.services.workload_io import node_workload, with_workload_slos
 

@@ -163,10 +163,12 @@ def test_capacity_criterion_needs_both_slo_definitions(attainment, fleet_ok, exp
 
 
 def test_replace_section_keeps_other_sections():
+    from octoserve.services.report_sections import replace_section
+
     text = "# Title\n\n## Policy comparison (simulator)\n\nold\n\n## Someone else's\n\ntheirs\n"
-    out = br.replace_section(text, br.SECTION_POLICY, "new body")
+    out = replace_section(text, br.SECTION_POLICY, "new body")
     assert out == "# Title\n\n## Policy comparison (simulator)\n\nnew body\n\n## Someone else's\n\ntheirs\n"
-    assert br.replace_section("# T\n", "## X", "b") == "# T\n\n## X\n\nb\n"
+    assert replace_section("# T\n", "## X", "b") == "# T\n\n## X\n\nb\n"
 
 
 def _row(policy="octoserve", workload="w", goodput=10.0, **kw):

@@ -122,7 +122,7 @@ async def test_a_member_that_planned_nothing_answers_the_next_grant():
     longer cap, before anything new arrives at the LM; the LM must answer that grant (it once waited for new work
     only, the grant went unanswered and the whole group stalled). Checked: every request finishes in full and the LM
     was told to start with nothing to run at least once."""
-    from octoserve.services.sim.cli_simulate import load_with_overrides
+    from octoserve.services.config import load_with_overrides
 
     node = load_with_overrides(str(CONFIG), [], "pessimistic")
     sched_spec, servicer = scheduler_spec(node, port=0, metrics_port=None, grace_s=0.5)

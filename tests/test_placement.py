@@ -264,7 +264,7 @@ def test_every_cost_model_built_from_a_pessimistic_config_uses_the_pessimistic_c
 def test_cost_profile_flag_sets_the_config_key_for_every_subcommand():
     import argparse
 
-    from octoserve.services.sim.cli_simulate import add_cost_profile_argument, config_source, load_with_overrides
+    from octoserve.services.config import add_cost_profile_argument, config_source, load_with_overrides
 
     parser = argparse.ArgumentParser()
     add_cost_profile_argument(parser)

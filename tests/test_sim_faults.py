@@ -238,6 +238,7 @@ def test_disaggregated_instance_lost_frees_what_the_other_side_held(lost):
 
 def _simulate(*argv: str):
     """`octoserve simulate ARGV` as the command runs it, up to its result."""
+    from octoserve.services import config
     from octoserve.services.sim import cli_simulate
     from octoserve.services.workload import generate_trace
     from octoserve.services.workload_io import node_workload, with_workload_slos
@@ -245,7 +246,7 @@ def _simulate(*argv: str):
     parser = argparse.ArgumentParser()
     cli_simulate.add_arguments(parser)
     args = parser.parse_args(argv)
-    node = cli_simulate.load_with_overrides(args.config, args.overrides, args.cost_profile)
+    node = config.load_with_overrides(args.config, args.overrides, args.cost_profile)
     profile, _ = node_workload(args, node)
     node = with_workload_slos(node, profile)
     trace = generate_trace(profile, args.seed)

@@ -19,6 +19,7 @@ import pytest
 
 from octoserve.services.core.types import Priority
 from octoserve.services.metrics import fleet_itl_p95_ms, percentile_inf
+from octoserve.services import config
 from octoserve.services.sim import cli_simulate
 from octoserve.services.sim.driver import run_simulation
 from octoserve.services.workload import generate_trace
@@ -32,7 +33,7 @@ def peak_run():
     parser = argparse.ArgumentParser()
     cli_simulate.add_arguments(parser)
     args = parser.parse_args(["--duration", "60s", "--seed", str(SEED)])
-    node = cli_simulate.load_with_overrides(args.config, args.overrides, args.cost_profile)
+    node = config.load_with_overrides(args.config, args.overrides, args.cost_profile)
     profile, trace = node_workload(args, node)
     node = with_workload_slos(node, profile)
     assert trace is None and (profile.name, profile.rate_rps, profile.duration_s) == ("seed-000", 300.0, 60.0)

@@ -27,7 +27,7 @@ import time
 
 from octoserve.services.cluster.sim import ClusterSimulator, Squeeze, single_pool_config
 from octoserve.services.metrics import group_stats
-from octoserve.services.sim.cli_simulate import raw_config_with_overrides
+from octoserve.services.config import raw_config_with_overrides
 from octoserve.services.core.placement import node_config_from_dict
 from octoserve.services.sim.driver import run_simulation
 from octoserve.services.workload import PROFILES, generate_trace, scaled

@@ -22,7 +22,7 @@ from dataclasses import asdict, replace
 from octoserve.services.core import planner
 from octoserve.services.core.placement import NodeConfig
 from octoserve.services.flags import parse_duration_s
-from octoserve.services.sim.cli_simulate import add_cost_profile_argument, load_with_overrides
+from octoserve.services.config import add_cost_profile_argument, load_with_overrides
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

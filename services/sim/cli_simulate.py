@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from octoserve.services.config import load_node_config
+from octoserve.services.config import add_cost_profile_argument, load_with_overrides
 from octoserve.services.flags import parse_duration_s  # the one duration parser: 90, 90s, 500ms, 2m
 from octoserve.services.metrics import SloSpec, slo_spec_of, summary_to_dict
 from octoserve.services.progress import Progress
@@ -88,54 +88,6 @@ def _run(args: argparse.Namespace) -> tuple[int, tuple]:
     if args.plots:
         write_plots(result, args.plots, slo_spec_of(node.slo))
     return 0, (trace, result, simulator)
-
-
-def add_cost_profile_argument(parser: argparse.ArgumentParser) -> None:
-    """`--cost-profile NAME`: sets the config's `cost_profile` key (shared by simulate, plan, up and demo)."""
-    from octoserve.services.core.cost_model import COST_PROFILES
-
-    parser.add_argument("--cost-profile", choices=list(COST_PROFILES), default=None,
-                        help="cost-model constants (default: the config's cost_profile, else 'default')")
-
-
-def raw_config_with_overrides(path: str | None, overrides: list[str], cost_profile: str | None = None) -> dict:
-    """The node config as a plain dict, `section.key=value` overrides and `cost_profile` applied, not validated."""
-    import yaml
-
-    from octoserve.services.config import default_config_text
-
-    from octoserve.services.config import parse_yaml_mapping
-    from octoserve.services.usage import UsageError
-
-    text = default_config_text() if path is None else Path(path).read_text(encoding="utf-8")
-    raw = parse_yaml_mapping(text, str(path or "node-default.yaml"))
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        section, dot, name = key.partition(".")
-        if not sep or not dot or section not in ("policies", "slo"):
-            raise UsageError(f"--set {item!r}: use policies.KEY=VALUE or slo.KEY=VALUE")
-        try:
-            raw.setdefault(section, {})[name] = yaml.safe_load(value)
-        except yaml.YAMLError as e:
-            raise UsageError(f"--set {item!r}: VALUE is not valid YAML ({e})") from None
-    if cost_profile is not None:
-        raw["cost_profile"] = cost_profile
-    return raw
-
-
-def config_source(path: str | None, cost_profile: str | None):
-    """What `start_node` takes: the path itself, or a dict when `--cost-profile` changes the config."""
-    return path if cost_profile is None else raw_config_with_overrides(path, [], cost_profile)
-
-
-def load_with_overrides(path: str | None, overrides: list[str], cost_profile: str | None = None):
-    """The node config with `section.key=value` overrides and `--cost-profile` applied before validation."""
-    from octoserve.services.config import placement_part
-    from octoserve.services.core.placement import node_config_from_dict
-
-    if not overrides and cost_profile is None:
-        return load_node_config(path)
-    return node_config_from_dict(placement_part(raw_config_with_overrides(path, overrides, cost_profile)))
 
 
 def simulate_with_progress(

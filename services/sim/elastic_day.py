@@ -119,7 +119,7 @@ def _say(msg: str) -> None:
 
 def write_section(path_text: str, heading: str, body: str) -> None:
     """Replace (or append) the section `heading` of the markdown file at `path_text` (created when missing)."""
-    from octoserve.services.bench_report import replace_section  # noqa: PLC0415
+    from octoserve.services.report_sections import replace_section  # noqa: PLC0415
 
     path = Path(path_text)
     text = path.read_text() if path.exists() else "# Benchmarks\n"
