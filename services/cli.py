@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one subcommand. With `argv` None (the process's own command line: the `octoserve` script, `python -m`),
-    a subcommand may end the process itself once its output is out (`exit_process`); given `argv`, it returns."""
+    a subcommand may end the process itself once its output is out (`usage.exit_process`); given `argv`, it returns."""
     whole_process = argv is None
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
@@ -67,21 +67,6 @@ def main(argv: list[str] | None = None) -> int:
     except BAD_INPUT as error:  # input the user can fix: the message alone, exit 2 (traceback with --debug)
         return report(args.command, error, args.debug)
 
-
-
-def exit_process(code: int) -> None:
-    """End the process now with `code`, its output flushed and logging shut down as at a normal exit, without
-    freeing its objects one by one: after a simulation that is a large graph (the trace's token tuples, the
-    records, the simulator), ~0.1 s of a ~3 s command. Only for a command run as the whole process (`main`)."""
-    import logging
-
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # closed or broken pipe: nothing more can reach it
-            pass
-    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ Invariants:
 
 from __future__ import annotations
 
+import os
 import sys
 import traceback
 
@@ -46,3 +47,18 @@ def report(command: str, error: BaseException, debug: bool) -> int:
         traceback.print_exception(error, file=sys.stderr)
     print(f"octoserve {command}: error: {describe(error)}", file=sys.stderr)
     return EXIT_BAD_INPUT
+
+
+def exit_process(code: int) -> None:
+    """End the process now with `code`, its output flushed and logging shut down as at a normal exit, without
+    freeing its objects one by one: after a simulation that is a large graph (the trace's token tuples, the
+    records, the simulator), ~0.1 s of a ~3 s command. Only for a command run as the whole process (`main`)."""
+    import logging
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed or broken pipe: nothing more can reach it
+            pass
+    os._exit(code)

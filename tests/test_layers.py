@@ -36,8 +36,6 @@ LAB = tuple(f"octoserve.services.{m}" for m in (
 
 # (importer, imported) -> what it waits for.
 KNOWN_EXCEPTIONS = {
-    ("octoserve.services.sim.cli_simulate", "octoserve.services.cli"):
-        "exit_process, the CLI's way out, to move beside the other command-line helpers",
     ("octoserve.services.sim.elastic_step", "octoserve.services.scheduler.live_balancer"):
         "the live balancing loop the step simulator replays, to move into the core",
 }

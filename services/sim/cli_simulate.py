@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, "whole_process", False):
             # Still paused: the collector's first pass after the pause walks every object the run left (~0.2 s).
             # `run_objects` are still held: the process ends without freeing them one by one either.
-            from octoserve.services.cli import exit_process
+            from octoserve.services.usage import exit_process
 
             exit_process(code)
     del run_objects

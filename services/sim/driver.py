@@ -834,7 +834,7 @@ def run_simulation(
     `min_warmup_s`); a number states it. The result's summary and instance figures cover the measurement window
     (`SimResult.window`); `records` and `timeseries` hold the whole run, warm-up and drain included. `fast`: see
     `NodeSimulator` (None: on unless OCTOSERVE_SIM_FAST=0). `keep`: the simulator is appended to it (a command
-    that ends its process without freeing the run keeps it from being freed here, `cli.exit_process`)."""
+    that ends its process without freeing the run keeps it from being freed here, `usage.exit_process`)."""
     sim = NodeSimulator(config, seed=seed, faults=faults, fast=fast)
     if keep is not None:
         keep.append(sim)
