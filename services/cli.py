@@ -19,7 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("octoserve.services.sim.cli_plan", "size the node for a workload: roofline bound, verdict, ranked placements"),
     "up": ("octoserve.services.launcher", "start the whole node as separate gRPC services on 127.0.0.1"),
     "bench": ("octoserve.services.loadgen", "drive a running router with an open-loop workload and report SLO metrics"),
-    "bench-suite": ("octoserve.services.bench_suite", "run the policy-comparison matrix and write BENCHMARKS.md sections"),
+    "bench-suite": ("octoserve.services.bench_command", "run the policy-comparison matrix and write BENCHMARKS.md sections"),
     "make-test-model": ("octoserve.services.engine.test_model", "build a tiny random-weight Llama with a local tokenizer"),
     "calibrate": ("octoserve.services.calibrate", "measure step times and write a cost-model profile"),
     "certs": ("octoserve.services.trust", "make a development CA and per-service certificates for mTLS between services"),

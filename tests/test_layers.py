@@ -31,7 +31,7 @@ PROCESSES = ("octoserve.router", "octoserve.prefill_worker", "octoserve.decode_w
              "octoserve.services.cluster", "octoserve.services.launcher", "octoserve.services.processes",
              "octoserve.services.supervisor", "octoserve.services.elastic_launch")
 LAB = tuple(f"octoserve.services.{m}" for m in (
-    "bench_suite", "bench_report", "baselines", "agreement", "elastic_agreement", "gang_agreement", "gang_bench",
+    "bench_suite", "bench_command", "bench_report", "baselines", "agreement", "elastic_agreement", "gang_agreement", "gang_bench",
     "calibrate", "demo", "user_suite", "cluster.live", "cluster.bench"))
 
 # (importer, imported) -> what it waits for.
@@ -43,8 +43,6 @@ KNOWN_CYCLES = {
     frozenset({"octoserve.services.core.batcher", "octoserve.services.core.steady_batcher",
                "octoserve.services.core.sim_executor"}):
         "the steady-decode planner and the simulated executor, simulator code in the core, to move out of it",
-    frozenset({"octoserve.services.bench_report", "octoserve.services.bench_suite"}):
-        "the bench suite's types, to move out of its command",
     frozenset({"octoserve.services.sim.elastic_sim", "octoserve.services.sim.forward_ranker"}):
         "the forward ranker's replay, to move beside the queueing model",
     frozenset({"octoserve.services.sim.elastic_day", "octoserve.services.sim.elastic_in_place",
