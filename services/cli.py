@@ -15,7 +15,7 @@ import sys
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("octoserve.services.demo", "start the node live, drive it with the seed-000 peak, report live vs simulated"),
     "simulate": ("octoserve.services.sim.cli_simulate", "run the node in the discrete-event simulator and report SLO metrics"),
-    "elastic-day": ("octoserve.services.sim.elastic_day", "simulate the mix-shift day: best static vs hourly oracle vs the elastic balancer"),
+    "elastic-day": ("octoserve.services.sim.cli_elastic_day", "simulate the mix-shift day: best static vs hourly oracle vs the elastic balancer"),
     "plan": ("octoserve.services.sim.cli_plan", "size the node for a workload: roofline bound, verdict, ranked placements"),
     "up": ("octoserve.services.launcher", "start the whole node as separate gRPC services on 127.0.0.1"),
     "bench": ("octoserve.services.loadgen", "drive a running router with an open-loop workload and report SLO metrics"),
