@@ -133,17 +133,17 @@ async def _drive(node, *, clients: int, max_tokens: int, per_phase: int) -> tupl
                 s.error = f"{type(e).__name__}: {e}"
             s.done_s = time.monotonic()
 
-    def served_by(instance_id: str, t: float) -> bool:
-        """Whether a request sent since `t` was served by `instance_id`, per the router's access log so far."""
+    def served_since(t: float) -> set[str]:
+        """The instances that served a request sent since `t`, per the router's access log so far."""
         since = {s.request_id for s in sent if s.sent_s >= t and s.done_s}
-        return any(instance_id in e.get("instances", ()) for rid, e in access_log(node).items() if rid in since)
+        return {i for rid, e in access_log(node).items() if rid in since for i in e.get("instances", ())}
 
     async def finished_since(t: float, n: int, what: str, served: tuple[str, ...] = ()) -> None:
         """Until `n` requests sent since `t` have finished, and each instance in `served` has served one of them (the
         router follows a flip by its placement watch and a new worker session, at a pace nothing here asserts)."""
         deadline = time.monotonic() + 300.0
         while (sum(1 for s in sent if s.sent_s >= t and s.done_s) < n
-               or not all(served_by(i, t) for i in served)):
+               or (served and not set(served) <= served_since(t))):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"within 300 s {what}, fewer than {n} requests finished or not each of "
                                    f"{list(served)} served one; the router's log since:\n" + router_events(node, t))

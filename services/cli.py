@@ -68,6 +68,5 @@ def main(argv: list[str] | None = None) -> int:
         return report(args.command, error, args.debug)
 
 
-
 if __name__ == "__main__":
     sys.exit(main())

@@ -93,7 +93,7 @@ def raw_config_with_overrides(path: str | None, overrides: list[str], cost_profi
     from octoserve.services.usage import UsageError
 
     text = default_config_text() if path is None else Path(path).read_text(encoding="utf-8")
-    raw = parse_yaml_mapping(text, str(path or "node-default.yaml"))
+    raw = parse_yaml_mapping(text, str(path or DEFAULT_CONFIG))
     for item in overrides:
         key, sep, value = item.partition("=")
         section, dot, name = key.partition(".")
