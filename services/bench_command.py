@@ -32,13 +32,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"arrivals excluded as warm-up (default {d.warmup_s:g} s)")
     parser.add_argument("--drain", type=parse_duration_s,
                         help=f"virtual time after the last arrival (default {d.drain_s:g} s)")
-    parser.add_argument("--seed003-duration", type=parse_duration_s)
-    parser.add_argument("--seed003-warmup", type=parse_duration_s)
-    parser.add_argument("--seed003-rate", type=float, default=None)
-    parser.add_argument("--capacity-steps", type=int)
+    parser.add_argument("--seed003-duration", type=parse_duration_s,
+                        help=f"arrival window of each seed-003 run (default {d.seed003_duration_s:g} s)")
+    parser.add_argument("--seed003-warmup", type=parse_duration_s,
+                        help=f"seed-003 arrivals excluded as warm-up (default {d.seed003_warmup_s:g} s)")
+    parser.add_argument("--seed003-rate", type=float, default=None, help="seed-003 req/s (default: the profile's peak)")
+    parser.add_argument("--capacity-steps", type=int,
+                        help=f"bisection steps of each capacity probe (default {d.capacity_steps})")
     parser.add_argument("--capacity-seeds", type=int, help=f"seeds per capacity probe (default {d.capacity_seeds})")
-    parser.add_argument("--planner-top", type=int)
-    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--planner-top", type=int,
+                        help=f"analytic candidates simulated to pick octoserve's placement (default {d.planner_top})")
+    parser.add_argument("--seed", type=int, default=d.seed, help="seed of the single-seed runs")
     parser.add_argument("--workers", type=int, default=d.workers, help="processes (default 2)")
     parser.add_argument("--policies", default=",".join(BASELINES), help="comma-separated subset of the policies")
     parser.add_argument("--cost-profiles", default=",".join(COST_PROFILES), help="comma-separated cost profiles")

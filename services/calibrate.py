@@ -245,8 +245,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="llama-3-8b", choices=sorted(MODEL_PRESETS), help="shapes (CUDA only)")
     parser.add_argument("--tp", type=int, default=1, help="TP slice whose per-GPU shards are timed")
     parser.add_argument("--gpu", default="h100-sxm-80gb", choices=sorted(GPU_PRESETS), help="datasheet roofline")
-    parser.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
-    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"), help="auto: CUDA when present")
+    parser.add_argument("--repeats", type=int, default=10, help="timed runs of each shape")
     parser.add_argument("--e2e", action="store_true", help="CPU: also time the vLLM engine on the tiny model")
     parser.add_argument("--output", default="calibration/profile.json", help="where the profile JSON goes")
 

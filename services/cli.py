@@ -35,7 +35,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 ONE_BLAS_THREAD = ("simulate", "plan", "elastic-day")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(every_command: bool = False) -> argparse.ArgumentParser:
+    """The command line's parser. Only the subcommand named on the command line imports its module and gets its
+    arguments (so `octoserve up` never imports the simulator); `every_command` builds all of them, for the
+    reference `scripts/cli_reference.py` generates."""
     parser = argparse.ArgumentParser(prog="octoserve", description=__doc__.splitlines()[0])
     parser.add_argument("--debug", action="store_true", help="show the Python traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -47,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(_module=module_name)
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                        help="show the Python traceback of an error")
-        if name == chosen:  # only the chosen subcommand's module is imported
+        if every_command or name == chosen:
             importlib.import_module(module_name).add_arguments(p)
     return parser
 

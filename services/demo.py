@@ -23,14 +23,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from octoserve.services.config import add_cost_profile_argument
 
     parser.add_argument("--config", help="node config YAML (default: the embedded default placement)")
-    parser.add_argument("--profile", default="seed-000", choices=sorted(PROFILES))
+    parser.add_argument("--profile", default="seed-000", choices=sorted(PROFILES), help="built-in workload profile")
     parser.add_argument("--rate", type=float, help="req/s in modelled time (default: the profile's peak)")
     parser.add_argument("--duration", type=parse_duration_s, default=8.0,
                         help="arrival window in modelled time, e.g. 8s (default 8 s: the window after the warm-up "
                              "holds enough one-second samples to judge steady state)")
     parser.add_argument("--time-scale", type=float, default=15.0, help="wall seconds per modelled second")
     parser.add_argument("--max-output", type=int, default=128, help="cap on true output lengths (keeps it short)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="trace seed")
     add_cost_profile_argument(parser)
 
 

@@ -393,8 +393,8 @@ def add_workload_arguments(parser: argparse.ArgumentParser, default_profile: str
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--profile", default=default_profile, choices=sorted(PROFILES),
                        help=f"built-in workload profile (default {default_profile})")
-    group.add_argument("--workload", metavar="FILE.yaml", help="your own workload profile (format: README)")
-    group.add_argument("--trace", metavar="FILE.jsonl", help="your own requests, one JSON object a line (README)")
+    group.add_argument("--workload", metavar="FILE.yaml", help="your own workload profile (format: docs/WORKLOADS.md)")
+    group.add_argument("--trace", metavar="FILE.jsonl", help="your own requests, one JSON object a line (docs/WORKLOADS.md)")
     parser.add_argument("--only-served", action="store_true",
                         help="drop the workload's requests for models the node does not serve (default: refuse to run)")
 

@@ -64,3 +64,30 @@ def test_readme_shows_both_clients_imported_from_octoserve():
     import octoserve
 
     assert all(hasattr(octoserve, name) for name in imported)
+
+
+_spec = importlib.util.spec_from_file_location("cli_reference", REPO / "scripts" / "cli_reference.py")
+cli_reference = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(cli_reference)
+
+
+def test_the_cli_reference_is_what_the_definitions_give():
+    text = cli_reference.render()
+    assert (REPO / "docs" / "CLI.md").read_text() == text, "docs/CLI.md is stale: run `make docs`"
+    from octoserve.services.cli import SUBCOMMANDS
+
+    assert [line[len("## `octoserve "):-1] for line in text.splitlines() if line.startswith("## `octoserve ")] == \
+        list(SUBCOMMANDS)
+    assert "| `--fault INSTANCE@T[+DOWN]` |" in text and "| `make test-fast` |" in text
+
+
+def test_the_makefile_targets_are_read_with_their_comments(tmp_path):
+    (tmp_path / "Makefile").write_text(
+        "X := 1\n## Runs it.\nrun: venv\n\tdo\n\n## Two lines\n## of text.\nN ?= 2\ntwo:\n\tdo\nbare:\n\tdo\n"
+        "## A stamp's comment is not the next target's.\n$(VENV)/.stamp: x\n\ttouch $@\nnext:\n")
+    assert cli_reference.make_targets(tmp_path / "Makefile") == [("run", "Runs it."), ("two", "Two lines of text.")]
+
+
+def test_the_readme_stays_a_tour():
+    lines = (REPO / "README.md").read_text().splitlines()
+    assert len(lines) <= 150, "the README is the tour; details go to a page under docs/ that it links"

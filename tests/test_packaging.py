@@ -63,10 +63,12 @@ def test_full_wheel_has_one_top_level_name_and_ships_the_proto(tmp_path):
                    for n in names)
 
 
-def _readme_examples(target: str) -> list[str]:
-    blocks = re.findall(r"```python\n(.*?)```", (REPO / "README.md").read_text(), re.S)
+def _client_examples(target: str) -> list[str]:
+    """The SDK examples a user reads: the README's tour and the clients page."""
+    text = (REPO / "README.md").read_text() + (REPO / "docs" / "CLIENTS.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
     client_blocks = [b for b in blocks if "from octoserve import" in b]
-    assert len(client_blocks) >= 2  # the sync and the async client
+    assert len(client_blocks) >= 4  # the sync and the async client, an API key, a resumed stream
     return [b.replace("127.0.0.1:50051", target) for b in client_blocks]
 
 
@@ -99,7 +101,7 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait(timeout=10)
 
 
-def test_sdk_alone_in_a_fresh_venv_runs_the_readme_examples_next_to_a_user_services_package(tmp_path):
+def test_sdk_alone_in_a_fresh_venv_runs_the_client_examples_next_to_a_user_services_package(tmp_path):
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     py = venv / "bin" / "python"
@@ -119,7 +121,7 @@ def test_sdk_alone_in_a_fresh_venv_runs_the_readme_examples_next_to_a_user_servi
     (project / "services" / "__init__.py").write_text("OWNER = 'the user'\n")
     proc, target = _start_node(tmp_path / "run")
     try:
-        for i, example in enumerate(_readme_examples(target)):
+        for i, example in enumerate(_client_examples(target)):
             script = project / f"example_{i}.py"
             script.write_text("import services\nassert services.OWNER == 'the user'\n" + example)
             ran = subprocess.run([str(py), script.name], cwd=project, capture_output=True, text=True, timeout=120,

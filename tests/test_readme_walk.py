@@ -1,10 +1,10 @@
 """A new user's first hour, scripted: the README's commands and examples run as subprocesses from a temporary
 directory outside the checkout, against a node this test starts with `octoserve up` and stops by its PID.
 
-What runs: `make run`'s command (`octoserve demo`, shortened), the "Try them" commands as the README writes them
-(with the examples folder beside them), `octoserve up` and `octoserve bench` against it, every client example of
-the README (the SDK's blocking, asyncio and API-key examples, the curl command and the `openai` example) with the
-node's address in place of the defaults. The SDK installed alone in a fresh virtual environment is
+What runs: `make run`'s command (`octoserve demo`, shortened), the simulator commands as the README's tour writes
+them (with the examples folder beside them), `octoserve up` and `octoserve bench` against it, every SDK example of
+the README and docs/CLIENTS.md (blocking, asyncio, an API key, a resumed stream), the curl command and the `openai`
+example, with the node's address in place of the defaults. The SDK installed alone in a fresh virtual environment is
 tests/test_packaging.py's part; the vLLM block is tests/test_vllm_node.py's.
 """
 
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_packaging import NODE_CONFIG, _readme_examples
+from tests.test_packaging import NODE_CONFIG, _client_examples
 
 pytestmark = pytest.mark.slow
 
@@ -51,7 +51,7 @@ def test_make_run_is_octoserve_demo_and_a_short_one_reports(tmp_path):
     assert out.count("\ngroup ") >= 2  # the live report and the simulator's, each with its column header
 
 
-def test_the_try_them_commands_run_as_written(tmp_path):
+def test_the_tours_simulator_commands_run_as_written(tmp_path):
     shutil.copytree(REPO / "examples", tmp_path / "examples")
     (block,) = [b for b in sh_blocks() if "examples/workload-chat.yaml" in b]
     commands = [shlex.split(line) for line in block.splitlines() if line.strip()]
@@ -97,7 +97,7 @@ def test_up_bench_and_every_client_example_of_the_readme(tmp_path):
                      "--warmup", "0s", "--no-progress"], tmp_path).stdout
         assert "\ngroup " in bench and "llama-3-8b" in bench
 
-        for i, example in enumerate(_readme_examples(router)):
+        for i, example in enumerate(_client_examples(router)):
             script = tmp_path / f"example_{i}.py"
             script.write_text(example)
             out = run([sys.executable, script.name], tmp_path, timeout_s=120).stdout.splitlines()

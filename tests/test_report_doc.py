@@ -1,5 +1,5 @@
-"""The README's "Reading the report" explains every column the report prints, what `make run` caps, and
-`--time-scale`: checked against the code's column list and against the header of a real short run."""
+"""docs/REPORT.md explains every column the report prints, what `make run` caps, and `--time-scale`: checked
+against the code's column list and against the header of a real short run."""
 
 from __future__ import annotations
 
@@ -16,10 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def section() -> str:
-    text = (REPO / "README.md").read_text()
-    start = text.index("\n## Reading the report\n")
-    end = text.index("\n## ", start + 1)
-    return text[start:end]
+    return (REPO / "docs" / "REPORT.md").read_text()
 
 
 def explained_columns() -> set[str]:

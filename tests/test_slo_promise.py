@@ -1,4 +1,4 @@
-"""The central promise, checked where the README states it: at the seed-000 peak (300 req/s, what `octoserve simulate
+"""The central promise, checked where docs/POLICIES.md states it: at the seed-000 peak (300 req/s, what `octoserve simulate
 --duration 60s` runs) in the seeded simulator, every served model's admitted requests have a TTFT P95 and an ITL P95
 inside that model's own SLO, over the report's measurement window (the warm-up left out, as every figure of the
 report is).
@@ -63,7 +63,7 @@ def test_each_models_admitted_ttft_and_itl_p95_are_inside_its_slo_at_the_seed_00
     for model in models:
         admitted, ttft_p95, itl_p95 = _figures(node, records, model)
         slo = node.slo.for_model(model)
-        # The peak is over the node's capacity (README: 2.5x by compute): each model is admitted in part, refused
+        # The peak is over the node's capacity (docs/POLICIES.md: 2.5x by compute): each model is admitted in part, refused
         # in part, and what it admits is held to its SLO.
         assert 0 < admitted < sum(1 for r in records if r.model == model), model
         assert ttft_p95 and all(p95 < slo_ms for slo_ms, p95 in ttft_p95.items()), (model, ttft_p95)

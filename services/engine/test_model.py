@@ -221,13 +221,13 @@ def build_shape_only_model(
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("out_dir", help="folder to write the model into (created if missing)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--vocab", type=int, default=4096)
-    parser.add_argument("--max-position", type=int, default=2048)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    parser.add_argument("--hidden", type=int, default=256, help="hidden size")
+    parser.add_argument("--layers", type=int, default=4, help="decoder layers")
+    parser.add_argument("--heads", type=int, default=4, help="attention heads")
+    parser.add_argument("--kv-heads", type=int, default=2, help="key/value heads (grouped-query attention)")
+    parser.add_argument("--vocab", type=int, default=4096, help="vocabulary of the locally trained BPE tokenizer")
+    parser.add_argument("--max-position", type=int, default=2048, help="context window, tokens")
 
 
 def run(args: argparse.Namespace) -> int:

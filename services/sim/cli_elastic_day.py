@@ -18,16 +18,17 @@ from octoserve.services.usage import UsageError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--cost-profile", choices=("default", "pessimistic", "both"), default="both")
+    parser.add_argument("--cost-profile", choices=("default", "pessimistic", "both"), default="both",
+                        help="cost-model constants; both runs the day under each")
     parser.add_argument("--mix", choices=("load", "requests"), default="load",
                         help="the 8B share is of the node's load (default) or of requests at --rate")
     parser.add_argument("--load", type=float, default=0.9, help="with --mix load: offered load / node capacity")
     parser.add_argument("--rate", type=float, default=40.0, help="with --mix requests: total req/s")
     parser.add_argument("--hour-s", type=float, default=60.0, help="simulated seconds per hour of the day")
-    parser.add_argument("--hours", type=float, default=24.0)
+    parser.add_argument("--hours", type=float, default=24.0, help="hours of the day to simulate")
     parser.add_argument("--gpu", default="h100-sxm-80gb", choices=sorted(GPU_PRESETS),
                         help="the node's GPU preset (the project's node: h100-sxm-80gb)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="trace seed")
     parser.add_argument("--objective", choices=OBJECTIVES, default="requests",
                         help="what the balancer and the oracle score placements by: request goodput (default) or "
                              "load-weighted goodput (each model's req/s over its alone capacity)")

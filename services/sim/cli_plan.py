@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top", type=int, default=2, help="how many analytically best candidates to simulate")
     parser.add_argument("--capacity-steps", type=int, default=5, help="bisection steps of each SLO capacity")
     parser.add_argument("--capacity-seeds", type=int, default=2, help="seeds per capacity probe")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="trace seed of the simulated candidates")
     add_cost_profile_argument(parser)
     parser.add_argument("--json", help="write every figure and ranking to this JSON file")
 
