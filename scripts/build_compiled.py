@@ -42,7 +42,7 @@ MODULES = (
     "core.routing",
     "core.tail_budget",
     "core.batcher",
-    "core.steady_batcher",
+    "sim.steady_batcher",
     "core.admission",
     "workload",
     "sim.driver",

@@ -1,4 +1,4 @@
-"""SteadyBatcher (decodes advanced implicitly, services/core/steady_batcher.py) against the plain Batcher, in lockstep.
+"""SteadyBatcher (decodes advanced implicitly, services/sim/steady_batcher.py) against the plain Batcher, in lockstep.
 
 Both run the same requests step by step, each with its own SimExecutor: the plain batcher through `schedule` /
 `execute` / `update` (the message API of the live engine), the steady one through the compact calls. Every step must
@@ -21,7 +21,7 @@ from octoserve.services.core.batcher import Batcher
 from octoserve.services.core.instance import instance_parts
 from octoserve.services.core.kv_cache import KVCacheManager
 from octoserve.services.core.sim_executor import SimExecutor
-from octoserve.services.core.steady_batcher import SteadyBatcher
+from octoserve.services.sim.steady_batcher import SteadyBatcher
 from octoserve.services.core.types import Priority, RequestSpec, SamplingParams
 
 BLOCK = 16

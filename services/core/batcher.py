@@ -34,15 +34,13 @@ import math
 import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, overload
+from typing import Protocol, overload
 
 from octoserve.services.core.kv_cache import KVCacheManager
 from octoserve.services.core.preemption import PREEMPTION_MODES, VICTIM_POLICIES
 from octoserve.services.core.queues import QUEUE_POLICIES, WaitingQueue
 from octoserve.services.core.reservation import OutputLengthPredictor, ReservationContext, make_reservation_policy
 from octoserve.services.core.tail_budget import FREE_STEP_SHARE, TailBudget
-if TYPE_CHECKING:
-    from octoserve.services.core.steady_batcher import _Steady
 from octoserve.services.core.types import (
     EngineLoad,
     FinishReason,
@@ -116,6 +114,13 @@ class BatcherConfig:
         VICTIM_POLICIES.get(self.victim_policy)
 
 
+class SteadyState:
+    """The per-request state of a subclass that advances steady decodes implicitly (`Request.steady`); this
+    module never reads it."""
+
+    __slots__ = ()
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -173,9 +178,10 @@ class Request:
         # Order among running requests of equal victim key (bisect puts a newcomer after its equals): stamped when
         # it starts running, so (victim_key, run_seq) sorts like the running list.
         self.run_seq = 0
-        # Opaque to this module: a batcher that advances steady decodes implicitly (steady_batcher.py) keeps its
-        # per-request state here; None while the request's tokens are explicit.
-        self.steady: _Steady | None = None
+        # Opaque to this module: a batcher that advances steady decodes implicitly (the simulator's,
+        # services/sim/steady_batcher.py) keeps its per-request state here; None while the request's tokens are
+        # explicit.
+        self.steady: SteadyState | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -1181,8 +1187,8 @@ class CompactStep:
         self.preempted_ids = preempted_ids
         self.swap_out_blocks = swap_out_blocks
         self.swap_in_blocks = swap_in_blocks
-        # Steady decodes (steady_batcher.py) in the step besides the columns: each computes one token on top of
-        # its context and samples it; `steady_tokens` is the sum of their lengths (context + 1).
+        # Steady decodes (services/sim/steady_batcher.py) in the step besides the columns: each computes one token
+        # on top of its context and samples it; `steady_tokens` is the sum of their lengths (context + 1).
         self.num_steady = num_steady
         self.steady_tokens = steady_tokens
 

@@ -125,7 +125,8 @@ class SimExecutor:
             # sim_token_id of output position num_tokens - prompt length, in the key's terms (once per token)
             append(eos if num_tokens >= eos_at
                    else SIM_TOKEN_LO + (num_tokens * SIM_TOKEN_STEP + offset) % SIM_TOKEN_SPAN)
-        # A steady batcher's implicit decodes (steady_batcher.py) sample their tokens there, from `token_key`.
+        # A steady batcher's implicit decodes (services/sim/steady_batcher.py) sample their tokens there, from
+        # `token_key`.
         step_s = self.cost_model.chunks_time_s(step.num_new, step.contexts, num_samples,
                                                step.swap_in_blocks + step.swap_out_blocks, self.block_size,
                                                step.num_steady, step.steady_tokens)

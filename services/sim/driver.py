@@ -44,7 +44,7 @@ from octoserve.services.core.continuation import continuation_spec, may_continue
 from octoserve.services.core.instance import LoadReporter, gang_share, instance_parts
 from octoserve.services.core.placement import InstanceConfig, NodeConfig
 from octoserve.services.core.sim_executor import SimExecutor
-from octoserve.services.core.steady_batcher import SteadyBatcher
+from octoserve.services.sim.steady_batcher import SteadyBatcher
 from octoserve.services.core.reconfig import in_place_role
 from octoserve.services.core.types import (
     EngineLoad, FinishReason, HandoffReady, RequestOutput, RequestSpec, Role, StepOutputs, StepPlan, StepResult,
@@ -73,7 +73,7 @@ class _Instance:
     def __init__(self, node: NodeConfig, cfg: InstanceConfig, steady: bool = False) -> None:
         parts = instance_parts(node, cfg)
         self.cfg = cfg
-        # steady: decodes advanced implicitly (services/core/steady_batcher.py), on the fast path outside gangs
+        # steady: decodes advanced implicitly (services/sim/steady_batcher.py), on the fast path outside gangs
         # (an arbiter asks each member for its requests' deadlines every step).
         batcher_type = SteadyBatcher if steady else Batcher
         self.batcher = batcher_type(parts.batcher_config, parts.new_kv(cfg))

@@ -43,6 +43,7 @@ from octoserve.services.core.batcher import (
     CompactStep,
     Request,
     RequestStatus,
+    SteadyState,
     _CompactBuilder,
     _Step,
 )
@@ -52,7 +53,7 @@ from octoserve.services.core.types import HandoffReady, RequestOutput, Role
 SLACK_TIE_S = 1e-6  # keys closer than this to the smallest are evaluated exactly (float rounding is ~1e-14 s)
 
 
-class _Steady:
+class _Steady(SteadyState):
     """A steady request's state: its length is c + s at the plan of step s (s0 <= s)."""
 
     __slots__ = ("c", "s0", "order", "stop_step", "next_update", "next_grow", "slack_key")
@@ -99,8 +100,7 @@ class SteadyBatcher(Batcher):
 
     def _sync(self, req: Request, upto: int) -> None:
         """Write out `req`'s tokens, computed count and token times up to the plan of step `upto`."""
-        st = req.steady
-        assert st is not None  # only steady requests are written out
+        st = _state(req)  # only steady requests are written out
         s0 = st.s0
         if upto <= s0:
             return
@@ -126,8 +126,7 @@ class SteadyBatcher(Batcher):
 
     def _leave(self, req: Request) -> None:
         """Write `req` out (up to now) and make it explicit again."""
-        st = req.steady
-        assert st is not None
+        st = _state(req)
         self._sync(req, len(self._times))
         self._num_steady -= 1
         self._sum_c -= st.c
@@ -293,8 +292,7 @@ class SteadyBatcher(Batcher):
             return None  # some decode would preempt: the plain plan (every request explicit) decides whom
         self.state_version += 1
         for req in growing:  # one block each, in running order, as the plain plan's decode loop takes them
-            st = req.steady
-            assert st is not None  # `_due` keeps only current steady requests
+            st = _state(req)  # `_due` keeps only current steady requests
             self._grow(req, st.c + s)
             self._plan_grow(req, st)
         step = _SteadyBuilder(budget, self)
@@ -328,7 +326,7 @@ class SteadyBatcher(Batcher):
                 if key[0] > limit:
                     break
                 r = key[2]
-                tpot_s = min(tpot_s, r.first_token_s + (r.steady.c + s - r.num_prompt_tokens) * target - now
+                tpot_s = min(tpot_s, r.first_token_s + (_state(r).c + s - r.num_prompt_tokens) * target - now
                              + payback_s)
         self._note_slack(tpot_s, base_s)
         allowed_s = min(tpot_s, cfg.max_step_s if n else max(cfg.max_step_s, self._idle_step_s))
@@ -362,7 +360,7 @@ class SteadyBatcher(Batcher):
             due = sorted(due + left, key=_run_order)
         kv = self.kv
         for req in due:
-            st = req.steady
+            st = _state_or_none(req)
             if st is None:  # written out since the plan: the plain path's update, for it alone
                 num_tokens = len(req.token_ids)
                 self._apply_chunks((req,), (1,), self._tokens(req, num_tokens, num_tokens + 1), now, outputs,
@@ -414,10 +412,22 @@ class _SteadyBuilder(_CompactBuilder):
         return ids
 
 
+def _state(req: Request) -> _Steady:
+    """A steady request's state (`Request.steady`, opaque to the base batcher)."""
+    st = req.steady
+    assert isinstance(st, _Steady)  # only steady requests get here
+    return st
+
+
+def _state_or_none(req: Request) -> _Steady | None:
+    st = req.steady
+    assert st is None or isinstance(st, _Steady)
+    return st
+
+
 def _steady_order(req: Request) -> tuple:
     """A steady request's place in the running list (`_Steady.order`)."""
-    st = req.steady
-    assert st is not None  # `_due` sorts current steady requests only
+    st = _state(req)  # `_due` sorts current steady requests only
     return st.order
 
 
