@@ -381,6 +381,27 @@ def test_the_tail_is_spent_only_on_a_prompt_that_steps_within_the_slo_would_brin
     assert b.schedule(0.05).num_batched_tokens == 491
 
 
+def test_a_waiting_prompt_is_judged_by_the_tokens_it_computes_past_its_cached_prefix():
+    # 2,600 tokens counted whole are lost even in long steps; with its first 800 tokens in the prefix cache it
+    # computes 1,800, which long steps save (as the 1,800-token prompt above), as the router predicted.
+    def with_warm_prefix() -> tuple[Batcher, float]:
+        b = tail_batcher()
+        b.add_request(spec("warm", prompt_len=800, max_tokens=1, first=500, arrival=0.041), 0.041)
+        now = 0.041
+        while b.request("warm") is not None:
+            timed_step(b, now, 0.001)
+            now += 0.001
+        return b, now
+
+    b, now = with_warm_prefix()
+    b.add_request(spec("big", prompt_len=2600, max_tokens=4, first=500, arrival=now), now)
+    assert b.kv.find_cached_prefix(b.request("big").token_ids) == 800
+    assert b.schedule(now).num_batched_tokens == 491
+    b, now = with_warm_prefix()
+    b.add_request(spec("cold", prompt_len=2600, max_tokens=4, first=5000, arrival=now), now)
+    assert b.schedule(now).num_batched_tokens == 128
+
+
 def test_a_long_step_that_can_wait_lets_the_next_free_step_finish_the_prompt_ahead():
     # "ahead" (100 tokens, in time) finishes in the next free step; "big" (1,200 tokens due at 0.30) needs long
     # steps, which still save it after that free step (0.05 + 2 x 23.7 ms + 3 x 11 ms + 117 ms < 0.30): one free

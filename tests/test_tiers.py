@@ -258,6 +258,43 @@ def test_preemptible_slots_leave_batch_its_floor():
     assert math.isclose(adm.slot_wait_s(snap, ledger, 0), 0.0)
 
 
+def test_only_less_urgent_work_whose_deadline_comes_later_is_preemptible():
+    # The batcher never preempts a request the EDF order puts ahead of the newcomer, so neither does the router's
+    # slot estimate: BATCH deadlines 9, 10, 11 and 12 s, a STANDARD one at 10.05 s; BATCH's floor is 2 of 20 slots.
+    ledger = adm.InFlightLedger()
+    for k, deadline in enumerate((9.0, 10.0, 11.0, 12.0)):
+        ledger.on_dispatched(adm.Dispatched(f"b{k}", SM, B, "sm-0", None, 10, 1, 0, deadline_s=deadline))
+    ledger.on_dispatched(adm.Dispatched("s0", SM, Priority.STANDARD, "sm-0", None, 10, 1, 0, deadline_s=10.05))
+    snap = load("sm-0", max_num_seqs=20)
+    assert adm.preemptible_slots(snap, ledger, I, 0.1) == 3  # every one below INTERACTIVE but the floor
+    assert ledger.later_dispatched("sm-0", I, 10.1) == (2, 2)  # b2, b3
+    assert adm.preemptible_slots(snap, ledger, I, 0.1, (2, 2)) == 2
+    assert ledger.later_dispatched("sm-0", I, 10.0) == (3, 2)  # and s0
+    assert adm.preemptible_slots(snap, ledger, I, 0.1, (3, 2)) == 3
+    assert ledger.later_dispatched("sm-0", I, 11.5) == (1, 1)
+    assert ledger.later_dispatched("sm-0", Priority.STANDARD, 10.1) == (2, 2)
+    assert ledger.later_dispatched("sm-1", I, 0.0) == (0, 0)
+    for rid in ("b3", "b1"):
+        ledger.on_finished(rid)
+    # b0 and b2 left, both BATCH's floor: none preemptible, however late b2's deadline
+    assert ledger.later_dispatched("sm-0", I, 10.1) == (1, 1)
+    assert adm.preemptible_slots(snap, ledger, I, 0.1, (1, 1)) == 0
+    assert adm.edf_figures(snap, ledger, I, 10.1)[1:] == (1, 1)
+
+
+def test_a_full_instance_predicts_a_slot_wait_behind_batch_work_due_before_the_newcomer():
+    p = policy(colocated_config(batch_min_share=0.1))
+    # 2 running + the 2 BATCH requests sent since the snapshot fill each 4-slot 8B instance; BATCH keeps 1 slot
+    full = {k: load(k, max_num_seqs=4, running=2) if k != "lm-0" else v for k, v in _idle().items()}
+    for k in range(6):  # two BATCH requests on each 8B instance, dispatched at 0 s: deadlines 10 s
+        route = p.route(request(f"b{k}", tier=B), _idle(), 0.0)
+        p.on_dispatched(f"b{k}", route, request(f"b{k}", tier=B))
+    soon = dataclasses.replace(request("i0", tier=I), arrival_s=1.0)  # deadline 1.2 s: the BATCH work goes after
+    late = dataclasses.replace(request("i1", tier=I), arrival_s=9.9)  # deadline 10.1 s: the BATCH work goes first
+    assert {c.instance.id: c.slot_wait_s for c in p.candidates(soon, full)} == {"sm-0": 0.0, "sm-1": 0.0, "sm-2": 0.0}
+    assert all(c.slot_wait_s > 0.0 for c in p.candidates(late, full))
+
+
 def test_sliding_share_counts_the_last_window_observations():
     s = adm.SlidingShare(window=4)
     assert s.share() == 0.0

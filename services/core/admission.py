@@ -122,6 +122,9 @@ class InFlightLedger:
     outstanding: dict[str, Dispatched] = field(default_factory=dict)  # request -> record, until first token
     dispatched: dict[str, Dispatched] = field(default_factory=dict)  # request -> record, until finished
     by_tier: dict[str, dict[Priority, int]] = field(default_factory=dict)  # instance -> tier -> dispatched count
+    # instance -> tier -> the TTFT deadlines of its dispatched, unfinished requests, sorted (INTERACTIVE's are never
+    # asked for): which less urgent requests an EDF queue puts after a newcomer (`later_dispatched`)
+    deadlines: dict[str, dict[Priority, list[float]]] = field(default_factory=dict)
     # instance -> a counter bumped by every hook that changes what the ledger says about that instance (its held
     # snapshot, its pending and outstanding records, its tier counts): figures derived from an unchanged snapshot
     # and an unchanged version are unchanged (the router reuses them, routing.RouterPolicy._instance_figures).
@@ -151,6 +154,8 @@ class InFlightLedger:
                 self.pending.setdefault(iid, {})[record.request_id] = record
                 counts = self.by_tier.setdefault(iid, dict.fromkeys(_TIERS, 0))
                 counts[record.tier] += 1
+                if record.tier is not Priority.INTERACTIVE:
+                    bisect.insort(self._deadlines(iid, record.tier), record.deadline_s)
 
     def on_first_token(self, request_id: str) -> Dispatched | None:
         """The request's record the first time its first token is seen, else None."""
@@ -172,6 +177,31 @@ class InFlightLedger:
                 self.pending.get(iid or "", {}).pop(request_id, None)
                 if iid is not None:
                     self.by_tier[iid][record.tier] -= 1
+                    if record.tier is not Priority.INTERACTIVE:
+                        held = self._deadlines(iid, record.tier)
+                        del held[bisect.bisect_left(held, record.deadline_s)]
+
+    def _deadlines(self, instance_id: str, tier: Priority) -> list[float]:
+        by_tier = self.deadlines.get(instance_id)
+        if by_tier is None:
+            by_tier = self.deadlines[instance_id] = {t: [] for t in _TIERS}
+        return by_tier[tier]
+
+    def later_dispatched(self, instance_id: str, tier: Priority, deadline_s: float) -> tuple[int, int]:
+        """(requests of tiers less urgent than `tier` dispatched to the instance and unfinished whose deadlines come
+        after `deadline_s`, how many of those are BATCH)."""
+        by_tier = self.deadlines.get(instance_id)
+        if by_tier is None:
+            return 0, 0
+        later = later_batch = 0
+        for t in _TIERS:
+            if t > tier:
+                held = by_tier[t]
+                n = len(held) - bisect.bisect_right(held, deadline_s)
+                later += n
+                if t is Priority.BATCH:
+                    later_batch = n
+        return later, later_batch
 
     def pending_blocks(self, instance_id: str) -> int:
         return sum(r.entry_blocks if r.instance_id == instance_id else r.decode_blocks
@@ -255,30 +285,46 @@ def aged_ahead_tokens(load: EngineLoad, ledger: InFlightLedger, tier: Priority, 
     request's of `tier`, so they run before it although `queue_ahead_tokens` (tier order) puts them after: a
     BATCH prompt that has waited most of its 10 s precedes an INTERACTIVE one. Scaled from the ledger's tokens to
     the snapshot's queue as `queue_ahead_tokens` is; 0 for the least urgent tier or an empty ledger."""
+    return edf_figures(load, ledger, tier, deadline_s)[0]
+
+
+def edf_figures(load: EngineLoad, ledger: InFlightLedger, tier: Priority, deadline_s: float) -> tuple[float, int, int]:
+    """Under "edf": (`aged_ahead_tokens`, the requests of less urgent tiers on the instance whose deadlines come
+    after `deadline_s`, how many of those are BATCH). Only those later ones can be preempted for the new request:
+    the batcher never preempts work that the queue order puts ahead of its newcomer (a recomputed victim would
+    re-enter ahead of it and take its slot back)."""
     instance_id = load.instance_id
     # Nothing less urgent dispatched there (a one-tier workload): no ledger pass on this per-candidate path.
     if not any(n for t, n in ledger.num_dispatched_by_tier(instance_id).items() if t > tier):
-        return 0.0
+        return 0.0, 0, 0
+    later, later_batch = ledger.later_dispatched(instance_id, tier, deadline_s)
     known = aged = 0
     for r in ledger.outstanding.values():
         if r.instance_id == instance_id:
             known += r.uncached_prefill_tokens
             if r.tier > tier and r.deadline_s <= deadline_s:
                 aged += r.uncached_prefill_tokens
-    if aged == 0:
-        return 0.0
-    return queued_prefill_tokens(load, ledger) * aged / known
+    aged_tokens = queued_prefill_tokens(load, ledger) * aged / known if aged else 0.0
+    return aged_tokens, later, later_batch
 
 
-def preemptible_slots(load: EngineLoad, ledger: InFlightLedger, tier: Priority, batch_min_share: float) -> int:
+def preemptible_slots(load: EngineLoad, ledger: InFlightLedger, tier: Priority, batch_min_share: float,
+                      later: tuple[int, int] | None = None) -> int:
     """Slots held by tiers less urgent than `tier` that the batcher would preempt for it: all of them but BATCH's
-    protected floor of `batch_min_share` x max_num_seqs. 0 with tier preemption off (share >= 1)."""
+    protected floor of `batch_min_share` x max_num_seqs; with `later` (`edf_figures`' count of those whose
+    deadlines come after the new request's, and of BATCH among them), only those. 0 with tier preemption off
+    (share >= 1)."""
     if batch_min_share >= 1.0 or load.max_num_seqs <= 0:
         return 0
     by_tier = ledger.num_dispatched_by_tier(load.instance_id)
-    lower = sum(n for t, n in by_tier.items() if t > tier)
+    num_batch = by_tier[Priority.BATCH]
     floor = math.ceil(batch_min_share * load.max_num_seqs) if tier < Priority.BATCH else 0
-    return max(0, lower - min(floor, by_tier[Priority.BATCH]))
+    if later is None:
+        lower = sum(n for t, n in by_tier.items() if t > tier)
+        return max(0, lower - min(floor, num_batch))
+    num_later, later_batch = later
+    # BATCH above its floor may go, but only the ones the queue order puts after the new request.
+    return num_later - later_batch + min(later_batch, max(0, num_batch - floor))
 
 
 def slot_wait_s(load: EngineLoad, ledger: InFlightLedger, preemptible: int = 0) -> float:

@@ -373,7 +373,7 @@ class Batcher:
         ahead = 0
         finishing = False  # a prompt ahead gets its first token from the next free step
         for r in (*prefills, *self._waiting.head(NEEDS_LONG_SCAN)) if self._waiting else prefills:
-            ahead += len(r.token_ids) - r.num_computed_tokens
+            ahead += self._tokens_to_first(r)
             deadline_s = self._ttft_deadline_s(r)
             if now + (1 - (-ahead // free_chunk)) * step_s <= deadline_s:
                 finishing = finishing or ahead <= free_chunk
@@ -383,6 +383,14 @@ class Batcher:
             if not finishing or deadline_s < now + 2 * step_s + self._long_s(ahead - free_chunk, long_chunk, base_s):
                 return True
         return False
+
+    def _tokens_to_first(self, r: Request) -> int:
+        """Tokens `r` computes before its first token. A waiting prompt skips its cached prefix when it is admitted
+        (`_admit`), as the router's prediction already counts: counted whole, a prompt that a long step can still
+        save looked lost, and was left to free steps until it was."""
+        if r.status is RequestStatus.WAITING and r.num_computed_tokens == 0:
+            return len(r.token_ids) - self.kv.find_cached_prefix(r.token_ids)
+        return len(r.token_ids) - r.num_computed_tokens
 
     def _long_s(self, num_tokens: int, long_chunk: int, base_s: float) -> float:
         """The step model's time of `num_tokens` prefill tokens in steps of at most `long_chunk` beside the

@@ -479,11 +479,17 @@ class RouterPolicy:
         cost = self._cost_model(inst)
         ahead, throughput, headroom, num_queued, wait_s, slot_wait = self._instance_figures(inst, load, spec.priority,
                                                                                           cost)
-        if self.config.policies.queue == "edf":  # the less urgent requests whose deadlines came first run first
-            aged = adm.aged_ahead_tokens(load, self.ledger, spec.priority, spec.arrival_s + ttft_slo_s)
+        policies = self.config.policies
+        if policies.queue == "edf":  # the less urgent requests whose deadlines came first run first
+            aged, later, later_batch = adm.edf_figures(load, self.ledger, spec.priority, spec.arrival_s + ttft_slo_s)
             if aged > 0.0:
                 ahead += aged
                 wait_s = adm.prefill_wait_s(ahead, throughput)
+            if later < sum(n for t, n in self.ledger.num_dispatched_by_tier(inst.id).items() if t > spec.priority):
+                # The tier's figure counts every less urgent slot as preemptible; those the queue order puts
+                # ahead of this request are not (the batcher keeps them), so its slot may not be free.
+                slot_wait = adm.slot_wait_s(load, self.ledger, adm.preemptible_slots(
+                    load, self.ledger, spec.priority, policies.batch_min_share, (later, later_batch)))
         return Candidate(
             instance=inst,
             load=load,
