@@ -438,6 +438,24 @@ def test_the_load_snapshot_leaves_the_step_in_flight_out_of_the_queue_and_says_w
     assert b.long_step_wait_s() == pytest.approx(gaps * free_step_s)
 
 
+def test_the_load_snapshot_affords_long_steps_as_if_the_prompt_they_rescue_had_joined_the_decodes():
+    # One decode with 20 ms of slack banked and a 20-token payback horizon: at its pace (11 ms steps) it pays a
+    # delay back at 9 ms a token, 180 ms in all. A rescued prompt joins the decodes and steps take 16 ms: 4 ms a
+    # token, 100 ms less. Long steps take 490 tokens each (max_step_s); the window affords three.
+    b = make_batcher(num_blocks=4096, max_num_batched_tokens=20000, budget_by_num_decodes=(64, 64, 64),
+                     tpot_target_s=0.020, max_step_s=0.060, decode_step_s_by_num_decodes=(0.010, 0.011, 0.016),
+                     prefill_s_per_token=0.0001, itl_slo_s=0.025, tail_budget_fraction=0.05, tail_window_gaps=60,
+                     tpot_horizon_tokens=20)
+    b.add_request(spec("a", prompt_len=4, max_tokens=500), 0.0)
+    for i in range(4):  # its prefill (first token at 0.02), then three more tokens 20 ms apart
+        timed_step(b, 0.02 * i, 0.02)
+    b.schedule(0.08)  # the report's figures come from the latest plan (a decode-only step, nothing to prefill)
+    assert b.long_prefill_tokens_per_s() == pytest.approx(490 / (0.011 + 490 * 0.0001))
+    # slack: 20 ms + 180 ms payback, less 100 ms for the joining decode and the 11 ms step itself: 890 tokens,
+    # where the three long steps (1,470 tokens) and the slack counted without the joining decode (1,890) allow more
+    assert b.long_burst_tokens() == 890
+
+
 def test_long_decode_contexts_take_their_kv_read_time_out_of_the_prefill_chunk():
     b = make_batcher(
         num_blocks=4096,

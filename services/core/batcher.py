@@ -553,18 +553,25 @@ class Batcher:
             if r.first_token_s is not None:
                 k = len(r.token_ids) - r.num_prompt_tokens - 1
                 tpot_s = min(tpot_s, r.first_token_s + (k + 1) * cfg.tpot_target_s - now + payback_s)
-        self._note_slack(tpot_s, base_s)
+        self._note_slack(tpot_s, base_s, len(decodes))
         allowed_s = min(tpot_s, cfg.max_step_s if decodes else max(cfg.max_step_s, self._idle_step_s))
         extra_tokens = int((allowed_s - base_s) / cfg.prefill_s_per_token + 1e-9)  # no float round-down
         return min(cfg.max_num_batched_tokens, len(decodes) + max(0, extra_tokens))
 
-    def _note_slack(self, tpot_s: float, base_s: float) -> None:
+    def _note_slack(self, tpot_s: float, base_s: float, num_decodes: int) -> None:
         """The prefill tokens the running decodes' TPOT slack affords in all, past the step's own decodes (what
-        long steps may take back to back before the slack runs out)."""
+        long steps may take back to back before the slack runs out), for the load report. Counted as if one more
+        decode had joined: the prompt a long step rescues becomes one, and a decode more slows every later step,
+        so each running decode pays its delay back more slowly (the payback term of `_slack_budget`; where the
+        decodes nearly fill the step, one more takes tens of ms of slack from the tightest)."""
         if tpot_s == math.inf:
             self._slack_tokens = 1 << 30
-        else:
-            self._slack_tokens = max(0, int((tpot_s - base_s) / self.config.prefill_s_per_token + 1e-9))
+            return
+        cfg = self.config
+        table = cfg.decode_step_s_by_num_decodes
+        slower_s = cfg.tpot_horizon_tokens * (table[min(num_decodes + 1, len(table) - 1)]
+                                              - table[min(num_decodes, len(table) - 1)])
+        self._slack_tokens = max(0, int((tpot_s - slower_s - base_s) / cfg.prefill_s_per_token + 1e-9))
 
     def _capped_budget(self, num_decodes: int, cap_s: float, extra_kv_s: float) -> int:
         cfg = self.config

@@ -328,7 +328,7 @@ class SteadyBatcher(Batcher):
                 r = key[2]
                 tpot_s = min(tpot_s, r.first_token_s + (_state(r).c + s - r.num_prompt_tokens) * target - now
                              + payback_s)
-        self._note_slack(tpot_s, base_s)
+        self._note_slack(tpot_s, base_s, n)
         allowed_s = min(tpot_s, cfg.max_step_s if n else max(cfg.max_step_s, self._idle_step_s))
         extra_tokens = int((allowed_s - base_s) / cfg.prefill_s_per_token + 1e-9)  # no float round-down
         return min(cfg.max_num_batched_tokens, n + max(0, extra_tokens))
