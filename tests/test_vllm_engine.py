@@ -23,8 +23,6 @@ from vllm_fixtures import (
     PROMPTS,
     collect,
     import_vllm_or_reason,
-    read_offline_reference,
-    start_offline_reference,
     vllm_skip_reason,
     wait_until,
 )
@@ -95,26 +93,21 @@ def vllm_importable():
 
 
 @pytest.fixture(scope="module")
-def model_dir(vllm_importable, tmp_path_factory):
-    from octoserve.services.engine.test_model import build_test_model
-
-    return build_test_model(tmp_path_factory.mktemp("tiny-llama"))
+def model_dir(tiny_llama_dir):
+    return tiny_llama_dir  # the session's (tests/conftest.py): the shared offline reference is of this model
 
 
 @pytest.fixture(scope="module")
-def reference_run(model_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("reference") / "reference.json"
-    proc = start_offline_reference(model_dir, PROMPTS, out)
-    yield proc, out
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+def reference_run(offline_reference):
+    offline_reference.start()  # runs while the colocated engine starts: two instances
+    yield offline_reference
+    offline_reference.stop()  # if still unread (part of the module run): never beside the next module's engines
 
 
 @pytest.fixture(scope="module")
 def reference(reference_run) -> list[list[int]]:
     """Offline `vllm.LLM.generate` greedy tokens for every prompt of PROMPTS."""
-    return read_offline_reference(*reference_run)
+    return reference_run.tokens()
 
 
 @pytest_asyncio.fixture(scope="class", loop_scope="session")

@@ -6,8 +6,9 @@ worker, router and the HTTP front, as processes.
   request for the template's token ids), text is the tokenizer's decoding of the streamed ids, cached prompt tokens
   are reported, and `stop` ends the text before the stop string.
 
-Engine budget: one node for the module's tests (its one colocated vLLM instance starts while the offline reference,
-a child process, runs: two instances at most). The config is the embedded example `services/configs/tiny-vllm.yaml`.
+Engine budget: one node for the module's tests (its one colocated vLLM instance starts while the session's offline
+reference, a child process, runs if test_vllm_engine has not run it already: two instances at most). The config is
+the embedded example `services/configs/tiny-vllm.yaml`.
 """
 
 from __future__ import annotations
@@ -15,15 +16,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from vllm_fixtures import (
-    MAX_TOKENS,
-    MODEL_NAME,
-    PROMPTS,
-    import_vllm_or_reason,
-    read_offline_reference,
-    start_offline_reference,
-    vllm_skip_reason,
-)
+from vllm_fixtures import MAX_TOKENS, MODEL_NAME, PROMPTS, vllm_skip_reason
 
 from octoserve.services.core.types import FinishReason
 from octoserve.services.launcher import REPO_ROOT, start_node
@@ -38,20 +31,16 @@ LONG_PROMPT = "The scheduler admits a request when the KV cache has room for its
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    if (reason := import_vllm_or_reason()) is not None:
-        pytest.skip(reason)
-    from octoserve.services.engine.test_model import build_test_model
-
-    return build_test_model(tmp_path_factory.mktemp("tiny-llama"))
+def model_dir(tiny_llama_dir):
+    return tiny_llama_dir  # the session's (tests/conftest.py): the shared offline reference is of this model
 
 
 @pytest.fixture(scope="module")
-def node_and_reference(model_dir, tmp_path_factory):
+def node_and_reference(model_dir, offline_reference, tmp_path_factory):
     """The module's one node (HTTP front included: a vLLM start-up is the slow part, the tests share it) and the
-    offline reference's child process, started together; the reference is read by the test that needs it."""
-    out = tmp_path_factory.mktemp("reference") / "reference.json"
-    reference_proc = start_offline_reference(model_dir, NODE_PROMPTS, out)
+    session's offline reference: already read when test_vllm_engine ran first, else its child process runs while
+    the node starts; the test that needs it reads it."""
+    offline_reference.start()
     node = None
     try:
         node = start_node(
@@ -59,11 +48,9 @@ def node_and_reference(model_dir, tmp_path_factory):
             startup_timeout_s=300.0, grace_s=10.0, http_port=0,
             extra_env={"OCTOSERVE_VLLM_DTYPE": "float32", "HF_HUB_OFFLINE": "1"},  # as the reference runs
         )
-        yield node, (reference_proc, out)
+        yield node, offline_reference
     finally:
-        if reference_proc.poll() is None:
-            reference_proc.kill()
-            reference_proc.wait()
+        offline_reference.stop()  # if still unread: never beside the next module's engines
         if node is not None:
             node.stop()
 
@@ -144,8 +131,8 @@ async def _complete_all(address: str, prompts) -> list:
 # Last in the file: it stops the node (a clean exit of every process is part of what it checks). What the HTTP tests
 # ran before it changes neither a greedy output nor the cached count (the first batch caches the prompt's blocks).
 def test_router_to_vllm_worker_equals_offline_greedy_and_stops_cleanly(node_and_reference):
-    node, reference_run = node_and_reference
-    reference = read_offline_reference(*reference_run)
+    node, offline_reference = node_and_reference
+    reference = offline_reference.tokens()[:len(NODE_PROMPTS)]
     assert list(node.workers) == ["tiny-0"]
     completions = asyncio.run(_complete_all(node.router_address, NODE_PROMPTS))  # concurrent: one batch
     for i, c in enumerate(completions):
