@@ -36,6 +36,9 @@ from octoserve.services.engine.vllm_kv import KvTransfer
 _SKIP = vllm_skip_reason()
 needs_vllm = [pytest.mark.vllm, pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")]
 session_loop = pytest.mark.asyncio(loop_scope="session")
+# How long a fixture's engine processes get to exit (VllmEngine.stop): vLLM's default, 5 s, is always used up by the
+# CPU engine core; the engines are idle when their tests are done, so a short wait is safe, as for a model change.
+STOP_TIMEOUT_S = 1.0
 
 
 def spec(request_id: str, prompt, max_tokens: int = MAX_TOKENS, priority=Priority.STANDARD, ttft_slo_ms=None):
@@ -115,7 +118,7 @@ async def colocated(model_dir, reference_run):
     engine = VllmEngine("c0", MODEL_NAME, str(model_dir), Role.COLOCATED, **ENGINE_KWARGS)
     await engine.start()  # starts while the reference child process runs: two instances
     yield engine
-    await engine.stop()
+    await engine.stop(timeout_s=STOP_TIMEOUT_S)
 
 
 @pytest_asyncio.fixture(scope="class", loop_scope="session")
@@ -128,7 +131,7 @@ async def disaggregated(model_dir, reference, tmp_path_factory):
         await asyncio.gather(prefill.start(), decode.start())
         yield prefill, decode, kv
     finally:
-        await asyncio.gather(prefill.stop(), decode.stop())
+        await asyncio.gather(prefill.stop(timeout_s=STOP_TIMEOUT_S), decode.stop(timeout_s=STOP_TIMEOUT_S))
 
 
 # ---------------------------------------------------------------- colocated
