@@ -14,7 +14,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("temp_dirs_in_tmp_path")
 
 
 def test_two_live_nodes_behind_the_picker_agree_with_the_cluster_simulator():
-    result = run_agreement(2, rate=8.0, duration_s=10.0, time_scale=15.0, max_output=32)
+    # 7 modelled seconds (27 requests in the measurement window, one refused on both sides; 105 s of arrivals at
+    # K = 15): three runs differed by at most 4.4 % (goodput -2.5 %, TTFT P95 +4.4 %, ITL P95 +3.3 %), against 0.5 %
+    # over 10 s. Shorter windows leave too few requests for a P95.
+    result = run_agreement(2, rate=8.0, duration_s=7.0, time_scale=15.0, max_output=32)
     assert result.live.overall.num_offered == result.virtual.overall.num_offered
     assert result.live.overall.num_errors == 0, result.table()
     assert all(abs(d) <= TOLERANCE for d in result.relative_differences().values()), result.table()

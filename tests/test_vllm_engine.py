@@ -23,8 +23,6 @@ from vllm_fixtures import (
     PROMPTS,
     collect,
     import_vllm_or_reason,
-    read_offline_reference,
-    start_offline_reference,
     vllm_skip_reason,
     wait_until,
 )
@@ -38,6 +36,9 @@ from octoserve.services.engine.vllm_kv import KvTransfer
 _SKIP = vllm_skip_reason()
 needs_vllm = [pytest.mark.vllm, pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")]
 session_loop = pytest.mark.asyncio(loop_scope="session")
+# How long a fixture's engine processes get to exit (VllmEngine.stop): vLLM's default, 5 s, is always used up by the
+# CPU engine core; the engines are idle when their tests are done, so a short wait is safe, as for a model change.
+STOP_TIMEOUT_S = 1.0
 
 
 def spec(request_id: str, prompt, max_tokens: int = MAX_TOKENS, priority=Priority.STANDARD, ttft_slo_ms=None):
@@ -95,26 +96,21 @@ def vllm_importable():
 
 
 @pytest.fixture(scope="module")
-def model_dir(vllm_importable, tmp_path_factory):
-    from octoserve.services.engine.test_model import build_test_model
-
-    return build_test_model(tmp_path_factory.mktemp("tiny-llama"))
+def model_dir(tiny_llama_dir):
+    return tiny_llama_dir  # the session's (tests/conftest.py): the shared offline reference is of this model
 
 
 @pytest.fixture(scope="module")
-def reference_run(model_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("reference") / "reference.json"
-    proc = start_offline_reference(model_dir, PROMPTS, out)
-    yield proc, out
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+def reference_run(offline_reference):
+    offline_reference.start()  # runs while the colocated engine starts: two instances
+    yield offline_reference
+    offline_reference.stop()  # if still unread (part of the module run): never beside the next module's engines
 
 
 @pytest.fixture(scope="module")
 def reference(reference_run) -> list[list[int]]:
     """Offline `vllm.LLM.generate` greedy tokens for every prompt of PROMPTS."""
-    return read_offline_reference(*reference_run)
+    return reference_run.tokens()
 
 
 @pytest_asyncio.fixture(scope="class", loop_scope="session")
@@ -122,7 +118,7 @@ async def colocated(model_dir, reference_run):
     engine = VllmEngine("c0", MODEL_NAME, str(model_dir), Role.COLOCATED, **ENGINE_KWARGS)
     await engine.start()  # starts while the reference child process runs: two instances
     yield engine
-    await engine.stop()
+    await engine.stop(timeout_s=STOP_TIMEOUT_S)
 
 
 @pytest_asyncio.fixture(scope="class", loop_scope="session")
@@ -135,7 +131,7 @@ async def disaggregated(model_dir, reference, tmp_path_factory):
         await asyncio.gather(prefill.start(), decode.start())
         yield prefill, decode, kv
     finally:
-        await asyncio.gather(prefill.stop(), decode.stop())
+        await asyncio.gather(prefill.stop(timeout_s=STOP_TIMEOUT_S), decode.stop(timeout_s=STOP_TIMEOUT_S))
 
 
 # ---------------------------------------------------------------- colocated

@@ -84,6 +84,37 @@ def read_offline_reference(proc: subprocess.Popen, out_json: Path, timeout_s: fl
     return json.loads(out_json.read_text())["token_ids"]
 
 
+class OfflineReference:
+    """The offline greedy tokens of every prompt of PROMPTS on the tiny Llama, run once for the whole test session
+    (tests/conftest.py's `offline_reference`): test_vllm_engine and test_vllm_node compare with the same run.
+
+    `start()` early (the child runs while the caller starts its own engine), `tokens()` when needed; `stop()` at the
+    end of a module that started it: an unread run is killed (the next `start()` runs it again), so it never runs
+    beside another module's engines."""
+
+    def __init__(self, model_dir: Path, out_json: Path) -> None:
+        self.model_dir, self.out_json = model_dir, out_json
+        self.proc: subprocess.Popen | None = None
+        self._tokens: list[list[int]] | None = None
+
+    def start(self) -> None:
+        if self._tokens is None and self.proc is None:
+            self.proc = start_offline_reference(self.model_dir, PROMPTS, self.out_json)
+
+    def tokens(self) -> list[list[int]]:
+        if self._tokens is None:
+            self.start()
+            proc, self.proc = self.proc, None
+            self._tokens = read_offline_reference(proc, self.out_json)
+        return self._tokens
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            proc.kill()  # the child this object started, by its PID
+            proc.wait()
+
+
 async def collect(stream: AsyncIterator) -> tuple[list[int], list]:
     """All token ids of a stream, and every output (the last carries the finish reason)."""
     tokens: list[int] = []
