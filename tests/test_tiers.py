@@ -279,7 +279,7 @@ def test_only_less_urgent_work_whose_deadline_comes_later_is_preemptible():
     # b0 and b2 left, both BATCH's floor: none preemptible, however late b2's deadline
     assert ledger.later_dispatched("sm-0", I, 10.1) == (1, 1)
     assert adm.preemptible_slots(snap, ledger, I, 0.1, (1, 1)) == 0
-    assert adm.edf_figures(snap, ledger, I, 10.1)[1:] == (1, 1)
+    assert adm.edf_figures(snap, ledger, I, 10.1)[1:] == (3, 1, 1)  # b0, b2 and s0 below INTERACTIVE; b2 later
 
 
 def test_a_full_instance_predicts_a_slot_wait_behind_batch_work_due_before_the_newcomer():

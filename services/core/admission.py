@@ -45,6 +45,7 @@ import math
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from octoserve.services.core.placement import InstanceConfig, PolicyConfig
 from octoserve.services.core.types import EngineLoad, Priority, RequestSpec, Role
@@ -285,18 +286,27 @@ def aged_ahead_tokens(load: EngineLoad, ledger: InFlightLedger, tier: Priority, 
     request's of `tier`, so they run before it although `queue_ahead_tokens` (tier order) puts them after: a
     BATCH prompt that has waited most of its 10 s precedes an INTERACTIVE one. Scaled from the ledger's tokens to
     the snapshot's queue as `queue_ahead_tokens` is; 0 for the least urgent tier or an empty ledger."""
-    return edf_figures(load, ledger, tier, deadline_s)[0]
+    return edf_figures(load, ledger, tier, deadline_s).aged_tokens
 
 
-def edf_figures(load: EngineLoad, ledger: InFlightLedger, tier: Priority, deadline_s: float) -> tuple[float, int, int]:
-    """Under "edf": (`aged_ahead_tokens`, the requests of less urgent tiers on the instance whose deadlines come
-    after `deadline_s`, how many of those are BATCH). Only those later ones can be preempted for the new request:
-    the batcher never preempts work that the queue order puts ahead of its newcomer (a recomputed victim would
-    re-enter ahead of it and take its slot back)."""
+class EdfFigures(NamedTuple):
+    """What an EDF queue means for a new request on one instance (`edf_figures`)."""
+
+    aged_tokens: float  # `aged_ahead_tokens`
+    num_lower: int  # dispatched requests of less urgent tiers, unfinished
+    num_later: int  # those whose deadlines come after the new request's
+    num_later_batch: int  # BATCH among them
+
+
+def edf_figures(load: EngineLoad, ledger: InFlightLedger, tier: Priority, deadline_s: float) -> EdfFigures:
+    """Under "edf": the less urgent work on the instance, in one pass over its outstanding requests. Only the later
+    ones can be preempted for the new request: the batcher never preempts work that the queue order puts ahead of
+    its newcomer (a recomputed victim would re-enter ahead of it and take its slot back)."""
     instance_id = load.instance_id
+    num_lower = sum(n for t, n in ledger.num_dispatched_by_tier(instance_id).items() if t > tier)
     # Nothing less urgent dispatched there (a one-tier workload): no ledger pass on this per-candidate path.
-    if not any(n for t, n in ledger.num_dispatched_by_tier(instance_id).items() if t > tier):
-        return 0.0, 0, 0
+    if not num_lower:
+        return EdfFigures(0.0, 0, 0, 0)
     later, later_batch = ledger.later_dispatched(instance_id, tier, deadline_s)
     known = aged = 0
     for r in ledger.outstanding.values():
@@ -305,15 +315,15 @@ def edf_figures(load: EngineLoad, ledger: InFlightLedger, tier: Priority, deadli
             if r.tier > tier and r.deadline_s <= deadline_s:
                 aged += r.uncached_prefill_tokens
     aged_tokens = queued_prefill_tokens(load, ledger) * aged / known if aged else 0.0
-    return aged_tokens, later, later_batch
+    return EdfFigures(aged_tokens, num_lower, later, later_batch)
 
 
 def preemptible_slots(load: EngineLoad, ledger: InFlightLedger, tier: Priority, batch_min_share: float,
                       later: tuple[int, int] | None = None) -> int:
     """Slots held by tiers less urgent than `tier` that the batcher would preempt for it: all of them but BATCH's
-    protected floor of `batch_min_share` x max_num_seqs; with `later` (`edf_figures`' count of those whose
-    deadlines come after the new request's, and of BATCH among them), only those. 0 with tier preemption off
-    (share >= 1)."""
+    protected floor of `batch_min_share` x max_num_seqs; with `later` (`EdfFigures.num_later` and
+    `num_later_batch`: those whose deadlines come after the new request's, and BATCH among them), only those. 0
+    with tier preemption off (share >= 1)."""
     if batch_min_share >= 1.0 or load.max_num_seqs <= 0:
         return 0
     by_tier = ledger.num_dispatched_by_tier(load.instance_id)

@@ -481,15 +481,15 @@ class RouterPolicy:
                                                                                           cost)
         policies = self.config.policies
         if policies.queue == "edf":  # the less urgent requests whose deadlines came first run first
-            aged, later, later_batch = adm.edf_figures(load, self.ledger, spec.priority, spec.arrival_s + ttft_slo_s)
-            if aged > 0.0:
-                ahead += aged
+            edf = adm.edf_figures(load, self.ledger, spec.priority, spec.arrival_s + ttft_slo_s)
+            if edf.aged_tokens > 0.0:
+                ahead += edf.aged_tokens
                 wait_s = adm.prefill_wait_s(ahead, throughput)
-            if later < sum(n for t, n in self.ledger.num_dispatched_by_tier(inst.id).items() if t > spec.priority):
+            if edf.num_later < edf.num_lower:
                 # The tier's figure counts every less urgent slot as preemptible; those the queue order puts
                 # ahead of this request are not (the batcher keeps them), so its slot may not be free.
                 slot_wait = adm.slot_wait_s(load, self.ledger, adm.preemptible_slots(
-                    load, self.ledger, spec.priority, policies.batch_min_share, (later, later_batch)))
+                    load, self.ledger, spec.priority, policies.batch_min_share, (edf.num_later, edf.num_later_batch)))
         return Candidate(
             instance=inst,
             load=load,
