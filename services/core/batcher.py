@@ -100,9 +100,6 @@ class BatcherConfig:
     batch_min_share: float = 1.0
     decode_step_s_by_num_decodes: tuple[float, ...] = ()  # d -> step time of d decodes alone
     prefill_s_per_token: float = 0.0  # marginal step time of one more prefill token
-    # A gang member under the `deadline` shape prefills between the other side's steps: the latest start it reports
-    # to the arbiter (`earliest_deadline_s`) assumes this share of its GPUs' time (1: its GPUs alone).
-    deadline_prefill_share: float = 1.0
     # Context-aware budgets (0 = off): the tables above assume decodes of `sized_context_tokens`; every token of
     # context beyond that adds `kv_s_per_context_token` of KV reading to a step, taken out of its prefill chunk.
     sized_context_tokens: int = 0
@@ -610,7 +607,7 @@ class Batcher:
         TTFT deadline (its remaining tokens at the step model's prefill rate), each less one step floor; None when
         it has nothing to run."""
         best: float | None = None
-        per_token_s = self.config.prefill_s_per_token / self.config.deadline_prefill_share
+        per_token_s = self.config.prefill_s_per_token
         for r in self._running:
             if r.last_token_s is not None and len(r.token_ids) - r.num_computed_tokens == 1:
                 t = r.last_token_s + itl_s

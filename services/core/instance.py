@@ -48,7 +48,6 @@ def instance_parts(node: NodeConfig, instance: InstanceConfig, cost_model: CostM
         tier_ttft_slo_ms=dict(node.slo.for_model(instance.model).tier_ttft_ms),
         predictor_prior_tokens=policies.predicted_output_tokens,
         batch_min_share=policies.batch_min_share,
-        deadline_prefill_share=share.deadline_share if (share := gang_share(node, instance)) else 1.0,
         **sizing,
     )
     return InstanceParts(
@@ -120,20 +119,6 @@ class GangShare:
     duty: float
     own_cap_s: float
     other_cap_s: float
-    # An SM under the `deadline` shape: the LM takes the GPUs for one step (within its cap) per its own ITL unless
-    # its deadlines are urgent, so the SM has the rest of each of those periods. 0 under the other shapes (a step
-    # each, in turn) and for the LM: an LM prompt waits for its latest start and then alternates with the SMs'
-    # urgent steps, which the capped cycle describes (measured: crediting the LM the same share broke its promise,
-    # 5 of 7 admitted INTERACTIVE LM requests good at 2.5 req/s of seed 003's mix).
-    other_itl_s: float = 0.0
-    other_step_s: float = 0.0  # ... and the longest step the LM takes then: its cap, or its full batch's decodes
-
-    @property
-    def deadline_share(self) -> float:
-        """The share of its GPUs' time the member gets between the other side's steps (1 outside `deadline`)."""
-        if self.other_itl_s > self.other_step_s:
-            return 1.0 - self.other_step_s / self.other_itl_s
-        return 1.0
 
 
 def gang_share(node: NodeConfig, instance: InstanceConfig) -> GangShare | None:
@@ -144,16 +129,7 @@ def gang_share(node: NodeConfig, instance: InstanceConfig) -> GangShare | None:
     policy = node.gang.policy
     lm_s, sm_s = policy.lm_shared_step_ms / 1e3, policy.sm_shared_step_ms / 1e3
     own, other = (lm_s, sm_s) if instance.id == group.lm else (sm_s, lm_s)
-    other_itl_s = other_step_s = 0.0
-    if policy.shape == "deadline" and instance.id != group.lm:
-        lm = next(i for i in node.instances if i.id == group.lm)
-        other_itl_s = node.slo.for_model(lm.model).itl_ms / 1e3
-        # A step is never cut below its decodes: the LM's at its full batch may outlast its cap. And the LM starts
-        # at a barrier: the member's own step in flight (its decodes at its full batch) ends first.
-        full_batch_s = node.cost_model(lm).decode_step_time_s(lm.max_num_seqs, LoadReporter.CONTEXT_TOKENS)
-        own_floor_s = node.cost_model(instance).decode_step_time_s(instance.max_num_seqs, LoadReporter.CONTEXT_TOKENS)
-        other_step_s = max(other, full_batch_s) + own_floor_s
-    return GangShare(gang_duty(node, instance), own, other, other_itl_s, other_step_s)
+    return GangShare(gang_duty(node, instance), own, other)
 
 
 class LoadReporter:
@@ -244,9 +220,5 @@ class LoadReporter:
         # model's rate alone).
         chunk = max(1, b.capped_prefill_tokens(share.own_cap_s, b.num_future_decodes()))
         rate = chunk / (share.own_cap_s + share.other_cap_s)
-        if share.deadline_share < 1.0:
-            # The deadline shape: the other side's step comes once per its ITL, not after each of this member's;
-            # between them the member steps as it would alone, cut to the other side's slack.
-            rate = max(rate, share.deadline_share * self._free_rate())
         cadence_s = self.decode_step_time_s + share.other_cap_s
         return b.load(self.instance_id, self.model, rate, cadence_s, 0.0, 0.0, 0.0, 0.0)
