@@ -41,6 +41,8 @@ MODULES = (
     "core.sim_executor",
     "core.routing",
     "core.tail_budget",
+    "core.batch_state",
+    "core.step_builders",
     "core.batcher",
     "sim.steady_batcher",
     "core.admission",

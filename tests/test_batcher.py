@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from octoserve.services.core.batcher import Batcher, BatcherConfig, RequestStatus
+from octoserve.services.core.batch_state import BatcherConfig, RequestStatus
+from octoserve.services.core.batcher import Batcher
 from octoserve.services.core.kv_cache import KVCacheManager
 from octoserve.services.core.types import (
     FinishReason,

@@ -11,7 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from octoserve.services.core.batcher import Batcher, BatcherConfig, RequestStatus
+from octoserve.services.core.batch_state import BatcherConfig, RequestStatus
+from octoserve.services.core.batcher import Batcher
 from octoserve.services.core.kv_cache import KVCacheManager
 from octoserve.services.core.types import FinishReason, Priority, RequestSpec, SamplingParams, StepResult
 

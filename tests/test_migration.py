@@ -18,7 +18,7 @@ import grpc
 import pytest
 
 from octoserve.services.core import migration
-from octoserve.services.core.batcher import RequestStatus
+from octoserve.services.core.batch_state import RequestStatus
 from octoserve.services.core.placement import node_config_from_dict
 from octoserve.services.core.sim_executor import sim_token_id
 from octoserve.services.rpc.gen import worker_pb2 as w_pb

@@ -13,7 +13,8 @@ import random
 import pytest
 
 from octoserve.services.config import default_config_text, node_config_from_text
-from octoserve.services.core.batcher import Batcher, BatcherConfig
+from octoserve.services.core.batch_state import BatcherConfig
+from octoserve.services.core.batcher import Batcher
 from octoserve.services.core.kv_cache import KVCacheManager
 from octoserve.services.core.placement import node_config_from_dict
 from octoserve.services.core.types import Priority, RequestSpec, SamplingParams, StepResult

@@ -22,7 +22,8 @@ from router_fixtures import SM, colocated_config, policy, request
 from router_fixtures import load as _load
 
 from octoserve.services.core import admission as adm
-from octoserve.services.core.batcher import Batcher, BatcherConfig, RequestStatus
+from octoserve.services.core.batch_state import BatcherConfig, RequestStatus
+from octoserve.services.core.batcher import Batcher
 from octoserve.services.core.errors import Overloaded
 from octoserve.services.core.kv_cache import KVCacheManager
 from octoserve.services.core.routing import MAX_CORRECTION, Refuse, Route

@@ -31,15 +31,26 @@ from __future__ import annotations
 
 import bisect
 import math
-import enum
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Protocol, overload
+from collections.abc import Sequence
+from typing import overload
 
+from octoserve.services.core.batch_state import (
+    DEFAULT_TIER_TTFT_SLO_MS,
+    BatcherConfig,
+    Request,
+    RequestStatus,
+)
 from octoserve.services.core.kv_cache import KVCacheManager
-from octoserve.services.core.preemption import PREEMPTION_MODES, VICTIM_POLICIES
+from octoserve.services.core.preemption import VICTIM_POLICIES
 from octoserve.services.core.queues import QUEUE_POLICIES, WaitingQueue
 from octoserve.services.core.reservation import OutputLengthPredictor, ReservationContext, make_reservation_policy
+from octoserve.services.core.step_builders import (
+    CompactBuilder,
+    CompactOutputs,
+    CompactStep,
+    StepBuilder,
+    StepUnderConstruction,
+)
 from octoserve.services.core.tail_budget import FREE_STEP_SHARE, TailBudget
 from octoserve.services.core.types import (
     EngineLoad,
@@ -49,7 +60,6 @@ from octoserve.services.core.types import (
     RequestOutput,
     RequestSpec,
     Role,
-    ScheduledChunk,
     StepOutputs,
     StepPlan,
     StepResult,
@@ -58,143 +68,6 @@ from octoserve.services.core.types import (
 CHUNK_FLOOR_TOKENS = 16  # prefill tokens a step keeps however long its decodes' contexts are
 NEEDS_LONG_SCAN = 4  # waiting prompts `_needs_long` looks at, past the running prefills
 CAP_MARGIN = 0.75  # share of a gang cap's spare time (past the decodes) given to prefill tokens
-
-DEFAULT_TIER_TTFT_SLO_MS: Mapping[Priority, float] = {
-    Priority.INTERACTIVE: 200.0,
-    Priority.STANDARD: 250.0,
-    Priority.BATCH: 10_000.0,
-}
-
-
-@dataclass(frozen=True, slots=True)
-class BatcherConfig:
-    role: Role = Role.COLOCATED
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 8192
-    queue_policy: str = "edf"
-    reservation_policy: str = "predicted"
-    victim_policy: str = "lowest-tier-latest"
-    preemption_mode: str = "recompute"
-    num_swap_blocks: int = 0  # host-memory blocks available for swap-out (0: swap degrades to recompute)
-    eos_token_id: int = 2
-    tier_ttft_slo_ms: Mapping[Priority, float] = field(default_factory=lambda: dict(DEFAULT_TIER_TTFT_SLO_MS))
-    predictor_quantile: float = 0.9
-    predictor_prior_tokens: int = 512
-    # Optional: number of decodes in a step -> token budget of that step (SLO sizing); () = always the budget above.
-    budget_by_num_decodes: tuple[int, ...] = ()
-    # Slack-aware chunking (0 = off): a step may exceed the per-step budget above, up to `max_num_batched_tokens`
-    # and `max_step_s`, when every running decode keeps its mean time per output token under `tpot_target_s`.
-    tpot_target_s: float = 0.0
-    max_step_s: float = 0.0
-    # A long step's delay is paid back over this many of each decode's next tokens at the current step pace (its
-    # TPOT is a mean over its whole output): 0 = the mean so far must stay on target after this very step.
-    tpot_horizon_tokens: int = 0
-    # The ITL tail budget (services/core/tail_budget.py; with slack chunking): a step the step model puts past
-    # FREE_STEP_SHARE x `itl_slo_s` delays every decode in it past the SLO, so it runs only while the slow share
-    # of the last `tail_window_gaps` inter-token gaps stays within `tail_budget_fraction`; shorter steps are free.
-    itl_slo_s: float = 0.0
-    tail_budget_fraction: float = 0.04
-    tail_window_gaps: int = 4000
-    # Tier preemption (1.0 = off): BATCH keeps at least this share of max_num_seqs when more urgent work waits.
-    batch_min_share: float = 1.0
-    decode_step_s_by_num_decodes: tuple[float, ...] = ()  # d -> step time of d decodes alone
-    prefill_s_per_token: float = 0.0  # marginal step time of one more prefill token
-    # Context-aware budgets (0 = off): the tables above assume decodes of `sized_context_tokens`; every token of
-    # context beyond that adds `kv_s_per_context_token` of KV reading to a step, taken out of its prefill chunk.
-    sized_context_tokens: int = 0
-    kv_s_per_context_token: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
-        if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
-        QUEUE_POLICIES.get(self.queue_policy)
-        VICTIM_POLICIES.get(self.victim_policy)
-
-
-class SteadyState:
-    """The per-request state of a subclass that advances steady decodes implicitly (`Request.steady`); this
-    module never reads it."""
-
-    __slots__ = ()
-
-
-class RequestStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    SWAPPED = "swapped"
-    RESERVED = "reserved"  # decode role: KV held, waiting for the hand-off
-    HANDOFF = "handoff"  # prefill role: prompt done, KV held until sent
-    FINISHED = "finished"
-
-
-class Request:
-    """Mutable state of one request inside one batcher."""
-
-    __slots__ = (
-        "spec",
-        "request_id",
-        "token_ids",
-        "num_prompt_tokens",
-        "num_computed_tokens",
-        "num_cached_tokens",
-        "capacity_tokens",
-        "status",
-        "num_preemptions",
-        "num_swapped_blocks",
-        "queue_key",
-        "victim_key",
-        "first_token_s",
-        "last_token_s",
-        "stop_len",
-        "executor_key",
-        "run_seq",
-        "steady",
-    )
-
-    def __init__(self, spec: RequestSpec, queue_key: tuple, victim_key: tuple) -> None:
-        self.spec = spec
-        self.request_id = spec.request_id
-        self.token_ids: list[int] = list(spec.prompt_token_ids)
-        self.num_prompt_tokens = len(spec.prompt_token_ids)
-        self.num_computed_tokens = 0
-        self.num_cached_tokens = 0
-        self.capacity_tokens = 0  # tokens the held KV blocks can store
-        self.status = RequestStatus.WAITING
-        self.num_preemptions = 0
-        self.num_swapped_blocks = 0
-        self.queue_key = queue_key
-        self.victim_key = victim_key
-        self.first_token_s: float | None = None  # when its first output token was produced here (slack accounting)
-        self.last_token_s: float | None = None  # when its latest output token was produced here (gang deadlines)
-        # Length (prompt + output tokens) at which it stops for length: min(prompt + max_tokens, max_model_len);
-        # set by the batcher, which knows max_model_len.
-        self.stop_len = self.num_prompt_tokens + spec.sampling.max_tokens
-        # Opaque to the batcher: what an in-process executor derives once per request and caches here
-        # (SimExecutor: the constants of its token formula). None until the executor first sees the request.
-        self.executor_key: tuple | None = None
-        # Order among running requests of equal victim key (bisect puts a newcomer after its equals): stamped when
-        # it starts running, so (victim_key, run_seq) sorts like the running list.
-        self.run_seq = 0
-        # Opaque to this module: a batcher that advances steady decodes implicitly (the simulator's,
-        # services/sim/steady_batcher.py) keeps its per-request state here; None while the request's tokens are
-        # explicit.
-        self.steady: SteadyState | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
-
 
 class Batcher:
     def __init__(self, config: BatcherConfig, kv: KVCacheManager) -> None:
@@ -268,7 +141,7 @@ class Batcher:
     def schedule(self, now: float, step_cap_s: float | None = None) -> StepPlan:
         """`step_cap_s`: a gang lease's cap on this step (services/core/gang.py): the prefill chunk shrinks so the
         step fits by the linear step model; the decodes always run (the step floor, `step_floor_s`)."""
-        step = self._plan_step(now, step_cap_s, _StepBuilder)
+        step = self._plan_step(now, step_cap_s, StepBuilder)
         return StepPlan(
             step_id=self._step_id,
             chunks=tuple(step.chunks),
@@ -282,17 +155,17 @@ class Batcher:
         parallel lists holding the `Request` objects instead of one `ScheduledChunk` message per request, which
         is most of a large decode batch's cost in the simulator. Pair it with `update_compact`;
         `CompactStep.to_plan()` gives the equal `StepPlan`."""
-        step = self._plan_step(now, step_cap_s, _CompactBuilder)
+        step = self._plan_step(now, step_cap_s, CompactBuilder)
         return CompactStep(self._step_id, tuple(step.reqs), tuple(step.num_new), tuple(step.contexts),
                            tuple(step.samples), tuple(step.preempted_ids), step.swap_out_blocks, step.swap_in_blocks)
 
     @overload
-    def _plan_step(self, now: float, step_cap_s: float | None, builder: type[_StepBuilder]) -> _StepBuilder: ...
+    def _plan_step(self, now: float, step_cap_s: float | None, builder: type[StepBuilder]) -> StepBuilder: ...
     @overload
-    def _plan_step(self, now: float, step_cap_s: float | None, builder: type[_CompactBuilder]) -> _CompactBuilder: ...
+    def _plan_step(self, now: float, step_cap_s: float | None, builder: type[CompactBuilder]) -> CompactBuilder: ...
 
     def _plan_step(self, now: float, step_cap_s: float | None,
-                   builder: type[_StepBuilder] | type[_CompactBuilder]) -> _StepBuilder | _CompactBuilder:
+                   builder: type[StepBuilder] | type[CompactBuilder]) -> StepBuilder | CompactBuilder:
         self.state_version += 1
         decodes, prefills, num_decode_tokens = self._split_running_counted()
         extra_kv_s = self._extra_kv_read_s(decodes, num_decode_tokens)
@@ -306,7 +179,7 @@ class Batcher:
             budget = min(budget, self._capped_budget(len(decodes), step_cap_s, extra_kv_s))
         step = builder(budget)
         first, deferred = self._prefills_before_waiting(prefills)
-        if isinstance(step, _CompactBuilder):
+        if isinstance(step, CompactBuilder):
             self._schedule_decodes_compact(step, decodes)
             self._schedule_running_compact(step, first)
         else:
@@ -647,8 +520,8 @@ class Batcher:
                 prefills.append(r)
         return decodes, prefills, num_decode_tokens
 
-    def _schedule_running(self, step: _Step, ordered: list[Request]) -> None:
-        if type(step) is _CompactBuilder:
+    def _schedule_running(self, step: StepUnderConstruction, ordered: list[Request]) -> None:
+        if type(step) is CompactBuilder:
             self._schedule_running_compact(step, ordered)
             return
         running = RequestStatus.RUNNING
@@ -663,8 +536,8 @@ class Batcher:
                     self._make_room(req, req.num_computed_tokens + num_new, step):
                 step.add(req, num_new)
 
-    def _schedule_running_compact(self, step: _CompactBuilder, ordered: list[Request]) -> None:
-        """`_schedule_running` with `_CompactBuilder.add` inlined: the same decisions, once per running request
+    def _schedule_running_compact(self, step: CompactBuilder, ordered: list[Request]) -> None:
+        """`_schedule_running` with `CompactBuilder.add` inlined: the same decisions, once per running request
         per step (the simulator's hottest loop)."""
         running = RequestStatus.RUNNING
         reqs, num_new_col, contexts, samples = step.reqs, step.num_new, step.contexts, step.samples
@@ -686,7 +559,7 @@ class Batcher:
                 samples.append(computed + num_new == num_tokens)
                 step.budget -= num_new  # `_make_room` may have handed a victim's tokens back
 
-    def _schedule_decodes_compact(self, step: _CompactBuilder, decodes: list[Request]) -> None:
+    def _schedule_decodes_compact(self, step: CompactBuilder, decodes: list[Request]) -> None:
         """`_schedule_running_compact` over the decodes of `_split_running`: each has exactly one token to compute
         (a decode preempted earlier in the step is skipped by its status; the others are untouched), and the
         budget is positive whenever one is added, so its chunk is one sampled token. The loop appends only the
@@ -723,7 +596,7 @@ class Batcher:
         samples.extend([True] * missing)
         step.budget = budget
 
-    def _make_room(self, req: Request, num_tokens: int, step: _Step) -> bool:
+    def _make_room(self, req: Request, num_tokens: int, step: StepUnderConstruction) -> bool:
         """Ensure `req` holds KV for `num_tokens`, preempting less important running requests if needed."""
         while not self._grow(req, num_tokens):
             if len(self._running) == 1:
@@ -753,7 +626,7 @@ class Batcher:
         # Every running request is already scheduled: the least important one gives way.
         return self._running[-1]
 
-    def _schedule_swapped(self, step: _Step) -> None:
+    def _schedule_swapped(self, step: StepUnderConstruction) -> None:
         while self._swapped and len(self._running) < self.config.max_num_seqs:
             req = self._swapped[0]
             if self.kv.allocate(req.request_id, req.token_ids, req.num_computed_tokens + 1) is None:
@@ -765,7 +638,7 @@ class Batcher:
             req.capacity_tokens = len(self.kv.block_ids(req.request_id)) * self.block_size
             self._set_running(req)
 
-    def _schedule_waiting(self, step: _Step) -> None:
+    def _schedule_waiting(self, step: StepUnderConstruction) -> None:
         while self._waiting and step.budget > 0:
             req = self._waiting.peek()
             if self._num_active() >= self.config.max_num_seqs or not self._admit(req):
@@ -829,7 +702,7 @@ class Batcher:
 
     # ---- preemption ---------------------------------------------------------------------------------------
 
-    def _preempt(self, req: Request, step: _Step) -> None:
+    def _preempt(self, req: Request, step: StepUnderConstruction) -> None:
         self._running.remove(req)
         step.unschedule(req.request_id)
         req.num_preemptions += 1
@@ -1182,169 +1055,5 @@ class Batcher:
         )
 
 
-class CompactStep:
-    """One planned step as parallel tuples (index i is one chunk): what `schedule_compact` returns.
-
-    The same content as a `StepPlan`, holding the batcher's `Request` objects instead of one message per chunk;
-    for in-process executors only (it never crosses a process or a thread). Built once, never mutated."""
-
-    __slots__ = ("step_id", "reqs", "num_new", "contexts", "samples", "preempted_ids", "swap_out_blocks",
-                 "swap_in_blocks", "num_steady", "steady_tokens")
-
-    def __init__(self, step_id: int, reqs: tuple[Request, ...], num_new: tuple[int, ...], contexts: tuple[int, ...],
-                 samples: tuple[bool, ...], preempted_ids: tuple[str, ...], swap_out_blocks: int,
-                 swap_in_blocks: int, num_steady: int = 0, steady_tokens: int = 0) -> None:
-        self.step_id = step_id
-        self.reqs = reqs
-        self.num_new = num_new  # tokens computed this step, per chunk
-        self.contexts = contexts  # tokens already in KV before this step, per chunk
-        self.samples = samples  # whether the chunk samples a token
-        self.preempted_ids = preempted_ids
-        self.swap_out_blocks = swap_out_blocks
-        self.swap_in_blocks = swap_in_blocks
-        # Steady decodes (services/sim/steady_batcher.py) in the step besides the columns: each computes one token
-        # on top of its context and samples it; `steady_tokens` is the sum of their lengths (context + 1).
-        self.num_steady = num_steady
-        self.steady_tokens = steady_tokens
-
-    @property
-    def num_chunks(self) -> int:
-        return len(self.reqs) + self.num_steady
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(self.num_new) + self.num_steady
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.reqs and not self.num_steady and not self.swap_out_blocks and not self.swap_in_blocks
-
-    def to_plan(self) -> StepPlan:
-        chunks = tuple(ScheduledChunk(r.request_id, n, c, s)
-                       for r, n, c, s in zip(self.reqs, self.num_new, self.contexts, self.samples))
-        return StepPlan(self.step_id, chunks, self.preempted_ids, self.swap_out_blocks, self.swap_in_blocks)
-
-
-@dataclass(frozen=True, slots=True, init=False)  # __init__ written out: see core/types.py
-class CompactOutputs:
-    """What `update_compact` returns: `StepOutputs` less one `RequestOutput` per plain decode token."""
-
-    outputs: tuple[RequestOutput, ...]  # first tokens, final tokens, hand-offs, truncations (as `update`)
-    handoffs: tuple[HandoffReady, ...]
-    kv_events: tuple
-    plain: tuple[Request, ...]  # requests that got exactly one more token that neither starts nor ends them
-
-    def __init__(
-        self,
-        outputs: tuple[RequestOutput, ...],
-        handoffs: tuple[HandoffReady, ...],
-        kv_events: tuple,
-        plain: tuple[Request, ...],
-    ) -> None:
-        object.__setattr__(self, "outputs", outputs)
-        object.__setattr__(self, "handoffs", handoffs)
-        object.__setattr__(self, "kv_events", kv_events)
-        object.__setattr__(self, "plain", plain)
-
-
 def _victim_order(req: Request) -> tuple:
     return req.victim_key
-
-
-class _Step(Protocol):
-    """A step under construction, as the walks of the queues use it (`_StepBuilder`, `_CompactBuilder`)."""
-
-    budget: int  # tokens left
-    preempted_ids: list[str]
-    swap_out_blocks: int
-    swap_in_blocks: int
-
-    @property
-    def used(self) -> int: ...
-
-    @property
-    def scheduled_ids(self) -> set[str]: ...
-
-    def add(self, req: Request, num_new_tokens: int) -> None: ...
-
-    def unschedule(self, request_id: str) -> None: ...
-
-
-class _StepBuilder:
-    """Accumulates one step's plan while `schedule` walks the queues."""
-
-    __slots__ = ("budget", "initial_budget", "chunks", "scheduled_ids", "preempted_ids", "swap_out_blocks",
-                 "swap_in_blocks")
-
-    def __init__(self, budget: int) -> None:
-        self.budget = budget
-        self.initial_budget = budget
-        self.chunks: list[ScheduledChunk] = []
-        self.scheduled_ids: set[str] = set()
-        self.preempted_ids: list[str] = []
-        self.swap_out_blocks = 0
-        self.swap_in_blocks = 0
-
-    def add(self, req: Request, num_new_tokens: int) -> None:
-        context = req.num_computed_tokens
-        samples = context + num_new_tokens == req.num_tokens
-        self.chunks.append(ScheduledChunk(req.request_id, num_new_tokens, context, samples))
-        self.scheduled_ids.add(req.request_id)
-        self.budget -= num_new_tokens
-
-    @property
-    def used(self) -> int:
-        return self.initial_budget - self.budget
-
-    def unschedule(self, request_id: str) -> None:
-        """Take back a chunk of a request preempted later in the same step (its KV is gone)."""
-        if request_id not in self.scheduled_ids:
-            return
-        self.scheduled_ids.discard(request_id)
-        for i, chunk in enumerate(self.chunks):
-            if chunk.request_id == request_id:
-                self.budget += chunk.num_new_tokens
-                del self.chunks[i]
-                return
-
-
-class _CompactBuilder:
-    """A `_StepBuilder` that keeps parallel lists instead of `ScheduledChunk` messages (`schedule_compact`)."""
-
-    __slots__ = ("budget", "initial_budget", "preempted_ids", "swap_out_blocks", "swap_in_blocks", "reqs", "num_new",
-                 "contexts", "samples")
-
-    def __init__(self, budget: int) -> None:
-        self.budget = budget
-        self.initial_budget = budget
-        self.preempted_ids: list[str] = []
-        self.swap_out_blocks = 0
-        self.swap_in_blocks = 0
-        self.reqs: list[Request] = []
-        self.num_new: list[int] = []
-        self.contexts: list[int] = []
-        self.samples: list[bool] = []
-
-    def add(self, req: Request, num_new_tokens: int) -> None:
-        context = req.num_computed_tokens
-        self.reqs.append(req)
-        self.num_new.append(num_new_tokens)
-        self.contexts.append(context)
-        self.samples.append(context + num_new_tokens == len(req.token_ids))
-        self.budget -= num_new_tokens
-
-    @property
-    def used(self) -> int:
-        return self.initial_budget - self.budget
-
-    @property
-    def scheduled_ids(self) -> set[str]:  # only asked for when a request runs out of KV
-        return {r.request_id for r in self.reqs}
-
-    def unschedule(self, request_id: str) -> None:
-        for i, req in enumerate(self.reqs):
-            if req.request_id == request_id:
-                self.budget += self.num_new[i]
-                for column in (self.reqs, self.num_new, self.contexts, self.samples):
-                    del column[i]
-                return

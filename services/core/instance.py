@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from octoserve.services.core.batcher import FREE_STEP_SHARE, Batcher, BatcherConfig
+from octoserve.services.core.batch_state import BatcherConfig
+from octoserve.services.core.batcher import FREE_STEP_SHARE, Batcher
 from octoserve.services.core.cost_model import CostModel
 from octoserve.services.core.kv_cache import KVCacheManager
 from octoserve.services.core.placement import InstanceConfig, NodeConfig, num_kv_blocks_for

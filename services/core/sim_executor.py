@@ -17,7 +17,8 @@ from __future__ import annotations
 import sys
 from array import array
 
-from octoserve.services.core.batcher import Batcher, CompactStep
+from octoserve.services.core.batcher import Batcher
+from octoserve.services.core.step_builders import CompactStep
 from octoserve.services.core.cost_model import CostModel
 from octoserve.services.core.types import StepPlan, StepResult
 

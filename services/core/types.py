@@ -2,7 +2,7 @@
 
 Invariants:
 - Every message here is a frozen, slotted dataclass: built once, never mutated. Mutable per-request state
-  lives in `octoserve.services.core.batcher.Request`, owned by exactly one batcher.
+  lives in `octoserve.services.core.batch_state.Request`, owned by exactly one batcher.
 - The messages the simulator builds per arrival, step or KV block write their `__init__` out (`init=False`, each
   field set with `object.__setattr__`, as the generated one does): compiled with mypyc (services/compiled.py), the
   generated `__init__` still runs as interpreted code, about 5x slower to call. Fields, defaults, equality,

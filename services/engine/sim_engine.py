@@ -25,7 +25,8 @@ import contextlib
 from dataclasses import replace
 from collections.abc import AsyncIterator, Callable
 
-from octoserve.services.core.batcher import Batcher, BatcherConfig
+from octoserve.services.core.batch_state import BatcherConfig
+from octoserve.services.core.batcher import Batcher
 from octoserve.services.core.reconfig import in_place_role
 from octoserve.services.core.cost_model import CostModel
 from octoserve.services.core.instance import GangShare, LoadReporter

@@ -33,7 +33,7 @@ import prometheus_client as prom
 
 from octoserve.services import trust
 from octoserve.services.core import migration
-from octoserve.services.core.batcher import RequestStatus
+from octoserve.services.core.batch_state import RequestStatus
 from octoserve.services.core.cost_model import CostModel
 from octoserve.services.core.specs import SpecError
 from octoserve.services.rpc import convert

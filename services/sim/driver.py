@@ -39,7 +39,9 @@ from typing import TYPE_CHECKING, Any
 
 from mypy_extensions import mypyc_attr
 
-from octoserve.services.core.batcher import Batcher, CompactOutputs, CompactStep, Request, RequestStatus
+from octoserve.services.core.batch_state import Request, RequestStatus
+from octoserve.services.core.batcher import Batcher
+from octoserve.services.core.step_builders import CompactOutputs, CompactStep
 from octoserve.services.core.continuation import continuation_spec, may_continue
 from octoserve.services.core.instance import LoadReporter, gang_share, instance_parts
 from octoserve.services.core.placement import InstanceConfig, NodeConfig

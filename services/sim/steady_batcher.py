@@ -37,16 +37,9 @@ import math
 import bisect
 from collections.abc import Sequence
 
-from octoserve.services.core.batcher import (
-    Batcher,
-    CompactOutputs,
-    CompactStep,
-    Request,
-    RequestStatus,
-    SteadyState,
-    _CompactBuilder,
-    _Step,
-)
+from octoserve.services.core.batch_state import Request, RequestStatus, SteadyState
+from octoserve.services.core.batcher import Batcher
+from octoserve.services.core.step_builders import CompactBuilder, CompactOutputs, CompactStep, StepUnderConstruction
 from octoserve.services.core.sim_executor import sim_token_bytes, sim_tokens, token_key
 from octoserve.services.core.types import HandoffReady, RequestOutput, Role
 
@@ -196,7 +189,7 @@ class SteadyBatcher(Batcher):
 
     # ---- hooks: everything that reads or changes a request one by one writes a steady one out first ----------
 
-    def _preempt(self, req: Request, step: _Step) -> None:
+    def _preempt(self, req: Request, step: StepUnderConstruction) -> None:
         if req.steady is not None:
             self._leave(req)
             if isinstance(step, _SteadyBuilder):
@@ -213,7 +206,7 @@ class SteadyBatcher(Batcher):
         super()._set_running(req)
         self._explicit.add(req)
 
-    def _make_room(self, req: Request, num_tokens: int, step: _Step) -> bool:
+    def _make_room(self, req: Request, num_tokens: int, step: StepUnderConstruction) -> bool:
         fits = super()._make_room(req, num_tokens, step)
         if not fits and self._truncated and self._truncated[-1] is req:
             self._explicit.discard(req)  # off the running list, still marked running until the update ends it
@@ -396,7 +389,7 @@ class SteadyBatcher(Batcher):
             self._update_at.setdefault(st.next_update, []).append((req, st))
 
 
-class _SteadyBuilder(_CompactBuilder):
+class _SteadyBuilder(CompactBuilder):
     """A step under construction whose steady decodes are all in it, implicitly (one token each)."""
 
     __slots__ = ("batcher",)
