@@ -2,7 +2,9 @@
 within ±15 %.
 
 Starts the real node (scheduler, router, one worker process per instance, sim engines dilated 10x) on 127.0.0.1,
-replays a seed-000 trace through the load harness, and simulates the same trace. About three minutes per test.
+replays a seed-000 trace through the load harness, and simulates the same trace. About three minutes. The pessimistic
+profile's agreement is `tests/test_live_vs_virtual_pessimistic.py`: a file each, so `make test`'s processes run the
+two side by side.
 """
 
 import pytest
@@ -30,15 +32,3 @@ def test_live_node_and_simulator_agree_within_tolerance():
     assert sorted(per_model) == ["llama-3-70b", "llama-3-8b"]
     checked = [diffs["goodput"], diffs["itl_p95"], *per_model.values()]
     assert all(abs(d) <= TOLERANCE for d in checked), result.table()
-
-
-def test_live_node_and_simulator_agree_under_the_pessimistic_profile():
-    """The 70B's decode step (26 ms) leaves it one decode slot under the 30 ms ITL SLO: admission turns on the
-    predicted wait for that slot, which the live router reads from the workers' load reports. K = 20, 5 req/s."""
-    profile = scaled(PROFILES["seed-000"], rate_rps=5.0, duration_s=10.0)
-    trace = cap_outputs(generate_trace(profile, 0), 96)
-    result = compare(None, trace, 20.0, duration_s=10.0, slo=profile.slo, cost_profile="pessimistic")
-    assert result.live.overall.num_offered == result.virtual.overall.num_offered
-    assert result.live.overall.num_refused == result.virtual.overall.num_refused, result.table()
-    assert result.live.overall.num_errors == 0, result.table()
-    assert all(abs(d) <= TOLERANCE for d in result.relative_differences().values()), result.table()
