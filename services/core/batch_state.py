@@ -69,8 +69,8 @@ class BatcherConfig:
 
 
 class SteadyState:
-    """The per-request state of a subclass that advances steady decodes implicitly (`Request.steady`); this
-    module never reads it."""
+    """The per-request state of a Batcher subclass that advances steady decodes implicitly (`Request.steady`);
+    `Batcher` itself never reads it."""
 
     __slots__ = ()
 
@@ -132,7 +132,7 @@ class Request:
         # Order among running requests of equal victim key (bisect puts a newcomer after its equals): stamped when
         # it starts running, so (victim_key, run_seq) sorts like the running list.
         self.run_seq = 0
-        # Opaque to this module: a batcher that advances steady decodes implicitly (the simulator's,
+        # Opaque to `Batcher`: a subclass that advances steady decodes implicitly (the simulator's,
         # services/sim/steady_batcher.py) keeps its per-request state here; None while the request's tokens are
         # explicit.
         self.steady: SteadyState | None = None
