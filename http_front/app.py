@@ -358,11 +358,12 @@ class RouterStream:
     body goes on as one, only with a longer gap. Every stream is resumed, sampled ones too: an OpenAI client cannot
     resume one itself, and the text the front sends stays cut at a stop string across the gap (`StopTrimmer`).
 
-    Bounds: at most `front.resume_policy.max_resumes` resumes per request (a resumed call that fails UNAVAILABLE
-    before its own first token counts as one more); each waits the router's retry hint (none above
-    `max_backoff_s`) or the backoff, then up to `resume_wait_s` for a separate-process front's channel to
-    reconnect, and none outlives the request's deadline. A failure not resumed is the router's status as an
-    ApiError, as before."""
+    Bounds: at most `front.resume_policy.max_resumes` resumes per request; each waits the router's retry hint
+    (none above `max_backoff_s`) or the backoff, then up to `resume_wait_s` for a separate-process front's channel
+    to reconnect, and none outlives the request's deadline. A resumed call refused before its own first token
+    (RESOURCE_EXHAUSTED or UNAVAILABLE: a router still coming back) is sent again as the SDK sends a new call's
+    retries, at most `max_attempts` sends per resume. A failure not resumed is the router's status as an ApiError,
+    as before."""
 
     def __init__(self, front: Front, request: pb.GenerateRequest, timeout_s: float | None, metadata,
                  chat: bool) -> None:
@@ -372,6 +373,8 @@ class RouterStream:
         self.request_id = ""
         self.received: list[int] = []
         self.resumes = 0
+        self.sends = 1  # sends of the current request (the original, or its latest resume)
+        self.received_at_send = 0  # tokens received when the current request was sent
 
     async def read(self) -> pb.GenerateResponse:
         """The next message of the router's stream, or the router's status as an ApiError (`param`: the field the
@@ -380,10 +383,14 @@ class RouterStream:
             try:
                 message = await self.call.read()
             except grpc.aio.AioRpcError as e:
+                delay_s = self._resend_delay_s(e)
+                if delay_s is not None:
+                    await self._send_again(delay_s, e, resume=False)
+                    continue
                 delay_s = self._resume_delay_s(e)
                 if delay_s is None:
                     raise _api_error(e, self.chat) from None
-                await self._resume(delay_s, e)
+                await self._send_again(delay_s, e, resume=True)
                 continue
             if message is grpc.aio.EOF:  # the router always ends a stream with a finish reason or a status
                 raise ApiError(502, "the router ended the stream without a finish reason", type="internal_error",
@@ -395,26 +402,46 @@ class RouterStream:
     def cancel(self) -> None:
         self.call.cancel()  # no-op once the stream ended; aborts the request when the client went away
 
+    def _resend_delay_s(self, e: grpc.aio.AioRpcError) -> float | None:
+        """Seconds before sending a resumed request again that was refused before its own first token, or None."""
+        policy = self.front.resume_policy
+        if (self.resumes == 0 or len(self.received) != self.received_at_send
+                or e.code() not in policy.retryable_codes or self.sends >= policy.max_attempts):
+            return None
+        return self._delay_s(e, self.sends - 1)
+
     def _resume_delay_s(self, e: grpc.aio.AioRpcError) -> float | None:
         policy = self.front.resume_policy
         if (e.code() != grpc.StatusCode.UNAVAILABLE or self.resumes >= policy.max_resumes
                 or not 0 < len(self.received) < self.request.max_tokens):
             return None
+        return self._delay_s(e, self.resumes)
+
+    def _delay_s(self, e: grpc.aio.AioRpcError, retry_index: int) -> float | None:
+        """The router's retry hint (None when above `max_backoff_s`) or the backoff; None past the deadline."""
+        policy = self.front.resume_policy
         hint_ms = retry_after_ms_from_trailers(tuple(e.trailing_metadata() or ()))
         hint_s = None if hint_ms is None else hint_ms / 1000.0
         if hint_s is not None and hint_s > policy.max_backoff_s:
             return None
-        delay_s = policy.delay_s(self.resumes, hint_s, self.front.rng)
+        delay_s = policy.delay_s(retry_index, hint_s, self.front.rng)
         if self.deadline_s is not None and time.monotonic() + delay_s >= self.deadline_s:
             return None
         return delay_s
 
-    async def _resume(self, delay_s: float, cause: grpc.aio.AioRpcError) -> None:
+    async def _send_again(self, delay_s: float, cause: grpc.aio.AioRpcError, resume: bool) -> None:
+        """The request again, resumed from every token received: a resume (`resume`), or a resumed request's
+        next send."""
         self.call.cancel()
-        self.resumes += 1
-        self.front.metrics.resumes.labels(self.front.metrics.model_label(self.request.model)).inc()
-        log.info("resuming a cut stream", extra=log_fields(request_id=self.request_id, tokens=len(self.received),
-                                                           resume=self.resumes, cause=cause.details()))
+        if resume:
+            self.resumes += 1
+            self.sends = 0
+            self.front.metrics.resumes.labels(self.front.metrics.model_label(self.request.model)).inc()
+        self.sends += 1
+        self.received_at_send = len(self.received)
+        log.info("resuming a cut stream" if resume else "sending a resumed stream again",
+                 extra=log_fields(request_id=self.request_id, tokens=len(self.received), resume=self.resumes,
+                                  send=self.sends, cause=cause.details()))
         await asyncio.sleep(delay_s)
         if self.front.channel is not None:  # a front of its own: its router may be restarting
             wait_s = self.front.resume_policy.resume_wait_s

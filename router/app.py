@@ -77,6 +77,7 @@ def router_spec(
     policy = RouterPolicy(config, build_cost_models(config), random.Random(seed))
     pool = WorkerPool({})
     servicer = GenerationServicer(config, policy, pool, uuid.uuid4().hex, settings, metrics)
+    servicer.connected.clear()  # calls that arrive before start() has connected the workers wait for it
     headroom = headroom_source(policy, pool.loads, lambda: not servicer.draining)
     watchdog = HangWatchdog(servicer, hung_after_s)
 
@@ -102,6 +103,7 @@ def router_spec(
                 pool.clients[instance_id] = make_client(config.instance(instance_id), address)
         pool.start()
         await _wait_ready(pool, startup_timeout_s)
+        servicer.connected.set()
         if follower is not None:
             follower.follow()
             demand.start()

@@ -175,6 +175,10 @@ class GenerationServicer(gen_grpc.GenerationServicer):
         self.metrics = metrics
         self.requests: dict[str, RequestState] = {}
         self.draining = False
+        # Set once the router has connected to its workers (router/app.py's start; a servicer built without one
+        # serves at once). A call that arrives before, while a restarted router reconnects, waits for it.
+        self.connected = asyncio.Event()
+        self.connected.set()
         self._idle = asyncio.Event()
         self._idle.set()
         self._background: set[asyncio.Task] = set()
@@ -210,6 +214,7 @@ class GenerationServicer(gen_grpc.GenerationServicer):
     async def Generate(self, request, context):
         wall_start_s = time.monotonic()
         try:
+            await self._until_connected(context)
             spec, route = self._admit(request, context, wall_start_s)
         except OctoserveError as e:
             self.metrics.refused(request.model, e)
@@ -228,6 +233,19 @@ class GenerationServicer(gen_grpc.GenerationServicer):
                 await context.abort(st.error.code, st.error.message, trailing_metadata=st.error.trailing_metadata)
         finally:
             self._untrack(st)
+
+    async def _until_connected(self, context) -> None:
+        """A call that arrives while the router is still connecting to its workers (it has just started or
+        restarted, and resumed streams come back at once) waits for them, within its deadline, instead of being
+        refused for want of a healthy instance. A router that cannot connect exits at its startup timeout, which
+        ends the wait with the connection."""
+        if self.connected.is_set():
+            return
+        try:
+            await asyncio.wait_for(self.connected.wait(), context.time_remaining())
+        except TimeoutError:
+            raise DeadlineExceeded("the deadline passed while the router was still connecting to its workers (it "
+                                   "had just started); retry with a longer deadline") from None
 
     def _admit(self, request: gen_pb.GenerateRequest, context, wall_now_s: float):
         """Validation, then the policy's admission and routing; raises the typed error to send back."""

@@ -111,6 +111,21 @@ class InProcessNode:
 async def start_inprocess_node(config: NodeConfig | None = None, *, time_scale: float = 1.0,
                                settings: RouterSettings | None = None, grace_s: float = 5.0) -> InProcessNode:
     config = config or small_config()
+    workers, servicers = await start_workers(config, time_scale=time_scale, grace_s=grace_s)
+    endpoints = {iid: running.address for iid, running in workers.items()}
+
+    async def get_endpoints():
+        return endpoints
+
+    spec, router_servicer = router_spec(config, get_endpoints, settings=settings or RouterSettings(time_scale=time_scale),
+                                        metrics_port=None, grace_s=grace_s, startup_timeout_s=20.0)
+    router = await start_service(spec)
+    return InProcessNode(config, router, router_servicer, workers, servicers)
+
+
+async def start_workers(config: NodeConfig, *, time_scale: float = 1.0,
+                        grace_s: float = 5.0) -> tuple[dict[str, RunningService], dict[str, object]]:
+    """One sim-engine worker service per instance of `config`, on 127.0.0.1: (services, servicers) by id."""
     workers, servicers = {}, {}
     for inst in config.instances:
         engine = make_engine(config, inst.id, engine="sim", time_scale=time_scale)
@@ -123,15 +138,7 @@ async def start_inprocess_node(config: NodeConfig | None = None, *, time_scale: 
         )
         workers[inst.id] = await start_service(spec)
         servicers[inst.id] = servicer
-    endpoints = {iid: running.address for iid, running in workers.items()}
-
-    async def get_endpoints():
-        return endpoints
-
-    spec, router_servicer = router_spec(config, get_endpoints, settings=settings or RouterSettings(time_scale=time_scale),
-                                        metrics_port=None, grace_s=grace_s, startup_timeout_s=20.0)
-    router = await start_service(spec)
-    return InProcessNode(config, router, router_servicer, workers, servicers)
+    return workers, servicers
 
 
 async def collect(call) -> list[gen_pb.GenerateResponse]:

@@ -324,3 +324,34 @@ async def test_the_fronts_resumes_are_bounded_then_the_cut_is_an_error_event():
     assert len(servicer.requests) == 2 and events[-1] == "[DONE]"
     assert events[-2]["error"]["message"] == "cut again" and events[-2]["error"]["code"] == "unavailable"
     assert "".join(e["choices"][0]["text"] for e in events[:-2]) == "<11><12><13><21>"
+
+
+BUSY = Fail(grpc.StatusCode.RESOURCE_EXHAUSTED, "no healthy instance serves it right now", retry_info_ms=10)
+
+
+async def test_the_fronts_resumed_request_refused_before_its_first_token_is_sent_again():
+    """A router that has just restarted may refuse the resumed request: it is sent again, as the SDK retries a
+    call, without counting as another resume."""
+    servicer = ScriptedGeneration([CUT, BUSY, BUSY, REST])
+    resume_policy = RetryPolicy(max_resumes=1, max_attempts=3, initial_backoff_s=0.0)
+    async with serve(servicer) as target, front_on(target, resume_policy=resume_policy) as (_, http):
+        reply = await http.post("/v1/completions", json={**BODY, "stream": True,
+                                                         "stream_options": {"include_usage": True}})
+        events = _events(await reply.text())
+    assert reply.status == 200 and events[-1] == "[DONE]"
+    assert "".join(e["choices"][0]["text"] for e in events[:-2]) == "".join(f"<{t}>" for t in (11, 12, 13, 14, 15))
+    assert events[-2]["usage"]["completion_tokens"] == 5
+    assert [list(r.resume_from.ids) for r in servicer.requests] == [[], [11, 12, 13], [11, 12, 13], [11, 12, 13]]
+    assert {r.request_id for r in servicer.requests[1:]} == {"req-1"}
+
+
+async def test_the_fronts_sends_of_a_resumed_request_are_bounded_by_max_attempts():
+    servicer = ScriptedGeneration([CUT, BUSY, BUSY, REST])
+    resume_policy = RetryPolicy(max_resumes=1, max_attempts=2, initial_backoff_s=0.0)
+    async with serve(servicer) as target, front_on(target, resume_policy=resume_policy) as (_, http):
+        reply = await http.post("/v1/completions", json={**BODY, "stream": True})
+        events = _events(await reply.text())
+    assert len(servicer.requests) == 3 and events[-1] == "[DONE]"
+    assert events[-2]["error"]["code"] == "overloaded"
+    assert events[-2]["error"]["message"] == "no healthy instance serves it right now"
+    assert "".join(e["choices"][0]["text"] for e in events[:-2]) == "<11><12><13>"
