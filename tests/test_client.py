@@ -98,13 +98,14 @@ class ScriptedGeneration(pb_grpc.GenerationServicer):
                 yield response
             await context.abort(step.code, step.details, trailing_metadata=_trailers(step))
         else:
-            for response in step.responses:
-                yield response
+            # A Hang ends only when the call is cancelled: while it waits, or (a client that cancels at once, on a
+            # loaded machine) while the generator is still suspended at a yield, where gRPC closes it instead.
             try:
+                for response in step.responses:
+                    yield response
                 await asyncio.Event().wait()
-            except asyncio.CancelledError:
+            finally:
                 self.cancelled.set()
-                raise
 
     async def ListModels(self, request, context):
         return pb.ListModelsResponse(models=[
