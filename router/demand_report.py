@@ -1,5 +1,5 @@
 """The router's arrivals and admission refusals per model, reported to the scheduler every `REPORT_S`
-(`Scheduler.ReportDemand`): the elastic balancer's demand input (services/scheduler/live_balancer.py). Arrivals are
+(`Scheduler.ReportDemand`): the elastic balancer's demand input (services/core/live_balancer.py). Arrivals are
 counted where the policy sees every request it routes (`RouterPolicy.observers`), refused ones included; refusals
 where it refuses one (`RouterPolicy.refusal_observers`), by the refusal's reason (`Refuse.reason`), so each report's
 refusals are among its arrivals. A report that fails (the scheduler restarts) is dropped, not retried: the

@@ -9,7 +9,7 @@ embedded default placement (the 70B at TP 4, four colocated 8B), with the schedu
 changes only (the GPU split between the models fixed), outputs capped at `--max-output` tokens so that a dilated
 request's stream fits the harness's drain (sized to the longest output at the ITL SLO), twice on the same trace: `ranker: none` (the capacity
 estimate decides alone) and `ranker: forward` (each candidate move played forward from a twin of the node built from
-the workers' load reports and the routers' demand reports, services/scheduler/live_ranker.py). Per run: goodput and
+the workers' load reports and the routers' demand reports, services/sim/live_ranker.py). Per run: goodput and
 attainment per model, requests lost (errors or unfinished; must be 0), reconfigurations done, and the balancer's
 decisions by reason from the scheduler's log. About 2 x (hours x hour-s x time-scale) seconds of wall time plus
 start-ups; progress goes to stdout. Run it with `nice -n 10` on a shared machine.

@@ -26,6 +26,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from octoserve.services.core.day_request import DayRequest
 from octoserve.services.core.types import Priority
 from octoserve.services.metrics import RequestRecord, SloSpec
 from octoserve.services.workload import LengthDist, TraceRequest
@@ -61,24 +62,15 @@ class DayProfile:
         return SloSpec(self.ttft_slo_ms, self.itl_slo_ms)
 
 
-@dataclass(frozen=True, slots=True)
-class DayRequest:
-    request_id: str
-    arrival_s: float
-    model: str
-    prompt_tokens: int
-    output_tokens: int
-    ttft_slo_ms: float
-    phase: str
-
-    def record(self, first_token_s: float | None = None, finish_s: float | None = None, refused: bool = False,
-               error: str = "") -> RequestRecord:
-        return RequestRecord(
-            request_id=self.request_id, model=self.model, priority=Priority.STANDARD, arrival_s=self.arrival_s,
-            ttft_slo_ms=self.ttft_slo_ms, num_prompt_tokens=self.prompt_tokens,
-            num_output_tokens=0 if refused else self.output_tokens, first_token_s=first_token_s, finish_s=finish_s,
-            refused=refused, error=error,
-        )
+def day_record(req: DayRequest, first_token_s: float | None = None, finish_s: float | None = None,
+               refused: bool = False, error: str = "") -> RequestRecord:
+    """The metrics record of one day request as served (or refused)."""
+    return RequestRecord(
+        request_id=req.request_id, model=req.model, priority=Priority.STANDARD, arrival_s=req.arrival_s,
+        ttft_slo_ms=req.ttft_slo_ms, num_prompt_tokens=req.prompt_tokens,
+        num_output_tokens=0 if refused else req.output_tokens, first_token_s=first_token_s, finish_s=finish_s,
+        refused=refused, error=error,
+    )
 
 
 def generate_day(profile: DayProfile, seed: int = 0, *, start_s: float = 0.0,

@@ -705,7 +705,7 @@ def test_the_balancer_leaves_the_trap_with_an_in_place_change_first_and_no_drain
 
 def test_an_in_place_change_must_be_decode_colocated_and_the_live_config_takes_it():
     from octoserve.services.core.reconfig import check_reconfiguration, in_place_role
-    from octoserve.services.scheduler.live_balancer import elastic_balancer
+    from octoserve.services.sim.live_ranker import elastic_balancer
 
     assert in_place_role(Role.DECODE, Role.COLOCATED) and in_place_role(Role.COLOCATED, Role.DECODE)
     assert not in_place_role(Role.PREFILL, Role.DECODE) and not in_place_role(Role.DECODE, Role.DECODE)

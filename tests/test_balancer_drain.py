@@ -14,7 +14,7 @@ from octoserve.services.core.balancer import BalancerPolicy
 from octoserve.services.core.elastic_load import ModelDemand
 from octoserve.services.core.placement import node_config_from_dict
 from octoserve.services.core.types import EngineLoad, Role
-from octoserve.services.scheduler.live_balancer import LiveElasticBalancer, LiveView, node_load
+from octoserve.services.core.live_balancer import LiveElasticBalancer, LiveView, node_load
 from tests.fault_fixtures import two_replica_config
 from tests.service_fixtures import COLOCATED_MODEL
 

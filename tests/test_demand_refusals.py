@@ -15,7 +15,7 @@ from octoserve.router.servicer import RouterSettings
 from octoserve.services.rpc.gen import scheduler_pb2 as s_pb
 from octoserve.services.rpc.gen import scheduler_pb2_grpc as s_grpc
 from octoserve.services.rpc.server import start_service
-from octoserve.services.scheduler.live_balancer import DemandWindow
+from octoserve.services.core.live_balancer import DemandWindow
 from octoserve.services.scheduler.service import scheduler_spec
 from octoserve.v1 import generate_pb2 as gen_pb
 from octoserve.v1 import generate_pb2_grpc as gen_grpc
@@ -200,7 +200,7 @@ def test_the_live_balancers_measured_corrections_observe_reported_refusals():
     window while refusing >= 5 % of its arrivals is observed (its served rate over its estimated capacity); the same
     arrivals without refusals are not."""
     from octoserve.services.core.balancer import BalancerPolicy
-    from octoserve.services.scheduler.live_balancer import LiveElasticBalancer, LiveView
+    from octoserve.services.core.live_balancer import LiveElasticBalancer, LiveView
     from tests.test_balancer import LM, NODE, SM_C
 
     current = (LM, *SM_C)

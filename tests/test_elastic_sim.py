@@ -206,7 +206,7 @@ def test_elastic_day_compare_in_place_writes_four_arms_side_by_side(tmp_path, ca
 
 def test_demand_window_scores_a_step_and_not_a_steady_rate():
     from octoserve.services.sim.elastic_sim import demand_of
-    from octoserve.services.workload_day import DayRequest
+    from octoserve.services.core.day_request import DayRequest
 
     def reqs(rates):  # rates[k] arrivals evenly spread over second k
         out = []

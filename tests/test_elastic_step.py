@@ -201,8 +201,8 @@ def test_with_the_forward_ranker_the_live_schedulers_balancer_runs_at_step_level
     """`ranker="forward"`: the step-level simulator hands the live scheduler's own balancer the view it would build
     (load snapshots, demand, the reported arrivals to replay); it plays its candidates forward on a twin of the node
     once a load window has been seen, in-place role changes on by default, and nothing is lost."""
-    from octoserve.services.scheduler.live_balancer import LiveElasticBalancer
-    from octoserve.services.scheduler.live_ranker import LiveForwardRanker
+    from octoserve.services.core.live_balancer import LiveElasticBalancer
+    from octoserve.services.sim.live_ranker import LiveForwardRanker
 
     sim = ElasticStepSim(NODE, window_s=4.0, period_s=1.0, ranker="forward")
     assert isinstance(sim.live, LiveElasticBalancer) and isinstance(sim.live.ranker, LiveForwardRanker)

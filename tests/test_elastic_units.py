@@ -198,7 +198,7 @@ def test_router_view_follows_a_snapshot():
 
 
 def test_demand_window_rates_lengths_and_trend():
-    from octoserve.services.scheduler.live_balancer import DemandWindow
+    from octoserve.services.core.live_balancer import DemandWindow
 
     w = DemandWindow(window_s=4.0)
     w.add(0.5, "llama-3-8b-other", 4, 4000, 40)  # before the window at now = 5
@@ -211,7 +211,7 @@ def test_demand_window_rates_lengths_and_trend():
 
 
 def test_elastic_section_names_unknown_keys():
-    from octoserve.services.scheduler.live_balancer import LiveElasticBalancer
+    from octoserve.services.core.live_balancer import LiveElasticBalancer
 
     with pytest.raises(ValueError, match=r"unknown keys \['min_dwel_s'\]"):
         elastic.balancer_from_section({"balancer": "elastic", "min_dwel_s": 5}, _config())
@@ -244,7 +244,7 @@ def test_live_placement_survives_a_restart_through_its_state_file(tmp_path):
 
 def test_a_step_in_the_live_demand_takes_the_balancers_step_path():
     from octoserve.services.core.balancer import BalancerPolicy
-    from octoserve.services.scheduler.live_balancer import DemandWindow, LiveElasticBalancer, LiveView
+    from octoserve.services.core.live_balancer import DemandWindow, LiveElasticBalancer, LiveView
     from tests.test_balancer import LM, NODE, SM_C, inst
 
     w = DemandWindow(window_s=10.0)

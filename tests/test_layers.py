@@ -37,9 +37,7 @@ LAB = tuple(f"octoserve.services.{m}" for m in (
     "calibrate", "demo", "user_suite", "cluster.live", "cluster.bench"))
 
 # (importer, imported) -> what it waits for.
-KNOWN_EXCEPTIONS = {
-    ("octoserve.services.sim.elastic_step", "octoserve.services.scheduler.live_balancer"):
-        "the live balancing loop the step simulator replays, to move into the core",
+KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {
 }
 KNOWN_CYCLES = {
 }

@@ -5,8 +5,8 @@ import pytest
 
 from octoserve.services.core.balancer import BalancerPolicy, MoveCandidate
 from octoserve.services.core.types import EngineLoad, Role
-from octoserve.services.scheduler.live_balancer import DemandWindow, LiveElasticBalancer, LiveView, elastic_balancer
-from octoserve.services.scheduler.live_ranker import LiveForwardRanker, node_twin
+from octoserve.services.core.live_balancer import DemandWindow, LiveView
+from octoserve.services.sim.live_ranker import LiveForwardRanker, balancer_with_ranker, elastic_balancer, node_twin
 from tests.test_balancer import LM, NODE, SM_PD
 
 L, S = "llama-3-70b", "llama-3-8b"
@@ -80,7 +80,7 @@ def test_the_live_balancer_ranks_moves_by_playing_them_forward_from_the_reported
     w = prefill_heavy()
     loads = {i.id: idle(i) for i in CURRENT}
     backlog = dict(loads, **{"sm-p0": EngineLoad("sm-p0", S, Role.PREFILL, 0, 40, 1000, 500, 16, 120_000, 2e4, 0.0)})
-    b = LiveElasticBalancer(NODE, BalancerPolicy(), ranker="forward")
+    b = balancer_with_ranker(NODE, BalancerPolicy(), ranker="forward")
     (r,) = b.plan(60.0, view_of(w, 60.0, backlog), [])
     assert b.inner.counters["ranked:forward"] == 1 and b.inner.counters["planned:role"] == 1
     assert (r.retire, r.start[0].role) == (("sm-d0",), Role.COLOCATED)  # the first step towards more prefill
@@ -99,7 +99,7 @@ def test_the_live_balancer_ranks_moves_by_playing_them_forward_from_the_reported
 
 def test_without_a_windows_history_the_live_ranker_holds():
     w = prefill_heavy(seconds=8)  # less than the 10-s load window
-    b = LiveElasticBalancer(NODE, BalancerPolicy(), ranker="forward")
+    b = balancer_with_ranker(NODE, BalancerPolicy(), ranker="forward")
     assert b.plan(8.0, view_of(w, 8.0, {i.id: idle(i) for i in CURRENT}), []) == []
     assert b.inner.counters["ranked:forward"] == 0 and b.inner.counters["planned:role"] == 0
     assert b.ranker.calls == 0

@@ -1,4 +1,5 @@
-"""The elastic balancer (services/core/balancer.py) on the live node: the scheduler's view turned into its input.
+"""The elastic balancer (services/core/balancer.py) on the live node: the scheduler's view turned into its input (pure and
+clock-free, so the step-level simulator replays the same loop).
 
 - Demand: routers report their arrivals and admission refusals (by reason) per model every second
   (`Scheduler.ReportDemand`); `DemandWindow` keeps them, on the modelled clock (wall / time scale), and gives each
@@ -23,15 +24,15 @@ import logging
 import math
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from octoserve.services.core import migration
-from octoserve.services.core.balancer import BalancerPolicy, ElasticBalancer, RANKERS
+from octoserve.services.core.balancer import BalancerPolicy, ElasticBalancer
+from octoserve.services.core.day_request import DayRequest
 from octoserve.services.core.elastic_load import InstanceLoad, ModelDemand, NodeLoad, demand_trend, step_score
 from octoserve.services.core.placement import InstanceConfig, NodeConfig
 from octoserve.services.core.reconfig import Reconfiguration
 from octoserve.services.core.types import EngineLoad, Role
-from octoserve.services.workload_day import DayRequest
 
 log = logging.getLogger("octoserve.scheduler.balancer")
 
@@ -76,7 +77,7 @@ class DemandWindow:
             self._pruned_s[model] = t
 
     def arrivals(self, now_s: float, ttft_slo_ms: float) -> tuple[DayRequest, ...]:
-        """The kept history as requests, for a forward ranker to replay (live_ranker.py): each report's arrivals
+        """The kept history as requests, for a forward ranker to replay (services/sim/live_ranker.py): each report's arrivals
         spread evenly over the interval since the model's previous report (its first report: one second), each
         with the report's mean prompt and output lengths and `ttft_slo_ms`; in arrival order."""
         self._prune(now_s)
@@ -220,19 +221,15 @@ def node_load(view: LiveView, node: NodeConfig | None = None) -> NodeLoad:
 
 
 class LiveElasticBalancer:
-    """The `Balancer` the scheduler's loop calls when the elastic section says `balancer: elastic`. `ranker`:
-    "none" (the capacity estimate decides alone) or "forward" (candidate moves played forward from a twin of the
-    node, services/scheduler/live_ranker.py; the demand window then keeps `history_s` of arrivals for it)."""
+    """The `Balancer` the scheduler's loop calls when the elastic section says `balancer: elastic`. `ranker`: None
+    (the capacity estimate decides alone) or a forward ranker whose `view` is set to each period's `LiveView` before
+    the balancer plans (services/sim/live_ranker.py: candidate moves played forward from a twin of the node; the
+    demand window then keeps `history_s` of arrivals for it). `sim/live_ranker.elastic_balancer` builds both from
+    the config's `elastic` section."""
 
     def __init__(self, config: NodeConfig, policy: BalancerPolicy = BalancerPolicy(),
-                 window_s: float = DEFAULT_WINDOW_S, ranker: str = "none") -> None:
-        if ranker not in RANKERS:
-            raise ValueError(f"elastic.ranker must be one of {', '.join(RANKERS)}, got {ranker!r}")
-        self.ranker = None
-        if ranker == "forward":
-            from octoserve.services.scheduler.live_ranker import LiveForwardRanker  # noqa: PLC0415 (only when asked)
-
-            self.ranker = LiveForwardRanker(config, policy, window_s)
+                 window_s: float = DEFAULT_WINDOW_S, ranker=None) -> None:
+        self.ranker = ranker
         self.inner = ElasticBalancer(config, policy, ranker=self.ranker)
         self.window_s = window_s
         self.history_s = max(window_s, policy.forward_window_s) if self.ranker else window_s
@@ -246,16 +243,3 @@ class LiveElasticBalancer:
             log.info("balancer decision", extra={"fields": {"reason": d.reason, "detail": d.detail}})
         self._logged = len(self.inner.log)
         return planned
-
-
-def elastic_balancer(config: NodeConfig, section: Mapping) -> LiveElasticBalancer:
-    """From the `elastic` section: every BalancerPolicy field may be given (forecast_window_s, min_dwell_s, ...),
-    `window_s` (the demand window, modelled seconds) and `ranker` (forward, the default, or none)."""
-    names = {f.name for f in fields(BalancerPolicy)}
-    unknown = sorted(set(section) - names - {"balancer", "period_s", "window_s", "ranker"})
-    if unknown:
-        raise ValueError(f"elastic: unknown keys {unknown}; use balancer, period_s, window_s, ranker or "
-                         f"BalancerPolicy fields ({', '.join(sorted(names))})")
-    policy = BalancerPolicy(**{k: v for k, v in section.items() if k in names})
-    return LiveElasticBalancer(config, policy, float(section.get("window_s", DEFAULT_WINDOW_S)),
-                               str(section.get("ranker", "forward")))

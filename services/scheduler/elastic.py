@@ -419,7 +419,7 @@ def balancer_from_section(section: Mapping | None, config: NodeConfig):
     """(balancer, period_s) from the node config's `elastic` section, or None when no balancer is configured.
 
     elastic:
-      balancer: elastic                  # the ElasticBalancer (services/scheduler/live_balancer.py), or
+      balancer: elastic                  # the ElasticBalancer (services/core/live_balancer.py), or
                                          # package.module:factory, called with the NodeConfig
       period_s: 10                       # modelled seconds between plans
       window_s: 10                       # modelled seconds of demand the balancer sees (elastic only)
@@ -435,7 +435,7 @@ def balancer_from_section(section: Mapping | None, config: NodeConfig):
     if period_s <= 0:
         raise ValueError(f"elastic.period_s must be > 0, got {period_s}")
     if name == "elastic":
-        from octoserve.services.scheduler.live_balancer import elastic_balancer
+        from octoserve.services.sim.live_ranker import elastic_balancer
 
         return elastic_balancer(config, section), period_s
     module, _, attr = name.partition(":")

@@ -39,7 +39,7 @@ from octoserve.services.rpc.hardening import add_servicer
 from octoserve.services.rpc.server import ServiceSpec, setup_logging
 from octoserve.services.scheduler.gang_live import GangCollector, GangHub
 from octoserve.services.scheduler import elastic
-from octoserve.services.scheduler.live_balancer import DEFAULT_WINDOW_S, DemandWindow, LiveView
+from octoserve.services.core.live_balancer import DEFAULT_WINDOW_S, DemandWindow, LiveView
 
 log = logging.getLogger("octoserve.scheduler")
 

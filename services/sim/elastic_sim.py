@@ -57,7 +57,8 @@ from octoserve.services.core.reconfig import IN_FLIGHT, Phase, ReconfigKind, Rec
 from octoserve.services.core.types import Role
 from octoserve.services.sim.forward_ranker import ForwardSimRanker
 from octoserve.services.metrics import RequestRecord, Summary, Window, detect_window, summarize
-from octoserve.services.workload_day import DayProfile, DayRequest
+from octoserve.services.core.day_request import DayRequest
+from octoserve.services.workload_day import DayProfile, day_record
 
 MODES = ("static", "oracle", "elastic")
 ORACLE_TRIALS = 3  # the oracle simulates this many of the estimate's best placements for each hour
@@ -601,8 +602,8 @@ class ElasticSim:
         # the requests' own times and the instances' removal times, independently of the drain bookkeeping.
         self.lost = sum(1 for tr in self.trackers
                         if tr.entry_inst.removed_s < tr.first_s or tr.decoder_inst.removed_s < tr.finish_s)
-        records = [tr.req.record(first_token_s=tr.first_s, finish_s=tr.finish_s) for tr in self.trackers]
-        records += [r.record(refused=True) for r in self.refused]
+        records = [day_record(tr.req, first_token_s=tr.first_s, finish_s=tr.finish_s) for tr in self.trackers]
+        records += [day_record(r, refused=True) for r in self.refused]
         records.sort(key=lambda r: r.arrival_s)
         # A day has no steady state by design: the warm-up is stated (one compressed hour), and `steady` says so.
         window = detect_window(occupancy(records), self.profile.duration_s, warmup_s=self.profile.hour_s)

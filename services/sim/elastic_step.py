@@ -3,7 +3,7 @@
 in simulated time.
 
 Each period (from the first full demand window on) the balancer reads the same input the live scheduler builds
-(services/scheduler/live_balancer.py): each instance's load snapshot (`EngineLoad`, from its `LoadReporter`) through
+(services/core/live_balancer.py): each instance's load snapshot (`EngineLoad`, from its `LoadReporter`) through
 `instance_load`, and the demand of the last `window_s` through a `DemandWindow` fed once per period with the
 arrivals of that period and the router's admission refusals among them by reason, as the routers report theirs.
 
@@ -42,13 +42,13 @@ from octoserve.services.core.elastic_load import NodeLoad
 from octoserve.services.core.placement import InstanceConfig, NodeConfig
 from octoserve.services.core.reconfig import IN_FLIGHT, Phase, ReconfigKind, Reconfiguration, advance
 from octoserve.services.core.types import Role
-from octoserve.services.scheduler.live_balancer import (
+from octoserve.services.core.live_balancer import (
     DemandWindow,
-    LiveElasticBalancer,
     LiveView,
     node_load,
 )
 from octoserve.services.sim.driver import NodeSimulator, SimResult
+from octoserve.services.sim.live_ranker import balancer_with_ranker
 from octoserve.services.workload import TraceRequest
 
 
@@ -110,7 +110,7 @@ class ElasticStepSim:
         self.sim = NodeSimulator(node, seed=seed)
         # With a forward ranker the live scheduler's own balancer runs here (`LiveElasticBalancer`: a twin of the
         # node built from the load snapshots and the reported arrivals, played forward), on the view it would build.
-        self.live = LiveElasticBalancer(node, policy, window_s, ranker) if balance and ranker != "none" else None
+        self.live = balancer_with_ranker(node, policy, window_s, ranker) if balance and ranker != "none" else None
         self.balancer = (self.live.inner if self.live is not None else ElasticBalancer(node, policy)) if balance else None
         self.demand = DemandWindow(window_s, self.live.history_s if self.live is not None else 0.0)
         self._refused: dict[str, dict[str, int]] = {}  # model -> reason -> refusals since the last report

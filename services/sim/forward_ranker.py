@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 from octoserve.services.core.balancer import MoveCandidate
 from octoserve.services.core.elastic_layouts import orphaned_by
 from octoserve.services.core.reconfig import Phase, Reconfiguration
-from octoserve.services.workload_day import DayRequest
+from octoserve.services.core.day_request import DayRequest
 
 if TYPE_CHECKING:
     from octoserve.services.sim.elastic_sim import ElasticSim, SimInstance, SimRequest

@@ -23,13 +23,16 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Mapping, Sequence
+from dataclasses import fields
 
-from octoserve.services.core.balancer import BalancerPolicy, MoveCandidate
+from octoserve.services.core.balancer import RANKERS, BalancerPolicy, MoveCandidate
+from octoserve.services.core.live_balancer import DEFAULT_WINDOW_S, LiveElasticBalancer
+from octoserve.services.core.day_request import DayRequest
 from octoserve.services.core.placement import NodeConfig
 from octoserve.services.core.types import EngineLoad
 from octoserve.services.sim.elastic_sim import ElasticSim, SimInstance, SimRequest
 from octoserve.services.sim.forward_ranker import ForwardSimRanker
-from octoserve.services.workload_day import DayProfile, DayRequest
+from octoserve.services.workload_day import DayProfile
 
 
 def node_twin(node: NodeConfig, policy: BalancerPolicy, view, now_s: float, window_s: float) -> ElasticSim:
@@ -102,3 +105,26 @@ class LiveForwardRanker:
         self.calls += inner.calls
         self.simulated += inner.simulated
         return out
+
+
+def balancer_with_ranker(config: NodeConfig, policy: BalancerPolicy = BalancerPolicy(),
+                         window_s: float = DEFAULT_WINDOW_S, ranker: str = "none") -> LiveElasticBalancer:
+    """The live balancer with the ranker `ranker` names: "none" (the capacity estimate decides alone) or "forward"
+    (`LiveForwardRanker`)."""
+    if ranker not in RANKERS:
+        raise ValueError(f"elastic.ranker must be one of {', '.join(RANKERS)}, got {ranker!r}")
+    forward = LiveForwardRanker(config, policy, window_s) if ranker == "forward" else None
+    return LiveElasticBalancer(config, policy, window_s, forward)
+
+
+def elastic_balancer(config: NodeConfig, section: Mapping) -> LiveElasticBalancer:
+    """From the `elastic` section: every BalancerPolicy field may be given (forecast_window_s, min_dwell_s, ...),
+    `window_s` (the demand window, modelled seconds) and `ranker` (forward, the default, or none)."""
+    names = {f.name for f in fields(BalancerPolicy)}
+    unknown = sorted(set(section) - names - {"balancer", "period_s", "window_s", "ranker"})
+    if unknown:
+        raise ValueError(f"elastic: unknown keys {unknown}; use balancer, period_s, window_s, ranker or "
+                         f"BalancerPolicy fields ({', '.join(sorted(names))})")
+    policy = BalancerPolicy(**{k: v for k, v in section.items() if k in names})
+    return balancer_with_ranker(config, policy, float(section.get("window_s", DEFAULT_WINDOW_S)),
+                                str(section.get("ranker", "forward")))
