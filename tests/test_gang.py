@@ -10,9 +10,11 @@ from octoserve.services.core.gang import (
     Decision,
     Holder,
     LeaseStateCosts,
+    MIN_PREFILL_S,
     MemberView,
     check_bounds,
     lease_state,
+    min_cap_s,
     policy_from_mapping,
 )
 from tests.gang_harness import run_gang
@@ -160,3 +162,40 @@ def test_shared_step_caps_apply_only_while_both_sides_have_work():
     arb.finished("lm", 0.035)
     d = arb.decide(0.035, MemberView("lm", True, 0.012), [MemberView("sm0", True, 0.012)])
     assert d.sm_starts == (("sm0", pytest.approx(0.012)),)  # a floor above the shared cap is still allowed
+
+
+def _after_an_sm_round(arb, lm, sm):
+    """The SMs hold the GPUs at first: let the SM run its round (8 ms), then decide at 8 ms."""
+    d = arb.decide(0.0, lm, [sm])
+    assert d.start_sm_ids == ("sm0",)
+    arb.started("sm0", 0.0, 0.008, d.sm_starts[0][1])
+    arb.finished("sm0", 0.008)
+    return arb.decide(0.008, lm, [sm])
+
+
+def test_the_deadline_shape_caps_by_deadlines_not_by_the_fixed_shared_caps():
+    policy = GangPolicy(shape="deadline", max_lm_wait_ms=60.0, max_sm_stall_ms=160.0, lm_shared_step_ms=15.0,
+                        sm_shared_step_ms=10.0)
+    arb = GangArbiter(policy, "lm", ["sm0"])
+    # The LM urgent (its latest start passed), the SM's next latest start at 48 ms: the LM's step may run to it
+    # (40 ms), past its 15 ms shared cap.
+    d = _after_an_sm_round(arb, MemberView("lm", True, 0.018, deadline_s=0.0), MemberView("sm0", True, 0.010, 0.048))
+    assert d.run_lm and d.lm_cap_s == pytest.approx(0.040)
+    arb.started("lm", 0.008, 0.030, d.lm_cap_s)
+    arb.finished("lm", 0.038)
+    # The LM only decodes, its latest start 120 ms away: the SM steps to the LM-wait bound, not to a 10 ms cap.
+    d = arb.decide(0.038, MemberView("lm", True, 0.018, deadline_s=0.160), [MemberView("sm0", True, 0.010, 0.100)])
+    assert d.sm_starts == (("sm0", pytest.approx(0.060)),)
+
+
+@pytest.mark.parametrize("due_s, cap_s", [(0.0, 0.018), (0.020, 0.020), (0.100, 0.018 + MIN_PREFILL_S)])
+def test_a_due_prompt_keeps_room_in_a_step_cut_to_the_other_sides_latest_start(due_s, cap_s):
+    """Both sides urgent step after step (a loaded node): the LM's step is cut to the SMs' latest start, which
+    has passed, but a prompt of the LM's that is due keeps MIN_PREFILL_S of prefill beside its decodes (all of it
+    when shorter), so it is not starved until some step runs uncapped."""
+    policy = GangPolicy(shape="deadline", max_lm_wait_ms=60.0, max_sm_stall_ms=160.0)
+    arb = GangArbiter(policy, "lm", ["sm0"])
+    lm = MemberView("lm", True, 0.018, deadline_s=0.0, due_prefill_s=due_s)
+    d = _after_an_sm_round(arb, lm, MemberView("sm0", True, 0.010, deadline_s=0.009))
+    assert d.run_lm and d.lm_cap_s == pytest.approx(cap_s)
+    assert min_cap_s(lm) == pytest.approx(cap_s)

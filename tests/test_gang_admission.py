@@ -36,10 +36,25 @@ def _reporter(node, instance_id: str) -> LoadReporter:
     return LoadReporter(inst.id, inst.model, batcher, parts.cost_model, gang_share(node, inst))
 
 
+def _fixed_caps(node):
+    """`node` with the slack shape: steps capped at the fixed shared-step caps while both sides have work."""
+    return dataclasses.replace(node, gang=dataclasses.replace(
+        node.gang, policy=dataclasses.replace(node.gang.policy, shape="slack")))
+
+
 def test_each_member_shares_at_its_own_cap_beside_the_others():
-    node = _node()
+    # The shared-step caps split 0.85 x the tightest ITL (65 ms) 0.6 / 0.4.
+    node = _fixed_caps(_node())
     assert gang_share(node, node.instance("lm-0")) == GangShare(0.6, pytest.approx(0.03315), pytest.approx(0.0221))
     assert gang_share(node, node.instance("sm-3")) == GangShare(0.4, pytest.approx(0.0221), pytest.approx(0.03315))
+    # The deadline shape (seed 003's): the other side steps once per its own ITL at its full-batch floor (SM 11.93 ms,
+    # LM 29.59 ms), and the member holds the rest of that ITL less the 5 ms urgency guard, within its bound: the LM
+    # 65 - 11.93 - 5 ms, the SMs min(60 ms LM-wait bound, 100 - 29.59 - 5 ms).
+    node = _node()
+    assert gang_share(node, node.instance("lm-0")) == GangShare(0.6, pytest.approx(0.0480683, abs=1e-6),
+                                                                pytest.approx(0.0119317, abs=1e-6))
+    assert gang_share(node, node.instance("sm-3")) == GangShare(0.4, pytest.approx(0.06), pytest.approx(0.0295863,
+                                                                                                       abs=1e-6))
     solo = node_config_from_dict(parse_yaml_mapping(default_config_text("node-default.yaml"), "node-default.yaml"))
     assert gang_share(solo, solo.instances[0]) is None
 
@@ -125,8 +140,8 @@ def test_a_shared_member_reports_capped_steps_taking_turns(instance_id):
     assert shared.prefill_tokens_per_s == pytest.approx(chunk / (share.own_cap_s + share.other_cap_s))
     assert shared.decode_step_time_s == pytest.approx(rep.decode_step_time_s + share.other_cap_s)
     assert shared.long_prefill_tokens_per_s == 0.0  # no step runs past its cap while shared
-    # Alone, the member steps in full: several times the shared rate, at its own decode step.
-    assert alone.prefill_tokens_per_s > 3 * shared.prefill_tokens_per_s
+    # Alone, the member steps in full: over twice the shared rate, at its own decode step.
+    assert alone.prefill_tokens_per_s > 2 * shared.prefill_tokens_per_s
     assert alone.decode_step_time_s == rep.decode_step_time_s
     # The capped chunk is what the batcher cuts a capped step to (no decode yet in this one; a step without decodes
     # pays a one-decode step's fixed cost, so the chunk is the same).
@@ -155,7 +170,7 @@ def test_queued_prompts_count_as_the_decodes_they_become():
 
 
 def test_decodes_that_fill_the_cap_leave_no_prefill_while_shared():
-    node = _node("pessimistic")
+    node = _fixed_caps(_node("pessimistic"))
     rep = _reporter(node, "lm-0")
     rep.shared = True
     # The pessimistic LM's one-decode step (32.3 ms) nearly fills its 33.15 ms shared cap.
@@ -189,3 +204,49 @@ def test_admitted_requests_keep_the_promise_at_the_seed_003_peak(case, cost_prof
     for name in admitting:
         g = groups[name]
         assert g.attainment_admitted >= 0.95, (name, g.num_good, g.num_admitted)
+
+
+@pytest.mark.parametrize("cost_profile", ["default", "pessimistic"])
+def test_capped_chunks_of_a_long_prompt_end_within_their_cap(cost_profile):
+    """A 24,000-token prompt on a gang SM, prefilled in steps capped at 50 ms: each chunk attends over the ones
+    before it, which the linear step model leaves out, so the cap's chunk shrinks as the context grows and every
+    step, timed by the cost model, ends within its cap (an overrun would stretch the LM's wait past its bound)."""
+    from octoserve.services.core.sim_executor import SimExecutor
+
+    node = _node(cost_profile)
+    rep = _reporter(node, "sm-0")
+    b = rep.batcher
+    executor = SimExecutor(rep.cost, node.instance("sm-0").block_size)
+    b.add_request(RequestSpec("long", "llama-3-8b", tuple(10 + i % 3000 for i in range(24000)),
+                              SamplingParams(max_tokens=4), arrival_s=0.0), 0.0)
+    cap_s, now, chunks = 0.050, 0.0, []
+    while sum(chunks) < 24000:
+        plan = b.schedule(now, step_cap_s=cap_s)
+        result = executor.execute(plan, b)
+        assert result.step_time_s <= cap_s, (len(chunks), plan.num_batched_tokens, result.step_time_s)
+        chunks.append(plan.num_batched_tokens)
+        now += result.step_time_s
+        b.update(plan, result, now)
+    assert sum(chunks) == 24000 and len(chunks) > 2
+    assert chunks[-2] < chunks[0]  # the later chunks attend over more context: fewer tokens fit the cap
+
+
+def test_a_member_reports_the_step_its_due_prompts_need():
+    """`Batcher.due_prefill_s`: the step carrying every prompt whose first token is due within the horizon (the
+    deadline shapes keep room for it), and the live member's report carries it to the scheduler's arbiter."""
+    from octoserve.services.core.types import Priority
+    from octoserve.services.scheduler.gang_live import _view_pb
+
+    node = _node()
+    rep = _reporter(node, "lm-0")
+    b = rep.batcher
+    per_token = b.config.prefill_s_per_token
+    for rid, n, tier in (("now", 1000, Priority.INTERACTIVE), ("later", 1500, Priority.BATCH)):
+        b.add_request(RequestSpec(rid, "dense-180b", tuple(10 + i for i in range(n)), SamplingParams(max_tokens=4),
+                                  arrival_s=0.0, priority=tier), 0.0)
+    # No decodes yet. The INTERACTIVE prompt is due by 200 ms, the BATCH one by 10 s.
+    assert b.due_prefill_s(0.0, 0.1) == 0.0
+    assert b.due_prefill_s(0.0, 1.0) == pytest.approx(1000 * per_token)
+    assert b.due_prefill_s(9.5, 1.0) == pytest.approx(2048 * per_token)  # both, up to the step's token ceiling
+    view = _view_pb(b, 0.1, 0.0, 1.0)
+    assert view["has_work"] and view["due_prefill_s"] == pytest.approx(1000 * per_token)

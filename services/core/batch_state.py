@@ -58,6 +58,9 @@ class BatcherConfig:
     # context beyond that adds `kv_s_per_context_token` of KV reading to a step, taken out of its prefill chunk.
     sized_context_tokens: int = 0
     kv_s_per_context_token: float = 0.0
+    # Attention time of one (new token, context token) pair, by the cost model: what a prefill chunk over a long
+    # computed context adds beyond the linear step model; a gang cap's chunk is cut by it (0: not modelled).
+    attn_s_per_pair: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:

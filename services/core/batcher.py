@@ -176,7 +176,8 @@ class Batcher:
         elif self.config.tpot_target_s > 0:  # nothing to prefill: only the load report's long-step figures stay current
             self._slack_chunk = self._slack_budget(decodes, now, extra_kv_s) - len(decodes)
         if step_cap_s is not None:
-            budget = min(budget, self._capped_budget(len(decodes), step_cap_s, extra_kv_s))
+            context = max((r.num_computed_tokens for r in prefills), default=0)
+            budget = min(budget, self._capped_budget(len(decodes), step_cap_s, extra_kv_s, context))
         step = builder(budget)
         first, deferred = self._prefills_before_waiting(prefills)
         if isinstance(step, CompactBuilder):
@@ -446,17 +447,26 @@ class Batcher:
                                               - table[min(num_decodes, len(table) - 1)])
         self._slack_tokens = max(0, int((tpot_s - slower_s - base_s) / cfg.prefill_s_per_token + 1e-9))
 
-    def _capped_budget(self, num_decodes: int, cap_s: float, extra_kv_s: float) -> int:
+    def _capped_budget(self, num_decodes: int, cap_s: float, extra_kv_s: float, context: int = 0) -> int:
+        """The step's token budget under a gang cap: its decodes plus the prefill tokens that fit the spare time.
+        `context`: the longest computed context of the running prefills, whose chunk attends over it."""
         cfg = self.config
         table = cfg.decode_step_s_by_num_decodes
         if not table or cfg.prefill_s_per_token <= 0:
             return cfg.max_num_batched_tokens  # no step model: the cap cannot be honoured (placement refuses this)
         # A step with no decodes still pays the fixed cost of any step (weights streamed, overheads): table[1].
         base_s = table[min(max(num_decodes, 1), len(table) - 1)] + extra_kv_s
-        # The linear model misses the attention of a chunk over its own earlier chunks and the LM head of every
-        # admitted prompt; CAP_MARGIN keeps capped steps inside their cap (overruns are counted by the arbiter).
+        # The linear model misses the LM head of every admitted prompt and the rest of the attention;
+        # CAP_MARGIN keeps capped steps inside their cap (overruns are counted by the arbiter).
         spare_s = (cap_s - base_s) * CAP_MARGIN
-        return num_decodes + max(0, int(spare_s / cfg.prefill_s_per_token + 1e-9))
+        chunk = spare_s / cfg.prefill_s_per_token
+        if cfg.attn_s_per_pair > 0 and chunk > 0:
+            # A chunk of n tokens over `context` computed ones attends to n x (context + n / 2) pairs: solve
+            # n x (per_token + attn x context) + attn x n^2 / 2 = spare for n.
+            a = cfg.attn_s_per_pair / 2.0
+            b = cfg.prefill_s_per_token + cfg.attn_s_per_pair * context
+            chunk = (math.sqrt(b * b + 4.0 * a * spare_s) - b) / (2.0 * a)
+        return num_decodes + max(0, int(chunk + 1e-9))
 
     def capped_prefill_tokens(self, cap_s: float, num_decodes: int = -1) -> int:
         """Prefill tokens a step capped at `cap_s` carries beside `num_decodes` decodes (default: its latest step's)
@@ -492,6 +502,24 @@ class Batcher:
             t = self._ttft_deadline_s(head) - head.num_uncomputed_tokens * per_token_s
             best = t if best is None else min(best, t)
         return None if best is None else best - self.step_floor_s()
+
+    def due_prefill_s(self, now: float, horizon_s: float) -> float:
+        """For a gang arbiter: the step, by the step model, that carries beside the running decodes the prefill of
+        every prompt whose first token is due within `horizon_s` of `now` (running prefills, then the first
+        NEEDS_LONG_SCAN waiting prompts in queue order), up to the step's token ceiling; 0 when none is due (or
+        without a step model)."""
+        cfg = self.config
+        if cfg.prefill_s_per_token <= 0 or not cfg.decode_step_s_by_num_decodes:
+            return 0.0
+        decodes, prefills = self._split_running()
+        tokens = 0
+        for r in (*prefills, *self._waiting.head(NEEDS_LONG_SCAN)) if self._waiting else prefills:
+            if self._ttft_deadline_s(r) - now <= horizon_s:
+                tokens += self._tokens_to_first(r)
+        tokens = min(tokens, cfg.max_num_batched_tokens - len(decodes))
+        if tokens <= 0:
+            return 0.0
+        return self._base_step_s(len(decodes)) + self._extra_kv_read_s(decodes) + tokens * cfg.prefill_s_per_token
 
     def _ttft_deadline_s(self, req: Request) -> float:
         tier_slo = self.config.tier_ttft_slo_ms.get(req.spec.priority, DEFAULT_TIER_TTFT_SLO_MS[Priority.STANDARD])

@@ -248,6 +248,10 @@ class CostModel:
         return self._time_s(num_tokens + num_steady, num_pairs, num_kv_tokens, num_samples + num_steady,
                             swap_blocks * block_size)
 
+    def attn_s_per_pair(self) -> float:
+        """Attention compute time of one (new token, context token) pair, at the attention kernels' efficiency."""
+        return self._attn_s_per_pair
+
     def prefill_time_s(self, num_tokens: int, num_context_tokens: int = 0) -> float:
         """One chunk of `num_tokens` new tokens on top of `num_context_tokens` cached ones, alone in its step."""
         pairs = num_tokens * num_context_tokens + num_tokens * (num_tokens + 1) // 2

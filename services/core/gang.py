@@ -38,11 +38,13 @@ Shapes (`GangPolicy.shape`), compared in the simulator:
   or both are urgent, virtual-time fair share decides: each side's virtual time grows by the group time it held
   over its weight, the lower runs next (`min_slice_ms` of hysteresis), and neither banks over `max_lag_ms`.
 - `deadline`: leases by each side's own deadline (per-model ITLs: the LM needs one step per its ITL, the SMs one
-  per theirs): capped as `slack`, but the LM takes the GPUs only when its latest start is urgent (or no SM has
-  work) and gives them back after the step unless it is still urgent and the SMs are not; the SMs run otherwise,
-  several SM steps per LM step when the LM's ITL is the longer, and an LM that only decodes costs one step per
-  its ITL instead of a fair share. When both are urgent they alternate (one round of every SM with work between
-  LM steps).
+  per theirs): capped as `slack` (the other side's latest start and the bounds, no fixed shared-step caps), but
+  the LM takes the GPUs only when its latest start is urgent (or no SM has work) and gives them back after the
+  step unless it is still urgent and the SMs are not; the SMs run otherwise, several SM steps per LM step when the
+  LM's ITL is the longer, and an LM that only decodes costs one step per its ITL instead of a fair share. When
+  both are urgent they alternate (one round of every SM with work between LM steps).
+In the deadline shapes a step of a member with a prompt due (`MemberView.due_prefill_s`) is never capped below
+its floor plus `MIN_PREFILL_S` (or the whole prompt, when shorter), so a loaded node's prompts still progress.
 Every SM slice lets each SM with work step at least once (no zero-length slices, no ping-pong).
 
 Baseline shapes (`BASELINE_SHAPES`: seed 003's warnings, for comparison; all work-conserving):
@@ -108,6 +110,8 @@ class GangPolicy:
     lm_shared_step_ms: float = 0.0
     sm_shared_step_ms: float = 0.0
     slice_ms: float = 1000.0  # slices shape: the length of each fixed slice
+    # deadline shapes: a member's prompt whose first token is due within this is *due* (`MemberView.due_prefill_s`)
+    due_horizon_ms: float = 1000.0
 
     @property
     def is_baseline(self) -> bool:
@@ -120,7 +124,8 @@ class GangPolicy:
         for name in ("max_lm_wait_ms", "max_sm_stall_ms", "lm_weight", "sm_weight", "period_ms", "slice_ms"):
             if not getattr(self, name) > 0:
                 out.append(f"gang.{name} is {getattr(self, name)!r}; set a positive number")
-        for name in ("urgent_ms", "min_slice_ms", "max_lag_ms", "lease_ms", "lm_shared_step_ms", "sm_shared_step_ms"):
+        for name in ("urgent_ms", "min_slice_ms", "max_lag_ms", "lease_ms", "lm_shared_step_ms", "sm_shared_step_ms",
+                     "due_horizon_ms"):
             if not getattr(self, name) >= 0:
                 out.append(f"gang.{name} is {getattr(self, name)!r}; set a number >= 0")
         if self.lease_ms >= self.period_ms:
@@ -151,6 +156,8 @@ class MemberView:
     has_work: bool  # something to schedule (running, waiting or swapped requests)
     min_step_s: float  # its step floor now: the decodes it must run, no prefill
     deadline_s: float | None = None  # the latest start of its next step that meets its most urgent deadline
+    # the step that brings every prompt due within the policy's due_horizon_ms to its first token (0: none due)
+    due_prefill_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +189,20 @@ class GangStats:
     lm_held_s: float = 0.0  # group time held by the LM / by the SMs
     sm_held_s: float = 0.0
     lease_states: dict[str, int] = field(default_factory=dict)  # lease_state choice -> count
+
+
+# Deadline shapes: the least prefill a capped step keeps beside its decodes while a prompt of its member is due.
+# Caps cut to the other side's latest start would otherwise leave a due prompt no room at all while both sides are
+# urgent step after step (a loaded node), and it would wait until some step happened to run uncapped.
+MIN_PREFILL_S = 0.005
+
+
+def min_cap_s(view: MemberView) -> float:
+    """The shortest cap a deadline shape gives a step of `view`: its floor, plus room for a due prompt's first
+    chunk (all of it when that fits)."""
+    if view.due_prefill_s <= view.min_step_s:
+        return view.min_step_s
+    return min(view.due_prefill_s, view.min_step_s + MIN_PREFILL_S)
 
 
 class GangArbiter:
@@ -252,7 +273,7 @@ class GangArbiter:
         if self._busy(self.lm_id):
             return Decision()
         sm_work = [s for s in sms if s.has_work]
-        self._lm_floor = lm.min_step_s
+        self._lm_floor = min_cap_s(lm) if self.policy.shape in _DEADLINE_SHAPES else lm.min_step_s
         if self.holder is Holder.LM:
             cap = self._lm_cap(now, sm_work)
             if lm.has_work and cap >= lm.min_step_s - _EPS and self._lm_may_continue(now, lm, sm_work):
@@ -371,7 +392,7 @@ class GangArbiter:
         cap = self._max_stall_s
         for s in sm_work:
             cap = min(cap, self._stall_since.get(s.member_id, now) + self._max_stall_s - now)
-        if horizon and sm_work and self.policy.lm_shared_step_ms > 0:
+        if horizon and sm_work and self.policy.lm_shared_step_ms > 0 and self.policy.shape != "deadline":
             cap = min(cap, max(self._lm_floor, self.policy.lm_shared_step_ms / 1e3))
         if horizon and self.policy.shape == "periodic" and sm_work and self.holder is Holder.LM:
             cap = min(cap, self._lease_start + self.policy.lease_ms / 1e3 - now)
@@ -384,7 +405,7 @@ class GangArbiter:
 
     def _sm_cap(self, now: float, lm: MemberView, floor_s: float) -> float:
         cap = self._max_wait_s if self._lm_wait_since is None else self._lm_wait_since + self._max_wait_s - now
-        if lm.has_work and self.policy.sm_shared_step_ms > 0:
+        if lm.has_work and self.policy.sm_shared_step_ms > 0 and self.policy.shape != "deadline":
             cap = min(cap, max(floor_s, self.policy.sm_shared_step_ms / 1e3))
         if self.policy.shape in _DEADLINE_SHAPES and lm.has_work and lm.deadline_s is not None and lm.deadline_s >= now:
             cap = min(cap, max(floor_s, lm.deadline_s - now))
@@ -440,7 +461,7 @@ class GangArbiter:
             return Decision(sm_starts=starts, fills=bool(starts))
         starts = []
         for s in idle:
-            cap = self._sm_cap(now, lm, s.min_step_s)
+            cap = self._sm_cap(now, lm, min_cap_s(s) if self.policy.shape in _DEADLINE_SHAPES else s.min_step_s)
             if s.min_step_s <= cap + _EPS:
                 starts.append((s.member_id, cap))
         return Decision(sm_starts=tuple(starts))

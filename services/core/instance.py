@@ -12,7 +12,7 @@ from octoserve.services.core.batch_state import BatcherConfig
 from octoserve.services.core.batcher import FREE_STEP_SHARE, Batcher
 from octoserve.services.core.cost_model import CostModel
 from octoserve.services.core.kv_cache import KVCacheManager
-from octoserve.services.core.placement import InstanceConfig, NodeConfig, num_kv_blocks_for
+from octoserve.services.core.placement import InstanceConfig, NodeConfig, gang_step_floor_s, num_kv_blocks_for
 from octoserve.services.core.slo_sizing import CHUNK_QUANTUM, TAIL_SIZING_BELOW, WIDE_BATCH_AT, size_for_slo
 from octoserve.services.core.types import EngineLoad, StepPlan
 
@@ -101,6 +101,7 @@ def _sizing_fields(node: NodeConfig, instance: InstanceConfig, cost_model: CostM
             prefill_s_per_token=sized.prefill_s_per_token,
             sized_context_tokens=sized.context_tokens,
             kv_s_per_context_token=sized.kv_s_per_context_token,
+            attn_s_per_pair=cost_model.attn_s_per_pair(),
         )
     return fields
 
@@ -128,9 +129,19 @@ def gang_share(node: NodeConfig, instance: InstanceConfig) -> GangShare | None:
     if group is None:
         return None
     policy = node.gang.policy
-    lm_s, sm_s = policy.lm_shared_step_ms / 1e3, policy.sm_shared_step_ms / 1e3
-    own, other = (lm_s, sm_s) if instance.id == group.lm else (sm_s, lm_s)
-    return GangShare(gang_duty(node, instance), own, other)
+    is_lm = instance.id == group.lm
+    if policy.shape != "deadline":
+        lm_s, sm_s = policy.lm_shared_step_ms / 1e3, policy.sm_shared_step_ms / 1e3
+        own, other = (lm_s, sm_s) if is_lm else (sm_s, lm_s)
+        return GangShare(gang_duty(node, instance), own, other)
+    # Deadline shape: the other side steps once per its own ITL, at its floor, and the member holds the GPUs the
+    # rest of that ITL (less the arbiter's urgency guard), within the bound that caps its steps.
+    others = group.sms if is_lm else (group.lm,)
+    other_floor_s = max(gang_step_floor_s(node, node.instance(x)) for x in others)
+    other_itl_s = node.slo.for_model(node.instance(others[0]).model).itl_ms / 1e3
+    bound_s = (policy.max_sm_stall_ms if is_lm else policy.max_lm_wait_ms) / 1e3
+    own = max(0.0, min(bound_s, other_itl_s - other_floor_s - policy.urgent_ms / 1e3))
+    return GangShare(gang_duty(node, instance), own, other_floor_s)
 
 
 class LoadReporter:

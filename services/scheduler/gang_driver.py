@@ -97,7 +97,8 @@ class GangDriver:
     def _view(self, member: GangMember) -> MemberView:
         v = member.view()
         deadline_s = None if v.deadline_s is None else v.deadline_s - self._origin_s
-        return MemberView(v.member_id, v.has_work and member.member_id not in self._blocked, v.min_step_s, deadline_s)
+        return MemberView(v.member_id, v.has_work and member.member_id not in self._blocked, v.min_step_s, deadline_s,
+                          v.due_prefill_s)
 
     async def run(self) -> None:
         """The loop, until cancelled; a cancelled driver lets running steps end and reports them."""

@@ -50,10 +50,13 @@ Event = s_pb.GangReport.Event
 REJOIN_S = 0.2  # pause before a member reopens a broken stream (the scheduler restarting)
 
 
-def _view_pb(batcher, itl_s: float) -> dict:
+def _view_pb(batcher, itl_s: float, now: float, due_horizon_s: float) -> dict:
+    """The member's view (`MemberView`) on the wire; `now`: the batcher's clock (modelled seconds)."""
     deadline = batcher.earliest_deadline_s(itl_s)
-    return dict(has_work=bool(batcher.has_work or batcher.has_pending_outputs), min_step_s=batcher.step_floor_s(),
-                has_deadline=deadline is not None, deadline_s=deadline if deadline is not None else 0.0)
+    has_work = bool(batcher.has_work or batcher.has_pending_outputs)
+    return dict(has_work=has_work, min_step_s=batcher.step_floor_s(),
+                has_deadline=deadline is not None, deadline_s=deadline if deadline is not None else 0.0,
+                due_prefill_s=batcher.due_prefill_s(now, due_horizon_s) if has_work else 0.0)
 
 
 # ---- worker side -------------------------------------------------------------------------------------------------
@@ -62,10 +65,12 @@ def _view_pb(batcher, itl_s: float) -> dict:
 class GangGate:
     """A member worker's side of the protocol: the sim engine's step loop calls `turn` before every step."""
 
-    def __init__(self, instance_id: str, scheduler: str, *, itl_s: float, time_scale: float) -> None:
+    def __init__(self, instance_id: str, scheduler: str, *, itl_s: float, time_scale: float,
+                 due_horizon_s: float = 1.0) -> None:
         self.instance_id = instance_id
         self.itl_s = itl_s
         self.time_scale = time_scale
+        self.due_horizon_s = due_horizon_s
         self._scheduler = scheduler
         self._out: asyncio.Queue[s_pb.GangReport] = asyncio.Queue()
         self._grants: asyncio.Queue[s_pb.GangGrant] = asyncio.Queue()
@@ -81,7 +86,8 @@ class GangGate:
         self.steps: collections.deque[tuple[float, float]] = collections.deque(maxlen=100_000)
 
     def _send(self, event, batcher=None, **fields) -> None:
-        view = _view_pb(batcher, self.itl_s) if batcher is not None else {}
+        now = asyncio.get_running_loop().time() / self.time_scale
+        view = _view_pb(batcher, self.itl_s, now, self.due_horizon_s) if batcher is not None else {}
         self._out.put_nowait(s_pb.GangReport(instance_id=self.instance_id, event=event, **view, **fields))
 
     async def _requests(self) -> AsyncIterator[s_pb.GangReport]:
@@ -182,7 +188,7 @@ def attach_gang_gate(engine, node_cfg: NodeConfig, instance_id: str, scheduler: 
         raise ValueError(f"instance {instance_id} is in a gang group, which needs an engine with a step gate "
                          "(--engine sim); pause/resume engines take turns with EngineSliceMember instead")
     engine.gate = GangGate(instance_id, scheduler, itl_s=node_cfg.slo.for_model(node_cfg.instance(instance_id).model).itl_ms / 1000.0,
-                         time_scale=time_scale)
+                         time_scale=time_scale, due_horizon_s=node_cfg.gang.policy.due_horizon_ms / 1000.0)
     reporter = engine.reporter
 
     def on_sharing(shared: bool) -> None:
@@ -221,7 +227,8 @@ class RemoteStepMember:
 
     def on_report(self, r: s_pb.GangReport) -> None:
         if r.event in (Event.BOUNDARY, Event.ENDED, Event.NOTHING):
-            self._view = MemberView(self.member_id, r.has_work, r.min_step_s, r.deadline_s if r.has_deadline else None)
+            self._view = MemberView(self.member_id, r.has_work, r.min_step_s, r.deadline_s if r.has_deadline else None,
+                                    r.due_prefill_s)
         if r.event in (Event.STARTED, Event.NOTHING) and self._started is not None and not self._started.done():
             self._started.set_result(r.step_s if r.event == Event.STARTED else None)
         elif r.event == Event.ENDED:

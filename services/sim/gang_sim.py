@@ -51,6 +51,7 @@ class GangGroupSim:
         self._start_step = start_step  # (instance, cap_s) -> step seconds, or None when it planned nothing
         # each member's deadlines come from its own model's ITL SLO (per-model SLOs: the LM's and the SMs' differ)
         self._itl_s = {inst.cfg.id: node.slo.for_model(inst.cfg.model).itl_ms / 1000.0 for inst in self.members()}
+        self._horizon_s = node.gang.policy.due_horizon_ms / 1000.0
         self._blocked: set[str] = set()  # told to start, planned nothing: no work until the next event
         self._drain_from: float | None = None
         self._sm_ran_fill: set[str] = set()
@@ -61,10 +62,11 @@ class GangGroupSim:
     def members(self) -> list:
         return [self.lm, *self.sms]
 
-    def _view(self, inst) -> MemberView:
+    def _view(self, inst, now: float) -> MemberView:
         b = inst.batcher
         has_work = (b.has_work or b.has_pending_outputs) and inst.cfg.id not in self._blocked
-        return MemberView(inst.cfg.id, has_work, b.step_floor_s(), b.earliest_deadline_s(self._itl_s[inst.cfg.id]))
+        return MemberView(inst.cfg.id, has_work, b.step_floor_s(), b.earliest_deadline_s(self._itl_s[inst.cfg.id]),
+                          b.due_prefill_s(now, self._horizon_s) if has_work else 0.0)
 
     def step_done(self, inst, now: float) -> None:
         self.arbiter.finished(inst.cfg.id, now)
@@ -75,7 +77,7 @@ class GangGroupSim:
         self._blocked.clear()
         while True:
             was_draining = self.arbiter.draining
-            d = self.arbiter.decide(now, self._view(self.lm), [self._view(s) for s in self.sms])
+            d = self.arbiter.decide(now, self._view(self.lm, now), [self._view(s, now) for s in self.sms])
             if self.arbiter.draining and not was_draining:
                 self._drain_from, self._sm_ran_fill = now, set()
             for member_id, shared in d.notices:

@@ -203,7 +203,7 @@ class ReleaseLeaseReply(_message.Message):
     def __init__(self) -> None: ...
 
 class GangReport(_message.Message):
-    __slots__ = ("instance_id", "event", "has_work", "min_step_s", "has_deadline", "deadline_s", "step_s", "time_scale")
+    __slots__ = ("instance_id", "event", "has_work", "min_step_s", "has_deadline", "deadline_s", "step_s", "time_scale", "due_prefill_s")
     class Event(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         HELLO: _ClassVar[GangReport.Event]
@@ -224,6 +224,7 @@ class GangReport(_message.Message):
     DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
     STEP_S_FIELD_NUMBER: _ClassVar[int]
     TIME_SCALE_FIELD_NUMBER: _ClassVar[int]
+    DUE_PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     event: GangReport.Event
     has_work: bool
@@ -232,7 +233,8 @@ class GangReport(_message.Message):
     deadline_s: float
     step_s: float
     time_scale: float
-    def __init__(self, instance_id: _Optional[str] = ..., event: _Optional[_Union[GangReport.Event, str]] = ..., has_work: _Optional[bool] = ..., min_step_s: _Optional[float] = ..., has_deadline: _Optional[bool] = ..., deadline_s: _Optional[float] = ..., step_s: _Optional[float] = ..., time_scale: _Optional[float] = ...) -> None: ...
+    due_prefill_s: float
+    def __init__(self, instance_id: _Optional[str] = ..., event: _Optional[_Union[GangReport.Event, str]] = ..., has_work: _Optional[bool] = ..., min_step_s: _Optional[float] = ..., has_deadline: _Optional[bool] = ..., deadline_s: _Optional[float] = ..., step_s: _Optional[float] = ..., time_scale: _Optional[float] = ..., due_prefill_s: _Optional[float] = ...) -> None: ...
 
 class GangGrant(_message.Message):
     __slots__ = ("cap_s", "shared", "notice")
