@@ -276,6 +276,16 @@ async def _prefill_then_decode(prefill, decode, s, before_decode=None):
 class TestDisaggregated:
     pytestmark = [*needs_vllm, session_loop]
 
+    async def test_two_engines_started_together_register_no_vllm_collectors(self, disaggregated):
+        # vLLM's own Prometheus logger, one per engine, would race on the process-wide registry when both engines
+        # finish starting at once (DuplicateTimeseries); octoserve's tracker logger stands in for it.
+        import prometheus_client
+
+        prefill, decode, _ = disaggregated
+        names = sorted(n for names in prometheus_client.REGISTRY._collector_to_names.values() for n in names)
+        assert [n for n in names if n.startswith("vllm:")] == []
+        assert prefill.load().healthy and decode.load().healthy
+
     async def test_disaggregated_equals_colocated_and_uses_the_transferred_kv(self, disaggregated, reference):
         prefill, decode, kv = disaggregated
         for i in (0, 1, 2, 3, 7):

@@ -120,16 +120,32 @@ def _ema(old: float, new: float) -> float:
 
 
 def _stat_logger_factory(tracker: _LoadTracker):
-    """A vLLM per-engine stat logger factory that feeds `tracker` (vLLM calls it with (vllm_config, engine_index))."""
-    from vllm.v1.metrics.loggers import StatLoggerBase
+    """A vLLM stat logger class that feeds `tracker` and stands in for vLLM's Prometheus logger.
 
-    class _TrackerLogger(StatLoggerBase):
-        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+    vLLM adds a Prometheus logger to every AsyncLLM unless one of its loggers is a `PrometheusStatLogger`; each one
+    empties the process-wide registry of `vllm:` collectors and registers its own. Two engines of one process that
+    finish starting together (a prefill and a decode engine, the gang's two models) interleave those steps and the
+    second fails with `DuplicateTimeseries`. octoserve exports its own metrics, so this subclass registers none."""
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+    class _TrackerLogger(PrometheusStatLogger):
+        def __init__(self, vllm_config: Any, engine_indexes: list[int] | None = None) -> None:
+            # No super().__init__: that is what registers the Prometheus collectors.
+            self.engine_indexes = engine_indexes or [0]
             self._tracker = tracker
 
         def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
             if scheduler_stats is not None:
                 self._tracker.record(scheduler_stats)
+
+        def record_admission_rejection(self, reason: str) -> None:
+            pass
+
+        def record_sleep_state(self, sleep: int = 0, level: int = 0) -> None:
+            pass
+
+        def log(self) -> None:
+            pass
 
         def log_engine_initialized(self) -> None:
             pass
