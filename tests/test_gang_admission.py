@@ -240,13 +240,18 @@ def test_a_member_reports_the_step_its_due_prompts_need():
     node = _node()
     rep = _reporter(node, "lm-0")
     b = rep.batcher
-    per_token = b.config.prefill_s_per_token
+    per_token, attn = b.config.prefill_s_per_token, b.config.attn_s_per_pair
+    fixed = b.config.decode_step_s_by_num_decodes[1]  # a step with no decodes still pays one decode's fixed cost
+    assert attn > 0
     for rid, n, tier in (("now", 1000, Priority.INTERACTIVE), ("later", 1500, Priority.BATCH)):
         b.add_request(RequestSpec(rid, "dense-180b", tuple(10 + i for i in range(n)), SamplingParams(max_tokens=4),
                                   arrival_s=0.0, priority=tier), 0.0)
     # No decodes yet. The INTERACTIVE prompt is due by 200 ms, the BATCH one by 10 s.
     assert b.due_prefill_s(0.0, 0.1) == 0.0
-    assert b.due_prefill_s(0.0, 1.0) == pytest.approx(1000 * per_token)
-    assert b.due_prefill_s(9.5, 1.0) == pytest.approx(2048 * per_token)  # both, up to the step's token ceiling
+    # Each chunk attends over itself (n x n / 2 pairs: nothing of these prompts is computed yet).
+    one = fixed + 1000 * per_token + attn * 1000 * 500
+    assert b.due_prefill_s(0.0, 1.0) == pytest.approx(one)
+    # both, up to the step's 2,048-token ceiling: the whole first prompt, then 1,048 tokens of the second
+    assert b.due_prefill_s(9.5, 1.0) == pytest.approx(fixed + 2048 * per_token + attn * (1000 * 500 + 1048 * 524))
     view = _view_pb(b, 0.1, 0.0, 1.0)
-    assert view["has_work"] and view["due_prefill_s"] == pytest.approx(1000 * per_token)
+    assert view["has_work"] and view["due_prefill_s"] == pytest.approx(one)

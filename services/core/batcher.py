@@ -358,6 +358,12 @@ class Batcher:
         table = self.config.decode_step_s_by_num_decodes
         return table[min(num_decodes, len(table) - 1)]
 
+    def _working_step_s(self, num_decodes: int) -> float:
+        """`_base_step_s` for a step that runs something: one with no decodes still pays the fixed cost of any
+        step (weights streamed, overheads), i.e. one decode's."""
+        table = self.config.decode_step_s_by_num_decodes
+        return table[min(max(num_decodes, 1), len(table) - 1)]
+
     def _step_rate(self, num_decodes: int, chunk: int) -> float:
         if chunk <= 0:
             return 0.0
@@ -454,8 +460,7 @@ class Batcher:
         table = cfg.decode_step_s_by_num_decodes
         if not table or cfg.prefill_s_per_token <= 0:
             return cfg.max_num_batched_tokens  # no step model: the cap cannot be honoured (placement refuses this)
-        # A step with no decodes still pays the fixed cost of any step (weights streamed, overheads): table[1].
-        base_s = table[min(max(num_decodes, 1), len(table) - 1)] + extra_kv_s
+        base_s = self._working_step_s(num_decodes) + extra_kv_s
         # The linear model misses the LM head of every admitted prompt and the rest of the attention;
         # CAP_MARGIN keeps capped steps inside their cap (overruns are counted by the arbiter).
         spare_s = (cap_s - base_s) * CAP_MARGIN
@@ -480,9 +485,9 @@ class Batcher:
         table = self.config.decode_step_s_by_num_decodes
         if not table:
             return 0.0
-        if not decodes:  # the smallest step that does anything costs about one decode's fixed cost
-            return table[min(1, len(table) - 1)] if (prefills or self._waiting) else 0.0
-        return table[min(len(decodes), len(table) - 1)] + self._extra_kv_read_s(decodes)
+        if not decodes:
+            return self._working_step_s(0) if (prefills or self._waiting) else 0.0
+        return self._base_step_s(len(decodes)) + self._extra_kv_read_s(decodes)
 
     def earliest_deadline_s(self, itl_s: float) -> float | None:
         """For a gang arbiter: the latest time this batcher's next step may start and still meet its most urgent
@@ -512,14 +517,22 @@ class Batcher:
         if cfg.prefill_s_per_token <= 0 or not cfg.decode_step_s_by_num_decodes:
             return 0.0
         decodes, prefills = self._split_running()
-        tokens = 0
+        room = cfg.max_num_batched_tokens - len(decodes)
+        tokens, attn_s = 0, 0.0
         for r in (*prefills, *self._waiting.head(NEEDS_LONG_SCAN)) if self._waiting else prefills:
             if self._ttft_deadline_s(r) - now <= horizon_s:
-                tokens += self._tokens_to_first(r)
-        tokens = min(tokens, cfg.max_num_batched_tokens - len(decodes))
+                left = self._tokens_to_first(r)
+                n = min(left, room - tokens)
+                if n <= 0:
+                    break
+                # its chunk attends over the prompt's computed context and itself, as `_capped_budget` prices it
+                context = len(r.token_ids) - left
+                attn_s += cfg.attn_s_per_pair * n * (context + n / 2.0)
+                tokens += n
         if tokens <= 0:
             return 0.0
-        return self._base_step_s(len(decodes)) + self._extra_kv_read_s(decodes) + tokens * cfg.prefill_s_per_token
+        return (self._working_step_s(len(decodes)) + self._extra_kv_read_s(decodes) + tokens * cfg.prefill_s_per_token
+                + attn_s)
 
     def _ttft_deadline_s(self, req: Request) -> float:
         tier_slo = self.config.tier_ttft_slo_ms.get(req.spec.priority, DEFAULT_TIER_TTFT_SLO_MS[Priority.STANDARD])
