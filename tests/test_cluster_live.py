@@ -10,7 +10,7 @@ from octoserve.services.agreement import TOLERANCE
 from octoserve.services.cluster.live import run_agreement, run_kill
 
 # The harness starts nodes and the picker without a run directory: their temp directories go under tmp_path.
-pytestmark = [pytest.mark.slow, pytest.mark.long_running(minutes=3.9), pytest.mark.usefixtures("temp_dirs_in_tmp_path")]
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("temp_dirs_in_tmp_path")]
 
 
 def test_two_live_nodes_behind_the_picker_agree_with_the_cluster_simulator():
