@@ -43,6 +43,7 @@ MODULES = (
     "core.tail_budget",
     "core.batch_state",
     "core.step_builders",
+    "core.step_budget",
     "core.batcher",
     "sim.steady_batcher",
     "core.admission",

@@ -340,7 +340,7 @@ def tail_batcher() -> Batcher:
 def test_slow_steps_spend_the_itl_tail_budget_and_stop_when_it_is_spent():
     b = tail_batcher()
     now = 0.041
-    assert (b.tail.num_gaps, b.tail.num_slow) == (40, 0)
+    assert (b.budget.tail.num_gaps, b.budget.tail.num_slow) == (40, 0)
     # 1,800 tokens due in 250 ms: 15 free steps (23.75 ms, 127 tokens each) would miss; four long steps of 490
     # tokens (4 x 11 ms + 180 ms = 224 ms) save it
     b.add_request(spec("big", prompt_len=1800, max_tokens=4, first=500, arrival=now), now)
@@ -353,14 +353,14 @@ def test_slow_steps_spend_the_itl_tail_budget_and_stop_when_it_is_spent():
         now += 0.060
     # slow steps while the window holds at most 3 slow gaps, then steps that end within the free share
     assert budgets[:3] == [491, 491, 491] and budgets[3:] == [128, 128]
-    assert (b.tail.num_slow, b.tail.num_gaps) == (3, 45)
+    assert (b.budget.tail.num_slow, b.budget.tail.num_gaps) == (3, 45)
 
 
 def test_the_tail_is_spent_only_on_a_prompt_that_steps_within_the_slo_would_bring_in_late():
     # 500 tokens: 4 free steps of 127 tokens (+1 kept for error) = 119 ms, inside its 250 ms: no slow step
     b = tail_batcher()
     b.add_request(spec("small", prompt_len=500, max_tokens=4, first=500, arrival=0.05), 0.05)
-    assert b.schedule(0.05).num_batched_tokens == 128 and b.tail.affordable(1)
+    assert b.schedule(0.05).num_batched_tokens == 128 and b.budget.tail.affordable(1)
     # 3,000 tokens: lost even in one step (0.011 + 0.3 s > 250 ms): no slow step either
     b = tail_batcher()
     b.add_request(spec("lost", prompt_len=3000, max_tokens=4, first=500, arrival=0.05), 0.05)
@@ -426,17 +426,17 @@ def test_the_load_snapshot_leaves_the_step_in_flight_out_of_the_queue_and_says_w
     assert b.queued_prefill_tokens() == 1000
     plan = b.schedule(0.05)  # a free step: 127 of its tokens in flight, their time in busy_until_s
     assert plan.num_batched_tokens == 128
-    assert b.queued_prefill_tokens() == 873 and b.busy_until_s == pytest.approx(0.05 + 0.011 + 127 * 0.0001)
+    assert b.queued_prefill_tokens() == 873 and b.budget.busy_until_s == pytest.approx(0.05 + 0.011 + 127 * 0.0001)
     b.update(plan, StepResult({"a": 7}), 0.07)
-    assert b.queued_prefill_tokens() == 873 and b.busy_until_s == 0.07
+    assert b.queued_prefill_tokens() == 873 and b.budget.busy_until_s == 0.07
     # 3 slow gaps of the 60-gap window spent: the next long step waits until the oldest slides out
-    assert b.long_step_wait_s() == 0.0
+    assert b.budget.long_step_wait_s() == 0.0
     for _ in range(3):
-        b.tail.observe(1, 1)
-    gaps = b.tail.gaps_until_affordable(1)
-    assert gaps > 0 and not b.tail.affordable(1)
+        b.budget.tail.observe(1, 1)
+    gaps = b.budget.tail.gaps_until_affordable(1)
+    assert gaps > 0 and not b.budget.tail.affordable(1)
     free_step_s = 0.011 + 127 * 0.0001
-    assert b.long_step_wait_s() == pytest.approx(gaps * free_step_s)
+    assert b.budget.long_step_wait_s() == pytest.approx(gaps * free_step_s)
 
 
 def test_the_load_snapshot_affords_long_steps_as_if_the_prompt_they_rescue_had_joined_the_decodes():
@@ -451,10 +451,10 @@ def test_the_load_snapshot_affords_long_steps_as_if_the_prompt_they_rescue_had_j
     for i in range(4):  # its prefill (first token at 0.02), then three more tokens 20 ms apart
         timed_step(b, 0.02 * i, 0.02)
     b.schedule(0.08)  # the report's figures come from the latest plan (a decode-only step, nothing to prefill)
-    assert b.long_prefill_tokens_per_s() == pytest.approx(490 / (0.011 + 490 * 0.0001))
+    assert b.budget.long_prefill_tokens_per_s() == pytest.approx(490 / (0.011 + 490 * 0.0001))
     # slack: 20 ms + 180 ms payback, less 100 ms for the joining decode and the 11 ms step itself: 890 tokens,
     # where the three long steps (1,470 tokens) and the slack counted without the joining decode (1,890) allow more
-    assert b.long_burst_tokens() == 890
+    assert b.budget.long_burst_tokens() == 890
 
 
 def test_long_decode_contexts_take_their_kv_read_time_out_of_the_prefill_chunk():
@@ -511,12 +511,12 @@ def test_output_length_predictor_matches_sorting_its_window_at_every_completion(
 def test_the_load_snapshot_counts_the_long_step_in_flight_against_the_tail_and_the_tpot_slack():
     # One decode, so three long steps back to back, 490 prompt tokens each (max_step_s).
     b = tail_batcher()
-    assert b.long_prefill_tokens_per_s() == pytest.approx(490 / (0.011 + 490 * 0.0001))
-    assert b.long_burst_tokens() == 3 * 490
+    assert b.budget.long_prefill_tokens_per_s() == pytest.approx(490 / (0.011 + 490 * 0.0001))
+    assert b.budget.long_burst_tokens() == 3 * 490
     # Once spent: one step in 20 may be long, and free steps (23.7 ms, 127 tokens) already run past the 20 ms TPOT
     # target, so the decodes regain no slack: the free steps' rate is what lasts.
-    assert b.long_sustained_tokens_per_s() == pytest.approx(127 / (0.011 + 127 * 0.0001))
+    assert b.budget.long_sustained_tokens_per_s() == pytest.approx(127 / (0.011 + 127 * 0.0001))
     b.add_request(spec("big", prompt_len=1800, max_tokens=4, first=500, arrival=0.05), 0.05)
     assert b.schedule(0.05).num_batched_tokens == 491  # a long step, in flight
     assert b.queued_prefill_tokens() == 1800 - 490
-    assert b.long_burst_tokens() == 2 * 490  # its slow gap is not in the window yet, but spent
+    assert b.budget.long_burst_tokens() == 2 * 490  # its slow gap is not in the window yet, but spent

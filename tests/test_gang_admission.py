@@ -135,7 +135,7 @@ def test_a_shared_member_reports_capped_steps_taking_turns(instance_id):
     alone = rep.load()
     rep.shared = True
     shared = rep.load()
-    chunk = b.capped_prefill_tokens(share.own_cap_s, 1)  # beside the one decode the waiting prompt becomes
+    chunk = b.budget.capped_prefill_tokens(share.own_cap_s, 1)  # beside the one decode the waiting prompt becomes
     assert chunk > 0
     assert shared.prefill_tokens_per_s == pytest.approx(chunk / (share.own_cap_s + share.other_cap_s))
     assert shared.decode_step_time_s == pytest.approx(rep.decode_step_time_s + share.other_cap_s)
@@ -146,7 +146,7 @@ def test_a_shared_member_reports_capped_steps_taking_turns(instance_id):
     # The capped chunk is what the batcher cuts a capped step to (no decode yet in this one; a step without decodes
     # pays a one-decode step's fixed cost, so the chunk is the same).
     plan = b.schedule(0.0, step_cap_s=share.own_cap_s)
-    assert plan.num_batched_tokens == b.capped_prefill_tokens(share.own_cap_s, 0) == chunk
+    assert plan.num_batched_tokens == b.budget.capped_prefill_tokens(share.own_cap_s, 0) == chunk
 
 
 def test_queued_prompts_count_as_the_decodes_they_become():
@@ -164,7 +164,7 @@ def test_queued_prompts_count_as_the_decodes_they_become():
         b.add_request(RequestSpec(f"r{i}", "llama-3-8b", tuple(range(10, 40)), SamplingParams(max_tokens=8),
                                   arrival_s=0.0), 0.0)
         assert b.num_future_decodes() == i + 1
-    assert rates == [pytest.approx(max(1, b.capped_prefill_tokens(share.own_cap_s, i)) / cycle_s) for i in range(6)]
+    assert rates == [pytest.approx(max(1, b.budget.capped_prefill_tokens(share.own_cap_s, i)) / cycle_s) for i in range(6)]
     # The first prompt's decode costs what any step's fixed cost does; each one after it takes prefill away.
     assert rates[0] == rates[1] and all(later < earlier for earlier, later in zip(rates[1:], rates[2:]))
 
@@ -174,8 +174,8 @@ def test_decodes_that_fill_the_cap_leave_no_prefill_while_shared():
     rep = _reporter(node, "lm-0")
     rep.shared = True
     # The pessimistic LM's one-decode step (32.3 ms) nearly fills its 33.15 ms shared cap.
-    assert rep.batcher.capped_prefill_tokens(rep.gang.own_cap_s) == 4
-    assert rep.batcher.capped_prefill_tokens(0.02) == 0
+    assert rep.batcher.budget.capped_prefill_tokens(rep.gang.own_cap_s) == 4
+    assert rep.batcher.budget.capped_prefill_tokens(0.02) == 0
     # Its report: 4 tokens a cycle of both caps; a cap its decodes fill still reports one token a cycle, never 0
     # (which routing reads as "unknown" and replaces by the cost model's rate alone).
     cycle_s = rep.gang.own_cap_s + rep.gang.other_cap_s

@@ -51,7 +51,7 @@ from octoserve.services.core.step_builders import (
     StepBuilder,
     StepUnderConstruction,
 )
-from octoserve.services.core.tail_budget import FREE_STEP_SHARE, TailBudget
+from octoserve.services.core.step_budget import StepBudget
 from octoserve.services.core.types import (
     EngineLoad,
     FinishReason,
@@ -65,9 +65,7 @@ from octoserve.services.core.types import (
     StepResult,
 )
 
-CHUNK_FLOOR_TOKENS = 16  # prefill tokens a step keeps however long its decodes' contexts are
 NEEDS_LONG_SCAN = 4  # waiting prompts `_needs_long` looks at, past the running prefills
-CAP_MARGIN = 0.75  # share of a gang cap's spare time (past the decodes) given to prefill tokens
 
 class Batcher:
     def __init__(self, config: BatcherConfig, kv: KVCacheManager) -> None:
@@ -84,19 +82,7 @@ class Batcher:
         self._swapped: list[Request] = []  # sorted by victim key
         self._num_reserved = 0
         self._truncated: list[Request] = []  # out of KV while alone in the batch: finished at the next update
-        self.tail = TailBudget(config.tail_budget_fraction, config.tail_window_gaps)
-        self._idle_step_s = config.tier_ttft_slo_ms.get(Priority.STANDARD, 0.0) / 1000.0  # longest step, no decodes
-        self._planned_gaps = (0.0, 0)  # (plan time, decodes) of the step in flight: its gaps, judged at update
-        self._num_decodes = 0  # decodes of the latest step (steady decodes' token lists may run ahead: not counted)
-        self._slack_chunk = 1 << 30  # prefill tokens the TPOT slack allowed a step at the latest plan
-        self._slack_tokens = 1 << 30  # ...and the slack's prefill tokens in all, before max_step_s bounds a step
-        # When the step in flight ends by the step model (on the clock `now` is on; 0: none planned yet): a prompt
-        # arriving during a long step waits for it (admission reads it from the load snapshot).
-        self.busy_until_s = 0.0
-        # Prefill tokens of the step in flight: still uncomputed until its update, but already paid for by the wait
-        # until `busy_until_s`, so the load snapshot leaves them out of the queue (no double count in admission).
-        self._inflight_prefill_tokens = 0
-        self._inflight_slow = 0  # slow gaps the long step in flight will add to the tail at its update
+        self.budget = StepBudget(config)
         self._num_swap_blocks_used = 0
         self._step_id = 0
         self._run_seq = 0
@@ -168,16 +154,16 @@ class Batcher:
                    builder: type[StepBuilder] | type[CompactBuilder]) -> StepBuilder | CompactBuilder:
         self.state_version += 1
         decodes, prefills, num_decode_tokens = self._split_running_counted()
-        extra_kv_s = self._extra_kv_read_s(decodes, num_decode_tokens)
-        budget = self._shrunk(self.step_budget(len(decodes)), len(decodes), extra_kv_s)
+        extra_kv_s = self.budget.extra_kv_read_s(decodes, num_decode_tokens)
+        budget = self.budget.shrunk(self.budget.step_budget(len(decodes)), len(decodes), extra_kv_s)
         if self.config.tpot_target_s > 0 and (prefills or self._waiting):
-            budget = self._spend_tail(budget, self._slack_budget(decodes, now, extra_kv_s), len(decodes), extra_kv_s,
+            budget = self._spend_tail(budget, self.budget.slack_budget(decodes, now, extra_kv_s), len(decodes), extra_kv_s,
                                       prefills, now)
         elif self.config.tpot_target_s > 0:  # nothing to prefill: only the load report's long-step figures stay current
-            self._slack_chunk = self._slack_budget(decodes, now, extra_kv_s) - len(decodes)
+            self.budget.slack_chunk = self.budget.slack_budget(decodes, now, extra_kv_s) - len(decodes)
         if step_cap_s is not None:
             context = max((r.num_computed_tokens for r in prefills), default=0)
-            budget = min(budget, self._capped_budget(len(decodes), step_cap_s, extra_kv_s, context))
+            budget = min(budget, self.budget.capped_budget(len(decodes), step_cap_s, extra_kv_s, context))
         step = builder(budget)
         first, deferred = self._prefills_before_waiting(prefills)
         if isinstance(step, CompactBuilder):
@@ -191,9 +177,15 @@ class Batcher:
             self._schedule_waiting(step)
         if deferred:
             self._schedule_running(step, deferred)
-        self._note_plan(now, len(decodes), step.used, extra_kv_s)
+        self.budget.note_plan(now, len(decodes), step.used, extra_kv_s)
         self._step_id += 1
         return step
+
+    def reconfigure(self, config: BatcherConfig) -> None:
+        """Another config (an in-place role change: decode <-> colocated) on the same KV and requests: budgets and
+        step model from now on; the tail of gaps already seen is kept."""
+        self.config = config
+        self.budget.reconfigure(config)
 
     def _prefills_before_waiting(self, prefills: list[Request]) -> tuple[list[Request], list[Request]]:
         """(prefill chunks that go before waiting admissions, those that go after): a running prefill of a less
@@ -208,24 +200,18 @@ class Batcher:
             return prefills, []
         return first, [r for r in prefills if not (r.spec.priority <= tier or r.queue_key <= head.queue_key)]
 
-    def step_budget(self, num_decodes: int) -> int:
-        table = self.config.budget_by_num_decodes
-        if not table:
-            return self.config.max_num_batched_tokens
-        return table[min(num_decodes, len(table) - 1)]
-
     def _spend_tail(self, budget: int, slack_budget: int, num_decodes: int, extra_kv_s: float,
                     prefills: list[Request], now: float) -> int:
         """The step's budget once the ITL tail is spent: the slack-extended budget (every decode's TPOT on
         target) when its step ends within the free share of the ITL SLO, or when the tail budget affords a slow
         gap per decode and some prompt needs it (`_needs_long`); else as much of it as ends within the free share."""
-        self._slack_chunk = slack_budget - num_decodes
+        self.budget.slack_chunk = slack_budget - num_decodes
         if slack_budget <= budget:
             return budget
-        free = self.free_budget(num_decodes, extra_kv_s)
+        free = self.budget.free_budget(num_decodes, extra_kv_s)
         if slack_budget <= free or num_decodes == 0:  # a step without decodes delays no gap
             return slack_budget
-        if self.tail.affordable(num_decodes) and self._needs_long(prefills, free - num_decodes, now):
+        if self.budget.tail.affordable(num_decodes) and self._needs_long(prefills, free - num_decodes, now):
             return slack_budget
         return max(budget, free)
 
@@ -241,9 +227,9 @@ class Batcher:
         cfg = self.config
         if free_chunk <= 0:
             return True
-        base_s = self._base_step_s(self._num_decodes)
+        base_s = self.budget.base_step_s(self.budget.num_decodes)
         step_s = base_s + free_chunk * cfg.prefill_s_per_token
-        long_chunk = max(1, self._long_chunk())
+        long_chunk = max(1, self.budget.long_chunk())
         ahead = 0
         finishing = False  # a prompt ahead gets its first token from the next free step
         for r in (*prefills, *self._waiting.head(NEEDS_LONG_SCAN)) if self._waiting else prefills:
@@ -252,9 +238,9 @@ class Batcher:
             if now + (1 - (-ahead // free_chunk)) * step_s <= deadline_s:
                 finishing = finishing or ahead <= free_chunk
                 continue  # free steps make it
-            if deadline_s < now + self._long_s(ahead, long_chunk, base_s):
+            if deadline_s < now + self.budget.long_s(ahead, long_chunk, base_s):
                 continue  # lost either way
-            if not finishing or deadline_s < now + 2 * step_s + self._long_s(ahead - free_chunk, long_chunk, base_s):
+            if not finishing or deadline_s < now + 2 * step_s + self.budget.long_s(ahead - free_chunk, long_chunk, base_s):
                 return True
         return False
 
@@ -266,219 +252,6 @@ class Batcher:
             return len(r.token_ids) - self.kv.find_cached_prefix(r.token_ids)
         return len(r.token_ids) - r.num_computed_tokens
 
-    def _long_s(self, num_tokens: int, long_chunk: int, base_s: float) -> float:
-        """The step model's time of `num_tokens` prefill tokens in steps of at most `long_chunk` beside the
-        running decodes (whose step time is `base_s`)."""
-        return -(-num_tokens // long_chunk) * base_s + num_tokens * self.config.prefill_s_per_token
-
-    def free_budget(self, num_decodes: int, extra_kv_s: float = 0.0) -> int:
-        """The largest budget whose step the step model ends within FREE_STEP_SHARE x the ITL SLO (no slow gap)."""
-        cfg = self.config
-        if not cfg.decode_step_s_by_num_decodes or cfg.prefill_s_per_token <= 0 or cfg.itl_slo_s <= 0:
-            return 0
-        base_s = self._base_step_s(num_decodes) + extra_kv_s
-        spare = int((FREE_STEP_SHARE * cfg.itl_slo_s - base_s) / cfg.prefill_s_per_token + 1e-9)
-        return num_decodes + max(0, spare)
-
-    def free_prefill_tokens_per_s(self) -> float:
-        """The prefill rate of steps that end within the free share of the ITL SLO beside the running decodes, by
-        the step model (0: no step model); what `_needs_long` plans with, and what admission is told."""
-        d = self._num_decodes
-        chunk = self.free_budget(d) - d
-        return self._step_rate(d, chunk) if chunk > 0 else 0.0
-
-    def long_prefill_tokens_per_s(self) -> float:
-        """The prefill rate of a step past the ITL SLO (as long as `max_step_s` and the token ceiling allow); 0 when
-        the tail budget can never afford one over the running decodes (`long_step_wait_s` says when it can)."""
-        chunk = self._long_chunk()
-        return self._step_rate(self._num_decodes, chunk) if chunk > 0 else 0.0
-
-    def _long_chunk(self) -> int:
-        """Prefill tokens one step past the ITL SLO takes beside the running decodes (0: none ever affordable)."""
-        cfg = self.config
-        if cfg.tpot_target_s <= 0 or cfg.prefill_s_per_token <= 0 or not cfg.decode_step_s_by_num_decodes:
-            return 0
-        d = self._num_decodes
-        if self.tail.gaps_until_affordable(d) < 0:
-            return 0
-        room = int((cfg.max_step_s - self._base_step_s(d)) / cfg.prefill_s_per_token + 1e-9)
-        # The running decodes' TPOT slack at the latest plan bounds it too (it grows again as they bank time).
-        return max(0, min(cfg.max_num_batched_tokens - d, room, self._slack_chunk))
-
-    def long_burst_tokens(self) -> float:
-        """Prefill tokens the long steps the tail budget affords back to back take, from when the first is
-        affordable: every one it affords now (one when it must wait); inf with no decodes (a step delays no gap)."""
-        chunk = self._long_chunk()
-        d = self._num_decodes
-        if chunk <= 0:
-            return 0.0
-        if d == 0:
-            return math.inf
-        tail = self.tail
-        steps = int((tail.fraction * tail.window_gaps - tail.num_slow - self._inflight_slow + 1e-9) // d)
-        return float(max(chunk, min(chunk * steps, self._slack_tokens)))
-
-    def long_sustained_tokens_per_s(self) -> float:
-        """The prefill rate of long steps once the burst is spent: a window of gaps holds `fraction` of them slow, so
-        one step in 1 / fraction may be long, the rest free ones (each also carrying its free chunk); and the
-        decodes' TPOT slack grows by the target less the step time a step, which a long step spends."""
-        chunk = self._long_chunk()
-        d = self._num_decodes
-        if chunk <= 0:
-            return 0.0
-        if d == 0 or self.tail.fraction <= 0:
-            return self._step_rate(d, chunk) if d == 0 else 0.0
-        cfg = self.config
-        base_s = self._base_step_s(d)
-        free_chunk, free_step_s = self._free_step(d)
-        free_steps = 1.0 / self.tail.fraction - 1.0
-        period_s = free_steps * free_step_s + base_s + chunk * cfg.prefill_s_per_token
-        tail_rate = (chunk + free_steps * free_chunk) / period_s
-        regain = max(0.0, cfg.tpot_target_s - free_step_s) / free_step_s  # slack seconds a second of free steps
-        tpot_rate = free_chunk / free_step_s + regain / cfg.prefill_s_per_token
-        return min(tail_rate, tpot_rate)
-
-    def long_step_wait_s(self) -> float:
-        """Modelled seconds until the tail budget affords a step past the ITL SLO over the running decodes (0: now):
-        the fast gaps it needs, at one a decode a step, each step a free one (prompts wait, so steps carry the free
-        chunk); inf when it never will."""
-        d = self._num_decodes
-        gaps = self.tail.gaps_until_affordable(d)
-        if gaps <= 0:
-            return 0.0 if gaps == 0 else math.inf
-        return -(-gaps // d) * self._free_step(d)[1]
-
-    def _free_step(self, num_decodes: int) -> tuple[int, float]:
-        """(prefill tokens, step-model time) of a step beside `num_decodes` decodes that ends within the free share
-        of the ITL SLO."""
-        free_chunk = max(0, self.free_budget(num_decodes) - num_decodes)
-        return free_chunk, self._base_step_s(num_decodes) + free_chunk * self.config.prefill_s_per_token
-
-    def _base_step_s(self, num_decodes: int) -> float:
-        table = self.config.decode_step_s_by_num_decodes
-        return table[min(num_decodes, len(table) - 1)]
-
-    def _working_step_s(self, num_decodes: int) -> float:
-        """`_base_step_s` for a step that runs something: one with no decodes still pays the fixed cost of any
-        step (weights streamed, overheads), i.e. one decode's."""
-        table = self.config.decode_step_s_by_num_decodes
-        return table[min(max(num_decodes, 1), len(table) - 1)]
-
-    def _step_rate(self, num_decodes: int, chunk: int) -> float:
-        if chunk <= 0:
-            return 0.0
-        return chunk / (self._base_step_s(num_decodes) + chunk * self.config.prefill_s_per_token)
-
-    def _note_plan(self, now: float, num_decodes: int, num_tokens: int, extra_kv_s: float) -> None:
-        """The planned step's decodes (their gaps are judged at its update) and when the step model ends it."""
-        self._planned_gaps = (now, num_decodes)
-        cfg = self.config
-        if cfg.decode_step_s_by_num_decodes and cfg.prefill_s_per_token > 0 and num_tokens:
-            self.busy_until_s = (now + self._base_step_s(num_decodes) + extra_kv_s
-                                 + (num_tokens - num_decodes) * cfg.prefill_s_per_token)
-            self._inflight_prefill_tokens = max(0, num_tokens - num_decodes)
-            long_tokens = self._inflight_prefill_tokens - max(0, self.free_budget(num_decodes, extra_kv_s) - num_decodes)
-            if long_tokens > 0 and num_decodes:  # a long step spends the decodes' TPOT slack and, at its end, the tail
-                self._slack_tokens = max(0, self._slack_tokens - long_tokens)
-                self._slack_chunk = min(self._slack_chunk, self._slack_tokens)
-                self._inflight_slow = num_decodes
-
-    def _observe_gaps(self, now: float) -> None:
-        """The in-flight step's decode tokens arrive now: one gap each, slow when the step outlasted the SLO."""
-        plan_s, num_decodes = self._planned_gaps
-        if num_decodes and self.config.itl_slo_s > 0:
-            self.tail.observe(num_decodes, num_decodes if now - plan_s > self.config.itl_slo_s else 0)
-        self._planned_gaps = (now, 0)
-        self._num_decodes = num_decodes
-        self.busy_until_s = now
-        self._inflight_prefill_tokens = 0
-        self._inflight_slow = 0
-
-    def _extra_kv_read_s(self, decodes: list[Request], num_decode_tokens: int | None = None) -> float:
-        """Step time the decodes' context beyond the sized one adds (0 when shorter or when off).
-        `num_decode_tokens`: the decodes' total length when the caller has it (`_split_running_counted`)."""
-        cfg = self.config
-        if cfg.kv_s_per_context_token <= 0 or not decodes:
-            return 0.0
-        if num_decode_tokens is None:
-            num_decode_tokens = sum(len(r.token_ids) for r in decodes)
-        excess = num_decode_tokens - len(decodes) * cfg.sized_context_tokens
-        return max(0.0, excess * cfg.kv_s_per_context_token)
-
-    def _shrunk(self, budget: int, num_decodes: int, extra_kv_s: float) -> int:
-        """The budget less the prefill tokens whose time long contexts already take; every step keeps a block of
-        prefill so prompts still progress."""
-        if extra_kv_s <= 0 or self.config.prefill_s_per_token <= 0:
-            return budget
-        cut = int(extra_kv_s / self.config.prefill_s_per_token)
-        return max(min(budget, num_decodes + CHUNK_FLOOR_TOKENS), budget - cut)
-
-    def _slack_budget(self, decodes: list[Request], now: float, extra_kv_s: float = 0.0) -> int:
-        """The largest budget whose step keeps every running decode's mean time per output token on target.
-
-        A decode that has produced k tokens after its first at `first_token_s` meets the TPOT target after this
-        step and H more at the current pace `base_s` (H = `tpot_horizon_tokens`) if the step ends by
-        first_token_s + (k + 1 + H) x target - H x base_s. The tightest request bounds the step; with no decodes
-        only `max_step_s`, or the STANDARD tier's TTFT SLO when longer, does (nobody waits on this step but the
-        prompts in it, and a prompt prefilled in one step gets its first token sooner than in two).
-        """
-        cfg = self.config
-        table = cfg.decode_step_s_by_num_decodes
-        if not table or cfg.prefill_s_per_token <= 0:
-            return 0
-        base_s = table[min(len(decodes), len(table) - 1)] + extra_kv_s
-        payback_s = cfg.tpot_horizon_tokens * (cfg.tpot_target_s - base_s)
-        tpot_s = math.inf
-        for r in decodes:
-            if r.first_token_s is not None:
-                k = len(r.token_ids) - r.num_prompt_tokens - 1
-                tpot_s = min(tpot_s, r.first_token_s + (k + 1) * cfg.tpot_target_s - now + payback_s)
-        self._note_slack(tpot_s, base_s, len(decodes))
-        allowed_s = min(tpot_s, cfg.max_step_s if decodes else max(cfg.max_step_s, self._idle_step_s))
-        extra_tokens = int((allowed_s - base_s) / cfg.prefill_s_per_token + 1e-9)  # no float round-down
-        return min(cfg.max_num_batched_tokens, len(decodes) + max(0, extra_tokens))
-
-    def _note_slack(self, tpot_s: float, base_s: float, num_decodes: int) -> None:
-        """The prefill tokens the running decodes' TPOT slack affords in all, past the step's own decodes (what
-        long steps may take back to back before the slack runs out), for the load report. Counted as if one more
-        decode had joined: the prompt a long step rescues becomes one, and a decode more slows every later step,
-        so each running decode pays its delay back more slowly (the payback term of `_slack_budget`; where the
-        decodes nearly fill the step, one more takes tens of ms of slack from the tightest)."""
-        if tpot_s == math.inf:
-            self._slack_tokens = 1 << 30
-            return
-        cfg = self.config
-        table = cfg.decode_step_s_by_num_decodes
-        slower_s = cfg.tpot_horizon_tokens * (table[min(num_decodes + 1, len(table) - 1)]
-                                              - table[min(num_decodes, len(table) - 1)])
-        self._slack_tokens = max(0, int((tpot_s - slower_s - base_s) / cfg.prefill_s_per_token + 1e-9))
-
-    def _capped_budget(self, num_decodes: int, cap_s: float, extra_kv_s: float, context: int = 0) -> int:
-        """The step's token budget under a gang cap: its decodes plus the prefill tokens that fit the spare time.
-        `context`: the longest computed context of the running prefills, whose chunk attends over it."""
-        cfg = self.config
-        table = cfg.decode_step_s_by_num_decodes
-        if not table or cfg.prefill_s_per_token <= 0:
-            return cfg.max_num_batched_tokens  # no step model: the cap cannot be honoured (placement refuses this)
-        base_s = self._working_step_s(num_decodes) + extra_kv_s
-        # The linear model misses the LM head of every admitted prompt and the rest of the attention;
-        # CAP_MARGIN keeps capped steps inside their cap (overruns are counted by the arbiter).
-        spare_s = (cap_s - base_s) * CAP_MARGIN
-        chunk = spare_s / cfg.prefill_s_per_token
-        if cfg.attn_s_per_pair > 0 and chunk > 0:
-            # A chunk of n tokens over `context` computed ones attends to n x (context + n / 2) pairs: solve
-            # n x (per_token + attn x context) + attn x n^2 / 2 = spare for n.
-            a = cfg.attn_s_per_pair / 2.0
-            b = cfg.prefill_s_per_token + cfg.attn_s_per_pair * context
-            chunk = (math.sqrt(b * b + 4.0 * a * spare_s) - b) / (2.0 * a)
-        return num_decodes + max(0, int(chunk + 1e-9))
-
-    def capped_prefill_tokens(self, cap_s: float, num_decodes: int = -1) -> int:
-        """Prefill tokens a step capped at `cap_s` carries beside `num_decodes` decodes (default: its latest step's)
-        (a gang member's shared step, as `schedule(step_cap_s=...)` cuts it; 0 when the decodes alone fill the cap)."""
-        d = self._num_decodes if num_decodes < 0 else num_decodes
-        return max(0, min(self._capped_budget(d, cap_s, 0.0), self.config.max_num_batched_tokens) - d)
-
     def step_floor_s(self) -> float:
         """The shortest step this batcher can run now: its running decodes alone (0 with none), by the step model."""
         decodes, prefills = self._split_running()
@@ -486,8 +259,8 @@ class Batcher:
         if not table:
             return 0.0
         if not decodes:
-            return self._working_step_s(0) if (prefills or self._waiting) else 0.0
-        return self._base_step_s(len(decodes)) + self._extra_kv_read_s(decodes)
+            return self.budget.working_step_s(0) if (prefills or self._waiting) else 0.0
+        return self.budget.base_step_s(len(decodes)) + self.budget.extra_kv_read_s(decodes)
 
     def earliest_deadline_s(self, itl_s: float) -> float | None:
         """For a gang arbiter: the latest time this batcher's next step may start and still meet its most urgent
@@ -525,13 +298,13 @@ class Batcher:
                 n = min(left, room - tokens)
                 if n <= 0:
                     break
-                # its chunk attends over the prompt's computed context and itself, as `_capped_budget` prices it
+                # its chunk attends over the prompt's computed context and itself, as `StepBudget.capped_budget` prices it
                 context = len(r.token_ids) - left
                 attn_s += cfg.attn_s_per_pair * n * (context + n / 2.0)
                 tokens += n
         if tokens <= 0:
             return 0.0
-        return (self._working_step_s(len(decodes)) + self._extra_kv_read_s(decodes) + tokens * cfg.prefill_s_per_token
+        return (self.budget.working_step_s(len(decodes)) + self.budget.extra_kv_read_s(decodes) + tokens * cfg.prefill_s_per_token
                 + attn_s)
 
     def _ttft_deadline_s(self, req: Request) -> float:
@@ -769,7 +542,7 @@ class Batcher:
 
     def update(self, plan: StepPlan, result: StepResult, now: float) -> StepOutputs:
         self.state_version += 1
-        self._observe_gaps(now)
+        self.budget.observe_gaps(now)
         outputs: list[RequestOutput] = []
         handoffs: list[HandoffReady] = []
         while self._truncated:
@@ -804,7 +577,7 @@ class Batcher:
         comes back: a sampled token that is neither the first this batcher produced for its request nor the last
         (the bulk of a decode batch) gets no `RequestOutput`; its request is listed in `plain` instead."""
         self.state_version += 1
-        self._observe_gaps(now)
+        self.budget.observe_gaps(now)
         outputs: list[RequestOutput] = []
         handoffs: list[HandoffReady] = []
         plain: list[Request] = []
@@ -1068,7 +841,7 @@ class Batcher:
         waiting = sum(r.num_uncomputed_tokens for r in self._waiting)
         # Asked for at every routing decision over the whole running batch: one pass, no property calls.
         partial = sum(u for r in self._running if (u := len(r.token_ids) - r.num_computed_tokens) > 1)
-        return max(0, waiting + partial - self._inflight_prefill_tokens)
+        return max(0, waiting + partial - self.budget.inflight_prefill_tokens)
 
     def load(self, instance_id: str, model: str, prefill_tokens_per_s: float, decode_step_time_s: float,
              long_prefill_tokens_per_s: float = 0.0, long_step_wait_s: float = 0.0, long_burst_tokens: float = 0.0,
@@ -1089,7 +862,7 @@ class Batcher:
             mean_output_tokens=self.predictor.mean(),
             num_reserved=self._num_reserved,
             long_prefill_tokens_per_s=long_prefill_tokens_per_s,
-            busy_until_s=self.busy_until_s,
+            busy_until_s=self.budget.busy_until_s,
             long_step_wait_s=long_step_wait_s,
             long_burst_tokens=long_burst_tokens,
             long_sustained_tokens_per_s=long_sustained_tokens_per_s,

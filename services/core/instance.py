@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from octoserve.services.core.batch_state import BatcherConfig
-from octoserve.services.core.batcher import FREE_STEP_SHARE, Batcher
+from octoserve.services.core.batcher import Batcher
+from octoserve.services.core.tail_budget import FREE_STEP_SHARE
 from octoserve.services.core.cost_model import CostModel
 from octoserve.services.core.kv_cache import KVCacheManager
 from octoserve.services.core.placement import InstanceConfig, NodeConfig, gang_step_floor_s, num_kv_blocks_for
@@ -187,7 +188,7 @@ class LoadReporter:
         if rate is None:
             b = self.batcher
             ceiling = b.config.max_num_batched_tokens
-            budget = max(b.step_budget(num_running), min(ceiling, b.free_budget(num_running)))
+            budget = max(b.budget.step_budget(num_running), min(ceiling, b.budget.free_budget(num_running)))
             chunk = max(CHUNK_QUANTUM, budget - num_running)
             step_s = self.cost.step_time_s([(chunk, 0)] + [(1, self.CONTEXT_TOKENS)] * num_running)
             rate = self._prefill_rate[num_running] = chunk / step_s
@@ -200,9 +201,9 @@ class LoadReporter:
             return self._shared_load()
         if b.config.tpot_target_s > 0:  # the batcher's own step model: the rates it plans with (`_needs_long`)
             rate = self._free_rate()
-            long_rate = b.long_prefill_tokens_per_s()
-            long_wait = b.long_step_wait_s() if long_rate > 0 else 0.0
-            burst, sustained = b.long_burst_tokens(), b.long_sustained_tokens_per_s()
+            long_rate = b.budget.long_prefill_tokens_per_s()
+            long_wait = b.budget.long_step_wait_s() if long_rate > 0 else 0.0
+            burst, sustained = b.budget.long_burst_tokens(), b.budget.long_sustained_tokens_per_s()
         else:
             rate, long_rate, long_wait = self.prefill_tokens_per_s(n), 0.0, 0.0
             burst, sustained = 0.0, 0.0
@@ -212,7 +213,7 @@ class LoadReporter:
         """The prefill rate of steps within the ITL SLO's free share beside the running decodes (the batcher's step
         model), else of its sized steps."""
         b = self.batcher
-        return b.free_prefill_tokens_per_s() or self.prefill_tokens_per_s(b.num_running)
+        return b.budget.free_prefill_tokens_per_s() or self.prefill_tokens_per_s(b.num_running)
 
     def _shared_load(self) -> EngineLoad:
         """The snapshot of a gang member whose group's other side has work: each of its steps is capped and
@@ -230,7 +231,7 @@ class LoadReporter:
         # the prefill left to the later ones. Decodes that fill the cap leave no prefill until some finish: one
         # token a cycle stands for that (a rate of 0 would read as "unknown", which routing replaces by the cost
         # model's rate alone).
-        chunk = max(1, b.capped_prefill_tokens(share.own_cap_s, b.num_future_decodes()))
+        chunk = max(1, b.budget.capped_prefill_tokens(share.own_cap_s, b.num_future_decodes()))
         rate = chunk / (share.own_cap_s + share.other_cap_s)
         cadence_s = self.decode_step_time_s + share.other_cap_s
         return b.load(self.instance_id, self.model, rate, cadence_s, 0.0, 0.0, 0.0, 0.0)

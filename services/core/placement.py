@@ -131,7 +131,7 @@ class PolicyConfig:
     # (services/core/slo_sizing.py); only ever tightens the configured max_num_seqs / max_num_batched_tokens.
     slo_sizing: bool = True
     # With slo_sizing: a step may run longer than the ITL target (up to max_step_factor x it) while every running
-    # decode keeps its mean time per output token on target (services/core/batcher.py, _slack_budget).
+    # decode keeps its mean time per output token on target (services/core/step_budget.py, slack_budget).
     slack_chunking: bool = True
     max_step_factor: float = 10.0
     # ...counting a long step's delay as paid back over each decode's next `tpot_horizon_tokens` tokens at the

@@ -18,7 +18,7 @@ Never larger than what the config asked for: sizing only tightens.
 
 The per-step cap is what pooled ITL needs; the per-request SLO (TPOT, as DistServe and `vllm bench serve` judge
 goodput) is an average, so the batcher may run a longer step when every running decode has banked enough slack
-(its steps so far were faster than the target): see `Batcher._slack_budget`. The linear step model below
+(its steps so far were faster than the target): see `StepBudget.slack_budget`. The linear step model below
 (`decode_step_s_by_num_decodes` + tokens x `prefill_s_per_token`) sizes those longer steps.
 """
 

@@ -231,8 +231,8 @@ class SimEngine:
             return False
         self.role = role
         # The budgets are sized per role (`batcher_config_for`, set by the factory); else the same ones, new role.
-        self.batcher.config = (self.batcher_config_for(role) if self.batcher_config_for is not None
-                               else replace(self.batcher.config, role=role))
+        self.batcher.reconfigure(self.batcher_config_for(role) if self.batcher_config_for is not None
+                                 else replace(self.batcher.config, role=role))
         return True
 
     async def reserve(self, spec: RequestSpec) -> bool:

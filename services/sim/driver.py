@@ -748,7 +748,7 @@ class NodeSimulator:
         inst.cfg = dataclasses.replace(inst.cfg, role=role)
         # The batcher's budgets are sized per role (SLO sizing: a decode instance's token budget is not a colocated
         # one's): the new role's, on the same KV and requests.
-        inst.batcher.config = instance_parts(self.config, inst.cfg, inst.cost).batcher_config
+        inst.batcher.reconfigure(instance_parts(self.config, inst.cfg, inst.cost).batcher_config)
         inst._load = None  # the next snapshot reports the new role
         return inst.cfg
 

@@ -72,7 +72,7 @@ class SteadyBatcher(Batcher):
         self._grow_at: dict[int, list[tuple[Request, _Steady]]] = {}
         self._update_at: dict[int, list[tuple[Request, _Steady]]] = {}
         # (first_token_s + (c - prompt) * tpot target, run order, request) of every steady request, sorted: the
-        # smallest keys give the tightest TPOT deadline (`_slack_budget`) without a pass over the batch.
+        # smallest keys give the tightest TPOT deadline (`StepBudget.slack_budget`) without a pass over the batch.
         self._slack: list[tuple] = []
         self._flushed: list[tuple[str, list[float]]] = []
         # Between a plan with steady decodes and its update: requests written out meanwhile still get the step's
@@ -220,7 +220,7 @@ class SteadyBatcher(Batcher):
             self._explicit.discard(r)
         # A steady request has exactly one token to compute: it adds nothing here.
         partial = sum(u for r in self._explicit if (u := len(r.token_ids) - r.num_computed_tokens) > 1)
-        return max(0, waiting + partial - self._inflight_prefill_tokens)
+        return max(0, waiting + partial - self.budget.inflight_prefill_tokens)
 
     def schedule(self, now: float, step_cap_s: float | None = None):
         self.sync_all()
@@ -272,12 +272,12 @@ class SteadyBatcher(Batcher):
         extra_kv_s = 0.0
         if cfg.kv_s_per_context_token > 0 and n:
             extra_kv_s = max(0.0, (num_decode_tokens - n * cfg.sized_context_tokens) * cfg.kv_s_per_context_token)
-        budget = self._shrunk(self.step_budget(n), n, extra_kv_s)
+        budget = self.budget.shrunk(self.budget.step_budget(n), n, extra_kv_s)
         if cfg.tpot_target_s > 0 and (prefills or self._waiting):
             budget = self._spend_tail(budget, self._steady_slack_budget(n, s, now, extra_kv_s), n, extra_kv_s,
                                       prefills, now)
         elif cfg.tpot_target_s > 0:  # nothing to prefill: only the load report's long-step figures stay current
-            self._slack_chunk = self._steady_slack_budget(n, s, now, extra_kv_s) - n
+            self.budget.slack_chunk = self._steady_slack_budget(n, s, now, extra_kv_s) - n
         if budget < n:
             return None
         growing = self._due(self._grow_at, s, grow=True)
@@ -298,12 +298,12 @@ class SteadyBatcher(Batcher):
             self._schedule_waiting(step)
         if deferred:
             self._schedule_running(step, deferred)
-        self._note_plan(now, n, step.used, extra_kv_s)
+        self.budget.note_plan(now, n, step.used, extra_kv_s)
         self._step_id += 1
         return step
 
     def _steady_slack_budget(self, n: int, s: int, now: float, extra_kv_s: float) -> int:
-        """`_slack_budget` over the steady decodes: the same float minimum, from the few smallest keys."""
+        """`StepBudget.slack_budget` over the steady decodes: the same float minimum, from the few smallest keys."""
         cfg = self.config
         table = cfg.decode_step_s_by_num_decodes
         if not table or cfg.prefill_s_per_token <= 0:
@@ -321,8 +321,8 @@ class SteadyBatcher(Batcher):
                 r = key[2]
                 tpot_s = min(tpot_s, r.first_token_s + (_state(r).c + s - r.num_prompt_tokens) * target - now
                              + payback_s)
-        self._note_slack(tpot_s, base_s, n)
-        allowed_s = min(tpot_s, cfg.max_step_s if n else max(cfg.max_step_s, self._idle_step_s))
+        self.budget.note_slack(tpot_s, base_s, n)
+        allowed_s = min(tpot_s, cfg.max_step_s if n else max(cfg.max_step_s, self.budget.idle_step_s))
         extra_tokens = int((allowed_s - base_s) / cfg.prefill_s_per_token + 1e-9)  # no float round-down
         return min(cfg.max_num_batched_tokens, n + max(0, extra_tokens))
 
@@ -330,7 +330,7 @@ class SteadyBatcher(Batcher):
 
     def update_compact(self, step: CompactStep, sampled: Sequence[int | None], now: float) -> CompactOutputs:
         self.state_version += 1
-        self._observe_gaps(now)
+        self.budget.observe_gaps(now)
         outputs: list[RequestOutput] = []
         handoffs: list[HandoffReady] = []
         plain: list[Request] = []
