@@ -356,6 +356,22 @@ def test_slow_steps_spend_the_itl_tail_budget_and_stop_when_it_is_spent():
     assert (b.budget.tail.num_slow, b.budget.tail.num_gaps) == (3, 45)
 
 
+def test_a_capped_steps_gaps_run_from_the_previous_tokens_so_a_wait_for_the_grant_counts():
+    # A gang member's step is granted after the other side's: 10 ms steps, 30 ms waits between them. The decode's
+    # gaps are 40 ms, past the 25 ms SLO, though each step alone is short; the same steps back to back are not.
+    b = tail_batcher()  # its last tokens came at 42 ms
+    now = 0.072
+    for _ in range(3):
+        plan = b.schedule(now, step_cap_s=0.020)
+        b.update(plan, StepResult({c.request_id: 7 for c in plan.chunks if c.samples}), now + 0.010)
+        now += 0.040
+    assert (b.budget.tail.num_slow, b.budget.tail.num_gaps) == (3, 43)
+    b = tail_batcher()
+    for i in range(3):
+        timed_step(b, 0.042 + 0.010 * i, 0.010)
+    assert (b.budget.tail.num_slow, b.budget.tail.num_gaps) == (0, 43)
+
+
 def test_the_tail_is_spent_only_on_a_prompt_that_steps_within_the_slo_would_bring_in_late():
     # 500 tokens: 4 free steps of 127 tokens (+1 kept for error) = 119 ms, inside its 250 ms: no slow step
     b = tail_batcher()

@@ -177,7 +177,7 @@ class Batcher:
             self._schedule_waiting(step)
         if deferred:
             self._schedule_running(step, deferred)
-        self.budget.note_plan(now, len(decodes), step.used, extra_kv_s)
+        self.budget.note_plan(now, len(decodes), step.used, extra_kv_s, step_cap_s is not None)
         self._step_id += 1
         return step
 

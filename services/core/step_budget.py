@@ -30,7 +30,7 @@ class StepBudget:
         self.config = config
         self.tail = TailBudget(config.tail_budget_fraction, config.tail_window_gaps)
         self.idle_step_s = config.tier_ttft_slo_ms.get(Priority.STANDARD, 0.0) / 1000.0  # longest step, no decodes
-        self._planned_gaps = (0.0, 0)  # (plan time, decodes) of the step in flight: its gaps, judged at update
+        self._planned_gaps = (0.0, 0)  # (gaps start, decodes) of the step in flight: its gaps, judged at update
         self.num_decodes = 0  # decodes of the latest step (steady decodes' token lists may run ahead: not counted)
         self.slack_chunk = 1 << 30  # prefill tokens the TPOT slack allowed a step at the latest plan
         self.slack_tokens = 1 << 30  # ...and the slack's prefill tokens in all, before max_step_s bounds a step
@@ -155,9 +155,13 @@ class StepBudget:
             return 0.0
         return chunk / (self.base_step_s(num_decodes) + chunk * self.config.prefill_s_per_token)
 
-    def note_plan(self, now: float, num_decodes: int, num_tokens: int, extra_kv_s: float) -> None:
-        """The planned step's decodes (their gaps are judged at its update) and when the step model ends it."""
-        self._planned_gaps = (now, num_decodes)
+    def note_plan(self, now: float, num_decodes: int, num_tokens: int, extra_kv_s: float,
+                  shared: bool = False) -> None:
+        """The planned step's decodes (their gaps are judged at its update) and when the step model ends it.
+        `shared`: a gang member's step, granted after the other side's: its decodes' gaps run from their previous
+        tokens (the latest update), so the wait for the grant counts, as their clients see it; elsewhere a step with
+        decodes starts as the last one ends, and its gaps run from the plan."""
+        self._planned_gaps = (self._planned_gaps[0] if shared else now, num_decodes)
         cfg = self.config
         if cfg.decode_step_s_by_num_decodes and cfg.prefill_s_per_token > 0 and num_tokens:
             self.busy_until_s = (now + self.base_step_s(num_decodes) + extra_kv_s
