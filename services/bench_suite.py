@@ -23,6 +23,8 @@ Every run is measured in steady state: metrics cover arrivals after `warmup_s` u
 requests still running `drain_s` after the last arrival count as misses. `--quick` shortens everything and stamps
 every table it writes with QUICK_BANNER. Every run is an independent job, so they run in a process pool and the
 results do not depend on the number of workers.
+
+Why one module past 600 lines: the suite's matrix, placements and capacity probes.
 """
 
 from __future__ import annotations

@@ -26,6 +26,8 @@ Invariants:
 - Randomness comes from a `random.Random` the caller may seed, and the sleep is injectable, so tests check
   retry delays exactly without waiting.
 - Every failure surfaces as an `OctoserveClientError` subclass chosen by gRPC status code; grpc types do not leak.
+
+Why one module past 600 lines: the SDK's two clients, sync and async, side by side in the one module users read.
 """
 
 from __future__ import annotations

@@ -76,6 +76,8 @@ Invariants: pure and clock-free (`now_s` is the caller's clock); every emitted r
 `check_reconfiguration` against the placement after the in-flight ones; while it runs every model can still take
 requests (a colocated instance, or a prefill and a decode instance, not retiring); no GPU is reconfigured twice
 within `min_dwell_s`; every target gives every model capacity.
+
+Why one module past 600 lines: one decision loop: forecast, guards and forward ranking in the order they run.
 """
 
 from __future__ import annotations

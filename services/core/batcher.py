@@ -25,6 +25,10 @@ over-allocate), so a step can never run out of memory; at most `max_num_seqs` re
 Roles: `colocated` runs requests to completion; `prefill` stops a request after its first sampled token and holds
 its KV for the hand-off (`release_handoff` frees it); `decode` reserves KV before prefill starts elsewhere
 (`reserve`) and starts from the received KV (`commit_handoff`).
+
+Why one module past 600 lines: the iteration planner: the step walk, preemption, the hand-off and migration API of
+the one batcher state, compiled as one class (mypyc); its config and per-request state (batch_state), step builders
+(step_builders) and step-time budget arithmetic (step_budget) live apart.
 """
 
 from __future__ import annotations

@@ -16,6 +16,8 @@ Invariants of a `NodeConfig` that passed validation:
   CostModel built from the config (`NodeConfig.cost_model`) uses that profile's constants.
 `SloConfig` tier defaults: INTERACTIVE 200 ms (seed 003's latency tier), STANDARD 250 ms (seed 000's SLO), BATCH
 10,000 ms (seed 003's background tier: it queues rather than being shed). A request's own `ttft_slo_ms` wins.
+
+Why one module past 600 lines: the node config's schema and every validation rule, so one error lists them all.
 """
 
 from __future__ import annotations

@@ -40,6 +40,9 @@ i.e. when the queue ahead drains in less time than the cache saves. With linear 
 W < 0.8 · N / throughput: a busy warm GPU wins while its backlog is under 80 % of one prompt's prefill. The TTFT
 scorer makes exactly this comparison, because it ranks by predicted TTFT, which includes both terms
 (`warm_beats_cold` states the rule on its own, for the planner and the tests).
+
+Why one module past 600 lines: admission and routing of one request, compiled as one module (mypyc: calls inside
+a module are native, across modules they are not).
 """
 
 from __future__ import annotations

@@ -26,6 +26,8 @@ Invariants:
   recomputed on the decode side (counted in `num_handoff_fallbacks`); the request is still answered.
 - vLLM allocates KV by itself when a request is scheduled; `reserve()` is therefore an admission check against
   free blocks minus blocks already promised, not an allocation.
+
+Why one module past 600 lines: vLLM behind the Engine protocol: every role on one engine object.
 """
 
 from __future__ import annotations

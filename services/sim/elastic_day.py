@@ -16,6 +16,8 @@ role changes. It prints a table per profile, writes PNG plots and, with `--bench
 The day's mix is by load by default (`--mix load`): the 8B's share s(t) of the node's load moves 90 % -> 10 % -> 90 %
 (each model offers its share x `--load` x the req/s it would serve with the whole node to itself); `--mix requests`
 takes s(t) as the share of requests at `--rate` req/s instead (see the BENCHMARKS section for why both).
+
+Why one module past 600 lines: the elastic day's runs and its report, one BENCHMARKS section.
 """
 
 from __future__ import annotations

@@ -29,6 +29,8 @@ earliest first token, and refused when its predicted TTFT or TPOT misses the SLO
 Invariants: arrivals are processed in order; every admitted request has one finish time, which a migration may only
 move later by its hand-off; no instance goes away before its last running request has finished or moved: the
 `lost` count (requests still running on an instance when it is removed) is checked, and it is 0.
+
+Why one module past 600 lines: the elastic queueing model: instances, requests and reconfigurations together.
 """
 
 from __future__ import annotations
