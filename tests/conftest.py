@@ -24,17 +24,6 @@ os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 loopback_guard.install()
 
 
-def pytest_collection_modifyitems(config, items):
-    """The agreement runs (marked `agreement(minutes=M)`) first, the longest first; the rest keep their order.
-    pytest-xdist hands out test files in this order, so `make test`'s agreement phase starts its longest runs at once
-    rather than leaving one to run alone at the end."""
-    def minutes(item) -> float:
-        mark = item.get_closest_marker("agreement")
-        return -mark.kwargs.get("minutes", 1.0) if mark is not None else 0.0
-
-    items.sort(key=minutes)
-
-
 @pytest.fixture
 def temp_dirs_in_tmp_path(tmp_path, monkeypatch):
     """For tests whose harness starts a node without a run directory (`start_node(run_dir=None)` makes one with

@@ -13,7 +13,7 @@ from octoserve.services.cluster.live import run_agreement, run_kill
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("temp_dirs_in_tmp_path")]
 
 
-@pytest.mark.agreement(minutes=2.0)
+@pytest.mark.agreement
 def test_two_live_nodes_behind_the_picker_agree_with_the_cluster_simulator():
     # 7 modelled seconds (27 requests in the measurement window, one refused on both sides; 105 s of arrivals at
     # K = 15): three runs differed by at most 4.4 % (goodput -2.5 %, TTFT P95 +4.4 %, ITL P95 +3.3 %), against 0.5 %

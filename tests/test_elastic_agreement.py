@@ -40,7 +40,7 @@ def test_a_move_back_before_the_move_is_refused_with_what_to_change():
     assert [entry[0] for entry in ea.change_script(8.0, 0.0)] == [8.0]  # 0: no move back
 
 
-@pytest.mark.agreement(minutes=1.7)
+@pytest.mark.agreement
 @pytest.mark.usefixtures("temp_dirs_in_tmp_path")  # run_model_change starts the node without a run directory
 def test_a_live_model_change_agrees_with_the_step_level_simulator_and_loses_nothing():
     args = ea.parse_args(["--model-change", "--rate", "8", "--hour-s", "0.5", "--time-scale", "8",

@@ -192,7 +192,7 @@ def test_a_gang_member_needs_a_scheduler():
 
 
 @pytest.mark.slow
-@pytest.mark.agreement(minutes=3.0)
+@pytest.mark.agreement
 @pytest.mark.usefixtures("temp_dirs_in_tmp_path")  # gang_agreement.run starts the node without a run directory
 def test_live_gang_node_and_simulator_agree_within_tolerance():
     """The whole time-shared node as processes (scheduler granting every member step, nine workers, router), K = 20,

@@ -13,7 +13,7 @@ from octoserve.services.agreement import TOLERANCE, cap_outputs, compare
 from octoserve.services.workload import PROFILES, generate_trace, scaled
 
 # compare() starts the node without a run directory: its temp directory goes under tmp_path.
-pytestmark = [pytest.mark.slow, pytest.mark.agreement(minutes=3.7), pytest.mark.usefixtures("temp_dirs_in_tmp_path")]
+pytestmark = [pytest.mark.slow, pytest.mark.agreement, pytest.mark.usefixtures("temp_dirs_in_tmp_path")]
 
 
 def test_live_node_and_simulator_agree_within_tolerance():
