@@ -32,9 +32,11 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.skipif(_SKIP is no
 
 TINY_CONFIG = REPO_ROOT / "services" / "configs" / "tiny-vllm.yaml"  # tiny-0: colocated
 MODEL = "tiny-llama"
-# Long enough that the three requests are still running when SetRole arrives: ~2 s of decoding at three a step
-# (96 tokens, ~0.3 s, once finished before the drain began on a loaded machine). Prompts + this <= 1,024.
-MAX_TOKENS = 384
+MAX_TOKENS = 384  # a request's output; its prompt + this <= 1,024 (the engine's max_model_len) for every prompt used
+# The three requests that must still run when the next RPC arrives: ~4 s of decoding at three a step. 96 tokens once
+# finished before the drain began on a loaded machine, and 384 did once too (the vLLM phase beside the live tests: one
+# of three done before SetRole arrived, the drain then took 2.4 s for the other two). Prompts 0-2 + this <= 1,024.
+LONG_MAX_TOKENS = 700
 
 
 @pytest.fixture(scope="module")
@@ -184,20 +186,21 @@ async def read_until_finished(stream, request_ids: set[str]) -> dict[str, list]:
     return deltas
 
 
-def assert_complete(deltas: dict[str, list], prompts: dict[str, tuple]) -> None:
+def assert_complete(deltas: dict[str, list], prompts: dict[str, tuple], max_tokens: int = MAX_TOKENS) -> None:
     for rid, ds in deltas.items():
         last = ds[-1]
         assert (last.error_code, last.error_message) == (0, ""), rid
         assert convert.FINISH_FROM_PB[last.finish_reason] is FinishReason.LENGTH, rid
-        assert sum(len(d.token_ids) for d in ds) == MAX_TOKENS, rid
-        assert (last.num_output_tokens, last.num_prompt_tokens) == (MAX_TOKENS, len(prompts[rid])), rid
+        assert sum(len(d.token_ids) for d in ds) == max_tokens, rid
+        assert (last.num_output_tokens, last.num_prompt_tokens) == (max_tokens, len(prompts[rid])), rid
 
 
 async def generate_three(stub, session_id: str, prefix: str) -> dict[str, tuple]:
     """Three long Generates on the session (still running when the next RPC arrives); request_id -> prompt."""
     prompts = {f"{prefix}{k}": PROMPTS[k] for k in range(3)}
     for rid, prompt in prompts.items():
-        await stub.Generate(w_pb.WorkerGenerateRequest(session_id=session_id, spec=spec_pb(rid, prompt)))
+        await stub.Generate(w_pb.WorkerGenerateRequest(session_id=session_id,
+                                                        spec=spec_pb(rid, prompt, LONG_MAX_TOKENS)))
     return prompts
 
 
@@ -217,7 +220,7 @@ async def _in_place_under_load(address: str, pid: int) -> None:
         assert info.value.code() is grpc.StatusCode.UNAVAILABLE
         assert info.value.details() == "tiny-0 now serves the decode role; route elsewhere (the placement changed)"
         # The three stream on over the same session to their last token.
-        assert_complete(await reading, prompts)
+        assert_complete(await reading, prompts, LONG_MAX_TOKENS)
         # A prefill role cannot be reached in place: refused, naming what to send, and nothing changed.
         with pytest.raises(grpc.aio.AioRpcError) as bad:
             await stub.SetRole(w_pb.SetRoleRequest(role=convert.ROLE_TO_PB[Role.PREFILL], in_place=True), timeout=30)
@@ -252,7 +255,7 @@ async def _flip_under_load(address: str, pid: int, kv_dir: Path) -> None:
         )
         call.cancel()
         assert reply.drained_requests == 3  # all three were running when the drain began ...
-        assert_complete(deltas, prompts)  # ... and each finished with its full token count
+        assert_complete(deltas, prompts, LONG_MAX_TOKENS)  # ... and each finished with its full token count
 
         # Now a prefill worker, same process, same engine core: a Prefill is served, a Generate is the wrong role.
         assert children(pid) == engine_children
