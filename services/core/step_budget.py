@@ -174,10 +174,11 @@ class StepBudget:
                 self.inflight_slow = num_decodes
 
     def observe_gaps(self, now: float) -> None:
-        """The in-flight step's decode tokens arrive now: one gap each, slow when the step outlasted the SLO."""
-        plan_s, num_decodes = self._planned_gaps
+        """The in-flight step's decode tokens arrive now: one gap each, slow when it outlasted the ITL SLO (from the
+        gaps' start: the plan, or a gang step's previous tokens; `note_plan`)."""
+        start_s, num_decodes = self._planned_gaps
         if num_decodes and self.config.itl_slo_s > 0:
-            self.tail.observe(num_decodes, num_decodes if now - plan_s > self.config.itl_slo_s else 0)
+            self.tail.observe(num_decodes, num_decodes if now - start_s > self.config.itl_slo_s else 0)
         self._planned_gaps = (now, 0)
         self.num_decodes = num_decodes
         self.busy_until_s = now
