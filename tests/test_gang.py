@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from octoserve.services.core.gang import (
@@ -199,3 +201,59 @@ def test_a_due_prompt_keeps_room_in_a_step_cut_to_the_other_sides_latest_start(d
     d = _after_an_sm_round(arb, lm, MemberView("sm0", True, 0.010, deadline_s=0.009))
     assert d.run_lm and d.lm_cap_s == pytest.approx(cap_s)
     assert min_cap_s(lm) == pytest.approx(cap_s)
+
+
+@pytest.mark.parametrize("lends, due_s, cap_s", [
+    ((True, True), 0.120, 0.160),  # every SM lends: the due prompt's step runs to the SM-stall bound
+    ((True, False), 0.120, 0.050),  # sm1 keeps its tail: its latest start (58 ms) still cuts the step
+    ((True, True), 0.030, 0.040),  # the prompt fits the step the deadlines leave: no tail is spent
+    ((True, True), 0.0, 0.040),  # nothing due: the LM's decodes need no long step
+])
+def test_a_due_prompt_steps_past_the_deadlines_of_the_sms_that_lend_their_tail(lends, due_s, cap_s):
+    """Deadline shape, seed 003's bounds: the LM urgent with a prompt due whose step (120 ms: a whole 1,000-token
+    prompt of a large model) the SMs' latest start (48 and 58 ms: 40 ms after the SM round) would cut into chunks. SMs whose
+    ITL tail affords one slow gap on each of their decodes lend it: the step runs to the bound (the SMs stall from their
+    step's end, 8 ms: 160 ms from now); an SM that does not lend still caps it."""
+    policy = GangPolicy(shape="deadline", max_lm_wait_ms=60.0, max_sm_stall_ms=160.0)
+    arb = GangArbiter(policy, "lm", ["sm0", "sm1"])
+    lm = MemberView("lm", True, 0.018, deadline_s=0.0, due_prefill_s=due_s)
+    sms = [MemberView(f"sm{i}", True, 0.010, 0.048 + 0.010 * i, lends_tail=lent) for i, lent in enumerate(lends)]
+    d = arb.decide(0.0, lm, sms)
+    assert d.start_sm_ids == ("sm0", "sm1")
+    for sm in ("sm0", "sm1"):
+        arb.started(sm, 0.0, 0.008, 0.06)
+        arb.finished(sm, 0.008)
+    d = arb.decide(0.008, lm, sms)
+    assert d.run_lm and d.lm_cap_s == pytest.approx(cap_s)
+
+
+def test_an_sm_prompt_spends_the_lms_tail_only_when_the_lm_lends_it():
+    """The symmetric rule: an SM's due prompt (a 50 ms step) steps past the LM's latest start (30 ms away) up to the
+    LM-wait bound (60 ms) only while the LM lends its tail."""
+    policy = GangPolicy(shape="deadline", max_lm_wait_ms=60.0, max_sm_stall_ms=160.0)
+    for lent, cap_s in ((False, 0.030), (True, 0.060)):
+        arb = GangArbiter(policy, "lm", ["sm0"])
+        lm = MemberView("lm", True, 0.018, deadline_s=0.030, lends_tail=lent)  # not urgent: the SM steps
+        d = arb.decide(0.0, lm, [MemberView("sm0", True, 0.010, 1.0, due_prefill_s=0.050)])
+        assert d.sm_starts == (("sm0", pytest.approx(cap_s)),)
+
+
+def test_decisions_tell_each_member_whether_the_other_side_lends_its_tail():
+    """Told like sharing: once when it changes, idle members included; the LM is lent only while every SM with work
+    lends; only the deadline shapes step past deadlines, so no other shape lends."""
+    arb = GangArbiter(GangPolicy(shape="deadline", max_lm_wait_ms=60.0, max_sm_stall_ms=160.0), "lm", ["sm0", "sm1"])
+    lm = MemberView("lm", True, 0.018, deadline_s=1.0, lends_tail=True)
+    both = [MemberView("sm0", True, 0.010, 1.0, lends_tail=True), MemberView("sm1", True, 0.010, 1.0, lends_tail=True)]
+    d = arb.decide(0.0, lm, both)
+    assert d.lend_notices == (("lm", True), ("sm0", True), ("sm1", True))
+    assert (arb.tail_lent("lm"), arb.tail_lent("sm1")) == (True, True)
+    one_keeps = [both[0], dataclasses.replace(both[1], lends_tail=False)]
+    d = arb.decide(0.0, lm, one_keeps)
+    assert d.lend_notices == (("lm", False),) and arb.tail_lent("lm") is False
+    d = arb.decide(0.0, lm, [both[0], dataclasses.replace(both[1], has_work=False, lends_tail=False)])
+    assert d.lend_notices == (("lm", True),)  # an SM without work spends nothing
+    arb.forget("sm0")
+    assert arb.decide(0.0, lm, one_keeps).lend_notices == (("lm", False), ("sm0", True))
+    interleave = GangArbiter(GangPolicy(shape="interleave"), "lm", ["sm0"])
+    d = interleave.decide(0.0, lm, both[:1])
+    assert d.lend_notices == (("lm", False), ("sm0", False))

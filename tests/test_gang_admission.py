@@ -21,7 +21,7 @@ from octoserve.services.core.batcher import Batcher
 from octoserve.services.core.gang import SHARING_HOLD_S, Decision, GangArbiter, MemberView
 from octoserve.services.core.instance import GangShare, LoadReporter, gang_share, instance_parts
 from octoserve.services.core.placement import node_config_from_dict
-from octoserve.services.core.types import RequestSpec, SamplingParams
+from octoserve.services.core.types import RequestSpec, SamplingParams, StepResult
 
 
 def _node(cost_profile: str = "default"):
@@ -51,10 +51,12 @@ def test_each_member_shares_at_its_own_cap_beside_the_others():
     # LM 29.59 ms), and the member holds the rest of that ITL less the 5 ms urgency guard, within its bound: the LM
     # 65 - 11.93 - 5 ms, the SMs min(60 ms LM-wait bound, 100 - 29.59 - 5 ms).
     node = _node()
+    # While the other side lends its ITL tail, a member's step may run to its bound: the SM-stall bound (160 ms) for
+    # the LM, the LM-wait bound (60 ms) for an SM.
     assert gang_share(node, node.instance("lm-0")) == GangShare(0.6, pytest.approx(0.0480683, abs=1e-6),
-                                                                pytest.approx(0.0119317, abs=1e-6))
+                                                                pytest.approx(0.0119317, abs=1e-6), 0.16)
     assert gang_share(node, node.instance("sm-3")) == GangShare(0.4, pytest.approx(0.06), pytest.approx(0.0295863,
-                                                                                                       abs=1e-6))
+                                                                                                       abs=1e-6), 0.06)
     solo = node_config_from_dict(parse_yaml_mapping(default_config_text("node-default.yaml"), "node-default.yaml"))
     assert gang_share(solo, solo.instances[0]) is None
 
@@ -86,9 +88,9 @@ def test_decisions_tell_each_member_its_sharing_idle_ones_too():
     assert (arb.shared("lm"), arb.shared("sm")) == (True, False)
     arb.started("sm", t + 0.03, 0.01, d.sm_starts[0][1])
     arb.finished("sm", t + 0.04)
-    arb.forget("sm")  # a worker that rejoined is told again
+    arb.forget("sm")  # a worker that rejoined is told again: its sharing, and that no tail is lent to it
     d = arb.decide(t + 0.05, MemberView("lm", False, 0.0), [idle])
-    assert d == Decision(notices=(("sm", False),))
+    assert d == Decision(notices=(("sm", False),), lend_notices=(("sm", False),))
 
 
 @pytest.mark.parametrize("shape,told", [("deadline", {"lm": True, "sm": True}), ("lm_first", {"lm": False, "sm": True}),
@@ -147,6 +149,27 @@ def test_a_shared_member_reports_capped_steps_taking_turns(instance_id):
     # pays a one-decode step's fixed cost, so the chunk is the same).
     plan = b.schedule(0.0, step_cap_s=share.own_cap_s)
     assert plan.num_batched_tokens == b.budget.capped_prefill_tokens(share.own_cap_s, 0) == chunk
+
+
+def test_a_member_lent_the_other_sides_tail_reports_steps_to_its_bound():
+    """Seed 003's LM with a 900-token prompt waiting, shared: its steps are cut to the SMs' latest start (48 ms)
+    unless the SMs lend their ITL tail; lent, a step may run to the SM-stall bound (160 ms), so the prompt is
+    predicted about as fast as alone instead of at a rate that refuses it."""
+    node = _node()
+    rep = _reporter(node, "lm-0")
+    b, share = rep.batcher, rep.gang
+    b.add_request(RequestSpec("r", "dense-180b", tuple(range(10, 910)), SamplingParams(max_tokens=8), arrival_s=0.0), 0.0)
+    rep.shared = True
+    cut = rep.load().prefill_tokens_per_s
+    rep.tail_lent = True
+    lent = rep.load().prefill_tokens_per_s
+    chunk = b.budget.capped_prefill_tokens(share.lent_cap_s, 1)
+    assert chunk >= 900  # the whole prompt in one step
+    assert lent == pytest.approx(chunk / (share.lent_cap_s + share.other_cap_s))
+    assert cut == pytest.approx(b.budget.capped_prefill_tokens(share.own_cap_s, 1) / (share.own_cap_s + share.other_cap_s))
+    assert lent > 1.8 * cut  # each cut step pays the 180B's weight reads again for a fraction of the tokens
+    rep.shared = False  # alone, lending changes nothing
+    assert rep.load().prefill_tokens_per_s == LoadReporter(rep.instance_id, rep.model, b, rep.cost, share).load().prefill_tokens_per_s
 
 
 def test_queued_prompts_count_as_the_decodes_they_become():
@@ -255,3 +278,23 @@ def test_a_member_reports_the_step_its_due_prompts_need():
     assert b.due_prefill_s(9.5, 1.0) == pytest.approx(fixed + 2048 * per_token + attn * (1000 * 500 + 1048 * 524))
     view = _view_pb(b, 0.1, 0.0, 1.0)
     assert view["has_work"] and view["due_prefill_s"] == pytest.approx(one)
+
+
+def test_a_member_lends_its_tail_while_its_budget_affords_a_slow_gap_on_each_decode():
+    """An SM with three decodes running lends its ITL tail until its budget (4 % of the last 4,000 gaps: 160 slow
+    gaps) could not take one more slow gap on each of the three."""
+    node = _node()
+    rep = _reporter(node, "sm-0")
+    b = rep.batcher
+    for i in range(3):
+        b.add_request(RequestSpec(f"r{i}", "llama-3-8b", tuple(range(10, 40)), SamplingParams(max_tokens=64),
+                                  arrival_s=0.0), 0.0)
+    plan = b.schedule(0.0)  # the three prompts in one step: each then decodes
+    b.update(plan, StepResult({c.request_id: 7 for c in plan.chunks if c.samples}), 0.02)
+    assert b.step_floor_s() > 0 and b.lends_tail()
+    tail = b.budget.tail
+    assert tail.fraction * tail.window_gaps == pytest.approx(160)
+    tail.observe(3000, 157)
+    assert b.lends_tail()  # 157 + 3 = 160
+    tail.observe(1, 1)
+    assert not b.lends_tail()  # 158 + 3 > 160

@@ -285,6 +285,16 @@ class Batcher:
             best = t if best is None else min(best, t)
         return None if best is None else best - self.step_floor_s()
 
+    def lends_tail(self) -> bool:
+        """For a gang arbiter: whether the other side of the group may step past this batcher's deadlines: it only
+        decodes (a prompt of its own, running or waiting, would pay the other side's long step in TTFT, and a loaded
+        member has one) and its ITL tail budget affords one slow gap on each running decode (those of a long step
+        in flight counted)."""
+        if self._waiting:
+            return False
+        decodes, prefills = self._split_running()
+        return not prefills and self.budget.tail.affordable(len(decodes) + self.budget.inflight_slow)
+
     def due_prefill_s(self, now: float, horizon_s: float) -> float:
         """For a gang arbiter: the step, by the step model, that carries beside the running decodes the prefill of
         every prompt whose first token is due within `horizon_s` of `now` (running prefills, then the first

@@ -11,6 +11,7 @@ The adapter's loop (the simulator and the live scheduler run the same one):
     if d.run_lm: run one LM step within d.lm_cap_s;               arbiter.started(lm_id, now, step_s, d.lm_cap_s)
     for sm, cap_s in d.sm_starts: run one step of sm within cap_s; arbiter.started(sm, now, step_s, cap_s)
     for member_id, shared in d.notices: tell the member (idle ones too); its load report turns to shared rates
+    for member_id, lent in d.lend_notices: tell the member whether the other side lends it its ITL tail
     a member told to start that plans nothing:                     arbiter.nothing_to_run(member_id)
     when a step ends:                                              arbiter.finished(member_id, now); decide again
 
@@ -21,6 +22,16 @@ predicts what a prompt gets once both sides step. Every decision returns the mem
 (`Decision.notices`), idle members included: a prompt routed to an idle SM just after the LM got work is predicted
 at the shared rate, not at the rate of the GPUs alone that it had when it last stepped. The baselines that give
 one side the GPUs whenever it has work never share that side: the LM under `lm_first`, the SMs under `sm_greedy`.
+
+*Lending the ITL tail* (deadline shapes): an ITL SLO is a percentile, and each member's batcher keeps a tail budget
+of slow gaps it may still spend (`services/core/tail_budget.py`); a member *lends* its tail
+(`MemberView.lends_tail`) while that budget affords one slow gap on each of its running decodes. A side with a
+prompt due whose step the other side's deadlines cut short (`MemberView.due_prefill_s` over the deadline cap) then
+steps past the deadlines of every member of the other side that lends, up to the bounds: a 1,000-token prompt of a
+large model runs in one step that costs each running decode of the other side one slow gap, instead of in chunks
+that each pay the large model's weight reads again and miss its TTFT. Members that do not lend still cap the step.
+The arbiter tells each member whether the other side lends (`Decision.lend_notices`, as sharing notices), so its
+load report predicts the longer steps only while they are granted.
 
 Every step the arbiter starts carries a *cap*: the member's batcher cuts its prefill chunk so that the step fits
 (`Batcher.schedule(now, step_cap_s=...)`). A step is never shorter than its member's `MemberView.min_step_s` (the
@@ -158,6 +169,8 @@ class MemberView:
     deadline_s: float | None = None  # the latest start of its next step that meets its most urgent deadline
     # the step that brings every prompt due within the policy's due_horizon_ms to its first token (0: none due)
     due_prefill_s: float = 0.0
+    # its ITL tail budget affords one slow gap on each of its running decodes (module doc, "Lending the ITL tail")
+    lends_tail: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +181,8 @@ class Decision:
     fills: bool = False  # those SM steps only fill the barrier while the group drains toward a lease
     # (member id, shared): the members whose sharing changed at this decision, each to be told even when idle.
     notices: tuple[tuple[str, bool], ...] = ()
+    # (member id, lent): the members for which whether the other side lends its ITL tail changed, told likewise.
+    lend_notices: tuple[tuple[str, bool], ...] = ()
 
     @property
     def start_sm_ids(self) -> tuple[str, ...]:
@@ -195,6 +210,12 @@ class GangStats:
 # Caps cut to the other side's latest start would otherwise leave a due prompt no room at all while both sides are
 # urgent step after step (a loaded node), and it would wait until some step happened to run uncapped.
 MIN_PREFILL_S = 0.005
+
+
+def _deadline_cut(now: float, floor_s: float, views: Sequence[MemberView]) -> float | None:
+    """The cap the earliest latest start of `views` sets, never below `floor_s` (None: none has a deadline)."""
+    deadlines = [v.deadline_s for v in views if v.deadline_s is not None]
+    return max(floor_s, min(deadlines) - now) if deadlines else None
 
 
 def min_cap_s(view: MemberView) -> float:
@@ -232,6 +253,7 @@ class GangArbiter:
         self._lm_work_at = -float("inf")  # the last decision at which the LM / some SM had work
         self._sm_work_at = -float("inf")
         self._told: dict[str, bool] = {}  # member -> the sharing it was last told (absent: never, or forgotten)
+        self._told_lent: dict[str, bool] = {}  # member -> whether the other side lends, as it was last told
 
     # ---- the protocol ------------------------------------------------------------------------------------------
 
@@ -240,16 +262,22 @@ class GangArbiter:
         the adapter starts what it returns and reports each start with `started` (or `nothing_to_run`), and tells
         each member in `notices` its sharing."""
         notices = self._sharing(now, lm, sms)
+        lend_notices = self._lending(lm, sms)
         d = self._decide(now, lm, sms)
-        return dataclasses.replace(d, notices=notices) if notices else d
+        return dataclasses.replace(d, notices=notices, lend_notices=lend_notices) if notices or lend_notices else d
 
     def forget(self, member_id: str) -> None:
         """`member_id` (re)joined knowing nothing: the next decision tells it its sharing."""
         self._told.pop(member_id, None)
+        self._told_lent.pop(member_id, None)
 
     def shared(self, member_id: str) -> bool:
         """The sharing `member_id` was last told (False before any): what its steps started now run under."""
         return self._told.get(member_id, False)
+
+    def tail_lent(self, member_id: str) -> bool:
+        """Whether `member_id` was last told that the other side lends it its ITL tail (False before any)."""
+        return self._told_lent.get(member_id, False)
 
     def _sharing(self, now: float, lm: MemberView, sms: Sequence[MemberView]) -> tuple[tuple[str, bool], ...]:
         if lm.has_work:
@@ -267,6 +295,20 @@ class GangArbiter:
                 notices.append((member_id, shared))
         return tuple(notices)
 
+    def _lending(self, lm: MemberView, sms: Sequence[MemberView]) -> tuple[tuple[str, bool], ...]:
+        """Whether the other side lends each member its ITL tail, and the members whose answer changed. Only the
+        deadline shapes step past deadlines; the LM is lent the SMs' tail while every SM with work lends."""
+        deadline_shape = self.policy.shape in _DEADLINE_SHAPES
+        sm_work = [s for s in sms if s.has_work]
+        lm_lent = deadline_shape and bool(sm_work) and all(s.lends_tail for s in sm_work)
+        sm_lent = deadline_shape and lm.has_work and lm.lends_tail
+        notices = []
+        for member_id, lent in ((self.lm_id, lm_lent), *((sm, sm_lent) for sm in self.sm_ids)):
+            if self._told_lent.get(member_id) is not lent:
+                self._told_lent[member_id] = lent
+                notices.append((member_id, lent))
+        return tuple(notices)
+
     def _decide(self, now: float, lm: MemberView, sms: Sequence[MemberView]) -> Decision:
         self._note_waits(now, lm, sms)
         self._charge(now)
@@ -275,10 +317,10 @@ class GangArbiter:
         sm_work = [s for s in sms if s.has_work]
         self._lm_floor = min_cap_s(lm) if self.policy.shape in _DEADLINE_SHAPES else lm.min_step_s
         if self.holder is Holder.LM:
-            cap = self._lm_cap(now, sm_work)
+            cap = self._lm_cap(now, lm, sm_work)
             if lm.has_work and cap >= lm.min_step_s - _EPS and self._lm_may_continue(now, lm, sm_work):
                 return Decision(run_lm=True, lm_cap_s=cap)
-            stall_cap = self._lm_cap(now, sm_work, horizon=False)
+            stall_cap = self._lm_cap(now, lm, sm_work, horizon=False)
             self._switch(now, Holder.SM, forced=lm.has_work and stall_cap < lm.min_step_s - _EPS)
         if not lm.has_work:
             self.draining = False
@@ -289,7 +331,7 @@ class GangArbiter:
         if self.draining and not any(self._busy(s) for s in self.sm_ids):
             self._note_barrier(now)
             self._switch(now, Holder.LM, self._drain_forced)
-            return Decision(run_lm=True, lm_cap_s=self._lm_cap(now, sm_work))
+            return Decision(run_lm=True, lm_cap_s=self._lm_cap(now, lm, sm_work))
         return self._sm_starts(now, lm, sm_work)
 
     def started(self, member_id: str, now: float, step_s: float, cap_s: float) -> None:
@@ -386,9 +428,10 @@ class GangArbiter:
 
     # ---- caps and rules ----------------------------------------------------------------------------------------
 
-    def _lm_cap(self, now: float, sm_work: Sequence[MemberView], horizon: bool = True) -> float:
+    def _lm_cap(self, now: float, lm: MemberView, sm_work: Sequence[MemberView], horizon: bool = True) -> float:
         """How long the next LM step may run: until the earliest SM stall deadline (an SM without work may get
-        some at any moment), and in the periodic shape until the lease ends."""
+        some at any moment), in the periodic shape until the lease ends, and in the deadline shapes until the SMs'
+        latest start, past that of every SM that lends its tail when the LM's due prompts need the longer step."""
         cap = self._max_stall_s
         for s in sm_work:
             cap = min(cap, self._stall_since.get(s.member_id, now) + self._max_stall_s - now)
@@ -398,17 +441,22 @@ class GangArbiter:
             cap = min(cap, self._lease_start + self.policy.lease_ms / 1e3 - now)
         if horizon and self.policy.shape in _DEADLINE_SHAPES:
             # Deadlines already missed cap nothing: shrinking every step to its floor would stop all prefill.
-            deadlines = [s.deadline_s for s in sm_work if s.deadline_s is not None and s.deadline_s >= now]
-            if deadlines:
-                cap = min(cap, max(self._lm_floor, min(deadlines) - now))
+            live = [s for s in sm_work if s.deadline_s is not None and s.deadline_s >= now]
+            cut = _deadline_cut(now, self._lm_floor, live)
+            if cut is not None and lm.due_prefill_s > cut:  # the due prompts need a longer step: spend lent tails
+                cut = _deadline_cut(now, self._lm_floor, [s for s in live if not s.lends_tail])
+            if cut is not None:
+                cap = min(cap, cut)
         return cap
 
-    def _sm_cap(self, now: float, lm: MemberView, floor_s: float) -> float:
+    def _sm_cap(self, now: float, lm: MemberView, floor_s: float, due_prefill_s: float = 0.0) -> float:
         cap = self._max_wait_s if self._lm_wait_since is None else self._lm_wait_since + self._max_wait_s - now
         if lm.has_work and self.policy.sm_shared_step_ms > 0 and self.policy.shape != "deadline":
             cap = min(cap, max(floor_s, self.policy.sm_shared_step_ms / 1e3))
         if self.policy.shape in _DEADLINE_SHAPES and lm.has_work and lm.deadline_s is not None and lm.deadline_s >= now:
-            cap = min(cap, max(floor_s, lm.deadline_s - now))
+            cut = max(floor_s, lm.deadline_s - now)
+            if not (lm.lends_tail and due_prefill_s > cut):  # a due prompt that needs more spends the LM's tail
+                cap = min(cap, cut)
         return cap
 
     def _lm_may_continue(self, now: float, lm: MemberView, sm_work: Sequence[MemberView]) -> bool:
@@ -461,7 +509,8 @@ class GangArbiter:
             return Decision(sm_starts=starts, fills=bool(starts))
         starts = []
         for s in idle:
-            cap = self._sm_cap(now, lm, min_cap_s(s) if self.policy.shape in _DEADLINE_SHAPES else s.min_step_s)
+            cap = self._sm_cap(now, lm, min_cap_s(s) if self.policy.shape in _DEADLINE_SHAPES else s.min_step_s,
+                               s.due_prefill_s)
             if s.min_step_s <= cap + _EPS:
                 starts.append((s.member_id, cap))
         return Decision(sm_starts=tuple(starts))

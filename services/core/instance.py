@@ -117,11 +117,13 @@ class GangShare:
     """What a gang member gets of its GPUs while the other side of its group has work: its steps are capped at
     `own_cap_s` and each is followed by one of the other side's, capped at `other_cap_s` (the policy's shared-step
     caps, `GangPolicy.lm/sm_shared_step_ms`); `duty` is its step share, used where the policy sets no caps. While
-    the other side has no work the member steps alone, in full."""
+    the other side has no work the member steps alone, in full. `lent_cap_s` (deadline shape): its cap while the
+    other side lends it its ITL tail, the bound that caps its steps (0: lending changes no cap)."""
 
     duty: float
     own_cap_s: float
     other_cap_s: float
+    lent_cap_s: float = 0.0
 
 
 def gang_share(node: NodeConfig, instance: InstanceConfig) -> GangShare | None:
@@ -142,7 +144,7 @@ def gang_share(node: NodeConfig, instance: InstanceConfig) -> GangShare | None:
     other_itl_s = node.slo.for_model(node.instance(others[0]).model).itl_ms / 1e3
     bound_s = (policy.max_sm_stall_ms if is_lm else policy.max_lm_wait_ms) / 1e3
     own = max(0.0, min(bound_s, other_itl_s - other_floor_s - policy.urgent_ms / 1e3))
-    return GangShare(gang_duty(node, instance), own, other_floor_s)
+    return GangShare(gang_duty(node, instance), own, other_floor_s, bound_s)
 
 
 class LoadReporter:
@@ -162,9 +164,12 @@ class LoadReporter:
                  gang: GangShare | None = None) -> None:
         # gang: what the instance gets of its GPUs while it shares them (a gang member); `shared`: the arbiter's
         # notice (services/core/gang.py, sharing), set by the gang adapter (the simulator's, or the live gate):
-        # shared, the rates it reports are those of capped steps taking turns with the other side's.
+        # shared, the rates it reports are those of capped steps taking turns with the other side's. `tail_lent`:
+        # the arbiter's lending notice: the other side lends its ITL tail, so a due prompt's step may run to the
+        # bound (`GangShare.lent_cap_s`) instead of the other side's latest start.
         self.gang = gang
         self.shared = False
+        self.tail_lent = False
         self.instance_id = instance_id
         self.model = model
         self.batcher = batcher
@@ -219,8 +224,9 @@ class LoadReporter:
         """The snapshot of a gang member whose group's other side has work: each of its steps is capped and
         followed by one of the other side's, so a prompt gets the prefill tokens a capped step carries beside the
         decodes of every request it holds once per cycle (its cap plus the other side's), a running request one
-        token per cycle, and no step runs past the cap (no long steps). A policy without shared-step caps: the step share (`duty`) of
-        the rates of steps alone."""
+        token per cycle, and no step runs past the cap (no long steps). While the other side lends its ITL tail
+        (`tail_lent`), the cap is the bound instead (`GangShare.lent_cap_s`). A policy without shared-step caps: the
+        step share (`duty`) of the rates of steps alone."""
         b, share = self.batcher, self.gang
         assert share is not None
         if share.own_cap_s <= 0 or share.other_cap_s <= 0:
@@ -231,7 +237,8 @@ class LoadReporter:
         # the prefill left to the later ones. Decodes that fill the cap leave no prefill until some finish: one
         # token a cycle stands for that (a rate of 0 would read as "unknown", which routing replaces by the cost
         # model's rate alone).
-        chunk = max(1, b.budget.capped_prefill_tokens(share.own_cap_s, b.num_future_decodes()))
-        rate = chunk / (share.own_cap_s + share.other_cap_s)
+        own_cap_s = share.lent_cap_s if self.tail_lent and share.lent_cap_s > 0 else share.own_cap_s
+        chunk = max(1, b.budget.capped_prefill_tokens(own_cap_s, b.num_future_decodes()))
+        rate = chunk / (own_cap_s + share.other_cap_s)
         cadence_s = self.decode_step_time_s + share.other_cap_s
         return b.load(self.instance_id, self.model, rate, cadence_s, 0.0, 0.0, 0.0, 0.0)

@@ -48,8 +48,9 @@ class GangMember(Protocol):
         """Begin one arbiter step that ends within `cap_s` (virtual s); its planned length, or None if it has
         nothing to run. `shared`: the member is shared (core/gang.py: it reports shared rates)."""
 
-    def notify(self, shared: bool) -> None:
-        """The arbiter's notice: the member's sharing changed (it may be idle); nothing to answer."""
+    def notify(self, shared: bool, tail_lent: bool = False) -> None:
+        """The arbiter's notice: the member's sharing, or whether the other side lends it its ITL tail, changed (it
+        may be idle); nothing to answer."""
 
     async def wait_end(self) -> None:
         """Return when the started step has ended (the member is idle at an iteration boundary)."""
@@ -98,7 +99,7 @@ class GangDriver:
         v = member.view()
         deadline_s = None if v.deadline_s is None else v.deadline_s - self._origin_s
         return MemberView(v.member_id, v.has_work and member.member_id not in self._blocked, v.min_step_s, deadline_s,
-                          v.due_prefill_s)
+                          v.due_prefill_s, v.lends_tail)
 
     async def run(self) -> None:
         """The loop, until cancelled; a cancelled driver lets running steps end and reports them."""
@@ -118,8 +119,9 @@ class GangDriver:
             now = self.now()
             d = self.arbiter.decide(now, self._view(self._lm), [self._view(s) for s in self._sms])
             self.stats.num_decisions += 1
-            for member_id, shared in d.notices:
-                self._members[member_id].notify(shared)
+            told = dict.fromkeys(m for m, _ in (*d.notices, *d.lend_notices))  # in order, once each
+            for member_id in told:
+                self._members[member_id].notify(self.arbiter.shared(member_id), self.arbiter.tail_lent(member_id))
             starts = ([(self._lm, d.lm_cap_s)] if d.run_lm else []) + [(self._members[i], c) for i, c in d.sm_starts]
             if not starts:
                 self._ended_at = None  # what follows waits on the arbiter (a barrier, no work), not on the loop

@@ -56,7 +56,8 @@ def _view_pb(batcher, itl_s: float, now: float, due_horizon_s: float) -> dict:
     has_work = bool(batcher.has_work or batcher.has_pending_outputs)
     return dict(has_work=has_work, min_step_s=batcher.step_floor_s(),
                 has_deadline=deadline is not None, deadline_s=deadline if deadline is not None else 0.0,
-                due_prefill_s=batcher.due_prefill_s(now, due_horizon_s) if has_work else 0.0)
+                due_prefill_s=batcher.due_prefill_s(now, due_horizon_s) if has_work else 0.0,
+                lends_tail=batcher.lends_tail())
 
 
 # ---- worker side -------------------------------------------------------------------------------------------------
@@ -75,7 +76,9 @@ class GangGate:
         self._out: asyncio.Queue[s_pb.GangReport] = asyncio.Queue()
         self._grants: asyncio.Queue[s_pb.GangGrant] = asyncio.Queue()
         self.shared = False  # the arbiter's latest word: the member is shared (its load report turns to shared rates)
-        self.on_sharing = lambda shared: None  # called with each notice (the engine's LoadReporter.shared)
+        self.tail_lent = False  # the arbiter's latest word: the other side lends its ITL tail
+        # called with each notice: (shared, tail_lent), the engine's LoadReporter.shared and .tail_lent
+        self.on_sharing = lambda shared, tail_lent: None
         self.num_grants = 0
         self.num_shared_grants = 0
         self.num_notices = 0
@@ -103,10 +106,10 @@ class GangGate:
 
         async def read() -> None:
             async for grant in stream:
-                if grant.notice:  # not a step: the member's sharing changed, nothing to answer
-                    self.shared = grant.shared
+                if grant.notice:  # not a step: the member's sharing or lending changed, nothing to answer
+                    self.shared, self.tail_lent = grant.shared, grant.tail_lent
                     self.num_notices += 1
-                    self.on_sharing(grant.shared)
+                    self.on_sharing(grant.shared, grant.tail_lent)
                 else:
                     self._grants.put_nowait(grant)
 
@@ -191,8 +194,8 @@ def attach_gang_gate(engine, node_cfg: NodeConfig, instance_id: str, scheduler: 
                          time_scale=time_scale, due_horizon_s=node_cfg.gang.policy.due_horizon_ms / 1000.0)
     reporter = engine.reporter
 
-    def on_sharing(shared: bool) -> None:
-        reporter.shared = shared
+    def on_sharing(shared: bool, tail_lent: bool) -> None:
+        reporter.shared, reporter.tail_lent = shared, tail_lent
 
     engine.gate.on_sharing = on_sharing
 
@@ -228,7 +231,7 @@ class RemoteStepMember:
     def on_report(self, r: s_pb.GangReport) -> None:
         if r.event in (Event.BOUNDARY, Event.ENDED, Event.NOTHING):
             self._view = MemberView(self.member_id, r.has_work, r.min_step_s, r.deadline_s if r.has_deadline else None,
-                                    r.due_prefill_s)
+                                    r.due_prefill_s, r.lends_tail)
         if r.event in (Event.STARTED, Event.NOTHING) and self._started is not None and not self._started.done():
             self._started.set_result(r.step_s if r.event == Event.STARTED else None)
         elif r.event == Event.ENDED:
@@ -247,9 +250,9 @@ class RemoteStepMember:
         self._grants.put_nowait(s_pb.GangGrant(cap_s=cap_s, shared=shared))
         return await self._started
 
-    def notify(self, shared: bool) -> None:
+    def notify(self, shared: bool, tail_lent: bool = False) -> None:
         if self.connected and self._grants is not None:
-            self._grants.put_nowait(s_pb.GangGrant(shared=shared, notice=True))
+            self._grants.put_nowait(s_pb.GangGrant(shared=shared, tail_lent=tail_lent, notice=True))
 
     async def wait_end(self) -> None:
         await self._ended.wait()

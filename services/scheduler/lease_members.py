@@ -86,7 +86,7 @@ class EngineSliceMember:
     def view(self) -> MemberView:
         return MemberView(self.member_id, self._num_active > 0, self.min_slice_s)
 
-    def notify(self, shared: bool) -> None:
+    def notify(self, shared: bool, tail_lent: bool = False) -> None:
         """Nothing to do: a vLLM engine's load report does not model shared steps."""
 
     async def start(self, cap_s: float, shared: bool = False) -> float | None:

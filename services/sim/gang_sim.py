@@ -66,7 +66,7 @@ class GangGroupSim:
         b = inst.batcher
         has_work = (b.has_work or b.has_pending_outputs) and inst.cfg.id not in self._blocked
         return MemberView(inst.cfg.id, has_work, b.step_floor_s(), b.earliest_deadline_s(self._itl_s[inst.cfg.id]),
-                          b.due_prefill_s(now, self._horizon_s) if has_work else 0.0)
+                          b.due_prefill_s(now, self._horizon_s) if has_work else 0.0, b.lends_tail())
 
     def step_done(self, inst, now: float) -> None:
         self.arbiter.finished(inst.cfg.id, now)
@@ -82,6 +82,8 @@ class GangGroupSim:
                 self._drain_from, self._sm_ran_fill = now, set()
             for member_id, shared in d.notices:
                 self._by_id[member_id].reporter.shared = shared
+            for member_id, lent in d.lend_notices:
+                self._by_id[member_id].reporter.tail_lent = lent
             starts = ([(self.lm, d.lm_cap_s)] if d.run_lm else []) + [
                 (inst, cap) for inst in self.sms for sm_id, cap in d.sm_starts if sm_id == inst.cfg.id
             ]

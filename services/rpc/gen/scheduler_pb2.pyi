@@ -203,7 +203,7 @@ class ReleaseLeaseReply(_message.Message):
     def __init__(self) -> None: ...
 
 class GangReport(_message.Message):
-    __slots__ = ("instance_id", "event", "has_work", "min_step_s", "has_deadline", "deadline_s", "step_s", "time_scale", "due_prefill_s")
+    __slots__ = ("instance_id", "event", "has_work", "min_step_s", "has_deadline", "deadline_s", "step_s", "time_scale", "due_prefill_s", "lends_tail")
     class Event(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         HELLO: _ClassVar[GangReport.Event]
@@ -225,6 +225,7 @@ class GangReport(_message.Message):
     STEP_S_FIELD_NUMBER: _ClassVar[int]
     TIME_SCALE_FIELD_NUMBER: _ClassVar[int]
     DUE_PREFILL_S_FIELD_NUMBER: _ClassVar[int]
+    LENDS_TAIL_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     event: GangReport.Event
     has_work: bool
@@ -234,14 +235,17 @@ class GangReport(_message.Message):
     step_s: float
     time_scale: float
     due_prefill_s: float
-    def __init__(self, instance_id: _Optional[str] = ..., event: _Optional[_Union[GangReport.Event, str]] = ..., has_work: _Optional[bool] = ..., min_step_s: _Optional[float] = ..., has_deadline: _Optional[bool] = ..., deadline_s: _Optional[float] = ..., step_s: _Optional[float] = ..., time_scale: _Optional[float] = ..., due_prefill_s: _Optional[float] = ...) -> None: ...
+    lends_tail: bool
+    def __init__(self, instance_id: _Optional[str] = ..., event: _Optional[_Union[GangReport.Event, str]] = ..., has_work: _Optional[bool] = ..., min_step_s: _Optional[float] = ..., has_deadline: _Optional[bool] = ..., deadline_s: _Optional[float] = ..., step_s: _Optional[float] = ..., time_scale: _Optional[float] = ..., due_prefill_s: _Optional[float] = ..., lends_tail: _Optional[bool] = ...) -> None: ...
 
 class GangGrant(_message.Message):
-    __slots__ = ("cap_s", "shared", "notice")
+    __slots__ = ("cap_s", "shared", "notice", "tail_lent")
     CAP_S_FIELD_NUMBER: _ClassVar[int]
     SHARED_FIELD_NUMBER: _ClassVar[int]
     NOTICE_FIELD_NUMBER: _ClassVar[int]
+    TAIL_LENT_FIELD_NUMBER: _ClassVar[int]
     cap_s: float
     shared: bool
     notice: bool
-    def __init__(self, cap_s: _Optional[float] = ..., shared: _Optional[bool] = ..., notice: _Optional[bool] = ...) -> None: ...
+    tail_lent: bool
+    def __init__(self, cap_s: _Optional[float] = ..., shared: _Optional[bool] = ..., notice: _Optional[bool] = ..., tail_lent: _Optional[bool] = ...) -> None: ...
