@@ -8,6 +8,8 @@ against the machine's scheduling noise. Requests go straight to the engines. Che
 - every request finished with its full length; both sides got steps and the holder switched;
 - an idle member hears of the other side's work by the arbiter's notice, with no grant (its load report turns to
   shared rates before a prompt reaches it);
+- on seed 003's node (deadline shape), SMs that only decode lend their ITL tail: the LM is told so by a notice and
+  its long prompt runs in one step past the SMs' latest start;
 - a stream that does not open with a member's HELLO, or sends a malformed report, is refused; a gang member needs a
   scheduler.
 The process-level agreement with the simulator is `python -m octoserve.services.gang_agreement` (BENCHMARKS.md).
@@ -33,6 +35,7 @@ from octoserve.services.scheduler.service import scheduler_spec
 session_loop = pytest.mark.asyncio(loop_scope="session")
 
 CONFIG = Path(__file__).resolve().parent.parent / "services" / "configs" / "node-gang.yaml"
+SEED003_CONFIG = CONFIG.with_name("node-seed003.yaml")
 TIME_SCALE = 20.0
 
 
@@ -153,6 +156,59 @@ async def test_a_member_that_planned_nothing_answers_the_next_grant():
             assert last.finish_reason is FinishReason.LENGTH and n == s.sampling.max_tokens, s.request_id
         assert group.driver.stats.num_blocked >= 1  # the path under test ran
         assert group.arbiter.stats.num_lm_steps == len(engines["lm-0"].gate.steps) > 0
+    finally:
+        await asyncio.gather(*(e.stop() for e in engines.values()))
+        await running.shutdown()
+
+
+@session_loop
+async def test_seed_003s_lm_prompt_steps_past_the_deadlines_of_sms_that_lend_their_tail():
+    """Seed 003's node live (the deadline shape): four 8B replicas decoding, their ITL tails untouched, lend them;
+    the arbiter tells the 180B model so over the stream (a notice: its load report predicts the longer step), and
+    its 900-token prompt runs in one step of ~115 modelled ms, past the SMs' latest start (their 65 ms ITL less a
+    step: no LM step may run longer than ~58 ms while an SM that does not lend decodes). Every request finishes."""
+    node = load_node_config(str(SEED003_CONFIG))
+    sched_spec, servicer = scheduler_spec(node, port=0, metrics_port=None, grace_s=0.5)
+    running = await start_service(sched_spec)
+    engines = {}
+    try:
+        for inst in node.instances:
+            engine = make_engine(node, inst.id, time_scale=TIME_SCALE)
+            attach_gang_gate(engine, node, inst.id, running.address, TIME_SCALE)
+            engines[inst.id] = engine
+        lent_told = []
+        gate = engines["lm-0"].gate
+        told = gate.on_sharing
+
+        def on_sharing(shared: bool, tail_lent: bool) -> None:
+            lent_told.append(tail_lent)
+            told(shared, tail_lent)
+
+        gate.on_sharing = on_sharing
+        await asyncio.gather(*(e.start() for e in engines.values()))
+        group = servicer.gang.groups["lm-0"]
+        for _ in range(200):
+            if group.driver is not None:
+                break
+            await asyncio.sleep(0.01)
+        assert group.driver is not None
+        lm_model, sm_model = engines["lm-0"].model, engines["sm-0"].model
+        requests = [(engines[f"sm-{i}"], spec(f"sm-{i}", sm_model, 20, 40)) for i in range(4)]
+        decoding = [asyncio.Event() for _ in requests]
+        sm_tasks = [asyncio.create_task(run(e, s, d)) for (e, s), d in zip(requests, decoding)]
+        await asyncio.wait_for(asyncio.gather(*(d.wait() for d in decoding)), timeout=60)
+        for _ in range(200):  # the LM is told, idle, that the SMs lend: its report predicts the longer step
+            if engines["lm-0"].reporter.tail_lent:
+                break
+            await asyncio.sleep(0.005)
+        assert engines["lm-0"].reporter.tail_lent and True in lent_told
+        lm = (engines["lm-0"], spec("lm-0", lm_model, 900, 4))
+        results = await asyncio.wait_for(asyncio.gather(*sm_tasks, run(*lm)), timeout=120)
+        for (_, s), (last, n) in zip([*requests, lm], results):
+            assert last.finish_reason is FinishReason.LENGTH and n == s.sampling.max_tokens, s.request_id
+        longest_s = max(e - b for b, e in gate.steps) / TIME_SCALE  # loop seconds to modelled ones
+        assert longest_s > 0.090, longest_s  # the whole prompt in one step, past the SMs' ~58 ms latest start
+        assert group.arbiter.stats.num_overruns == 0
     finally:
         await asyncio.gather(*(e.stop() for e in engines.values()))
         await running.shutdown()
