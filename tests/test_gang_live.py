@@ -18,6 +18,7 @@ The process-level agreement with the simulator is `python -m octoserve.services.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from pathlib import Path
 
 import grpc
@@ -59,9 +60,10 @@ async def run(engine, s: RequestSpec, first_token: asyncio.Event | None = None):
     return last, n
 
 
-@session_loop
-async def test_gang_members_step_only_on_grants_and_never_overlap():
-    node = load_node_config(str(CONFIG))
+@contextlib.asynccontextmanager
+async def gang_node(node, on_engine=None):
+    """The scheduler on 127.0.0.1 and every member's sim engine with its gate, started; yields (engines, the group)
+    once the group's driver runs (all members said HELLO). `on_engine(instance id, engine)` runs before the start."""
     sched_spec, servicer = scheduler_spec(node, port=0, metrics_port=None, grace_s=0.5)
     running = await start_service(sched_spec)
     engines = {}
@@ -69,6 +71,8 @@ async def test_gang_members_step_only_on_grants_and_never_overlap():
         for inst in node.instances:
             engine = make_engine(node, inst.id, time_scale=TIME_SCALE)
             attach_gang_gate(engine, node, inst.id, running.address, TIME_SCALE)
+            if on_engine is not None:
+                on_engine(inst.id, engine)
             engines[inst.id] = engine
         await asyncio.gather(*(e.start() for e in engines.values()))
         group = servicer.gang.groups["lm-0"]
@@ -76,7 +80,17 @@ async def test_gang_members_step_only_on_grants_and_never_overlap():
             if group.driver is not None:
                 break
             await asyncio.sleep(0.01)
-        assert group.driver is not None, "the group's driver starts once all nine members said HELLO"
+        assert group.driver is not None, "the group's driver starts once every member said HELLO"
+        yield engines, group, servicer
+    finally:
+        await asyncio.gather(*(e.stop() for e in engines.values()))
+        await running.shutdown()
+
+
+@session_loop
+async def test_gang_members_step_only_on_grants_and_never_overlap():
+    node = load_node_config(str(CONFIG))
+    async with gang_node(node) as (engines, group, servicer):
 
         lm_model, sm_model = engines["lm-0"].model, engines["sm-0"].model
         # An idle SM is told that the LM has work the moment the arbiter sees it (a notice, not a grant): its load
@@ -113,9 +127,6 @@ async def test_gang_members_step_only_on_grants_and_never_overlap():
             assert 0 < gates[iid].num_shared_grants <= gates[iid].num_grants
         figures = servicer.gang.stats()["lm-0"]
         assert figures["lm_steps"] == len(lm_steps) and figures["decisions"] > 0
-    finally:
-        await asyncio.gather(*(e.stop() for e in engines.values()))
-        await running.shutdown()
 
 
 @session_loop
@@ -128,21 +139,7 @@ async def test_a_member_that_planned_nothing_answers_the_next_grant():
     from octoserve.services.config import load_with_overrides
 
     node = load_with_overrides(str(CONFIG), [], "pessimistic")
-    sched_spec, servicer = scheduler_spec(node, port=0, metrics_port=None, grace_s=0.5)
-    running = await start_service(sched_spec)
-    engines = {}
-    try:
-        for inst in node.instances:
-            engine = make_engine(node, inst.id, time_scale=TIME_SCALE)
-            attach_gang_gate(engine, node, inst.id, running.address, TIME_SCALE)
-            engines[inst.id] = engine
-        await asyncio.gather(*(e.start() for e in engines.values()))
-        group = servicer.gang.groups["lm-0"]
-        for _ in range(200):
-            if group.driver is not None:
-                break
-            await asyncio.sleep(0.01)
-        assert group.driver is not None
+    async with gang_node(node) as (engines, group, _):
         lm_model, sm_model = engines["lm-0"].model, engines["sm-0"].model
         requests = [(engines[f"sm-{i % 8}"], spec(f"sm-{i}", sm_model, 2000, 24)) for i in range(8)]
         decoding = [asyncio.Event() for _ in requests]
@@ -156,9 +153,6 @@ async def test_a_member_that_planned_nothing_answers_the_next_grant():
             assert last.finish_reason is FinishReason.LENGTH and n == s.sampling.max_tokens, s.request_id
         assert group.driver.stats.num_blocked >= 1  # the path under test ran
         assert group.arbiter.stats.num_lm_steps == len(engines["lm-0"].gate.steps) > 0
-    finally:
-        await asyncio.gather(*(e.stop() for e in engines.values()))
-        await running.shutdown()
 
 
 @session_loop
@@ -168,30 +162,20 @@ async def test_seed_003s_lm_prompt_steps_past_the_deadlines_of_sms_that_lend_the
     its 900-token prompt runs in one step of ~115 modelled ms, past the SMs' latest start (their 65 ms ITL less a
     step: no LM step may run longer than ~58 ms while an SM that does not lend decodes). Every request finishes."""
     node = load_node_config(str(SEED003_CONFIG))
-    sched_spec, servicer = scheduler_spec(node, port=0, metrics_port=None, grace_s=0.5)
-    running = await start_service(sched_spec)
-    engines = {}
-    try:
-        for inst in node.instances:
-            engine = make_engine(node, inst.id, time_scale=TIME_SCALE)
-            attach_gang_gate(engine, node, inst.id, running.address, TIME_SCALE)
-            engines[inst.id] = engine
-        lent_told = []
+    lent_told = []
+
+    def record_lending(instance_id: str, engine) -> None:
+        if instance_id == "lm-0":
+            told = engine.gate.on_sharing
+
+            def on_sharing(shared: bool, tail_lent: bool) -> None:
+                lent_told.append(tail_lent)
+                told(shared, tail_lent)
+
+            engine.gate.on_sharing = on_sharing
+
+    async with gang_node(node, record_lending) as (engines, group, _):
         gate = engines["lm-0"].gate
-        told = gate.on_sharing
-
-        def on_sharing(shared: bool, tail_lent: bool) -> None:
-            lent_told.append(tail_lent)
-            told(shared, tail_lent)
-
-        gate.on_sharing = on_sharing
-        await asyncio.gather(*(e.start() for e in engines.values()))
-        group = servicer.gang.groups["lm-0"]
-        for _ in range(200):
-            if group.driver is not None:
-                break
-            await asyncio.sleep(0.01)
-        assert group.driver is not None
         lm_model, sm_model = engines["lm-0"].model, engines["sm-0"].model
         requests = [(engines[f"sm-{i}"], spec(f"sm-{i}", sm_model, 20, 40)) for i in range(4)]
         decoding = [asyncio.Event() for _ in requests]
@@ -209,9 +193,6 @@ async def test_seed_003s_lm_prompt_steps_past_the_deadlines_of_sms_that_lend_the
         longest_s = max(e - b for b, e in gate.steps) / TIME_SCALE  # loop seconds to modelled ones
         assert longest_s > 0.090, longest_s  # the whole prompt in one step, past the SMs' ~58 ms latest start
         assert group.arbiter.stats.num_overruns == 0
-    finally:
-        await asyncio.gather(*(e.stop() for e in engines.values()))
-        await running.shutdown()
 
 
 @session_loop
