@@ -288,12 +288,7 @@ class GangArbiter:
         shape = self.policy.shape
         lm_shared = shape != "lm_first" and now - self._sm_work_at < hold
         sm_shared = shape != "sm_greedy" and now - self._lm_work_at < hold
-        notices = []
-        for member_id, shared in ((self.lm_id, lm_shared), *((sm, sm_shared) for sm in self.sm_ids)):
-            if self._told.get(member_id) is not shared:
-                self._told[member_id] = shared
-                notices.append((member_id, shared))
-        return tuple(notices)
+        return self._changes(self._told, lm_shared, sm_shared)
 
     def _lending(self, lm: MemberView, sms: Sequence[MemberView]) -> tuple[tuple[str, bool], ...]:
         """Whether the other side lends each member its ITL tail, and the members whose answer changed. Only the
@@ -302,11 +297,15 @@ class GangArbiter:
         sm_work = [s for s in sms if s.has_work]
         lm_lent = deadline_shape and bool(sm_work) and all(s.lends_tail for s in sm_work)
         sm_lent = deadline_shape and lm.has_work and lm.lends_tail
+        return self._changes(self._told_lent, lm_lent, sm_lent)
+
+    def _changes(self, told: dict[str, bool], lm_value: bool, sm_value: bool) -> tuple[tuple[str, bool], ...]:
+        """The members whose value in `told` changes to `lm_value` (the LM) or `sm_value` (every SM), now told."""
         notices = []
-        for member_id, lent in ((self.lm_id, lm_lent), *((sm, sm_lent) for sm in self.sm_ids)):
-            if self._told_lent.get(member_id) is not lent:
-                self._told_lent[member_id] = lent
-                notices.append((member_id, lent))
+        for member_id, value in ((self.lm_id, lm_value), *((sm, sm_value) for sm in self.sm_ids)):
+            if told.get(member_id) is not value:
+                told[member_id] = value
+                notices.append((member_id, value))
         return tuple(notices)
 
     def _decide(self, now: float, lm: MemberView, sms: Sequence[MemberView]) -> Decision:
