@@ -112,10 +112,12 @@ def test_dry_run_bench_rows_and_ratios(dry_run):
             assert row["completed"] + row["failed"] == row["num_requests"], (side, rate)
             assert sum(row["failures"].values()) == row["failed"], (side, rate, row["failures"])
             assert row["median_ttft_ms"] > 0 and row["output_throughput"] > 0
-            if rate == bench["rates"][-1] and side == "octoserve":
-                # Into overload octoserve may shed load: a refusal with Retry-After, never another error.
+            if rate != "isolated" and side == "octoserve":
+                # Under Poisson arrivals octoserve may shed load: a refusal with Retry-After, never another error.
+                # Whether 4 req/s is already overload for the toy engine depends on the machine: on two cores
+                # shared with the live tests, 2 of 12 were refused once (predicted past the 250 ms TTFT SLO).
                 assert set(row["failures"]) <= {"Too Many Requests"}, row["failures"]
-            else:
+            else:  # one request at a time never overloads it, and bare vLLM queues without refusing
                 assert row["failed"] == 0, (side, rate, row["failures"])
     summary = bench["summary"]
     assert summary["isolated_ttft_p50_ratio"] > 0 and set(summary["throughput_ratio"]) == {"4", "32"}
