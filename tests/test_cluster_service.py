@@ -68,7 +68,9 @@ async def test_picker_service_picks_backpressures_and_drops_a_dead_node():
     a, b = {"summary": _summary(0.0)}, {"summary": _summary(60.0)}
     node_a, node_b = await _node(a), await _node(b)
     picker = ClusterPicker(ClusterPolicy(), random.Random(0))
-    service = PickerService(picker, [node_a.address, node_b.address], poll_s=3600.0)  # polled by hand below
+    # Polled by hand below; a poll deadline past a loaded machine's first connect (the default 0.5 s once dropped
+    # both nodes before the first pick: "no healthy node"). A stopped node still fails its poll at once.
+    service = PickerService(picker, [node_a.address, node_b.address], poll_s=3600.0, poll_timeout_s=10.0)
     front = await start_service(ServiceSpec(name="picker", metrics_port=None, grace_s=0.5,
                                             service_names=(PICKER_SERVICE,), add_servicers=service.add_to_server,
                                             start=service.start, close=service.close))
