@@ -276,13 +276,16 @@ def test_a_member_reports_the_step_its_due_prompts_need():
     assert b.due_prefill_s(0.0, 1.0) == pytest.approx(one)
     # both, up to the step's 2,048-token ceiling: the whole first prompt, then 1,048 tokens of the second
     assert b.due_prefill_s(9.5, 1.0) == pytest.approx(fixed + 2048 * per_token + attn * (1000 * 500 + 1048 * 524))
-    view = _view_pb(b, 0.1, 0.0, 1.0)
+    view = _view_pb(b, 0.1, 0.0, 1.0, True)
     assert view["has_work"] and view["due_prefill_s"] == pytest.approx(one)
+    assert view["lends_tail"] is False  # prompts of its own: it lends nothing
 
 
 def test_a_member_lends_its_tail_while_its_budget_affords_a_slow_gap_on_each_decode():
     """An SM with three decodes running lends its ITL tail until its budget (4 % of the last 4,000 gaps: 160 slow
     gaps) could not take one more slow gap on each of the three."""
+    from octoserve.services.scheduler.gang_live import _view_pb
+
     node = _node()
     rep = _reporter(node, "sm-0")
     b = rep.batcher
@@ -292,6 +295,8 @@ def test_a_member_lends_its_tail_while_its_budget_affords_a_slow_gap_on_each_dec
     plan = b.schedule(0.0)  # the three prompts in one step: each then decodes
     b.update(plan, StepResult({c.request_id: 7 for c in plan.chunks if c.samples}), 0.02)
     assert b.step_floor_s() > 0 and b.lends_tail()
+    # on the stream only where the policy reads it (the deadline shapes)
+    assert _view_pb(b, 0.065, 0.02, 1.0, True)["lends_tail"] and not _view_pb(b, 0.065, 0.02, 1.0, False)["lends_tail"]
     tail = b.budget.tail
     assert tail.fraction * tail.window_gaps == pytest.approx(160)
     tail.observe(3000, 157)

@@ -128,6 +128,12 @@ class GangPolicy:
     def is_baseline(self) -> bool:
         return self.shape in BASELINE_SHAPES
 
+    @property
+    def lends_tails(self) -> bool:
+        """Whether its steps may run past a lending member's deadlines (the deadline shapes): the only ones where a
+        member's `MemberView.lends_tail` is read, so the adapters compute it only then."""
+        return self.shape in _DEADLINE_SHAPES
+
     def problems(self) -> list[str]:
         out = []
         if self.shape not in SHAPES + BASELINE_SHAPES:
@@ -293,10 +299,10 @@ class GangArbiter:
     def _lending(self, lm: MemberView, sms: Sequence[MemberView]) -> tuple[tuple[str, bool], ...]:
         """Whether the other side lends each member its ITL tail, and the members whose answer changed. Only the
         deadline shapes step past deadlines; the LM is lent the SMs' tail while every SM with work lends."""
-        deadline_shape = self.policy.shape in _DEADLINE_SHAPES
+        lending = self.policy.lends_tails
         sm_work = [s for s in sms if s.has_work]
-        lm_lent = deadline_shape and bool(sm_work) and all(s.lends_tail for s in sm_work)
-        sm_lent = deadline_shape and lm.has_work and lm.lends_tail
+        lm_lent = lending and bool(sm_work) and all(s.lends_tail for s in sm_work)
+        sm_lent = lending and lm.has_work and lm.lends_tail
         return self._changes(self._told_lent, lm_lent, sm_lent)
 
     def _changes(self, told: dict[str, bool], lm_value: bool, sm_value: bool) -> tuple[tuple[str, bool], ...]:

@@ -50,14 +50,14 @@ Event = s_pb.GangReport.Event
 REJOIN_S = 0.2  # pause before a member reopens a broken stream (the scheduler restarting)
 
 
-def _view_pb(batcher, itl_s: float, now: float, due_horizon_s: float) -> dict:
+def _view_pb(batcher, itl_s: float, now: float, due_horizon_s: float, lending: bool) -> dict:
     """The member's view (`MemberView`) on the wire; `now`: the batcher's clock (modelled seconds)."""
     deadline = batcher.earliest_deadline_s(itl_s)
     has_work = bool(batcher.has_work or batcher.has_pending_outputs)
     return dict(has_work=has_work, min_step_s=batcher.step_floor_s(),
                 has_deadline=deadline is not None, deadline_s=deadline if deadline is not None else 0.0,
                 due_prefill_s=batcher.due_prefill_s(now, due_horizon_s) if has_work else 0.0,
-                lends_tail=batcher.lends_tail())
+                lends_tail=lending and batcher.lends_tail())
 
 
 # ---- worker side -------------------------------------------------------------------------------------------------
@@ -67,16 +67,16 @@ class GangGate:
     """A member worker's side of the protocol: the sim engine's step loop calls `turn` before every step."""
 
     def __init__(self, instance_id: str, scheduler: str, *, itl_s: float, time_scale: float,
-                 due_horizon_s: float = 1.0) -> None:
+                 due_horizon_s: float = 1.0, lending: bool = False) -> None:
         self.instance_id = instance_id
         self.itl_s = itl_s
         self.time_scale = time_scale
         self.due_horizon_s = due_horizon_s
+        self.lending = lending  # the policy reads the members' `lends_tail` (GangPolicy.lends_tails)
         self._scheduler = scheduler
         self._out: asyncio.Queue[s_pb.GangReport] = asyncio.Queue()
         self._grants: asyncio.Queue[s_pb.GangGrant] = asyncio.Queue()
         self.shared = False  # the arbiter's latest word: the member is shared (its load report turns to shared rates)
-        self.tail_lent = False  # the arbiter's latest word: the other side lends its ITL tail
         # called with each notice: (shared, tail_lent), the engine's LoadReporter.shared and .tail_lent
         self.on_sharing = lambda shared, tail_lent: None
         self.num_grants = 0
@@ -90,7 +90,7 @@ class GangGate:
 
     def _send(self, event, batcher=None, **fields) -> None:
         now = asyncio.get_running_loop().time() / self.time_scale
-        view = _view_pb(batcher, self.itl_s, now, self.due_horizon_s) if batcher is not None else {}
+        view = _view_pb(batcher, self.itl_s, now, self.due_horizon_s, self.lending) if batcher is not None else {}
         self._out.put_nowait(s_pb.GangReport(instance_id=self.instance_id, event=event, **view, **fields))
 
     async def _requests(self) -> AsyncIterator[s_pb.GangReport]:
@@ -107,7 +107,7 @@ class GangGate:
         async def read() -> None:
             async for grant in stream:
                 if grant.notice:  # not a step: the member's sharing or lending changed, nothing to answer
-                    self.shared, self.tail_lent = grant.shared, grant.tail_lent
+                    self.shared = grant.shared
                     self.num_notices += 1
                     self.on_sharing(grant.shared, grant.tail_lent)
                 else:
@@ -191,7 +191,8 @@ def attach_gang_gate(engine, node_cfg: NodeConfig, instance_id: str, scheduler: 
         raise ValueError(f"instance {instance_id} is in a gang group, which needs an engine with a step gate "
                          "(--engine sim); pause/resume engines take turns with EngineSliceMember instead")
     engine.gate = GangGate(instance_id, scheduler, itl_s=node_cfg.slo.for_model(node_cfg.instance(instance_id).model).itl_ms / 1000.0,
-                         time_scale=time_scale, due_horizon_s=node_cfg.gang.policy.due_horizon_ms / 1000.0)
+                         time_scale=time_scale, due_horizon_s=node_cfg.gang.policy.due_horizon_ms / 1000.0,
+                         lending=node_cfg.gang.policy.lends_tails)
     reporter = engine.reporter
 
     def on_sharing(shared: bool, tail_lent: bool) -> None:

@@ -52,6 +52,7 @@ class GangGroupSim:
         # each member's deadlines come from its own model's ITL SLO (per-model SLOs: the LM's and the SMs' differ)
         self._itl_s = {inst.cfg.id: node.slo.for_model(inst.cfg.model).itl_ms / 1000.0 for inst in self.members()}
         self._horizon_s = node.gang.policy.due_horizon_ms / 1000.0
+        self._lending = node.gang.policy.lends_tails
         self._blocked: set[str] = set()  # told to start, planned nothing: no work until the next event
         self._drain_from: float | None = None
         self._sm_ran_fill: set[str] = set()
@@ -66,7 +67,8 @@ class GangGroupSim:
         b = inst.batcher
         has_work = (b.has_work or b.has_pending_outputs) and inst.cfg.id not in self._blocked
         return MemberView(inst.cfg.id, has_work, b.step_floor_s(), b.earliest_deadline_s(self._itl_s[inst.cfg.id]),
-                          b.due_prefill_s(now, self._horizon_s) if has_work else 0.0, b.lends_tail())
+                          b.due_prefill_s(now, self._horizon_s) if has_work else 0.0,
+                          self._lending and b.lends_tail())
 
     def step_done(self, inst, now: float) -> None:
         self.arbiter.finished(inst.cfg.id, now)
