@@ -372,6 +372,37 @@ def test_a_capped_steps_gaps_run_from_the_previous_tokens_so_a_wait_for_the_gran
     assert (b.budget.tail.num_slow, b.budget.tail.num_gaps) == (0, 43)
 
 
+def test_a_capped_step_with_no_tail_left_ends_within_the_free_share_counted_from_the_previous_tokens():
+    # Three granted steps after 30 ms waits spend the whole tail (3 slow gaps of 60). A prompt then waits beside the
+    # decode: granted 10 ms after the decode's last token, the step carries 27 prefill tokens (10 ms + 11 ms + 27 x
+    # 0.1 ms = 23.7 ms <= 0.95 x 25 ms from that token), not the 127 of a step that ends free counted from its grant,
+    # and its gap is fast.
+    def spent() -> Batcher:
+        b = tail_batcher()
+        now = 0.072
+        for _ in range(3):
+            plan = b.schedule(now, step_cap_s=0.020)
+            b.update(plan, StepResult({c.request_id: 7 for c in plan.chunks if c.samples}), now + 0.010)
+            now += 0.040
+        return b  # the decode's last token at 162 ms
+
+    b = spent()
+    assert not b.budget.tail.affordable(1)
+    b.add_request(spec("p", prompt_len=400, max_tokens=4, first=500, arrival=0.170), 0.170)
+    plan = b.schedule(0.172, step_cap_s=0.050)
+    assert plan.num_batched_tokens == 1 + 27
+    b.update(plan, StepResult({c.request_id: 7 for c in plan.chunks if c.samples}), 0.172 + 0.011 + 27 * 0.0001)
+    assert (b.budget.tail.num_slow, b.budget.tail.num_gaps) == (3, 44)
+    # Granted 30 ms after it, nothing but the decode fits.
+    b = spent()
+    b.add_request(spec("p", prompt_len=400, max_tokens=4, first=500, arrival=0.170), 0.170)
+    assert b.schedule(0.192, step_cap_s=0.050).num_batched_tokens == 1
+    # While the tail affords a slow gap, the 30 ms wait cuts nothing.
+    b = tail_batcher()
+    b.add_request(spec("p", prompt_len=400, max_tokens=4, first=500, arrival=0.045), 0.045)
+    assert b.schedule(0.072, step_cap_s=0.050).num_batched_tokens == 1 + 127
+
+
 def test_the_tail_is_spent_only_on_a_prompt_that_steps_within_the_slo_would_bring_in_late():
     # 500 tokens: 4 free steps of 127 tokens (+1 kept for error) = 119 ms, inside its 250 ms: no slow step
     b = tail_batcher()

@@ -227,6 +227,34 @@ def test_a_due_prompt_steps_past_the_deadlines_of_the_sms_that_lend_their_tail(l
     assert d.run_lm and d.lm_cap_s == pytest.approx(cap_s)
 
 
+@pytest.mark.parametrize("lends, due_s, sm_deadline_s, goes_first, cap_s", [
+    ((True, True), 0.120, 0.048, True, 0.160),  # every SM lends: the step may run to the stall bound, so it goes now
+    ((True, False), 0.120, 0.048, False, None),  # sm1 keeps its tail: the step would be cut (40 ms), so it waits
+    ((False, False), 0.030, 0.048, True, 0.040),  # short enough for the step the SMs' latest start leaves
+    ((True, True), 0.0, 0.048, False, None),  # nothing due: the LM only decodes and waits for its own deadline
+    ((True, True), 0.030, 0.020, False, None),  # an SM is urgent: the SMs step first
+])
+def test_a_due_prompt_whose_step_fits_goes_first(lends, due_s, sm_deadline_s, goes_first, cap_s):
+    """Deadline shape: the LM is not urgent (its latest start 100 ms away) and has a prompt due. Waiting for its
+    latest start would only spend the prompt's TTFT margin when its step fits the cap it gets now: the SMs' gaps
+    are the same either way (lenders pay one slow gap on each decode, others are not passed). So it goes first."""
+    policy = GangPolicy(shape="deadline", max_lm_wait_ms=60.0, max_sm_stall_ms=160.0)
+    arb = GangArbiter(policy, "lm", ["sm0", "sm1"])
+    lm = MemberView("lm", True, 0.018, deadline_s=0.100, due_prefill_s=due_s)
+    sms = [MemberView(f"sm{i}", True, 0.010, sm_deadline_s + 0.010 * i, lends_tail=lent)
+           for i, lent in enumerate(lends)]
+    d = arb.decide(0.0, lm, sms)
+    assert d.start_sm_ids == ("sm0", "sm1")  # every SM steps once after a lease before the LM may drain them
+    for sm in ("sm0", "sm1"):
+        arb.started(sm, 0.0, 0.008, 0.06)
+        arb.finished(sm, 0.008)
+    d = arb.decide(0.008, lm, sms)
+    if goes_first:
+        assert d.run_lm and d.lm_cap_s == pytest.approx(cap_s)
+    else:
+        assert not d.run_lm and d.start_sm_ids == ("sm0", "sm1")
+
+
 def test_an_sm_prompt_spends_the_lms_tail_only_when_the_lm_lends_it():
     """The symmetric rule: an SM's due prompt (a 50 ms step) steps past the LM's latest start (30 ms away) up to the
     LM-wait bound (60 ms) only while the LM lends its tail."""

@@ -47,16 +47,20 @@ def test_each_member_shares_at_its_own_cap_beside_the_others():
     node = _fixed_caps(_node())
     assert gang_share(node, node.instance("lm-0")) == GangShare(0.6, pytest.approx(0.03315), pytest.approx(0.0221))
     assert gang_share(node, node.instance("sm-3")) == GangShare(0.4, pytest.approx(0.0221), pytest.approx(0.03315))
-    # The deadline shape (seed 003's): the other side steps once per its own ITL at its full-batch floor (SM 11.93 ms,
-    # LM 29.59 ms), and the member holds the rest of that ITL less the 5 ms urgency guard, within its bound: the LM
-    # 65 - 11.93 - 5 ms, the SMs min(60 ms LM-wait bound, 100 - 29.59 - 5 ms).
+    # The deadline shape (seed 003's): a member holds the rest of the other side's ITL less the 5 ms urgency guard,
+    # within its bound: the LM 65 - 11.93 ms (the SMs' full-batch floor) - 5 ms, the SMs min(60 ms LM-wait bound,
+    # 100 - 29.59 ms (the LM's) - 5 ms). Between two LM steps, SMs with prompts of their own may hold the GPUs up to
+    # the LM-wait bound (60 ms); the LM steps at its deadline, at its floor.
     node = _node()
-    # While the other side lends its ITL tail, a member's step may run to its bound: the SM-stall bound (160 ms) for
-    # the LM, the LM-wait bound (60 ms) for an SM.
-    assert gang_share(node, node.instance("lm-0")) == GangShare(0.6, pytest.approx(0.0480683, abs=1e-6),
-                                                                pytest.approx(0.0119317, abs=1e-6), 0.16)
+    # While the other side lends its ITL tail, a member's step may run to its bound: the SM-stall bound (220 ms) for
+    # the LM, the LM-wait bound (60 ms) for an SM; the lender steps at its floor between two of them. The LM's
+    # prompts get 48.07 / (48.07 + 60) of the GPUs' time, so their latest starts come that much earlier; the SMs
+    # hold the GPUs unless the LM's deadline calls.
+    assert gang_share(node, node.instance("lm-0")) == GangShare(0.6, pytest.approx(0.0480683, abs=1e-6), 0.06, 0.22,
+                                                                pytest.approx(0.0119317, abs=1e-6),
+                                                                pytest.approx(0.444796, abs=1e-6))
     assert gang_share(node, node.instance("sm-3")) == GangShare(0.4, pytest.approx(0.06), pytest.approx(0.0295863,
-                                                                                                       abs=1e-6), 0.06)
+                                                                abs=1e-6), 0.06, pytest.approx(0.0295863, abs=1e-6))
     solo = node_config_from_dict(parse_yaml_mapping(default_config_text("node-default.yaml"), "node-default.yaml"))
     assert gang_share(solo, solo.instances[0]) is None
 
@@ -152,9 +156,10 @@ def test_a_shared_member_reports_capped_steps_taking_turns(instance_id):
 
 
 def test_a_member_lent_the_other_sides_tail_reports_steps_to_its_bound():
-    """Seed 003's LM with a 900-token prompt waiting, shared: its steps are cut to the SMs' latest start (48 ms)
-    unless the SMs lend their ITL tail; lent, a step may run to the SM-stall bound (160 ms), so the prompt is
-    predicted about as fast as alone instead of at a rate that refuses it."""
+    """Seed 003's LM with a 900-token prompt waiting, shared: its steps are cut to the SMs' latest start (48 ms),
+    with SMs holding the GPUs up to the LM-wait bound between them, unless the SMs lend their ITL tail; lent, a step
+    may run to the SM-stall bound (220 ms) with the SMs at their floor between, so the prompt is predicted about as
+    fast as alone instead of at a rate that refuses it."""
     node = _node()
     rep = _reporter(node, "lm-0")
     b, share = rep.batcher, rep.gang
@@ -165,9 +170,9 @@ def test_a_member_lent_the_other_sides_tail_reports_steps_to_its_bound():
     lent = rep.load().prefill_tokens_per_s
     chunk = b.budget.capped_prefill_tokens(share.lent_cap_s, 1)
     assert chunk >= 900  # the whole prompt in one step
-    assert lent == pytest.approx(chunk / (share.lent_cap_s + share.other_cap_s))
+    assert lent == pytest.approx(chunk / (share.lent_cap_s + share.lent_other_cap_s))
     assert cut == pytest.approx(b.budget.capped_prefill_tokens(share.own_cap_s, 1) / (share.own_cap_s + share.other_cap_s))
-    assert lent > 1.8 * cut  # each cut step pays the 180B's weight reads again for a fraction of the tokens
+    assert lent > 3 * cut  # each cut step pays the 180B's weight reads again for a fraction of the tokens
     rep.shared = False  # alone, lending changes nothing
     assert rep.load().prefill_tokens_per_s == LoadReporter(rep.instance_id, rep.model, b, rep.cost, share).load().prefill_tokens_per_s
 
@@ -276,9 +281,15 @@ def test_a_member_reports_the_step_its_due_prompts_need():
     assert b.due_prefill_s(0.0, 1.0) == pytest.approx(one)
     # both, up to the step's 2,048-token ceiling: the whole first prompt, then 1,048 tokens of the second
     assert b.due_prefill_s(9.5, 1.0) == pytest.approx(fixed + 2048 * per_token + attn * (1000 * 500 + 1048 * 524))
-    view = _view_pb(b, 0.1, 0.0, 1.0, True)
+    share = rep.gang.prefill_share
+    view = _view_pb(b, 0.1, 0.0, 1.0, True, share)
     assert view["has_work"] and view["due_prefill_s"] == pytest.approx(one)
     assert view["lends_tail"] is False  # prompts of its own: it lends nothing
+    # Its latest start: the INTERACTIVE prompt's deadline less its tokens at the share of the GPUs' time the LM's
+    # steps get beside the SMs (0.445), less a step floor; reckoned alone, it would start 134 ms later.
+    floor = b.step_floor_s()
+    assert view["deadline_s"] == pytest.approx(0.2 - 1000 * per_token / share - floor)
+    assert b.earliest_deadline_s(0.1) - view["deadline_s"] == pytest.approx(1000 * per_token * (1 / share - 1))
 
 
 def test_a_member_lends_its_tail_while_its_budget_affords_a_slow_gap_on_each_decode():
@@ -296,7 +307,8 @@ def test_a_member_lends_its_tail_while_its_budget_affords_a_slow_gap_on_each_dec
     b.update(plan, StepResult({c.request_id: 7 for c in plan.chunks if c.samples}), 0.02)
     assert b.step_floor_s() > 0 and b.lends_tail()
     # on the stream only where the policy reads it (the deadline shapes)
-    assert _view_pb(b, 0.065, 0.02, 1.0, True)["lends_tail"] and not _view_pb(b, 0.065, 0.02, 1.0, False)["lends_tail"]
+    assert _view_pb(b, 0.065, 0.02, 1.0, True, 1.0)["lends_tail"]
+    assert not _view_pb(b, 0.065, 0.02, 1.0, False, 1.0)["lends_tail"]
     tail = b.budget.tail
     assert tail.fraction * tail.window_gaps == pytest.approx(160)
     tail.observe(3000, 157)

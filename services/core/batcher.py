@@ -168,6 +168,12 @@ class Batcher:
         if step_cap_s is not None:
             context = max((r.num_computed_tokens for r in prefills), default=0)
             budget = min(budget, self.budget.capped_budget(len(decodes), step_cap_s, extra_kv_s, context))
+            if decodes and not self.budget.tail.affordable(len(decodes)):
+                # A gang step starts after the other side's: its decodes' gaps already ran while they waited for
+                # the grant. With no tail left to spend, the step ends within the free share of the ITL SLO
+                # counted from their previous tokens, as their clients see the gaps.
+                waited_s = self.budget.gaps_waited_s(now)
+                budget = min(budget, self.budget.free_budget(len(decodes), extra_kv_s + waited_s))
         step = builder(budget)
         first, deferred = self._prefills_before_waiting(prefills)
         if isinstance(step, CompactBuilder):
@@ -266,13 +272,14 @@ class Batcher:
             return self.budget.working_step_s(0) if (prefills or self._waiting) else 0.0
         return self.budget.base_step_s(len(decodes)) + self.budget.extra_kv_read_s(decodes)
 
-    def earliest_deadline_s(self, itl_s: float) -> float | None:
+    def earliest_deadline_s(self, itl_s: float, prefill_share: float = 1.0) -> float | None:
         """For a gang arbiter: the latest time this batcher's next step may start and still meet its most urgent
         deadline: a running decode's next token within `itl_s` of its last one, or a prefill's first token by its
-        TTFT deadline (its remaining tokens at the step model's prefill rate), each less one step floor; None when
-        it has nothing to run."""
+        TTFT deadline (its remaining tokens at the step model's prefill rate, of which its steps get
+        `prefill_share` of the GPUs' time while the other side has work), each less one step floor; None when it
+        has nothing to run."""
         best: float | None = None
-        per_token_s = self.config.prefill_s_per_token
+        per_token_s = self.config.prefill_s_per_token / prefill_share
         for r in self._running:
             if r.last_token_s is not None and len(r.token_ids) - r.num_computed_tokens == 1:
                 t = r.last_token_s + itl_s

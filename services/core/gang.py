@@ -33,6 +33,14 @@ that each pay the large model's weight reads again and miss its TTFT. Members th
 The arbiter tells each member whether the other side lends (`Decision.lend_notices`, as sharing notices), so its
 load report predicts the longer steps only while they are granted.
 
+*Due prompts go first* (`deadline` shape): an LM that only decodes waits for its own latest start, but a prompt of
+the LM that is due, whose step fits the cap it would get now (past the deadlines of the SMs that lend, within those
+of the others), goes first while no SM is urgent. Waiting would only spend the prompt's TTFT margin: the SMs' gaps
+are the same either way (each lender's decodes pay one slow gap, the others' deadlines are kept), and a prompt
+served at its latest start reaches its first token just in time, which admission cannot promise with any margin.
+The LM's latest start for a prompt counts its tokens at the share of the GPUs' time its steps get beside the SMs
+(`GangShare.prefill_share`), since once urgent it alternates with them.
+
 Every step the arbiter starts carries a *cap*: the member's batcher cuts its prefill chunk so that the step fits
 (`Batcher.schedule(now, step_cap_s=...)`). A step is never shorter than its member's `MemberView.min_step_s` (the
 decodes it must run) and the arbiter starts no step whose cap is below that. A step longer than its cap is the
@@ -500,6 +508,8 @@ class GangArbiter:
         if p.shape == "periodic":
             return now >= self._lease_start + (p.period_ms - p.lease_ms) / 1e3 - _EPS, False
         lm_urgent, sm_urgent = self._urgent(now, lm, sm_work)
+        if p.shape == "deadline" and not sm_urgent and 0.0 < lm.due_prefill_s <= self._lm_cap(now, lm, sm_work):
+            return True, False  # a due prompt whose step fits now goes first (module doc, "Due prompts go first")
         if lm_urgent != sm_urgent or p.shape == "deadline":
             return lm_urgent, False  # deadline: the LM takes the GPUs only when its own deadline calls
         self._pull_idle_vtime()

@@ -118,12 +118,17 @@ class GangShare:
     `own_cap_s` and each is followed by one of the other side's, capped at `other_cap_s` (the policy's shared-step
     caps, `GangPolicy.lm/sm_shared_step_ms`); `duty` is its step share, used where the policy sets no caps. While
     the other side has no work the member steps alone, in full. `lent_cap_s` (deadline shape): its cap while the
-    other side lends it its ITL tail, the bound that caps its steps (0: lending changes no cap)."""
+    other side lends it its ITL tail, the bound that caps its steps (0: lending changes no cap), and
+    `lent_other_cap_s` the other side's step between two of its own meanwhile."""
 
     duty: float
     own_cap_s: float
     other_cap_s: float
     lent_cap_s: float = 0.0
+    lent_other_cap_s: float = 0.0
+    # The share of the GPUs' time its prompts' latest starts are reckoned at (`Batcher.earliest_deadline_s`): the
+    # deadline shape's LM takes the GPUs only when its latest start calls, then steps one cycle's share of the time.
+    prefill_share: float = 1.0
 
 
 def gang_share(node: NodeConfig, instance: InstanceConfig) -> GangShare | None:
@@ -137,14 +142,19 @@ def gang_share(node: NodeConfig, instance: InstanceConfig) -> GangShare | None:
         lm_s, sm_s = policy.lm_shared_step_ms / 1e3, policy.sm_shared_step_ms / 1e3
         own, other = (lm_s, sm_s) if is_lm else (sm_s, lm_s)
         return GangShare(gang_duty(node, instance), own, other)
-    # Deadline shape: the other side steps once per its own ITL, at its floor, and the member holds the GPUs the
-    # rest of that ITL (less the arbiter's urgency guard), within the bound that caps its steps.
+    # Deadline shape: the member holds the GPUs the rest of the other side's ITL (less the arbiter's urgency guard),
+    # within the bound that caps its steps. The LM takes the GPUs when its deadline calls, so SMs with prompts of
+    # their own may hold them up to its wait bound between two of its steps; SMs that only decode lend their tail
+    # and step at their floor once the LM's due prompt has gone first. The LM steps only at its deadline, at its
+    # floor as the SMs see it.
     others = group.sms if is_lm else (group.lm,)
     other_floor_s = max(gang_step_floor_s(node, node.instance(x)) for x in others)
     other_itl_s = node.slo.for_model(node.instance(others[0]).model).itl_ms / 1e3
     bound_s = (policy.max_sm_stall_ms if is_lm else policy.max_lm_wait_ms) / 1e3
     own = max(0.0, min(bound_s, other_itl_s - other_floor_s - policy.urgent_ms / 1e3))
-    return GangShare(gang_duty(node, instance), own, other_floor_s, bound_s)
+    other = max(other_floor_s, policy.max_lm_wait_ms / 1e3) if is_lm else other_floor_s
+    share = own / (own + other) if is_lm and own > 0 else 1.0
+    return GangShare(gang_duty(node, instance), own, other, bound_s, other_floor_s, share)
 
 
 class LoadReporter:
@@ -237,8 +247,11 @@ class LoadReporter:
         # the prefill left to the later ones. Decodes that fill the cap leave no prefill until some finish: one
         # token a cycle stands for that (a rate of 0 would read as "unknown", which routing replaces by the cost
         # model's rate alone).
-        own_cap_s = share.lent_cap_s if self.tail_lent and share.lent_cap_s > 0 else share.own_cap_s
+        if self.tail_lent and share.lent_cap_s > 0:
+            own_cap_s, other_cap_s = share.lent_cap_s, share.lent_other_cap_s
+        else:
+            own_cap_s, other_cap_s = share.own_cap_s, share.other_cap_s
         chunk = max(1, b.budget.capped_prefill_tokens(own_cap_s, b.num_future_decodes()))
-        rate = chunk / (own_cap_s + share.other_cap_s)
-        cadence_s = self.decode_step_time_s + share.other_cap_s
+        rate = chunk / (own_cap_s + other_cap_s)
+        cadence_s = self.decode_step_time_s + other_cap_s
         return b.load(self.instance_id, self.model, rate, cadence_s, 0.0, 0.0, 0.0, 0.0)

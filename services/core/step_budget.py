@@ -173,6 +173,11 @@ class StepBudget:
                 self.slack_chunk = min(self.slack_chunk, self.slack_tokens)
                 self.inflight_slow = num_decodes
 
+    def gaps_waited_s(self, now: float) -> float:
+        """How long the running decodes' gaps have already run at `now`: a gang member's step is granted after the
+        other side's, and its decodes' gaps run from their previous tokens (`note_plan`); 0 elsewhere."""
+        return max(0.0, now - self._planned_gaps[0])
+
     def observe_gaps(self, now: float) -> None:
         """The in-flight step's decode tokens arrive now: one gap each, slow when it outlasted the ITL SLO (from the
         gaps' start: the plan, or a gang step's previous tokens; `note_plan`)."""

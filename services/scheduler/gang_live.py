@@ -50,9 +50,9 @@ Event = s_pb.GangReport.Event
 REJOIN_S = 0.2  # pause before a member reopens a broken stream (the scheduler restarting)
 
 
-def _view_pb(batcher, itl_s: float, now: float, due_horizon_s: float, lending: bool) -> dict:
+def _view_pb(batcher, itl_s: float, now: float, due_horizon_s: float, lending: bool, prefill_share: float) -> dict:
     """The member's view (`MemberView`) on the wire; `now`: the batcher's clock (modelled seconds)."""
-    deadline = batcher.earliest_deadline_s(itl_s)
+    deadline = batcher.earliest_deadline_s(itl_s, prefill_share)
     has_work = bool(batcher.has_work or batcher.has_pending_outputs)
     return dict(has_work=has_work, min_step_s=batcher.step_floor_s(),
                 has_deadline=deadline is not None, deadline_s=deadline if deadline is not None else 0.0,
@@ -67,12 +67,13 @@ class GangGate:
     """A member worker's side of the protocol: the sim engine's step loop calls `turn` before every step."""
 
     def __init__(self, instance_id: str, scheduler: str, *, itl_s: float, time_scale: float,
-                 due_horizon_s: float = 1.0, lending: bool = False) -> None:
+                 due_horizon_s: float = 1.0, lending: bool = False, prefill_share: float = 1.0) -> None:
         self.instance_id = instance_id
         self.itl_s = itl_s
         self.time_scale = time_scale
         self.due_horizon_s = due_horizon_s
         self.lending = lending  # the policy reads the members' `lends_tail` (GangPolicy.lends_tails)
+        self.prefill_share = prefill_share  # its prompts' share of the GPUs beside the other side (GangShare)
         self._scheduler = scheduler
         self._out: asyncio.Queue[s_pb.GangReport] = asyncio.Queue()
         self._grants: asyncio.Queue[s_pb.GangGrant] = asyncio.Queue()
@@ -90,7 +91,8 @@ class GangGate:
 
     def _send(self, event, batcher=None, **fields) -> None:
         now = asyncio.get_running_loop().time() / self.time_scale
-        view = _view_pb(batcher, self.itl_s, now, self.due_horizon_s, self.lending) if batcher is not None else {}
+        view = {} if batcher is None else _view_pb(batcher, self.itl_s, now, self.due_horizon_s, self.lending,
+                                                   self.prefill_share)
         self._out.put_nowait(s_pb.GangReport(instance_id=self.instance_id, event=event, **view, **fields))
 
     async def _requests(self) -> AsyncIterator[s_pb.GangReport]:
@@ -192,7 +194,7 @@ def attach_gang_gate(engine, node_cfg: NodeConfig, instance_id: str, scheduler: 
                          "(--engine sim); pause/resume engines take turns with EngineSliceMember instead")
     engine.gate = GangGate(instance_id, scheduler, itl_s=node_cfg.slo.for_model(node_cfg.instance(instance_id).model).itl_ms / 1000.0,
                          time_scale=time_scale, due_horizon_s=node_cfg.gang.policy.due_horizon_ms / 1000.0,
-                         lending=node_cfg.gang.policy.lends_tails)
+                         lending=node_cfg.gang.policy.lends_tails, prefill_share=engine.reporter.gang.prefill_share)
     reporter = engine.reporter
 
     def on_sharing(shared: bool, tail_lent: bool) -> None:

@@ -51,6 +51,8 @@ class GangGroupSim:
         self._start_step = start_step  # (instance, cap_s) -> step seconds, or None when it planned nothing
         # each member's deadlines come from its own model's ITL SLO (per-model SLOs: the LM's and the SMs' differ)
         self._itl_s = {inst.cfg.id: node.slo.for_model(inst.cfg.model).itl_ms / 1000.0 for inst in self.members()}
+        # ...and its prompts' latest starts from the share of the GPUs they get beside the other side
+        self._prefill_share = {inst.cfg.id: inst.reporter.gang.prefill_share for inst in self.members()}
         self._horizon_s = node.gang.policy.due_horizon_ms / 1000.0
         self._lending = node.gang.policy.lends_tails
         self._blocked: set[str] = set()  # told to start, planned nothing: no work until the next event
@@ -66,7 +68,8 @@ class GangGroupSim:
     def _view(self, inst, now: float) -> MemberView:
         b = inst.batcher
         has_work = (b.has_work or b.has_pending_outputs) and inst.cfg.id not in self._blocked
-        return MemberView(inst.cfg.id, has_work, b.step_floor_s(), b.earliest_deadline_s(self._itl_s[inst.cfg.id]),
+        deadline_s = b.earliest_deadline_s(self._itl_s[inst.cfg.id], self._prefill_share[inst.cfg.id])
+        return MemberView(inst.cfg.id, has_work, b.step_floor_s(), deadline_s,
                           b.due_prefill_s(now, self._horizon_s) if has_work else 0.0,
                           self._lending and b.lends_tail())
 

@@ -230,9 +230,9 @@ class SteadyBatcher(Batcher):
         self.sync_all()
         return super().step_floor_s()
 
-    def earliest_deadline_s(self, itl_s: float) -> float | None:
+    def earliest_deadline_s(self, itl_s: float, prefill_share: float = 1.0) -> float | None:
         self.sync_all()
-        return super().earliest_deadline_s(itl_s)
+        return super().earliest_deadline_s(itl_s, prefill_share)
 
     def running_context_tokens(self) -> int:
         self.sync_all()
