@@ -11,14 +11,13 @@ from octoserve.services.core.gang import (
     GangPolicy,
     Decision,
     Holder,
-    LeaseStateCosts,
     MIN_PREFILL_S,
     MemberView,
     check_bounds,
-    lease_state,
     min_cap_s,
     policy_from_mapping,
 )
+from octoserve.services.core.lease_state import LeaseStateCosts, lease_state
 from tests.gang_harness import run_gang
 
 

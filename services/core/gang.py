@@ -86,7 +86,8 @@ step floors); `check_bounds` says so and placement refuses configs that break it
 leaves every GPU idle while a member has work it can run. tests/test_gang_properties.py checks all of this over
 adversarial arrivals.
 
-SM state during a lease is chosen per SM by `lease_state` (drain / keep / swap / recompute), a cost-model rule.
+SM state during a lease is chosen per SM by `lease_state.lease_state` (drain / keep / swap / recompute), a cost-model
+rule.
 """
 
 from __future__ import annotations
@@ -378,7 +379,7 @@ class GangArbiter:
             self._stall_since.pop(member_id, None)
 
     def note_lease_state(self, choice: str) -> None:
-        """Count one SM's state choice at a lease start (`lease_state`)."""
+        """Count one SM's state choice at a lease start (`lease_state.lease_state`)."""
         self.stats.lease_states[choice] = self.stats.lease_states.get(choice, 0) + 1
 
     def last_step_end_s(self, member_id: str) -> float | None:
@@ -549,47 +550,6 @@ class GangArbiter:
         lag = self.policy.max_lag_ms / 1e3
         self._vt_lm = max(self._vt_lm, self._vt_sm - lag)
         self._vt_sm = max(self._vt_sm, self._vt_lm - lag)
-
-
-# ---- SM state during a lease ------------------------------------------------------------------------------------
-
-LEASE_STATES = ("drain", "keep", "swap", "recompute")
-
-
-@dataclass(frozen=True, slots=True)
-class LeaseStateCosts:
-    """What one SM instance's choice at a lease start costs, in seconds of GPU time, from its cost model."""
-
-    fill_fits: bool  # its next step ends before the barrier anyway (drain costs the LM nothing)
-    kv_resident_ok: bool  # its KV pool stays resident through the lease (placement's static split)
-    swap_out_in_s: float  # PCIe time to move its running KV to host and back
-    recompute_s: float  # prefill time to rebuild its running KV
-    host_room: bool  # swap space holds it
-
-
-def lease_state(c: LeaseStateCosts) -> str:
-    """drain: finish one more step inside the barrier (free); keep: pause with KV on GPU (free while the pools are
-    resident); else the cheaper of swap (PCIe both ways) and recompute (prefill again)."""
-    if c.fill_fits:
-        return "drain"
-    if c.kv_resident_ok:
-        return "keep"
-    if c.host_room and c.swap_out_in_s <= c.recompute_s:
-        return "swap"
-    return "recompute"
-
-
-def lease_state_costs(
-    *, fill_fits: bool, kv_resident_ok: bool, running_context_tokens: int, swap_s_per_token: float,
-    prefill_s_per_token: float, host_room: bool,
-) -> LeaseStateCosts:
-    return LeaseStateCosts(
-        fill_fits=fill_fits,
-        kv_resident_ok=kv_resident_ok,
-        swap_out_in_s=2 * running_context_tokens * swap_s_per_token,
-        recompute_s=running_context_tokens * prefill_s_per_token,
-        host_room=host_room,
-    )
 
 
 def with_shared_steps(policy: GangPolicy, lm_step_share: float, itl_ms: float, headroom: float = 0.85) -> GangPolicy:

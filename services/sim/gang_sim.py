@@ -5,7 +5,7 @@ asks the group's `GangArbiter` what starts now and starts it through the driver 
 barrier is honest: the arbiter never starts an LM step while an SM step on its GPUs runs, so the LM's wait for
 the slowest SM step is virtual time that passes (`GangStats.barrier_idle_gpu_s`, `max_lm_wait_s`).
 
-At each lease start every SM's state for the lease is chosen by `gang.lease_state` and counted: "drain" when it
+At each lease start every SM's state for the lease is chosen by `lease_state.lease_state` and counted: "drain" when it
 ran a fill step inside the barrier, "keep" when its KV stays resident (the static KV split always allows it),
 "swap"/"recompute" otherwise. For seed 003's follow-up it also sums, per lease start and SM with running
 requests, what checkpointing its KV to host would have cost (PCIe out and back, `checkpoint_s`) beside what
@@ -17,7 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from octoserve.services.core.gang import GangArbiter, GangStats, MemberView, lease_state, lease_state_costs
+from octoserve.services.core.gang import GangArbiter, GangStats, MemberView
+from octoserve.services.core.lease_state import lease_state, lease_state_costs
 from octoserve.services.core.placement import GangGroup, NodeConfig
 
 
