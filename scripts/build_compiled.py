@@ -44,6 +44,7 @@ MODULES = (
     "core.batch_state",
     "core.step_builders",
     "core.step_budget",
+    "core.batch_book",
     "core.batcher",
     "sim.steady_batcher",
     "core.admission",

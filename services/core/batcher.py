@@ -26,9 +26,9 @@ Roles: `colocated` runs requests to completion; `prefill` stops a request after 
 its KV for the hand-off (`release_handoff` frees it); `decode` reserves KV before prefill starts elsewhere
 (`reserve`) and starts from the received KV (`commit_handoff`).
 
-Why one module past 600 lines: the iteration planner: the step walk, preemption, the hand-off and migration API of
-the one batcher state, compiled as one class (mypyc); its config and per-request state (batch_state), step builders
-(step_builders) and step-time budget arithmetic (step_budget) live apart.
+The book of requests this planner steps (the waiting / running / swapped lists, intake, `abort`, the hand-off and
+migration API, the load report) is `BatchBook` (batch_book); its config and per-request state (batch_state), step
+builders (step_builders) and step-time budget arithmetic (step_budget) live apart too.
 """
 
 from __future__ import annotations
@@ -38,16 +38,9 @@ import math
 from collections.abc import Sequence
 from typing import overload
 
-from octoserve.services.core.batch_state import (
-    DEFAULT_TIER_TTFT_SLO_MS,
-    BatcherConfig,
-    Request,
-    RequestStatus,
-)
+from octoserve.services.core.batch_book import BatchBook, _victim_order
+from octoserve.services.core.batch_state import DEFAULT_TIER_TTFT_SLO_MS, BatcherConfig, Request, RequestStatus
 from octoserve.services.core.kv_cache import KVCacheManager
-from octoserve.services.core.preemption import VICTIM_POLICIES
-from octoserve.services.core.queues import QUEUE_POLICIES, WaitingQueue
-from octoserve.services.core.reservation import OutputLengthPredictor, ReservationContext, make_reservation_policy
 from octoserve.services.core.step_builders import (
     CompactBuilder,
     CompactOutputs,
@@ -55,14 +48,11 @@ from octoserve.services.core.step_builders import (
     StepBuilder,
     StepUnderConstruction,
 )
-from octoserve.services.core.step_budget import StepBudget
 from octoserve.services.core.types import (
-    EngineLoad,
     FinishReason,
     HandoffReady,
     Priority,
     RequestOutput,
-    RequestSpec,
     Role,
     StepOutputs,
     StepPlan,
@@ -71,60 +61,13 @@ from octoserve.services.core.types import (
 
 NEEDS_LONG_SCAN = 4  # waiting prompts `_needs_long` looks at, past the running prefills
 
-class Batcher:
+class Batcher(BatchBook):
+    """The book of requests, stepped: `schedule` plans the next step, `update` applies its result."""
+
     def __init__(self, config: BatcherConfig, kv: KVCacheManager) -> None:
-        self.config = config
-        self.kv = kv
-        self.block_size = kv.block_size
-        self._queue_key = QUEUE_POLICIES.get(config.queue_policy)
-        self._victim_key = VICTIM_POLICIES.get(config.victim_policy)
-        self._reservation = make_reservation_policy(config.reservation_policy)
-        self.predictor = OutputLengthPredictor(config.predictor_quantile, prior_tokens=config.predictor_prior_tokens)
-        self._requests: dict[str, Request] = {}
-        self._waiting: WaitingQueue[Request] = WaitingQueue()
-        self._running: list[Request] = []  # sorted by victim key: most important first
-        self._swapped: list[Request] = []  # sorted by victim key
-        self._num_reserved = 0
-        self._truncated: list[Request] = []  # out of KV while alone in the batch: finished at the next update
-        self.budget = StepBudget(config)
-        self._num_swap_blocks_used = 0
+        super().__init__(config, kv)
         self._step_id = 0
-        self._run_seq = 0
         self.num_preemptions_total = 0
-        # Bumped by every call that may change the queues, the batch or the KV: whoever caches a view of this
-        # batcher (the simulator's load snapshots) keys it on this.
-        self.state_version = 0
-
-    # ---- intake -------------------------------------------------------------------------------------------
-
-    def add_request(self, spec: RequestSpec, now: float) -> None:
-        """Queue a request. Raises ValueError for a duplicate id or a request this instance can never hold."""
-        self.state_version += 1
-        if spec.request_id in self._requests:
-            raise ValueError(f"request id {spec.request_id!r} is already in this batcher")
-        self._check_fits(spec)
-        req = self._new_request(spec)
-        self._requests[req.request_id] = req
-        self._waiting.push(req.queue_key, req)
-
-    def _check_fits(self, spec: RequestSpec) -> None:
-        ctx = self._reservation_context()
-        num_tokens = min(self.config.max_model_len, self._reservation.initial_tokens(spec, spec.num_prompt_tokens + 1, ctx))
-        num_blocks = -(-num_tokens // self.block_size)
-        if num_blocks > self.kv.num_total_blocks:
-            raise ValueError(
-                f"request {spec.request_id} needs {num_blocks} KV blocks at admission ({num_tokens} tokens) but the "
-                f"instance has {self.kv.num_total_blocks}; shorten the prompt or lower max_tokens"
-            )
-
-    def _new_request(self, spec: RequestSpec) -> Request:
-        prefill_s = spec.num_prompt_tokens * self.config.prefill_s_per_token  # 0 when no cost estimate is given
-        req = Request(spec, self._queue_key(spec, self.config.tier_ttft_slo_ms, prefill_s), self._victim_key(spec))
-        req.stop_len = min(req.stop_len, self.config.max_model_len)
-        return req
-
-    def request(self, request_id: str) -> Request | None:
-        return self._requests.get(request_id)
 
     # ---- schedule ------------------------------------------------------------------------------------------
 
@@ -526,15 +469,6 @@ class Batcher:
             req.num_computed_tokens = req.num_cached_tokens
         return True
 
-    def _reservation_context(self) -> ReservationContext:
-        # Positional: the context's __init__ is interpreted (services/core/reservation.py), where keywords cost more.
-        return ReservationContext(
-            self.kv.num_free_blocks,  # num_free_blocks
-            self.kv.num_total_blocks,  # num_total_blocks
-            self.block_size,  # block_size
-            self.predictor.predict(),  # predicted_output_tokens
-        )
-
     # ---- preemption ---------------------------------------------------------------------------------------
 
     def _preempt(self, req: Request, step: StepUnderConstruction) -> None:
@@ -661,234 +595,3 @@ class Batcher:
         req.num_computed_tokens = before + num_new_tokens
         if req.num_computed_tokens // self.block_size > before // self.block_size:
             self.kv.cache_computed(req.request_id, req.token_ids, req.num_computed_tokens)
-
-    def _stop_reason(self, req: Request, token_id: int) -> FinishReason | None:
-        spec = req.spec
-        if token_id == self.config.eos_token_id and not spec.sampling.ignore_eos:
-            return FinishReason.STOP
-        if req.num_output_tokens >= spec.max_tokens or req.num_tokens >= self.config.max_model_len:
-            return FinishReason.LENGTH
-        if self.config.role is Role.PREFILL:
-            return FinishReason.HANDOFF
-        return None
-
-    def _output(self, req: Request, token_ids: tuple[int, ...], finish: FinishReason | None) -> RequestOutput:
-        return RequestOutput(
-            request_id=req.request_id,
-            new_token_ids=token_ids,
-            finish_reason=finish,
-            num_prompt_tokens=req.num_prompt_tokens,
-            num_cached_prompt_tokens=req.num_cached_tokens,
-            num_output_tokens=req.num_output_tokens,
-        )
-
-    def _hold_for_handoff(self, req: Request, first_token_id: int) -> HandoffReady:
-        self._running.remove(req)
-        req.status = RequestStatus.HANDOFF
-        return HandoffReady(req.request_id, self.kv.block_ids(req.request_id), req.num_prompt_tokens, first_token_id)
-
-    def _finish(self, req: Request, *, observe: bool) -> None:
-        if req.status is RequestStatus.RUNNING:
-            self._running.remove(req)
-        elif req.status is RequestStatus.WAITING:
-            self._waiting.remove(req)
-        elif req.status is RequestStatus.SWAPPED:
-            self._swapped.remove(req)
-            self._num_swap_blocks_used -= req.num_swapped_blocks
-        elif req.status is RequestStatus.RESERVED:
-            self._num_reserved -= 1
-        if observe:
-            self.predictor.observe(req.num_output_tokens)
-        req.status = RequestStatus.FINISHED
-        self.kv.free(req.request_id)
-        del self._requests[req.request_id]
-
-    def abort(self, request_id: str) -> bool:
-        """Drop a request wherever it is and free its KV. False if the batcher does not know it."""
-        self.state_version += 1
-        req = self._requests.get(request_id)
-        if req is None:
-            return False
-        self._finish(req, observe=False)
-        return True
-
-    # ---- disaggregation ----------------------------------------------------------------------------------
-
-    def release_handoff(self, request_id: str) -> bool:
-        """Prefill role: the KV was sent (or will never be); free the blocks (they stay prefix-cached)."""
-        self.state_version += 1
-        req = self._requests.get(request_id)
-        if req is None or req.status is not RequestStatus.HANDOFF:
-            return False
-        self._finish(req, observe=True)
-        return True
-
-    def reserve(self, spec: RequestSpec, now: float) -> bool:
-        """Decode role: hold KV for the prompt (plus the reservation policy's output share) before prefill."""
-        return self._reserve(spec, (), must_fit_next=False)
-
-    def _reserve(self, spec: RequestSpec, output_token_ids: Sequence[int], must_fit_next: bool) -> bool:
-        """Hold KV for a request that will arrive by hand-off: its prompt, the tokens it already produced and the
-        reservation policy's output share. `must_fit_next`: refuse when that leaves no room for one more token."""
-        self.state_version += 1
-        if spec.request_id in self._requests or self._num_active() >= self.config.max_num_seqs:
-            return False
-        req = self._new_request(spec)
-        req.token_ids.extend(output_token_ids)
-        ctx = self._reservation_context()
-        num_tokens = min(self.config.max_model_len, self._reservation.initial_tokens(spec, req.num_tokens + 1, ctx))
-        if must_fit_next and num_tokens < req.num_tokens + 1:
-            return False
-        if not self._reservation.may_admit(-(-num_tokens // self.block_size), ctx):
-            return False
-        if self.kv.allocate(req.request_id, req.token_ids, num_tokens) is None:
-            return False
-        req.capacity_tokens = len(self.kv.block_ids(req.request_id)) * self.block_size
-        req.num_cached_tokens = self.kv.num_cached_tokens(req.request_id)
-        req.status = RequestStatus.RESERVED
-        self._requests[req.request_id] = req
-        self._num_reserved += 1
-        return True
-
-    def commit_handoff(self, request_id: str, first_token_id: int, now: float) -> RequestOutput | None:
-        """Decode role: the prompt KV arrived; the request joins the running batch after its first token.
-
-        Returns a final (empty) output when the first token already ends the request, else None.
-        """
-        self.state_version += 1
-        req = self._requests.get(request_id)
-        if req is None or req.status is not RequestStatus.RESERVED:
-            raise KeyError(f"no reservation for request {request_id!r}")
-        self._num_reserved -= 1
-        req.num_computed_tokens = req.num_prompt_tokens
-        req.token_ids.append(first_token_id)
-        req.first_token_s = req.last_token_s = now
-        self.kv.cache_computed(req.request_id, req.token_ids, req.num_computed_tokens)
-        self._set_running(req)
-        finish = self._stop_reason(req, first_token_id)
-        if finish is None:
-            return None
-        self._finish(req, observe=True)
-        return self._output(req, (), finish)
-
-    def release_reservation(self, request_id: str) -> bool:
-        self.state_version += 1
-        req = self._requests.get(request_id)
-        if req is None or req.status is not RequestStatus.RESERVED:
-            return False
-        self._finish(req, observe=False)
-        return True
-
-    # ---- live migration (services/core/migration.py): a running decode leaves one batcher for another -------
-
-    def suspend_running(self, request_id: str) -> tuple[int, ...] | None:
-        """Migration out, at an iteration boundary: a running decode leaves the batch and keeps its KV (HANDOFF,
-        freed by `release_handoff`, or back in the batch by `resume_suspended`). Returns its output tokens so far,
-        or None when it is not a running decode (unknown, queued, or still prefilling)."""
-        req = self._requests.get(request_id)
-        if req is None or req.status is not RequestStatus.RUNNING or req.num_uncomputed_tokens != 1 \
-                or req.num_output_tokens < 1:
-            return None
-        self.state_version += 1
-        self._running.remove(req)
-        req.status = RequestStatus.HANDOFF
-        return tuple(req.token_ids[req.num_prompt_tokens:])
-
-    def resume_suspended(self, request_id: str) -> bool:
-        """A migration that did not happen: the suspended request rejoins the batch where it stopped."""
-        req = self._requests.get(request_id)
-        if req is None or req.status is not RequestStatus.HANDOFF:
-            return False
-        self.state_version += 1
-        self._set_running(req)
-        return True
-
-    def reserve_migrated(self, spec: RequestSpec, output_token_ids: Sequence[int], now: float) -> bool:
-        """Migration in: as `reserve`, for a request that already produced `output_token_ids` elsewhere."""
-        return self._reserve(spec, output_token_ids, must_fit_next=True)
-
-    def commit_migrated(self, request_id: str, now: float) -> None:
-        """Migration in: the KV arrived (all but the last output token's); the request decodes on from there."""
-        self.state_version += 1
-        req = self._requests.get(request_id)
-        if req is None or req.status is not RequestStatus.RESERVED:
-            raise KeyError(f"no reservation for request {request_id!r}")
-        self._num_reserved -= 1
-        req.num_computed_tokens = req.num_tokens - 1
-        req.first_token_s = req.last_token_s = now
-        self.kv.cache_computed(req.request_id, req.token_ids, req.num_computed_tokens)
-        self._set_running(req)
-
-    # ---- state ---------------------------------------------------------------------------------------------
-
-    def _set_running(self, req: Request) -> None:
-        req.status = RequestStatus.RUNNING
-        self._run_seq += 1
-        req.run_seq = self._run_seq
-        bisect.insort(self._running, req, key=_victim_order)
-
-    def _num_active(self) -> int:
-        return len(self._running) + self._num_reserved
-
-    @property
-    def has_work(self) -> bool:
-        return bool(self._running or self._waiting or self._swapped or self._truncated)
-
-    @property
-    def has_pending_outputs(self) -> bool:
-        """Outputs that the next `update` emits even for an empty plan (requests stopped for lack of KV)."""
-        return bool(self._truncated)
-
-    @property
-    def num_running(self) -> int:
-        return len(self._running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self._waiting) + len(self._swapped)
-
-    def num_future_decodes(self) -> int:
-        """The decodes its steps carry once every request it holds has started: running, reserved, waiting and
-        swapped, at most `max_num_seqs`."""
-        return min(self.config.max_num_seqs, self._num_active() + self.num_waiting)
-
-    def running_context_tokens(self) -> int:
-        """KV tokens the running requests hold computed (what a checkpoint to host would copy)."""
-        return sum(r.num_computed_tokens for r in self._running)
-
-    def queued_prefill_tokens(self) -> int:
-        """Prompt tokens admitted and not computed, less those of the step in flight (its wait is
-        `busy_until_s`)."""
-        waiting = sum(r.num_uncomputed_tokens for r in self._waiting)
-        # Asked for at every routing decision over the whole running batch: one pass, no property calls.
-        partial = sum(u for r in self._running if (u := len(r.token_ids) - r.num_computed_tokens) > 1)
-        return max(0, waiting + partial - self.budget.inflight_prefill_tokens)
-
-    def load(self, instance_id: str, model: str, prefill_tokens_per_s: float, decode_step_time_s: float,
-             long_prefill_tokens_per_s: float = 0.0, long_step_wait_s: float = 0.0, long_burst_tokens: float = 0.0,
-             long_sustained_tokens_per_s: float = 0.0) -> EngineLoad:
-        return EngineLoad(
-            instance_id=instance_id,
-            model=model,
-            role=self.config.role,
-            num_running=len(self._running),
-            num_waiting=self.num_waiting,
-            num_total_blocks=self.kv.num_total_blocks,
-            num_free_blocks=self.kv.num_free_blocks,
-            block_size=self.block_size,
-            queued_prefill_tokens=self.queued_prefill_tokens(),
-            prefill_tokens_per_s=prefill_tokens_per_s,
-            decode_step_time_s=decode_step_time_s,
-            max_num_seqs=self.config.max_num_seqs,
-            mean_output_tokens=self.predictor.mean(),
-            num_reserved=self._num_reserved,
-            long_prefill_tokens_per_s=long_prefill_tokens_per_s,
-            busy_until_s=self.budget.busy_until_s,
-            long_step_wait_s=long_step_wait_s,
-            long_burst_tokens=long_burst_tokens,
-            long_sustained_tokens_per_s=long_sustained_tokens_per_s,
-        )
-
-
-def _victim_order(req: Request) -> tuple:
-    return req.victim_key
