@@ -259,6 +259,43 @@ def test_capped_chunks_of_a_long_prompt_end_within_their_cap(cost_profile):
     assert chunks[-2] < chunks[0]  # the later chunks attend over more context: fewer tokens fit the cap
 
 
+@pytest.mark.parametrize("cost_profile", ["default", "pessimistic"])
+def test_a_capped_step_counts_the_read_of_a_new_prompts_cached_context(cost_profile):
+    """A gang SM with 48 streams decoding and a prompt whose first 1,024 tokens are cached: the prompt's two new
+    tokens read those 1,024 tokens' KV, which the step model's per-token prefill time leaves out. A cap whose spare
+    time holds the two tokens but not that read (by the step model) keeps the prompt waiting; one that holds both
+    takes it. Each step, timed by the cost model, ends within its cap (under the pessimistic profile the first step
+    overran when the read went uncounted)."""
+    from octoserve.services.core.sim_executor import SimExecutor
+
+    node = _node(cost_profile)
+    rep = _reporter(node, "sm-0")
+    b, cfg = rep.batcher, rep.batcher.config
+    executor = SimExecutor(rep.cost, node.instance("sm-0").block_size)
+    system = tuple(100 + i for i in range(1024))
+    for i in range(48):  # 1,200-token prompts (the step model's sized context), the first one the system prompt's
+        prompt = system + tuple(3000 + i * 200 + j for j in range(176))
+        b.add_request(RequestSpec(f"d{i}", "llama-3-8b", prompt, SamplingParams(max_tokens=50), arrival_s=0.0), 0.0)
+    now = 0.0
+    while b.num_running < 48 or b.num_waiting or any(r.num_output_tokens == 0 for r in b._running):
+        plan = b.schedule(now)
+        result = executor.execute(plan, b)
+        now += result.step_time_s
+        b.update(plan, result, now)
+    b.add_request(RequestSpec("new", "llama-3-8b", system + (7, 8), SamplingParams(max_tokens=4), arrival_s=now), now)
+    per_token, read_s = cfg.prefill_s_per_token, 1024 * cfg.kv_s_per_context_token
+    assert read_s > per_token  # the read costs more than a token: it decides whether the prompt fits
+    # spare time: room for the two tokens within the cap's margin, but not for the read beside them; then for both
+    for spare_s, takes_it in ((2.5 * per_token, False), (3 * per_token + read_s, True)):
+        cap_s = b.step_floor_s() + spare_s
+        plan = b.schedule(now, step_cap_s=cap_s)
+        assert ("new" in {c.request_id for c in plan.chunks}) is takes_it
+        result = executor.execute(plan, b)
+        assert result.step_time_s <= cap_s, (spare_s, result.step_time_s - cap_s)
+        now += result.step_time_s
+        b.update(plan, result, now)
+
+
 def test_a_member_reports_the_step_its_due_prompts_need():
     """`Batcher.due_prefill_s`: the step carrying every prompt whose first token is due within the horizon (the
     deadline shapes keep room for it), and the live member's report carries it to the scheduler's arbiter."""

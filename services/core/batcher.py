@@ -41,6 +41,7 @@ from typing import overload
 from octoserve.services.core.batch_book import BatchBook, _victim_order
 from octoserve.services.core.batch_state import DEFAULT_TIER_TTFT_SLO_MS, BatcherConfig, Request, RequestStatus
 from octoserve.services.core.kv_cache import KVCacheManager
+from octoserve.services.core.step_budget import CAP_MARGIN
 from octoserve.services.core.step_builders import (
     CompactBuilder,
     CompactOutputs,
@@ -68,6 +69,9 @@ class Batcher(BatchBook):
         super().__init__(config, kv)
         self._step_id = 0
         self.num_preemptions_total = 0
+        # Budget tokens one token of a new prompt's cached context costs in the step being planned: its KV is read
+        # once. Counted only under a gang cap (`_plan_step`), where a step must end in time; 0 elsewhere.
+        self._context_charge = 0.0
 
     # ---- schedule ------------------------------------------------------------------------------------------
 
@@ -108,6 +112,9 @@ class Batcher(BatchBook):
                                       prefills, now)
         elif self.config.tpot_target_s > 0:  # nothing to prefill: only the load report's long-step figures stay current
             self.budget.slack_chunk = self.budget.slack_budget(decodes, now, extra_kv_s) - len(decodes)
+        cfg = self.config
+        self._context_charge = (cfg.kv_s_per_context_token / cfg.prefill_s_per_token
+                                if step_cap_s is not None and cfg.prefill_s_per_token > 0 else 0.0)
         if step_cap_s is not None:
             context = max((r.num_computed_tokens for r in prefills), default=0)
             budget = min(budget, self.budget.capped_budget(len(decodes), step_cap_s, extra_kv_s, context))
@@ -417,8 +424,17 @@ class Batcher(BatchBook):
             self._set_running(req)
 
     def _schedule_waiting(self, step: StepUnderConstruction) -> None:
+        # Under a gang cap the budget is CAP_MARGIN of the spare time (`StepBudget.capped_budget`); `room` is all of
+        # it, in prefill tokens: a prompt's tokens and the read of its cached context (`_context_charge`) must fit.
+        room = step.budget / CAP_MARGIN if self._context_charge > 0 else math.inf
         while self._waiting and step.budget > 0:
             req = self._waiting.peek()
+            charge = 0.0
+            if room < math.inf:
+                cached = req.num_computed_tokens or self.kv.find_cached_prefix(req.token_ids)
+                charge = cached * self._context_charge
+                if room - charge < 1:
+                    return  # its context's read alone would take the step past its cap
             if self._num_active() >= self.config.max_num_seqs or not self._admit(req):
                 victim = self._tier_victim(req)
                 if victim is None:
@@ -427,7 +443,11 @@ class Batcher(BatchBook):
                 continue
             self._waiting.pop()
             self._set_running(req)
-            step.add(req, min(req.num_uncomputed_tokens, step.budget))
+            num_new = min(req.num_uncomputed_tokens, step.budget)
+            if room < math.inf:
+                num_new = min(num_new, int(room - charge))
+                room -= num_new + charge
+            step.add(req, num_new)
 
     def _tier_victim(self, head: Request) -> Request | None:
         """The running request `head` may preempt: a strictly less urgent tier that the queue order puts after the

@@ -259,7 +259,9 @@ class StepBudget:
         base_s = self.working_step_s(num_decodes) + extra_kv_s
         # The linear model misses the LM head of every admitted prompt and the rest of the attention;
         # CAP_MARGIN keeps capped steps inside their cap (overruns are counted by the arbiter).
-        spare_s = (cap_s - base_s) * CAP_MARGIN
+        # A chunk also reads its context's KV once, beside the decodes' reads: a few tokens over a long context
+        # cost that read more than their attention. The read is modelled, so it may take the margin's share first.
+        spare_s = min((cap_s - base_s) * CAP_MARGIN, cap_s - base_s - cfg.kv_s_per_context_token * context)
         chunk = spare_s / cfg.prefill_s_per_token
         if cfg.attn_s_per_pair > 0 and chunk > 0:
             # A chunk of n tokens over `context` computed ones attends to n x (context + n / 2) pairs: solve
