@@ -41,7 +41,6 @@ from typing import overload
 from octoserve.services.core.batch_book import BatchBook, _victim_order
 from octoserve.services.core.batch_state import DEFAULT_TIER_TTFT_SLO_MS, BatcherConfig, Request, RequestStatus
 from octoserve.services.core.kv_cache import KVCacheManager
-from octoserve.services.core.step_budget import CAP_MARGIN
 from octoserve.services.core.step_builders import (
     CompactBuilder,
     CompactOutputs,
@@ -69,9 +68,9 @@ class Batcher(BatchBook):
         super().__init__(config, kv)
         self._step_id = 0
         self.num_preemptions_total = 0
-        # Budget tokens one token of a new prompt's cached context costs in the step being planned: its KV is read
-        # once. Counted only under a gang cap (`_plan_step`), where a step must end in time; 0 elsewhere.
-        self._context_charge = 0.0
+        # Whether the step being planned is under a gang cap: it must end in time, so a new prompt's cached context
+        # is paid for (`_schedule_waiting`).
+        self._capped = False
 
     # ---- schedule ------------------------------------------------------------------------------------------
 
@@ -112,12 +111,11 @@ class Batcher(BatchBook):
                                       prefills, now)
         elif self.config.tpot_target_s > 0:  # nothing to prefill: only the load report's long-step figures stay current
             self.budget.slack_chunk = self.budget.slack_budget(decodes, now, extra_kv_s) - len(decodes)
-        cfg = self.config
-        self._context_charge = (cfg.kv_s_per_context_token / cfg.prefill_s_per_token
-                                if step_cap_s is not None and cfg.prefill_s_per_token > 0 else 0.0)
+        self._capped = step_cap_s is not None and self.config.prefill_s_per_token > 0
         if step_cap_s is not None:
-            context = max((r.num_computed_tokens for r in prefills), default=0)
-            budget = min(budget, self.budget.capped_budget(len(decodes), step_cap_s, extra_kv_s, context))
+            contexts = [r.num_computed_tokens for r in prefills]
+            budget = min(budget, self.budget.capped_budget(len(decodes), step_cap_s, extra_kv_s, max(contexts, default=0),
+                                                           sum(contexts)))
             if decodes and not self.budget.tail.affordable(len(decodes)):
                 # A gang step starts after the other side's: its decodes' gaps already ran while they waited for
                 # the grant. With no tail left to spend, the step ends within the free share of the ITL SLO
@@ -225,22 +223,28 @@ class Batcher(BatchBook):
     def earliest_deadline_s(self, itl_s: float, prefill_share: float = 1.0) -> float | None:
         """For a gang arbiter: the latest time this batcher's next step may start and still meet its most urgent
         deadline: a running decode's next token within `itl_s` of its last one, or a prefill's first token by its
-        TTFT deadline (its remaining tokens at the step model's prefill rate, of which its steps get
-        `prefill_share` of the GPUs' time while the other side has work), each less one step floor; None when it
-        has nothing to run."""
+        TTFT deadline (its remaining tokens at the step model's prefill rate, each attending over the prompt's
+        tokens before it, of which its steps get `prefill_share` of the GPUs' time while the other side has work),
+        each less one step floor; None when it has nothing to run."""
         best: float | None = None
-        per_token_s = self.config.prefill_s_per_token / prefill_share
         for r in self._running:
             if r.last_token_s is not None and len(r.token_ids) - r.num_computed_tokens == 1:
                 t = r.last_token_s + itl_s
             else:
-                t = self._ttft_deadline_s(r) - r.num_uncomputed_tokens * per_token_s
+                t = self._ttft_deadline_s(r) - self._prefill_left_s(r) / prefill_share
             best = t if best is None else min(best, t)
         if self._waiting:
             head = self._waiting.peek()
-            t = self._ttft_deadline_s(head) - head.num_uncomputed_tokens * per_token_s
+            t = self._ttft_deadline_s(head) - self._prefill_left_s(head) / prefill_share
             best = t if best is None else min(best, t)
         return None if best is None else best - self.step_floor_s()
+
+    def _prefill_left_s(self, r: Request) -> float:
+        """The step model's time for `r`'s uncomputed prompt tokens: each costs the per-token time and attends over
+        the tokens before it (on the 180B, a 32k-token prompt's attention adds 18-20 % to its prefill)."""
+        cfg = self.config
+        n, context = r.num_uncomputed_tokens, r.num_computed_tokens
+        return n * cfg.prefill_s_per_token + cfg.attn_s_per_pair * n * (context + n / 2.0)
 
     def lends_tail(self) -> bool:
         """For a gang arbiter: whether the other side of the group may step past this batcher's deadlines: it only
@@ -269,9 +273,10 @@ class Batcher(BatchBook):
                 n = min(left, room - tokens)
                 if n <= 0:
                     break
-                # its chunk attends over the prompt's computed context and itself, as `StepBudget.capped_budget` prices it
+                # its chunk attends over the prompt's computed context and itself and reads the context's KV, as
+                # `StepBudget.capped_budget` prices it
                 context = len(r.token_ids) - left
-                attn_s += cfg.attn_s_per_pair * n * (context + n / 2.0)
+                attn_s += cfg.attn_s_per_pair * n * (context + n / 2.0) + cfg.kv_s_per_context_token * context
                 tokens += n
         if tokens <= 0:
             return 0.0
@@ -424,17 +429,26 @@ class Batcher(BatchBook):
             self._set_running(req)
 
     def _schedule_waiting(self, step: StepUnderConstruction) -> None:
-        # Under a gang cap the budget is CAP_MARGIN of the spare time (`StepBudget.capped_budget`); `room` is all of
-        # it, in prefill tokens: a prompt's tokens and the read of its cached context (`_context_charge`) must fit.
-        room = step.budget / CAP_MARGIN if self._context_charge > 0 else math.inf
+        # Under a gang cap the budget counts prefill tokens at the step model's time per token over no context
+        # (`StepBudget.capped_budget`). A prompt whose first tokens are cached costs more: each new token attends
+        # over the cached ones, whose KV the step reads once. And a prompt's last chunk samples through the LM head,
+        # which the per-token time (fitted on long chunks) spreads thin: one token's time more stands for it.
+        # `room` is the cap's spare time in tokens.
+        capped, cfg = self._capped, self.config
+        room = float(step.budget)
         while self._waiting and step.budget > 0:
             req = self._waiting.peek()
-            charge = 0.0
-            if room < math.inf:
+            fit, read, per_new = step.budget, 0.0, 1.0
+            if capped:
                 cached = req.num_computed_tokens or self.kv.find_cached_prefix(req.token_ids)
-                charge = cached * self._context_charge
-                if room - charge < 1:
-                    return  # its context's read alone would take the step past its cap
+                left = len(req.token_ids) - cached
+                read = cached * cfg.kv_s_per_context_token / cfg.prefill_s_per_token
+                per_new = 1.0 + cached * cfg.attn_s_per_pair / cfg.prefill_s_per_token
+                fit = int((room - read) / per_new)
+                if fit >= left:  # its last chunk samples: the LM head's time, or one token fewer
+                    fit = max(left - 1, int((room - read - 1.0) / per_new))
+                if fit < 1:
+                    return  # not one token of it fits the cap
             if self._num_active() >= self.config.max_num_seqs or not self._admit(req):
                 victim = self._tier_victim(req)
                 if victim is None:
@@ -443,10 +457,9 @@ class Batcher(BatchBook):
                 continue
             self._waiting.pop()
             self._set_running(req)
-            num_new = min(req.num_uncomputed_tokens, step.budget)
-            if room < math.inf:
-                num_new = min(num_new, int(room - charge))
-                room -= num_new + charge
+            num_new = min(req.num_uncomputed_tokens, step.budget, fit)
+            if capped:
+                room -= read + num_new * per_new + (1.0 if num_new == req.num_uncomputed_tokens else 0.0)
             step.add(req, num_new)
 
     def _tier_victim(self, head: Request) -> Request | None:

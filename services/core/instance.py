@@ -251,7 +251,13 @@ class LoadReporter:
             own_cap_s, other_cap_s = share.lent_cap_s, share.lent_other_cap_s
         else:
             own_cap_s, other_cap_s = share.own_cap_s, share.other_cap_s
-        chunk = max(1, b.budget.capped_prefill_tokens(own_cap_s, b.num_future_decodes()))
+        num_decodes = b.num_future_decodes()
+        chunk = b.budget.capped_prefill_tokens(own_cap_s, num_decodes)
+        if num_decodes and not b.budget.tail.affordable(num_decodes):
+            # Its decodes' ITL tail is spent: each step ends within the free share of their ITL counted from their
+            # previous tokens, the other side's step between included (`Batcher._plan_step`), lent or not.
+            chunk = min(chunk, b.budget.free_budget(num_decodes, other_cap_s) - num_decodes)
+        chunk = max(1, chunk)
         rate = chunk / (own_cap_s + other_cap_s)
         cadence_s = self.decode_step_time_s + other_cap_s
         return b.load(self.instance_id, self.model, rate, cadence_s, 0.0, 0.0, 0.0, 0.0)
