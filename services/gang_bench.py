@@ -502,7 +502,7 @@ good*: good / admitted; *longest LM wait* and *SM stall*: the longest over every
 open at the end included; *steps over cap*: gang steps that ran past the arbiter's cap (the batcher's step model
 under-predicting the cost model), summed over the row's runs.
 
-Reproduce (both cost profiles, ~30 min on two cores): `.venv/bin/python -m octoserve.services.gang_bench --write
+Reproduce (both cost profiles, ~12 min on two cores): `.venv/bin/python -m octoserve.services.gang_bench --write
 BENCHMARKS.md` (`--cases seed003`, `--cost-profiles default`, `--grid 2.5,5,10` narrow it; `--quick` for a smoke
 run); `make bench` runs it too, after the policy suite. One run by hand: `.venv/bin/octoserve simulate --config
 services/configs/node-seed003.yaml --workload services/configs/workload-seed003.yaml --duration 20s --warmup 5s
