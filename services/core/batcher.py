@@ -34,13 +34,13 @@ builders (step_builders) and step-time budget arithmetic (step_budget) live apar
 from __future__ import annotations
 
 import bisect
-import math
 from collections.abc import Sequence
 from typing import overload
 
 from octoserve.services.core.batch_book import BatchBook, _victim_order
 from octoserve.services.core.batch_state import DEFAULT_TIER_TTFT_SLO_MS, BatcherConfig, Request, RequestStatus
 from octoserve.services.core.kv_cache import KVCacheManager
+from octoserve.services.core.preemption import tier_victim
 from octoserve.services.core.step_builders import (
     CompactBuilder,
     CompactOutputs,
@@ -231,20 +231,13 @@ class Batcher(BatchBook):
             if r.last_token_s is not None and len(r.token_ids) - r.num_computed_tokens == 1:
                 t = r.last_token_s + itl_s
             else:
-                t = self._ttft_deadline_s(r) - self._prefill_left_s(r) / prefill_share
+                t = self._ttft_deadline_s(r) - self.budget.prefill_left_s(r.num_uncomputed_tokens, r.num_computed_tokens) / prefill_share
             best = t if best is None else min(best, t)
         if self._waiting:
             head = self._waiting.peek()
-            t = self._ttft_deadline_s(head) - self._prefill_left_s(head) / prefill_share
+            t = self._ttft_deadline_s(head) - self.budget.prefill_left_s(head.num_uncomputed_tokens, head.num_computed_tokens) / prefill_share
             best = t if best is None else min(best, t)
         return None if best is None else best - self.step_floor_s()
-
-    def _prefill_left_s(self, r: Request) -> float:
-        """The step model's time for `r`'s uncomputed prompt tokens: each costs the per-token time and attends over
-        the tokens before it (on the 180B, a 32k-token prompt's attention adds 18-20 % to its prefill)."""
-        cfg = self.config
-        n, context = r.num_uncomputed_tokens, r.num_computed_tokens
-        return n * cfg.prefill_s_per_token + cfg.attn_s_per_pair * n * (context + n / 2.0)
 
     def lends_tail(self) -> bool:
         """For a gang arbiter: whether the other side of the group may step past this batcher's deadlines: it only
@@ -429,28 +422,20 @@ class Batcher(BatchBook):
             self._set_running(req)
 
     def _schedule_waiting(self, step: StepUnderConstruction) -> None:
-        # Under a gang cap the budget counts prefill tokens at the step model's time per token over no context
-        # (`StepBudget.capped_budget`). A prompt whose first tokens are cached costs more: each new token attends
-        # over the cached ones, whose KV the step reads once. And a prompt's last chunk samples through the LM head,
-        # which the per-token time (fitted on long chunks) spreads thin: one token's time more stands for it.
-        # `room` is the cap's spare time in tokens.
-        capped, cfg = self._capped, self.config
+        # Under a gang cap, `room` is the cap's spare time in prefill tokens; a new prompt over a cached prefix costs
+        # more of it than its tokens (`StepBudget.capped_fit`).
         room = float(step.budget)
         while self._waiting and step.budget > 0:
             req = self._waiting.peek()
-            fit, read, per_new = step.budget, 0.0, 1.0
-            if capped:
+            fit, cached, left = step.budget, 0, 0
+            if self._capped:
                 cached = req.num_computed_tokens or self.kv.find_cached_prefix(req.token_ids)
                 left = len(req.token_ids) - cached
-                read = cached * cfg.kv_s_per_context_token / cfg.prefill_s_per_token
-                per_new = 1.0 + cached * cfg.attn_s_per_pair / cfg.prefill_s_per_token
-                fit = int((room - read) / per_new)
-                if fit >= left:  # its last chunk samples: the LM head's time, or one token fewer
-                    fit = max(left - 1, int((room - read - 1.0) / per_new))
+                fit = self.budget.capped_fit(room, cached, left)
                 if fit < 1:
                     return  # not one token of it fits the cap
             if self._num_active() >= self.config.max_num_seqs or not self._admit(req):
-                victim = self._tier_victim(req)
+                victim = tier_victim(self._running, req, self.config.batch_min_share, self.config.max_num_seqs)
                 if victim is None:
                     return  # the head is never overtaken
                 self._preempt(victim, step)
@@ -458,29 +443,9 @@ class Batcher(BatchBook):
             self._waiting.pop()
             self._set_running(req)
             num_new = min(req.num_uncomputed_tokens, step.budget, fit)
-            if capped:
-                room -= read + num_new * per_new + (1.0 if num_new == req.num_uncomputed_tokens else 0.0)
+            if self._capped:
+                room -= self.budget.capped_cost(cached, num_new, left)
             step.add(req, num_new)
-
-    def _tier_victim(self, head: Request) -> Request | None:
-        """The running request `head` may preempt: a strictly less urgent tier that the queue order puts after the
-        head (so a recomputed victim re-enters behind it and cannot bounce back: EDF-aged BATCH work is safe), the
-        least urgent first, within it one still in prefill (no stream stalls), then the latest arrival; None when
-        there is none or BATCH's floor forbids it."""
-        if self.config.batch_min_share >= 1.0:
-            return None
-        tier = head.spec.priority
-        floor = math.ceil(self.config.batch_min_share * self.config.max_num_seqs)
-        num_batch = sum(1 for r in self._running if r.spec.priority is Priority.BATCH)
-        best: Request | None = None
-        for r in self._running:
-            p = r.spec.priority
-            if p <= tier or r.queue_key <= head.queue_key or (p is Priority.BATCH and num_batch <= floor):
-                continue
-            key = (p, r.num_output_tokens == 0, r.spec.arrival_s)
-            if best is None or key > (best.spec.priority, best.num_output_tokens == 0, best.spec.arrival_s):
-                best = r
-        return best
 
     def _admit(self, req: Request) -> bool:
         cached_tokens = self.kv.find_cached_prefix(req.token_ids) if req.num_computed_tokens == 0 else 0

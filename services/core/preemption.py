@@ -1,4 +1,5 @@
-"""Preemption: which running request gives up its KV when a running request needs a block the pool lacks.
+"""Preemption: which running request gives up its KV when a running request needs a block the pool lacks, and
+with tier preemption which one a more urgent waiting request may take the place of (`tier_victim`).
 
 A victim policy maps a request to a key; the running request with the LARGEST key is preempted first.
 - `lowest-tier-latest` (default): the least urgent tier first, within a tier the latest arrival (it has the least
@@ -12,10 +13,15 @@ recompute when the host pool is full.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from octoserve.services.core.registry import Registry
-from octoserve.services.core.types import RequestSpec
+from octoserve.services.core.types import Priority, RequestSpec
+
+if TYPE_CHECKING:  # batch_state imports this module's registries
+    from octoserve.services.core.batch_state import Request
 
 VictimKey = Callable[[RequestSpec], tuple]
 
@@ -32,3 +38,25 @@ def lowest_tier_latest(spec: RequestSpec) -> tuple:
 @VICTIM_POLICIES.register("latest")
 def latest(spec: RequestSpec) -> tuple:
     return (spec.arrival_s,)
+
+
+def tier_victim(running: Sequence[Request], head: Request, batch_min_share: float,
+                max_num_seqs: int) -> Request | None:
+    """The running request `head` may preempt (tier preemption): a strictly less urgent tier that the queue order
+    puts after the head (so a recomputed victim re-enters behind it and cannot bounce back: EDF-aged BATCH work is
+    safe), the least urgent first, within it one still in prefill (no stream stalls), then the latest arrival; None
+    when there is none or BATCH's floor (`batch_min_share` of `max_num_seqs`) forbids it."""
+    if batch_min_share >= 1.0:
+        return None
+    tier = head.spec.priority
+    floor = math.ceil(batch_min_share * max_num_seqs)
+    num_batch = sum(1 for r in running if r.spec.priority is Priority.BATCH)
+    best: Request | None = None
+    for r in running:
+        p = r.spec.priority
+        if p <= tier or r.queue_key <= head.queue_key or (p is Priority.BATCH and num_batch <= floor):
+            continue
+        key = (p, r.num_output_tokens == 0, r.spec.arrival_s)
+        if best is None or key > (best.spec.priority, best.num_output_tokens == 0, best.spec.arrival_s):
+            best = r
+    return best

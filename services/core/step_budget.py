@@ -273,6 +273,35 @@ class StepBudget:
             chunk = (math.sqrt(b * b + 4.0 * a * spare_s) - b) / (2.0 * a)
         return num_decodes + max(0, int(chunk + 1e-9))
 
+    def capped_fit(self, room: float, cached: int, left: int) -> int:
+        """Tokens of a new prompt that fit `room`, a gang cap's spare time in prefill tokens at the per-token time
+        over no context (`capped_budget`): the prompt's first `cached` tokens are cached, `left` are to compute."""
+        read, per_new = self._context_terms(cached)
+        fit = int((room - read) / per_new)
+        if fit >= left:  # the last chunk samples (`capped_cost`), or it stops one token short
+            fit = max(left - 1, int((room - read - 1.0) / per_new))
+        return fit
+
+    def capped_cost(self, cached: int, num_new: int, left: int) -> float:
+        """The room (`capped_fit`) `num_new` tokens of such a prompt take: each attends over the cached prefix,
+        whose KV the step reads once, and a chunk that ends the prompt samples through the LM head, which the
+        per-token time (fitted on long chunks) spreads thin: one token's time stands for it."""
+        read, per_new = self._context_terms(cached)
+        return read + num_new * per_new + (1.0 if num_new == left else 0.0)
+
+    def _context_terms(self, cached: int) -> tuple[float, float]:
+        """(the read of `cached` tokens' KV, one new token's time over them), in prefill tokens."""
+        cfg = self.config
+        return (cached * cfg.kv_s_per_context_token / cfg.prefill_s_per_token,
+                1.0 + cached * cfg.attn_s_per_pair / cfg.prefill_s_per_token)
+
+    def prefill_left_s(self, num_tokens: int, context: int) -> float:
+        """The step model's time for a prompt's `num_tokens` uncomputed tokens over `context` computed ones: each
+        costs the per-token time and attends over the tokens before it (on the 180B, a 32k-token prompt's
+        attention adds 18-20 % to its prefill)."""
+        cfg = self.config
+        return num_tokens * cfg.prefill_s_per_token + cfg.attn_s_per_pair * num_tokens * (context + num_tokens / 2.0)
+
     def capped_prefill_tokens(self, cap_s: float, num_decodes: int = -1) -> int:
         """Prefill tokens a step capped at `cap_s` carries beside `num_decodes` decodes (default: its latest step's)
         (a gang member's shared step, as `schedule(step_cap_s=...)` cuts it; 0 when the decodes alone fill the cap)."""
