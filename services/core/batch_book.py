@@ -156,11 +156,15 @@ class BatchBook:
 
     def release_handoff(self, request_id: str) -> bool:
         """Prefill role: the KV was sent (or will never be); free the blocks (they stay prefix-cached)."""
+        return self._release(request_id, RequestStatus.HANDOFF, observe=True)
+
+    def _release(self, request_id: str, status: RequestStatus, observe: bool) -> bool:
+        """Finish a request held in `status` (False, changing nothing, when it is not)."""
         self.state_version += 1
         req = self._requests.get(request_id)
-        if req is None or req.status is not RequestStatus.HANDOFF:
+        if req is None or req.status is not status:
             return False
-        self._finish(req, observe=True)
+        self._finish(req, observe=observe)
         return True
 
     def reserve(self, spec: RequestSpec, now: float) -> bool:
@@ -212,12 +216,8 @@ class BatchBook:
         return self._output(req, (), finish)
 
     def release_reservation(self, request_id: str) -> bool:
-        self.state_version += 1
-        req = self._requests.get(request_id)
-        if req is None or req.status is not RequestStatus.RESERVED:
-            return False
-        self._finish(req, observe=False)
-        return True
+        """Decode role: the hand-off will not come; free the reserved blocks."""
+        return self._release(request_id, RequestStatus.RESERVED, observe=False)
 
     # ---- live migration (services/core/migration.py): a running decode leaves one batcher for another -------
 
