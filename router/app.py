@@ -19,7 +19,7 @@ from octoserve.router.access_log import DEFAULT_MODE, DEFAULT_SAMPLE_EVERY, MODE
 from octoserve.router.metrics import RouterMetrics
 from octoserve.router.demand_report import DemandReporter
 from octoserve.router.placement_watch import PlacementFollower
-from octoserve.router.pool import WorkerClient, WorkerEndpoint, WorkerPool
+from octoserve.router.pool import WorkerClient, WorkerEndpoint, WorkerPool, load_interval_ms
 from octoserve.router.servicer import DEFAULT_MAX_PENDING_DELTAS, GenerationServicer, RouterSettings
 from octoserve.router.watchdog import DEFAULT_HUNG_AFTER_S, HangWatchdog
 from octoserve.services.cluster.service import add_headroom_service, headroom_source
@@ -87,7 +87,8 @@ def router_spec(
                 servicer.on_worker_down(instance_id, reason, cause)
 
         client = WorkerClient(WorkerEndpoint(inst.id, address, inst.role is not Role.PREFILL), servicer.session_id,
-                              servicer.on_delta, on_down, policy.on_kv_events, policy.forget_instance)
+                              servicer.on_delta, on_down, policy.on_kv_events, policy.forget_instance,
+                              load_interval_ms(servicer.settings.time_scale))
         client.on_resumed = watchdog.resumed
         return client
 

@@ -48,7 +48,17 @@ CHANNEL_OPTIONS = (
     ("grpc.max_reconnect_backoff_ms", 1000),
 )
 RECONNECT_BACKOFF_S = (0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
-LOAD_INTERVAL_MS = 10
+LOAD_INTERVAL_MS = 10  # modelled ms: the router's view of a worker is at most this old
+MAX_LOAD_INTERVAL_WALL_MS = 250  # a dozen reports within the hang watchdog's default 3 s, however dilated the clock
+
+
+def load_interval_ms(time_scale: float) -> int:
+    """The wall interval the router asks of a worker's load stream: LOAD_INTERVAL_MS of the modelled clock, so a
+    node dilated K times sees each worker as often per modelled step as an undilated one (and its processes do not
+    spend K times the CPU on reports per step), at most MAX_LOAD_INTERVAL_WALL_MS."""
+    if not time_scale > 0:
+        raise ValueError(f"time_scale must be > 0, got {time_scale}")
+    return max(1, min(MAX_LOAD_INTERVAL_WALL_MS, round(LOAD_INTERVAL_MS * time_scale)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,11 +79,13 @@ class WorkerClient:
         on_down: Callable[[str, str, str], None],  # (instance id, reason, cause: router/failover.py CAUSES)
         on_kv_events: Callable[[str, Sequence[KVEvent]], None],
         on_kv_lost: Callable[[str], None] = lambda instance_id: None,
+        load_interval_ms: int = LOAD_INTERVAL_MS,
     ) -> None:
         self.instance_id = endpoint.instance_id
         self.address = endpoint.address
         self.streams_tokens = endpoint.streams_tokens
         self.session_id = session_id
+        self.load_interval_ms = load_interval_ms
         self.channel = trust.channel(endpoint.address, options=CHANNEL_OPTIONS)
         self.stub = w_grpc.WorkerStub(self.channel)
         self.load: EngineLoad | None = None
@@ -152,7 +164,7 @@ class WorkerClient:
         attempt = 0
         while True:
             try:
-                async for report in self.stub.WatchLoad(w_pb.WatchLoadRequest(interval_ms=LOAD_INTERVAL_MS)):
+                async for report in self.stub.WatchLoad(w_pb.WatchLoadRequest(interval_ms=self.load_interval_ms)):
                     load = convert.load_from_pb(report)
                     if self.streams_tokens and not self.attached.is_set() and load.healthy:
                         load = dataclasses.replace(load, healthy=False)  # no session to stream tokens back yet

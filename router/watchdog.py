@@ -1,7 +1,8 @@
 """The router's progress watchdog: a worker whose process lives but says nothing (stopped by SIGSTOP, an event loop
 wedged in a blocking call) is treated as lost within `hung_after_s`.
 
-A worker pushes a load snapshot every 10 ms over its WatchLoad stream. A broken stream is the crash path
+A worker pushes a load snapshot over its WatchLoad stream every 10 ms of the modelled clock, at most every 250 ms
+of wall (router/pool.py `load_interval_ms`). A broken stream is the crash path
 (router/pool.py, router/failover.py); a silent stream that stays open is this one. (A worker whose engine loop is
 stuck while the rest of the process runs exits by its own progress check, services/rpc/stall_watch.py: the crash
 path.) When an instance that was reporting has sent
@@ -29,7 +30,7 @@ from octoserve.services.rpc.gen import worker_pb2 as w_pb
 
 log = logging.getLogger("octoserve.router.watchdog")
 
-DEFAULT_HUNG_AFTER_S = 3.0  # 300 missed load reports
+DEFAULT_HUNG_AFTER_S = 3.0  # 300 missed load reports undilated, 30 at 10x, 12 at the slowest interval
 CHECK_EVERY_S = 0.1
 LATE_WAKEUP_S = 0.5  # the watchdog itself woke this late: the router was stalled, not (only) the worker
 ABORT_TIMEOUT_S = 5.0
