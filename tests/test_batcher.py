@@ -467,6 +467,78 @@ def test_a_long_step_that_can_wait_lets_the_next_free_step_finish_the_prompt_ahe
     assert b.schedule(0.05).num_batched_tokens == 491
 
 
+def long_step_batcher() -> Batcher:
+    """`tail_batcher` with long steps of up to 300 ms (2,890 prompt tokens beside one decode) and a 256-token TPOT
+    payback horizon, so that one long step can carry a whole prompt of 1,800 tokens (11 ms + 180 ms)."""
+    b = make_batcher(num_blocks=8192, max_num_batched_tokens=4000, budget_by_num_decodes=(64, 64, 64),
+                     tpot_target_s=0.020, max_step_s=0.300, decode_step_s_by_num_decodes=(0.010, 0.011, 0.012),
+                     prefill_s_per_token=0.0001, itl_slo_s=0.025, tail_budget_fraction=0.05, tail_window_gaps=60,
+                     tpot_horizon_tokens=256)
+    b.add_request(spec("a", prompt_len=4, max_tokens=500), 0.0)
+    for i in range(41):
+        timed_step(b, 0.001 * (i + 1), 0.001)
+    return b
+
+
+def run_steps(b: Batcher, now: float, n: int) -> tuple[list[list[tuple[str, int]]], dict[str, float]]:
+    """`n` steps, each ending when the step model says (`busy_until_s`): their chunks, and each request's first
+    token time."""
+    plans, first = [], {}
+    for _ in range(n):
+        plan = b.schedule(now)
+        plans.append([(c.request_id, c.num_new_tokens) for c in plan.chunks])
+        now = b.budget.busy_until_s
+        for c in plan.chunks:
+            if c.samples:
+                first.setdefault(c.request_id, now)
+        b.update(plan, StepResult({c.request_id: 7 for c in plan.chunks if c.samples}), now)
+    return plans, first
+
+
+def test_a_long_step_does_not_carry_a_prompt_ahead_past_the_deadline_its_free_steps_keep():
+    # "ahead" (300 tokens, due at 0.15) makes it in three free steps of 127 tokens (23.7 ms each, one more to spare);
+    # "late" (1,500 tokens) needs a long step. One long step of both (11 ms + 180 ms) would give "ahead" its first
+    # token at 0.241, past its deadline, though it saves "late".
+    # "late" due at 0.30 can wait for those three free steps (then 11 ms + 142 ms): they run first.
+    b = long_step_batcher()
+    b.add_request(spec("ahead", prompt_len=300, max_tokens=4, first=500, arrival=-0.10), 0.05)
+    b.add_request(spec("late", prompt_len=1500, max_tokens=4, first=900, arrival=0.05), 0.05)
+    plans, first = run_steps(b, 0.05, 4)
+    assert plans == [[("a", 1), ("ahead", 127)], [("a", 1), ("ahead", 127)], [("a", 1), ("ahead", 46), ("late", 81)],
+                     [("ahead", 1), ("a", 1), ("late", 1419)]]
+    assert first["ahead"] == pytest.approx(0.05 + 3 * (0.011 + 127 * 0.0001)) and first["late"] == pytest.approx(0.275)
+    # "late" due at 0.28 cannot wait for them: the long step ends with "ahead" (11 ms + 30 ms) and a second takes
+    # "late" (12 ms + 150 ms), both in time; the tail affords their three slow gaps ("a" twice, then "ahead").
+    b = long_step_batcher()
+    b.add_request(spec("ahead", prompt_len=300, max_tokens=4, first=500, arrival=-0.10), 0.05)
+    b.add_request(spec("late", prompt_len=1500, max_tokens=4, first=900, arrival=0.03), 0.05)
+    plans, first = run_steps(b, 0.05, 2)
+    assert plans == [[("a", 1), ("ahead", 300)], [("ahead", 1), ("a", 1), ("late", 1500)]]
+    assert first["ahead"] == pytest.approx(0.091) and first["late"] == pytest.approx(0.253)
+    assert first["ahead"] <= 0.15 and first["late"] <= 0.28
+    assert b.budget.tail.num_slow == 3
+    # With no prompt ahead to protect, the long step takes "late" at once.
+    b = long_step_batcher()
+    b.add_request(spec("late", prompt_len=1800, max_tokens=4, first=900, arrival=0.05), 0.05)
+    plans, first = run_steps(b, 0.05, 1)
+    assert plans == [[("a", 1), ("late", 1800)]] and first["late"] == pytest.approx(0.05 + 0.011 + 0.18)
+
+
+def test_a_long_step_in_flight_counts_against_the_tail_when_the_next_is_promised():
+    # Two slow gaps of the 3 the 60-gap window holds are spent; a long step for "big" spends the third. Its slow gap
+    # reaches the window only at its end, but the next long step can come only once the first slow gap has slid
+    # out: the load report says so while the step is in flight (it said 0 before, and a prompt that arrived during
+    # the step was promised a long step at its end).
+    b = tail_batcher()
+    for _ in range(2):
+        b.budget.tail.observe(1, 1)
+    b.add_request(spec("big", prompt_len=1800, max_tokens=4, first=500, arrival=0.05), 0.05)
+    assert b.schedule(0.05).num_batched_tokens == 491 and b.budget.inflight_slow == 1
+    gaps = b.budget.tail.gaps_until_affordable(2)
+    assert gaps == 59 and b.budget.tail.gaps_until_affordable(1) == 0
+    assert b.budget.long_step_wait_s() == pytest.approx(gaps * (0.011 + 127 * 0.0001))
+
+
 def test_the_load_snapshot_leaves_the_step_in_flight_out_of_the_queue_and_says_when_a_long_step_is_affordable():
     b = tail_batcher()
     b.add_request(spec("p", prompt_len=1000, max_tokens=4, first=500, arrival=0.05), 0.05)

@@ -59,7 +59,8 @@ from octoserve.services.core.types import (
     StepResult,
 )
 
-NEEDS_LONG_SCAN = 4  # waiting prompts `_needs_long` looks at, past the running prefills
+NEEDS_LONG_SCAN = 4  # waiting prompts `_long_step_tokens` looks at, past the running prefills
+UNCAPPED = 1 << 30  # `_long_step_tokens`: the long step takes all the running decodes' TPOT slack allows
 
 class Batcher(BatchBook):
     """The book of requests, stepped: `schedule` plans the next step, `update` applies its result."""
@@ -162,45 +163,88 @@ class Batcher(BatchBook):
                     prefills: list[Request], now: float) -> int:
         """The step's budget once the ITL tail is spent: the slack-extended budget (every decode's TPOT on
         target) when its step ends within the free share of the ITL SLO, or when the tail budget affords a slow
-        gap per decode and some prompt needs it (`_needs_long`); else as much of it as ends within the free share."""
+        gap per decode and some prompt needs a long step (`_long_step_tokens`, which may cap its prefill tokens);
+        else as much of it as ends within the free share."""
         self.budget.slack_chunk = slack_budget - num_decodes
         if slack_budget <= budget:
             return budget
         free = self.budget.free_budget(num_decodes, extra_kv_s)
         if slack_budget <= free or num_decodes == 0:  # a step without decodes delays no gap
             return slack_budget
-        if self.budget.tail.affordable(num_decodes) and self._needs_long(prefills, free - num_decodes, now):
-            return slack_budget
+        if self.budget.tail.affordable(num_decodes):
+            tokens = self._long_step_tokens(prefills, free - num_decodes, now)
+            if tokens > 0:
+                return max(free, min(slack_budget, num_decodes + tokens))
         return max(budget, free)
 
-    def _needs_long(self, prefills: list[Request], free_chunk: int, now: float) -> bool:
-        """Whether a prompt must have a step past the ITL SLO now: it would reach its first token after its TTFT
-        deadline in steps that end within the free share of the ITL SLO (each carrying `free_chunk` prefill
-        tokens, one step kept for the step model's error), long steps starting now would still make it, and long
-        steps starting after one more free step (with one step to spare) would not. The running prefills in
-        order, then the first NEEDS_LONG_SCAN waiting prompts in queue order, each behind the tokens of those
-        before it (a long step takes them in that order). A prompt those steps serve in time leaves the tail to
-        one they cannot; a prompt already lost spends none, but one behind it may still be saved; a long step
-        that can wait does, so the prompts ahead that free steps finish get their first token first."""
+    def _long_step_tokens(self, prefills: list[Request], free_chunk: int, now: float) -> int:
+        """0 when no prompt needs a step past the ITL SLO now; else the most prefill tokens that step may take
+        (UNCAPPED: all the decodes' TPOT slack allows).
+
+        A prompt needs one when it would reach its first token after its TTFT deadline in steps that end within
+        the free share of the ITL SLO (each carrying `free_chunk` prefill tokens, one step kept for the step
+        model's error), long steps starting now would still make it, and long steps starting after the free steps
+        it can wait for (with one step to spare) would not. The running prefills in order, then the first
+        NEEDS_LONG_SCAN waiting prompts in queue order, each behind the tokens of those before it (a long step
+        takes them in that order). A prompt those steps serve in time leaves the tail to one they cannot; a
+        prompt already lost spends none, but one behind it may still be saved.
+
+        A long step that can wait does, for the prompts ahead that free steps make in time: the one the next free
+        step finishes gets its first token first, and one that the long step would carry past its own deadline
+        (its first token comes only when the whole long step ends) finishes in free steps before the long step
+        starts. Admission promised those prompts their free steps; carried by a later prompt's long step, a
+        519-token prompt three free steps from its first token got it 253 ms after arrival instead of ~150. When
+        the late prompt cannot wait for them, the long step ends with them (a capped first long step, their
+        first tokens at its end) and a second takes the rest, if the tail affords both and the late prompt still
+        makes it; else one long step saves the late prompt."""
         cfg = self.config
         if free_chunk <= 0:
-            return True
+            return UNCAPPED
         base_s = self.budget.base_step_s(self.budget.num_decodes)
         step_s = base_s + free_chunk * cfg.prefill_s_per_token
         long_chunk = max(1, self.budget.long_chunk())
         ahead = 0
-        finishing = False  # a prompt ahead gets its first token from the next free step
+        in_time: list[tuple[int, float]] = []  # (tokens up to its first, deadline) of the prompts free steps make
         for r in (*prefills, *self._waiting.head(NEEDS_LONG_SCAN)) if self._waiting else prefills:
             ahead += self._tokens_to_first(r)
             deadline_s = self._ttft_deadline_s(r)
             if now + (1 - (-ahead // free_chunk)) * step_s <= deadline_s:
-                finishing = finishing or ahead <= free_chunk
+                in_time.append((ahead, deadline_s))
                 continue  # free steps make it
             if deadline_s < now + self.budget.long_s(ahead, long_chunk, base_s):
                 continue  # lost either way
-            if not finishing or deadline_s < now + 2 * step_s + self.budget.long_s(ahead - free_chunk, long_chunk, base_s):
-                return True
-        return False
+            wait, owed, num_owed = self._free_steps_owed(in_time, ahead, free_chunk, long_chunk, base_s, now)
+            if wait == 0:
+                return UNCAPPED
+            if deadline_s >= now + (wait + 1) * step_s + self.budget.long_s(ahead - wait * free_chunk, long_chunk,
+                                                                             base_s):
+                continue  # it can wait for them
+            two_steps_s = self.budget.long_s(owed, long_chunk, base_s) + self.budget.long_s(ahead - owed, long_chunk,
+                                                                                            base_s)
+            # The second step's decodes are the first's and the prompts that it gave their first tokens.
+            if owed and self.budget.tail.affordable(2 * self.budget.num_decodes + num_owed) \
+                    and deadline_s >= now + two_steps_s:
+                return owed
+            return UNCAPPED
+        return 0
+
+    def _free_steps_owed(self, in_time: list[tuple[int, float]], ahead: int, free_chunk: int, long_chunk: int,
+                         base_s: float, now: float) -> tuple[int, int, int]:
+        """(free steps, tokens, prompts): the free steps a long step starting now (carrying `ahead` tokens) waits
+        for the prompts ahead that free steps make in time, until the last of them that the next free step
+        finishes or that the long step would make late has its first token (0: none); the tokens up to the first
+        token of the last one it would make late (0: none), and how many of those prompts have their first token
+        by then."""
+        wait = owed = num_owed = 0
+        for i, (tokens, deadline_s) in enumerate(in_time):
+            # Its first token comes when the long step holding its last token ends, that step full.
+            late = deadline_s < now + self.budget.long_s(min(ahead, -(-tokens // long_chunk) * long_chunk),
+                                                         long_chunk, base_s)
+            if late:
+                owed, num_owed = tokens, i + 1
+            if late or tokens <= free_chunk:
+                wait = max(wait, -(-tokens // free_chunk))
+        return wait, owed, num_owed
 
     def _tokens_to_first(self, r: Request) -> int:
         """Tokens `r` computes before its first token. A waiting prompt skips its cached prefix when it is admitted

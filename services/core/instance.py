@@ -214,7 +214,7 @@ class LoadReporter:
         n = b.num_running
         if self.gang is not None and self.shared:
             return self._shared_load()
-        if b.config.tpot_target_s > 0:  # the batcher's own step model: the rates it plans with (`_needs_long`)
+        if b.config.tpot_target_s > 0:  # the batcher's own step model: the rates it plans with (`_long_step_tokens`)
             rate = self._free_rate()
             long_rate = b.budget.long_prefill_tokens_per_s()
             long_wait = b.budget.long_step_wait_s() if long_rate > 0 else 0.0

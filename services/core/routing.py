@@ -145,7 +145,7 @@ class Candidate(NamedTuple):
     @property
     def predicted_ttft_s(self) -> float:
         """Its first token under the batcher's policy: in steps within the ITL SLO when those meet its TTFT SLO,
-        else in a step past the ITL SLO when the tail budget affords one (batcher.py, `_needs_long`)."""
+        else in a step past the ITL SLO when the tail budget affords one (batcher.py, `_long_step_tokens`)."""
         steps = self.steps_ttft_s
         if steps <= self.ttft_slo_s:
             return steps

@@ -68,7 +68,7 @@ class StepBudget:
 
     def free_prefill_tokens_per_s(self) -> float:
         """The prefill rate of steps that end within the free share of the ITL SLO beside the running decodes, by
-        the step model (0: no step model); what `Batcher._needs_long` plans with, and what admission is told."""
+        the step model (0: no step model); what `Batcher._long_step_tokens` plans with, and what admission is told."""
         d = self.num_decodes
         chunk = self.free_budget(d) - d
         return self.step_rate(d, chunk) if chunk > 0 else 0.0
@@ -127,9 +127,13 @@ class StepBudget:
     def long_step_wait_s(self) -> float:
         """Modelled seconds until the tail budget affords a step past the ITL SLO over the running decodes (0: now):
         the fast gaps it needs, at one a decode a step, each step a free one (prompts wait, so steps carry the free
-        chunk); inf when it never will."""
+        chunk); inf when it never will. A long step in flight has spent its slow gaps already (they reach the tail
+        at its end): counted as the step before it, a prompt that arrived during a long step was promised another
+        at its end that the tail could not afford, and waited 160 ms of free steps instead of 66 ms of one."""
         d = self.num_decodes
-        gaps = self.tail.gaps_until_affordable(d)
+        gaps = self.tail.gaps_until_affordable(d + self.inflight_slow)
+        if gaps < 0 and self.inflight_slow and self.tail.gaps_until_affordable(d) >= 0:
+            gaps = self.tail.window_gaps  # affordable once the step in flight has left the window
         if gaps <= 0:
             return 0.0 if gaps == 0 else math.inf
         return -(-gaps // d) * self.free_step(d)[1]
