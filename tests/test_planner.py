@@ -112,6 +112,22 @@ def test_colocated_capacity_balances_prefill_and_decode_within_the_itl():
     assert capped == pytest.approx(20 / (0.0204 * 400))
 
 
+def test_a_colocated_candidate_takes_the_step_budget_that_holds_its_longest_servable_prompt_whole():
+    # The 70B at TP=4 prefills at most 3,059 tokens within 250 ms when idle (default profile): a 4,096-token budget
+    # holds them in one step, 2,048 would take two; at TP=2 (1,674) 2,048 does; the 8B at TP=1 (8,022) takes 8,192.
+    budget = planner.servable_prompt_budget
+    assert [budget(MODELS[LM], H100, tp, 250.0, "default") for tp in (1, 2, 4, 8)] == [2048, 2048, 4096, 8192]
+    assert budget(MODELS[SM], H100, 1, 250.0, "default") == 8192
+    assert budget(MODELS[LM], H100, 8, 250.0, "pessimistic") == 4096  # 3,882 tokens
+    assert budget(MODELS[LM], H100, 4, 100.0, "default") == 2048
+    by_label = {p.label: p.config for p in planner.candidate_placements(H100, MODELS, 8)}
+    static = by_label["llama-3-70b TP4 x1 colocated | llama-3-8b TP1 x4 colocated"]
+    assert [(i.model, i.max_num_batched_tokens) for i in static.instances] == [(LM, 4096)] + [(SM, 8192)] * 4
+    split = by_label["llama-3-70b TP2 1P+2D | llama-3-8b TP1 1P+1D"]
+    assert [(i.role, i.max_num_batched_tokens) for i in split.instances] == [
+        (Role.PREFILL, 8192), (Role.DECODE, 2048), (Role.DECODE, 2048), (Role.PREFILL, 8192), (Role.DECODE, 2048)]
+
+
 def test_candidate_placements_are_valid_and_cover_the_splits():
     cands = planner.candidate_placements(H100, MODELS, 8)
     labels = [p.label for p in cands]

@@ -46,7 +46,7 @@ from bisect import bisect_right
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from octoserve.services.core.cost_model import CostModel
+from octoserve.services.core.cost_model import CostModel, cost_constants
 from octoserve.services.core.gang import GangPolicy, with_shared_steps
 from octoserve.services.core.placement import (
     GangConfig,
@@ -305,7 +305,25 @@ def _model_layouts(spec: ModelSpec, gpu: GpuSpec, num_gpus: int, tps: Sequence[i
     return out
 
 
-def _instances(model: str, prefix: str, layout: tuple[int, int, int, int], first_gpu: int) -> list[InstanceConfig]:
+STEP_BUDGETS = (2048, 4096, 8192)  # a candidate's colocated step budget: the first that holds a servable prompt
+
+
+def servable_prompt_budget(spec: ModelSpec, gpu: GpuSpec, tp: int, ttft_ms: float, cost_profile: str) -> int:
+    """The step budget of a colocated instance: the smallest of STEP_BUDGETS that holds, in one step, the longest
+    prompt the instance prefills within the TTFT SLO when idle (so a long step takes whole any prompt it can serve
+    in time; with 2,048 a 70B prompt of 2,049-3,059 tokens at TP=4 takes two long steps, two slow gaps for every
+    running decode), else the largest."""
+    cost = CostModel(spec, gpu, tp, cost_constants(cost_profile))
+    for budget in STEP_BUDGETS:
+        if cost.step_time_s([(budget + 1, 0)]) > ttft_ms / 1000.0:
+            return budget
+    return STEP_BUDGETS[-1]
+
+
+def _instances(model: str, prefix: str, layout: tuple[int, int, int, int], first_gpu: int,
+               budget: Callable[[int], int] = lambda tp: 2048) -> list[InstanceConfig]:
+    """The instances of one model's layout from `first_gpu` on; `budget(tp)`: a colocated instance's step budget
+    (a decode instance keeps 2,048: its prompts arrive prefilled)."""
     tp, num_prefill, n, prefill_tp = layout
     out, gpu = [], first_gpu
     roles = [Role.PREFILL] * num_prefill + [Role.DECODE] * n if num_prefill else [Role.COLOCATED] * n
@@ -313,7 +331,7 @@ def _instances(model: str, prefix: str, layout: tuple[int, int, int, int], first
     for role in roles:
         k = counters[role] = counters.get(role, -1) + 1
         tag = {Role.COLOCATED: "", Role.PREFILL: "p", Role.DECODE: "d"}[role]
-        tokens = 8192 if role is Role.PREFILL else 2048
+        tokens = {Role.PREFILL: 8192, Role.DECODE: 2048}.get(role) or budget(tp)
         width = prefill_tp if role is Role.PREFILL else tp
         out.append(InstanceConfig(f"{prefix}-{tag}{k}", model, role, width, tuple(range(gpu, gpu + width)),
                                   max_num_batched_tokens=tokens))
@@ -342,9 +360,13 @@ def candidate_placements(
     names = sorted(models, key=lambda n: -models[n].num_params)
     large = names[0]
     out = []
+
+    def budget_of(model: str) -> Callable[[int], int]:
+        return lambda tp: servable_prompt_budget(models[model], gpu, tp, slo.for_model(model).ttft_ms, cost_profile)
+
     if len(names) == 1:
         for layout in _model_layouts(models[large], gpu, num_gpus, TP_OPTIONS, mixed=True):
-            insts = _instances(large, "lm", layout, 0)
+            insts = _instances(large, "lm", layout, 0, budget_of(large))
             out.append(Placement(_label(large, layout), NodeConfig(gpu, num_gpus, dict(models), tuple(insts), slo, policies, cost_profile)))
         return [p for p in out if not check_placement(p.config)]
     small = names[1]
@@ -352,11 +374,12 @@ def candidate_placements(
     for large_gpus in range(1, num_gpus):
         for lay_l in _model_layouts(models[large], gpu, large_gpus, (2, 4, 8), mixed=True):
             for lay_s in _model_layouts(models[small], gpu, num_gpus - large_gpus, (1,)):
-                insts = _instances(large, "lm", lay_l, 0) + _instances(small, "sm", lay_s, large_gpus)
+                insts = (_instances(large, "lm", lay_l, 0, budget_of(large))
+                         + _instances(small, "sm", lay_s, large_gpus, budget_of(small)))
                 cfg = NodeConfig(gpu, num_gpus, dict(models), tuple(insts), slo, policies, cost_profile)
                 out.append(Placement(f"{_label(large, lay_l)} | {_label(small, lay_s)}", cfg))
     for lay_l in _model_layouts(models[large], gpu, num_gpus, (2, 4, 8), mixed=True):
-        cfg = NodeConfig(gpu, num_gpus, {large: models[large]}, tuple(_instances(large, "lm", lay_l, 0)), slo,
+        cfg = NodeConfig(gpu, num_gpus, {large: models[large]}, tuple(_instances(large, "lm", lay_l, 0, budget_of(large))), slo,
                          policies, cost_profile)
         out.append(Placement(f"{_label(large, lay_l)} | {small} not placed", cfg))
     return [p for p in out if not check_placement(p.config)]
