@@ -26,6 +26,9 @@ Roles: `colocated` runs requests to completion; `prefill` stops a request after 
 its KV for the hand-off (`release_handoff` frees it); `decode` reserves KV before prefill starts elsewhere
 (`reserve`) and starts from the received KV (`commit_handoff`).
 
+Why one module past 600 lines: the step plan and the long-step rule it applies on every step, compiled as one
+module (mypyc: calls inside a module are native, across modules they are not).
+
 The book of requests this planner steps (the waiting / running / swapped lists, intake, `abort`, the hand-off and
 migration API, the load report) is `BatchBook` (batch_book); its config and per-request state (batch_state), step
 builders (step_builders) and step-time budget arithmetic (step_budget) live apart too.

@@ -36,6 +36,9 @@ Four answers, each from the model/GPU specs and the cost model alone (no simulat
    the barrier (waiting for the slowest SM step) is not in the estimate, the simulator charges it.
 
 Invariants: pure and clock-free; every number is a function of the arguments; candidates pass `check_placement`.
+
+Why one module past 600 lines: the candidates are built from the same sizing and ranked by the same estimate; the
+four answers are read together (`octoserve plan` prints them side by side).
 """
 
 from __future__ import annotations
