@@ -539,6 +539,16 @@ def test_a_long_step_in_flight_counts_against_the_tail_when_the_next_is_promised
     assert b.budget.long_step_wait_s() == pytest.approx(gaps * (0.011 + 127 * 0.0001))
 
 
+def test_a_long_step_in_flight_that_fills_the_tail_defers_the_next_until_it_has_left_the_window():
+    # Two decodes, and a long step in flight over both: its two slow gaps and the next step's two are over the 3 the
+    # 60-gap window holds, though the next alone would fit. The next long step comes once the step in flight has
+    # slid out of the window: 60 fast gaps, 30 free steps of two decodes (not "never").
+    b = tail_batcher()
+    b.budget.num_decodes, b.budget.inflight_slow = 2, 2
+    assert b.budget.tail.gaps_until_affordable(4) == -1 and b.budget.tail.gaps_until_affordable(2) == 0
+    assert b.budget.long_step_wait_s() == pytest.approx(30 * b.budget.free_step(2)[1])
+
+
 def test_the_load_snapshot_leaves_the_step_in_flight_out_of_the_queue_and_says_when_a_long_step_is_affordable():
     b = tail_batcher()
     b.add_request(spec("p", prompt_len=1000, max_tokens=4, first=500, arrival=0.05), 0.05)

@@ -324,7 +324,7 @@ def servable_prompt_budget(spec: ModelSpec, gpu: GpuSpec, tp: int, ttft_ms: floa
 
 
 def _instances(model: str, prefix: str, layout: tuple[int, int, int, int], first_gpu: int,
-               budget: Callable[[int], int] = lambda tp: 2048) -> list[InstanceConfig]:
+               budget: Callable[[int], int]) -> list[InstanceConfig]:
     """The instances of one model's layout from `first_gpu` on; `budget(tp)`: a colocated instance's step budget
     (a decode instance keeps 2,048: its prompts arrive prefilled)."""
     tp, num_prefill, n, prefill_tp = layout
