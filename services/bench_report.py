@@ -188,10 +188,10 @@ def placement_lines(pr: ProfileResults, settings: Settings) -> list[str]:
              f"{label.get(BEST_DISAGGREGATED, '-')}."]
     if pr.choice:
         c = pr.choice
-        lines += [f"octoserve's capacity probes and 0.25-1x roofline rows ran on the SLO-capacity winner "
+        lines += [f"octoserve's capacity probes and 0.25-1x roofline rows ran on the per-model SLO-capacity winner "
                   f"({c.by_capacity}); its overload rows (1.5x roofline, peak, bursty, seed-003) on the goodput "
                   f"winner ({c.by_goodput}). The planner's simulated candidates:", "", *_banner(settings),
-                  "| candidate | SLO capacity req/s (per seed min / median / max) | goodput at 300 req/s |",
+                  "| candidate | per-model SLO capacity req/s (per seed min / median / max) | goodput at 300 req/s |",
                   "|---|---:|---:|"]
         for label, (cap, goodput) in c.evaluated.items():
             lo, med, hi = c.capacity_spread[label]

@@ -6,7 +6,8 @@ for every cost profile (`--cost-profiles`, default both `default` and `pessimist
 conclusions survive pessimistic constants:
 1. Placements: the static split (the embedded default config), the planner's best fully disaggregated placement
    (DistServe's), and the planner's two recommendations for octoserve: its top analytic candidates simulated under
-   octoserve's policies and ranked by SLO capacity (bisection) and by steady-state goodput at the 300 req/s peak.
+   octoserve's policies and ranked by per-model SLO capacity (bisection) and by steady-state goodput at the 300 req/s
+   peak.
    octoserve (and its ablations) use the capacity winner for the capacity probes and the 0.25-1x roofline rows,
    and the goodput winner for the overload rows (1.5x roofline, peak, bursty, seed-003).
 2. The matrix: every policy of `octoserve.services.baselines.BASELINES` on seed-000 at 0.25 / 0.5 / 1.0 / 1.5 x the roofline
@@ -370,7 +371,8 @@ class PlacementChoice:
     by_goodput: str
 
 
-PER_MODEL = "per-model"  # the second element of a per-model capacity search's key: (policy, PER_MODEL)
+# The last element of a per-model capacity search's key: (policy, PER_MODEL), or (policy, label, PER_MODEL)
+PER_MODEL = "per-model"
 
 
 def _probe(rate: float, rows: Sequence[Row], per_model: bool) -> Probe:
@@ -384,9 +386,9 @@ def _probe(rate: float, rows: Sequence[Row], per_model: bool) -> Probe:
 def capacity_run_step(configs: dict, settings: Settings, cost_profile: str, seeds: Sequence[int], window: Workload,
                       log: Callable[[str], None], rows_out: dict | None = None):
     """A `bisect_capacity` run_step: every asked (key, rate) under every seed, in the pool; keys index `configs`
-    (a key is a policy or a (kind, label) pair; its first element, or itself, names the policy). A key
-    (policy, PER_MODEL) is judged by the per-model criterion (`Row.passes_per_model`, attainment of offered of its
-    worst model); asks for the same config and rate share their runs."""
+    (a key is a policy or a tuple whose first element names the policy). A tuple key ending in PER_MODEL is judged
+    by the per-model criterion (`Row.passes_per_model`, attainment of offered of its worst model); asks for the same
+    config and rate share their runs."""
 
     def run_step(asks):
         runs: dict = {}  # (id of the config, rate) -> index of its first job
@@ -403,7 +405,7 @@ def capacity_run_step(configs: dict, settings: Settings, cost_profile: str, seed
         for key, rate in asks:
             first = runs[(id(configs[key]), rate)]
             rows = [r.row for r in results[first:first + len(seeds)]]
-            out[(key, rate)] = _probe(rate, rows, isinstance(key, tuple) and key[1:] == (PER_MODEL,))
+            out[(key, rate)] = _probe(rate, rows, isinstance(key, tuple) and key[-1] == PER_MODEL)
             if rows_out is not None:
                 rows_out[(key, rate)] = tuple(rows)
         return out
@@ -413,12 +415,14 @@ def capacity_run_step(configs: dict, settings: Settings, cost_profile: str, seed
 
 def choose_planner_placements(settings: Settings, cost_profile: str, ranked, roofline_rps: float,
                               log: Callable[[str], None]) -> tuple[PlacementChoice, dict]:
-    """Simulate the top analytic candidates under octoserve: goodput at the peak and SLO capacity by bisection."""
+    """Simulate the top analytic candidates under octoserve: goodput at the peak and per-model SLO capacity by
+    bisection (the suite's headline criterion, as `plan` ranks them)."""
     top = [p for p, _ in ranked[: settings.planner_top]]
-    configs = {("octoserve", p.label): with_cost_profile(configure(BASELINES["octoserve"], p.config), cost_profile)
+    configs = {("octoserve", p.label, PER_MODEL): with_cost_profile(configure(BASELINES["octoserve"], p.config),
+                                                                     cost_profile)
                for p in top}
     log(f"{cost_profile}: placement search over the planner's top {len(top)}: goodput at {PEAK_RPS:g} req/s and "
-        f"SLO capacity ({settings.planner_capacity_seeds} seeds x {settings.planner_capacity_steps} steps)")
+        f"per-model SLO capacity ({settings.planner_capacity_seeds} seeds x {settings.planner_capacity_steps} steps)")
     peak = Workload("placement search peak", "seed-000", PEAK_RPS, settings.duration_s, settings.warmup_s)
     peak_rows = run_logged([Job("octoserve", peak, cfg, settings.seed, settings.drain_s, cost_profile)
                             for cfg in configs.values()], settings, f"{cost_profile}: placement goodput", log)
@@ -430,7 +434,7 @@ def choose_planner_placements(settings: Settings, cost_profile: str, ranked, roo
     evaluated = {key[1]: (searches[key].capacity_rps, r.row.goodput_rps) for key, r in zip(configs, peak_rows)}
     _, _, rec = rank_by_both(evaluated)
     for label, (cap, goodput) in evaluated.items():
-        log(f"  SLO capacity {cap:6.1f} req/s, goodput at the peak {goodput:6.1f} req/s  {label}")
+        log(f"  per-model SLO capacity {cap:6.1f} req/s, goodput at the peak {goodput:6.1f} req/s  {label}")
     choice = PlacementChoice(evaluated, {k[1]: s.spread() for k, s in searches.items()}, rec.by_capacity,
                              rec.by_goodput)
     by_label = {p.label: p.config for p in top}

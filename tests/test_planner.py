@@ -267,3 +267,20 @@ def test_ranking_by_capacity_and_by_goodput_can_disagree():
     assert rec == Recommendation(by_capacity="split-b", by_goodput="broken")
     # every capacity 0 (nothing passes): the capacity ranking falls back to goodput, then to the label
     assert rank_by_both({"b": (0.0, 70.0), "a": (0.0, 70.0), "c": (0.0, 80.0)})[0] == ["c", "a", "b"]
+
+
+def test_placements_are_ranked_by_the_per_model_criterion_so_the_8bs_volume_cannot_hide_the_70b():
+    from types import SimpleNamespace as NS
+
+    from octoserve.services.metrics import passes_capacity
+    from octoserve.services.sim.capacity import passes_per_model
+
+    good_70b, missing_70b = NS(attainment_offered=0.93, fleet_slo_met=True), NS(attainment_offered=0.66,
+                                                                                 fleet_slo_met=True)
+    good_8b, slow_8b = NS(attainment_offered=0.99, fleet_slo_met=True), NS(attainment_offered=0.97, fleet_slo_met=False)
+    # Pooled, three 8B requests for each 70B one: 0.25 x 0.66 + 0.75 x 0.99 = 0.91 of offered good, a pass.
+    pooled = NS(attainment_offered=0.25 * 0.66 + 0.75 * 0.99, fleet_slo_met=True)
+    assert passes_capacity(pooled)
+    assert passes_per_model(NS(overall=pooled, per_model=(missing_70b, good_8b))) == (False, 0.66)
+    assert passes_per_model(NS(per_model=(good_70b, good_8b))) == (True, 0.93)
+    assert passes_per_model(NS(per_model=(good_70b, slow_8b))) == (False, 0.93)  # its own ITL P95 missed

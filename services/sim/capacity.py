@@ -3,7 +3,8 @@
 Definitions (docs/BENCHMARKS_METHOD.md):
 - a run *passes* at a rate when >= 90 % of its OFFERED requests are good under DistServe's per-request definition
   (refused = miss) AND the seed's literal fleet SLO holds: TTFT P95 over admitted < the TTFT SLO and pooled
-  per-token ITL P95 < the ITL SLO (`passes`);
+  per-token ITL P95 < the ITL SLO (`passes`); *per model* (`passes_per_model`, the criterion placements are ranked
+  by): every model's own requests pass against that model's own SLOs, so the 8B's volume cannot hide the 70B;
 - a probe is one rate run under N seeds (the seed changes the trace); it passes when a majority of its seeds pass;
 - SLO capacity is the highest probed rate that passes, found by bisection inside a bracket [lo, hi): lo passes
   (or is 0), hi fails (or is the proven ceiling roofline / 0.9, above which 90 % of offered cannot be good).
@@ -33,6 +34,13 @@ def passes(group, slo=None, threshold: float = CAPACITY_ATTAINMENT) -> bool:
     from octoserve.services.metrics import passes_capacity
 
     return passes_capacity(group, threshold)
+
+
+def passes_per_model(summary, threshold: float = CAPACITY_ATTAINMENT) -> tuple[bool, float]:
+    """The per-model criterion on one run's `Summary`: (every model passes `passes` on its own requests, the
+    attainment of offered of its worst model)."""
+    groups = summary.per_model
+    return all(passes(g, threshold=threshold) for g in groups), min(g.attainment_offered for g in groups)
 
 
 def measured_run(config, trace, *, seed: int, drain_s: float, warmup_s: float):
