@@ -18,6 +18,7 @@ import json
 import sys
 from dataclasses import dataclass, replace
 
+from octoserve.services.config import config_file
 from octoserve.services.metrics import SloSpec, Summary, summarize
 from octoserve.services.workload import PROFILES, TraceRequest, generate_trace, scaled
 
@@ -108,7 +109,7 @@ def compare(config_path: str | None, trace: list[TraceRequest], time_scale: floa
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", help="node config YAML (default: the embedded default)")
+    parser.add_argument("--config", type=config_file, help="node config YAML (default: the embedded default)")
     parser.add_argument("--profile", default="seed-000", choices=sorted(PROFILES))
     parser.add_argument("--rate", type=float, default=30.0)
     parser.add_argument("--duration", type=float, default=10.0)

@@ -36,6 +36,7 @@ from typing import Any
 
 import yaml
 
+from octoserve.services.config import config_file
 from octoserve.services.core.placement import InstanceConfig, NodeConfig
 from octoserve.services.core.types import Role
 
@@ -212,7 +213,8 @@ def _shared(services: Mapping[str, Any], values, what: str) -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", default=None, help="node config YAML (default: the embedded default placement)")
+    parser.add_argument("--config", type=config_file, default=None,
+                        help="node config YAML (default: the embedded default placement)")
     parser.add_argument("--out", default=DEFAULT_OUT_PATH, help="where to write the compose file; '-' for stdout")
     parser.add_argument("--check", action="store_true", help="exit 1 when --out differs from the generated file")
 

@@ -29,6 +29,21 @@ def default_config_text(name: str = DEFAULT_CONFIG) -> str:
     return resources.files("octoserve.services").joinpath("configs", name).read_text(encoding="utf-8")
 
 
+def config_file(arg: str) -> str:
+    """The argparse type of a YAML file the user names (`--config`, `--workload`): `arg` when it is a file; else the
+    embedded config of that name, given bare (`node-gang.yaml`, `node-gang`) or as its path in a checkout
+    (`services/configs/node-gang.yaml`), so the commands the docs show work wherever octoserve is installed.
+    Anything else stays as given: reading it is the one-line "no such file" of `octoserve.services.usage`."""
+    given = Path(arg)
+    if given.is_file() or given.parent not in (Path("."), Path("services/configs")):
+        return arg
+    embedded = resources.files("octoserve.services").joinpath("configs")
+    for name in (given.name, f"{given.name}.yaml"):
+        if embedded.joinpath(name).is_file():
+            return str(embedded.joinpath(name))
+    return arg
+
+
 def load_node_config(path: str | Path | None = None) -> NodeConfig:
     text = default_config_text() if path is None else Path(path).read_text(encoding="utf-8")
     return node_config_from_text(text, source=str(path or DEFAULT_CONFIG))

@@ -13,6 +13,7 @@ import asyncio
 import sys
 
 from octoserve.services.agreement import Agreement, cap_outputs
+from octoserve.services.config import config_file
 from octoserve.services.metrics import detect_window, format_summary, summarize
 from octoserve.services.progress import Progress
 from octoserve.services.workload import PROFILES, generate_trace, scaled
@@ -22,7 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from octoserve.services.flags import parse_duration_s
     from octoserve.services.config import add_cost_profile_argument
 
-    parser.add_argument("--config", help="node config YAML (default: the embedded default placement)")
+    parser.add_argument("--config", type=config_file, help="node config YAML (default: the embedded default placement)")
     parser.add_argument("--profile", default="seed-000", choices=sorted(PROFILES), help="built-in workload profile")
     parser.add_argument("--rate", type=float, help="req/s in modelled time (default: the profile's peak)")
     parser.add_argument("--duration", type=parse_duration_s, default=8.0,

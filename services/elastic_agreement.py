@@ -36,6 +36,7 @@ import dataclasses
 import sys
 import time
 
+from octoserve.services.config import config_file
 from octoserve.services.core.balancer import BalancerPolicy
 from octoserve.services.metrics import summarize
 from octoserve.services.workload_day import LARGE, SMALL, day_trace, generate_day, mix_shift_day
@@ -378,7 +379,8 @@ def _rel(live: float, ref: float) -> float:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default=None, help="node config YAML (default: the embedded default)")
+    parser.add_argument("--config", type=config_file, default=None,
+                        help="node config YAML (default: the embedded default)")
     parser.add_argument("--rate", type=float, default=8.0)
     parser.add_argument("--hour-s", type=float, default=1.0)
     parser.add_argument("--time-scale", type=float, default=8.0)

@@ -26,6 +26,7 @@ import urllib.request
 from pathlib import Path
 
 from octoserve.services.agreement import TOLERANCE, Agreement, cap_outputs
+from octoserve.services.config import config_file
 from octoserve.services.metrics import summarize
 from octoserve.services.workload import PROFILES, generate_trace, scaled
 
@@ -116,7 +117,7 @@ def gang_table(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default=DEFAULT_CONFIG)
+    parser.add_argument("--config", type=config_file, default=DEFAULT_CONFIG)
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--profile", default="seed-000", choices=sorted(PROFILES))
     source.add_argument("--workload", help="a workload YAML (its models must be the config's)")

@@ -70,6 +70,7 @@ from typing import Any
 
 import yaml
 
+from octoserve.services.config import config_file
 from octoserve.services.core.placement import InstanceConfig, NodeConfig
 from octoserve.services.core.types import Role
 
@@ -497,7 +498,7 @@ def mtls_from_sections(sections: Mapping[str, Any]) -> bool:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", default=None,
+    parser.add_argument("--config", type=config_file, default=None,
                         help="node config YAML, the placement of every node (default: the embedded default placement)")
     parser.add_argument("--nodes", type=int, default=2, help="number of GPU nodes (pods, one per 8-GPU machine)")
     parser.add_argument("--out", default=DEFAULT_OUT_DIR, help="directory to write the manifests into; '-' for stdout")

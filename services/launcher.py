@@ -26,6 +26,7 @@ from pathlib import Path
 
 from octoserve.http_front.launch import http_front_args, inside_ready_file, inside_router_args, wait_http_healthy
 from octoserve.services import trust
+from octoserve.services.config import config_file
 from octoserve.services.core.types import Role
 from octoserve.services.processes import (
     REPO_ROOT,
@@ -240,7 +241,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from octoserve.services.flags import parse_duration_s
     from octoserve.services.config import add_cost_profile_argument
 
-    parser.add_argument("--config", default=None, help="node config YAML (default: the embedded placement)")
+    parser.add_argument("--config", type=config_file, default=None,
+                        help="node config YAML (default: the embedded placement)")
     parser.add_argument("--time-scale", type=float, default=1.0,
                         help="dilate modelled time by K (sim engine; default 1: real time)")
     parser.add_argument("--engine", choices=("sim", "vllm"), default="sim",

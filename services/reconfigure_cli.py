@@ -21,6 +21,7 @@ from pathlib import Path
 import grpc
 
 from octoserve.services import trust
+from octoserve.services.config import config_file
 from octoserve.services.flags import parse_duration_s
 from octoserve.services.rpc.gen import scheduler_pb2 as s_pb
 from octoserve.services.rpc.gen import scheduler_pb2_grpc as s_grpc
@@ -46,7 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "keeps its running requests")
     parser.add_argument("--drain-only", action="store_true",
                         help="wait for every running request; migrate none to another instance by KV hand-off")
-    parser.add_argument("--config", default=None, help="node config YAML with a tls section (mTLS between services)")
+    parser.add_argument("--config", type=config_file, default=None,
+                        help="node config YAML with a tls section (mTLS between services)")
 
 
 def request_from_args(args: argparse.Namespace) -> s_pb.ReconfigureRequest:

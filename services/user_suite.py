@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from octoserve.services.baselines import BASELINES, MAIN_POLICIES, configure
+from octoserve.services.config import config_file
 from octoserve.services.core.placement import PlacementError
 from octoserve.services.usage import UsageError
 
@@ -26,9 +27,11 @@ COLUMNS = ("cost profile", "policy", "offered", "refused %", "goodput req/s", "a
 def add_user_workload_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("your own workload (instead of the seed matrix; prints a table, writes nothing)")
     one = group.add_mutually_exclusive_group()
-    one.add_argument("--workload", metavar="FILE.yaml", help="a workload profile (format: docs/WORKLOADS.md)")
+    one.add_argument("--workload", type=config_file, metavar="FILE.yaml",
+                     help="a workload profile (format: docs/WORKLOADS.md)")
     one.add_argument("--trace", metavar="FILE.jsonl", help="requests, one JSON object a line (format: docs/WORKLOADS.md)")
-    group.add_argument("--config", help="the placement every policy runs on (default: the embedded one)")
+    group.add_argument("--config", type=config_file,
+                       help="the placement every policy runs on (default: the embedded one)")
     group.add_argument("--only-served", action="store_true", help="drop requests for models the config lacks")
     group.add_argument("--json", dest="user_json", metavar="FILE", help="also write the table's figures here")
 

@@ -41,6 +41,7 @@ from pathlib import Path
 
 import yaml
 
+from octoserve.services.config import config_file
 from octoserve.services.core.types import Priority
 from octoserve.services.flags import check_faults, check_warmup, check_workload_flags
 from octoserve.services.metrics import SloSpec, slo_spec_of
@@ -393,7 +394,8 @@ def add_workload_arguments(parser: argparse.ArgumentParser, default_profile: str
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--profile", default=default_profile, choices=sorted(PROFILES),
                        help=f"built-in workload profile (default {default_profile})")
-    group.add_argument("--workload", metavar="FILE.yaml", help="your own workload profile (format: docs/WORKLOADS.md)")
+    group.add_argument("--workload", type=config_file, metavar="FILE.yaml",
+                       help="your own workload profile (format: docs/WORKLOADS.md)")
     group.add_argument("--trace", metavar="FILE.jsonl", help="your own requests, one JSON object a line (docs/WORKLOADS.md)")
     parser.add_argument("--only-served", action="store_true",
                         help="drop the workload's requests for models the node does not serve (default: refuse to run)")

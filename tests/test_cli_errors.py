@@ -64,3 +64,18 @@ def test_bad_set_override_is_bad_input(tmp_path):
     done = octoserve("simulate", "--set", "ttft_slack=1", cwd=tmp_path)
     assert (done.returncode, done.stderr) == (
         2, "octoserve simulate: error: --set 'ttft_slack=1': use policies.KEY=VALUE or slo.KEY=VALUE\n")
+
+
+def test_a_config_shipped_with_octoserve_is_found_by_name_outside_a_checkout(tmp_path):
+    """tmp_path holds no `services/configs`: the docs' commands resolve to the configs installed with the package."""
+    for given in ("node-gang", "node-gang.yaml", "services/configs/node-gang.yaml"):
+        done = octoserve("simulate", "--config", given, "--duration", "2s", "--warmup", "0", cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+        assert "gang lm-0" in done.stdout  # the gang config's own report line
+    done = octoserve("simulate", "--config", "elsewhere/node-gang.yaml", cwd=tmp_path)
+    assert (done.returncode, done.stderr) == (2, "octoserve simulate: error: elsewhere/node-gang.yaml: no such file\n")
+    workload = ("simulate", "--config", "node-seed003", "--workload", "workload-seed003", "--rate", "20",
+                "--duration", "2s", "--warmup", "0")
+    done = octoserve(*workload, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "dense-180b" in done.stdout

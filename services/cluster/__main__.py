@@ -13,13 +13,15 @@ import sys
 
 from octoserve.services.cluster.picker import ClusterPicker, policy_from_node
 from octoserve.services.cluster.service import PICKER_SERVICE, PickerService
+from octoserve.services.config import config_file
 from octoserve.services.rpc.server import ServiceSpec, run_main, setup_logging
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m octoserve.services.cluster", description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", required=True, help="comma-separated node router addresses, host:port")
-    parser.add_argument("--config", default=None, help="node config YAML (default: the embedded placement)")
+    parser.add_argument("--config", type=config_file, default=None,
+                        help="node config YAML (default: the embedded placement)")
     parser.add_argument("--port", type=int, default=9002)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a Kubernetes pod)")
     parser.add_argument("--metrics-port", type=int, default=0)

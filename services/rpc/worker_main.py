@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import grpc  # noqa: F401  (kept for the worker's own channels)
 
+from octoserve.services.config import config_file
 from octoserve.services.rpc.gen import scheduler_pb2 as s_pb
 from octoserve.services.rpc.gen import scheduler_pb2_grpc as s_grpc
 from octoserve.services.rpc.gen import worker_pb2 as w_pb
@@ -39,7 +40,8 @@ SCHEDULER_CHANNEL_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 100), ("grpc.
 
 def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--instance", required=True, help="instance id from the node config")
-    parser.add_argument("--config", default=None, help="node config YAML (default: the embedded placement)")
+    parser.add_argument("--config", type=config_file, default=None,
+                        help="node config YAML (default: the embedded placement)")
     parser.add_argument("--engine", default="sim", help="sim | vllm | module:callable")
     parser.add_argument("--model", default=None, help="model directory (vllm engine)")
     parser.add_argument("--flippable", action="store_true",

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import grpc
 import prometheus_client as prom
 
+from octoserve.services.config import config_file
 from octoserve.services.core.placement import NodeConfig
 from octoserve.services.core.routing import REFUSAL_REASONS
 from octoserve.services.core.types import EngineLoad
@@ -304,7 +305,7 @@ def scheduler_spec(config: NodeConfig, *, port: int = 0, metrics_port: int | Non
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="scheduler", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default=None)
+    parser.add_argument("--config", type=config_file, default=None)
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (beyond loopback: needs tls)")
     parser.add_argument("--allow-insecure", action="store_true", help="listen beyond loopback without tls anyway")

@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from octoserve.services.config import add_cost_profile_argument, load_with_overrides
+from octoserve.services.config import add_cost_profile_argument, config_file, load_with_overrides
 from octoserve.services.flags import parse_duration_s  # the one duration parser: 90, 90s, 500ms, 2m
 from octoserve.services.metrics import SloSpec, slo_spec_of, summary_to_dict
 from octoserve.services.progress import Progress
@@ -22,7 +22,7 @@ from octoserve.services.workload_io import add_workload_arguments, node_workload
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="node config YAML (default: the embedded default placement)")
+    parser.add_argument("--config", type=config_file, help="node config YAML (default: the embedded default placement)")
     add_workload_arguments(parser)
     parser.add_argument("--rate", type=float, help="arrival rate in req/s (default: the profile's)")
     parser.add_argument("--duration", type=parse_duration_s, help="arrival window, e.g. 60s (default: profile's)")
