@@ -3,6 +3,8 @@
 import dataclasses
 import random
 
+import pytest
+
 from router_fixtures import LM, SM, colocated_config, disagg_config, load, policy, request
 
 from octoserve.services.core import admission as adm
@@ -352,3 +354,48 @@ def test_a_request_placed_again_after_a_fault_meets_the_capacity_checks_only():
     p = policy(colocated_config())
     p.route(request(), full, 0.0, admitted=True)
     assert not p.pressure.under_pressure(SM)
+
+
+def test_a_prefill_instance_dates_its_step_in_flight_so_a_newcomer_is_predicted_behind_it():
+    """A prefill instance protects no ITL, so it prefills whole prompts in long steps (3,000 tokens of the 70B at
+    TP=2: ~0.45 s), and a prompt that arrives meanwhile waits for that step whatever its tier. Its load report dates
+    the step (`busy_until_s`, from the prefill step model) and takes its tokens out of the queue, so admission
+    refuses an INTERACTIVE prompt the step would make late and admits the same prompt once the step nearly ended.
+    Without the step model the report said idle, and such prompts were admitted and missed by up to 300 ms."""
+    from octoserve.services.config import default_config_text, parse_yaml_mapping
+    from octoserve.services.core.batcher import Batcher
+    from octoserve.services.core.instance import LoadReporter, instance_parts, prefill_step_model
+    from octoserve.services.core.placement import node_config_from_dict
+    from octoserve.services.core.routing import RouterPolicy
+    from octoserve.services.core.types import RequestSpec, SamplingParams
+
+    node = node_config_from_dict(parse_yaml_mapping(default_config_text("node-disagg.yaml"), "node-disagg.yaml"))
+    reporters = {}
+    for inst in node.instances_of(LM, (Role.PREFILL, Role.DECODE)):
+        parts = instance_parts(node, inst)
+        reporters[inst.id] = LoadReporter(inst.id, inst.model, Batcher(parts.batcher_config, parts.new_kv(inst)),
+                                          parts.cost_model, None)
+    prefill = reporters["lm-prefill-0"]
+    model = prefill_step_model(prefill.cost, node.instance("lm-prefill-0").max_num_batched_tokens)
+    batch = RequestSpec("long-batch", LM, tuple(range(1000, 4000)), SamplingParams(max_tokens=8), arrival_s=0.0,
+                        priority=Priority.BATCH)
+    prefill.batcher.add_request(batch, 0.0)
+    assert prefill.batcher.schedule(0.0).num_batched_tokens == 3000
+    step_s = model["decode_step_s_by_num_decodes"][0] + 3000 * model["prefill_s_per_token"]
+    assert step_s == pytest.approx(prefill.cost.step_time_s([(3000, 0)]), rel=0.05)  # the cost model's own step
+    assert step_s > 0.4
+    load = prefill.load()
+    assert load.busy_until_s == pytest.approx(step_s) and load.queued_prefill_tokens == 0
+
+    router = RouterPolicy(node, {i.id: node.cost_model(i) for i in node.instances}, random.Random(0))
+    urgent = RequestSpec("urgent", LM, tuple(range(5000, 5300)), SamplingParams(max_tokens=8), arrival_s=0.05,
+                         priority=Priority.INTERACTIVE)
+    loads = {iid: r.load() for iid, r in reporters.items()}
+    refused = router.route(urgent, loads, 0.05)
+    assert isinstance(refused, Refuse) and isinstance(refused.error, Overloaded)
+    later = RequestSpec("later", LM, urgent.prompt_token_ids, SamplingParams(max_tokens=8), arrival_s=step_s - 0.02,
+                        priority=Priority.INTERACTIVE)
+    admitted = router.route(later, loads, step_s - 0.02)
+    assert isinstance(admitted, Route) and admitted.instance_id == "lm-prefill-0"
+    assert admitted.decode_instance_id == "lm-decode-0"
+    assert admitted.predicted_ttft_ms > 20.0  # the step's last 20 ms, then its own 300 tokens

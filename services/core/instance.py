@@ -15,7 +15,7 @@ from octoserve.services.core.cost_model import CostModel
 from octoserve.services.core.kv_cache import KVCacheManager
 from octoserve.services.core.placement import InstanceConfig, NodeConfig, gang_step_floor_s, num_kv_blocks_for
 from octoserve.services.core.slo_sizing import CHUNK_QUANTUM, TAIL_SIZING_BELOW, WIDE_BATCH_AT, size_for_slo
-from octoserve.services.core.types import EngineLoad, StepPlan
+from octoserve.services.core.types import EngineLoad, Role, StepPlan
 
 EOS_TOKEN_ID = 2
 
@@ -84,6 +84,8 @@ def _sizing_fields(node: NodeConfig, instance: InstanceConfig, cost_model: CostM
             max_num_batched_tokens=instance.max_num_batched_tokens, headroom=FREE_STEP_SHARE,
         )
     fields.update(max_num_seqs=sized.max_num_seqs, max_num_batched_tokens=sized.max_num_batched_tokens)
+    if instance.role is Role.PREFILL:
+        fields.update(prefill_step_model(cost_model, instance.max_num_batched_tokens))
     if sized.budget_by_num_decodes:
         fields["budget_by_num_decodes"] = sized.budget_by_num_decodes
     if policies.slack_chunking and sized.decode_step_s_by_num_decodes:
@@ -105,6 +107,20 @@ def _sizing_fields(node: NodeConfig, instance: InstanceConfig, cost_model: CostM
             attn_s_per_pair=cost_model.attn_s_per_pair(),
         )
     return fields
+
+
+def prefill_step_model(cost_model: CostModel, max_num_batched_tokens: int) -> dict:
+    """A prefill instance's step model (`BatcherConfig` fields): a fixed step time plus a time per token, fitted
+    between a full step and a half one (compute-bound, close to linear; the attention over long prompts makes it
+    over-predict mid-size steps a little). It only dates the step in flight: the load report's `busy_until_s`
+    (every newcomer waits for it, whatever its tier, so admission must see a long BATCH chunk running) and the
+    in-flight tokens that leave the queue. It sets no ITL or TPOT target, so no tail budget or slack logic runs.
+    Without it a prefill instance reports itself idle through a 1.4 s step (the 70B at TP=2 under the pessimistic
+    profile, a 8,192-token chunk), and admitted INTERACTIVE requests missed their TTFT SLO by up to 300 ms."""
+    big = max(2 * CHUNK_QUANTUM, max_num_batched_tokens)
+    per_token = (cost_model.step_time_s([(big, 0)]) - cost_model.step_time_s([(big // 2, 0)])) / (big - big // 2)
+    base_s = max(0.0, cost_model.step_time_s([(CHUNK_QUANTUM, 0)]) - CHUNK_QUANTUM * per_token)
+    return dict(decode_step_s_by_num_decodes=(base_s,), prefill_s_per_token=per_token)
 
 
 def gang_duty(node: NodeConfig, instance: InstanceConfig) -> float:
