@@ -5,9 +5,9 @@ Steps, all in the discrete-event simulator (`octoserve.services.sim.driver.run_s
 for every cost profile (`--cost-profiles`, default both `default` and `pessimistic`) so a reader sees which
 conclusions survive pessimistic constants:
 1. Placements: the static split (the embedded default config), the planner's best fully disaggregated placement
-   (DistServe's), and the planner's two recommendations for octoserve: its top analytic candidates simulated under
-   octoserve's policies and ranked by per-model SLO capacity (bisection) and by steady-state goodput at the 300 req/s
-   peak.
+   (DistServe's), and the planner's two recommendations for octoserve: its top analytic candidates and the default
+   config simulated under octoserve's policies and ranked by per-model SLO capacity (bisection) and by steady-state
+   goodput at the 300 req/s peak.
    octoserve (and its ablations) use the capacity winner for the capacity probes and the 0.25-1x roofline rows,
    and the goodput winner for the overload rows (1.5x roofline, peak, bursty, seed-003).
 2. The matrix: every policy of `octoserve.services.baselines.BASELINES` on seed-000 at 0.25 / 0.5 / 1.0 / 1.5 x the roofline
@@ -414,14 +414,21 @@ def capacity_run_step(configs: dict, settings: Settings, cost_profile: str, seed
 
 
 def choose_planner_placements(settings: Settings, cost_profile: str, ranked, roofline_rps: float,
-                              log: Callable[[str], None]) -> tuple[PlacementChoice, dict]:
-    """Simulate the top analytic candidates under octoserve: goodput at the peak and per-model SLO capacity by
-    bisection (the suite's headline criterion, as `plan` ranks them)."""
-    top = [p for p, _ in ranked[: settings.planner_top]]
-    configs = {("octoserve", p.label, PER_MODEL): with_cost_profile(configure(BASELINES["octoserve"], p.config),
-                                                                     cost_profile)
-               for p in top}
-    log(f"{cost_profile}: placement search over the planner's top {len(top)}: goodput at {PEAK_RPS:g} req/s and "
+                              log: Callable[[str], None],
+                              configured: tuple[str, NodeConfig] | None = None) -> tuple[PlacementChoice, dict]:
+    """Simulate the top analytic candidates under octoserve, and the `configured` placement (label, config) beside
+    them: goodput at the peak and per-model SLO capacity by bisection (the suite's headline criterion, as `plan`
+    ranks them). The configured placement is always a candidate because the analytic estimate can rank it below
+    placements that serve less: under the pessimistic constants it put two placements with a TP=2 70B prefill
+    instance first, and the default placement's goodput at the peak is nearly twice theirs."""
+    top = [(p.label, p.config) for p, _ in ranked[: settings.planner_top]]
+    if configured is not None:
+        top.append(configured)
+    configs = {("octoserve", label, PER_MODEL): with_cost_profile(configure(BASELINES["octoserve"], config),
+                                                                   cost_profile)
+               for label, config in top}
+    log(f"{cost_profile}: placement search over the planner's top {settings.planner_top}"
+        f"{' and the configured placement' if configured is not None else ''}: goodput at {PEAK_RPS:g} req/s and "
         f"per-model SLO capacity ({settings.planner_capacity_seeds} seeds x {settings.planner_capacity_steps} steps)")
     peak = Workload("placement search peak", "seed-000", PEAK_RPS, settings.duration_s, settings.warmup_s)
     peak_rows = run_logged([Job("octoserve", peak, cfg, settings.seed, settings.drain_s, cost_profile)
@@ -437,7 +444,7 @@ def choose_planner_placements(settings: Settings, cost_profile: str, ranked, roo
         log(f"  per-model SLO capacity {cap:6.1f} req/s, goodput at the peak {goodput:6.1f} req/s  {label}")
     choice = PlacementChoice(evaluated, {k[1]: s.spread() for k, s in searches.items()}, rec.by_capacity,
                              rec.by_goodput)
-    by_label = {p.label: p.config for p in top}
+    by_label = dict(top)
     return choice, {PLANNER_CAPACITY: (rec.by_capacity, by_label[rec.by_capacity]),
                     PLANNER_GOODPUT: (rec.by_goodput, by_label[rec.by_goodput])}
 
@@ -566,7 +573,8 @@ def run_profile(settings: Settings, cost_profile: str, log: Callable[[str], None
                   GANG: ("gang config: " + _label_of(gang), gang)}
     choice = None
     if any(BASELINES[p].placement == PLANNER for p in settings.policies):
-        choice, planner_placements = choose_planner_placements(settings, cost_profile, ranked, roofline, log)
+        choice, planner_placements = choose_planner_placements(settings, cost_profile, ranked, roofline, log,
+                                                               placements[STATIC_SPLIT])
         placements.update(planner_placements)
     loads = workloads(settings, roofline)
 

@@ -284,3 +284,27 @@ def test_placements_are_ranked_by_the_per_model_criterion_so_the_8bs_volume_cann
     assert passes_per_model(NS(overall=pooled, per_model=(missing_70b, good_8b))) == (False, 0.66)
     assert passes_per_model(NS(per_model=(good_70b, good_8b))) == (True, 0.93)
     assert passes_per_model(NS(per_model=(good_70b, slow_8b))) == (False, 0.93)  # its own ITL P95 missed
+
+
+def test_plan_simulates_the_configured_placement_beside_the_top_n_when_it_is_not_among_them(capsys, tmp_path):
+    import json
+
+    from octoserve.services.config import load_node_config
+
+    assert planner.placement_label(load_node_config(None)) == ("llama-3-70b TP4 x1 colocated | "
+                                                               "llama-3-8b TP1 x4 colocated")
+    out_json = tmp_path / "plan.json"
+    args = ["--config", "services/configs/node-disagg.yaml", "--top", "1", "--rate", "150", "--duration", "8",
+            "--warmup", "3", "--capacity-steps", "0", "--json", str(out_json)]
+    assert _plan(args) == 0
+    doc = json.loads(out_json.read_text())
+    top_label = doc["analytic_ranking"][0]["label"]
+    configured = "configured: llama-3-70b 1P TP2 + 1D TP4 | llama-3-8b TP1 x2 colocated"
+    assert sorted(doc["simulated"]) == sorted([top_label, configured])
+    assert all(v["goodput_rps"] > 0 for v in doc["simulated"].values())
+    # The default config's layout is the analytic first: simulated once, as the candidate.
+    args = ["--top", "1", "--rate", "150", "--duration", "8", "--warmup", "3", "--capacity-steps", "0",
+            "--json", str(out_json)]
+    assert _plan(args) == 0
+    assert list(json.loads(out_json.read_text())["simulated"]) == [
+        "llama-3-70b TP4 x1 colocated | llama-3-8b TP1 x4 colocated"]

@@ -351,6 +351,19 @@ def _label(model: str, layout: tuple[int, int, int, int]) -> str:
     return f"{model} {p}P TP{prefill_tp} + {n}D TP{tp}"
 
 
+def placement_label(config: NodeConfig) -> str:
+    """A config's placement in `candidate_placements`' labels (the larger model first), so a configured placement
+    can be told from, or matched with, a candidate."""
+    parts = []
+    for model in sorted(config.models, key=lambda m: (-config.models[m].num_params, m)):
+        prefill = config.instances_of(model, (Role.PREFILL,))
+        rest = [i for i in config.instances_of(model) if i.role is not Role.PREFILL]
+        if not rest:
+            continue
+        parts.append(_label(model, (rest[0].tp, len(prefill), len(rest), prefill[0].tp if prefill else rest[0].tp)))
+    return " | ".join(parts)
+
+
 def candidate_placements(
     gpu: GpuSpec, models: Mapping[str, ModelSpec], num_gpus: int = 8, *, slo: SloConfig = SloConfig(),
     policies: PolicyConfig = PolicyConfig(), cost_profile: str = "default",

@@ -201,12 +201,12 @@ def _check_configured(config, profile, mix, roofline, args, runs: _Runs) -> dict
     return {"goodput_rps": o.goodput_rps, "upper_bound_rps": bound, "check": line}
 
 
-def _simulate(ranked, profile, mix, roofline, args, runs: _Runs) -> dict:
-    """label -> figures of the top N candidates: goodput at the offered rate and SLO capacity by bisection."""
+def _simulate(top, profile, mix, roofline, args, runs: _Runs) -> dict:
+    """label -> figures of the candidates `top` ((placement, estimate) pairs): goodput at the offered rate and
+    per-model SLO capacity by bisection."""
     from octoserve.services.sim.capacity import (CAPACITY_ATTAINMENT, Probe, bisect_capacity, passes_per_model,
                                                  start_search)
 
-    top = ranked[: args.top]
     configs = {p.label: p.config for p, _ in top}
     seeds = [args.seed + k for k in range(args.capacity_seeds)]
     out = {}
@@ -291,9 +291,15 @@ def run(args: argparse.Namespace) -> int:
     _print_ranking(ranked, max(args.top * 2, 8))
     check, simulated = None, None
     if args.top > 0:
-        runs = _Runs(1 + min(args.top, len(ranked)) * (1 + args.capacity_steps * args.capacity_seeds))
+        # The configured placement is simulated beside the top N (when its layout is not among them): the estimate
+        # ranks cheaply and can put it below placements that serve less.
+        top = ranked[: args.top]
+        label = planner.placement_label(config)
+        if all(p.label != label for p, _ in top):
+            top = [*top, (planner.Placement(f"configured: {label}", config), current)]
+        runs = _Runs(1 + len(top) * (1 + args.capacity_steps * args.capacity_seeds))
         check = _check_configured(config, profile, mix, bound, args, runs)
-        simulated = _simulate(ranked, profile, mix, bound, args, runs)
+        simulated = _simulate(top, profile, mix, bound, args, runs)
         recommendations = _print_recommendations(simulated, mix.rate_rps)
     else:
         recommendations = [_analytic_recommendation(ranked)]
