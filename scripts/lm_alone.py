@@ -6,7 +6,7 @@ instances feeding a TP=4 decode instance. Each serves the 70B requests of the se
 placement (the 70B at TP=4 beside four 8B replicas) serves the whole mix at four times the 70B rate (the 70B is a
 quarter of seed-000's requests), and only its 70B requests are judged here. Every arm runs octoserve's policies,
 at every 70B rate of `--rates`, under both cost profiles, over `--seeds` seeds (`--duration` s of arrivals, the
-first `--warmup` excluded, +30 s drain).
+first `--warmup` excluded, +120 s drain, so every admitted request finishes).
 
 A cell is the 70B's offered requests meeting both SLOs, % (median seed), with `*` where its TTFT P95 or ITL P95
 is outside its SLO; the 70B's SLO capacity on the grid is the highest rate where the median seed has >= 90 %
@@ -51,6 +51,7 @@ def node_for(arm: str, profile: str):
 
 def run_one(job: tuple[str, str, float, int, float, float]) -> tuple[tuple, float, bool]:
     profile, arm, lm_rate, seed, duration_s, warmup_s = job
+    from octoserve.services.sim.capacity import DRAIN_S
     from octoserve.services.sim.driver import run_simulation
     from octoserve.services.workload import PROFILES as WORKLOADS
     from octoserve.services.workload import generate_trace, scaled
@@ -59,7 +60,7 @@ def run_one(job: tuple[str, str, float, int, float, float]) -> tuple[tuple, floa
     trace = generate_trace(scaled(WORKLOADS["seed-000"], rate_rps=lm_rate / LM_SHARE, duration_s=duration_s), seed)
     if arm != DEFAULT_ARM:
         trace = [t for t in trace if t.model == LM]
-    summary = run_simulation(node, trace, seed=seed, drain_s=30.0, warmup_s=warmup_s).summary
+    summary = run_simulation(node, trace, seed=seed, drain_s=DRAIN_S, warmup_s=warmup_s).summary
     g = next(g for g in summary.per_model if g.name == LM)
     return job, g.attainment_offered, g.fleet_slo_met
 

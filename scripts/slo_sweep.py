@@ -4,8 +4,9 @@ Every policy serves the same seed-000 traces: vLLM's defaults (`vllm-default`), 
 (`sarathi`) and octoserve on the embedded default placement (the 70B at TP=4 beside four 8B replicas), DistServe
 (`distserve`) on the planner's best placement with every model split into prefill and decode instances, each at
 every rate of `--rates`, under both cost profiles, over `--seeds` seeds. Each run is `--duration` seconds of
-arrivals with the first `--warmup` excluded (+30 s drain). Each model is judged against its own SLOs: a request
-is good when its TTFT and TPOT are within them, a refused request is a miss. A model's row also says whether its
+arrivals with the first `--warmup` excluded (+120 s drain, so every admitted request finishes). Each model is
+judged against its own SLOs: a request is good when its TTFT and TPOT are within them, a refused request is a
+miss. A model's row also says whether its
 TTFT P95 and ITL P95 (pooled over its gaps) are inside its SLOs.
 
 Per-model SLO capacity on the grid: the highest swept rate at which, on the median seed, every model has >= 90 %
@@ -52,6 +53,7 @@ def run_one(job: tuple[str, str, float, int, float, float]) -> tuple[tuple, dict
     from octoserve.services import baselines
     from octoserve.services.config import load_node_config
     from octoserve.services.metrics import passes_capacity
+    from octoserve.services.sim.capacity import DRAIN_S
     from octoserve.services.sim.driver import run_simulation
     from octoserve.services.workload import PROFILES as WORKLOADS
     from octoserve.services.workload import generate_trace, scaled
@@ -61,7 +63,7 @@ def run_one(job: tuple[str, str, float, int, float, float]) -> tuple[tuple, dict
         node = disaggregated_placement(profile)
     config = baselines.configure(dataclasses.replace(baselines.BASELINES[policy], placement="static"), node)
     trace = generate_trace(scaled(WORKLOADS["seed-000"], rate_rps=rate, duration_s=duration_s), seed)
-    summary = run_simulation(config, trace, seed=seed, warmup_s=warmup_s, drain_s=30.0).summary
+    summary = run_simulation(config, trace, seed=seed, warmup_s=warmup_s, drain_s=DRAIN_S).summary
     cells = {g.name: Cell(g.attainment_offered, g.goodput_rps, g.refused_fraction, g.ttft.p95_ms, g.itl.p95_ms,
                           g.fleet_slo_met) for g in summary.per_model}
     return job, cells, passes_capacity(summary.overall, THRESHOLD)

@@ -52,6 +52,7 @@ from octoserve.services.core.placement import NodeConfig
 from octoserve.services.core.types import Role
 from octoserve.services.sim.capacity import (
     CAPACITY_ATTAINMENT,
+    DRAIN_S,
     Probe,
     bisect_capacity,
     measured_run,
@@ -77,7 +78,7 @@ class Settings:
     # windows", has the measurement and the slow drift after it); 20 s of warm-up leaves a 40 s window.
     duration_s: float = 60.0  # arrival window of each seed-000 run
     warmup_s: float = 20.0  # arrivals before this are excluded from the metrics
-    drain_s: float = 30.0  # admitted work finishes within it (4x the ~400-token mean output at 30 ms/token)
+    drain_s: float = DRAIN_S  # every admitted request finishes within it (capacity.DRAIN_S)
     # seed-003 takes 1-2 s of wall per simulated second at 625 req/s; MSER-5 on its occupancy puts the warm-up at
     # ~10 s (its long BATCH prompts fill the batch slowly): 30 s with the first 10 s excluded.
     seed003_duration_s: float = 30.0
