@@ -287,9 +287,10 @@ def policy_section(results: SuiteResults, settings: Settings) -> str:
 
 DISCUSSION = """\
 Reading the headline (the figures are in the tables above; this says only what the mechanisms are):
-- **SLO capacity** is set by the 70B's share: it runs at TP=4 beside four 8B replicas, and a step that keeps the
-  30 ms ITL carries only a small prefill chunk, so long 70B prompts miss the TTFT however idle the node is. Refused
-  requests count as misses, so refusing 70B requests cannot raise the capacity; only faster 70B prefill can.
+- **SLO capacity** is set by the 70B's share: it runs at TP=4 beside four 8B replicas, so its one instance bounds
+  the 70B's throughput (~3 req/s of its requests), and a prompt of more than ~2,900 tokens (~2,400 pessimistic)
+  misses the TTFT however idle the node is. Refused requests count as misses, so refusing 70B requests cannot raise
+  the capacity; only a faster 70B can ("What would lift the SLO capacity").
 - **Two SLO definitions** are checked at once: DistServe's per-request one (TTFT and mean TPOT per request, >= 90 %
   of offered) and the seed's fleet one (TTFT P95 and pooled per-token ITL P95). A policy with large mixed steps
   (vllm-default's 8,192-token budget) can pass the first at low load while its pooled ITL P95 breaks the second.
