@@ -450,20 +450,6 @@ def choose_planner_placements(settings: Settings, cost_profile: str, ranked, roo
                     PLANNER_GOODPUT: (rec.by_goodput, by_label[rec.by_goodput])}
 
 
-def _label_of(config: NodeConfig) -> str:
-    parts = []
-    for model in sorted(config.models, key=lambda m: -config.models[m].num_params):
-        insts = config.instances_of(model)
-        roles = {i.role for i in insts}
-        tp = insts[0].tp
-        if Role.PREFILL in roles:
-            parts.append(f"{model} TP{tp} {len(config.instances_of(model, (Role.PREFILL,)))}P+"
-                         f"{len(config.instances_of(model, (Role.DECODE,)))}D")
-        else:
-            parts.append(f"{model} TP{tp} x{len(insts)} colocated")
-    return " | ".join(parts)
-
-
 def placement_kind(policy: str, workload: Workload) -> str:
     """Which placement a policy runs a workload on: octoserve's planner placement depends on the load."""
     kind = BASELINES[policy].placement
@@ -569,9 +555,9 @@ def run_profile(settings: Settings, cost_profile: str, log: Callable[[str], None
     ranked = ranked_placements(static)
     disagg = best_disaggregated(ranked)
     gang = with_cost_profile(load_node_config_text("node-gang.yaml"), cost_profile)
-    placements = {STATIC_SPLIT: ("default config: " + _label_of(static), static),
+    placements = {STATIC_SPLIT: ("default config: " + planner.placement_label(static), static),
                   BEST_DISAGGREGATED: (disagg[0].label, disagg[0].config),
-                  GANG: ("gang config: " + _label_of(gang), gang)}
+                  GANG: ("gang config: " + planner.placement_label(gang), gang)}
     choice = None
     if any(BASELINES[p].placement == PLANNER for p in settings.policies):
         choice, planner_placements = choose_planner_placements(settings, cost_profile, ranked, roofline, log,
