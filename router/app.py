@@ -88,7 +88,7 @@ def router_spec(
 
         client = WorkerClient(WorkerEndpoint(inst.id, address, inst.role is not Role.PREFILL), servicer.session_id,
                               servicer.on_delta, on_down, policy.on_kv_events, policy.forget_instance,
-                              load_interval_ms(servicer.settings.time_scale))
+                              load_interval_ms(servicer.settings.time_scale, hung_after_s))
         client.on_resumed = watchdog.resumed
         return client
 

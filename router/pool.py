@@ -50,15 +50,23 @@ CHANNEL_OPTIONS = (
 RECONNECT_BACKOFF_S = (0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
 LOAD_INTERVAL_MS = 10  # modelled ms: the router's view of a worker is at most this old
 MAX_LOAD_INTERVAL_WALL_MS = 250  # a dozen reports within the hang watchdog's default 3 s, however dilated the clock
+REPORTS_PER_HANG_LIMIT = 12  # a worker sends at least this many reports inside the watchdog's silence limit
 
 
-def load_interval_ms(time_scale: float) -> int:
+def load_interval_ms(time_scale: float, hung_after_s: float | None = None) -> int:
     """The wall interval the router asks of a worker's load stream: LOAD_INTERVAL_MS of the modelled clock, so a
     node dilated K times sees each worker as often per modelled step as an undilated one (and its processes do not
-    spend K times the CPU on reports per step), at most MAX_LOAD_INTERVAL_WALL_MS."""
+    spend K times the CPU on reports per step), at most MAX_LOAD_INTERVAL_WALL_MS, and at most a
+    REPORTS_PER_HANG_LIMIT-th of the hang watchdog's `hung_after_s` (a watchdog set tighter than its default must
+    not take a healthy but dilated worker's gap between reports for silence)."""
     if not time_scale > 0:
         raise ValueError(f"time_scale must be > 0, got {time_scale}")
-    return max(1, min(MAX_LOAD_INTERVAL_WALL_MS, round(LOAD_INTERVAL_MS * time_scale)))
+    cap_ms = float(MAX_LOAD_INTERVAL_WALL_MS)
+    if hung_after_s is not None:
+        if not hung_after_s > 0:
+            raise ValueError(f"hung_after_s must be > 0 seconds, got {hung_after_s}")
+        cap_ms = min(cap_ms, hung_after_s * 1000.0 / REPORTS_PER_HANG_LIMIT)
+    return max(1, int(min(cap_ms, round(LOAD_INTERVAL_MS * time_scale))))
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,8 +10,8 @@ import asyncio
 import grpc
 import pytest
 
-from octoserve.router.pool import LOAD_INTERVAL_MS, MAX_LOAD_INTERVAL_WALL_MS, WorkerClient, WorkerEndpoint, \
-    load_interval_ms
+from octoserve.router.pool import LOAD_INTERVAL_MS, MAX_LOAD_INTERVAL_WALL_MS, REPORTS_PER_HANG_LIMIT, WorkerClient, \
+    WorkerEndpoint, load_interval_ms
 from octoserve.router.watchdog import DEFAULT_HUNG_AFTER_S
 from octoserve.services.rpc.gen import worker_pb2 as w_pb
 from octoserve.services.rpc.gen import worker_pb2_grpc as w_grpc
@@ -21,7 +21,18 @@ def test_the_interval_is_ten_modelled_ms_capped_in_wall_time():
     assert LOAD_INTERVAL_MS == 10 and MAX_LOAD_INTERVAL_WALL_MS == 250
     assert [load_interval_ms(k) for k in (1.0, 2.5, 10.0, 20.0, 25.0, 100.0)] == [10, 25, 100, 200, 250, 250]
     assert load_interval_ms(0.01) == 1  # a clock run faster than real time: the worker's own floor applies
-    assert MAX_LOAD_INTERVAL_WALL_MS * 12 <= DEFAULT_HUNG_AFTER_S * 1000
+    assert MAX_LOAD_INTERVAL_WALL_MS * REPORTS_PER_HANG_LIMIT <= DEFAULT_HUNG_AFTER_S * 1000
+
+
+def test_a_tighter_hang_limit_shortens_the_wall_cap():
+    """A dozen reports inside whatever silence limit the router's watchdog is given (`--hung-after-s`)."""
+    assert REPORTS_PER_HANG_LIMIT == 12
+    assert load_interval_ms(20.0, DEFAULT_HUNG_AFTER_S) == load_interval_ms(20.0) == 200
+    assert [load_interval_ms(k, 1.2) for k in (1.0, 10.0, 20.0, 100.0)] == [10, 100, 100, 100]
+    assert load_interval_ms(100.0, 60.0) == MAX_LOAD_INTERVAL_WALL_MS  # a looser limit keeps the wall cap
+    assert load_interval_ms(10.0, 0.006) == 1  # the worker's own floor
+    with pytest.raises(ValueError, match="hung_after_s must be > 0 seconds, got 0.0"):
+        load_interval_ms(10.0, 0.0)
 
 
 @pytest.mark.parametrize("bad", [0.0, -1.0, float("nan")])
