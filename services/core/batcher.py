@@ -306,22 +306,18 @@ class Batcher(BatchBook):
             return 0.0
         decodes, prefills = self._split_running()
         room = cfg.max_num_batched_tokens - len(decodes)
-        tokens, attn_s = 0, 0.0
+        tokens, chunks_s = 0, 0.0
         for r in (*prefills, *self._waiting.head(NEEDS_LONG_SCAN)) if self._waiting else prefills:
             if self._ttft_deadline_s(r) - now <= horizon_s:
                 left = self._tokens_to_first(r)
                 n = min(left, room - tokens)
                 if n <= 0:
                     break
-                # its chunk attends over the prompt's computed context and itself and reads the context's KV, as
-                # `StepBudget.capped_budget` prices it
-                context = len(r.token_ids) - left
-                attn_s += cfg.attn_s_per_pair * n * (context + n / 2.0) + cfg.kv_s_per_context_token * context
+                chunks_s += self.budget.chunk_s(n, len(r.token_ids) - left)
                 tokens += n
         if tokens <= 0:
             return 0.0
-        return (self.budget.working_step_s(len(decodes)) + self.budget.extra_kv_read_s(decodes) + tokens * cfg.prefill_s_per_token
-                + attn_s)
+        return self.budget.working_step_s(len(decodes)) + self.budget.extra_kv_read_s(decodes) + chunks_s
 
     def _ttft_deadline_s(self, req: Request) -> float:
         tier_slo = self.config.tier_ttft_slo_ms.get(req.spec.priority, DEFAULT_TIER_TTFT_SLO_MS[Priority.STANDARD])
@@ -474,14 +470,16 @@ class Batcher(BatchBook):
         room = float(step.budget)
         while self._waiting and step.budget > 0:
             req = self._waiting.peek()
-            fit, cached, left = step.budget, 0, 0
+            fit, cached, left, prefix = step.budget, 0, 0, None
             if self._capped:
-                cached = req.num_computed_tokens or self.kv.find_cached_prefix(req.token_ids)
+                # the prefix lookup is done once, here, and handed to `_admit`
+                prefix = 0 if req.num_computed_tokens else self.kv.find_cached_prefix(req.token_ids)
+                cached = req.num_computed_tokens or prefix
                 left = len(req.token_ids) - cached
                 fit = self.budget.capped_fit(room, cached, left)
                 if fit < 1:
                     return  # not one token of it fits the cap
-            if self._num_active() >= self.config.max_num_seqs or not self._admit(req):
+            if self._num_active() >= self.config.max_num_seqs or not self._admit(req, prefix):
                 victim = tier_victim(self._running, req, self.config.batch_min_share, self.config.max_num_seqs)
                 if victim is None:
                     return  # the head is never overtaken
@@ -494,8 +492,14 @@ class Batcher(BatchBook):
                 room -= self.budget.capped_cost(cached, num_new, left)
             step.add(req, num_new)
 
-    def _admit(self, req: Request) -> bool:
-        cached_tokens = self.kv.find_cached_prefix(req.token_ids) if req.num_computed_tokens == 0 else 0
+    def _admit(self, req: Request, cached_prefix: int | None = None) -> bool:
+        """`cached_prefix`: the cached prefix of a new prompt, when the caller has already looked it up."""
+        if req.num_computed_tokens:
+            cached_tokens = 0
+        elif cached_prefix is not None:
+            cached_tokens = cached_prefix
+        else:
+            cached_tokens = self.kv.find_cached_prefix(req.token_ids)
         ctx = self._reservation_context()
         num_tokens = min(
             self.config.max_model_len,

@@ -306,6 +306,11 @@ class StepBudget:
         cfg = self.config
         return num_tokens * cfg.prefill_s_per_token + cfg.attn_s_per_pair * num_tokens * (context + num_tokens / 2.0)
 
+    def chunk_s(self, num_tokens: int, context: int) -> float:
+        """The step model's time for a chunk of `num_tokens` prompt tokens over `context` computed ones: their
+        prefill (`prefill_left_s`) and one read of the context's KV, as `capped_budget` prices a chunk."""
+        return self.prefill_left_s(num_tokens, context) + self.config.kv_s_per_context_token * context
+
     def capped_prefill_tokens(self, cap_s: float, num_decodes: int = -1) -> int:
         """Prefill tokens a step capped at `cap_s` carries beside `num_decodes` decodes (default: its latest step's)
         (a gang member's shared step, as `schedule(step_cap_s=...)` cuts it; 0 when the decodes alone fill the cap)."""
