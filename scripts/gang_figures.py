@@ -29,7 +29,7 @@ import time
 
 import yaml
 
-from octoserve.services.baselines import BASELINES, configure
+from octoserve.services.lab.baselines import BASELINES, configure
 from octoserve.services.config import default_config_text, load_node_config
 from octoserve.services.core.placement import node_config_from_dict
 from octoserve.services.sim.capacity import passes

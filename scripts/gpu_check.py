@@ -15,7 +15,7 @@ its process group, and the next stage still runs; its status is then "timeout"):
   the median gap between consecutive decode steps' ends (the engine kept busy: host work included); a prefill
   step is the engine core's own elapsed time plus the host gap measured on batch-1 decode. Each is set beside the
   cost model's `step_time_s` under the default constants, then `linear_eff`, `hbm_eff`, `attn_eff` and
-  `step_overhead_s` are fitted (services/calibrate.py, `fit_step_profile`) and written as a profile in the format
+  `step_overhead_s` are fitted (services/lab/calibrate.py, `fit_step_profile`) and written as a profile in the format
   of the other H200 profiles (`{"constants": ..., "meta": ...}`, read by `calibrate.read_profile` and
   `CostModel.from_profile`).
 - bench: `octoserve up --engine vllm` (one colocated worker) against vLLM's own OpenAI server with the same
@@ -199,7 +199,7 @@ def cost_specs(s: Settings):
         return MODEL_PRESETS[s.model], GPU_PRESETS["h200-141gb"], "h200-141gb"
     import yaml
 
-    from octoserve.services.calibrate import tiny_model_spec
+    from octoserve.services.lab.calibrate import tiny_model_spec
 
     gpu = yaml.safe_load(TINY_CONFIG.read_text())["gpu"]
     return tiny_model_spec(), GpuSpec(**gpu), gpu["name"]
@@ -295,7 +295,7 @@ async def _measure_steps(s: Settings, out: Path, say: Progress) -> dict:
 
 def step_samples(raw: dict) -> tuple[list, float]:
     """The measured steps as calibrate.StepSample, and the host gap added to each prefill (see the module doc)."""
-    from octoserve.services.calibrate import StepSample
+    from octoserve.services.lab.calibrate import StepSample
 
     one = min(raw["decode"], key=lambda d: d["batch"])
     host_gap_s = max(0.0, one["period_s"] - one["elapsed_s"])
@@ -309,7 +309,7 @@ def step_samples(raw: dict) -> tuple[list, float]:
 def stage_steps(s: Settings, out: Path, say: Progress) -> dict:
     from dataclasses import replace
 
-    from octoserve.services import calibrate as cal
+    from octoserve.services.lab import calibrate as cal
     from octoserve.services.core.cost_model import DEFAULT_CONSTANTS, CostModel
 
     raw = asyncio.run(_measure_steps(s, out, say))

@@ -50,7 +50,7 @@ class Cell:
 
 def run_one(job: tuple[str, str, float, int, float, float]) -> tuple[tuple, dict[str, Cell], bool]:
     profile, policy, rate, seed, duration_s, warmup_s = job
-    from octoserve.services import baselines
+    from octoserve.services.lab import baselines
     from octoserve.services.config import load_node_config
     from octoserve.services.metrics import passes_capacity
     from octoserve.services.sim.capacity import DRAIN_S
@@ -73,7 +73,7 @@ def run_one(job: tuple[str, str, float, int, float, float]) -> tuple[tuple, dict
 def disaggregated_placement(profile: str):
     """The planner's best placement with every model split into prefill and decode instances (what the suite gives
     DistServe), under `profile`."""
-    from octoserve.services.bench_suite import best_disaggregated, ranked_placements, with_cost_profile
+    from octoserve.services.lab.bench_suite import best_disaggregated, ranked_placements, with_cost_profile
     from octoserve.services.config import load_node_config
 
     return best_disaggregated(ranked_placements(with_cost_profile(load_node_config(), profile)))[0].config

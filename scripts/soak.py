@@ -42,7 +42,7 @@ from pathlib import Path
 
 import grpc
 
-from octoserve.services.agreement import cap_outputs
+from octoserve.services.lab.agreement import cap_outputs
 from octoserve.services.launcher import Node, start_node
 from octoserve.services.processes import wait_healthy
 from octoserve.services.rpc.convert import PRIORITY_TO_PB, SIM_OUTPUT_LEN_KEY

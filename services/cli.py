@@ -13,15 +13,15 @@ import sys
 
 # subcommand -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("octoserve.services.demo", "start the node live, drive it with the seed-000 peak, report live vs simulated"),
+    "demo": ("octoserve.services.lab.demo", "start the node live, drive it with the seed-000 peak, report live vs simulated"),
     "simulate": ("octoserve.services.sim.cli_simulate", "run the node in the discrete-event simulator and report SLO metrics"),
     "elastic-day": ("octoserve.services.sim.cli_elastic_day", "simulate the mix-shift day: best static vs hourly oracle vs the elastic balancer"),
     "plan": ("octoserve.services.sim.cli_plan", "size the node for a workload: roofline bound, verdict, ranked placements"),
     "up": ("octoserve.services.launcher", "start the whole node as separate gRPC services on 127.0.0.1"),
     "bench": ("octoserve.services.loadgen", "drive a running router with an open-loop workload and report SLO metrics"),
-    "bench-suite": ("octoserve.services.bench_command", "run the policy-comparison matrix and write BENCHMARKS.md sections"),
+    "bench-suite": ("octoserve.services.lab.bench_command", "run the policy-comparison matrix and write BENCHMARKS.md sections"),
     "make-test-model": ("octoserve.services.engine.test_model", "build a tiny random-weight Llama with a local tokenizer"),
-    "calibrate": ("octoserve.services.calibrate", "measure step times and write a cost-model profile"),
+    "calibrate": ("octoserve.services.lab.calibrate", "measure step times and write a cost-model profile"),
     "certs": ("octoserve.services.trust", "make a development CA and per-service certificates for mTLS between services"),
     "compose": ("octoserve.services.compose", "write or check docker-compose.yml for a placement"),
     "k8s": ("octoserve.services.k8s", "write or check Kubernetes manifests for a placement and a node count"),

@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from octoserve.services.baselines import (
+from octoserve.services.lab.baselines import (
     BASELINES,
     MAIN_POLICIES,
     PLANNER,

@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from octoserve.services import bench_report as br
-from octoserve.services import bench_suite as bs
-from octoserve.services.baselines import BASELINES, configure
+from octoserve.services.lab import bench_report as br
+from octoserve.services.lab import bench_suite as bs
+from octoserve.services.lab.baselines import BASELINES, configure
 from octoserve.services.core import planner
 from octoserve.services.core.placement import node_config_from_dict
 from octoserve.services.core.types import Role

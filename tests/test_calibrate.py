@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from octoserve.services import calibrate as cal
+from octoserve.services.lab import calibrate as cal
 from octoserve.services.core.cost_model import DEFAULT_CONSTANTS, CostModel
 from octoserve.services.core.specs import GPU_PRESETS, MODEL_PRESETS, GpuSpec
 

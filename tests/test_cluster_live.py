@@ -6,7 +6,7 @@ mid-run). Heavy: 15 processes on a small machine, so low rates and a high time s
 
 import pytest
 
-from octoserve.services.agreement import TOLERANCE
+from octoserve.services.lab.agreement import TOLERANCE
 from octoserve.services.cluster.live import run_agreement, run_kill
 
 # The harness starts nodes and the picker without a run directory: their temp directories go under tmp_path.

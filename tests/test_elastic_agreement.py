@@ -1,4 +1,4 @@
-"""A live model change against the step-level elastic simulator (services/elastic_agreement.py, --model-change).
+"""A live model change against the step-level elastic simulator (services/lab/elastic_agreement.py, --model-change).
 
 The shortened mix-shift day (one hour = 0.5 simulated seconds, 12 s, outputs capped at 32 tokens) on the sim-engine
 node dilated 8x, with no balancer: at hour 8 `Scheduler.Reconfigure` moves two 8B GPUs (sm-2, sm-3) to the 70B as
@@ -8,7 +8,7 @@ same two reconfigurations at the same simulated times. About two minutes.
 
 import pytest
 
-from octoserve.services import elastic_agreement as ea
+from octoserve.services.lab import elastic_agreement as ea
 from octoserve.services.config import default_config_text, node_config_from_text
 from octoserve.services.workload_day import LARGE, SMALL
 

@@ -201,7 +201,7 @@ def test_a_duration_is_plain_seconds_or_a_number_with_s_ms_or_m():
 
 
 # command -> its duration flags; simulate, plan and bench-suite have theirs in services/sim/cli_simulate.py,
-# services/sim/cli_plan.py and services/bench_command.py, which do not use the shared parser yet
+# services/sim/cli_plan.py and services/lab/bench_command.py, which do not use the shared parser yet
 DURATION_FLAGS = {
     "demo": ("--duration",),
     "bench": ("--duration", "--warmup", "--drain-timeout", "--request-timeout"),

@@ -215,7 +215,7 @@ def test_decodes_that_fill_the_cap_leave_no_prefill_while_shared():
 
 @pytest.mark.parametrize("case,cost_profile", [("seed003", "default"), ("seed003", "pessimistic"), ("70b", "default")])
 def test_admitted_requests_keep_the_promise_at_the_seed_003_peak(case, cost_profile):
-    from octoserve.services.gang_bench import config_for, workload
+    from octoserve.services.lab.gang_bench import config_for, workload
     from octoserve.services.sim.driver import run_simulation
     from octoserve.services.workload import generate_trace
 

@@ -12,7 +12,7 @@ against the machine's scheduling noise. Requests go straight to the engines. Che
   its long prompt runs in one step past the SMs' latest start;
 - a stream that does not open with a member's HELLO, or sends a malformed report, is refused; a gang member needs a
   scheduler.
-The process-level agreement with the simulator is `python -m octoserve.services.gang_agreement` (BENCHMARKS.md).
+The process-level agreement with the simulator is `python -m octoserve.services.lab.gang_agreement` (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -234,8 +234,8 @@ def test_a_gang_member_needs_a_scheduler():
 def test_live_gang_node_and_simulator_agree_within_tolerance():
     """The whole time-shared node as processes (scheduler granting every member step, nine workers, router), K = 20,
     against the simulator on the same seed-000 trace: goodput and TTFT / ITL P95 within ±15 %. About three minutes."""
-    from octoserve.services.agreement import TOLERANCE, cap_outputs
-    from octoserve.services.gang_agreement import run
+    from octoserve.services.lab.agreement import TOLERANCE, cap_outputs
+    from octoserve.services.lab.gang_agreement import run
     from octoserve.services.workload import PROFILES, generate_trace, scaled
 
     # 7 modelled seconds (62 requests in the measurement window, 35 refused on both sides; 140 s of arrivals at K = 20):
@@ -257,7 +257,7 @@ def test_live_gang_node_and_simulator_agree_within_tolerance():
 
 @pytest.mark.parametrize("text,problem", [(None, "No such file"), ("traffic: [\n", "is not valid YAML")])
 def test_gang_agreement_names_an_unusable_workload_file(tmp_path, capsys, text, problem):
-    from octoserve.services.gang_agreement import main
+    from octoserve.services.lab.gang_agreement import main
 
     path = tmp_path / "w.yaml"
     if text is not None:

@@ -11,7 +11,7 @@ from octoserve.services.config import default_config_text, parse_yaml_mapping
 from octoserve.services.core.gang import GangArbiter, GangPolicy, MemberView
 from octoserve.services.core.placement import PlacementError, node_config_from_dict
 from octoserve.services.core.specs import GIB, MODEL_PRESETS, activation_reserve_bytes
-from octoserve.services.gang_bench import config_for, workload
+from octoserve.services.lab.gang_bench import config_for, workload
 
 UNBOUNDED = dict(max_lm_wait_ms=1e6, max_sm_stall_ms=2e6)
 
@@ -194,7 +194,7 @@ def test_a_gang_members_duty_is_its_step_share_of_its_own_itl():
 
 
 def _row(rate, lm_pass, sm_pass, policy="gang"):
-    from octoserve.services.gang_bench import ModelRow, RunRow, TierRow
+    from octoserve.services.lab.gang_bench import ModelRow, RunRow, TierRow
 
     def m(name, ok):
         return ModelRow(name, 100, 90, 1.0, 0.97, 0.9, 0.95 if ok else 0.5, 150.0, 40.0, ok)
@@ -204,7 +204,7 @@ def _row(rate, lm_pass, sm_pass, policy="gang"):
 
 
 def test_capacity_is_the_highest_grid_rate_with_every_lower_rate_passing():
-    from octoserve.services.gang_bench import capacity_rps
+    from octoserve.services.lab.gang_bench import capacity_rps
 
     rows = [_row(2.5, True, True), _row(5, True, True), _row(10, False, True), _row(20, True, True),
             _row(40, False, False)]
@@ -215,7 +215,7 @@ def test_capacity_is_the_highest_grid_rate_with_every_lower_rate_passing():
 
 
 def test_the_table_states_each_policys_capacity_goodput_and_starvation():
-    from octoserve.services.gang_bench import Settings, render
+    from octoserve.services.lab.gang_bench import Settings, render
 
     settings = Settings(grid_rps=(2.5, 5.0), cases=("seed003",), cost_profiles=("default",))
     rows = [_row(r, True, r < 5, p) for p in ("gang", "gang-slack", "lm-first", "sm-greedy", "slices")

@@ -129,8 +129,8 @@ def test_each_gang_member_keeps_its_own_kv_pool_from_its_share():
 def test_bench_rows_carry_the_gang_figures():
     import math
 
-    from octoserve.services import bench_suite as bs
-    from octoserve.services.baselines import BASELINES, configure
+    from octoserve.services.lab import bench_suite as bs
+    from octoserve.services.lab.baselines import BASELINES, configure
 
     gang = configure(BASELINES["octoserve-gang"], bs.load_node_config_text("node-gang.yaml"))
     static = configure(BASELINES["vllm-default"], load_node_config(None))

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 from vllm_fixtures import vllm_skip_reason
 
-from octoserve.services.calibrate import read_profile, tiny_model_spec
+from octoserve.services.lab.calibrate import read_profile, tiny_model_spec
 from octoserve.services.core.cost_model import CostModel
 from octoserve.services.core.specs import GpuSpec
 

@@ -7,7 +7,8 @@ is `octoserve.services.core.batcher`), and every import in it counts, module lev
 - the core (`octoserve.services.core`) imports only the core and the SDK: it is the policy, on no clock;
 - the simulator (`octoserve.services.sim`) imports no process of the node (router, workers, HTTP front, scheduler,
   engines, RPC plumbing, launcher, cluster tier) and not the command line's root;
-- the lab (bench suite and report, baselines, harnesses, agreement checks, calibration, demo) is imported by
+- the lab (`octoserve.services.lab`: bench suite and report, baselines, harnesses, agreement checks, calibration,
+  demo; and the cluster tier's live harness and bench) is imported by
   nothing but the lab and the command line's root (`octoserve.services.cli`);
 - no two modules import each other, directly or around a loop;
 - no module is longer than 600 lines without a paragraph in its docstring that says why (`LONG_REASON`).
@@ -32,9 +33,7 @@ PROCESSES = ("octoserve.router", "octoserve.prefill_worker", "octoserve.decode_w
              "octoserve.services.scheduler", "octoserve.services.engine", "octoserve.services.rpc",
              "octoserve.services.cluster", "octoserve.services.launcher", "octoserve.services.processes",
              "octoserve.services.supervisor", "octoserve.services.elastic_launch")
-LAB = tuple(f"octoserve.services.{m}" for m in (
-    "bench_suite", "bench_command", "bench_report", "baselines", "agreement", "elastic_agreement", "gang_agreement", "gang_bench",
-    "calibrate", "demo", "user_suite", "cluster.live", "cluster.bench"))
+LAB = ("octoserve.services.lab", "octoserve.services.cluster.live", "octoserve.services.cluster.bench")
 
 # (importer, imported) -> what it waits for.
 KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {
@@ -178,7 +177,7 @@ def test_the_rules_catch_each_kind_of_import(tmp_path):
     annotations only does not count)."""
     (tmp_path / "pyproject.toml").write_text(
         '[tool.setuptools]\npackages = ["octoserve", "octoserve.services", "octoserve.services.core", '
-        '"octoserve.services.sim", "octoserve.router"]\n'
+        '"octoserve.services.sim", "octoserve.services.lab", "octoserve.router"]\n'
         '[tool.setuptools.package-dir]\noctoserve = "sdk/octoserve"\n"octoserve.services" = "services"\n'
         '"octoserve.router" = "router"\n')
     files = {
@@ -187,14 +186,15 @@ def test_the_rules_catch_each_kind_of_import(tmp_path):
         "services/__init__.py": "",
         "services/core/__init__.py": "",
         "services/core/policy.py": "def f():\n    from octoserve.services import metrics\n",
-        "services/metrics.py": "from . import bench_suite\n",
-        "services/bench_suite.py": "from octoserve.services import metrics\n",
-        "services/cli.py": "from octoserve.services import bench_suite\n",
+        "services/metrics.py": "from .lab import bench_suite\n",
+        "services/lab/__init__.py": "",
+        "services/lab/bench_suite.py": "from octoserve.services import metrics\n",
+        "services/cli.py": "from octoserve.services.lab import bench_suite\n",
         "services/sim/__init__.py": "",
         "services/sim/driver.py": "import octoserve.router.app\nfrom octoserve.services.core.policy import f\n",
         "router/__init__.py": "",
         "router/app.py": ("from typing import TYPE_CHECKING\nfrom octoserve.services.sim import driver\n"
-                          "if TYPE_CHECKING:\n    from octoserve.services import bench_suite\n"),
+                          "if TYPE_CHECKING:\n    from octoserve.services.lab import bench_suite\n"),
     }
     for rel, text in files.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -204,9 +204,9 @@ def test_the_rules_catch_each_kind_of_import(tmp_path):
         ("octoserve.client", "octoserve.services.core.policy"): "the SDK imports the node",
         ("octoserve.services.core.policy", "octoserve.services.metrics"): "the core imports outside the core",
         ("octoserve.services.sim.driver", "octoserve.router.app"): "the simulator imports a process of the node",
-        ("octoserve.services.metrics", "octoserve.services.bench_suite"): "the product imports the lab",
+        ("octoserve.services.metrics", "octoserve.services.lab.bench_suite"): "the product imports the lab",
     }
-    assert set(cycles(graph)) == {frozenset({"octoserve.services.metrics", "octoserve.services.bench_suite"}),
+    assert set(cycles(graph)) == {frozenset({"octoserve.services.metrics", "octoserve.services.lab.bench_suite"}),
                                   frozenset({"octoserve.services.sim.driver", "octoserve.router.app"})}
 
 

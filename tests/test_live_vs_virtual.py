@@ -9,7 +9,7 @@ two side by side.
 
 import pytest
 
-from octoserve.services.agreement import TOLERANCE, cap_outputs, compare
+from octoserve.services.lab.agreement import TOLERANCE, cap_outputs, compare
 from octoserve.services.workload import PROFILES, generate_trace, scaled
 
 # compare() starts the node without a run directory: its temp directory goes under tmp_path.

@@ -5,7 +5,7 @@ goodput, ITL P95, TTFT P95 and the refusals (the seed-000 profile at 5 req/s). T
 
 import pytest
 
-from octoserve.services.agreement import TOLERANCE, cap_outputs, compare
+from octoserve.services.lab.agreement import TOLERANCE, cap_outputs, compare
 from octoserve.services.workload import PROFILES, generate_trace, scaled
 
 # compare() starts the node without a run directory: its temp directory goes under tmp_path.

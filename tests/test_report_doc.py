@@ -10,7 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from octoserve.services import demo, metrics
+from octoserve.services import metrics
+from octoserve.services.lab import demo
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -35,7 +35,7 @@ import grpc
 
 from octoserve.client import AsyncClient
 from octoserve.services import launcher, processes
-from octoserve.services.agreement import Agreement, cap_outputs
+from octoserve.services.lab.agreement import Agreement, cap_outputs
 from octoserve.services.cluster.service import pick_node
 from octoserve.services.loadgen import BenchOptions, send_request
 from octoserve.services.metrics import summarize

@@ -100,7 +100,7 @@ from dataclasses import dataclass, field
 SHAPES = ("interleave", "periodic", "slack", "deadline")
 _DEADLINE_SHAPES = ("slack", "deadline")  # steps capped by the other side's latest start
 # The schedulers seed 003 warns about, as shapes of the same arbiter so they run on the same node and workload
-# (`services/gang_bench.py`). Starving one side is what defines them, so they are run with the bounds out of reach.
+# (`services/lab/gang_bench.py`). Starving one side is what defines them, so they are run with the bounds out of reach.
 BASELINE_SHAPES = ("lm_first", "sm_greedy", "slices")
 _EPS = 1e-9
 # A member stays shared this long after the other side of its group last had work at a decision.

@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from octoserve.services.baselines import BASELINES, MAIN_POLICIES, configure
+from octoserve.services.lab.baselines import BASELINES, MAIN_POLICIES, configure
 from octoserve.services.config import config_file
 from octoserve.services.core.placement import PlacementError
 from octoserve.services.usage import UsageError

@@ -2,7 +2,7 @@
 elastic balancer on in its scheduler, against the elastic simulator (services/sim/elastic_sim.py) in "elastic" mode
 on the same trace with the same balancer policy.
 
-    python -m octoserve.services.elastic_agreement [--rate 8] [--hour-s 1.0] [--time-scale 8] [--max-output 64]
+    python -m octoserve.services.lab.elastic_agreement [--rate 8] [--hour-s 1.0] [--time-scale 8] [--max-output 64]
         [--cost-profile default|pessimistic]
 
 The day (services/workload_day.py, "mix-shift-day") is compressed further: one hour of the day is `--hour-s`
@@ -17,7 +17,7 @@ and the step-level simulator with the start placement and no balancer.
 
 A scripted model change instead of the balancer (`--model-change`):
 
-    python -m octoserve.services.elastic_agreement --model-change [--change-at-h 8] [--back-at-h 20] ...
+    python -m octoserve.services.lab.elastic_agreement --model-change [--change-at-h 8] [--back-at-h 20] ...
 
 The same shortened day on the node without a balancer; at hour `--change-at-h` the scheduler's `Reconfigure` moves
 two 8B GPUs (`sm-2`, `sm-3`) to the 70B as one TP-2 instance, and at hour `--back-at-h` (0: never) that instance goes

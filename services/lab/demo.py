@@ -12,7 +12,7 @@ import argparse
 import asyncio
 import sys
 
-from octoserve.services.agreement import Agreement, cap_outputs
+from octoserve.services.lab.agreement import Agreement, cap_outputs
 from octoserve.services.config import config_file
 from octoserve.services.metrics import detect_window, format_summary, summarize
 from octoserve.services.progress import Progress

@@ -1,5 +1,5 @@
 """The policy-comparison matrix in the simulator, written into BENCHMARKS.md and PNGs (the `octoserve bench-suite`
-command that runs it: services/bench_command.py).
+command that runs it: services/lab/bench_command.py).
 
 Steps, all in the discrete-event simulator (`octoserve.services.sim.driver.run_simulation`), deterministic for a seed, repeated
 for every cost profile (`--cost-profiles`, default both `default` and `pessimistic`) so a reader sees which
@@ -10,14 +10,14 @@ conclusions survive pessimistic constants:
    goodput at the 300 req/s peak.
    octoserve (and its ablations) use the capacity winner for the capacity probes and the 0.25-1x roofline rows,
    and the goodput winner for the overload rows (1.5x roofline, peak, bursty, seed-003).
-2. The matrix: every policy of `octoserve.services.baselines.BASELINES` on seed-000 at 0.25 / 0.5 / 1.0 / 1.5 x the roofline
+2. The matrix: every policy of `octoserve.services.lab.baselines.BASELINES` on seed-000 at 0.25 / 0.5 / 1.0 / 1.5 x the roofline
    capacity and at the 300 req/s peak, a bursty variant (gamma, burstiness 0.25, at 1.0 x roofline) and seed-003
    (a shorter window: its long prompts make it the slowest to simulate; its warm-up is excluded too).
 3. SLO capacity (`octoserve.services.sim.capacity`): per policy, bisection on the seed-000 rate with `capacity_seeds` seeds
    per probe; a run passes when >= 90 % of OFFERED requests are good (DistServe, refused = miss) and the fleet SLO
    (TTFT P95 < SLO, ITL P95 < 30 ms) holds; a probe passes on a majority of seeds; the spread is the capacity per
    seed.
-4. Report (`octoserve.services.bench_report`): tables, headline targets per cost profile, and plots (default cost
+4. Report (`octoserve.services.lab.bench_report`): tables, headline targets per cost profile, and plots (default cost
    profile) under docs/bench/.
 
 Every run is measured in steady state: metrics cover arrivals after `warmup_s` up to the end of the arrival window;
@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from octoserve.services.baselines import (
+from octoserve.services.lab.baselines import (
     BASELINES,
     BEST_DISAGGREGATED,
     GANG,

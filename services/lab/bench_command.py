@@ -1,5 +1,5 @@
-"""`octoserve bench-suite`: its flags and its run, which simulates the matrix (services/bench_suite.py), writes the
-report (services/bench_report.py) and then the seed-003 gang section (services/gang_bench.py). Apart from the suite
+"""`octoserve bench-suite`: its flags and its run, which simulates the matrix (services/lab/bench_suite.py), writes the
+report (services/lab/bench_report.py) and then the seed-003 gang section (services/lab/gang_bench.py). Apart from the suite
 so that the report can read the suite's results without the suite importing its report."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import functools
 import sys
 from pathlib import Path
 
-from octoserve.services.baselines import BASELINES
-from octoserve.services.bench_suite import (
+from octoserve.services.lab.baselines import BASELINES
+from octoserve.services.lab.bench_suite import (
     COST_PROFILES,
     QUICK_BANNER,
     Settings,
@@ -52,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-gang-section", action="store_true",
                         help="skip the section on gang leases on seed 003's node (about half the suite's time)")
     parser.add_argument("--render", help="re-render the report from a --pickle file instead of simulating")
-    from octoserve.services.user_suite import add_user_workload_arguments
+    from octoserve.services.lab.user_suite import add_user_workload_arguments
 
     add_user_workload_arguments(parser)  # --workload / --trace: the comparison on the user's workload instead
 
@@ -81,12 +81,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"unknown cost profiles {bad}; choose from: {', '.join(COST_PROFILES)}", file=sys.stderr)
         return 2
     log = functools.partial(print, file=sys.stderr, flush=True)
-    from octoserve.services.user_suite import run_user_workload, wants_user_workload
+    from octoserve.services.lab.user_suite import run_user_workload, wants_user_workload
 
     if wants_user_workload(args):
         return run_user_workload(args, settings.policies, settings.cost_profiles, args.duration, args.warmup,
                                  settings.drain_s, settings.seed)
-    from octoserve.services.bench_report import write_report
+    from octoserve.services.lab.bench_report import write_report
 
     if args.render:
         import pickle
@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     results = run_suite(settings, log, Progress)
     write_report(results, settings, Path(args.output), Path(args.plots))
     if not args.no_gang_section:
-        from octoserve.services.gang_bench import run_section
+        from octoserve.services.lab.gang_bench import run_section
 
         run_section(Path(args.output), settings.cost_profiles, settings.workers, settings.quick, log)  # its own
     if args.pickle:

@@ -1,7 +1,7 @@
-"""The time-shared (gang) node, live against virtual: the agreement check of services/agreement.py plus the gang
+"""The time-shared (gang) node, live against virtual: the agreement check of services/lab/agreement.py plus the gang
 figures of both sides and the live control-loop latency.
 
-    python -m octoserve.services.gang_agreement [--config services/configs/node-gang.yaml]
+    python -m octoserve.services.lab.gang_agreement [--config services/configs/node-gang.yaml]
         [--profile seed-000 | --workload W.yaml] [--rate 10] [--duration 6] [--time-scale 10]
         [--cost-profile default|pessimistic] [--json F]
 
@@ -25,12 +25,12 @@ import tempfile
 import urllib.request
 from pathlib import Path
 
-from octoserve.services.agreement import TOLERANCE, Agreement, cap_outputs
+from octoserve.services.lab.agreement import TOLERANCE, Agreement, cap_outputs
 from octoserve.services.config import config_file
 from octoserve.services.metrics import summarize
 from octoserve.services.workload import PROFILES, generate_trace, scaled
 
-DEFAULT_CONFIG = str(Path(__file__).resolve().parent / "configs" / "node-gang.yaml")
+DEFAULT_CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "node-gang.yaml")
 
 
 def scrape_gang_stats(metrics_port: int) -> dict[str, dict[str, float]]:

@@ -16,7 +16,7 @@ import json
 import math
 from pathlib import Path
 
-from octoserve.services.baselines import (
+from octoserve.services.lab.baselines import (
     BASELINES,
     BEST_DISAGGREGATED,
     MAIN_POLICIES,
@@ -25,7 +25,7 @@ from octoserve.services.baselines import (
     configure,
     describe_instances,
 )
-from octoserve.services.bench_suite import (
+from octoserve.services.lab.bench_suite import (
     PLANNER_CAPACITY,
     QUICK_BANNER,
     ProfileResults,

@@ -467,7 +467,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m octoserve.services.gang_bench", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m octoserve.services.lab.gang_bench", description=__doc__.split("\n")[0])
     add_arguments(parser)
     args = parser.parse_args(argv)
     settings = settings_from_args(args)
@@ -502,7 +502,7 @@ good*: good / admitted; *longest LM wait* and *SM stall*: the longest over every
 open at the end included; *steps over cap*: gang steps that ran past the arbiter's cap (the batcher's step model
 under-predicting the cost model), summed over the row's runs.
 
-Reproduce (both cost profiles, ~12 min on two cores): `.venv/bin/python -m octoserve.services.gang_bench --write
+Reproduce (both cost profiles, ~12 min on two cores): `.venv/bin/python -m octoserve.services.lab.gang_bench --write
 BENCHMARKS.md` (`--cases seed003`, `--cost-profiles default`, `--grid 2.5,5,10` narrow it; `--quick` for a smoke
 run); `make bench` runs it too, after the policy suite. One run by hand: `.venv/bin/octoserve simulate --config
 services/configs/node-seed003.yaml --workload services/configs/workload-seed003.yaml --duration 20s --warmup 5s
