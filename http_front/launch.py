@@ -1,4 +1,4 @@
-"""How `octoserve up` (services/launcher.py) starts the HTTP front and knows it serves; kept here so the launcher
+"""How `octoserve up` (services/node/launcher.py) starts the HTTP front and knows it serves; kept here so the launcher
 needs only a hook."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def http_front_args(router: str, http_port: int, model_path: str | None, grace_s
 
 def wait_http_healthy(address: str, deadline: float) -> None:
     """Polls GET /health until 200 or the deadline (raises the launcher's LaunchError)."""
-    from octoserve.services.processes import LaunchError
+    from octoserve.services.node.processes import LaunchError
 
     while True:
         try:

@@ -15,7 +15,7 @@ nothing for `hung_after_s` wall seconds:
   dropped, so the client never receives a token twice, and when its reports resume the router Aborts them there
   (freeing their KV) before forgetting them.
 Counted in `octoserve_router_hung_workers_total{instance}`. The launcher's supervisor kills and restarts a stopped
-or unresponsive worker on its side (services/hang_watch.py); this watchdog only routes around it.
+or unresponsive worker on its side (services/node/hang_watch.py); this watchdog only routes around it.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO_ROOT / "scripts"))
 from bench_router import MODEL, NODE_YAML, PROBE_MAX_TOKENS, PROMPT, cpu_s, pct  # noqa: E402
 
 from octoserve.client import AsyncClient  # noqa: E402
-from octoserve.services.launcher import start_node  # noqa: E402
+from octoserve.services.node.launcher import start_node  # noqa: E402
 
 TARGET_ADDED_P50_MS = 2.0
 

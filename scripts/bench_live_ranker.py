@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from octoserve.services.lab.elastic_agreement import PERIOD_S, POLICY, WINDOW_S, node_config  # noqa: E402
 from octoserve.services.workload_day import day_trace  # noqa: E402
-from octoserve.services.launcher import start_node  # noqa: E402
+from octoserve.services.node.launcher import start_node  # noqa: E402
 from octoserve.services.loadgen import BenchOptions, run_bench  # noqa: E402
 from octoserve.services.metrics import summarize  # noqa: E402
 from octoserve.services.workload_day import SMALL, generate_day, pd_phase_day  # noqa: E402

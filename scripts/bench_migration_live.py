@@ -28,7 +28,7 @@ import grpc
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from octoserve.services.core.sim_executor import sim_token_id  # noqa: E402
-from octoserve.services.launcher import start_node  # noqa: E402
+from octoserve.services.node.launcher import start_node  # noqa: E402
 from octoserve.services.rpc.gen import scheduler_pb2 as s_pb  # noqa: E402
 from octoserve.services.rpc.gen import scheduler_pb2_grpc as s_grpc  # noqa: E402
 from octoserve.services.rpc.gen import worker_pb2 as w_pb  # noqa: E402

@@ -126,7 +126,7 @@ class OctoserveSide:
     def __init__(self, args, engine: str, run_dir: Path, inside: bool = False) -> None:
         from bench_vllm_vs_octoserve import KV_CACHE_GIB, TINY_CONFIG
 
-        from octoserve.services.launcher import start_node
+        from octoserve.services.node.launcher import start_node
 
         self.node = start_node(str(TINY_CONFIG), engine=engine, model_path=str(args.model), run_dir=run_dir,
                                startup_timeout_s=args.start_timeout_s, grace_s=10.0, http_port=0, http_inside=inside,

@@ -42,7 +42,7 @@ sys.path.insert(0, str(REPO_ROOT))
 import grpc  # noqa: E402
 
 from octoserve.client import AsyncClient, build_request  # noqa: E402
-from octoserve.services.launcher import start_node  # noqa: E402
+from octoserve.services.node.launcher import start_node  # noqa: E402
 from octoserve.services.rpc import convert  # noqa: E402
 from octoserve.services.rpc.gen import worker_pb2 as w_pb  # noqa: E402
 from octoserve.services.rpc.gen import worker_pb2_grpc as w_grpc  # noqa: E402

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import grpc
 
-from octoserve.services.launcher import start_node
+from octoserve.services.node.launcher import start_node
 from octoserve.services.rpc.convert import SIM_OUTPUT_LEN_KEY
 from octoserve.v1 import generate_pb2 as gen_pb
 from octoserve.v1 import generate_pb2_grpc as gen_grpc

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import yaml
 
-from octoserve.services.launcher import REPO_ROOT, start_node
+from octoserve.services.node.launcher import REPO_ROOT, start_node
 
 BASE_CONFIG = REPO_ROOT / "services" / "configs" / "tiny-vllm.yaml"
 MODEL = "tiny-llama"

@@ -25,8 +25,8 @@ import grpc
 
 from octoserve.services.core.types import RequestSpec, Role, SamplingParams
 from octoserve.services.engine.test_model import build_test_model
-from octoserve.services.launcher import WORKER_MODULES
-from octoserve.services.processes import REPO_ROOT, spawn, wait_ready
+from octoserve.services.node.launcher import WORKER_MODULES
+from octoserve.services.node.processes import REPO_ROOT, spawn, wait_ready
 from octoserve.services.rpc import convert
 from octoserve.services.rpc.gen import worker_pb2 as w_pb
 from octoserve.services.rpc.gen import worker_pb2_grpc as w_grpc

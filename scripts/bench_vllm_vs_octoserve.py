@@ -319,7 +319,7 @@ def run_vllm_side(args, traces: dict[float, list[Req]]) -> dict[float, list[Outc
 
 
 def run_octoserve_side(args, traces: dict[float, list[Req]]) -> dict[float, list[Outcome]]:
-    from octoserve.services.launcher import start_node
+    from octoserve.services.node.launcher import start_node
 
     t = time.monotonic()
     node = start_node(str(args.config), engine="vllm", model_path=str(args.model), run_dir=tempfile.mkdtemp(prefix="node-", dir=args.out_dir),

@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 import grpc  # noqa: E402
 
-from octoserve.services.launcher import start_node  # noqa: E402
+from octoserve.services.node.launcher import start_node  # noqa: E402
 from octoserve.v1 import generate_pb2 as gen_pb  # noqa: E402
 from octoserve.v1 import generate_pb2_grpc as gen_grpc  # noqa: E402
 

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from octoserve.services.launcher import start_node
+from octoserve.services.node.launcher import start_node
 
 _SOAK = Path(__file__).with_name("soak.py")
 

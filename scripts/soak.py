@@ -43,8 +43,8 @@ from pathlib import Path
 import grpc
 
 from octoserve.services.lab.agreement import cap_outputs
-from octoserve.services.launcher import Node, start_node
-from octoserve.services.processes import wait_healthy
+from octoserve.services.node.launcher import Node, start_node
+from octoserve.services.node.processes import wait_healthy
 from octoserve.services.rpc.convert import PRIORITY_TO_PB, SIM_OUTPUT_LEN_KEY
 from octoserve.services.rpc.gen import worker_pb2 as w_pb
 from octoserve.services.rpc.gen import worker_pb2_grpc as w_grpc

@@ -213,7 +213,7 @@ def idle_cpu(node, window_s: float = 10.0) -> None:
 
 
 def node_phase(n: int) -> None:
-    from octoserve.services.launcher import start_node
+    from octoserve.services.node.launcher import start_node
 
     node = start_node(str(CONFIG), engine="vllm", model_path=str(MODEL_DIR),
                       run_dir=tempfile.mkdtemp(prefix="ttft-layers-"), startup_timeout_s=300,

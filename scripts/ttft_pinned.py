@@ -68,7 +68,7 @@ async def vllm_side(model: Path, n: int, run_dir: Path) -> list[float]:
 def run_node(model: Path, n: int, run_dir: Path) -> tuple[list[float], list[float]]:
     from ttft_layers import CONFIG, node_ttfts
 
-    from octoserve.services.launcher import start_node
+    from octoserve.services.node.launcher import start_node
 
     node = start_node(str(CONFIG), engine="vllm", model_path=str(model), run_dir=run_dir, startup_timeout_s=300.0,
                       extra_env={"OCTOSERVE_VLLM_DTYPE": "float32", "VLLM_CPU_KVCACHE_SPACE": "1"})

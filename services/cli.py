@@ -17,7 +17,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("octoserve.services.sim.cli_simulate", "run the node in the discrete-event simulator and report SLO metrics"),
     "elastic-day": ("octoserve.services.sim.cli_elastic_day", "simulate the mix-shift day: best static vs hourly oracle vs the elastic balancer"),
     "plan": ("octoserve.services.sim.cli_plan", "size the node for a workload: roofline bound, verdict, ranked placements"),
-    "up": ("octoserve.services.launcher", "start the whole node as separate gRPC services on 127.0.0.1"),
+    "up": ("octoserve.services.node.launcher", "start the whole node as separate gRPC services on 127.0.0.1"),
     "bench": ("octoserve.services.loadgen", "drive a running router with an open-loop workload and report SLO metrics"),
     "bench-suite": ("octoserve.services.lab.bench_command", "run the policy-comparison matrix and write BENCHMARKS.md sections"),
     "make-test-model": ("octoserve.services.engine.test_model", "build a tiny random-weight Llama with a local tokenizer"),

@@ -14,7 +14,7 @@ import collections
 import grpc
 import pytest
 
-from octoserve.services.launcher import start_node
+from octoserve.services.node.launcher import start_node
 from octoserve.services.rpc.gen import worker_pb2 as w_pb
 from octoserve.services.rpc.gen import worker_pb2_grpc as w_grpc
 from octoserve.services.rpc.server import ServiceSpec, start_service

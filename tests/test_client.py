@@ -428,7 +428,7 @@ async def test_unreachable_router_is_unavailable_after_the_retries():
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory):
-    from octoserve.services.launcher import start_node
+    from octoserve.services.node.launcher import start_node
 
     running = start_node(None, 10.0, run_dir=tmp_path_factory.mktemp("node"))  # the default placement, sim engine, modelled time x10
     try:

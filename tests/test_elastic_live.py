@@ -25,7 +25,7 @@ from octoserve.services.cli import main as cli_main
 from octoserve.services.core.placement import node_config_from_dict
 from octoserve.services.core.reconfig import ReconfigKind, Reconfiguration
 from octoserve.services.core.types import Role
-from octoserve.services.launcher import start_node
+from octoserve.services.node.launcher import start_node
 from octoserve.services.rpc.gen import scheduler_pb2 as s_pb
 from octoserve.services.rpc.gen import scheduler_pb2_grpc as s_grpc
 from octoserve.services.rpc.gen import worker_pb2 as w_pb

@@ -25,7 +25,7 @@ import grpc
 import pytest
 
 from octoserve.services.core.sim_executor import sim_token_id
-from octoserve.services.launcher import start_node
+from octoserve.services.node.launcher import start_node
 from octoserve.v1 import generate_pb2 as gen_pb
 from octoserve.v1 import generate_pb2_grpc as gen_grpc
 from tests.fault_fixtures import (

@@ -21,7 +21,7 @@ import pytest
 from octoserve.http_front import protocol
 from octoserve.http_front.protocol import ApiError
 from octoserve.http_front.text import DEFAULT_CHAT_TEMPLATE, Detokenizer, TextCodec
-from octoserve.services.launcher import start_node
+from octoserve.services.node.launcher import start_node
 from octoserve.v1 import generate_pb2 as gen_pb
 from octoserve.v1 import generate_pb2_grpc as gen_grpc
 from tests.service_fixtures import COLOCATED_MODEL, DISAGG_MODEL, MAX_CONTEXT, request, small_config_dict

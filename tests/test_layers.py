@@ -31,8 +31,7 @@ SIM = "octoserve.services.sim"
 CLI = "octoserve.services.cli"
 PROCESSES = ("octoserve.router", "octoserve.prefill_worker", "octoserve.decode_worker", "octoserve.http_front",
              "octoserve.services.scheduler", "octoserve.services.engine", "octoserve.services.rpc",
-             "octoserve.services.cluster", "octoserve.services.launcher", "octoserve.services.processes",
-             "octoserve.services.supervisor", "octoserve.services.elastic_launch")
+             "octoserve.services.cluster", "octoserve.services.node")
 LAB = ("octoserve.services.lab", "octoserve.services.cluster.live", "octoserve.services.cluster.bench")
 
 # (importer, imported) -> what it waits for.

@@ -23,8 +23,8 @@ import urllib.request
 import grpc
 import pytest
 
-from octoserve.services import processes
-from octoserve.services.launcher import start_node
+from octoserve.services.node import processes
+from octoserve.services.node.launcher import start_node
 from octoserve.services.rpc.gen import scheduler_pb2 as s_pb
 from octoserve.services.rpc.gen import scheduler_pb2_grpc as s_grpc
 from octoserve.services.rpc.gen import worker_pb2 as w_pb

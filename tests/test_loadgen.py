@@ -229,7 +229,7 @@ def one_small_instance(tier_queue_bound: int) -> dict:
 
 @contextlib.contextmanager
 def real_node(config, time_scale: float, run_dir):
-    from octoserve.services.launcher import start_node
+    from octoserve.services.node.launcher import start_node
 
     node = start_node(config, time_scale, run_dir=run_dir)
     try:

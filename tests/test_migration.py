@@ -388,7 +388,7 @@ OTHER_MODEL = "llama-3-8b-other"
 @pytest.mark.slow
 @pytest.mark.asyncio(loop_scope="function")
 async def test_model_change_under_load_migrates_and_router_follows(tmp_path):
-    from octoserve.services.launcher import start_node
+    from octoserve.services.node.launcher import start_node
     from octoserve.services.rpc.gen import scheduler_pb2 as s_pb
     from octoserve.services.rpc.gen import scheduler_pb2_grpc as s_grpc
     from octoserve.v1 import generate_pb2_grpc as gen_grpc

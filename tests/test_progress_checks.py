@@ -12,7 +12,7 @@ import time
 import pytest
 
 from octoserve.services.faults import FaultPlan
-from octoserve.services.hang_watch import process_state
+from octoserve.services.node.hang_watch import process_state
 
 
 def test_engine_stall_fault_names_an_instance_and_a_step():

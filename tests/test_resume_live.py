@@ -27,7 +27,7 @@ import pytest
 
 from octoserve.client import AsyncClient, RetryPolicy, UnavailableError
 from octoserve.services.core.sim_executor import sim_token_id
-from octoserve.services.launcher import start_node
+from octoserve.services.node.launcher import start_node
 from octoserve.types import FinishReason
 from octoserve.v1 import generate_pb2 as gen_pb
 from octoserve.v1 import generate_pb2_grpc as gen_grpc

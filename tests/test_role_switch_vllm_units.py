@@ -15,7 +15,7 @@ from octoserve.services.config import load_node_config
 from octoserve.services.core.types import Role
 from octoserve.services.engine.vllm_engine import VllmEngine
 from octoserve.services.engine.vllm_kv import KvTransfer
-from octoserve.services.launcher import REPO_ROOT
+from octoserve.services.node.launcher import REPO_ROOT
 from octoserve.services.rpc import convert, role_switch
 from octoserve.services.rpc.gen import worker_pb2 as w_pb
 

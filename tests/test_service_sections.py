@@ -45,7 +45,7 @@ def test_the_config_schema_comment_documents_every_limit():
 
 
 def test_the_launcher_refuses_a_bad_section_before_starting_anything(tmp_path):
-    from octoserve.services.launcher import LaunchError, start_node
+    from octoserve.services.node.launcher import LaunchError, start_node
 
     with pytest.raises(LaunchError, match="max_stop_string"):
         start_node({**small_config_dict(), "limits": {"max_stop_string": 3}}, run_dir=tmp_path)

@@ -14,7 +14,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from octoserve.services.launcher import REPO_ROOT, start_node
+from octoserve.services.node.launcher import REPO_ROOT, start_node
 from octoserve.v1 import generate_pb2 as gen_pb
 from octoserve.v1 import generate_pb2_grpc as gen_grpc
 from octoserve.services.rpc.gen import scheduler_pb2 as s_pb

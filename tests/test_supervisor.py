@@ -1,4 +1,4 @@
-"""The supervisor (services/supervisor.py) with real child processes: a service that keeps exiting is restarted
+"""The supervisor (services/node/supervisor.py) with real child processes: a service that keeps exiting is restarted
 with the backoff in order and on its port, then given up on; one that comes up (writes its ready file) is reported
 ready with its new pid; a stopped supervisor restarts nothing."""
 
@@ -9,8 +9,8 @@ import sys
 import time
 from dataclasses import dataclass
 
-from octoserve.services.processes import ServiceProcess, group_members, popen
-from octoserve.services.supervisor import Supervisor
+from octoserve.services.node.processes import ServiceProcess, group_members, popen
+from octoserve.services.node.supervisor import Supervisor
 
 
 @dataclass
@@ -103,7 +103,7 @@ def _wait_gone(pid: int, timeout_s: float = 10.0) -> bool:
 
 
 def test_reap_leftovers_kills_what_an_exited_service_left_in_its_process_group(tmp_path):
-    from octoserve.services.processes import reap_leftovers
+    from octoserve.services.node.processes import reap_leftovers
 
     pid_file = tmp_path / "child.pid"
     proc = popen((sys.executable, "-c", ORPHANING, str(pid_file)), tmp_path / "svc.log", None)
@@ -118,7 +118,7 @@ def test_reap_leftovers_kills_what_an_exited_service_left_in_its_process_group(t
 def test_reap_leftovers_refuses_a_running_process(tmp_path):
     import pytest
 
-    from octoserve.services.processes import reap_leftovers
+    from octoserve.services.node.processes import reap_leftovers
 
     proc = popen((sys.executable, "-c", "import time; time.sleep(30)"), tmp_path / "svc.log", None)
     try:
@@ -130,7 +130,7 @@ def test_reap_leftovers_refuses_a_running_process(tmp_path):
 
 
 def test_the_supervisor_kills_a_dead_services_leftovers_before_restarting_it(tmp_path):
-    from octoserve.services.processes import reap_leftovers
+    from octoserve.services.node.processes import reap_leftovers
 
     pid_file = tmp_path / "child.pid"
     cmd = (sys.executable, "-c", ORPHANING, str(pid_file))

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import yaml
 
-from octoserve.services import launcher
+from octoserve.services.node import launcher
 from octoserve.services.config import load_service_sections
-from octoserve.services.launcher import REPO_ROOT
+from octoserve.services.node.launcher import REPO_ROOT
 
 ONE_8B = yaml.safe_load((REPO_ROOT / "scripts" / "bench_router_node.yaml").read_text())
 ENV = {**os.environ, "OCTOSERVE_PURE_PYTHON": "1",

@@ -160,7 +160,7 @@ def test_services_refuse_a_public_address_without_tls(module, extra):
 @pytest.mark.slow
 def test_whole_node_over_mtls(certs, tmp_path):
     """start_node with `tls:` in the config: every internal hop is mTLS, and the node serves."""
-    from octoserve.services.launcher import start_node
+    from octoserve.services.node.launcher import start_node
 
     config = {**small_config_dict(), "tls": {"dir": str(certs)}}
     node = start_node(config, 1.0, run_dir=tmp_path / "run", startup_timeout_s=90.0)

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from octoserve.services import launcher
-from octoserve.services.launcher import REPO_ROOT, user_path
+from octoserve.services.node import launcher
+from octoserve.services.node.launcher import REPO_ROOT, user_path
 from tests.service_fixtures import small_config_dict
 
 

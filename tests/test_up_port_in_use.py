@@ -16,8 +16,8 @@ import sys
 
 import pytest
 
-from octoserve.services.launcher import LaunchError, start_node
-from octoserve.services.processes import cause_in_log
+from octoserve.services.node.launcher import LaunchError, start_node
+from octoserve.services.node.processes import cause_in_log
 from tests.fault_fixtures import two_replica_config
 
 ENV = {**os.environ, "OCTOSERVE_PURE_PYTHON": "1"}  # stderr is compared whole

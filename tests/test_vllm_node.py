@@ -19,7 +19,7 @@ import pytest
 from vllm_fixtures import MAX_TOKENS, MODEL_NAME, PROMPTS, vllm_skip_reason
 
 from octoserve.services.core.types import FinishReason
-from octoserve.services.launcher import REPO_ROOT, start_node
+from octoserve.services.node.launcher import REPO_ROOT, start_node
 
 _SKIP = vllm_skip_reason()
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")]

@@ -24,7 +24,7 @@ import sys
 import pytest
 from vllm_fixtures import import_vllm_or_reason, vllm_skip_reason
 
-from octoserve.services.launcher import REPO_ROOT
+from octoserve.services.node.launcher import REPO_ROOT
 
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
 from bench_vllm_node_flip import FLIPPED, flip_run  # noqa: E402

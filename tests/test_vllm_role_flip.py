@@ -21,8 +21,8 @@ import pytest
 from vllm_fixtures import PROMPTS, import_vllm_or_reason, vllm_skip_reason
 
 from octoserve.services.core.types import FinishReason, RequestSpec, Role, SamplingParams
-from octoserve.services.launcher import WORKER_MODULES
-from octoserve.services.processes import REPO_ROOT, spawn, wait_ready
+from octoserve.services.node.launcher import WORKER_MODULES
+from octoserve.services.node.processes import REPO_ROOT, spawn, wait_ready
 from octoserve.services.rpc import convert
 from octoserve.services.rpc.gen import worker_pb2 as w_pb
 from octoserve.services.rpc.gen import worker_pb2_grpc as w_grpc

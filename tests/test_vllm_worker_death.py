@@ -32,8 +32,8 @@ import grpc
 import pytest
 from vllm_fixtures import MODEL_NAME, PROMPTS, import_vllm_or_reason, vllm_skip_reason
 
-from octoserve.services.launcher import REPO_ROOT, start_node
-from octoserve.services.processes import group_members
+from octoserve.services.node.launcher import REPO_ROOT, start_node
+from octoserve.services.node.processes import group_members
 from octoserve.v1 import generate_pb2 as gen_pb
 from octoserve.v1 import generate_pb2_grpc as gen_grpc
 from tests.fault_fixtures import Stream, access_log, load, until, wait_all_free

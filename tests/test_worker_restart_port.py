@@ -17,7 +17,7 @@ import time
 import grpc
 import pytest
 
-from octoserve.services.launcher import start_node
+from octoserve.services.node.launcher import start_node
 from octoserve.services.rpc.gen import scheduler_pb2 as s_pb
 from octoserve.services.rpc.gen import scheduler_pb2_grpc as s_grpc
 from octoserve.v1 import generate_pb2 as gen_pb

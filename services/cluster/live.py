@@ -34,7 +34,7 @@ from pathlib import Path
 import grpc
 
 from octoserve.client import AsyncClient
-from octoserve.services import launcher, processes
+from octoserve.services.node import launcher, processes
 from octoserve.services.lab.agreement import Agreement, cap_outputs
 from octoserve.services.cluster.service import pick_node
 from octoserve.services.loadgen import BenchOptions, send_request

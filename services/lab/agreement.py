@@ -1,7 +1,7 @@
 """Live matches virtual: the same node config and the same trace, run by the live services (dilated by a time
 scale K) and by the discrete-event simulator, must give the same SLO picture.
 
-`compare(config, trace, time_scale)` starts the node (`octoserve.services.launcher.start_node`), replays the trace with the
+`compare(config, trace, time_scale)` starts the node (`octoserve.services.node.launcher.start_node`), replays the trace with the
 load harness (`octoserve.services.loadgen.run_bench`, latencies divided by K), simulates the same trace
 (`octoserve.services.sim.driver.run_simulation`), and returns both summaries side by side with their relative differences on
 goodput and TTFT / ITL P95. `octoserve`'s tests and BENCHMARKS.md use it; the tolerance is ±15 %.
@@ -87,7 +87,7 @@ def compare(config_path: str | None, trace: list[TraceRequest], time_scale: floa
             slo: SloSpec, cost_profile: str | None = None) -> Agreement:
     """Simulate `trace`, then replay it live on a node started from the same config file (None: the default), both
     under `cost_profile` when given (else the config's)."""
-    from octoserve.services.launcher import start_node
+    from octoserve.services.node.launcher import start_node
     from octoserve.services.loadgen import BenchOptions, run_bench
     from octoserve.services.config import config_source, load_with_overrides
     from octoserve.services.sim.driver import run_simulation

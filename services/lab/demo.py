@@ -37,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from octoserve.services.flags import check_positive, check_workload_flags
-    from octoserve.services.launcher import describe, start_node
+    from octoserve.services.node.launcher import describe, start_node
     from octoserve.services.loadgen import BenchOptions, run_bench_series
     from octoserve.services.config import config_source, load_with_overrides
     from octoserve.services.sim.driver import run_simulation

@@ -71,7 +71,7 @@ def node_config(base_path: str | None, cost_profile: str | None = None, ranker: 
 
 def run(args) -> int:
     from octoserve.services.config import node_config_from_text
-    from octoserve.services.launcher import start_node
+    from octoserve.services.node.launcher import start_node
     from octoserve.services.loadgen import BenchOptions, run_bench
     from octoserve.services.sim.driver import run_simulation
     from octoserve.services.sim.elastic_sim import run_day
@@ -287,7 +287,7 @@ class ModelChangeResult:
 
 def run_model_change(args) -> ModelChangeResult:
     from octoserve.services.config import node_config_from_text
-    from octoserve.services.launcher import start_node
+    from octoserve.services.node.launcher import start_node
     from octoserve.services.loadgen import BenchOptions, run_bench
     from octoserve.services.sim.elastic_step import ElasticStepSim
 

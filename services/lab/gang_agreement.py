@@ -62,7 +62,7 @@ def with_cost_profile(config_path: str, cost_profile: str | None, run_dir: Path)
 def run(config_path: str, trace, time_scale: float, *, duration_s: float, slo=None) -> dict:
     """`slo`: what both sides are judged by (None: the config's, per model and tier, as the simulator judges)."""
     from octoserve.services.config import load_node_config
-    from octoserve.services.launcher import start_node
+    from octoserve.services.node.launcher import start_node
     from octoserve.services.loadgen import BenchOptions, run_bench
     from octoserve.services.sim.driver import run_simulation
 

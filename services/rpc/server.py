@@ -228,7 +228,7 @@ def _write_ready_file(path: str, content: dict) -> None:
     os.replace(tmp, path)  # atomic: a reader never sees a half-written file
 
 
-# Set by `octoserve.services.launcher` to its own pid: a service it started stops (drains) when the launcher dies.
+# Set by `octoserve.services.node.launcher` to its own pid: a service it started stops (drains) when the launcher dies.
 LAUNCHER_PID_ENV = "OCTOSERVE_LAUNCHER_PID"
 
 

@@ -4,7 +4,7 @@ step loop stuck or dead, while the process, its gRPC server and its load reports
 recover. The worker logs it and exits with EXIT_STALLED: the router sees the connection break and fails its requests
 over (those without a token move, those with tokens end UNAVAILABLE with a retry hint), and the supervisor starts a
 fresh process. A process that stopped altogether is the router's and the supervisor's to find (router/watchdog.py,
-services/hang_watch.py): this check runs on the worker's event loop and needs it turning.
+services/node/hang_watch.py): this check runs on the worker's event loop and needs it turning.
 
 Not judged: an engine with nothing running (requests only waiting, say for KV that reservations hold, are not
 stepped on a healthy engine either), a paused one (a gang lease holds it), and engines that do not count their

@@ -1,5 +1,5 @@
 """The supervisor's hang check: a worker process that lives but does not serve is killed, so that the supervisor's
-usual exit -> restart path (services/supervisor.py) brings it back.
+usual exit -> restart path (services/node/supervisor.py) brings it back.
 
 A worker is hung when, for `hung_after_s` in a row while it is up (ready, not being restarted):
 - its process is stopped (state T in /proc/PID/stat: SIGSTOP, a debugger), or

@@ -6,7 +6,7 @@ serves, so no ports are guessed; then every service must answer grpc.health.v1 S
 Stop order (Ctrl-C / SIGTERM / `Node.stop()`): router first (with the HTTP front's own process, if any, at the same
 moment: it drains client streams), then workers, then the scheduler; each gets SIGTERM and its grace period, then SIGKILL. Only processes this launcher started are signalled,
 by PID.
-Under `octoserve up` (`start_node(supervise=True)`), a `Supervisor` (services/supervisor.py) starts again, with
+Under `octoserve up` (`start_node(supervise=True)`), a `Supervisor` (services/node/supervisor.py) starts again, with
 backoff and on the same port, any service that exits while the node runs (a worker killed mid-stream, the
 scheduler, the router).
 """
@@ -28,7 +28,7 @@ from octoserve.http_front.launch import http_front_args, inside_ready_file, insi
 from octoserve.services import trust
 from octoserve.services.config import config_file
 from octoserve.services.core.types import Role
-from octoserve.services.processes import (
+from octoserve.services.node.processes import (
     REPO_ROOT,
     LaunchError,
     ServiceProcess,
@@ -39,7 +39,7 @@ from octoserve.services.processes import (
     wait_ready,
 )
 from octoserve.services.rpc.server import LAUNCHER_PID_ENV
-from octoserve.services.supervisor import Supervisor
+from octoserve.services.node.supervisor import Supervisor
 
 __all__ = ["REPO_ROOT", "LaunchError", "Node", "ServiceProcess", "start_node"]  # what callers of `octoserve up` use
 
@@ -61,7 +61,7 @@ class Node:
     exit_codes: dict[str, int] = field(default_factory=dict)
     supervisor: Supervisor | None = None
     http: ServiceProcess | None = None  # the OpenAI-compatible front (octoserve.http_front), when started
-    keeper: object = None  # starts / stops workers of a model change (services/elastic_launch.py)
+    keeper: object = None  # starts / stops workers of a model change (services/node/elastic_launch.py)
 
     @property
     def http_url(self) -> str | None:
@@ -218,7 +218,7 @@ def _placement_keeper(node: Node, cfg_path: str | None, grace_s: float, engine: 
     import yaml
 
     from octoserve.services.config import default_config_text
-    from octoserve.services.elastic_launch import PlacementKeeper
+    from octoserve.services.node.elastic_launch import PlacementKeeper
     from octoserve.services.rpc import convert
 
     base = yaml.safe_load(default_config_text() if cfg_path is None else Path(cfg_path).read_text())

@@ -9,7 +9,7 @@ router) reconnect to the same address without being told anything.
   command of its own (the HTTP front served inside the router process) is not restarted itself: it follows the
   process that serves it.
 - A worker that lives but does not serve (stopped, or silent to health checks) is killed by the hang check
-  (services/hang_watch.py, a "hung" event), and restarted like any exited service.
+  (services/node/hang_watch.py, a "hung" event), and restarted like any exited service.
 - Every event (exit, restart, ready, gave up, hung) is kept in `events` and handed to `on_event`, so `octoserve up`
   prints it and tests read it.
 Runs in a daemon thread of the launcher; `Node.stop()` stops it first, so a stopping node is not restarted.
@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from octoserve.services.hang_watch import DEFAULT_HUNG_AFTER_S, HangWatch
+from octoserve.services.node.hang_watch import DEFAULT_HUNG_AFTER_S, HangWatch
 
 RESTART_BACKOFF_S = (0.2, 0.4, 0.8, 1.6, 3.2, 6.4, 10.0)
 STABLE_S = 30.0
@@ -145,7 +145,7 @@ class Supervisor:
             self._restart_at[name] = now + self.backoff_s[min(streak, len(self.backoff_s) - 1)]
 
     def _restart(self, sp, now: float) -> None:
-        from octoserve.services.processes import reap_leftovers, respawn
+        from octoserve.services.node.processes import reap_leftovers, respawn
 
         old = sp.proc
         if reap_leftovers(old):  # the dead process's own children (a vLLM engine core) go with it
