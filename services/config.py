@@ -50,7 +50,12 @@ def load_node_config(path: str | Path | None = None) -> NodeConfig:
 
 
 def node_config_from_text(text: str, source: str = "<text>") -> NodeConfig:
-    return node_config_from_dict(placement_part(parse_yaml_mapping(text, source)))
+    return node_config_from_raw(parse_yaml_mapping(text, source))
+
+
+def node_config_from_raw(raw: dict) -> NodeConfig:
+    """The node config of a plain config mapping (`raw_config_with_overrides`), its service sections left out."""
+    return node_config_from_dict(placement_part(raw))
 
 
 def placement_part(data: dict) -> dict:
@@ -128,8 +133,13 @@ def config_source(path: str | None, cost_profile: str | None):
     return path if cost_profile is None else raw_config_with_overrides(path, [], cost_profile)
 
 
+def load_config_source(source) -> NodeConfig:
+    """The node config of what `config_source` returns: None (the embedded default), a path, or a plain mapping."""
+    return node_config_from_raw(source) if isinstance(source, dict) else load_node_config(source)
+
+
 def load_with_overrides(path: str | None, overrides: list[str], cost_profile: str | None = None):
     """The node config with `section.key=value` overrides and `--cost-profile` applied before validation."""
     if not overrides and cost_profile is None:
         return load_node_config(path)
-    return node_config_from_dict(placement_part(raw_config_with_overrides(path, overrides, cost_profile)))
+    return node_config_from_raw(raw_config_with_overrides(path, overrides, cost_profile))

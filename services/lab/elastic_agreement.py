@@ -56,34 +56,27 @@ def policy_for(ranker: str) -> dict:
 
 
 def node_config(base_path: str | None, cost_profile: str | None = None, ranker: str = "none") -> dict:
-    import yaml
+    from octoserve.services.config import raw_config_with_overrides
 
-    from octoserve.services.config import default_config_text
-
-    text = default_config_text() if base_path is None else open(base_path, encoding="utf-8").read()
-    config = yaml.safe_load(text)
-    if cost_profile:
-        config["cost_profile"] = cost_profile
+    config = raw_config_with_overrides(base_path, [], cost_profile or None)
     config["elastic"] = {"balancer": "elastic", "ranker": ranker, "period_s": PERIOD_S, "window_s": WINDOW_S,
                          **policy_for(ranker)}
     return config
 
 
 def run(args) -> int:
-    from octoserve.services.config import node_config_from_text
+    from octoserve.services.config import node_config_from_raw
     from octoserve.services.node.launcher import start_node
     from octoserve.services.loadgen import BenchOptions, run_bench
     from octoserve.services.sim.driver import run_simulation
     from octoserve.services.sim.elastic_sim import run_day
     from octoserve.services.sim.elastic_step import ElasticStepSim
 
-    import yaml
-
     profile = mix_shift_day(rate_rps=args.rate, hours=24.0, hour_s=args.hour_s)
     requests = [dataclasses.replace(r, output_tokens=min(r.output_tokens, args.max_output))
                 for r in generate_day(profile, args.seed)]
     config = node_config(args.config, args.cost_profile, args.ranker)
-    node_cfg = node_config_from_text(yaml.safe_dump(config))
+    node_cfg = node_config_from_raw(config)
     policy = BalancerPolicy(**policy_for(args.ranker))
     t0 = time.perf_counter()
     sim = run_day(node_cfg, profile, requests, node_cfg.instances, "elastic", policy=policy,
@@ -286,12 +279,10 @@ class ModelChangeResult:
 
 
 def run_model_change(args) -> ModelChangeResult:
-    from octoserve.services.config import node_config_from_text
+    from octoserve.services.config import node_config_from_raw
     from octoserve.services.node.launcher import start_node
     from octoserve.services.loadgen import BenchOptions, run_bench
     from octoserve.services.sim.elastic_step import ElasticStepSim
-
-    import yaml
 
     profile = mix_shift_day(rate_rps=args.rate, hours=24.0, hour_s=args.hour_s)
     requests = [dataclasses.replace(r, output_tokens=min(r.output_tokens, args.max_output))
@@ -299,7 +290,7 @@ def run_model_change(args) -> ModelChangeResult:
     trace = day_trace(requests)
     config = node_config(args.config, args.cost_profile)
     config.pop("elastic")  # no balancer: the script reconfigures
-    node_cfg = node_config_from_text(yaml.safe_dump(config))
+    node_cfg = node_config_from_raw(config)
     missing = [i for i in MOVED if i not in {inst.id for inst in node_cfg.instances}]
     if missing:
         raise ValueError(f"--model-change moves {', '.join(MOVED)}: the config has no {', '.join(missing)}; use a "

@@ -21,12 +21,11 @@ import argparse
 import asyncio
 import json
 import sys
-import tempfile
 import urllib.request
 from pathlib import Path
 
 from octoserve.services.lab.agreement import TOLERANCE, Agreement, cap_outputs
-from octoserve.services.config import config_file
+from octoserve.services.config import config_file, config_source
 from octoserve.services.metrics import summarize
 from octoserve.services.workload import PROFILES, generate_trace, scaled
 
@@ -47,31 +46,20 @@ def scrape_gang_stats(metrics_port: int) -> dict[str, dict[str, float]]:
     return out
 
 
-def with_cost_profile(config_path: str, cost_profile: str | None, run_dir: Path) -> str:
-    if not cost_profile:
-        return config_path
-    import yaml
-
-    raw = yaml.safe_load(Path(config_path).read_text())
-    raw["cost_profile"] = cost_profile
-    out = run_dir / f"node-{cost_profile}.yaml"
-    out.write_text(yaml.safe_dump(raw))
-    return str(out)
-
-
-def run(config_path: str, trace, time_scale: float, *, duration_s: float, slo=None) -> dict:
-    """`slo`: what both sides are judged by (None: the config's, per model and tier, as the simulator judges)."""
-    from octoserve.services.config import load_node_config
+def run(config, trace, time_scale: float, *, duration_s: float, slo=None) -> dict:
+    """`config`: a path, or the mapping `config.config_source` makes of a path and a cost profile; `slo`: what both
+    sides are judged by (None: the config's, per model and tier, as the simulator judges)."""
+    from octoserve.services.config import load_config_source
     from octoserve.services.node.launcher import start_node
     from octoserve.services.loadgen import BenchOptions, run_bench
     from octoserve.services.sim.driver import run_simulation
 
-    node_cfg = load_node_config(config_path)
+    node_cfg = load_config_source(config)
     virtual = run_simulation(node_cfg, trace)
     slo = virtual.summary.slo if slo is None else slo
     last_finish_s = max((r.finish_s for r in virtual.records if r.finish_s is not None), default=duration_s)
     drain_s = (last_finish_s - duration_s) * time_scale * 2.0 + 60.0
-    node = start_node(config_path, time_scale)
+    node = start_node(config, time_scale)
     try:
         records = asyncio.run(
             run_bench(node.router_address, trace, time_scale=time_scale, options=BenchOptions(drain_timeout_s=drain_s)))
@@ -141,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         base = PROFILES[args.profile]
     profile = scaled(base, rate_rps=args.rate, duration_s=args.duration)
     trace = cap_outputs(generate_trace(profile, args.seed), args.max_output)
-    config = with_cost_profile(args.config, args.cost_profile, Path(tempfile.mkdtemp(prefix="gang-agree-")))
+    config = config_source(args.config, args.cost_profile)
     print(f"live (K={args.time_scale:g}) and virtual: {len(trace)} requests of {profile.name} at {args.rate:g} req/s "
           f"for {args.duration:g} s, cost profile {args.cost_profile or 'of the config'}", flush=True)
     # A workload file's SLOs are per model in the config (seed 003: the LM's ITL is not the 8B's): judge by those.

@@ -215,13 +215,11 @@ def start_node(
 def _placement_keeper(node: Node, cfg_path: str | None, grace_s: float, engine: str, time_scale: float,
                       model_path: str | None, env: dict[str, str]):
     """Starts the thread that starts and stops workers as model changes retire and start instances."""
-    import yaml
-
-    from octoserve.services.config import default_config_text
+    from octoserve.services.config import raw_config_with_overrides
     from octoserve.services.node.elastic_launch import PlacementKeeper
     from octoserve.services.rpc import convert
 
-    base = yaml.safe_load(default_config_text() if cfg_path is None else Path(cfg_path).read_text())
+    base = raw_config_with_overrides(cfg_path, [])
 
     def spawn_worker(instance_id: str, role_pb: int, config_path: str) -> ServiceProcess:
         args = ["--config", config_path, "--grace-s", str(grace_s), "--instance", instance_id, "--engine", engine,
