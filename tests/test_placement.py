@@ -1,5 +1,7 @@
 """Node config from a dict: defaults, derived helpers, and every placement problem with its exact message."""
 
+from pathlib import Path
+
 import pytest
 
 from octoserve.services.core.placement import (
@@ -277,3 +279,18 @@ def test_cost_profile_flag_sets_the_config_key_for_every_subcommand():
     assert load_with_overrides(None, ["policies.queue=fcfs"], "pessimistic").policies.queue == "fcfs"
     assert config_source("node.yaml", None) == "node.yaml"  # `up` / `demo` pass the path through untouched
     assert config_source(None, "pessimistic")["cost_profile"] == "pessimistic"  # or a dict with the key set
+
+
+def test_what_config_source_returns_loads_as_the_same_node_config():
+    """A path, None and the mapping `--cost-profile` makes all load through config.py, the one reader of node YAML;
+    the mapping's service sections (here the gang config's has none; tls, limits...) are left out of the placement."""
+    from octoserve.services.config import config_source, load_config_source, load_node_config, node_config_from_raw
+
+    gang = str(Path(__file__).resolve().parents[1] / "services" / "configs" / "node-gang.yaml")
+    assert load_config_source(gang) == load_node_config(gang)
+    assert load_config_source(None) == load_node_config(None)
+    pessimistic = load_config_source(config_source(gang, "pessimistic"))
+    assert pessimistic.cost_profile == "pessimistic"
+    assert pessimistic.instances == load_node_config(gang).instances and pessimistic.gang == load_node_config(gang).gang
+    raw = config_source(None, "pessimistic")
+    assert node_config_from_raw({**raw, "limits": {"max_stop_strings": 8}}) == node_config_from_raw(raw)
