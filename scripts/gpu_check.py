@@ -146,10 +146,24 @@ class Progress:
             f.write(f"[{time.time() - self.t0:6.1f} s] {stage}: {message}\n")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(rng: random.Random | None = None) -> int:
+    """A free port on 127.0.0.1 for a server this script starts by port number, picked below the kernel's ephemeral
+    range: a port that binding port 0 returned could be handed to another process's port-0 bind (a test's gRPC server
+    beside this run) before the server takes it, and vLLM's health check then read that server's HTTP/2 bytes."""
+    rng = rng or random.Random()
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for _ in range(100):
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port on 127.0.0.1 below {low} after 100 tries")
 
 
 def prompt_tokens(rng: random.Random, n: int, vocab: int) -> tuple[int, ...]:

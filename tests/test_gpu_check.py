@@ -144,6 +144,21 @@ def test_dry_run_report_has_a_table_per_stage(dry_run):
     assert "| 200 | yes |" in md and "| 300 | yes |" in md
 
 
+def test_free_port_is_below_the_ephemeral_range_and_free():
+    """A port-0 bind elsewhere (a test's gRPC server) never gets a port from below the kernel's ephemeral range, so
+    the port picked for vLLM's server cannot be taken in between."""
+    import random
+    import socket
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = {gpu_check.free_port(random.Random(seed)) for seed in range(20)}
+    assert all(max(1024, low - 12000) <= port < low for port in ports), sorted(ports)
+    for port in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+    assert gpu_check.free_port(random.Random(3)) == gpu_check.free_port(random.Random(3))
+
+
 def test_failure_reasons_name_the_refusal_or_the_exception():
     errors = [None, "", "Too Many Requests", "Too Many Requests",
               "Traceback (most recent call last):\n  File \"x.py\", line 1, in f\nClientConnectorError: refused"]
