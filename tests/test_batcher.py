@@ -99,6 +99,41 @@ def test_max_num_seqs_bounds_running():
     assert b.num_running == 2 and b.num_waiting == 1
 
 
+def slot_batcher(prompt_len: int, num_requests: int = 8) -> Batcher:
+    """Context-aware decode slots: a decode step is 10 ms + 1 ms a decode at the sized context of 4 tokens, plus
+    0.1 ms a context token beyond it; decodes may fill 16 ms; the ceiling is 8 sequences."""
+    b = make_batcher(num_blocks=512, max_num_seqs=8, max_num_batched_tokens=1000,
+                     decode_step_s_by_num_decodes=tuple(0.010 + 0.001 * d for d in range(9)),
+                     sized_context_tokens=4, kv_s_per_context_token=0.0001, decode_slot_target_s=0.016)
+    for i in range(num_requests):
+        b.add_request(spec(f"r{i}", prompt_len=prompt_len, max_tokens=50, first=1000 * (i + 1)), 0.0)
+    return b
+
+
+def test_decode_slots_admit_by_the_running_requests_actual_context():
+    # 4-token prompts: the k-th joins while 10 + k ms <= 16 ms, so six run
+    short = slot_batcher(4)
+    assert short.decode_slots() == 8  # nothing running yet: the ceiling
+    plan, _ = step(short)
+    assert [c.request_id for c in plan.chunks] == [f"r{i}" for i in range(6)]
+    assert short.num_running == 6 and short.num_waiting == 2
+    # 24-token prompts: each adds 20 tokens past the sized context (2 ms), so 10 + 3k <= 16: two run
+    long = slot_batcher(24)
+    plan, _ = step(long)
+    assert [c.request_id for c in plan.chunks] == ["r0", "r1"]
+    assert long.num_running == 2 and long.num_waiting == 6
+    # The load report's slots: decodes of the running mean context (25 tokens after the first token) that fit,
+    # 10 + 3.1 n <= 16 gives one, never fewer than are running
+    assert long.decode_slots() == 2
+    assert long.load("i", "m", 1000.0, 0.01).max_num_seqs == 2
+    # With the slots off, max_num_seqs alone bounds the batch
+    plain = make_batcher(num_blocks=512, max_num_seqs=8, max_num_batched_tokens=1000)
+    for i in range(8):
+        plain.add_request(spec(f"r{i}", prompt_len=24, max_tokens=50, first=1000 * (i + 1)), 0.0)
+    plan, _ = step(plain)
+    assert len(plan.chunks) == 8 and plain.decode_slots() == 8
+
+
 def test_edf_orders_by_tier_deadline_and_ages_batch_requests():
     b = make_batcher(max_num_seqs=1, queue_policy="edf")
     b.add_request(spec("batch-old", arrival=0.0, priority=Priority.BATCH, first=100), 0.0)

@@ -200,8 +200,8 @@ def test_a_stream_lost_again_is_continued_up_to_the_bound():
 
 def test_a_continuation_with_no_instance_left_is_refused():
     # Both replicas down at once: c1's streams have nowhere to go, its unstarted requests neither. (c0's own streams
-    # at 15.01 s may find c1 without KV for them: refused too, counted by the first fault.)
-    faults = [InstanceFault("c0", 15.01, 5.0), InstanceFault("c1", 16.01, 5.0)]
+    # at 15.005 s may find c1 without KV for them: refused too, counted by the first fault.)
+    faults = [InstanceFault("c0", 15.005, 5.0), InstanceFault("c1", 16.005, 5.0)]
     sim = NodeSimulator(node_config_from_dict(two_replica_config()), seed=0, faults=faults)
     first, second = _watch(sim, faults)
     result = sim.run(_trace(COLOCATED_MODEL, 100.0, 30.0, 1000, 20), drain_s=120.0)
@@ -215,7 +215,7 @@ def test_a_continuation_with_no_instance_left_is_refused():
         r = records[rid]
         assert r.error == "instance c1 was lost after the request's first token; its continuation was refused"
         assert r.retry_after_ms is not None
-        assert outcome_time_s(r, faults) == 16.01
+        assert outcome_time_s(r, faults) == 16.005
     for rid in second["no_token"]:  # moved with nothing seen: refused, as on arrival
         assert records[rid].refused and not records[rid].error
     _nothing_held(sim)

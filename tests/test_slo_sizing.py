@@ -87,23 +87,30 @@ def test_instances_size_for_the_tail_budget_only_where_the_plain_batch_starves_a
 
     from octoserve.services.config import load_node_config
     from octoserve.services.core.instance import instance_parts
-    from octoserve.services.core.slo_sizing import TAIL_SIZING_BELOW
+    from octoserve.services.core.slo_sizing import SLOT_CEILING_CONTEXT, TAIL_SIZING_BELOW
 
-    def sizing(node, inst, tail_budget):
+    def sizing(node, inst, tail_budget, **kw):
         return size_for_slo(node.cost_model(inst), inst.role, itl_slo_ms=node.slo.for_model(inst.model).itl_ms,
                             max_num_seqs=inst.max_num_seqs, max_num_batched_tokens=inst.max_num_batched_tokens,
-                            tail_budget=tail_budget)
+                            tail_budget=tail_budget, **kw)
 
     node = load_node_config()
     lm = next(i for i in node.instances if i.model == "llama-3-70b")
-    # default profile: the plain batch (38 sequences) is not starved, so it stays
-    assert sizing(node, lm, False).max_num_seqs >= TAIL_SIZING_BELOW
-    assert instance_parts(node, lm).batcher_config.max_num_seqs == sizing(node, lm, False).max_num_seqs
+    # default profile: the plain batch (38 sequences) is not starved, so decodes keep 0.85 of the free step
+    assert sizing(node, lm, False).max_num_seqs == 38
+    config = instance_parts(node, lm).batcher_config
+    ceiling = sizing(node, lm, False, headroom=0.95, context_tokens=SLOT_CEILING_CONTEXT)
+    assert config.max_num_seqs == ceiling.max_num_seqs == 85
+    assert config.sized_context_tokens == SLOT_CEILING_CONTEXT
+    assert config.decode_slot_target_s == pytest.approx(0.85 * 0.95 * 0.030)
     # pessimistic profile: the plain batch is one sequence, so decodes fill the free step
     pessimistic = dataclasses.replace(node, cost_profile="pessimistic")
-    assert sizing(pessimistic, lm, False).max_num_seqs == 1
-    assert instance_parts(pessimistic, lm).batcher_config.max_num_seqs == sizing(pessimistic, lm, True).max_num_seqs
+    assert sizing(pessimistic, lm, False).max_num_seqs == 1 < TAIL_SIZING_BELOW
+    config = instance_parts(pessimistic, lm).batcher_config
+    assert config.max_num_seqs == sizing(pessimistic, lm, True, context_tokens=SLOT_CEILING_CONTEXT).max_num_seqs
+    assert config.decode_slot_target_s == pytest.approx(0.97 * 0.95 * 0.030)
     gang = load_node_config(Path(__file__).resolve().parents[1] / "services" / "configs" / "node-gang.yaml")
     member = gang.instances[0]
     assert gang.gang.group_of(member.id) is not None
     assert instance_parts(gang, member).batcher_config.max_num_seqs == sizing(gang, member, False).max_num_seqs
+    assert instance_parts(gang, member).batcher_config.decode_slot_target_s == 0.0

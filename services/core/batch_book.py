@@ -304,6 +304,22 @@ class BatchBook:
         partial = sum(u for r in self._running if (u := len(r.token_ids) - r.num_computed_tokens) > 1)
         return max(0, waiting + partial - self.budget.inflight_prefill_tokens)
 
+    def decode_slots(self) -> int:
+        """Sequences the instance runs at once: `max_num_seqs`, or with context-aware slots the most decodes of the
+        running set's mean context whose step fits `decode_slot_target_s` (never fewer than are running)."""
+        cfg = self.config
+        if cfg.decode_slot_target_s <= 0 or not self._running:
+            return cfg.max_num_seqs
+        mean = sum(len(r.token_ids) for r in self._running) / len(self._running)
+        lo, hi = 1, cfg.max_num_seqs
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.budget.decode_step_s(mid, int(mid * mean)) <= cfg.decode_slot_target_s:
+                lo = mid
+            else:
+                hi = mid - 1
+        return max(lo, len(self._running))
+
     def load(self, instance_id: str, model: str, prefill_tokens_per_s: float, decode_step_time_s: float,
              long_prefill_tokens_per_s: float = 0.0, long_step_wait_s: float = 0.0, long_burst_tokens: float = 0.0,
              long_sustained_tokens_per_s: float = 0.0) -> EngineLoad:
@@ -319,7 +335,7 @@ class BatchBook:
             queued_prefill_tokens=self.queued_prefill_tokens(),
             prefill_tokens_per_s=prefill_tokens_per_s,
             decode_step_time_s=decode_step_time_s,
-            max_num_seqs=self.config.max_num_seqs,
+            max_num_seqs=self.decode_slots(),
             mean_output_tokens=self.predictor.mean(),
             num_reserved=self._num_reserved,
             long_prefill_tokens_per_s=long_prefill_tokens_per_s,

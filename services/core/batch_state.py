@@ -61,6 +61,10 @@ class BatcherConfig:
     # Attention time of one (new token, context token) pair, by the cost model: what a prefill chunk over a long
     # computed context adds beyond the linear step model; a gang cap's chunk is cut by it (0: not modelled).
     attn_s_per_pair: float = 0.0
+    # Context-aware decode slots (0 = off): a waiting request joins the running set only while the decode step of
+    # the set with it, by the step model at the requests' actual contexts, stays within this; `max_num_seqs` is
+    # then the ceiling at short contexts.
+    decode_slot_target_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:

@@ -468,6 +468,8 @@ class Batcher(BatchBook):
         # Under a gang cap, `room` is the cap's spare time in prefill tokens; a new prompt over a cached prefix costs
         # more of it than its tokens (`StepBudget.capped_fit`).
         room = float(step.budget)
+        slot_s = self.config.decode_slot_target_s
+        context = sum(len(r.token_ids) for r in self._running) if slot_s > 0 else 0
         while self._waiting and step.budget > 0:
             req = self._waiting.peek()
             fit, cached, left, prefix = step.budget, 0, 0, None
@@ -479,7 +481,10 @@ class Batcher(BatchBook):
                 fit = self.budget.capped_fit(room, cached, left)
                 if fit < 1:
                     return  # not one token of it fits the cap
-            if self._num_active() >= self.config.max_num_seqs or not self._admit(req, prefix):
+            if (self._num_active() >= self.config.max_num_seqs
+                    or (slot_s > 0 and self._running
+                        and self.budget.decode_step_s(len(self._running) + 1, context + len(req.token_ids)) > slot_s)
+                    or not self._admit(req, prefix)):
                 victim = tier_victim(self._running, req, self.config.batch_min_share, self.config.max_num_seqs)
                 if victim is None:
                     return  # the head is never overtaken
@@ -487,6 +492,7 @@ class Batcher(BatchBook):
                 continue
             self._waiting.pop()
             self._set_running(req)
+            context += len(req.token_ids)
             num_new = min(req.num_uncomputed_tokens, step.budget, fit)
             if self._capped:
                 room -= self.budget.capped_cost(cached, num_new, left)

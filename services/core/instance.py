@@ -14,7 +14,15 @@ from octoserve.services.core.tail_budget import FREE_STEP_SHARE
 from octoserve.services.core.cost_model import CostModel
 from octoserve.services.core.kv_cache import KVCacheManager
 from octoserve.services.core.placement import InstanceConfig, NodeConfig, gang_step_floor_s, num_kv_blocks_for
-from octoserve.services.core.slo_sizing import CHUNK_QUANTUM, TAIL_SIZING_BELOW, WIDE_BATCH_AT, size_for_slo
+from octoserve.services.core.slo_sizing import (
+    CHUNK_QUANTUM,
+    DECODE_SHARE,
+    SLOT_CEILING_CONTEXT,
+    TAIL_DECODE_SHARE,
+    TAIL_SIZING_BELOW,
+    WIDE_BATCH_AT,
+    size_for_slo,
+)
 from octoserve.services.core.types import EngineLoad, Role, StepPlan
 
 EOS_TOKEN_ID = 2
@@ -73,7 +81,18 @@ def _sizing_fields(node: NodeConfig, instance: InstanceConfig, cost_model: CostM
     # A gang member's steps are capped by its lease share, so its batch keeps room for prefill chunks (and the
     # gang's bounds, checked on that batch, hold).
     in_gang = node.gang is not None and node.gang.group_of(instance.id) is not None
-    if policies.slack_chunking and not in_gang and sized.max_num_seqs < TAIL_SIZING_BELOW:
+    if policies.slack_chunking and not in_gang and instance.role is Role.COLOCATED:
+        # Context-aware decode slots: a batch sized at one fixed context is too small for short requests and too
+        # large for long ones, so the tables go up to the ceiling at a short context and the batcher lets a request
+        # join while the decode step at the running requests' actual contexts fits the decode share of the target.
+        tail = sized.max_num_seqs < TAIL_SIZING_BELOW
+        sized = size_for_slo(
+            cost_model, instance.role, itl_slo_ms=itl_ms, max_num_seqs=instance.max_num_seqs,
+            max_num_batched_tokens=instance.max_num_batched_tokens, context_tokens=SLOT_CEILING_CONTEXT,
+            headroom=FREE_STEP_SHARE, tail_budget=tail,
+        )
+        fields["decode_slot_target_s"] = sized.step_target_s * (TAIL_DECODE_SHARE if tail else DECODE_SHARE)
+    elif policies.slack_chunking and not in_gang and sized.max_num_seqs < TAIL_SIZING_BELOW:
         sized = size_for_slo(
             cost_model, instance.role, itl_slo_ms=itl_ms, max_num_seqs=instance.max_num_seqs,
             max_num_batched_tokens=instance.max_num_batched_tokens, tail_budget=True,

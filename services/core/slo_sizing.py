@@ -43,15 +43,19 @@ TAIL_DECODE_SHARE = 0.97
 # INTERACTIVE requests good against 97 % with the plain batch (`octoserve simulate --profile seed-003 --rate 625
 # --duration 30s --warmup 10s`).
 TAIL_SIZING_BELOW = 16
-# At the other end, a model whose plain batch holds this many sequences or more (the 8B under the default profile:
-# 184) is sized with FREE_STEP_SHARE headroom instead of 0.85, its decode share unchanged: the tail budget counts any
-# step that ends past the ITL, and the 0.85 left its ITL P95 at 24 ms of 30. At the seed-000 peak (`octoserve
-# simulate --duration 60s`) goodput goes from 87.6 to 92.2 req/s, every model's admitted requests still >= 96 % good;
-# seed 003 at 625 req/s keeps its INTERACTIVE promise (95.8 % of admitted good). Not below it: at 112 sequences (the
-# 8B under the pessimistic profile) the planner's pessimistic placement with two 8B replicas left seed-003
-# INTERACTIVE at 93.6 % of admitted good (96.2 % at 0.85); at 38 (the 70B at TP=4) the seed-003 70B fell to 93.6 %.
-# Headroom 1.0 broke seed 003 (82 %).
+# A decode-role instance whose plain batch holds this many sequences or more is sized with FREE_STEP_SHARE headroom
+# instead of 0.85: the tail budget counts any step that ends past the ITL, and 0.85 left steps at 24 ms of 30.
 WIDE_BATCH_AT = 128
+# Colocated instances (slack chunking on, outside a gang) get context-aware decode slots instead of one batch sized
+# at `context_tokens`: the step tables go up to the batch that fits at this short context (the ceiling, never above
+# the configured max_num_seqs), and a request joins the running set while the decode step at the running requests'
+# actual contexts fits DECODE_SHARE (TAIL_DECODE_SHARE for a tail-sized model) of FREE_STEP_SHARE x the ITL. A batch
+# sized at 1,200 tokens of context held the 70B at TP=4 to 38 sequences whose contexts averaged ~700 at the seed-000
+# peak, and would have let seed 003's 8,000-token contexts run past the ITL. Measured at the seed-000 peak
+# (`octoserve simulate --duration 60s`, default and pessimistic profiles) and seed 003 at 625 req/s: BENCHMARKS.md,
+# "Context-aware decode slots".
+SLOT_CEILING_CONTEXT = 256
+DECODE_SHARE = 0.85
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +96,7 @@ def size_for_slo(
     max_num_batched_tokens: int,
     context_tokens: int = 1200,
     headroom: float = 0.85,
-    decode_share: float = 0.85,
+    decode_share: float = DECODE_SHARE,
     tail_budget: bool = False,
 ) -> SloSizing:
     if tail_budget:

@@ -148,6 +148,13 @@ class StepBudget:
         table = self.config.decode_step_s_by_num_decodes
         return table[min(num_decodes, len(table) - 1)]
 
+    def decode_step_s(self, num_decodes: int, num_context_tokens: int) -> float:
+        """Step-model time of `num_decodes` decodes alone whose contexts sum to `num_context_tokens`: the table's
+        time at the sized context, plus (or less) the KV read of the difference."""
+        cfg = self.config
+        excess = num_context_tokens - num_decodes * cfg.sized_context_tokens
+        return self.base_step_s(num_decodes) + excess * cfg.kv_s_per_context_token
+
     def working_step_s(self, num_decodes: int) -> float:
         """`base_step_s` for a step that runs something: one with no decodes still pays the fixed cost of any
         step (weights streamed, overheads), i.e. one decode's."""
