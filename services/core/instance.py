@@ -17,6 +17,7 @@ from octoserve.services.core.placement import InstanceConfig, NodeConfig, gang_s
 from octoserve.services.core.slo_sizing import (
     CHUNK_QUANTUM,
     DECODE_SHARE,
+    NARROW_BATCH_BELOW,
     SLOT_CEILING_CONTEXT,
     TAIL_DECODE_SHARE,
     TAIL_SIZING_BELOW,
@@ -86,10 +87,11 @@ def _sizing_fields(node: NodeConfig, instance: InstanceConfig, cost_model: CostM
         # large for long ones, so the tables go up to the ceiling at a short context and the batcher lets a request
         # join while the decode step at the running requests' actual contexts fits the decode share of the target.
         tail = sized.max_num_seqs < TAIL_SIZING_BELOW
+        wide = not NARROW_BATCH_BELOW <= sized.max_num_seqs < WIDE_BATCH_AT
         sized = size_for_slo(
             cost_model, instance.role, itl_slo_ms=itl_ms, max_num_seqs=instance.max_num_seqs,
             max_num_batched_tokens=instance.max_num_batched_tokens, context_tokens=SLOT_CEILING_CONTEXT,
-            headroom=FREE_STEP_SHARE, tail_budget=tail,
+            headroom=FREE_STEP_SHARE if wide else DECODE_SHARE, tail_budget=tail,
         )
         fields["decode_slot_target_s"] = sized.step_target_s * (TAIL_DECODE_SHARE if tail else DECODE_SHARE)
     elif policies.slack_chunking and not in_gang and sized.max_num_seqs < TAIL_SIZING_BELOW:

@@ -43,19 +43,25 @@ TAIL_DECODE_SHARE = 0.97
 # INTERACTIVE requests good against 97 % with the plain batch (`octoserve simulate --profile seed-003 --rate 625
 # --duration 30s --warmup 10s`).
 TAIL_SIZING_BELOW = 16
-# A decode-role instance whose plain batch holds this many sequences or more is sized with FREE_STEP_SHARE headroom
-# instead of 0.85: the tail budget counts any step that ends past the ITL, and 0.85 left steps at 24 ms of 30.
+# A model whose plain batch holds this many sequences or more (the 8B under the default profile: 184) is sized with
+# FREE_STEP_SHARE headroom instead of 0.85 (DECODE_SHARE), its decode share unchanged: the tail budget counts any step
+# that ends past the ITL, and the 0.85 left its ITL P95 at 24 ms of 30.
 WIDE_BATCH_AT = 128
+DECODE_SHARE = 0.85
 # Colocated instances (slack chunking on, outside a gang) get context-aware decode slots instead of one batch sized
 # at `context_tokens`: the step tables go up to the batch that fits at this short context (the ceiling, never above
 # the configured max_num_seqs), and a request joins the running set while the decode step at the running requests'
-# actual contexts fits DECODE_SHARE (TAIL_DECODE_SHARE for a tail-sized model) of FREE_STEP_SHARE x the ITL. A batch
-# sized at 1,200 tokens of context held the 70B at TP=4 to 38 sequences whose contexts averaged ~700 at the seed-000
-# peak, and would have let seed 003's 8,000-token contexts run past the ITL. Measured at the seed-000 peak
-# (`octoserve simulate --duration 60s`, default and pessimistic profiles) and seed 003 at 625 req/s: BENCHMARKS.md,
-# "Context-aware decode slots".
+# actual contexts fits DECODE_SHARE (TAIL_DECODE_SHARE for a tail-sized model) of the step target. A batch sized at
+# 1,200 tokens of context held the 70B at TP=4 to 38 sequences whose contexts averaged ~900 at the seed-000 peak.
 SLOT_CEILING_CONTEXT = 256
-DECODE_SHARE = 0.85
+# With the slots, a model whose plain batch is narrower than this takes FREE_STEP_SHARE headroom too: the 70B at
+# TP=4 (38 under the default profile; its step is mostly the fixed cost of reading its weights, so the wider step
+# nearly doubles its slots) served 6.9 req/s at the seed-000 peak instead of 4.0, its admitted requests 96.5 % good,
+# and seed 003's 70B kept 100 %. Between the two bounds (the 8B under the pessimistic profile: 112) the step keeps
+# 0.85: with 0.95 seed 003 at 625 req/s left the pessimistic 8B's admitted requests 93.6 % good (first tokens that
+# waited for a decode slot, and answers whose TPOT the long steps pushed past 30 ms), 97.1 % at 0.85. Commands and
+# figures: BENCHMARKS.md, "ITL tail budget".
+NARROW_BATCH_BELOW = 64
 
 
 @dataclass(frozen=True, slots=True)
