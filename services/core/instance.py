@@ -18,6 +18,7 @@ from octoserve.services.core.slo_sizing import (
     CHUNK_QUANTUM,
     DECODE_SHARE,
     NARROW_BATCH_BELOW,
+    NARROW_DECODE_SHARE,
     SLOT_CEILING_CONTEXT,
     TAIL_DECODE_SHARE,
     TAIL_SIZING_BELOW,
@@ -83,17 +84,22 @@ def _sizing_fields(node: NodeConfig, instance: InstanceConfig, cost_model: CostM
     # gang's bounds, checked on that batch, hold).
     in_gang = node.gang is not None and node.gang.group_of(instance.id) is not None
     if policies.slack_chunking and not in_gang and instance.role is Role.COLOCATED:
-        # Context-aware decode slots: a batch sized at one fixed context is too small for short requests and too
-        # large for long ones, so the tables go up to the ceiling at a short context and the batcher lets a request
-        # join while the decode step at the running requests' actual contexts fits the decode share of the target.
-        tail = sized.max_num_seqs < TAIL_SIZING_BELOW
-        wide = not NARROW_BATCH_BELOW <= sized.max_num_seqs < WIDE_BATCH_AT
-        sized = size_for_slo(
-            cost_model, instance.role, itl_slo_ms=itl_ms, max_num_seqs=instance.max_num_seqs,
-            max_num_batched_tokens=instance.max_num_batched_tokens, context_tokens=SLOT_CEILING_CONTEXT,
-            headroom=FREE_STEP_SHARE if wide else DECODE_SHARE, tail_budget=tail,
-        )
-        fields["decode_slot_target_s"] = sized.step_target_s * (TAIL_DECODE_SHARE if tail else DECODE_SHARE)
+        # Context-aware decode slots (slo_sizing, SLOT_CEILING_CONTEXT): the step tables stay at the sized context
+        # and reach the most decodes that fit at a short one; the batcher fills them by the running contexts.
+        plain = sized.max_num_seqs
+        if plain < TAIL_SIZING_BELOW:
+            kw, share = dict(tail_budget=True), TAIL_DECODE_SHARE
+        elif plain < NARROW_BATCH_BELOW:
+            kw, share = dict(decode_share=NARROW_DECODE_SHARE), NARROW_DECODE_SHARE
+        elif plain >= WIDE_BATCH_AT:
+            kw, share = dict(headroom=FREE_STEP_SHARE), DECODE_SHARE
+        else:
+            kw, share = {}, DECODE_SHARE
+        common = dict(itl_slo_ms=itl_ms, max_num_seqs=instance.max_num_seqs,
+                      max_num_batched_tokens=instance.max_num_batched_tokens, **kw)
+        ceiling = size_for_slo(cost_model, instance.role, context_tokens=SLOT_CEILING_CONTEXT, **common).max_num_seqs
+        sized = size_for_slo(cost_model, instance.role, num_slots=ceiling, **common)
+        fields["decode_slot_target_s"] = sized.step_target_s * share
     elif policies.slack_chunking and not in_gang and sized.max_num_seqs < TAIL_SIZING_BELOW:
         sized = size_for_slo(
             cost_model, instance.role, itl_slo_ms=itl_ms, max_num_seqs=instance.max_num_seqs,

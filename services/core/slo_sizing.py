@@ -48,20 +48,21 @@ TAIL_SIZING_BELOW = 16
 # that ends past the ITL, and the 0.85 left its ITL P95 at 24 ms of 30.
 WIDE_BATCH_AT = 128
 DECODE_SHARE = 0.85
-# Colocated instances (slack chunking on, outside a gang) get context-aware decode slots instead of one batch sized
-# at `context_tokens`: the step tables go up to the batch that fits at this short context (the ceiling, never above
-# the configured max_num_seqs), and a request joins the running set while the decode step at the running requests'
-# actual contexts fits DECODE_SHARE (TAIL_DECODE_SHARE for a tail-sized model) of the step target. A batch sized at
-# 1,200 tokens of context held the 70B at TP=4 to 38 sequences whose contexts averaged ~900 at the seed-000 peak.
+# Context-aware decode slots (colocated instances, slack chunking on, outside a gang): a batch sized at one context
+# (`context_tokens`, 1,200) is too few sequences when the running requests are shorter and too many when they are
+# longer. The step tables stay at that context but reach the most decodes that fit at this short one (the ceiling,
+# never above the configured max_num_seqs), and a request joins the running set while the decode step at the running
+# requests' actual contexts (the table plus the KV read of the difference) fits the model's decode share of the step.
 SLOT_CEILING_CONTEXT = 256
-# With the slots, a model whose plain batch is narrower than this takes FREE_STEP_SHARE headroom too: the 70B at
-# TP=4 (38 under the default profile; its step is mostly the fixed cost of reading its weights, so the wider step
-# nearly doubles its slots) served 6.9 req/s at the seed-000 peak instead of 4.0, its admitted requests 96.5 % good,
-# and seed 003's 70B kept 100 %. Between the two bounds (the 8B under the pessimistic profile: 112) the step keeps
-# 0.85: with 0.95 seed 003 at 625 req/s left the pessimistic 8B's admitted requests 93.6 % good (first tokens that
-# waited for a decode slot, and answers whose TPOT the long steps pushed past 30 ms), 97.1 % at 0.85. Commands and
-# figures: BENCHMARKS.md, "ITL tail budget".
+# A model whose plain batch is narrower than this but not starved (the 70B at TP=4 under the default profile: 38;
+# its decode step is mostly the fixed cost of reading its weights, 17.7 ms of a 25.5 ms step at batch 1) lets its
+# decodes fill NARROW_DECODE_SHARE of the step instead of 0.85: at the seed-000 peak (`octoserve simulate --duration
+# 60s --warmup 20s`) it served 6.2 req/s instead of 3.7, its admitted requests 96.5 % good, and at 9.5 req/s it
+# admits exactly what the fixed batch did (its steps and budgets are the same until the slots bind). Filling the
+# whole step (1.0) served 7.0 but left seed 003's 70B at 96.3 % of admitted good (100 % at 0.95). Figures: BENCHMARKS.md,
+# "ITL tail budget".
 NARROW_BATCH_BELOW = 64
+NARROW_DECODE_SHARE = 0.95
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +105,7 @@ def size_for_slo(
     headroom: float = 0.85,
     decode_share: float = DECODE_SHARE,
     tail_budget: bool = False,
+    num_slots: int = 0,
 ) -> SloSizing:
     if tail_budget:
         headroom, decode_share = FREE_STEP_SHARE, TAIL_DECODE_SHARE
@@ -134,6 +136,7 @@ def size_for_slo(
         chunk = max(1, _largest(chunk_fits, 1, max_quanta)) * CHUNK_QUANTUM
         return min(max_num_batched_tokens, num_decodes + chunk)
 
+    batch = max(batch, min(num_slots, max_num_seqs))  # the tables reach every slot the caller will fill
     table = tuple(budget_with(d) for d in range(batch + 1))
     base = tuple(cost.decode_step_time_s(d, context_tokens) for d in range(batch + 1))
     # Marginal cost of prefill tokens measured between two large chunks: compute-bound, so close to linear.
