@@ -8,6 +8,7 @@ the same steps as `schedule` / `update`.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -51,6 +52,15 @@ def test_fast_and_plain_paths_give_identical_records(config_name):
     fast, plain = both_paths(config, short_trace("seed-000", 4.0, 150.0), drain_s=30.0)
     assert_identical(fast, plain)
     assert sum(r.num_output_tokens for r in fast.records) > 1000  # decode batches, not only prefills
+
+
+@pytest.mark.parametrize("cost_profile", ["default", "pessimistic"])
+def test_fast_and_plain_paths_agree_where_the_decode_slots_bind(cost_profile):
+    # At the seed-000 peak every instance runs its decode slots full, and they are counted from the running
+    # requests' lengths: a steady request's `token_ids` run ahead of its length, so the fast path counts c + s.
+    config = dataclasses.replace(node_config_from_text(default_config_text()), cost_profile=cost_profile)
+    fast, plain = both_paths(config, short_trace("seed-000", 12.0, 300.0), drain_s=30.0)
+    assert_identical(fast, plain)
 
 
 def test_fast_and_plain_paths_agree_under_kv_pressure_preemption_and_swap():

@@ -292,6 +292,10 @@ class BatchBook:
         swapped, at most `max_num_seqs`."""
         return min(self.config.max_num_seqs, self._num_active() + self.num_waiting)
 
+    def running_length_tokens(self) -> int:
+        """Tokens the running requests hold, prompt and output (their decodes' contexts)."""
+        return sum(len(r.token_ids) for r in self._running)
+
     def running_context_tokens(self) -> int:
         """KV tokens the running requests hold computed (what a checkpoint to host would copy)."""
         return sum(r.num_computed_tokens for r in self._running)
@@ -310,7 +314,7 @@ class BatchBook:
         cfg = self.config
         if cfg.decode_slot_target_s <= 0 or not self._running:
             return cfg.max_num_seqs
-        mean = sum(len(r.token_ids) for r in self._running) / len(self._running)
+        mean = self.running_length_tokens() / len(self._running)
         lo, hi = 1, cfg.max_num_seqs
         while lo < hi:
             mid = (lo + hi + 1) // 2

@@ -469,7 +469,7 @@ class Batcher(BatchBook):
         # more of it than its tokens (`StepBudget.capped_fit`).
         room = float(step.budget)
         slot_s = self.config.decode_slot_target_s
-        context = sum(len(r.token_ids) for r in self._running) if slot_s > 0 else 0
+        context = self.running_length_tokens() if slot_s > 0 else 0
         while self._waiting and step.budget > 0:
             req = self._waiting.peek()
             fit, cached, left, prefix = step.budget, 0, 0, None

@@ -238,6 +238,12 @@ class SteadyBatcher(Batcher):
         self.sync_all()
         return super().running_context_tokens()
 
+    def running_length_tokens(self) -> int:
+        # a steady request's `token_ids` may run ahead of its length (written to its block's end): c + s is exact
+        running = RequestStatus.RUNNING
+        explicit = sum(len(r.token_ids) for r in self._explicit if r.status is running and _state_or_none(r) is None)
+        return explicit + self._sum_c + self._num_steady * len(self._times)
+
     # ---- plan ------------------------------------------------------------------------------------------------
 
     def schedule_compact(self, now: float, step_cap_s: float | None = None) -> CompactStep:
