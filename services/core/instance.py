@@ -16,11 +16,9 @@ from octoserve.services.core.kv_cache import KVCacheManager
 from octoserve.services.core.placement import InstanceConfig, NodeConfig, gang_step_floor_s, num_kv_blocks_for
 from octoserve.services.core.slo_sizing import (
     CHUNK_QUANTUM,
-    DECODE_SHARE,
     NARROW_BATCH_BELOW,
     NARROW_DECODE_SHARE,
     SLOT_CEILING_CONTEXT,
-    TAIL_DECODE_SHARE,
     TAIL_SIZING_BELOW,
     WIDE_BATCH_AT,
     size_for_slo,
@@ -83,23 +81,15 @@ def _sizing_fields(node: NodeConfig, instance: InstanceConfig, cost_model: CostM
     # A gang member's steps are capped by its lease share, so its batch keeps room for prefill chunks (and the
     # gang's bounds, checked on that batch, hold).
     in_gang = node.gang is not None and node.gang.group_of(instance.id) is not None
-    if policies.slack_chunking and not in_gang and instance.role is Role.COLOCATED:
+    if (policies.slack_chunking and not in_gang and instance.role is Role.COLOCATED
+            and TAIL_SIZING_BELOW <= sized.max_num_seqs < NARROW_BATCH_BELOW):
         # Context-aware decode slots (slo_sizing, SLOT_CEILING_CONTEXT): the step tables stay at the sized context
         # and reach the most decodes that fit at a short one; the batcher fills them by the running contexts.
-        plain = sized.max_num_seqs
-        if plain < TAIL_SIZING_BELOW:
-            kw, share = dict(tail_budget=True), TAIL_DECODE_SHARE
-        elif plain < NARROW_BATCH_BELOW:
-            kw, share = dict(decode_share=NARROW_DECODE_SHARE), NARROW_DECODE_SHARE
-        elif plain >= WIDE_BATCH_AT:
-            kw, share = dict(headroom=FREE_STEP_SHARE), DECODE_SHARE
-        else:
-            kw, share = {}, DECODE_SHARE
         common = dict(itl_slo_ms=itl_ms, max_num_seqs=instance.max_num_seqs,
-                      max_num_batched_tokens=instance.max_num_batched_tokens, **kw)
+                      max_num_batched_tokens=instance.max_num_batched_tokens, decode_share=NARROW_DECODE_SHARE)
         ceiling = size_for_slo(cost_model, instance.role, context_tokens=SLOT_CEILING_CONTEXT, **common).max_num_seqs
         sized = size_for_slo(cost_model, instance.role, num_slots=ceiling, **common)
-        fields["decode_slot_target_s"] = sized.step_target_s * share
+        fields["decode_slot_target_s"] = sized.step_target_s * NARROW_DECODE_SHARE
     elif policies.slack_chunking and not in_gang and sized.max_num_seqs < TAIL_SIZING_BELOW:
         sized = size_for_slo(
             cost_model, instance.role, itl_slo_ms=itl_ms, max_num_seqs=instance.max_num_seqs,

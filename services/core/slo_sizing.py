@@ -48,19 +48,18 @@ TAIL_SIZING_BELOW = 16
 # that ends past the ITL, and the 0.85 left its ITL P95 at 24 ms of 30.
 WIDE_BATCH_AT = 128
 DECODE_SHARE = 0.85
-# Context-aware decode slots (colocated instances, slack chunking on, outside a gang): a batch sized at one context
-# (`context_tokens`, 1,200) is too few sequences when the running requests are shorter and too many when they are
-# longer. The step tables stay at that context but reach the most decodes that fit at this short one (the ceiling,
-# never above the configured max_num_seqs), and a request joins the running set while the decode step at the running
-# requests' actual contexts (the table plus the KV read of the difference) fits the model's decode share of the step.
+# Context-aware decode slots, for a colocated model (slack chunking on, outside a gang) whose plain batch is narrow
+# but not starved: from TAIL_SIZING_BELOW up to NARROW_BATCH_BELOW sequences (the 70B at TP=4 under the default
+# profile: 38; its decode step is mostly the fixed cost of reading its weights, 17.7 ms of a 25.5 ms step at batch
+# 1). A batch sized at one context (`context_tokens`, 1,200) held it to 38 sequences whose contexts averaged ~880 at
+# the seed-000 peak. The step tables stay at that context but reach the most decodes that fit at this short one (the
+# ceiling, never above the configured max_num_seqs), and a request joins the running set while the decode step at
+# the running requests' actual contexts (the table plus the KV read of the difference) fits NARROW_DECODE_SHARE of
+# the step. Below the peak the slots do not bind, and the instance steps and admits exactly as the fixed batch did.
+# At the seed-000 peak (`octoserve simulate --duration 60s --warmup 20s`) the 70B served 6.0 req/s instead of 3.7,
+# its admitted requests 96.8 % good. Wider and starved batches keep their fixed batch: the variants measured (every
+# model by context, other shares) are in BENCHMARKS.md, "ITL tail budget".
 SLOT_CEILING_CONTEXT = 256
-# A model whose plain batch is narrower than this but not starved (the 70B at TP=4 under the default profile: 38;
-# its decode step is mostly the fixed cost of reading its weights, 17.7 ms of a 25.5 ms step at batch 1) lets its
-# decodes fill NARROW_DECODE_SHARE of the step instead of 0.85: at the seed-000 peak (`octoserve simulate --duration
-# 60s --warmup 20s`) it served 6.2 req/s instead of 3.7, its admitted requests 96.5 % good, and at 9.5 req/s it
-# admits exactly what the fixed batch did (its steps and budgets are the same until the slots bind). Filling the
-# whole step (1.0) served 7.0 but left seed 003's 70B at 96.3 % of admitted good (100 % at 0.95). Figures: BENCHMARKS.md,
-# "ITL tail budget".
 NARROW_BATCH_BELOW = 64
 NARROW_DECODE_SHARE = 0.95
 
