@@ -66,26 +66,10 @@ class ModelBound:
 def samples(profile: WorkloadProfile, model: str, num: int, seed: int) -> list[Sample]:
     """`num` draws of one model's requests from the profile's distributions; a request that starts with a system
     prompt has it cached (whole blocks, never the whole prompt), the best case for every scheduler."""
-    traffic = profile.model_traffic(model)
-    rng = random.Random(seed)
-    tiers = [(t.share, t.ttft_slo_ms or profile.slo.ttft_ms_for(model)) for t in traffic.tiers]
-    total = sum(share for share, _ in tiers)
-    out = []
-    for _ in range(num):
-        prompt, output = traffic.prompt_len.sample(rng), traffic.output_len.sample(rng)
-        prompt = min(prompt, traffic.max_context_len - 1)
-        output = max(1, min(output, traffic.max_context_len - prompt))
-        cached = 0
-        if traffic.prefix_hit_rate > 0 and rng.random() < traffic.prefix_hit_rate and prompt > traffic.prefix_len_tokens:
-            cached = min(traffic.prefix_len_tokens, prompt - 1) // 16 * 16
-        pick, ttft_ms = rng.random() * total, tiers[-1][1]
-        for share, slo in tiers:
-            if pick < share:
-                ttft_ms = slo
-                break
-            pick -= share
-        out.append(Sample(prompt - cached, prompt, output, float(ttft_ms)))
-    return out
+    from octoserve.services.sim.cli_plan import draw_lengths
+
+    draws = draw_lengths(profile, profile.model_traffic(model), num, random.Random(seed))
+    return [Sample(prompt - cached, prompt, output, ttft_ms) for prompt, cached, output, ttft_ms in draws]
 
 
 def instance_rps(cost, itl_s: float, kv_tokens: int, uncached: float, decode_tokens: float,

@@ -72,27 +72,30 @@ def length_samples(profile, num_requests: int = 4000, seed: int = 0) -> dict[str
     import random
 
     rng = random.Random(seed)
-    out = {}
-    for t in profile.traffic:
-        tiers = [(x.share, x.ttft_slo_ms or profile.slo.ttft_ms) for x in t.tiers]
-        total = sum(s for s, _ in tiers)
-        reqs = []
-        for _ in range(num_requests):
-            prompt, output = t.prompt_len.sample(rng), t.output_len.sample(rng)
-            prompt = min(prompt, t.max_context_len - 1)
-            output = max(1, min(output, t.max_context_len - prompt))
-            cached = 0
-            if t.prefix_hit_rate > 0 and rng.random() < t.prefix_hit_rate and prompt > t.prefix_len_tokens:
-                cached = min(t.prefix_len_tokens, prompt - 1) // 16 * 16
-            pick, ttft_ms = rng.random() * total, tiers[-1][1]
-            for share, slo in tiers:
-                if pick < share:
-                    ttft_ms = slo
-                    break
-                pick -= share
-            reqs.append((prompt - cached, output, float(ttft_ms)))
-        out[t.model] = planner.LengthSample(t.model, tuple(reqs))
-    return out
+    return {t.model: planner.LengthSample(t.model, tuple((prompt - cached, output, ttft_ms) for prompt, cached, output,
+                                                         ttft_ms in draw_lengths(profile, t, num_requests, rng)))
+            for t in profile.traffic}
+
+
+def draw_lengths(profile, traffic, num_requests: int, rng):
+    """`num_requests` draws of one model's (prompt, cached prefix, output, TTFT SLO ms) from `traffic`'s
+    distributions, the prompt capped by the context and a group prefix counted cached (whole blocks)."""
+    tiers = [(x.share, x.ttft_slo_ms or profile.slo.ttft_ms) for x in traffic.tiers]
+    total = sum(s for s, _ in tiers)
+    for _ in range(num_requests):
+        prompt, output = traffic.prompt_len.sample(rng), traffic.output_len.sample(rng)
+        prompt = min(prompt, traffic.max_context_len - 1)
+        output = max(1, min(output, traffic.max_context_len - prompt))
+        cached = 0
+        if traffic.prefix_hit_rate > 0 and rng.random() < traffic.prefix_hit_rate and prompt > traffic.prefix_len_tokens:
+            cached = min(traffic.prefix_len_tokens, prompt - 1) // 16 * 16
+        pick, ttft_ms = rng.random() * total, tiers[-1][1]
+        for share, slo in tiers:
+            if pick < share:
+                ttft_ms = slo
+                break
+            pick -= share
+        yield prompt, cached, output, float(ttft_ms)
 
 
 def _gb(n: float) -> str:
