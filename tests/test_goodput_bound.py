@@ -71,3 +71,15 @@ def test_split_placements_are_refused_with_the_reason():
     })
     with pytest.raises(ValueError, match="colocated instances only"):
         model_bound(config, "llama-3-8b", [Sample(100, 100, 10, 250.0)], 1.0)
+
+
+def test_the_command_prints_the_bound_and_refuses_an_unknown_cost_profile(capsys):
+    from octoserve.services.lab.goodput_bound import main
+
+    assert main(["--cost-profiles", "default", "--samples", "2000"]) == 0
+    out = capsys.readouterr().out
+    assert "| default | llama-3-8b | 225.0 |" in out and "| default | node | 300 |" in out
+    with pytest.raises(SystemExit) as exit_:
+        main(["--cost-profiles", "bogus"])
+    assert exit_.value.code == 2
+    assert "unknown bogus; choose from default, pessimistic" in capsys.readouterr().err

@@ -132,13 +132,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cost-profiles", default="default,pessimistic", help="comma-separated (default both)")
     parser.add_argument("--samples", type=int, default=20_000, help="requests drawn per model (default 20,000)")
     args = parser.parse_args(argv)
+    from octoserve.services.core.cost_model import COST_PROFILES
+
+    cost_profiles = args.cost_profiles.split(",")
+    unknown = [p for p in cost_profiles if p not in COST_PROFILES]
+    if unknown:
+        parser.error(f"--cost-profiles: unknown {', '.join(unknown)}; choose from {', '.join(COST_PROFILES)}")
     profile = PROFILES[args.profile]
     rate = args.rate or profile.rate_rps
     print(f"prompt-blind goodput bound, {profile.name} at {rate:g} req/s, the embedded placement")
     print("| cost profile | model | offered req/s | bound req/s | served: shortest prompts, % of offered "
           "| mean uncached prompt | mean output | mean decode context | batch | step ms |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for cost_profile in args.cost_profiles.split(","):
+    for cost_profile in cost_profiles:
         config = load_with_overrides(None, [], cost_profile)
         bounds = goodput_bound(config, profile, rate, args.samples)
         for b in bounds:
