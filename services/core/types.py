@@ -195,7 +195,7 @@ class EngineLoad:
     decode_step_time_s: float  # recent decode step time (ITL proxy)
     healthy: bool = True
     paused: bool = False
-    max_num_seqs: int = 0  # decode slots of the instance (0: unknown, no slot limit assumed)
+    max_num_seqs: int = 0  # decode slots now (by context: at the running mean context); 0: unknown, no limit
     mean_output_tokens: float = 0.0  # recent mean completion length (0: unknown)
     num_reserved: int = 0  # decode reservations whose KV has not arrived (each decodes here once it does)
     # Prefill rate of a step past the ITL SLO (0: none, or the ITL tail budget never affords one); the batcher runs
