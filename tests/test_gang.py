@@ -267,7 +267,8 @@ def test_an_sm_prompt_spends_the_lms_tail_only_when_the_lm_lends_it():
 
 def test_decisions_tell_each_member_whether_the_other_side_lends_its_tail():
     """Told like sharing: once when it changes, idle members included; the LM is lent only while every SM with work
-    lends; only the deadline shapes step past deadlines, so no other shape lends."""
+    lends, the SMs while the LM lends or has no work; only the deadline shapes step past deadlines, so no other
+    shape lends."""
     arb = GangArbiter(GangPolicy(shape="deadline", max_lm_wait_ms=60.0, max_sm_stall_ms=160.0), "lm", ["sm0", "sm1"])
     lm = MemberView("lm", True, 0.018, deadline_s=1.0, lends_tail=True)
     both = [MemberView("sm0", True, 0.010, 1.0, lends_tail=True), MemberView("sm1", True, 0.010, 1.0, lends_tail=True)]
@@ -284,3 +285,9 @@ def test_decisions_tell_each_member_whether_the_other_side_lends_its_tail():
     interleave = GangArbiter(GangPolicy(shape="interleave"), "lm", ["sm0"])
     d = interleave.decide(0.0, lm, both[:1])
     assert d.lend_notices == (("lm", False), ("sm0", False))
+    # A side with no work has no deadline to keep: the SMs are lent while the LM has none, the LM while no SM has.
+    arb = GangArbiter(GangPolicy(shape="deadline", max_lm_wait_ms=60.0, max_sm_stall_ms=160.0), "lm", ["sm0"])
+    d = arb.decide(0.0, MemberView("lm", False, 0.0), [dataclasses.replace(both[0], lends_tail=False)])
+    assert d.lend_notices == (("lm", False), ("sm0", True))
+    d = arb.decide(0.1, dataclasses.replace(lm, lends_tail=False), [MemberView("sm0", False, 0.0)])
+    assert d.lend_notices == (("lm", True), ("sm0", False))

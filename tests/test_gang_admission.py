@@ -92,9 +92,11 @@ def test_decisions_tell_each_member_its_sharing_idle_ones_too():
     assert (arb.shared("lm"), arb.shared("sm")) == (True, False)
     arb.started("sm", t + 0.03, 0.01, d.sm_starts[0][1])
     arb.finished("sm", t + 0.04)
-    arb.forget("sm")  # a worker that rejoined is told again: its sharing, and that no tail is lent to it
+    arb.forget("sm")  # a worker that rejoined is told again: its sharing, and its lending
     d = arb.decide(t + 0.05, MemberView("lm", False, 0.0), [idle])
-    assert d == Decision(notices=(("sm", False),), lend_notices=(("sm", False),))
+    # Neither side has work, so neither has a deadline to keep: each is lent the other's tail (the LM's changes now
+    # that its busy SM, which did not lend, went idle).
+    assert d == Decision(notices=(("sm", False),), lend_notices=(("lm", True), ("sm", True)))
 
 
 @pytest.mark.parametrize("shape,told", [("deadline", {"lm": True, "sm": True}), ("lm_first", {"lm": False, "sm": True}),
@@ -355,3 +357,45 @@ def test_a_member_lends_its_tail_while_its_budget_affords_a_slow_gap_on_each_dec
     assert b.lends_tail()  # 157 + 3 = 160
     tail.observe(1, 1)
     assert not b.lends_tail()  # 158 + 3 > 160
+
+
+@pytest.mark.parametrize("cost_profile", ["default", "pessimistic"])
+@pytest.mark.parametrize("gap_s", [0.3, 0.9, 1.5])
+def test_a_lone_large_model_prompt_after_the_sms_went_idle_is_served_in_time(cost_profile, gap_s):
+    """A 1,000-token 180B prompt (~130 ms alone; 165 pessimistic) on seed 003's node, `gap_s` after an 8B request that
+    finished within 0.1 s: the SMs have no work, so none has a deadline to keep, and the LM, still shared for
+    SHARING_HOLD_S, is lent their tail. It used to be told shared and not lent (the SMs lent only while one had
+    work), reported the rate of steps cut to an SM's latest start (~800 tokens/s), and was refused."""
+    from octoserve.services.core.types import Priority
+    from octoserve.services.sim.driver import run_simulation
+    from octoserve.services.workload import TraceRequest
+
+    def req(rid, arrival_s, model, n):
+        return TraceRequest(rid, arrival_s, model, tuple(100 + i % 3000 for i in range(n)), 8, 8,
+                            Priority.INTERACTIVE, 200.0)
+
+    node = _node(cost_profile)
+    recs = {r.request_id: r for r in run_simulation(
+        node, [req("sm", 0.0, "llama-3-8b", 200), req("lm", gap_s, "dense-180b", 1000)], drain_s=10.0).records}
+    assert recs["sm"].finish_s < 0.1
+    assert not recs["lm"].refused
+    # Served as on the GPUs alone: the whole prompt in one step, its first token at its prefill time.
+    assert recs["lm"].ttft_s == pytest.approx(node.cost_model(node.instance("lm-0")).prefill_time_s(1000, 0), rel=1e-9)
+
+
+def test_a_members_cached_snapshot_follows_the_lending_notice():
+    """The simulator reuses an instance's load snapshot while nothing it reads changed; the lending notice is one of
+    those inputs (an idle LM lent the SMs' tail must report the lent rate at once, not the one it had)."""
+    from octoserve.services.sim.driver import _Instance
+
+    node = _node()
+    inst = _Instance(node, node.instance("lm-0"))
+    inst.batcher.add_request(RequestSpec("r", "dense-180b", tuple(range(10, 910)), SamplingParams(max_tokens=8),
+                                         arrival_s=0.0), 0.0)
+    inst.reporter.shared = True
+    cut = inst.cached_load()
+    assert inst.cached_load() is cut  # nothing changed: reused
+    inst.reporter.tail_lent = True
+    lent = inst.cached_load()
+    assert lent.prefill_tokens_per_s == inst.reporter.load().prefill_tokens_per_s
+    assert lent.prefill_tokens_per_s > 3 * cut.prefill_tokens_per_s

@@ -215,7 +215,7 @@ def test_capacity_is_the_highest_grid_rate_with_every_lower_rate_passing():
 
 
 def test_the_table_states_each_policys_capacity_goodput_and_starvation():
-    from octoserve.services.lab.gang_bench import Settings, render
+    from octoserve.services.lab.gang_bench import Settings, capacity_ratio, render
 
     settings = Settings(grid_rps=(2.5, 5.0), cases=("seed003",), cost_profiles=("default",))
     rows = [_row(r, True, r < 5, p) for p in ("gang", "gang-slack", "lm-first", "sm-greedy", "slices")
@@ -223,3 +223,51 @@ def test_the_table_states_each_policys_capacity_goodput_and_starvation():
     text = render(rows, settings)
     assert "| gang | 2.5 | 5 | 2.5 | 1.0 | 1.0 | 97.0 | 97.0 | 95.0 | 50.0 | 80.0 | 97.0 | 100.0 | 60 ms | 150 ms | 40.0 | 0 |" in text
     assert "| lm-first | 2.5 | 5 | 2.5 |" in text and "| 60 ms | 150 ms | 40.0 | - |" in text
+    assert ("Every-model capacity: gang 2.5 req/s, the best baseline (lm-first) 2.5: 1.00x. The gang's admitted "
+            "requests good, worst run of its row: dense-180b 97.0 % (at 2.5 req/s), llama-3-8b 97.0 % (at 2.5 req/s)."
+            in text)
+    # Every baseline failing the lowest rate bounds the ratio from below.
+    fails = [_row(r, p == "gang", p == "gang", p) for p in ("gang", "lm-first", "sm-greedy", "slices") for r in (2.5, 5.0)]
+    assert capacity_ratio(fails, "seed003", (2.5, 5.0)).startswith(
+        "Every-model capacity: gang 5 req/s; every baseline fails the grid's lowest rate (2.5 req/s), so the gang's "
+        "is over 2x theirs.")
+
+
+def test_a_system_prompt_counts_as_cached_once_an_earlier_request_carried_it():
+    """Servable (any scheduler could serve it in time): a 7,000-token 8B prompt alone takes ~215 ms (SLO 200 ms); with
+    its 1,024-token system prompt cached ~180 ms. The first request of a prefix group pays for the system prompt on
+    every scheduler, so only a later one of the same group (and model) is servable."""
+    from octoserve.services.core.types import Priority
+    from octoserve.services.lab.gang_bench import servable_ids
+    from octoserve.services.workload import TraceRequest
+
+    def req(rid, t, group, model="llama-3-8b"):
+        return TraceRequest(rid, t, model, tuple(range(7000)), 8, 8, Priority.INTERACTIVE, 200.0, prefix_group=group)
+
+    cost = config_for("seed003", "gang", "default").cost_model(config_for("seed003", "gang", "default").instance("sm-0"))
+    assert cost.prefill_time_s(7000, 0) > 0.2 >= cost.prefill_time_s(7000 - 1024, 1024)
+    trace = [req("first", 0.0, 3), req("again", 1.0, 3), req("other", 2.0, 4), req("none", 3.0, -1),
+             req("lm-first", 4.0, 4, "dense-180b")]
+    assert servable_ids("seed003", trace, "default") == frozenset({"again"})
+
+
+def test_a_grid_run_holds_its_arrivals_and_a_policy_stops_where_every_model_failed():
+    from octoserve.services.lab.gang_bench import Settings, grid_job, run_grid
+
+    settings = Settings(duration_s=60.0, warmup_s=10.0, grid_arrivals=1000, warmup_arrivals=250)
+    assert (grid_job(settings, "seed003", "gang", "default", 0.5).duration_s,
+            grid_job(settings, "seed003", "gang", "default", 0.5).warmup_s) == (2500.0, 500.0)
+    assert (grid_job(settings, "seed003", "gang", "default", 80.0).duration_s,
+            grid_job(settings, "seed003", "gang", "default", 80.0).warmup_s) == (60.0, 10.0)
+    # Short real runs: the rows stop at the first rate where every model has failed at some rate so far (the
+    # slices, which starve both sides, before the grid's end; SM-greedy's 8B passes the whole grid).
+    short = Settings(duration_s=15.0, warmup_s=3.0, grid_arrivals=0, warmup_arrivals=0)
+    rates = [0.5, 5.0, 20.0, 80.0]
+    for policy, stops_early in (("slices", True), ("sm-greedy", False)):
+        rows = run_grid([grid_job(short, "seed003", policy, "default", r) for r in rates])
+        failed_before_last = {m.model for r in rows[:-1] for m in r.models if not m.passes}
+        failed = failed_before_last | {m.model for m in rows[-1].models if not m.passes}
+        assert len(failed_before_last) < 2
+        assert (len(failed) == 2) is stops_early
+        assert [r.rate_rps for r in rows] == rates[:len(rows)]
+        assert (len(rows) < len(rates)) is stops_early

@@ -307,11 +307,12 @@ class GangArbiter:
 
     def _lending(self, lm: MemberView, sms: Sequence[MemberView]) -> tuple[tuple[str, bool], ...]:
         """Whether the other side lends each member its ITL tail, and the members whose answer changed. Only the
-        deadline shapes step past deadlines; the LM is lent the SMs' tail while every SM with work lends."""
+        deadline shapes step past deadlines; the LM is lent the SMs' tail while every SM with work lends, and the
+        SMs the LM's while it lends or has no work: a side with no work has no deadline to keep, so a member still
+        shared (SHARING_HOLD_S) steps to the bounds, as lent."""
         lending = self.policy.lends_tails
-        sm_work = [s for s in sms if s.has_work]
-        lm_lent = lending and bool(sm_work) and all(s.lends_tail for s in sm_work)
-        sm_lent = lending and lm.has_work and lm.lends_tail
+        lm_lent = lending and all(s.lends_tail for s in sms if s.has_work)
+        sm_lent = lending and (not lm.has_work or lm.lends_tail)
         return self._changes(self._told_lent, lm_lent, sm_lent)
 
     def _changes(self, told: dict[str, bool], lm_value: bool, sm_value: bool) -> tuple[tuple[str, bool], ...]:

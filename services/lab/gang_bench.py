@@ -135,8 +135,9 @@ def _gang_for(node: NodeConfig, policy: str):
 
 def servable_ids(case: str, trace, cost_profile: str) -> frozenset[str]:
     """Requests whose uncached prompt prefills within their TTFT SLO on the case's idle gang instance of their
-    model (the LM at its full TP): what any scheduler could serve in time. The system-prompt prefix counts as
-    cached (warm: ~80 % of prompts share one of 16 per model)."""
+    model (the LM at its full TP): what any scheduler could serve in time. The system-prompt prefix (~80 % of
+    prompts share one of 16 per model) counts as cached once an earlier request of the trace carried it: the first
+    request of each prefix pays for it on every scheduler, a later one pays only if its scheduler evicted it."""
     node = config_for(case, "gang", cost_profile)
     profile = workload(case)
     prefix = {t.model: t.prefix_len_tokens for t in profile.traffic}
@@ -145,8 +146,11 @@ def servable_ids(case: str, trace, cost_profile: str) -> frozenset[str]:
         if inst.model not in costs or inst.tp > costs[inst.model][0]:
             costs[inst.model] = (inst.tp, node.cost_model(inst))
     out = []
+    seen: set[tuple[str, int]] = set()
     for r in trace:
-        cached = min(prefix[r.model], len(r.prompt_token_ids) - 1) if r.prefix_group >= 0 else 0
+        warm = r.prefix_group >= 0 and (r.model, r.prefix_group) in seen
+        seen.add((r.model, r.prefix_group))
+        cached = min(prefix[r.model], len(r.prompt_token_ids) - 1) if warm else 0
         prefill_s = costs[r.model][1].prefill_time_s(len(r.prompt_token_ids) - cached, cached)
         if prefill_s * 1e3 <= r.ttft_slo_ms:
             out.append(r.request_id)
@@ -253,9 +257,14 @@ ONE_MODEL_PEAKS = (("lm", 100.0), ("sm", 1500.0))  # the seed's "~100 LM req/s o
 @dataclass(frozen=True, slots=True)
 class Settings:
     peak_rps: float = 625.0  # seed 003's peak (the workload's rate)
-    grid_rps: tuple[float, ...] = (2.5, 5.0, 10.0, 20.0, 40.0, 80.0)  # the capacity grid
-    duration_s: float = 60.0
-    warmup_s: float = 10.0
+    grid_rps: tuple[float, ...] = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 40.0, 80.0)  # the capacity grid: ~2x steps
+    duration_s: float = 60.0  # a grid run's window, at least
+    warmup_s: float = 10.0  # and its warm-up, at least
+    # A grid run's window holds at least this many arrivals of the mix after a warm-up of at least
+    # `warmup_arrivals` (~100 and ~25 of the large model's at its 10 %): at the low rates a fixed 60 s would judge a
+    # model on a handful of requests, and measure them while the prefix caches are still cold.
+    grid_arrivals: int = 1000
+    warmup_arrivals: int = 250
     peak_duration_s: float = 20.0
     peak_warmup_s: float = 5.0
     seed: int = 0
@@ -266,39 +275,63 @@ class Settings:
 
 
 def quick_settings(**given) -> Settings:
-    base = dict(grid_rps=(5.0, 20.0), duration_s=10.0, warmup_s=3.0, peak_duration_s=5.0, peak_warmup_s=2.0,
-                quick=True)
+    base = dict(grid_rps=(5.0, 20.0), duration_s=10.0, warmup_s=3.0, grid_arrivals=0, warmup_arrivals=0,
+                peak_duration_s=5.0, peak_warmup_s=2.0, quick=True)
     return Settings(**{**base, **given})
 
 
-def jobs(settings: Settings) -> list[Job]:
-    out = []
+def grid_job(settings: Settings, case: str, policy: str, cost_profile: str, rate_rps: float) -> Job:
+    """One capacity grid run: a window of at least `grid_arrivals` arrivals after `warmup_arrivals` (Settings)."""
+    warmup_s = max(settings.warmup_s, settings.warmup_arrivals / rate_rps)
+    duration_s = max(settings.duration_s, warmup_s + settings.grid_arrivals / rate_rps)
+    return Job(case, policy, cost_profile, rate_rps, duration_s, warmup_s, settings.seed)
+
+
+def jobs(settings: Settings) -> list[tuple[Job, ...]]:
+    """The work, in units a worker runs in order: a policy's capacity grid (ascending, `run_grid`), and each peak
+    run alone."""
+    out: list[tuple[Job, ...]] = []
     for cost in settings.cost_profiles:
         for case in settings.cases:
             for policy in policies_of(case):
-                out.append(Job(case, policy, cost, settings.peak_rps, settings.peak_duration_s,
-                               settings.peak_warmup_s, settings.seed))
-                out += [Job(case, policy, cost, r, settings.duration_s, settings.warmup_s, settings.seed)
-                        for r in settings.grid_rps]
+                out.append((Job(case, policy, cost, settings.peak_rps, settings.peak_duration_s,
+                                settings.peak_warmup_s, settings.seed),))
+                out.append(tuple(grid_job(settings, case, policy, cost, r) for r in sorted(settings.grid_rps)))
             if case == "seed003":
-                out += [Job(case, "gang", cost, rate, settings.peak_duration_s, settings.peak_warmup_s,
-                            settings.seed, only=only) for only, rate in ONE_MODEL_PEAKS]
+                out += [(Job(case, "gang", cost, rate, settings.peak_duration_s, settings.peak_warmup_s,
+                             settings.seed, only=only),) for only, rate in ONE_MODEL_PEAKS]
     return out
+
+
+def run_grid(grid: Sequence[Job]) -> list[RunRow]:
+    """`grid`'s runs in order, up to the first rate at which every model has failed: a capacity counts only the
+    rates below a model's first failure (`capacity_rps`), so the higher ones would change no figure."""
+    rows: list[RunRow] = []
+    failed: set[str] = set()
+    for job in grid:
+        row = run_job(job)
+        rows.append(row)
+        failed.update(m.model for m in row.models if not m.passes)
+        if len(failed) == len(row.models):
+            break
+    return rows
 
 
 def run_all(settings: Settings, log=None) -> list[RunRow]:
     todo = jobs(settings)
     rows = []
-    results: Iterable[RunRow]
+    results: Iterable[list[RunRow]]
     if settings.workers <= 1:
-        results = map(run_job, todo)
+        results = map(run_grid, todo)
     else:
         pool = multiprocessing.get_context("fork").Pool(settings.workers)
-        results = pool.imap(run_job, todo)
-    for row in results:
-        rows.append(row)
+        results = pool.imap_unordered(run_grid, todo)
+    for done in results:
+        rows += done
         if log:
-            log(f"{row.cost_profile} {row.case} {row.policy} {row.rate_rps:g} req/s done")
+            r = done[-1]
+            rates = ", ".join(f"{x.rate_rps:g}" for x in done)
+            log(f"{r.cost_profile} {r.case} {r.policy} {rates} req/s done")
     if settings.workers > 1:
         pool.close()
     return rows
@@ -341,8 +374,8 @@ def render(rows: Sequence[RunRow], settings: Settings) -> str:
             lm = next(m for m in models if m != "llama-3-8b")
             sm = "llama-3-8b"
             out.append(f"**{CASES[case][0]}, `{cost}` cost profile.** Capacity (req/s of the mix) on the grid "
-                       f"{', '.join(f'{r:g}' for r in settings.grid_rps)}; the rest at {settings.peak_rps:g} req/s "
-                       "(the seed's peak); waits: the longest over every run of the row.")
+                       f"{', '.join(f'{r:g}' for r in settings.grid_rps)}{_windows(settings)}; the rest at "
+                       f"{settings.peak_rps:g} req/s (the seed's peak); waits: the longest over every run of the row.")
             out.append("")
             out.append(f"| policy | capacity: every model | {lm} | {sm} | peak goodput {lm} | {sm} | "
                        f"admitted good {lm} % | {sm} % | servable good {lm} % | {sm} % | INTERACTIVE share of goodput % "
@@ -372,6 +405,8 @@ def render(rows: Sequence[RunRow], settings: Settings) -> str:
                     f"{_pct(batch.attainment_admitted if batch else math.nan)} | {_ms(wait)} | {_ms(stall)} | "
                     f"{_pct(peak.lm_held)} | {over} |")
             out.append("")
+            out.append(capacity_ratio(mine, case, settings.grid_rps) + " " + gang_promise(mine))
+            out.append("")
     one = [r for r in rows if " only" in r.policy]
     if one:
         out.append("**One-model peaks on seed 003's node** (gang config; the other model idle, so every shape runs "
@@ -388,6 +423,46 @@ def render(rows: Sequence[RunRow], settings: Settings) -> str:
         out.append("")
         out.append(one_model_arithmetic(settings.cost_profiles))
     return "\n".join(out)
+
+
+def _windows(settings: Settings) -> str:
+    if not settings.grid_arrivals:
+        return f" ({settings.duration_s:g} s after {settings.warmup_s:g} s)"
+    return (f" (each run at least {settings.grid_arrivals:,} arrivals and {settings.duration_s:g} s after at least "
+            f"{settings.warmup_arrivals:,} and {settings.warmup_s:g} s; a policy's rates stop where every model has "
+            "failed)")
+
+
+def capacity_ratio(rows: Sequence[RunRow], case: str, grid: Sequence[float]) -> str:
+    """The shipped gang's every-model capacity against the best baseline's, in words: a baseline that fails the
+    grid's lowest rate has a capacity below it, so the ratio is then a lower bound."""
+    def cap(policy: str) -> float:
+        return capacity_rps([r for r in rows if r.policy == policy and r.rate_rps in grid], None)
+
+    baselines = [p for p in policies_of(case) if p in BASELINE_SHAPES or p == STATIC]
+    best = max(baselines, key=cap)
+    gang, other = cap("gang"), cap(best)
+    lowest = min(grid)
+    if other > 0:
+        return (f"Every-model capacity: gang {_cap(gang, grid)} req/s, the best baseline ({best}) {other:g}: "
+                + (f"{gang / other:.2f}x." if gang > 0 else f"under {lowest / other:g}x."))
+    if gang > 0:
+        return (f"Every-model capacity: gang {gang:g} req/s; every baseline fails the grid's lowest rate "
+                f"({lowest:g} req/s), so the gang's is over {gang / lowest:g}x theirs.")
+    return f"Every-model capacity: neither the gang nor any baseline passes the grid's lowest rate ({lowest:g} req/s)."
+
+
+def gang_promise(rows: Sequence[RunRow]) -> str:
+    """The shipped gang's admitted requests good, per model, at its worst run of the row (grid and peak)."""
+    parts = []
+    runs = [r for r in rows if r.policy == "gang"]
+    for name in (m.model for m in runs[0].models) if runs else ():
+        admitted = [(r.model(name).attainment_admitted, r.rate_rps) for r in runs
+                    if not math.isnan(r.model(name).attainment_admitted)]
+        if admitted:
+            worst, rate = min(admitted)
+            parts.append(f"{name} {_pct(worst)} % (at {rate:g} req/s)")
+    return ("The gang's admitted requests good, worst run of its row: " + ", ".join(parts) + ".") if parts else ""
 
 
 def one_model_arithmetic(cost_profiles: Sequence[str]) -> str:
@@ -448,6 +523,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peak", type=float, default=d.peak_rps)
     parser.add_argument("--duration", type=float, default=d.duration_s, help="grid runs' window, s")
     parser.add_argument("--warmup", type=float, default=d.warmup_s)
+    parser.add_argument("--grid-arrivals", type=int, default=d.grid_arrivals,
+                        help="a grid run's window holds at least this many arrivals")
+    parser.add_argument("--warmup-arrivals", type=int, default=d.warmup_arrivals,
+                        help="and its warm-up at least this many")
     parser.add_argument("--peak-duration", type=float, default=d.peak_duration_s)
     parser.add_argument("--peak-warmup", type=float, default=d.peak_warmup_s)
     parser.add_argument("--seed", type=int, default=d.seed)
@@ -463,7 +542,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     if args.quick:
         return quick_settings(**given)
     return Settings(grid_rps=tuple(float(x) for x in args.grid.split(",") if x), duration_s=args.duration,
-                    warmup_s=args.warmup, peak_duration_s=args.peak_duration, peak_warmup_s=args.peak_warmup, **given)
+                    warmup_s=args.warmup, grid_arrivals=args.grid_arrivals, warmup_arrivals=args.warmup_arrivals,
+                    peak_duration_s=args.peak_duration, peak_warmup_s=args.peak_warmup, **given)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -493,17 +573,22 @@ node, `interleave` on the 70B case), the other gang shapes beside it, and the se
 arbiter, run with the starvation bounds out of reach (starving one side is what defines them): **lm-first** (the
 whole node reserved for the LM while it has work), **sm-greedy** (the LM steps only when no SM has work),
 **slices** (fixed 1 s slices, as a pod-level gang scheduler; work-conserving). Definitions: every run is measured
-in steady state (arrivals after the warm-up to the end of the window: grid runs 60 s after 10 s, peak runs 20 s
-after 5 s; 120 s drain, so the LM's longest streams finish). *Servable*: a request whose uncached prompt (system prompt counted cached) prefills within
-its TTFT SLO on an idle instance of its model at the case's largest TP, which no scheduler can beat; *capacity*
-of a model: the highest grid rate (of the whole mix) at which >= 90 % of its servable offered requests are good
-and its TTFT and ITL P95s hold, with every lower grid rate passing too ("< 2.5": not even the lowest); *admitted
-good*: good / admitted; *longest LM wait* and *SM stall*: the longest over every run of the row, waits still
-open at the end included; *steps over cap*: gang steps that ran past the arbiter's cap (the batcher's step model
-under-predicting the cost model), summed over the row's runs.
+in steady state (arrivals after the warm-up to the end of the window; 120 s drain, so the LM's longest streams
+finish). A grid run's window holds at least 1,000 arrivals of the mix (~100 of the LM's) and 60 s, after a warm-up
+of at least 250 arrivals and 10 s (at 0.5 req/s: 2,000 s after 500 s), so that a low rate judges each model on
+enough requests with its prefix caches warm; peak runs are 20 s after 5 s. *Servable*: a request whose uncached
+prompt prefills within its TTFT SLO on an idle instance of its model at the case's largest TP, which no scheduler
+can beat; its system prompt counts as cached once an earlier request of the trace carried it (the first request
+of each system prompt pays for it on every scheduler). *Capacity* of a model: the highest grid rate (of the whole
+mix) at which >= 90 % of its servable offered requests are good and its TTFT and ITL P95s hold, with every lower
+grid rate passing too ("< 0.5": not even the lowest); a policy's grid runs stop at the rate where every model has
+failed once, since no higher rate can change a capacity. *Admitted good*: good / admitted; *longest LM wait* and
+*SM stall*: the longest over every run of the row, waits still open at the end included; *steps over cap*: gang
+steps that ran past the arbiter's cap (the batcher's step model under-predicting the cost model), summed over the
+row's runs.
 
-Reproduce (both cost profiles, ~12 min on two cores): `.venv/bin/python -m octoserve.services.lab.gang_bench --write
-BENCHMARKS.md` (`--cases seed003`, `--cost-profiles default`, `--grid 2.5,5,10` narrow it; `--quick` for a smoke
+Reproduce (both cost profiles, ~15 min on two cores): `.venv/bin/python -m octoserve.services.lab.gang_bench --write
+BENCHMARKS.md` (`--cases seed003`, `--cost-profiles default`, `--grid 0.5,1,2` narrow it; `--quick` for a smoke
 run); `make bench` runs it too, after the policy suite. One run by hand: `.venv/bin/octoserve simulate --config
 services/configs/node-seed003.yaml --workload services/configs/workload-seed003.yaml --duration 20s --warmup 5s
 --cost-profile pessimistic` (the gang; `--set` cannot change the shape, `gang_bench` does)."""

@@ -94,7 +94,7 @@ class _Instance:
         self._load_version = -1
         self._load_free = -1
         self._load_decode_s = 0.0
-        self._load_shared = False
+        self._load_shared = (False, False)  # the reporter's gang notices: (shared, tail_lent)
 
     def load(self) -> EngineLoad:
         return self.reporter.load()
@@ -103,10 +103,10 @@ class _Instance:
         """`load()`, reused while nothing it reads has changed: every arrival asks every instance of its model,
         and several arrivals fall inside one step. The key covers all of the snapshot's inputs: the batcher's
         state version (bumped by each of its mutating calls), its free KV blocks, the reporter's decode EMA and its
-        gang-shared flag."""
+        gang notices (shared, and the other side lending its ITL tail)."""
         batcher = self.batcher
         version, free, decode_s = batcher.state_version, batcher.kv.num_free_blocks, self.reporter.decode_step_time_s
-        shared = self.reporter.shared
+        shared = (self.reporter.shared, self.reporter.tail_lent)
         load = self._load
         if (load is None or version != self._load_version or free != self._load_free or decode_s != self._load_decode_s
                 or shared != self._load_shared):
