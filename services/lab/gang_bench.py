@@ -587,7 +587,7 @@ failed once, since no higher rate can change a capacity. *Admitted good*: good /
 steps that ran past the arbiter's cap (the batcher's step model under-predicting the cost model), summed over the
 row's runs.
 
-Reproduce (both cost profiles, ~15 min on two cores): `.venv/bin/python -m octoserve.services.lab.gang_bench --write
+Reproduce (both cost profiles, ~11 min on two cores): `.venv/bin/python -m octoserve.services.lab.gang_bench --write
 BENCHMARKS.md` (`--cases seed003`, `--cost-profiles default`, `--grid 0.5,1,2` narrow it; `--quick` for a smoke
 run); `make bench` runs it too, after the policy suite. One run by hand: `.venv/bin/octoserve simulate --config
 services/configs/node-seed003.yaml --workload services/configs/workload-seed003.yaml --duration 20s --warmup 5s
