@@ -134,6 +134,24 @@ def test_decode_slots_admit_by_the_running_requests_actual_context():
     assert len(plan.chunks) == 8 and plain.decode_slots() == 8
 
 
+def test_a_tier_preemption_frees_the_victims_context_for_the_decode_slots():
+    """Two BATCH decodes of 25 tokens fill the slots (a third decode of context 70 would take 18.8 ms of 16); an
+    INTERACTIVE 20-token prompt preempts the later one, and with that victim's tokens gone the step of the two
+    left (45 tokens) is 15.7 ms: it joins. Counting the victim's tokens still would preempt the other as well."""
+    b = make_batcher(num_blocks=512, max_num_seqs=8, max_num_batched_tokens=1000, queue_policy="priority",
+                     batch_min_share=0.0, decode_step_s_by_num_decodes=tuple(0.010 + 0.001 * d for d in range(9)),
+                     sized_context_tokens=4, kv_s_per_context_token=0.0001, decode_slot_target_s=0.016)
+    for i, arrival in enumerate((0.0, 0.1)):
+        b.add_request(spec(f"b{i}", prompt_len=24, max_tokens=50, arrival=arrival, priority=Priority.BATCH,
+                           first=1000 * (i + 1)), arrival)
+    plan, _ = step(b, 0.1)
+    assert [c.request_id for c in plan.chunks] == ["b0", "b1"]
+    b.add_request(spec("i", prompt_len=20, max_tokens=50, arrival=0.2, priority=Priority.INTERACTIVE, first=5000), 0.2)
+    plan, _ = step(b, 0.2)
+    assert plan.preempted_ids == ("b1",)
+    assert sorted(c.request_id for c in plan.chunks) == ["b0", "i"]
+
+
 def test_edf_orders_by_tier_deadline_and_ages_batch_requests():
     b = make_batcher(max_num_seqs=1, queue_policy="edf")
     b.add_request(spec("batch-old", arrival=0.0, priority=Priority.BATCH, first=100), 0.0)

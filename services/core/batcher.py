@@ -489,6 +489,8 @@ class Batcher(BatchBook):
                 if victim is None:
                     return  # the head is never overtaken
                 self._preempt(victim, step)
+                if slot_s > 0:
+                    context = self.running_length_tokens()  # the victim's tokens left the running set
                 continue
             self._waiting.pop()
             self._set_running(req)
