@@ -13,6 +13,7 @@ admitted requests are >= 95 % good in the simulator.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 
@@ -177,6 +178,47 @@ def test_a_member_lent_the_other_sides_tail_reports_steps_to_its_bound():
     assert lent > 3 * cut  # each cut step pays the 180B's weight reads again for a fraction of the tokens
     rep.shared = False  # alone, lending changes nothing
     assert rep.load().prefill_tokens_per_s == LoadReporter(rep.instance_id, rep.model, b, rep.cost, share).load().prefill_tokens_per_s
+
+
+def test_a_lent_member_reports_the_lent_rate_for_one_lent_period_then_the_recent_mix():
+    """Seed 003's LM lent the SMs' tail half the recent time, in lent periods of 0.1 s: a prompt is predicted at the
+    lent rate for one lent period's worth of tokens, then at the mix of the lent and the unlent (cut) rates that
+    the share gives; without a record (no notice with a time yet) the lent rate is taken to last (as before)."""
+    node = _node()
+    rep = _reporter(node, "lm-0")
+    b, share = rep.batcher, rep.gang
+    b.add_request(RequestSpec("r", "dense-180b", tuple(range(10, 9010)), SamplingParams(max_tokens=8), arrival_s=0.0), 0.0)
+    rep.shared = True
+    cut = rep.load().prefill_tokens_per_s
+    rep.tail_lent = True
+    lent = rep.load()
+    assert (lent.long_prefill_tokens_per_s, lent.long_burst_tokens) == (0.0, 0.0)  # no record: lent throughout
+    told = LoadReporter(rep.instance_id, rep.model, b, rep.cost, share)
+    told.shared = True
+    window = LoadReporter.LENT_WINDOW_S
+    # Lent 0.1 s, unlent 0.1 s, lent again: the share decays from 1 over the unlent 0.1 s only.
+    told.note_lending(True, 10.0)
+    assert (told.lent_share, told.lent_period_s) == (1.0, math.inf)  # the first notice starts the record
+    told.note_lending(False, 10.1)
+    assert told.lent_share == 1.0 and told.lent_period_s == pytest.approx(0.1)
+    told.note_lending(True, 10.2)
+    mix = math.exp(-0.1 / window)
+    assert told.lent_share == pytest.approx(mix)
+    load = told.load()
+    mixed = mix * lent.prefill_tokens_per_s + (1.0 - mix) * cut
+    assert load.prefill_tokens_per_s == pytest.approx(mixed)
+    assert load.long_prefill_tokens_per_s == pytest.approx(lent.prefill_tokens_per_s)
+    assert load.long_burst_tokens == pytest.approx(lent.prefill_tokens_per_s * 0.1)
+    assert load.long_sustained_tokens_per_s == pytest.approx(mixed)
+    # A second lent period of 0.3 s moves the mean period by the EMA's weight; a notice that changes nothing
+    # (lent again at the same time) adds no time.
+    told.note_lending(False, 10.5)
+    assert told.lent_period_s == pytest.approx(0.1 + LoadReporter.LENT_PERIOD_EMA * 0.2)
+    share_now = told.lent_share
+    told.note_lending(False, 10.5)
+    assert told.lent_share == share_now
+    # Unlent, the report is the cut rate whatever the record.
+    assert told.load().prefill_tokens_per_s == pytest.approx(cut)
 
 
 def test_queued_prompts_count_as_the_decodes_they_become():

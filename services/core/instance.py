@@ -6,6 +6,7 @@ either clock: one policy, two clocks.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from octoserve.services.core.batch_state import BatcherConfig
@@ -198,10 +199,19 @@ class LoadReporter:
     prefill slower than an idle one. With slack chunking the batcher's own step model gives both rates it plans
     with: steps within the ITL SLO's free share, and a step past it while the ITL tail budget affords one. The
     decode step time is an exponential average of recent decode-only steps.
+
+    A gang member lent the other side's ITL tail reports the lent rate only for as long as lending lasts: the
+    arbiter's notice says whether it is lent now, not for how long, and a prompt queued behind seconds of prefill
+    (a BATCH prompt of the large model) is served mostly after the state it arrived in has changed. So the reporter
+    keeps, from the notices and their times, the share of recent time it was lent (`lent_share`, an exponential
+    average over `LENT_WINDOW_S`) and the mean length of its lent periods (`lent_period_s`): a prompt gets the lent
+    rate for one lent period, then the rate of that mix of lent and unlent steps.
     """
 
     EMA = 0.2  # weight of the newest decode step
     CONTEXT_TOKENS = 1200  # typical decode context for the rate estimate
+    LENT_WINDOW_S = 4.0  # time constant of `lent_share`, in model seconds: a few BATCH prefills' worth
+    LENT_PERIOD_EMA = 0.2  # weight of the newest lent period in `lent_period_s`
 
     def __init__(self, instance_id: str, model: str, batcher: Batcher, cost: CostModel,
                  gang: GangShare | None = None) -> None:
@@ -213,12 +223,29 @@ class LoadReporter:
         self.gang = gang
         self.shared = False
         self.tail_lent = False
+        # No notice yet: the state it is told of is taken to last (a share of 1, periods without end).
+        self.lent_share = 1.0
+        self.lent_period_s = math.inf
+        self._lent_told_at: float | None = None
         self.instance_id = instance_id
         self.model = model
         self.batcher = batcher
         self.cost = cost
         self.decode_step_time_s = cost.decode_step_time_s(1, self.CONTEXT_TOKENS)
         self._prefill_rate: dict[int, float] = {}  # running requests -> tokens/s
+
+    def note_lending(self, lent: bool, now_s: float) -> None:
+        """The arbiter's lending notice (`tail_lent`) at `now_s`, in model seconds of any one clock: the time since
+        the last notice, in the state it told, enters `lent_share` and, if lent, `lent_period_s`."""
+        if self._lent_told_at is not None:
+            held_s = max(0.0, now_s - self._lent_told_at)
+            keep = math.exp(-held_s / self.LENT_WINDOW_S)
+            self.lent_share = keep * self.lent_share + (1.0 - keep) * (1.0 if self.tail_lent else 0.0)
+            if self.tail_lent:
+                last = self.lent_period_s
+                self.lent_period_s = held_s if math.isinf(last) else last + self.LENT_PERIOD_EMA * (held_s - last)
+        self._lent_told_at = now_s
+        self.tail_lent = lent
 
     def note_step(self, plan: StepPlan, step_time_s: float) -> None:
         if plan.chunks:
@@ -268,22 +295,36 @@ class LoadReporter:
         followed by one of the other side's, so a prompt gets the prefill tokens a capped step carries beside the
         decodes of every request it holds once per cycle (its cap plus the other side's), a running request one
         token per cycle, and no step runs past the cap (no long steps). While the other side lends its ITL tail
-        (`tail_lent`), the cap is the bound instead (`GangShare.lent_cap_s`). A policy without shared-step caps: the
-        step share (`duty`) of the rates of steps alone."""
+        (`tail_lent`), the cap is the bound instead (`GangShare.lent_cap_s`), for one lent period (`lent_period_s`);
+        past it the rate is that of the recent share of lent and unlent steps (`lent_share`). A policy without
+        shared-step caps: the step share (`duty`) of the rates of steps alone."""
         b, share = self.batcher, self.gang
         assert share is not None
         if share.own_cap_s <= 0 or share.other_cap_s <= 0:
             rate = share.duty * self._free_rate()
             return b.load(self.instance_id, self.model, rate, self.decode_step_time_s / share.duty, 0.0, 0.0, 0.0, 0.0)
+        if not (self.tail_lent and share.lent_cap_s > 0):
+            rate, cadence_s = self._capped_rate(share.own_cap_s, share.other_cap_s)
+            return b.load(self.instance_id, self.model, rate, cadence_s, 0.0, 0.0, 0.0, 0.0)
+        lent_rate, cadence_s = self._capped_rate(share.lent_cap_s, share.lent_other_cap_s)
+        if self.lent_share >= 1.0 or math.isinf(self.lent_period_s):
+            return b.load(self.instance_id, self.model, lent_rate, cadence_s, 0.0, 0.0, 0.0, 0.0)
+        # Lent for one lent period, then the mix of lent and unlent steps the recent past had: the rescue fields
+        # carry the first (a burst at the lent rate), the rate the second.
+        unlent_rate, _ = self._capped_rate(share.own_cap_s, share.other_cap_s)
+        mixed_rate = self.lent_share * lent_rate + (1.0 - self.lent_share) * unlent_rate
+        burst = lent_rate * self.lent_period_s
+        return b.load(self.instance_id, self.model, mixed_rate, cadence_s, lent_rate, 0.0, burst, mixed_rate)
+
+    def _capped_rate(self, own_cap_s: float, other_cap_s: float) -> tuple[float, float]:
+        """The prefill rate of steps capped at `own_cap_s`, each followed by one of the other side's capped at
+        `other_cap_s`, and the decode cadence they give."""
+        b = self.batcher
         # The chunk beside every request it holds decoding, queued ones included: each prompt it admits becomes a
         # decode in the capped step, so a burst of short prompts (a cached system prompt and a few tokens) shrinks
         # the prefill left to the later ones. Decodes that fill the cap leave no prefill until some finish: one
         # token a cycle stands for that (a rate of 0 would read as "unknown", which routing replaces by the cost
         # model's rate alone).
-        if self.tail_lent and share.lent_cap_s > 0:
-            own_cap_s, other_cap_s = share.lent_cap_s, share.lent_other_cap_s
-        else:
-            own_cap_s, other_cap_s = share.own_cap_s, share.other_cap_s
         num_decodes = b.num_future_decodes()
         chunk = b.budget.capped_prefill_tokens(own_cap_s, num_decodes)
         if num_decodes and not b.budget.tail.affordable(num_decodes):
@@ -291,6 +332,4 @@ class LoadReporter:
             # previous tokens, the other side's step between included (`Batcher._plan_step`), lent or not.
             chunk = min(chunk, b.budget.free_budget(num_decodes, other_cap_s) - num_decodes)
         chunk = max(1, chunk)
-        rate = chunk / (own_cap_s + other_cap_s)
-        cadence_s = self.decode_step_time_s + other_cap_s
-        return b.load(self.instance_id, self.model, rate, cadence_s, 0.0, 0.0, 0.0, 0.0)
+        return chunk / (own_cap_s + other_cap_s), self.decode_step_time_s + other_cap_s

@@ -198,7 +198,8 @@ def attach_gang_gate(engine, node_cfg: NodeConfig, instance_id: str, scheduler: 
     reporter = engine.reporter
 
     def on_sharing(shared: bool, tail_lent: bool) -> None:
-        reporter.shared, reporter.tail_lent = shared, tail_lent
+        reporter.shared = shared
+        reporter.note_lending(tail_lent, asyncio.get_running_loop().time() / time_scale)
 
     engine.gate.on_sharing = on_sharing
 

@@ -33,6 +33,7 @@ import functools
 import gc
 import heapq
 import itertools
+import math
 import os
 import random
 import time
@@ -94,7 +95,7 @@ class _Instance:
         self._load_version = -1
         self._load_free = -1
         self._load_decode_s = 0.0
-        self._load_shared = (False, False)  # the reporter's gang notices: (shared, tail_lent)
+        self._load_shared = (False, False, 1.0, math.inf)  # the reporter's gang notices and lending record
 
     def load(self) -> EngineLoad:
         return self.reporter.load()
@@ -102,11 +103,12 @@ class _Instance:
     def cached_load(self) -> EngineLoad:
         """`load()`, reused while nothing it reads has changed: every arrival asks every instance of its model,
         and several arrivals fall inside one step. The key covers all of the snapshot's inputs: the batcher's
-        state version (bumped by each of its mutating calls), its free KV blocks, the reporter's decode EMA and its
-        gang notices (shared, and the other side lending its ITL tail)."""
+        state version (bumped by each of its mutating calls), its free KV blocks, the reporter's decode EMA, its
+        gang notices (shared, and the other side lending its ITL tail) and its lending record (share, period)."""
         batcher = self.batcher
         version, free, decode_s = batcher.state_version, batcher.kv.num_free_blocks, self.reporter.decode_step_time_s
-        shared = (self.reporter.shared, self.reporter.tail_lent)
+        rep = self.reporter
+        shared = (rep.shared, rep.tail_lent, rep.lent_share, rep.lent_period_s)
         load = self._load
         if (load is None or version != self._load_version or free != self._load_free or decode_s != self._load_decode_s
                 or shared != self._load_shared):

@@ -89,7 +89,7 @@ class GangGroupSim:
             for member_id, shared in d.notices:
                 self._by_id[member_id].reporter.shared = shared
             for member_id, lent in d.lend_notices:
-                self._by_id[member_id].reporter.tail_lent = lent
+                self._by_id[member_id].reporter.note_lending(lent, now)
             starts = ([(self.lm, d.lm_cap_s)] if d.run_lm else []) + [
                 (inst, cap) for inst in self.sms for sm_id, cap in d.sm_starts if sm_id == inst.cfg.id
             ]
