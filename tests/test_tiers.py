@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 import dataclasses
 
-from router_fixtures import SM, colocated_config, policy, request
+from router_fixtures import LM, SM, colocated_config, policy, request
 from router_fixtures import load as _load
 
 from octoserve.services.core import admission as adm
@@ -199,6 +199,63 @@ def test_tier_pressure_counts_overload_refusals_in_the_last_window_decisions():
     for _ in range(9):
         p.observe(SM, False)
     assert not p.under_pressure(SM)
+
+
+def test_shortest_first_caps_a_refused_tiers_prompts_at_the_share_it_is_served():
+    sf = adm.ShortestFirst(window=10, margin=0.25)
+    for tokens in (100, 200, 300, 400):
+        sf.observe(SM, I, tokens, admitted=False)
+    assert sf.cap_tokens(SM, I) == -1  # under half a window: no cap
+    sf.observe(SM, I, 500, admitted=True)
+    assert sf.cap_tokens(SM, I) == 200  # 1 of 5 admitted, x 1.25: the length at quantile 0.25 of 100..500
+    for tokens in (600, 700, 800, 900, 1000):
+        sf.observe(SM, I, tokens, admitted=True)
+    assert sf.cap_tokens(SM, I) == 800  # 6 of 10, x 1.25 = 0.75: index 7 of 100..1000
+    sf.observe(SM, I, 50, admitted=True)  # the oldest (100, refused) leaves the window
+    assert sf.num_decisions(SM, I) == 10 and sf.cap_tokens(SM, I) == 900  # 7 of 10: index 8 of 50, 200..1000
+    sf.observe(SM, I, 50, admitted=True)
+    assert sf.cap_tokens(SM, I) == -1  # 8 of 10, x 1.25 = 1: the tier is served what it gets
+    # Each model and tier keeps its own window.
+    assert (sf.cap_tokens(LM, I), sf.num_decisions(LM, I)) == (-1, 0)
+    assert (sf.cap_tokens(SM, B), sf.num_decisions(SM, B)) == (-1, 0)
+    # Nothing admitted: the cap holds at the margin's quantile (index 1 of 5), not at the shortest prompt.
+    for tokens in (500, 400, 300, 200, 100):
+        sf.observe(LM, I, tokens, admitted=False)
+    assert sf.cap_tokens(LM, I) == 200
+    with pytest.raises(ValueError, match="window"):
+        adm.ShortestFirst(window=1)
+
+
+def test_a_refused_tier_admits_its_shortest_prompts_first():
+    """LinearCost: 10,000 prompt tokens/s, so a 2,500-token prompt alone fills the 250 ms SLO; 3,000 of queued
+    prefill on every 8B instance refuses any prompt by TTFT."""
+    p = policy(colocated_config())
+    p.shortest_first = adm.ShortestFirst(window=4, margin=0.25)
+    busy = {**_idle(), **{f"sm-{i}": load(f"sm-{i}", queued=3000) for i in range(3)}}
+    assert isinstance(p.route(request("a", prompt=300), _idle(), 0.0), Route)
+    assert isinstance(p.route(request("b", prompt=100), _idle(), 0.0), Route)
+    assert p.shortest_first.cap_tokens(SM, Priority.STANDARD) == -1  # all it got, admitted
+    for rid in ("c", "d"):
+        r = p.route(request(rid, prompt=100), busy, 0.0)
+        assert isinstance(r, Refuse) and r.reason == "ttft"
+    # 2 of 4 admitted, x 1.25: index 2 of 100, 100, 100, 300
+    assert p.shortest_first.cap_tokens(SM, Priority.STANDARD) == 100
+    r = p.route(request("e", prompt=200), _idle(), 0.0)  # an idle node would serve it, but it is over the cap
+    assert isinstance(r, Refuse) and isinstance(r.error, Overloaded) and r.reason == "long_prompt"
+    assert ("llama-3-8b is refusing part of its STANDARD load and admits the shortest prompts first: this one's 200 "
+            "uncached tokens are over the 100 it admits now") in r.error.reason
+    assert isinstance(p.route(request("f", prompt=100), _idle(), 0.0), Route)
+    # Not counted: prompts no idle instance serves in time, re-placements; another tier (BATCH) has its own window.
+    r = p.route(request("g", prompt=3000), _idle(), 0.0)
+    assert isinstance(r, Refuse) and r.reason == "slo_infeasible"
+    assert isinstance(p.route(request("i", prompt=200), _idle(), 0.0, admitted=True), Route)
+    assert isinstance(p.route(request("h", prompt=200, tier=B), _idle(), 0.0), Route)
+    assert p.shortest_first.num_decisions(SM, Priority.STANDARD) == 4 and p.shortest_first.num_decisions(SM, B) == 1
+    assert p.shortest_first.cap_tokens(SM, Priority.STANDARD) == 100
+    # Off, the same prompt is admitted.
+    off = policy(colocated_config(shortest_first=False))
+    off.shortest_first = p.shortest_first
+    assert isinstance(off.route(request("e", prompt=200), _idle(), 0.0), Route)
 
 
 def _idle():

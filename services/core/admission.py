@@ -31,6 +31,12 @@ And while a model's more urgent tiers are being shed (`TierPressure`), BATCH is 
 below its minimum share of the decode slots there (rounded up): the latency tier gets the capacity first,
 background keeps its share.
 
+Shortest prompts first under overload (`ShortestFirst`): past its capacity a model admits only part of a tier's
+arrivals, and which part sets its goodput. Arrival order admits whatever prompt finds the queue short enough, long
+or short; one long prompt's prefill takes the GPU time of several short ones, so while a tier is refused part of
+its load, it admits only prompts no longer than those it has been served, and finds out step by step whether it can
+be served longer ones.
+
 Retry hints: the drain time of the queue ahead of this tier on the best instance (queued prefill tokens / prefill
 throughput), i.e. when a retry would find enough of today's queue gone, floored at `min_retry_after_ms`.
 
@@ -513,3 +519,65 @@ class TierPressure:
         """The share of overload refusals among the model's last `window` decisions (0 before any)."""
         refused = self._refused.get(model)
         return 0.0 if refused is None else refused.share()
+
+
+class ShortestFirst:
+    """Which prompts a model's tier admits while it is overloaded: the shortest.
+
+    Of the last `window` arrivals of a model's tier that an idle instance could serve in time (the infeasible ones
+    never count), it keeps each one's uncached prompt tokens and whether it was admitted. While the admitted share f
+    of the window is below 1 / (1 + `margin`), only prompts no longer than the window's length at quantile
+    f x (1 + `margin`) may be admitted (`cap_tokens`): the shortest share of the arrivals the tier has been served,
+    plus a margin that probes whether it can be served more. Its own refusals count as not admitted, so the cap
+    loosens only as far as the node admits what passes it: it settles where the other checks refuse about the
+    margin's share of the prompts under it. The quantile is never below `margin` itself: where the other checks
+    refuse more than that share for reasons a prompt's length does not change (no decode slot free soon enough),
+    the cap would otherwise shrink step by step to nothing. Below capacity f is near 1 and there is no cap. Per tier, since each
+    has its own SLO and its own share of the node (BATCH is held to its minimum share of the decode slots while the
+    more urgent tiers are shed: its long prompts would spend that share on few requests). Counted in decisions, not
+    seconds: no clock. The goodput bound (`octoserve.services.lab.goodput_bound`) serves the shortest prompts for
+    the same reason: a request of either length is one good request, the short one costs less."""
+
+    def __init__(self, window: int = 512, margin: float = 0.1) -> None:
+        if window < 2 or margin <= 0.0:
+            raise ValueError("need window >= 2 and margin > 0")
+        self.window = window
+        self.margin = margin
+        # (model, tier) -> (uncached tokens, admitted) of its last decisions, oldest first; their tokens ascending;
+        # how many were admitted
+        self._recent: dict[tuple[str, Priority], deque[tuple[int, bool]]] = {}
+        self._sorted: dict[tuple[str, Priority], list[int]] = {}
+        self._num_admitted: dict[tuple[str, Priority], int] = {}
+
+    def cap_tokens(self, model: str, tier: Priority) -> int:
+        """The most uncached prompt tokens the model's tier admits now (-1: no cap; none before half a window)."""
+        key = (model, tier)
+        lengths = self._sorted.get(key)
+        if lengths is None or 2 * len(lengths) < self.window:
+            return -1
+        share = self._num_admitted[key] / len(lengths) * (1.0 + self.margin)
+        if share >= 1.0:
+            return -1
+        return lengths[int(max(share, self.margin) * len(lengths))]
+
+    def num_decisions(self, model: str, tier: Priority) -> int:
+        """How many of the model's tier's decisions the window holds."""
+        recent = self._recent.get((model, tier))
+        return 0 if recent is None else len(recent)
+
+    def observe(self, model: str, tier: Priority, uncached_tokens: int, admitted: bool) -> None:
+        """One decision on a feasible arrival of the model's tier."""
+        key = (model, tier)
+        recent = self._recent.get(key)
+        if recent is None:
+            recent = self._recent[key] = deque()
+            self._sorted[key] = []
+            self._num_admitted[key] = 0
+        lengths = self._sorted[key]
+        recent.append((uncached_tokens, admitted))
+        bisect.insort(lengths, uncached_tokens)
+        self._num_admitted[key] += admitted
+        if len(recent) > self.window:
+            old_tokens, old_admitted = recent.popleft()
+            del lengths[bisect.bisect_left(lengths, old_tokens)]
+            self._num_admitted[key] -= old_admitted

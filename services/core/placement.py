@@ -102,6 +102,9 @@ class PolicyConfig:
     reservation: str = "predicted"  # how much KV a request reserves for its output
     preemption: str = "recompute"  # what happens to a preempted request's KV
     admission: bool = True  # False: route everything, shed nothing (for comparisons)
+    # With admission: while a model refuses part of its INTERACTIVE and STANDARD arrivals, it admits the shortest
+    # uncached prompts first (services/core/admission.py, ShortestFirst). False: whichever the queue lets in.
+    shortest_first: bool = True
     tier_queue_bound: Mapping[Priority, int] = field(default_factory=_default_tier_queue_bound)
     ttft_slack: float = 1.0  # the TTFT prior: refuse when predicted TTFT > tier SLO x slack, until calibrated
     # ...and add this relative error of the step model to the queued part of each prediction until calibrated: the
@@ -547,6 +550,7 @@ def _policies(raw: Mapping[str, Any], problems: list[str]) -> PolicyConfig:
         reservation=raw.get("reservation", base.reservation),
         preemption=raw.get("preemption", base.preemption),
         admission=bool(raw.get("admission", base.admission)),
+        shortest_first=bool(raw.get("shortest_first", base.shortest_first)),
         slo_sizing=bool(raw.get("slo_sizing", base.slo_sizing)),
         slack_chunking=bool(raw.get("slack_chunking", base.slack_chunking)),
         picker=picker,

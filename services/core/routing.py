@@ -91,7 +91,7 @@ class Route:
 # balancer per model (router/demand_report.py) and what its log lines say.
 # "decode_reserve": routed, then the decode instance had no KV left to reserve (`refused_after_routing`).
 REFUSAL_REASONS = ("unknown_model", "slo_infeasible", "itl_infeasible", "tier_bound", "no_healthy_instance",
-                   "kv_headroom", "batch_share", "ttft", "decode_reserve")
+                   "kv_headroom", "batch_share", "long_prompt", "ttft", "decode_reserve")
 
 
 @dataclass(frozen=True, slots=True, init=False)  # __init__ written out: see core/types.py
@@ -269,6 +269,8 @@ class RouterPolicy:
         p = config.policies
         self.calibrator = adm.TtftCalibrator(p.ttft_quantile, p.ttft_window, p.ttft_min_samples, p.ttft_max_risk)
         self.pressure = adm.TierPressure()
+        self.shortest_first = adm.ShortestFirst()
+        self._shortest_tokens = -1  # the decision in progress: its uncached prompt tokens, if ShortestFirst counts it
         self._filters = [FILTERS.get(n) for n in config.policies.routing_filters]
         self._scorers = [(SCORERS.get(n), w) for n, w in sorted(config.policies.scorer_weights.items()) if w > 0]
         self._next_turn: dict[str, int] = {}  # model -> round-robin position among its entry instances
@@ -352,12 +354,17 @@ class RouterPolicy:
         for observe in self.observers:
             observe(spec)
         self._now = now
+        self._shortest_tokens = -1
         decision = self._route(spec, loads, admitted)
         if isinstance(decision, Refuse):
             for observe_refusal in self.refusal_observers:
                 observe_refusal(spec, decision)
         if spec.priority < Priority.BATCH and self.config.policies.admission and not admitted:
             self.pressure.observe(spec.model, isinstance(decision, Refuse) and isinstance(decision.error, Overloaded))
+        if self._shortest_tokens >= 0:
+            self.shortest_first.observe(spec.model, spec.priority, self._shortest_tokens,
+                                        not isinstance(decision, Refuse))
+            self._shortest_tokens = -1
         return decision
 
     def refused_after_routing(self, spec: RequestSpec, error: Overloaded, reason: str) -> None:
@@ -410,6 +417,9 @@ class RouterPolicy:
             return refusal
         if gate and (refusal := self._tier_bound(spec, cands)) is not None:
             return refusal
+        if gate and self.config.policies.shortest_first:
+            if (refusal := self._longer_than_served(spec, cands)) is not None:
+                return refusal
         kept = [c for c in cands if self.passes_filters(c)] if admit else [c for c in cands if filter_model(c) and filter_healthy(c)]
         if not kept:
             return self._refuse_no_instance(spec, cands)
@@ -667,6 +677,18 @@ class RouterPolicy:
     def _refuse(self, spec: RequestSpec, cands: Sequence[Candidate], reason: str, key: str) -> Refuse:
         wait_s = min((c.wait_s for c in cands), default=math.inf)
         return self._overloaded(spec, wait_s, reason, key)
+
+    def _longer_than_served(self, spec: RequestSpec, cands: Sequence[Candidate]) -> Refuse | None:
+        """Under overload, a prompt longer than its model and tier now admit (`adm.ShortestFirst`); counts the
+        decision."""
+        uncached = spec.num_prompt_tokens - max((c.cached_tokens for c in cands), default=0)
+        self._shortest_tokens = uncached
+        cap = self.shortest_first.cap_tokens(spec.model, spec.priority)
+        if cap < 0 or uncached <= cap:
+            return None
+        return self._refuse(spec, cands, f"{spec.model} is refusing part of its {spec.priority.name} load and admits "
+                            f"the shortest prompts first: this one's {uncached} uncached tokens are over the {cap} it "
+                            "admits now; retry later or send a shorter prompt", "long_prompt")
 
     def _refuse_no_instance(self, spec: RequestSpec, cands: Sequence[Candidate]) -> Refuse:
         healthy = [c for c in cands if filter_healthy(c)]
