@@ -210,13 +210,16 @@ def test_a_lent_member_reports_the_lent_rate_for_one_lent_period_then_the_recent
     assert load.long_prefill_tokens_per_s == pytest.approx(lent.prefill_tokens_per_s)
     assert load.long_burst_tokens == pytest.approx(lent.prefill_tokens_per_s * 0.1)
     assert load.long_sustained_tokens_per_s == pytest.approx(mixed)
-    # A second lent period of 0.3 s moves the mean period by the EMA's weight; a notice that changes nothing
-    # (lent again at the same time) adds no time.
+    # A second lent period of 0.3 s moves the mean period by the EMA's weight; a notice that repeats the state
+    # (the live gate's with each sharing notice) changes nothing: the unlent time runs on from the change at 10.5.
     told.note_lending(False, 10.5)
     assert told.lent_period_s == pytest.approx(0.1 + LoadReporter.LENT_PERIOD_EMA * 0.2)
     share_now = told.lent_share
-    told.note_lending(False, 10.5)
+    told.note_lending(False, 10.7)
     assert told.lent_share == share_now
+    told.note_lending(True, 10.9)
+    assert told.lent_share == pytest.approx(share_now * math.exp(-0.4 / window))
+    told.note_lending(False, 11.0)
     # Unlent, the report is the cut rate whatever the record.
     assert told.load().prefill_tokens_per_s == pytest.approx(cut)
 

@@ -236,7 +236,10 @@ class LoadReporter:
 
     def note_lending(self, lent: bool, now_s: float) -> None:
         """The arbiter's lending notice (`tail_lent`) at `now_s`, in model seconds of any one clock: the time since
-        the last notice, in the state it told, enters `lent_share` and, if lent, `lent_period_s`."""
+        the last change, in the state it told, enters `lent_share` and, if lent, `lent_period_s`. A notice that
+        repeats the state (the live gate hears lending with every sharing notice) changes nothing."""
+        if self._lent_told_at is not None and lent == self.tail_lent:
+            return
         if self._lent_told_at is not None:
             held_s = max(0.0, now_s - self._lent_told_at)
             keep = math.exp(-held_s / self.LENT_WINDOW_S)

@@ -102,8 +102,8 @@ class PolicyConfig:
     reservation: str = "predicted"  # how much KV a request reserves for its output
     preemption: str = "recompute"  # what happens to a preempted request's KV
     admission: bool = True  # False: route everything, shed nothing (for comparisons)
-    # With admission: while a model refuses part of its INTERACTIVE and STANDARD arrivals, it admits the shortest
-    # uncached prompts first (services/core/admission.py, ShortestFirst). False: whichever the queue lets in.
+    # With admission: while a model's tier is refused part of its arrivals, that tier admits its shortest uncached
+    # prompts first (services/core/admission.py, ShortestFirst). False: whichever the queue lets in.
     shortest_first: bool = True
     tier_queue_bound: Mapping[Priority, int] = field(default_factory=_default_tier_queue_bound)
     ttft_slack: float = 1.0  # the TTFT prior: refuse when predicted TTFT > tier SLO x slack, until calibrated
