@@ -532,11 +532,12 @@ class ShortestFirst:
     loosens only as far as the node admits what passes it: it settles where the other checks refuse about the
     margin's share of the prompts under it. The quantile is never below `margin` itself: where the other checks
     refuse more than that share for reasons a prompt's length does not change (no decode slot free soon enough),
-    the cap would otherwise shrink step by step to nothing. Below capacity f is near 1 and there is no cap. Per tier, since each
-    has its own SLO and its own share of the node (BATCH is held to its minimum share of the decode slots while the
-    more urgent tiers are shed: its long prompts would spend that share on few requests). Counted in decisions, not
-    seconds: no clock. The goodput bound (`octoserve.services.lab.goodput_bound`) serves the shortest prompts for
-    the same reason: a request of either length is one good request, the short one costs less."""
+    the cap would otherwise shrink step by step to nothing. Below capacity f is near 1 and there is no cap. Per
+    tier, since each has its own SLO and its own share of the node (BATCH is held to its minimum share of the decode
+    slots while the more urgent tiers are shed: its long prompts would spend that share on few requests). Counted
+    in decisions, not seconds: no clock. The goodput bound (`octoserve.services.lab.goodput_bound`) serves the
+    shortest prompts for the same reason: a request of either length is one good request, the short one costs
+    less."""
 
     def __init__(self, window: int = 512, margin: float = 0.1) -> None:
         if window < 2 or margin <= 0.0:

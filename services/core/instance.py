@@ -238,10 +238,11 @@ class LoadReporter:
         """The arbiter's lending notice (`tail_lent`) at `now_s`, in model seconds of any one clock: the time since
         the last change, in the state it told, enters `lent_share` and, if lent, `lent_period_s`. A notice that
         repeats the state (the live gate hears lending with every sharing notice) changes nothing."""
-        if self._lent_told_at is not None and lent == self.tail_lent:
-            return
-        if self._lent_told_at is not None:
-            held_s = max(0.0, now_s - self._lent_told_at)
+        told_at = self._lent_told_at
+        if told_at is not None:
+            if lent == self.tail_lent:
+                return
+            held_s = max(0.0, now_s - told_at)
             keep = math.exp(-held_s / self.LENT_WINDOW_S)
             self.lent_share = keep * self.lent_share + (1.0 - keep) * (1.0 if self.tail_lent else 0.0)
             if self.tail_lent:
