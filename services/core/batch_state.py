@@ -49,7 +49,7 @@ class BatcherConfig:
     # of the last `tail_window_gaps` inter-token gaps stays within `tail_budget_fraction`; shorter steps are free.
     itl_slo_s: float = 0.0
     tail_budget_fraction: float = 0.04
-    tail_window_gaps: int = 4000
+    tail_window_gaps: int = 32000
     # Tier preemption (1.0 = off): BATCH keeps at least this share of max_num_seqs when more urgent work waits.
     batch_min_share: float = 1.0
     decode_step_s_by_num_decodes: tuple[float, ...] = ()  # d -> step time of d decodes alone
