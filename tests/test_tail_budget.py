@@ -104,12 +104,12 @@ def test_gaps_until_affordable_is_exactly_when_a_step_becomes_affordable(fractio
         assert not after(g - 1)
 
 
-@pytest.mark.parametrize(("cost_profile", "window_8b"), [("default", 3200), ("pessimistic", 32000)])
-def test_a_wide_batch_keeps_a_window_that_never_affords_a_long_step_over_a_wider_one(cost_profile, window_8b):
+@pytest.mark.parametrize(("cost_profile", "window_8b"), [("default", 4000), ("pessimistic", 32000)])
+def test_a_wide_batch_keeps_the_short_window(cost_profile, window_8b):
     """The default node: the 70B's narrow batch spends its tail over the configured 32,000 gaps; the 8B's batch is
-    wide under the default profile (215 sequences), so its window holds the slow gaps of one long step over 128
-    decodes (3,200 at 4 %), and a long step over more than 128 never fits it. Under the pessimistic profile the 8B's
-    batch (112) is narrow and keeps the configured window."""
+    wide under the default profile (215 sequences), so it keeps a window of 4,000 gaps, and a long step over more
+    than 160 decodes never fits it. Under the pessimistic profile the 8B's batch (112) is narrow and keeps the
+    configured window."""
     from octoserve.services.config import load_with_overrides
     from octoserve.services.core.instance import instance_parts
     from octoserve.services.core.step_budget import StepBudget
@@ -120,7 +120,7 @@ def test_a_wide_batch_keeps_a_window_that_never_affords_a_long_step_over_a_wider
     assert configs["llama-3-8b"].tail_window_gaps == window_8b
     assert (configs["llama-3-8b"].max_num_seqs >= 128) == (cost_profile == "default")
     tail = StepBudget(configs["llama-3-8b"]).tail
-    assert tail.affordable(128) and (tail.affordable(129) == (cost_profile == "pessimistic"))
-    # no tail to spend: the configured window, whatever the batch
-    off = load_with_overrides(None, ["policies.tail_budget_fraction=0"], cost_profile)
-    assert {instance_parts(off, i).batcher_config.tail_window_gaps for i in off.instances} == {32000}
+    assert tail.affordable(160) and (tail.affordable(161) == (cost_profile == "pessimistic"))
+    # a configured window shorter than the wide one is every instance's
+    short = load_with_overrides(None, ["policies.tail_window_gaps=1000"], cost_profile)
+    assert {instance_parts(short, i).batcher_config.tail_window_gaps for i in short.instances} == {1000}

@@ -129,18 +129,20 @@ def _sizing_fields(node: NodeConfig, instance: InstanceConfig, cost_model: CostM
     return fields
 
 
+# The ITL tail window of a wide batch (WIDE_BATCH_AT sequences or more, sized to the free share of the ITL SLO): the
+# window every instance had before the long one, under which the tail affords no long step over more than 160
+# decodes at 4 %. Its free steps already end at the TPOT target, so a long step over a wide batch is paid back by
+# shorter steps after it. Measured with the 70B on the long window (`octoserve simulate --duration 60s --warmup
+# 20s`): the seed-000 peak's mean over seeds 0-5 was 94.8 req/s with the 8B's 215-sequence batch on 4,000 gaps,
+# 94.6 on 4,600 and 94.3 on 5,375; over seeds 0-2, 95.5 on 4,000 and 94.5 on 8,000 or 138,000. 3,200 (no long
+# step over more than 128 decodes) served the peak at 94.7 but left seed 003's BATCH share of goodput on the
+# suite's placement at 10.0 % against 10.6 % (seeds 0-5).
+WIDE_TAIL_WINDOW_GAPS = 4000
+
+
 def wide_tail_window_gaps(policies) -> int:
-    """The ITL tail window of a wide batch (WIDE_BATCH_AT sequences or more, sized to the free share of the ITL
-    SLO): the configured window, but no longer than the slow gaps of one long step over WIDE_BATCH_AT decodes
-    take at `tail_budget_fraction`, so the tail never affords a long step over a wider batch. Its free steps
-    already end at the TPOT target, so a long step over a wide batch is paid back by shorter steps after it.
-    Measured over seeds 0-5 with the 70B on the long window (`octoserve simulate --duration 60s --warmup 20s`, and
-    `--profile seed-003 --duration 30s --warmup 10s`): the 8B's 215-sequence batch with windows of 4,000 / 5,375 /
-    8,000+ gaps served the seed-000 peak at a mean of 94.8 / 94.3 / ~94 req/s, and 3,200 at 94.7 with seed 003 at
-    129.3 against 127.5 (services/core/placement.py, `tail_window_gaps`)."""
-    if policies.tail_budget_fraction <= 0:
-        return policies.tail_window_gaps
-    return min(policies.tail_window_gaps, math.ceil(WIDE_BATCH_AT / policies.tail_budget_fraction))
+    """The ITL tail window of a wide batch: WIDE_TAIL_WINDOW_GAPS, or the configured window where it is shorter."""
+    return min(policies.tail_window_gaps, WIDE_TAIL_WINDOW_GAPS)
 
 
 def prefill_step_model(cost_model: CostModel, max_num_batched_tokens: int) -> dict:
