@@ -380,8 +380,8 @@ def test_a_member_reports_the_step_its_due_prompts_need():
 
 
 def test_a_member_lends_its_tail_while_its_budget_affords_a_slow_gap_on_each_decode():
-    """An SM with three decodes running lends its ITL tail until its budget (4 % of the last 32,000 gaps: 1,280
-    slow gaps) could not take one more slow gap on each of the three."""
+    """An SM with three decodes running lends its ITL tail until its budget (4 % of the last 4,000 gaps, a gang
+    member's window: 160 slow gaps) could not take one more slow gap on each of the three."""
     from octoserve.services.scheduler.gang_live import _view_pb
 
     node = _node()
@@ -397,11 +397,11 @@ def test_a_member_lends_its_tail_while_its_budget_affords_a_slow_gap_on_each_dec
     assert _view_pb(b, 0.065, 0.02, 1.0, True, 1.0)["lends_tail"]
     assert not _view_pb(b, 0.065, 0.02, 1.0, False, 1.0)["lends_tail"]
     tail = b.budget.tail
-    assert tail.fraction * tail.window_gaps == pytest.approx(1280)
-    tail.observe(30000, 1277)
-    assert b.lends_tail()  # 1,277 + 3 = 1,280
+    assert tail.fraction * tail.window_gaps == pytest.approx(160)
+    tail.observe(3000, 157)
+    assert b.lends_tail()  # 157 + 3 = 160
     tail.observe(1, 1)
-    assert not b.lends_tail()  # 1,278 + 3 > 1,280
+    assert not b.lends_tail()  # 158 + 3 > 160
 
 
 @pytest.mark.parametrize("cost_profile", ["default", "pessimistic"])

@@ -105,7 +105,7 @@ def test_gaps_until_affordable_is_exactly_when_a_step_becomes_affordable(fractio
 
 
 @pytest.mark.parametrize(("cost_profile", "window_8b"), [("default", 4000), ("pessimistic", 32000)])
-def test_a_wide_batch_keeps_the_short_window(cost_profile, window_8b):
+def test_a_wide_batch_and_a_gang_member_keep_the_short_window(cost_profile, window_8b):
     """The default node: the 70B's narrow batch spends its tail over the configured 32,000 gaps; the 8B's batch is
     wide under the default profile (215 sequences), so it keeps a window of 4,000 gaps, and a long step over more
     than 160 decodes never fits it. Under the pessimistic profile the 8B's batch (112) is narrow and keeps the
@@ -121,6 +121,12 @@ def test_a_wide_batch_keeps_the_short_window(cost_profile, window_8b):
     assert (configs["llama-3-8b"].max_num_seqs >= 128) == (cost_profile == "default")
     tail = StepBudget(configs["llama-3-8b"]).tail
     assert tail.affordable(160) and (tail.affordable(161) == (cost_profile == "pessimistic"))
-    # a configured window shorter than the wide one is every instance's
+    # seed 003's node is a gang: its LM and SMs keep the short window whatever their batch
+    from pathlib import Path
+    gang = load_with_overrides(str(Path(__file__).parent.parent / "services" / "configs" / "node-seed003.yaml"), [],
+                               cost_profile)
+    assert gang.gang is not None
+    assert {instance_parts(gang, i).batcher_config.tail_window_gaps for i in gang.instances} == {4000}
+    # a configured window shorter than the short one is every instance's
     short = load_with_overrides(None, ["policies.tail_window_gaps=1000"], cost_profile)
     assert {instance_parts(short, i).batcher_config.tail_window_gaps for i in short.instances} == {1000}
