@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -122,7 +124,6 @@ def test_a_wide_batch_and_a_gang_member_keep_the_short_window(cost_profile, wind
     tail = StepBudget(configs["llama-3-8b"]).tail
     assert tail.affordable(160) and (tail.affordable(161) == (cost_profile == "pessimistic"))
     # seed 003's node is a gang: its LM and SMs keep the short window whatever their batch
-    from pathlib import Path
     gang = load_with_overrides(str(Path(__file__).parent.parent / "services" / "configs" / "node-seed003.yaml"), [],
                                cost_profile)
     assert gang.gang is not None
