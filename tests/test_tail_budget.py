@@ -111,7 +111,7 @@ def test_a_wide_batch_and_a_gang_member_keep_the_short_window(cost_profile, wind
     """The default node: the 70B's narrow batch spends its tail over the configured 32,000 gaps; the 8B's batch is
     wide under the default profile (215 sequences), so it keeps a window of 4,000 gaps, and a long step over more
     than 160 decodes never fits it. Under the pessimistic profile the 8B's batch (112) is narrow and keeps the
-    configured window."""
+    configured window, whose full 4 % it may spend once it has seen it."""
     from octoserve.services.config import load_with_overrides
     from octoserve.services.core.instance import instance_parts
     from octoserve.services.core.step_budget import StepBudget
@@ -122,6 +122,8 @@ def test_a_wide_batch_and_a_gang_member_keep_the_short_window(cost_profile, wind
     assert configs["llama-3-8b"].tail_window_gaps == window_8b
     assert (configs["llama-3-8b"].max_num_seqs >= 128) == (cost_profile == "default")
     tail = StepBudget(configs["llama-3-8b"]).tail
+    assert tail.affordable(160) and not tail.affordable(161)  # fresh: FRESH_GAPS counted as fast either way
+    tail.observe(32000, 0)
     assert tail.affordable(160) and (tail.affordable(161) == (cost_profile == "pessimistic"))
     # seed 003's node is a gang: its LM and SMs keep the short window whatever their batch
     gang = load_with_overrides(str(Path(__file__).parent.parent / "services" / "configs" / "node-seed003.yaml"), [],
@@ -131,3 +133,26 @@ def test_a_wide_batch_and_a_gang_member_keep_the_short_window(cost_profile, wind
     # a configured window shorter than the short one is every instance's
     short = load_with_overrides(None, ["policies.tail_window_gaps=1000"], cost_profile)
     assert {instance_parts(short, i).batcher_config.tail_window_gaps for i in short.instances} == {1000}
+
+
+def test_a_fresh_instance_counts_no_more_than_the_fresh_gaps_as_fast():
+    """A long window is not credited whole to a fresh instance: until it has seen the window's worth of gaps, its
+    limit is the fraction of the gaps it has seen (its own step's included), or of FRESH_GAPS (4,000) if more."""
+    from octoserve.services.core.tail_budget import FRESH_GAPS
+
+    assert FRESH_GAPS == 4000
+    t = TailBudget(0.04, window_gaps=32000)
+    assert t.affordable(160) and not t.affordable(161)  # 4 % of 4,000, not of 32,000
+    assert t.slow_room() == pytest.approx(160)
+    t.observe(4000, 0)
+    assert t.affordable(166) and not t.affordable(167)  # 166 + 4,000 gaps: 4 % of 4,166 = 166.6
+    assert t.gaps_until_affordable(200) == 800  # 200 slow of 5,000 gaps
+    t.observe(799, 0)
+    assert not t.affordable(200)
+    t.observe(1, 0)
+    assert t.affordable(200) and t.slow_room() == pytest.approx(192)
+    t.observe(27200, 0)  # the window is full: 4 % of 32,000
+    assert t.affordable(1280) and not t.affordable(1281) and t.gaps_until_affordable(1281) == -1
+    # a window no longer than the fresh gaps is credited whole, as before
+    short = TailBudget(0.04, window_gaps=4000)
+    assert short.fresh_gaps == 4000 and short.affordable(160) and not short.affordable(161)

@@ -101,7 +101,7 @@ class StepBudget:
         if d == 0:
             return math.inf
         tail = self.tail
-        steps = int((tail.fraction * tail.window_gaps - tail.num_slow - self.inflight_slow + 1e-9) // d)
+        steps = int((tail.slow_room() - self.inflight_slow) // d)
         return float(max(chunk, min(chunk * steps, self.slack_tokens)))
 
     def long_sustained_tokens_per_s(self) -> float:

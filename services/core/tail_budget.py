@@ -8,10 +8,13 @@ stays at or under `fraction` (about half the quantile's tail: room for the cost 
 the other instances of the model, which share the model's P95).
 
 Invariant (given that only steps `affordable` allowed turned out slow): the last `window_gaps` gaps hold at most
-`fraction` x `window_gaps` slow ones at every step boundary, where a fresh instance counts the gaps before its first
-as fast (it has delayed nobody yet: a prompt on an idle node may run in one step). Between long steps the trailing
-window only gains fast gaps, so its slow count never rises; at a long step `affordable` checked it, counting every
-slow gap of the oldest step still in the window even where part of that step has slid out (so the check is strict).
+`fraction` x `window_gaps` slow ones at every step boundary, where a fresh instance counts up to FRESH_GAPS of the
+gaps before its first as fast (it has delayed nobody yet: a prompt on an idle node may run in one step). Until it
+has seen a window's worth, its limit is `fraction` x the gaps it has seen, or x FRESH_GAPS if more: a long window
+(32,000 gaps, ~30 s of a 70B's decodes) credited whole to a fresh instance let it spend 1,280 slow gaps in its first
+seconds (`make run`'s simulated 70B: ITL P95 59.7 ms over its 4-s window). Between long steps the trailing window
+only gains fast gaps, so its slow count never rises; at a long step `affordable` checked it, counting every slow gap
+of the oldest step still in the window even where part of that step has slid out (so the check is strict).
 
 Clock-free and exact: the window is a count of gaps, not a span of time.
 """
@@ -23,18 +26,22 @@ from collections import deque
 # A step planned by the linear step model to end within this share of the ITL SLO makes no slow gap: the share
 # left is for the model's error (the attention of a chunk over its own earlier chunks, which it leaves out).
 FREE_STEP_SHARE = 0.95
+# The most gaps a fresh instance counts as fast before it has seen them (the module docstring): the window every
+# instance had before long windows, so a fresh instance spends no more than it did then.
+FRESH_GAPS = 4000
 
 
 class TailBudget:
     """The slow share of an instance's recent inter-token gaps; see the module docstring."""
 
-    __slots__ = ("fraction", "window_gaps", "_steps", "_num_gaps", "_num_slow")
+    __slots__ = ("fraction", "window_gaps", "fresh_gaps", "_steps", "_num_gaps", "_num_slow")
 
     def __init__(self, fraction: float, window_gaps: int) -> None:
         if not 0.0 <= fraction < 1.0 or window_gaps < 1:
             raise ValueError("need 0 <= fraction < 1 and window_gaps >= 1")
         self.fraction = fraction
         self.window_gaps = window_gaps
+        self.fresh_gaps = min(window_gaps, FRESH_GAPS)
         self._steps: deque[tuple[int, int]] = deque()  # (gaps, slow gaps) of each step with decodes, oldest first
         self._num_gaps = 0
         self._num_slow = 0
@@ -58,17 +65,25 @@ class TailBudget:
         (a step without decodes delays no gap: always)."""
         if num_gaps <= 0:
             return True
-        return self._num_slow + num_gaps <= self.fraction * self.window_gaps + 1e-9
+        return self._num_slow + num_gaps <= self._limit(self._num_gaps + num_gaps)
+
+    def _limit(self, num_gaps: int) -> float:
+        """The most slow gaps a window holding `num_gaps` gaps (its own, before it is full) may hold."""
+        return self.fraction * max(self.fresh_gaps, min(self.window_gaps, num_gaps)) + 1e-9
 
     def gaps_until_affordable(self, num_gaps: int) -> int:
         """How many more fast gaps must come before a step of `num_gaps` slow ones is `affordable` (0: now; -1:
         never, the step alone is over the budget). Each new gap pushes the window on; a step leaves it once the
         steps after it cover the window alone, taking its slow gaps with it."""
-        limit = self.fraction * self.window_gaps + 1e-9
-        if num_gaps <= 0 or self._num_slow + num_gaps <= limit:
+        if num_gaps <= 0 or self.affordable(num_gaps):
             return 0
+        limit = self.fraction * self.window_gaps + 1e-9
         if num_gaps > limit:
             return -1
+        if self._num_slow + num_gaps <= limit:
+            # Not full yet: no step leaves before it is, and each new gap raises the limit by `fraction`.
+            need = -(-(self._num_slow + num_gaps - 1e-9) // self.fraction)  # the gaps the window must hold
+            return max(0, int(need) - self._num_gaps - num_gaps)
         slow = self._num_slow
         dropped = 0
         for gaps, step_slow in self._steps:
@@ -78,6 +93,11 @@ class TailBudget:
                 # This step leaves once the gaps after it (held and new) reach the window.
                 return max(0, self.window_gaps - (self._num_gaps - dropped))
         return self.window_gaps  # unreachable: with every step gone the slow count is 0
+
+    def slow_room(self) -> float:
+        """The slow gaps the window may still take at its present size (as `affordable` counts them, less the
+        growth of the limit that the step's own gaps bring while the window is not yet full)."""
+        return self._limit(self._num_gaps) - self._num_slow
 
     def slow_share(self) -> float:
         """The slow share of the gaps in the window (0 before any)."""
