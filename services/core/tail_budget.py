@@ -11,10 +11,11 @@ Invariant (given that only steps `affordable` allowed turned out slow): the last
 `fraction` x `window_gaps` slow ones at every step boundary, where a fresh instance counts up to FRESH_GAPS of the
 gaps before its first as fast (it has delayed nobody yet: a prompt on an idle node may run in one step). Until it
 has seen a window's worth, its limit is `fraction` x the gaps it has seen, or x FRESH_GAPS if more: a long window
-(32,000 gaps, ~30 s of a 70B's decodes) credited whole to a fresh instance let it spend 1,280 slow gaps in its first
-seconds (`make run`'s simulated 70B: ITL P95 59.7 ms over its 4-s window). Between long steps the trailing window
-only gains fast gaps, so its slow count never rises; at a long step `affordable` checked it, counting every slow gap
-of the oldest step still in the window even where part of that step has slid out (so the check is strict).
+(32,000 gaps, ~30 s of a 70B's decodes) credited whole to a fresh instance let it spend up to 1,280 slow gaps in its
+first seconds (`make run`'s simulated 70B read an ITL P95 of 59.7 ms over its 4-s window). Between long steps the
+trailing window only gains fast gaps, so its slow count never rises; at a long step `affordable` checked it,
+counting every slow gap of the oldest step still in the window even where part of that step has slid out (so the
+check is strict).
 
 Clock-free and exact: the window is a count of gaps, not a span of time.
 """
