@@ -122,7 +122,7 @@ def test_a_wide_batch_and_a_gang_member_keep_the_short_window(cost_profile, wind
     assert configs["llama-3-8b"].tail_window_gaps == window_8b
     assert (configs["llama-3-8b"].max_num_seqs >= 128) == (cost_profile == "default")
     tail = StepBudget(configs["llama-3-8b"]).tail
-    assert tail.affordable(160) and not tail.affordable(161)  # fresh: FRESH_GAPS counted as fast either way
+    assert tail.affordable(160) and not tail.affordable(161)  # fresh: SHORT_WINDOW_GAPS counted as fast either way
     tail.observe(32000, 0)
     assert tail.affordable(160) and (tail.affordable(161) == (cost_profile == "pessimistic"))
     # seed 003's node is a gang: its LM and SMs keep the short window whatever their batch
@@ -137,10 +137,11 @@ def test_a_wide_batch_and_a_gang_member_keep_the_short_window(cost_profile, wind
 
 def test_a_fresh_instance_counts_no_more_than_the_fresh_gaps_as_fast():
     """A long window is not credited whole to a fresh instance: until it has seen the window's worth of gaps, its
-    limit is the fraction of the gaps it has seen (its own step's included), or of FRESH_GAPS (4,000) if more."""
-    from octoserve.services.core.tail_budget import FRESH_GAPS
+    limit is the fraction of the gaps it has seen (its own step's included), or of SHORT_WINDOW_GAPS (4,000) if
+    more."""
+    from octoserve.services.core.tail_budget import SHORT_WINDOW_GAPS
 
-    assert FRESH_GAPS == 4000
+    assert SHORT_WINDOW_GAPS == 4000
     t = TailBudget(0.04, window_gaps=32000)
     assert t.affordable(160) and not t.affordable(161)  # 4 % of 4,000, not of 32,000
     assert t.slow_room() == pytest.approx(160)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from octoserve.services.core.batch_state import BatcherConfig
 from octoserve.services.core.batcher import Batcher
-from octoserve.services.core.tail_budget import FREE_STEP_SHARE
+from octoserve.services.core.tail_budget import FREE_STEP_SHARE, SHORT_WINDOW_GAPS
 from octoserve.services.core.cost_model import CostModel
 from octoserve.services.core.kv_cache import KVCacheManager
 from octoserve.services.core.placement import InstanceConfig, NodeConfig, gang_step_floor_s, num_kv_blocks_for
@@ -82,7 +82,7 @@ def _sizing_fields(node: NodeConfig, instance: InstanceConfig, cost_model: CostM
     # A gang member's steps are capped by its lease share, so its batch keeps room for prefill chunks (and the
     # gang's bounds, checked on that batch, hold).
     in_gang = node.gang is not None and node.gang.group_of(instance.id) is not None
-    # ...and keeps the short ITL tail window (SHORT_TAIL_WINDOW_GAPS), as a wide batch does below.
+    # ...and keeps the short ITL tail window (short_tail_window_gaps), as a wide batch does below.
     tail_window_gaps = short_tail_window_gaps(policies) if in_gang else policies.tail_window_gaps
     if (policies.slack_chunking and not in_gang and instance.role is Role.COLOCATED
             and TAIL_SIZING_BELOW <= sized.max_num_seqs < NARROW_BATCH_BELOW):
@@ -130,25 +130,22 @@ def _sizing_fields(node: NodeConfig, instance: InstanceConfig, cost_model: CostM
     return fields
 
 
-# The ITL tail window of a wide batch (WIDE_BATCH_AT sequences or more, sized to the free share of the ITL SLO) and of
-# a gang member: the window every instance had before the long one.
-# A wide batch: the tail affords no long step over more than 160 of its decodes at 4 %. Its free steps already end
-# at the TPOT target, so a long step over a wide batch is paid back by shorter steps after it. Measured with the
-# 70B on the long window (`octoserve simulate --duration 60s --warmup 20s`): the seed-000 peak's mean over seeds 0-5
-# was 94.8 req/s with the 8B's 215-sequence batch on 4,000 gaps, 94.6 on 4,600 and 94.3 on 5,375; over seeds 0-2,
-# 95.5 on 4,000 and 94.5 on 8,000 or 138,000. 3,200 (no long step over more than 128 decodes) served the peak at
-# 94.7 but left seed 003's BATCH share of goodput on the suite's placement at 10.0 % against 10.6 % (seeds 0-5).
-# A gang member: with the LM on the long window, seed 003's node under the pessimistic profile at 20 req/s left
-# the 180B's admitted requests 85.7 % good (88.2 % with the SMs on the short one), 100 % with the LM on the short
-# window (`python -m octoserve.services.lab.gang_bench`, its grid run at that rate, seed 0). Not traced further: the
-# short window is the one the gang's admission was measured and tuned with.
-SHORT_TAIL_WINDOW_GAPS = 4000
-
-
 def short_tail_window_gaps(policies) -> int:
-    """The ITL tail window of a wide batch or a gang member: SHORT_TAIL_WINDOW_GAPS, or the configured window where
-    it is shorter."""
-    return min(policies.tail_window_gaps, SHORT_TAIL_WINDOW_GAPS)
+    """The ITL tail window of a wide batch (WIDE_BATCH_AT sequences or more, sized to the free share of the ITL SLO)
+    and of a gang member: SHORT_WINDOW_GAPS, or the configured window where it is shorter.
+
+    A wide batch: the tail affords no long step over more than 160 of its decodes at 4 %. Its free steps already end
+    at the TPOT target, so a long step over a wide batch is paid back by shorter steps after it. Measured with the
+    70B on the long window in runs that set the 8B's window alone (an instrumented run: no config key sets one
+    model's window), `octoserve simulate --duration 60s --warmup 20s`: the seed-000 peak's mean over seeds 0-5 was
+    94.8 req/s with the 8B's 215-sequence batch on 4,000 gaps, 94.6 on 4,600 and 94.3 on 5,375; over seeds 0-2,
+    95.5 on 4,000 and 94.5 on 8,000 or 138,000. 3,200 (no long step over more than 128 decodes) served the peak at
+    94.7 but left seed 003's BATCH share of goodput on the suite's placement at 10.0 % against 10.6 % (seeds 0-5).
+    A gang member: with every window long, seed 003's node under the pessimistic profile at 20 req/s left the
+    180B's admitted requests 85.7 % good (`python -m octoserve.services.lab.gang_bench` at commit cede92d, its grid
+    run at that rate, seed 0); 100 % with the LM alone on the short window (instrumented). Not traced further: the
+    short window is the one the gang's admission was measured and tuned with."""
+    return min(policies.tail_window_gaps, SHORT_WINDOW_GAPS)
 
 
 def prefill_step_model(cost_model: CostModel, max_num_batched_tokens: int) -> dict:

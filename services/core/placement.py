@@ -156,7 +156,7 @@ class PolicyConfig:
     # at 11 req/s of seed 000; with 4,000 (~4 s) a burst of long prompts found the tail spent and was refused while
     # the minutes around it had slow gaps to spare (the 70B's per-model capacity 9.5 -> 11.4 req/s, its ITL P95
     # unchanged at 27.5 ms). A wide batch and a gang member keep 4,000 (services/core/instance.py,
-    # SHORT_TAIL_WINDOW_GAPS).
+    # short_tail_window_gaps).
     tail_window_gaps: int = 32000
     # A request whose instance is lost after it streamed tokens is continued on another instance of its model (its
     # prompt plus the tokens streamed, max_tokens less them) at most this many times; past it, it fails (0: never).

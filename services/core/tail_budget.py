@@ -8,9 +8,9 @@ stays at or under `fraction` (about half the quantile's tail: room for the cost 
 the other instances of the model, which share the model's P95).
 
 Invariant (given that only steps `affordable` allowed turned out slow): the last `window_gaps` gaps hold at most
-`fraction` x `window_gaps` slow ones at every step boundary, where a fresh instance counts up to FRESH_GAPS of the
-gaps before its first as fast (it has delayed nobody yet: a prompt on an idle node may run in one step). Until it
-has seen a window's worth, its limit is `fraction` x the gaps it has seen, or x FRESH_GAPS if more: a long window
+`fraction` x `window_gaps` slow ones at every step boundary, where a fresh instance counts up to SHORT_WINDOW_GAPS of
+the gaps before its first as fast (it has delayed nobody yet: a prompt on an idle node may run in one step). Until it
+has seen a window's worth, its limit is `fraction` x the gaps it has seen, or x SHORT_WINDOW_GAPS if more: a long window
 (32,000 gaps, ~30 s of a 70B's decodes) credited whole to a fresh instance let it spend up to 1,280 slow gaps in its
 first seconds (`make run`'s simulated 70B read an ITL P95 of 59.7 ms over its 4-s window). Between long steps the
 trailing window only gains fast gaps, so its slow count never rises; at a long step `affordable` checked it,
@@ -27,9 +27,10 @@ from collections import deque
 # A step planned by the linear step model to end within this share of the ITL SLO makes no slow gap: the share
 # left is for the model's error (the attention of a chunk over its own earlier chunks, which it leaves out).
 FREE_STEP_SHARE = 0.95
-# The most gaps a fresh instance counts as fast before it has seen them (the module docstring): the window every
-# instance had before long windows, so a fresh instance spends no more than it did then.
-FRESH_GAPS = 4000
+# The window every instance had before long windows: the most gaps a fresh instance counts as fast before it has
+# seen them (the module docstring), so it spends no more than it did then, and the window of the instances that
+# keep a short one (services/core/instance.py, short_tail_window_gaps).
+SHORT_WINDOW_GAPS = 4000
 
 
 class TailBudget:
@@ -42,7 +43,7 @@ class TailBudget:
             raise ValueError("need 0 <= fraction < 1 and window_gaps >= 1")
         self.fraction = fraction
         self.window_gaps = window_gaps
-        self.fresh_gaps = min(window_gaps, FRESH_GAPS)
+        self.fresh_gaps = min(window_gaps, SHORT_WINDOW_GAPS)
         self._steps: deque[tuple[int, int]] = deque()  # (gaps, slow gaps) of each step with decodes, oldest first
         self._num_gaps = 0
         self._num_slow = 0
