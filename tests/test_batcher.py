@@ -369,6 +369,29 @@ def test_edf_demotes_a_request_whose_own_prefill_already_misses_its_deadline():
     assert [c.request_id for c in plan.chunks] == ["short"]
 
 
+def test_edf_demotes_a_waiting_head_that_became_lost_behind_a_full_batch():
+    # One decode slot, held by "a" until its last token at t=0.30. "late" (arrived at 0.0, deadline 0.25) waited
+    # for it past its deadline; "fresh" (arrived at 0.2, deadline 0.45) can still make its own. The freed slot
+    # goes to "fresh"; "late" is still served, after it, with the BATCH tier's deadline from its arrival.
+    b = make_batcher(num_blocks=2048, max_num_seqs=1, max_num_batched_tokens=4096, prefill_s_per_token=0.0001,
+                     decode_step_s_by_num_decodes=(0.010, 0.010))
+    b.add_request(spec("a", prompt_len=4, max_tokens=2, arrival=0.0, first=900), 0.0)
+    b.add_request(spec("late", prompt_len=100, arrival=0.0, max_tokens=1, first=100), 0.0)
+    b.add_request(spec("fresh", prompt_len=100, arrival=0.2, max_tokens=1, first=5000), 0.2)
+    plan, _ = step(b, now=0.0)
+    assert [c.request_id for c in plan.chunks] == ["a"]
+    assert b.request("late").queue_key == (0.25, int(Priority.STANDARD))
+    plan, out = step(b, now=0.3)  # a's last token; the waiting head is judged before the step is planned
+    assert [c.request_id for c in plan.chunks] == ["a"]
+    assert out.outputs[0].finish_reason is FinishReason.LENGTH
+    # At 0.31: 0.31 + 10 ms + 100 x 0.1 ms = 0.33 > 0.25: "late" is lost; "fresh" makes 0.45 easily.
+    plan, _ = step(b, now=0.31)
+    assert [c.request_id for c in plan.chunks] == ["fresh"]
+    assert b.request("late").queue_key == (10.0, int(Priority.BATCH))
+    plan, _ = step(b, now=0.33)
+    assert [c.request_id for c in plan.chunks] == ["late"]
+
+
 def timed_step(b: Batcher, now: float, step_s: float):
     """One step planned at `now` whose tokens arrive `step_s` later (the gaps the tail budget judges)."""
     plan = b.schedule(now)

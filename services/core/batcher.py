@@ -11,7 +11,9 @@ need no flags. `schedule` is three named steps in a fixed order:
    waiting head run after step 3, not before;
 2. swapped-out requests come back when blocks are free (only in steps that preempted nothing);
 3. waiting requests are admitted in queue-policy order while the token budget, `max_num_seqs` and the reservation
-   policy allow; the head of the queue is never overtaken (no starvation of large requests). A head that finds
+   policy allow; the head of the queue is never overtaken (no starvation of large requests), though under EDF a
+   head that can no longer meet its TTFT deadline is first demoted behind those that can (`_demote_lost_heads`),
+   as the queue demotes a prompt infeasible from the start. A head that finds
    no slot or no KV preempts running requests of strictly less urgent tiers (tier preemption, on when
    `batch_min_share` < 1), least urgent and least advanced first, but never below BATCH's floor of
    `batch_min_share` x `max_num_seqs` running BATCH requests: the latency tier gets the capacity first, and
@@ -44,6 +46,7 @@ from octoserve.services.core.batch_book import BatchBook, _victim_order
 from octoserve.services.core.batch_state import DEFAULT_TIER_TTFT_SLO_MS, BatcherConfig, Request, RequestStatus
 from octoserve.services.core.kv_cache import KVCacheManager
 from octoserve.services.core.preemption import tier_victim
+from octoserve.services.core.queues import demoted_key
 from octoserve.services.core.step_builders import (
     CompactBuilder,
     CompactOutputs,
@@ -109,6 +112,8 @@ class Batcher(BatchBook):
         self.state_version += 1
         decodes, prefills, num_decode_tokens = self._split_running_counted()
         extra_kv_s = self.budget.extra_kv_read_s(decodes, num_decode_tokens)
+        if self._waiting and self.config.queue_policy == "edf" and self.config.prefill_s_per_token > 0:
+            self._demote_lost_heads(now, len(decodes))
         budget = self.budget.shrunk(self.budget.step_budget(len(decodes)), len(decodes), extra_kv_s)
         if self.config.tpot_target_s > 0 and (prefills or self._waiting):
             budget = self._spend_tail(budget, self.budget.slack_budget(decodes, now, extra_kv_s), len(decodes), extra_kv_s,
@@ -248,6 +253,30 @@ class Batcher(BatchBook):
             if late or tokens <= free_chunk:
                 wait = max(wait, -(-tokens // free_chunk))
         return wait, owed, num_owed
+
+    def _demote_lost_heads(self, now: float, num_decodes: int) -> None:
+        """EDF: a waiting head that can no longer have its first token by its TTFT deadline, not even from one step
+        of its whole prompt starting now, goes behind every prompt that still can (`queues.demoted_key`, as the
+        queue's own demotion of a prompt infeasible from the start): still served, as BATCH work. Left at the
+        head, it took the next decode slot and the prefill steps after it from prompts that could still make
+        theirs, and they missed in turn: at the seed-000 peak, 8B instances at their slot limit missed six TTFTs
+        in a row this way (each admitted prompt waiting behind one already late)."""
+        cfg = self.config
+        step_s = self.budget.working_step_s(num_decodes) if cfg.decode_step_s_by_num_decodes else 0.0
+        while self._waiting:
+            head = self._waiting.peek()
+            demoted = demoted_key(head.spec, cfg.tier_ttft_slo_ms)
+            if head.queue_key >= demoted or head.first_token_s is not None:
+                return  # BATCH-ordered already (so is all behind it), or past its first token (a preempted one)
+            deadline_s = self._ttft_deadline_s(head)
+            if now + step_s + len(head.token_ids) * cfg.prefill_s_per_token <= deadline_s:
+                return
+            if now + step_s + self._tokens_to_first(head) * cfg.prefill_s_per_token <= deadline_s:
+                return  # its cached prefix still makes it
+            self._waiting.pop()
+            head.queue_key = demoted
+            self._waiting.push(demoted, head)
+            self.state_version += 1
 
     def _tokens_to_first(self, r: Request) -> int:
         """Tokens `r` computes before its first token. A waiting prompt skips its cached prefix when it is admitted

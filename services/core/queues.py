@@ -10,7 +10,9 @@ no clock. A request preempted by recompute re-enters with its original key, so i
   in: a BATCH request (SLO e.g. 10 s) waiting since t0 precedes an INTERACTIVE request (200 ms) that arrives after
   t0 + 9.8 s, so no tier starves, and within a tier it is FCFS. A request whose own prefill alone already
   exceeds its SLO cannot meet its deadline whatever the order; serving it first would only make the requests
-  behind it miss theirs too, so it is demoted to the BATCH tier's deadline (still served, never starved).
+  behind it miss theirs too, so it is demoted to the BATCH tier's deadline (still served, never starved). The
+  batcher demotes the same way a waiting head that has become lost while it waited (`demoted_key`): one that
+  waited for a decode slot past the point where even a step of its whole prompt would end after its deadline.
 """
 
 from __future__ import annotations
@@ -42,8 +44,14 @@ def priority_key(spec: RequestSpec, tier_ttft_slo_ms: Mapping[Priority, float], 
 def edf_key(spec: RequestSpec, tier_ttft_slo_ms: Mapping[Priority, float], prefill_s: float = 0.0) -> tuple:
     slo_ms = spec.ttft_slo_ms if spec.ttft_slo_ms is not None else tier_ttft_slo_ms[spec.priority]
     if prefill_s * 1000.0 > slo_ms:  # infeasible: demoted to background
-        return (spec.arrival_s + tier_ttft_slo_ms[Priority.BATCH] / 1000.0, int(Priority.BATCH))
+        return demoted_key(spec, tier_ttft_slo_ms)
     return (spec.ttft_deadline_s(tier_ttft_slo_ms[spec.priority]), int(spec.priority))
+
+
+def demoted_key(spec: RequestSpec, tier_ttft_slo_ms: Mapping[Priority, float]) -> tuple:
+    """The `edf` key of a request that cannot meet its TTFT deadline: the BATCH tier's deadline from its arrival,
+    so it runs behind every request that still can, and ages to the head like BATCH work."""
+    return (spec.arrival_s + tier_ttft_slo_ms[Priority.BATCH] / 1000.0, int(Priority.BATCH))
 
 
 T = TypeVar("T")
