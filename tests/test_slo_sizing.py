@@ -96,17 +96,17 @@ def test_instances_size_for_the_tail_budget_only_where_the_plain_batch_starves_a
 
     node = load_node_config()
     lm = next(i for i in node.instances if i.model == "llama-3-70b")
-    # default profile: the plain batch (38 sequences) is narrow, not starved: decodes may fill 0.95 of the step
+    # default profile: the plain batch (38 sequences) is narrow, not starved: decodes may fill the whole step
     plain = sizing(node, lm, False)
     assert plain.max_num_seqs == 38
     config = instance_parts(node, lm).batcher_config
-    ceiling = sizing(node, lm, False, decode_share=0.95, context_tokens=SLOT_CEILING_CONTEXT).max_num_seqs
-    assert config.max_num_seqs == ceiling > 2 * plain.max_num_seqs
+    ceiling = sizing(node, lm, False, decode_share=1.0, context_tokens=SLOT_CEILING_CONTEXT).max_num_seqs
+    assert config.max_num_seqs == ceiling == 102 > 2 * plain.max_num_seqs
     assert config.sized_context_tokens == 1200  # the tables stay at the sized context...
     assert len(config.decode_step_s_by_num_decodes) == ceiling + 1  # ...and reach every slot
     assert config.decode_step_s_by_num_decodes[:39] == plain.decode_step_s_by_num_decodes
     assert config.budget_by_num_decodes[:39] == plain.budget_by_num_decodes
-    assert config.decode_slot_target_s == pytest.approx(0.95 * 0.85 * 0.030)
+    assert config.decode_slot_target_s == pytest.approx(0.85 * 0.030)
     # pessimistic profile: the plain batch is one sequence, so decodes fill the free step (a fixed batch)
     pessimistic = dataclasses.replace(node, cost_profile="pessimistic")
     assert sizing(pessimistic, lm, False).max_num_seqs == 1 < TAIL_SIZING_BELOW
