@@ -392,6 +392,23 @@ def test_edf_demotes_a_waiting_head_that_became_lost_behind_a_full_batch():
     assert [c.request_id for c in plan.chunks] == ["late"]
 
 
+def test_a_lost_head_keeps_its_place_when_nobody_behind_it_would_be_made_late():
+    # As above, but behind "late" waits only a BATCH prompt (10 s of slack: not what a late head delays) and a
+    # STANDARD one already lost too: "late" keeps its place and its key.
+    b = make_batcher(num_blocks=2048, max_num_seqs=1, max_num_batched_tokens=4096, prefill_s_per_token=0.0001,
+                     decode_step_s_by_num_decodes=(0.010, 0.010))
+    b.add_request(spec("a", prompt_len=4, max_tokens=2, arrival=0.0, first=900), 0.0)
+    b.add_request(spec("late", prompt_len=100, arrival=0.0, max_tokens=2, first=100), 0.0)
+    b.add_request(spec("later", prompt_len=100, arrival=0.01, max_tokens=1, first=3000), 0.01)
+    b.add_request(spec("bg", prompt_len=100, arrival=0.2, max_tokens=1, first=5000, priority=Priority.BATCH), 0.2)
+    step(b, now=0.0)
+    step(b, now=0.3)  # a's last token
+    plan, _ = step(b, now=0.31)
+    assert [c.request_id for c in plan.chunks] == ["late"]
+    assert b.request("late").queue_key == (0.25, int(Priority.STANDARD))
+    assert b.request("later").queue_key == (0.26, int(Priority.STANDARD))
+
+
 def timed_step(b: Batcher, now: float, step_s: float):
     """One step planned at `now` whose tokens arrive `step_s` later (the gaps the tail budget judges)."""
     plan = b.schedule(now)
