@@ -63,10 +63,11 @@ WIDE_BATCH_AT = 128
 # At the seed-000 peak (`octoserve simulate --duration 60s --warmup 20s`) the 70B served 6.0 req/s instead of 3.7,
 # its admitted requests 96.8 % good. Wider and starved batches keep their fixed batch: the variants measured (every
 # model by context, other shares) are in BENCHMARKS.md, "ITL tail budget".
-# The whole step (1.0), not 0.95 of it: with lost heads demoted (batcher.py, `_demote_lost_heads`), the peak's
-# goodput over seeds 0-7 went from 95.1 to 95.6 req/s (every seed up, the 70B's admitted requests 99.6-100 % good
-# instead of 97-98.6 %) and seed 003's at 625 req/s rose on seeds 0-2, its 70B's admitted requests 96.7-98.5 % good
-# (98.1-100 % at 0.95). Below the peak the slots do not bind: 12, 16 and 24 req/s ran identically.
+# The whole step (1.0), not 0.95 of it: at the seed-000 peak over seeds 0-7 (`--warmup 20s --seed S`) the goodput
+# went from 94.8 to 95.3 req/s (95.5 with lost heads demoted, batcher.py `_demote_lost_heads`), the 70B's admitted
+# requests 99.6-100 % good instead of 97-98.6 %; at seed 003's 625 req/s its 70B's admitted requests stay 96.7-98.5 %
+# good (98.1-100 % at 0.95) while the node serves more. Below the peak the slots do not bind: 12, 16 and 24 req/s ran
+# identically.
 SLOT_CEILING_CONTEXT = 256
 NARROW_BATCH_BELOW = 64
 NARROW_DECODE_SHARE = 1.0
