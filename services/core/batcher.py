@@ -66,7 +66,7 @@ from octoserve.services.core.types import (
 )
 
 NEEDS_LONG_SCAN = 4  # waiting prompts `_long_step_tokens` looks at, past the running prefills
-YIELD_SCAN = 16  # waiting prompts `_demote_lost_heads` looks at behind a lost head
+DEMOTE_SCAN = 16  # waiting prompts `_demote_lost_heads` looks at behind a lost head
 UNCAPPED = 1 << 30  # `_long_step_tokens`: the long step takes all the running decodes' TPOT slack allows
 
 class Batcher(BatchBook):
@@ -259,7 +259,7 @@ class Batcher(BatchBook):
         """EDF: a waiting head that can no longer have its first token by its TTFT deadline, not even from one step
         of its whole prompt starting now, goes behind every prompt that still can (`queues.demoted_key`, as the
         queue's own demotion of a prompt infeasible from the start): still served, as BATCH work. Only when a
-        prompt of its tier or a more urgent one waiting behind it (among the first YIELD_SCAN) can still make its
+        prompt of its tier or a more urgent one waiting behind it (among the first DEMOTE_SCAN) can still make its
         own: less urgent work has slack to spare and is not what a late head delays. Left at the head, it took
         the next decode slot and the prefill steps after it from prompts that could still make theirs, and they
         missed in turn: at the seed-000 peak, 8B instances at their slot limit missed six first tokens in a row
@@ -271,12 +271,12 @@ class Batcher(BatchBook):
         while self._waiting:
             head = self._waiting.peek()
             demoted = demoted_key(head.spec, cfg.tier_ttft_slo_ms)
+            # BATCH-ordered already (so is all behind it), past its first token (a preempted one), or still in time
             if head.queue_key >= demoted or head.first_token_s is not None or not self._lost(head, now, step_s):
-                return  # BATCH-ordered already (so is all behind it), past its first token (a preempted one), or
-                # it can still make its deadline
+                return
             tier = head.spec.priority
             if not any(r.spec.priority <= tier and r.first_token_s is None and not self._lost(r, now, step_s)
-                       for r in self._waiting.head(YIELD_SCAN)[1:]):
+                       for r in self._waiting.head(DEMOTE_SCAN)[1:]):
                 return  # nobody behind it that it would make late: it keeps its place
             self._waiting.pop()
             head.queue_key = demoted
