@@ -369,14 +369,21 @@ def test_edf_demotes_a_request_whose_own_prefill_already_misses_its_deadline():
     assert [c.request_id for c in plan.chunks] == ["short"]
 
 
-def test_edf_demotes_a_waiting_head_that_became_lost_behind_a_full_batch():
-    # One decode slot, held by "a" until its last token at t=0.30. "late" (arrived at 0.0, deadline 0.25) waited
-    # for it past its deadline; "fresh" (arrived at 0.2, deadline 0.45) can still make its own. The freed slot
-    # goes to "fresh"; "late" is still served, after it, with the BATCH tier's deadline from its arrival.
+def slot_bound_batcher(late_max_tokens: int = 1) -> Batcher:
+    """One decode slot, held by "a" (first token at t=0.0, last at t=0.30); "late" (arrived at 0.0, deadline 0.25)
+    waits for it. 10 ms a decode step, 0.1 ms a prompt token."""
     b = make_batcher(num_blocks=2048, max_num_seqs=1, max_num_batched_tokens=4096, prefill_s_per_token=0.0001,
                      decode_step_s_by_num_decodes=(0.010, 0.010))
     b.add_request(spec("a", prompt_len=4, max_tokens=2, arrival=0.0, first=900), 0.0)
-    b.add_request(spec("late", prompt_len=100, arrival=0.0, max_tokens=1, first=100), 0.0)
+    b.add_request(spec("late", prompt_len=100, arrival=0.0, max_tokens=late_max_tokens, first=100), 0.0)
+    return b
+
+
+def test_edf_demotes_a_waiting_head_that_became_lost_behind_a_full_batch():
+    # "late" waited for the slot past its deadline; "fresh" (arrived at 0.2, deadline 0.45) can still make its
+    # own. The freed slot goes to "fresh"; "late" is still served, after it, with the BATCH tier's deadline from
+    # its arrival.
+    b = slot_bound_batcher()
     b.add_request(spec("fresh", prompt_len=100, arrival=0.2, max_tokens=1, first=5000), 0.2)
     plan, _ = step(b, now=0.0)
     assert [c.request_id for c in plan.chunks] == ["a"]
@@ -395,10 +402,7 @@ def test_edf_demotes_a_waiting_head_that_became_lost_behind_a_full_batch():
 def test_a_lost_head_keeps_its_place_when_nobody_behind_it_would_be_made_late():
     # As above, but behind "late" waits only a BATCH prompt (10 s of slack: not what a late head delays) and a
     # STANDARD one already lost too: "late" keeps its place and its key.
-    b = make_batcher(num_blocks=2048, max_num_seqs=1, max_num_batched_tokens=4096, prefill_s_per_token=0.0001,
-                     decode_step_s_by_num_decodes=(0.010, 0.010))
-    b.add_request(spec("a", prompt_len=4, max_tokens=2, arrival=0.0, first=900), 0.0)
-    b.add_request(spec("late", prompt_len=100, arrival=0.0, max_tokens=2, first=100), 0.0)
+    b = slot_bound_batcher(late_max_tokens=2)
     b.add_request(spec("later", prompt_len=100, arrival=0.01, max_tokens=1, first=3000), 0.01)
     b.add_request(spec("bg", prompt_len=100, arrival=0.2, max_tokens=1, first=5000, priority=Priority.BATCH), 0.2)
     step(b, now=0.0)
