@@ -113,8 +113,7 @@ class Batcher(BatchBook):
         self.state_version += 1
         decodes, prefills, num_decode_tokens = self._split_running_counted()
         extra_kv_s = self.budget.extra_kv_read_s(decodes, num_decode_tokens)
-        if self._waiting and self.config.queue_policy == "edf" and self.config.prefill_s_per_token > 0:
-            self._demote_lost_heads(now, len(decodes))
+        self._demote_lost_heads(now, len(decodes))
         budget = self.budget.shrunk(self.budget.step_budget(len(decodes)), len(decodes), extra_kv_s)
         if self.config.tpot_target_s > 0 and (prefills or self._waiting):
             budget = self._spend_tail(budget, self.budget.slack_budget(decodes, now, extra_kv_s), len(decodes), extra_kv_s,
@@ -267,6 +266,8 @@ class Batcher(BatchBook):
         prompt on seed 003's node waited ~10 s, counted by the router as queued ahead of every newcomer, and the
         180B alone at 100 req/s (pessimistic) served 3.1 req/s instead of 5.6."""
         cfg = self.config
+        if not self._waiting or cfg.queue_policy != "edf" or cfg.prefill_s_per_token <= 0:
+            return  # only EDF demotes, and only with a step model to judge a prompt lost by
         step_s = self.budget.working_step_s(num_decodes) if cfg.decode_step_s_by_num_decodes else 0.0
         while self._waiting:
             head = self._waiting.peek()

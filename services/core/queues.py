@@ -11,9 +11,9 @@ no clock. A request preempted by recompute re-enters with its original key, so i
   t0 + 9.8 s, so no tier starves, and within a tier it is FCFS. A request whose own prefill alone already
   exceeds its SLO cannot meet its deadline whatever the order; serving it first would only make the requests
   behind it miss theirs too, so it is demoted to the BATCH tier's deadline (still served, never starved). The
-  batcher demotes the same way a waiting head that has become lost while it waited (`demoted_key`): one that
-  waited for a decode slot past the point where even a step of its whole prompt would end after its deadline,
-  when a prompt of its tier or a more urgent one behind it can still make its own.
+  batcher demotes the same way a waiting head that has become lost while it waited (`demoted_key`; at the seed-000
+  peak, for a decode slot): one for which even a step of its whole prompt would now end after its deadline, when a
+  prompt of its tier or a more urgent one behind it can still make its own.
 """
 
 from __future__ import annotations

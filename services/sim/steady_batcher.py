@@ -278,8 +278,7 @@ class SteadyBatcher(Batcher):
         extra_kv_s = 0.0
         if cfg.kv_s_per_context_token > 0 and n:
             extra_kv_s = max(0.0, (num_decode_tokens - n * cfg.sized_context_tokens) * cfg.kv_s_per_context_token)
-        if self._waiting and cfg.queue_policy == "edf" and cfg.prefill_s_per_token > 0:
-            self._demote_lost_heads(now, n)
+        self._demote_lost_heads(now, n)
         budget = self.budget.shrunk(self.budget.step_budget(n), n, extra_kv_s)
         if cfg.tpot_target_s > 0 and (prefills or self._waiting):
             budget = self._spend_tail(budget, self._steady_slack_budget(n, s, now, extra_kv_s), n, extra_kv_s,
