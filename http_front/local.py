@@ -42,6 +42,9 @@ class _Context:
     def time_remaining(self) -> float | None:
         return None if self._deadline_s is None else max(0.0, self._deadline_s - time.monotonic())
 
+    async def send_initial_metadata(self, metadata) -> None:
+        pass  # no headers in-process
+
     async def abort(self, code, details="", trailing_metadata=()):
         raise _Abort(code, details, trailing_metadata)
 

@@ -3,6 +3,7 @@
 - Attach: the worker's per-step token batches for every request this router submitted there; each delta is handed
   to `on_delta` (a dict lookup and a list append in the router). A broken session fails that worker's requests
   (`on_down`) and is re-opened with bounded backoff.
+- Submit: colocated requests start as messages on one open stream (services/rpc/submit.py), opened on first use.
 - WatchLoad: pushed `EngineLoad` snapshots (and KV events for the prefix index) kept in `loads`; while the stream
   is down the worker's snapshot is marked unhealthy, so routing skips it, and its prefix-index entries are dropped
   (`on_kv_lost`): the next stream reports only new events.
@@ -28,6 +29,7 @@ import grpc
 from octoserve.services import trust
 from octoserve.services.core.types import EngineLoad, KVEvent
 from octoserve.services.rpc import convert
+from octoserve.services.rpc.submit import SubmitStream
 from octoserve.services.rpc.gen import worker_pb2 as w_pb
 from octoserve.services.rpc.gen import worker_pb2_grpc as w_grpc
 
@@ -96,6 +98,7 @@ class WorkerClient:
         self.load_interval_ms = load_interval_ms
         self.channel = trust.channel(endpoint.address, options=CHANNEL_OPTIONS)
         self.stub = w_grpc.WorkerStub(self.channel)
+        self.submits = SubmitStream(self.stub, endpoint.instance_id)  # colocated requests start here
         self.load: EngineLoad | None = None
         self.attached = asyncio.Event()
         self.reachable = True  # False from a broken stream until the next snapshot: no cleanup RPCs are sent there
@@ -119,6 +122,7 @@ class WorkerClient:
 
     async def close(self) -> None:
         self.stop_streams()
+        self.submits.close()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.channel.close()
 

@@ -227,6 +227,11 @@ class GenerationServicer(gen_grpc.GenerationServicer):
         self.policy.on_dispatched(spec.request_id, route, spec)
         st.dispatch = asyncio.create_task(self._dispatch(st, route, st.timeout_s))
         try:
+            # The response headers now, while the prompt is computed: the first token's message then carries only
+            # itself (~0.1 ms less on its path, measured on a loaded 2-core host). After one turn of the loop, in
+            # which the dispatch sends the request: sending headers takes ~0.2 ms of this thread before it yields.
+            await asyncio.sleep(0)
+            await context.send_initial_metadata(())
             async for response in self._responses(st):
                 yield response
             if st.error is not None:
@@ -414,8 +419,8 @@ class GenerationServicer(gen_grpc.GenerationServicer):
 
     async def _colocated(self, st: RequestState, route, timeout_s: float | None) -> None:
         request = w_pb.WorkerGenerateRequest(session_id=self.session_id, spec=convert.spec_to_pb(st.worker_spec))
-        await self.failover.call(route.instance_id, self.pool[route.instance_id].stub.Generate(
-            request, timeout=timeout_s, metadata=seam_metadata(st)))
+        await self.failover.call(route.instance_id, self.pool[route.instance_id].submits.submit(
+            request, seam_metadata(st), timeout_s))
 
     async def _disaggregated(self, st: RequestState, route, timeout_s: float | None) -> None:
         spec_pb = convert.spec_to_pb(st.worker_spec)

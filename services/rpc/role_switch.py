@@ -37,7 +37,7 @@ import grpc
 from octoserve.services.core.migration import DEFAULT_MAX_PAUSE_S
 from octoserve.services.core.reconfig import in_place_role
 from octoserve.services.core.types import Role
-from octoserve.services.rpc import convert
+from octoserve.services.rpc import convert, submit
 from octoserve.services.rpc.gen import worker_pb2 as w_pb
 from octoserve.services.rpc.gen import worker_pb2_grpc as w_grpc
 from octoserve.services.rpc.migration import migrate_out, targets_problem
@@ -202,6 +202,9 @@ class RoleSwitch(w_grpc.WorkerServicer):
 
     async def Generate(self, request, context):
         return await self._starting("Generate", request, context)
+
+    def Submit(self, request_iterator, context):
+        return submit.serve_submit(self.Generate, request_iterator, context)  # each through the gate above
 
     async def Prefill(self, request, context):
         return await self._starting("Prefill", request, context)

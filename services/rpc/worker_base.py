@@ -23,6 +23,7 @@ from octoserve.services.core.types import EngineLoad, KVEvent
 from octoserve.services.engine.base import Engine
 from octoserve.services.rpc import convert
 from octoserve.services.rpc import status as rpc_status
+from octoserve.services.rpc import submit
 from octoserve.services.rpc.limits import check_worker_spec
 from octoserve.services.rpc.gen import worker_pb2 as w_pb
 from octoserve.services.rpc.gen import worker_pb2_grpc as w_grpc
@@ -173,6 +174,11 @@ class WorkerBase(w_grpc.WorkerServicer):
 
     async def Generate(self, request, context):
         await self._wrong_role(context, "Generate", "colocated")
+
+    def Submit(self, request_iterator, context):
+        """Generate's requests on one open stream (services/rpc/submit.py): each goes through this servicer's own
+        Generate, so a role without it answers each with Generate's FAILED_PRECONDITION."""
+        return submit.serve_submit(self.Generate, request_iterator, context)
 
     async def Prefill(self, request, context):
         await self._wrong_role(context, "Prefill", "prefill")

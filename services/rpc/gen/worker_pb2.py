@@ -26,7 +26,7 @@ from octoserve.v1 import generate_pb2 as octoserve_dot_v1_dot_generate__pb2
 from . import kv_pb2 as octoserve_dot_v1_dot_kv__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19octoserve/v1/worker.proto\x12\x0coctoserve.v1\x1a\x1boctoserve/v1/generate.proto\x1a\x15octoserve/v1/kv.proto\"\xd7\x01\n\x0eSetRoleRequest\x12 \n\x04role\x18\x01 \x01(\x0e\x32\x12.octoserve.v1.Role\x12\x18\n\x10\x64rain_timeout_ms\x18\x02 \x01(\r\x12\x38\n\x11migration_targets\x18\x03 \x03(\x0b\x32\x1d.octoserve.v1.MigrationTarget\x12\x1d\n\x15max_migration_pause_s\x18\x04 \x01(\x01\x12\x1e\n\x16migration_itl_budget_s\x18\x05 \x01(\x01\x12\x10\n\x08in_place\x18\x06 \x01(\x08\"\xb6\x01\n\x0fMigrationTarget\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x13\n\x0b\x66ree_blocks\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x12\n\nfree_slots\x18\x05 \x01(\r\x12\x14\n\x0c\x64\x65\x63ode_batch\x18\x06 \x01(\r\x12\x11\n\tkv_tokens\x18\x07 \x01(\x04\x12\x17\n\x0ftensor_parallel\x18\x08 \x01(\r\"\xcf\x01\n\x0cSetRoleReply\x12\x18\n\x10\x64rained_requests\x18\x01 \x01(\r\x12\x0f\n\x07\x64rain_s\x18\x02 \x01(\x01\x12\x19\n\x11migrated_requests\x18\x03 \x01(\r\x12\x44\n\x0ekept_by_reason\x18\x04 \x03(\x0b\x32,.octoserve.v1.SetRoleReply.KeptByReasonEntry\x1a\x33\n\x11KeptByReasonEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"\x86\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x42\x07\n\x05_seed\"\x91\x02\n\x0bRequestSpec\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.octoserve.v1.SamplingParams\x12\x11\n\tarrival_s\x18\x05 \x01(\x01\x12(\n\x08priority\x18\x06 \x01(\x0e\x32\x16.octoserve.v1.Priority\x12\x18\n\x0bttft_slo_ms\x18\x07 \x01(\x01H\x00\x88\x01\x01\x12\x1b\n\x0esim_output_len\x18\x08 \x01(\rH\x01\x88\x01\x01\x42\x0e\n\x0c_ttft_slo_msB\x11\n\x0f_sim_output_len\"#\n\rAttachRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\xaf\x02\n\nTokenDelta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.octoserve.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\x12 \n\x18num_cached_prompt_tokens\x18\x05 \x01(\r\x12\x19\n\x11num_output_tokens\x18\x06 \x01(\r\x12\x12\n\nerror_code\x18\x07 \x01(\x05\x12\x15\n\rerror_message\x18\x08 \x01(\t\x12*\n\tmigration\x18\t \x01(\x0b\x32\x17.octoserve.v1.KVHandoff\x12\x18\n\x10migration_target\x18\n \x01(\t\"B\n\tStepBatch\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12(\n\x06\x64\x65ltas\x18\x02 \x03(\x0b\x32\x18.octoserve.v1.TokenDelta\"T\n\x15WorkerGenerateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\'\n\x04spec\x18\x02 \x01(\x0b\x32\x19.octoserve.v1.RequestSpec\"\r\n\x0bSubmitReply\"9\n\x0ePrefillRequest\x12\'\n\x04spec\x18\x01 \x01(\x0b\x32\x19.octoserve.v1.RequestSpec\"8\n\x0cPrefillReply\x12(\n\x07handoff\x18\x01 \x01(\x0b\x32\x17.octoserve.v1.KVHandoff\"c\n\x0eReserveRequest\x12\'\n\x04spec\x18\x01 \x01(\x0b\x32\x19.octoserve.v1.RequestSpec\x12\x0e\n\x06ttl_ms\x18\x02 \x01(\r\x12\x18\n\x10output_token_ids\x18\x03 \x03(\r\" \n\x0cReserveReply\x12\x10\n\x08reserved\x18\x01 \x01(\x08\"\x8e\x01\n\rDecodeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\'\n\x04spec\x18\x02 \x01(\x0b\x32\x19.octoserve.v1.RequestSpec\x12(\n\x07handoff\x18\x03 \x01(\x0b\x32\x17.octoserve.v1.KVHandoff\x12\x16\n\x0esource_address\x18\x04 \x01(\t\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0e\n\x0cReleaseReply\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0c\n\nAbortReply\"\x0e\n\x0cPauseRequest\"\x0c\n\nPauseReply\"\x0f\n\rResumeRequest\"\r\n\x0bResumeReply\"\xcf\x04\n\nLoadReport\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12 \n\x04role\x18\x03 \x01(\x0e\x32\x12.octoserve.v1.Role\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x06 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x1d\n\x15queued_prefill_tokens\x18\t \x01(\x04\x12\x1c\n\x14prefill_tokens_per_s\x18\n \x01(\x01\x12\x1a\n\x12\x64\x65\x63ode_step_time_s\x18\x0b \x01(\x01\x12\x0f\n\x07healthy\x18\x0c \x01(\x08\x12\x0e\n\x06paused\x18\r \x01(\x08\x12(\n\tkv_events\x18\x0e \x03(\x0b\x32\x15.octoserve.v1.KVEvent\x12\x0b\n\x03seq\x18\x0f \x01(\x04\x12\x14\n\x0cmax_num_seqs\x18\x10 \x01(\r\x12\x1a\n\x12mean_output_tokens\x18\x11 \x01(\x01\x12\x14\n\x0cnum_reserved\x18\x12 \x01(\r\x12!\n\x19long_prefill_tokens_per_s\x18\x13 \x01(\x01\x12\x14\n\x0c\x62usy_until_s\x18\x14 \x01(\x01\x12\x18\n\x10long_step_wait_s\x18\x15 \x01(\x01\x12\x19\n\x11long_burst_tokens\x18\x16 \x01(\x01\x12#\n\x1blong_sustained_tokens_per_s\x18\x17 \x01(\x01\"\x10\n\x0eGetLoadRequest\"\'\n\x10WatchLoadRequest\x12\x13\n\x0binterval_ms\x18\x01 \x01(\r*D\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\r\n\tCOLOCATED\x10\x01\x12\x0b\n\x07PREFILL\x10\x02\x12\n\n\x06\x44\x45\x43ODE\x10\x03\x32\xb8\x06\n\x06Worker\x12@\n\x06\x41ttach\x12\x1b.octoserve.v1.AttachRequest\x1a\x17.octoserve.v1.StepBatch0\x01\x12J\n\x08Generate\x12#.octoserve.v1.WorkerGenerateRequest\x1a\x19.octoserve.v1.SubmitReply\x12\x43\n\x07Prefill\x12\x1c.octoserve.v1.PrefillRequest\x1a\x1a.octoserve.v1.PrefillReply\x12\x43\n\x07Reserve\x12\x1c.octoserve.v1.ReserveRequest\x1a\x1a.octoserve.v1.ReserveReply\x12@\n\x06\x44\x65\x63ode\x12\x1b.octoserve.v1.DecodeRequest\x1a\x19.octoserve.v1.SubmitReply\x12\x43\n\x07Release\x12\x1c.octoserve.v1.ReleaseRequest\x1a\x1a.octoserve.v1.ReleaseReply\x12=\n\x05\x41\x62ort\x12\x1a.octoserve.v1.AbortRequest\x1a\x18.octoserve.v1.AbortReply\x12=\n\x05Pause\x12\x1a.octoserve.v1.PauseRequest\x1a\x18.octoserve.v1.PauseReply\x12@\n\x06Resume\x12\x1b.octoserve.v1.ResumeRequest\x1a\x19.octoserve.v1.ResumeReply\x12\x41\n\x07GetLoad\x12\x1c.octoserve.v1.GetLoadRequest\x1a\x18.octoserve.v1.LoadReport\x12G\n\tWatchLoad\x12\x1e.octoserve.v1.WatchLoadRequest\x1a\x18.octoserve.v1.LoadReport0\x01\x12\x43\n\x07SetRole\x12\x1c.octoserve.v1.SetRoleRequest\x1a\x1a.octoserve.v1.SetRoleReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19octoserve/v1/worker.proto\x12\x0coctoserve.v1\x1a\x1boctoserve/v1/generate.proto\x1a\x15octoserve/v1/kv.proto\"\xd7\x01\n\x0eSetRoleRequest\x12 \n\x04role\x18\x01 \x01(\x0e\x32\x12.octoserve.v1.Role\x12\x18\n\x10\x64rain_timeout_ms\x18\x02 \x01(\r\x12\x38\n\x11migration_targets\x18\x03 \x03(\x0b\x32\x1d.octoserve.v1.MigrationTarget\x12\x1d\n\x15max_migration_pause_s\x18\x04 \x01(\x01\x12\x1e\n\x16migration_itl_budget_s\x18\x05 \x01(\x01\x12\x10\n\x08in_place\x18\x06 \x01(\x08\"\xb6\x01\n\x0fMigrationTarget\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x13\n\x0b\x66ree_blocks\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x12\n\nfree_slots\x18\x05 \x01(\r\x12\x14\n\x0c\x64\x65\x63ode_batch\x18\x06 \x01(\r\x12\x11\n\tkv_tokens\x18\x07 \x01(\x04\x12\x17\n\x0ftensor_parallel\x18\x08 \x01(\r\"\xcf\x01\n\x0cSetRoleReply\x12\x18\n\x10\x64rained_requests\x18\x01 \x01(\r\x12\x0f\n\x07\x64rain_s\x18\x02 \x01(\x01\x12\x19\n\x11migrated_requests\x18\x03 \x01(\r\x12\x44\n\x0ekept_by_reason\x18\x04 \x03(\x0b\x32,.octoserve.v1.SetRoleReply.KeptByReasonEntry\x1a\x33\n\x11KeptByReasonEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"\x86\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x42\x07\n\x05_seed\"\x91\x02\n\x0bRequestSpec\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.octoserve.v1.SamplingParams\x12\x11\n\tarrival_s\x18\x05 \x01(\x01\x12(\n\x08priority\x18\x06 \x01(\x0e\x32\x16.octoserve.v1.Priority\x12\x18\n\x0bttft_slo_ms\x18\x07 \x01(\x01H\x00\x88\x01\x01\x12\x1b\n\x0esim_output_len\x18\x08 \x01(\rH\x01\x88\x01\x01\x42\x0e\n\x0c_ttft_slo_msB\x11\n\x0f_sim_output_len\"#\n\rAttachRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\xaf\x02\n\nTokenDelta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.octoserve.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\x12 \n\x18num_cached_prompt_tokens\x18\x05 \x01(\r\x12\x19\n\x11num_output_tokens\x18\x06 \x01(\r\x12\x12\n\nerror_code\x18\x07 \x01(\x05\x12\x15\n\rerror_message\x18\x08 \x01(\t\x12*\n\tmigration\x18\t \x01(\x0b\x32\x17.octoserve.v1.KVHandoff\x12\x18\n\x10migration_target\x18\n \x01(\t\"B\n\tStepBatch\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12(\n\x06\x64\x65ltas\x18\x02 \x03(\x0b\x32\x18.octoserve.v1.TokenDelta\"T\n\x15WorkerGenerateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\'\n\x04spec\x18\x02 \x01(\x0b\x32\x19.octoserve.v1.RequestSpec\"\r\n\x0bSubmitReply\"t\n\rSubmitRequest\x12\x34\n\x07request\x18\x01 \x01(\x0b\x32#.octoserve.v1.WorkerGenerateRequest\x12-\n\x08metadata\x18\x02 \x03(\x0b\x32\x1b.octoserve.v1.MetadataEntry\"+\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c\"y\n\x0cSubmitResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x36\n\x11trailing_metadata\x18\x04 \x03(\x0b\x32\x1b.octoserve.v1.MetadataEntry\"9\n\x0ePrefillRequest\x12\'\n\x04spec\x18\x01 \x01(\x0b\x32\x19.octoserve.v1.RequestSpec\"8\n\x0cPrefillReply\x12(\n\x07handoff\x18\x01 \x01(\x0b\x32\x17.octoserve.v1.KVHandoff\"c\n\x0eReserveRequest\x12\'\n\x04spec\x18\x01 \x01(\x0b\x32\x19.octoserve.v1.RequestSpec\x12\x0e\n\x06ttl_ms\x18\x02 \x01(\r\x12\x18\n\x10output_token_ids\x18\x03 \x03(\r\" \n\x0cReserveReply\x12\x10\n\x08reserved\x18\x01 \x01(\x08\"\x8e\x01\n\rDecodeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\'\n\x04spec\x18\x02 \x01(\x0b\x32\x19.octoserve.v1.RequestSpec\x12(\n\x07handoff\x18\x03 \x01(\x0b\x32\x17.octoserve.v1.KVHandoff\x12\x16\n\x0esource_address\x18\x04 \x01(\t\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0e\n\x0cReleaseReply\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0c\n\nAbortReply\"\x0e\n\x0cPauseRequest\"\x0c\n\nPauseReply\"\x0f\n\rResumeRequest\"\r\n\x0bResumeReply\"\xcf\x04\n\nLoadReport\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12 \n\x04role\x18\x03 \x01(\x0e\x32\x12.octoserve.v1.Role\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x06 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x1d\n\x15queued_prefill_tokens\x18\t \x01(\x04\x12\x1c\n\x14prefill_tokens_per_s\x18\n \x01(\x01\x12\x1a\n\x12\x64\x65\x63ode_step_time_s\x18\x0b \x01(\x01\x12\x0f\n\x07healthy\x18\x0c \x01(\x08\x12\x0e\n\x06paused\x18\r \x01(\x08\x12(\n\tkv_events\x18\x0e \x03(\x0b\x32\x15.octoserve.v1.KVEvent\x12\x0b\n\x03seq\x18\x0f \x01(\x04\x12\x14\n\x0cmax_num_seqs\x18\x10 \x01(\r\x12\x1a\n\x12mean_output_tokens\x18\x11 \x01(\x01\x12\x14\n\x0cnum_reserved\x18\x12 \x01(\r\x12!\n\x19long_prefill_tokens_per_s\x18\x13 \x01(\x01\x12\x14\n\x0c\x62usy_until_s\x18\x14 \x01(\x01\x12\x18\n\x10long_step_wait_s\x18\x15 \x01(\x01\x12\x19\n\x11long_burst_tokens\x18\x16 \x01(\x01\x12#\n\x1blong_sustained_tokens_per_s\x18\x17 \x01(\x01\"\x10\n\x0eGetLoadRequest\"\'\n\x10WatchLoadRequest\x12\x13\n\x0binterval_ms\x18\x01 \x01(\r*D\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\r\n\tCOLOCATED\x10\x01\x12\x0b\n\x07PREFILL\x10\x02\x12\n\n\x06\x44\x45\x43ODE\x10\x03\x32\xff\x06\n\x06Worker\x12@\n\x06\x41ttach\x12\x1b.octoserve.v1.AttachRequest\x1a\x17.octoserve.v1.StepBatch0\x01\x12J\n\x08Generate\x12#.octoserve.v1.WorkerGenerateRequest\x1a\x19.octoserve.v1.SubmitReply\x12\x45\n\x06Submit\x12\x1b.octoserve.v1.SubmitRequest\x1a\x1a.octoserve.v1.SubmitResult(\x01\x30\x01\x12\x43\n\x07Prefill\x12\x1c.octoserve.v1.PrefillRequest\x1a\x1a.octoserve.v1.PrefillReply\x12\x43\n\x07Reserve\x12\x1c.octoserve.v1.ReserveRequest\x1a\x1a.octoserve.v1.ReserveReply\x12@\n\x06\x44\x65\x63ode\x12\x1b.octoserve.v1.DecodeRequest\x1a\x19.octoserve.v1.SubmitReply\x12\x43\n\x07Release\x12\x1c.octoserve.v1.ReleaseRequest\x1a\x1a.octoserve.v1.ReleaseReply\x12=\n\x05\x41\x62ort\x12\x1a.octoserve.v1.AbortRequest\x1a\x18.octoserve.v1.AbortReply\x12=\n\x05Pause\x12\x1a.octoserve.v1.PauseRequest\x1a\x18.octoserve.v1.PauseReply\x12@\n\x06Resume\x12\x1b.octoserve.v1.ResumeRequest\x1a\x19.octoserve.v1.ResumeReply\x12\x41\n\x07GetLoad\x12\x1c.octoserve.v1.GetLoadRequest\x1a\x18.octoserve.v1.LoadReport\x12G\n\tWatchLoad\x12\x1e.octoserve.v1.WatchLoadRequest\x1a\x18.octoserve.v1.LoadReport0\x01\x12\x43\n\x07SetRole\x12\x1c.octoserve.v1.SetRoleRequest\x1a\x1a.octoserve.v1.SetRoleReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,8 +35,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SETROLEREPLY_KEPTBYREASONENTRY']._loaded_options = None
   _globals['_SETROLEREPLY_KEPTBYREASONENTRY']._serialized_options = b'8\001'
-  _globals['_ROLE']._serialized_start=2849
-  _globals['_ROLE']._serialized_end=2917
+  _globals['_ROLE']._serialized_start=3135
+  _globals['_ROLE']._serialized_end=3203
   _globals['_SETROLEREQUEST']._serialized_start=96
   _globals['_SETROLEREQUEST']._serialized_end=311
   _globals['_MIGRATIONTARGET']._serialized_start=314
@@ -59,38 +59,44 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WORKERGENERATEREQUEST']._serialized_end=1616
   _globals['_SUBMITREPLY']._serialized_start=1618
   _globals['_SUBMITREPLY']._serialized_end=1631
-  _globals['_PREFILLREQUEST']._serialized_start=1633
-  _globals['_PREFILLREQUEST']._serialized_end=1690
-  _globals['_PREFILLREPLY']._serialized_start=1692
-  _globals['_PREFILLREPLY']._serialized_end=1748
-  _globals['_RESERVEREQUEST']._serialized_start=1750
-  _globals['_RESERVEREQUEST']._serialized_end=1849
-  _globals['_RESERVEREPLY']._serialized_start=1851
-  _globals['_RESERVEREPLY']._serialized_end=1883
-  _globals['_DECODEREQUEST']._serialized_start=1886
-  _globals['_DECODEREQUEST']._serialized_end=2028
-  _globals['_RELEASEREQUEST']._serialized_start=2030
-  _globals['_RELEASEREQUEST']._serialized_end=2066
-  _globals['_RELEASEREPLY']._serialized_start=2068
-  _globals['_RELEASEREPLY']._serialized_end=2082
-  _globals['_ABORTREQUEST']._serialized_start=2084
-  _globals['_ABORTREQUEST']._serialized_end=2118
-  _globals['_ABORTREPLY']._serialized_start=2120
-  _globals['_ABORTREPLY']._serialized_end=2132
-  _globals['_PAUSEREQUEST']._serialized_start=2134
-  _globals['_PAUSEREQUEST']._serialized_end=2148
-  _globals['_PAUSEREPLY']._serialized_start=2150
-  _globals['_PAUSEREPLY']._serialized_end=2162
-  _globals['_RESUMEREQUEST']._serialized_start=2164
-  _globals['_RESUMEREQUEST']._serialized_end=2179
-  _globals['_RESUMEREPLY']._serialized_start=2181
-  _globals['_RESUMEREPLY']._serialized_end=2194
-  _globals['_LOADREPORT']._serialized_start=2197
-  _globals['_LOADREPORT']._serialized_end=2788
-  _globals['_GETLOADREQUEST']._serialized_start=2790
-  _globals['_GETLOADREQUEST']._serialized_end=2806
-  _globals['_WATCHLOADREQUEST']._serialized_start=2808
-  _globals['_WATCHLOADREQUEST']._serialized_end=2847
-  _globals['_WORKER']._serialized_start=2920
-  _globals['_WORKER']._serialized_end=3744
+  _globals['_SUBMITREQUEST']._serialized_start=1633
+  _globals['_SUBMITREQUEST']._serialized_end=1749
+  _globals['_METADATAENTRY']._serialized_start=1751
+  _globals['_METADATAENTRY']._serialized_end=1794
+  _globals['_SUBMITRESULT']._serialized_start=1796
+  _globals['_SUBMITRESULT']._serialized_end=1917
+  _globals['_PREFILLREQUEST']._serialized_start=1919
+  _globals['_PREFILLREQUEST']._serialized_end=1976
+  _globals['_PREFILLREPLY']._serialized_start=1978
+  _globals['_PREFILLREPLY']._serialized_end=2034
+  _globals['_RESERVEREQUEST']._serialized_start=2036
+  _globals['_RESERVEREQUEST']._serialized_end=2135
+  _globals['_RESERVEREPLY']._serialized_start=2137
+  _globals['_RESERVEREPLY']._serialized_end=2169
+  _globals['_DECODEREQUEST']._serialized_start=2172
+  _globals['_DECODEREQUEST']._serialized_end=2314
+  _globals['_RELEASEREQUEST']._serialized_start=2316
+  _globals['_RELEASEREQUEST']._serialized_end=2352
+  _globals['_RELEASEREPLY']._serialized_start=2354
+  _globals['_RELEASEREPLY']._serialized_end=2368
+  _globals['_ABORTREQUEST']._serialized_start=2370
+  _globals['_ABORTREQUEST']._serialized_end=2404
+  _globals['_ABORTREPLY']._serialized_start=2406
+  _globals['_ABORTREPLY']._serialized_end=2418
+  _globals['_PAUSEREQUEST']._serialized_start=2420
+  _globals['_PAUSEREQUEST']._serialized_end=2434
+  _globals['_PAUSEREPLY']._serialized_start=2436
+  _globals['_PAUSEREPLY']._serialized_end=2448
+  _globals['_RESUMEREQUEST']._serialized_start=2450
+  _globals['_RESUMEREQUEST']._serialized_end=2465
+  _globals['_RESUMEREPLY']._serialized_start=2467
+  _globals['_RESUMEREPLY']._serialized_end=2480
+  _globals['_LOADREPORT']._serialized_start=2483
+  _globals['_LOADREPORT']._serialized_end=3074
+  _globals['_GETLOADREQUEST']._serialized_start=3076
+  _globals['_GETLOADREQUEST']._serialized_end=3092
+  _globals['_WATCHLOADREQUEST']._serialized_start=3094
+  _globals['_WATCHLOADREQUEST']._serialized_end=3133
+  _globals['_WORKER']._serialized_start=3206
+  _globals['_WORKER']._serialized_end=4101
 # @@protoc_insertion_point(module_scope)

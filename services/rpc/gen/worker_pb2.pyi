@@ -161,6 +161,34 @@ class SubmitReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class SubmitRequest(_message.Message):
+    __slots__ = ("request", "metadata")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    request: WorkerGenerateRequest
+    metadata: _containers.RepeatedCompositeFieldContainer[MetadataEntry]
+    def __init__(self, request: _Optional[_Union[WorkerGenerateRequest, _Mapping]] = ..., metadata: _Optional[_Iterable[_Union[MetadataEntry, _Mapping]]] = ...) -> None: ...
+
+class MetadataEntry(_message.Message):
+    __slots__ = ("key", "value")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    value: bytes
+    def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
+
+class SubmitResult(_message.Message):
+    __slots__ = ("request_id", "code", "message", "trailing_metadata")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    TRAILING_METADATA_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    code: int
+    message: str
+    trailing_metadata: _containers.RepeatedCompositeFieldContainer[MetadataEntry]
+    def __init__(self, request_id: _Optional[str] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., trailing_metadata: _Optional[_Iterable[_Union[MetadataEntry, _Mapping]]] = ...) -> None: ...
+
 class PrefillRequest(_message.Message):
     __slots__ = ("spec",)
     SPEC_FIELD_NUMBER: _ClassVar[int]
