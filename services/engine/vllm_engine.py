@@ -141,17 +141,20 @@ class _LoadTracker:
         if self.num_running > 0:
             self._idle_start_s = now_s
 
-    def stepped(self, end_s: float, stats: Any) -> None:
-        """One iteration's outputs, stamped `end_s` by the engine core (CLOCK_MONOTONIC, shared with this process)."""
+    def stepped(self, end_s: float, stats: Any) -> float | None:
+        """One iteration's outputs, stamped `end_s` by the engine core (CLOCK_MONOTONIC, shared with this process);
+        returns the step's duration, None where it could not be timed."""
         details = stats.iteration_details
         if details is None or details.is_dummy:
-            return
+            return None
         start_s = self._last_end_s if self._core_busy else self._idle_start_s
-        if start_s is not None and end_s > start_s:
-            self._record_step(details.num_ctx_tokens, details.num_generation_tokens, end_s - start_s)
+        duration_s = end_s - start_s if start_s is not None and end_s > start_s else None
+        if duration_s is not None:
+            self._record_step(details.num_ctx_tokens, details.num_generation_tokens, duration_s)
         self._last_end_s = end_s
         self._core_busy = stats.num_running_reqs > 0 and not self._paused
         self._idle_start_s = None
+        return duration_s
 
     def _record_step(self, ctx_tokens: int, gen_tokens: int, elapsed_s: float) -> None:
         self.num_steps += 1
@@ -212,6 +215,7 @@ class StepTime:
     # the sampling alone; `_LoadTracker` times steps from `end_s` instead)
     elapsed_s: float
     num_tokens: int  # prefill + decode tokens scheduled
+    duration_s: float | None = None  # the whole step as `_LoadTracker` timed it (None: it could not be timed)
 
 
 def _watch_core(llm: Any, log: collections.deque, tracker: _LoadTracker) -> None:
@@ -228,11 +232,11 @@ def _watch_core(llm: Any, log: collections.deque, tracker: _LoadTracker) -> None
         outputs = await get_output()
         stats = outputs.scheduler_stats
         if stats is not None:
-            tracker.stepped(outputs.timestamp, stats)
+            duration_s = tracker.stepped(outputs.timestamp, stats)
             details = stats.iteration_details
             if details is not None and not details.is_dummy:
                 log.append(StepTime(outputs.timestamp, details.elapsed_ms / 1000.0,
-                                    details.num_ctx_tokens + details.num_generation_tokens))
+                                    details.num_ctx_tokens + details.num_generation_tokens, duration_s))
         return outputs
 
     async def add_request_noted(request):
