@@ -114,16 +114,27 @@ def test_steps_are_timed_from_the_core_clock_not_from_vllms_elapsed():
     assert t.decode_step_time_s == pytest.approx(0.006)
     t.submitted(11.027)  # arrives while the core is busy: the next step starts at the last one's end anyway
     t.stepped(11.061, _stats(running=3, ctx_tokens=256, gen_tokens=2))  # mixed: 35 ms
-    # A token-weighted rate: EMA(tokens) / EMA(seconds), alpha 0.2.
-    assert t.prefill_tokens_per_s == pytest.approx((0.8 * 512 + 0.2 * 256) / (0.8 * 0.020 + 0.2 * 0.035))
-    t.stepped(11.064, _stats(running=3, ctx_tokens=8, gen_tokens=3))  # a tiny chunk: neither rate
+    # The token-weighted median of seconds per prompt token: the 512-token step outweighs the 256-token one.
+    assert t.prefill_tokens_per_s == pytest.approx(512 / 0.020)
+    t.stepped(11.064, _stats(running=3, ctx_tokens=8, gen_tokens=3))  # a tiny chunk: neither estimate
     t.stepped(11.071, _stats(running=0, gen_tokens=3))  # the last step: the core goes idle
-    assert t.decode_step_time_s == pytest.approx(0.8 * 0.006 + 0.2 * 0.007)
+    assert t.decode_step_time_s == pytest.approx((0.006 + 0.007) / 2)
     assert t.num_steps == 5
-    t.stepped(12.500, _stats(running=1, gen_tokens=1))  # after idle, no submission seen: not timed (not 1.4 s)
+    t.stepped(12.500, _stats(running=0, gen_tokens=1))  # after idle, no submission seen: not timed (not 1.4 s)
     assert t.num_steps == 5
     t.stepped(12.507, _stats(running=1, gen_tokens=1, dummy=True))  # dummy iterations are ignored
     assert t.num_steps == 5
+    # One slow step (a host pause, a first step's set-up) among usual ones does not move either estimate.
+    for start in (13.0, 14.0, 15.0):
+        t.submitted(start)
+        t.stepped(start + (0.5 if start == 14.0 else 0.020), _stats(running=1, ctx_tokens=512))
+        t.stepped(start + (0.5 if start == 14.0 else 0.020) + 0.006, _stats(running=0, gen_tokens=1))
+    assert t.prefill_tokens_per_s == pytest.approx(512 / 0.020)
+    assert t.decode_step_time_s == pytest.approx(0.006)
+    t.age(15.026 + 29.0)  # idle, but not for long: kept
+    assert t.decode_step_time_s == pytest.approx(0.006)
+    t.age(15.026 + 31.0)  # idle past the staleness limit: dropped (the router falls back to its cost model)
+    assert (t.prefill_tokens_per_s, t.decode_step_time_s) == (0.0, 0.0)
 
 
 def test_a_paused_engine_gap_is_not_a_step():
@@ -139,7 +150,7 @@ def test_a_paused_engine_gap_is_not_a_step():
     t.resumed(3.0)  # two seconds paused
     t.stepped(3.004, _stats(running=1, gen_tokens=1))  # timed from the resume: 4 ms, not 2 s
     t.stepped(3.009, _stats(running=1, gen_tokens=1))
-    assert t.decode_step_time_s == pytest.approx(0.8 * 0.004 + 0.2 * 0.005)
+    assert t.decode_step_time_s == pytest.approx((0.004 + 0.005) / 2)
 
 
 # ---------------------------------------------------------------- fixtures: model, reference, engines

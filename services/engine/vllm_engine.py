@@ -39,6 +39,7 @@ import contextlib
 import json
 import math
 import os
+import statistics
 import tempfile
 import threading
 import time
@@ -55,7 +56,13 @@ from octoserve.services.engine.vllm_kv import KvTransfer
 
 TIER_STRIDE = 1000  # priority units per tier: larger than any deadline offset
 DEADLINE_BUCKET_MS = 10.0
-_EMA_ALPHA = 0.2  # weight of the newest step in the timing estimates
+# The timing estimates are medians over the last steps of each kind: one slow step (a first step's one-off set-up,
+# a pause of the host) must not move them, because a pessimistic estimate makes the router refuse the requests
+# whose steps would correct it.
+_TIMED_STEPS_KEPT = 15
+# An idle engine's timings this old are dropped (the router then predicts from its cost model until steps are timed
+# again): estimates from a slow spell must not refuse, for good, the requests that would measure the engine anew.
+_TIMINGS_STALE_S = 30.0
 _MIN_PREFILL_TOKENS_FOR_RATE = 16  # smaller prefill chunks are dominated by per-step overhead
 _RECENT_REQUESTS = 64  # finished requests behind `mean_output_tokens`
 _STEPS_KEPT = 100_000  # the step log's length (a few minutes of CPU steps)
@@ -113,10 +120,10 @@ class _LoadTracker:
         self._core_busy = False  # that step left requests running: the next one starts at its end
         self._idle_start_s: float | None = None  # the first request handed to the idle core since
         self._paused = False
-        # Prefill rate = EMA(prompt tokens of a step) / EMA(its duration): a long step weighs more than the short
-        # tail chunk of a prompt, whose decodes would otherwise read as a slow prefill.
-        self._prefill_tokens = 0.0
-        self._prefill_time_s = 0.0
+        # Prefill steps as (seconds per prompt token, prompt tokens); the rate is their token-weighted median, so a
+        # long step weighs more than a prompt's short tail chunk, whose decodes would otherwise read as a slow prefill.
+        self._prefill_steps: collections.deque[tuple[float, int]] = collections.deque(maxlen=_TIMED_STEPS_KEPT)
+        self._decode_steps: collections.deque[float] = collections.deque(maxlen=_TIMED_STEPS_KEPT)
 
     def record(self, stats: Any) -> None:
         self.num_running = stats.num_running_reqs
@@ -159,15 +166,36 @@ class _LoadTracker:
     def _record_step(self, ctx_tokens: int, gen_tokens: int, elapsed_s: float) -> None:
         self.num_steps += 1
         if ctx_tokens >= _MIN_PREFILL_TOKENS_FOR_RATE:
-            self._prefill_tokens = _ema(self._prefill_tokens, float(ctx_tokens))
-            self._prefill_time_s = _ema(self._prefill_time_s, elapsed_s)
-            self.prefill_tokens_per_s = self._prefill_tokens / self._prefill_time_s
+            self._prefill_steps.append((elapsed_s / ctx_tokens, ctx_tokens))
+            self.prefill_tokens_per_s = 1.0 / _weighted_median(self._prefill_steps)
         elif ctx_tokens == 0 and gen_tokens > 0:
-            self.decode_step_time_s = _ema(self.decode_step_time_s, elapsed_s)
+            self._decode_steps.append(elapsed_s)
+            self.decode_step_time_s = statistics.median(self._decode_steps)
+
+    def age(self, now_s: float) -> None:
+        """Drops the timings of an engine that has run no step for `_TIMINGS_STALE_S` (see there)."""
+        if (not self._core_busy and self._last_end_s is not None and now_s - self._last_end_s > _TIMINGS_STALE_S
+                and (self._prefill_steps or self._decode_steps)):
+            self.forget_timings()
+
+    def forget_timings(self) -> None:
+        """Drop the timed steps (the warm-up's first step carries the engine's one-off set-up)."""
+        self._prefill_steps.clear()
+        self._decode_steps.clear()
+        self.prefill_tokens_per_s = 0.0
+        self.decode_step_time_s = 0.0
 
 
-def _ema(old: float, new: float) -> float:
-    return new if old == 0.0 else (1 - _EMA_ALPHA) * old + _EMA_ALPHA * new
+def _weighted_median(samples) -> float:
+    """The value at which the (value, weight) samples' cumulative weight reaches half of the total."""
+    ordered = sorted(samples)
+    half = sum(w for _, w in ordered) / 2.0
+    seen = 0.0
+    for value, weight in ordered:
+        seen += weight
+        if seen >= half:
+            return value
+    return ordered[-1][0]
 
 
 def _stat_logger_factory(tracker: _LoadTracker):
@@ -429,12 +457,18 @@ class VllmEngine:
         # Per-instance tokens: a prefill and a decode engine warming up at once on one shared example-connector
         # folder must not find each other's half-written KV.
         salt = zlib.crc32(self.instance_id.encode()) % 991
-        prompt = tuple((i * 7919 + 13 + salt) % 997 + 3 for i in range(n))
         params = vllm_sampling_params(SamplingParams(max_tokens=4, ignore_eos=True))
-        async for _ in self._llm.generate(_tokens(prompt), params, f"{self.instance_id}-warmup", priority=0):
-            pass
+        # Twice, on two prompts (the second must be computed, not found in a cache): the first steps after start
+        # carry one-off set-up (allocations, kernel selection), so only the second run's steps are kept.
+        prompts = [tuple((i * 7919 + 13 + salt + 101 * run) % 997 + 3 for i in range(n)) for run in range(2)]
+        for run, prompt in enumerate(prompts):
+            async for _ in self._llm.generate(_tokens(prompt), params, f"{self.instance_id}-warmup-{run}", priority=0):
+                pass
+            if run == 0:
+                self._tracker.forget_timings()
         if self._kv is not None and self._kv.connector == vllm_kv.EXAMPLE:
-            vllm_kv.remove_example_kv(vllm_kv.example_kv_folder(self._kv.storage_path, prompt, self._block_size))
+            for prompt in prompts:
+                vllm_kv.remove_example_kv(vllm_kv.example_kv_folder(self._kv.storage_path, prompt, self._block_size))
         await self._llm.reset_prefix_cache()
 
     async def stop(self, timeout_s: float | None = None) -> None:
@@ -608,6 +642,7 @@ class VllmEngine:
 
     def load(self) -> EngineLoad:
         t = self._tracker
+        t.age(time.monotonic())
         return EngineLoad(
             instance_id=self.instance_id, model=self.model, role=self.role,
             num_running=t.num_running, num_waiting=t.num_waiting,
