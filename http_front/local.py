@@ -22,6 +22,8 @@ import grpc
 import grpc.aio
 from aiohttp import web
 
+from octoserve.services.rpc.status import rpc_error
+
 
 class _Abort(Exception):
     def __init__(self, code: grpc.StatusCode, details: str, trailing_metadata) -> None:
@@ -49,10 +51,6 @@ class _Context:
         raise _Abort(code, details, trailing_metadata)
 
 
-def _rpc_error(code: grpc.StatusCode, details: str, trailing=()) -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(*trailing), details)
-
-
 class LocalCall:
     def __init__(self, servicer, request, timeout: float | None, metadata) -> None:
         self._deadline_s = None if timeout is None else time.monotonic() + timeout
@@ -69,10 +67,10 @@ class LocalCall:
             return grpc.aio.EOF
         except _Abort as e:
             self._done = True
-            raise _rpc_error(e.code, e.details, e.trailing_metadata) from None
+            raise rpc_error(e.code, e.details, e.trailing_metadata) from None
         except TimeoutError:
             self._done = True
-            raise _rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+            raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
 
     def cancel(self) -> None:
         if not self._done:
@@ -94,7 +92,7 @@ class LocalGeneration:
         try:
             return await self.servicer.ListModels(request, _Context(metadata, None))
         except _Abort as e:
-            raise _rpc_error(e.code, e.details, e.trailing_metadata) from None
+            raise rpc_error(e.code, e.details, e.trailing_metadata) from None
 
 
 async def serve_inside(servicer, port: int, model: str | None, models_root: str | None, grace_s: float,

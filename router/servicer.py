@@ -62,7 +62,6 @@ log = logging.getLogger("octoserve.router")
 
 DEFAULT_MAX_PENDING_DELTAS = 1024
 RESERVE_TTL_MS = 10_000
-_CODE_BY_VALUE = {c.value[0]: c for c in grpc.StatusCode}
 
 
 class RequestState:
@@ -351,7 +350,7 @@ class GenerationServicer(gen_grpc.GenerationServicer):
         tokens: list[int] = []
         for d in deltas:
             if d.error_code:
-                st.fail(rpc_status.RpcStatus(_CODE_BY_VALUE.get(d.error_code, grpc.StatusCode.INTERNAL), d.error_message))
+                st.fail(rpc_status.RpcStatus(rpc_status.CODE_BY_VALUE.get(d.error_code, grpc.StatusCode.INTERNAL), d.error_message))
                 break
             ids = d.token_ids  # one upb container lookup: field access is the cost on this path
             num_ids = len(ids)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import grpc
+import grpc.aio
 from google.protobuf import duration_pb2
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
@@ -55,6 +56,14 @@ class RpcStatus:
     code: grpc.StatusCode
     message: str
     trailing_metadata: tuple[tuple[str, str | bytes], ...] = ()
+
+
+CODE_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}  # a status code's wire value -> grpc.StatusCode
+
+
+def rpc_error(code: grpc.StatusCode, details: str, trailing=()) -> grpc.aio.AioRpcError:
+    """The error a grpc.aio call raises, for a status answered some other way (a stream's message, in-process)."""
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(*trailing), details)
 
 
 def status_for(error: Exception) -> RpcStatus:

@@ -26,11 +26,9 @@ import grpc
 import grpc.aio
 
 from octoserve.services.rpc.gen import worker_pb2 as w_pb
+from octoserve.services.rpc.status import CODE_BY_VALUE, rpc_error
 
 log = logging.getLogger("octoserve.rpc.submit")
-
-_CODE_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
-
 
 def metadata_entries(metadata: Sequence[tuple[str, str | bytes]] | None) -> list[w_pb.MetadataEntry]:
     return [w_pb.MetadataEntry(key=k, value=v if isinstance(v, bytes) else v.encode()) for k, v in metadata or ()]
@@ -109,10 +107,6 @@ async def serve_submit(generate: Callable[..., Awaitable], requests: AsyncIterat
 # ---- router side ---------------------------------------------------------------------------------------------------
 
 
-def _rpc_error(code: grpc.StatusCode, details: str, trailing=()) -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(*trailing), details)
-
-
 class SubmitStream:
     """One worker's Submit stream, as the router uses it: `await submit(request, metadata, timeout_s)`."""
 
@@ -148,7 +142,7 @@ class SubmitStream:
             try:
                 await asyncio.wait_for(asyncio.shield(waiter), timeout_s)
             except TimeoutError:
-                raise _rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+                raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
         except grpc.aio.AioRpcError as e:
             if e.code() is grpc.StatusCode.UNIMPLEMENTED and not self.unary:
                 self.unary = True  # an older worker: the unary call, from now on
@@ -174,19 +168,19 @@ class SubmitStream:
                 if result.code == 0:
                     waiter.set_result(None)
                 else:
-                    code = _CODE_BY_VALUE.get(result.code, grpc.StatusCode.UNKNOWN)
-                    waiter.set_exception(_rpc_error(code, result.message, metadata_pairs(result.trailing_metadata)))
+                    code = CODE_BY_VALUE.get(result.code, grpc.StatusCode.UNKNOWN)
+                    waiter.set_exception(rpc_error(code, result.message, metadata_pairs(result.trailing_metadata)))
         except grpc.aio.AioRpcError as e:
             error = e
         except asyncio.CancelledError:
-            error = _rpc_error(grpc.StatusCode.CANCELLED, "the router closed the submit stream")
+            error = rpc_error(grpc.StatusCode.CANCELLED, "the router closed the submit stream")
         finally:
             if self._call is call:
                 self._call = None
             if error is None:
-                error = _rpc_error(grpc.StatusCode.UNAVAILABLE, f"{self._instance_id} ended the submit stream")
+                error = rpc_error(grpc.StatusCode.UNAVAILABLE, f"{self._instance_id} ended the submit stream")
             elif error.code() not in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.CANCELLED):
-                error = _rpc_error(grpc.StatusCode.UNAVAILABLE, error.details() or "connection lost",
+                error = rpc_error(grpc.StatusCode.UNAVAILABLE, error.details() or "connection lost",
                                    tuple(error.trailing_metadata() or ()))
             for waiter, on_call in list(self._waiting.values()):
                 if on_call is call and not waiter.done():
