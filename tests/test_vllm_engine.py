@@ -131,9 +131,9 @@ def test_steps_are_timed_from_the_core_clock_not_from_vllms_elapsed():
         t.stepped(start + (0.5 if start == 14.0 else 0.020) + 0.006, _stats(running=0, gen_tokens=1))
     assert t.prefill_tokens_per_s == pytest.approx(512 / 0.020)
     assert t.decode_step_time_s == pytest.approx(0.006)
-    t.age(15.026 + 29.0)  # idle, but not for long: kept
+    t.age(15.026 + 4.9)  # idle, but not for long: kept
     assert t.decode_step_time_s == pytest.approx(0.006)
-    t.age(15.026 + 31.0)  # idle past the staleness limit: dropped (the router falls back to its cost model)
+    t.age(15.026 + 5.1)  # idle past the staleness limit: dropped (the router falls back to its cost model)
     assert (t.prefill_tokens_per_s, t.decode_step_time_s) == (0.0, 0.0)
 
 

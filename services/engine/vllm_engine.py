@@ -61,8 +61,11 @@ DEADLINE_BUCKET_MS = 10.0
 # whose steps would correct it.
 _TIMED_STEPS_KEPT = 15
 # An idle engine's timings this old are dropped (the router then predicts from its cost model until steps are timed
-# again): estimates from a slow spell must not refuse, for good, the requests that would measure the engine anew.
-_TIMINGS_STALE_S = 30.0
+# again): a refused request runs no step, so estimates from a slow spell of the host would otherwise refuse the
+# requests that would measure the engine anew for as long as they are kept. Short, because the gpu check's dry
+# run on a CI machine saw a warm-up timed while the machine was busy refuse every request that followed.
+_TIMINGS_STALE_S = 5.0
+_WARMUP_RUNS_KEPT = 3  # warm-up prompts whose steps are kept, after one whose steps are not
 _MIN_PREFILL_TOKENS_FOR_RATE = 16  # smaller prefill chunks are dominated by per-step overhead
 _RECENT_REQUESTS = 64  # finished requests behind `mean_output_tokens`
 _STEPS_KEPT = 100_000  # the step log's length (a few minutes of CPU steps)
@@ -458,9 +461,11 @@ class VllmEngine:
         # folder must not find each other's half-written KV.
         salt = zlib.crc32(self.instance_id.encode()) % 991
         params = vllm_sampling_params(SamplingParams(max_tokens=4, ignore_eos=True))
-        # Twice, on two prompts (the second must be computed, not found in a cache): the first steps after start
-        # carry one-off set-up (allocations, kernel selection), so only the second run's steps are kept.
-        prompts = [tuple((i * 7919 + 13 + salt + 101 * run) % 997 + 3 for i in range(n)) for run in range(2)]
+        # On distinct prompts (each must be computed, not found in a cache): the first run's steps carry one-off
+        # set-up (allocations, kernel selection) and are forgotten; the next runs' are kept, so the estimates the
+        # first requests are admitted on are medians of three prefills, not one step a busy host may have slowed.
+        prompts = [tuple((i * 7919 + 13 + salt + 101 * run) % 997 + 3 for i in range(n))
+                   for run in range(1 + _WARMUP_RUNS_KEPT)]
         for run, prompt in enumerate(prompts):
             async for _ in self._llm.generate(_tokens(prompt), params, f"{self.instance_id}-warmup-{run}", priority=0):
                 pass
