@@ -19,6 +19,7 @@ writes its stage stamps as in scripts/ttft_layers.py.
 13-20 ms), more than the router adds, so a comparison of one side's run with the other's is mostly noise. This mode
 starts both servers at once (each engine tree on core 0, idle between requests), sends rounds of three requests,
 one per path (vLLM, worker direct, router), and reports each path's P50 and the per-round differences.
+`--paths vllm,router` leaves the worker-direct path (a diagnostic) out of the rounds.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ sys.path.insert(0, str(REPO_ROOT / "scripts"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from pinning import ENGINE_CORE, OTHER_CORE, pin_self, pin_tree, tree_pids  # noqa: E402,F401  (one place)
+
+
+PATHS = ("vllm", "worker", "router")  # a round of --together, in order
 
 
 def summary(name: str, xs: list[float]) -> str:
@@ -88,9 +92,9 @@ def run_node(model: Path, n: int, run_dir: Path) -> tuple[list[float], list[floa
         node.stop()
 
 
-async def together_ttfts(port: int, node, n: int) -> dict[str, list[float]]:
-    """Rounds of three isolated requests, one per path, in turn: vLLM's server, the worker direct, the router. The
-    first two rounds are dropped; each round's three TTFTs are kept together (index i of every list)."""
+async def together_ttfts(port: int, node, n: int, paths: tuple[str, ...] = PATHS) -> dict[str, list[float]]:
+    """Rounds of isolated requests, one per path, in turn (vLLM's server, the worker direct, the router, or those
+    of `paths`). The first two rounds are dropped; each round's TTFTs are kept together (index i of every list)."""
     import aiohttp
     from bench_vllm_vs_octoserve import Req, _vllm_one
     from ttft_layers import GAP_S, MODEL_NAME, OUT_LEN, DirectWorker, prompts
@@ -100,11 +104,12 @@ async def together_ttfts(port: int, node, n: int) -> dict[str, list[float]]:
     direct = DirectWorker(node.workers["tiny-0"].address)
     await direct.start()
     client = AsyncClient(node.router_address)
-    out: dict[str, list[float]] = {"vllm": [], "worker": [], "router": []}
+    out: dict[str, list[float]] = {path: [] for path in paths}
+    k = len(paths)
     try:
         async with aiohttp.ClientSession() as session:
-            for i, p in enumerate(prompts(4, 3 * (n + 2))):
-                path = ("vllm", "worker", "router")[i % 3]
+            for i, p in enumerate(prompts(4, k * (n + 2))):
+                path = paths[i % k]
                 if path == "vllm":
                     t0 = time.monotonic()
                     o = await _vllm_one(session, port, Req(f"r{i}", 0.0, p, OUT_LEN), t0, 30.0)
@@ -117,7 +122,7 @@ async def together_ttfts(port: int, node, n: int) -> dict[str, list[float]]:
                                                        timeout_s=30.0):
                         if t is None and chunk.token_ids:
                             t = time.perf_counter() - t0
-                if i >= 6:
+                if i >= 2 * k:
                     if t is None:
                         raise RuntimeError(f"{path} request {i} streamed no token")
                     out[path].append(t)
@@ -128,7 +133,7 @@ async def together_ttfts(port: int, node, n: int) -> dict[str, list[float]]:
     return out
 
 
-def run_together(model: Path, n: int, run_dir: Path) -> dict[str, list[float]]:
+def run_together(model: Path, n: int, run_dir: Path, paths: tuple[str, ...] = PATHS) -> dict[str, list[float]]:
     """vLLM's server and the node up at once, every engine tree on core 0 (both engines idle between requests),
     the requests of the three paths interleaved: the paths meet the same moments of the shared machine."""
     from bench_openai_peer import free_port
@@ -148,7 +153,7 @@ def run_together(model: Path, n: int, run_dir: Path) -> dict[str, list[float]]:
         r = pin_tree(node.router.proc.pid, OTHER_CORE) + pin_tree(node.scheduler.proc.pid, OTHER_CORE)
         print(f"together: pinned {e} engine-tree threads (both) to core {ENGINE_CORE}, {r} router/scheduler threads "
               f"to core {OTHER_CORE}", flush=True)
-        return asyncio.run(together_ttfts(port, node, n))
+        return asyncio.run(together_ttfts(port, node, n, paths))
     finally:
         if node is not None:
             node.stop()
@@ -156,16 +161,18 @@ def run_together(model: Path, n: int, run_dir: Path) -> dict[str, list[float]]:
 
 
 def paired_report(ttfts: dict[str, list[float]]) -> str:
-    v, w, r = ttfts["vllm"], ttfts["worker"], ttfts["router"]
+    v, w, r = ttfts["vllm"], ttfts.get("worker"), ttfts["router"]
     p50 = statistics.median
-    return "\n".join([
-        summary("vLLM OpenAI server (pinned core 0)", v),
-        summary("(3) worker gRPC (Attach+Generate)", w),
-        summary("(4) router (client stream)", r),
-        f"   P50 router / vLLM {p50(r) / p50(v):.3f}, worker / vLLM {p50(w) / p50(v):.3f}; per round (same moment): "
-        f"median router - vLLM {p50([b - a for a, b in zip(v, r)]) * 1e3:+.2f} ms, router - worker "
-        f"{p50([b - a for a, b in zip(w, r)]) * 1e3:+.2f} ms",
-    ])
+    lines = [summary("vLLM OpenAI server (pinned core 0)", v)]
+    if w is not None:
+        lines.append(summary("(3) worker gRPC (Attach+Generate)", w))
+    lines.append(summary("(4) router (client stream)", r))
+    ratios = f"   P50 router / vLLM {p50(r) / p50(v):.3f}"
+    rounds = f"median router - vLLM {p50([b - a for a, b in zip(v, r)]) * 1e3:+.2f} ms"
+    if w is not None:
+        ratios += f", worker / vLLM {p50(w) / p50(v):.3f}"
+        rounds += f", router - worker {p50([b - a for a, b in zip(w, r)]) * 1e3:+.2f} ms"
+    return "\n".join([*lines, f"{ratios}; per round (same moment): {rounds}"])
 
 
 STAGES = ("send", "recv", "engine_call", "engine_first", "flush", "attach_yield", "client_first")
@@ -192,6 +199,8 @@ def main() -> int:
     ap.add_argument("--sides", default="vllm,node")
     ap.add_argument("--together", action="store_true",
                     help="both servers up at once, the three paths' requests interleaved (ignores --sides)")
+    ap.add_argument("--paths", default=",".join(PATHS),
+                    help="--together: the paths of a round, in order (vllm and router at least; worker optional)")
     ap.add_argument("--model", type=Path, default=Path(tempfile.gettempdir()) / "octoserve-tiny-llama")
     args = ap.parse_args()
     if not (args.model / "config.json").exists():
@@ -202,7 +211,10 @@ def main() -> int:
     run_dir = Path(tempfile.mkdtemp(prefix="octoserve-ttft-pinned-"))
     if args.together:
         load = os.getloadavg()[0]
-        print(paired_report(run_together(args.model, args.n, run_dir)))
+        paths = tuple(x for x in args.paths.split(",") if x)
+        if not {"vllm", "router"} <= set(paths) <= set(PATHS) or len(set(paths)) != len(paths):
+            ap.error(f"--paths: vllm and router, and worker if wanted, each once (got {args.paths!r})")
+        print(paired_report(run_together(args.model, args.n, run_dir, paths)))
         print(f"   load average at start {load:.1f}, at end {os.getloadavg()[0]:.1f}", flush=True)
         return 0
     for side in args.sides.split(","):
