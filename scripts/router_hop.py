@@ -6,8 +6,8 @@ Starts `services/configs/tiny-vllm.yaml` on the sim engine (no vLLM: the engine'
 what differs between the paths is octoserve's), the worker's process tree on core 0, the router, the scheduler and
 this client on core 1 (scripts/pinning.py). Then, `--runs` times, rounds of two isolated requests in turn: straight
 to the worker's gRPC API (Attach + Generate, as scripts/ttft_layers.py sends them) and through the router with the
-SDK; fresh random 256-token prompts, 16 tokens, 0.1 s apart, the first three rounds dropped. Prints each path's P50
-and the router's added P50. Run it on two builds (a checkout of each) to compare them.
+SDK; fresh random 256-token prompts, 16 tokens, 0.1 s apart (`--gap-s`), the first three rounds dropped. Prints each
+path's P50 and the router's added P50. Run it on two builds (a checkout of each) to compare them.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import asyncio
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -26,12 +25,12 @@ sys.path.insert(0, str(REPO_ROOT / "scripts"))
 
 from pinning import ENGINE_CORE, OTHER_CORE, pin_self, pin_tree  # noqa: E402
 
-GAP_S = 0.1
+GAP_S = 0.1  # default seconds between requests
 DROPPED_ROUNDS = 3
 
 
-async def one_run(node, n: int, seed: int) -> tuple[list[float], list[float]]:
-    from ttft_layers import MODEL_NAME, OUT_LEN, DirectWorker, prompts
+async def one_run(node, n: int, seed: int, gap_s: float = GAP_S) -> tuple[list[float], list[float]]:
+    from ttft_layers import DirectWorker, prompts, router_ttft_s
 
     from octoserve.client import AsyncClient
 
@@ -44,14 +43,10 @@ async def one_run(node, n: int, seed: int) -> tuple[list[float], list[float]]:
             if i % 2 == 0:
                 t = await direct.ttft_s(p)
             else:
-                t0, t = time.perf_counter(), None
-                async for chunk in client.generate(MODEL_NAME, list(p), max_tokens=OUT_LEN, ignore_eos=True,
-                                                   timeout_s=30.0):
-                    if t is None and chunk.token_ids:
-                        t = time.perf_counter() - t0
+                t = await router_ttft_s(client, p)
             if i >= 2 * DROPPED_ROUNDS:
                 (worker_t if i % 2 == 0 else router_t).append(t)
-            await asyncio.sleep(GAP_S)
+            await asyncio.sleep(gap_s)
     finally:
         await direct.close()
         await client.close()
@@ -62,6 +57,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=40, help="requests a path in each run")
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--gap-s", type=float, default=GAP_S, help="seconds between requests (the caches cool with it)")
     args = ap.parse_args()
     from ttft_layers import CONFIG
 
@@ -74,7 +70,8 @@ def main() -> int:
             pin_tree(service.proc.pid, OTHER_CORE)
         pin_self(OTHER_CORE)
         for run in range(1, args.runs + 1):
-            worker_t, router_t = asyncio.run(one_run(node, args.n, seed=100 + run))  # new prompts: no prefix hits
+            # New prompts each run: no prefix hits.
+            worker_t, router_t = asyncio.run(one_run(node, args.n, seed=100 + run, gap_s=args.gap_s))
             w, r = statistics.median(worker_t) * 1e3, statistics.median(router_t) * 1e3
             print(f"run {run}: worker direct P50 {w:.2f} ms, through the router P50 {r:.2f} ms, router adds "
                   f"{r - w:+.2f} ms (n={len(worker_t)} a path)", flush=True)

@@ -133,6 +133,16 @@ class DirectWorker:
         await self.channel.close()
 
 
+async def router_ttft_s(client, prompt) -> float | None:
+    """One isolated request through the router with the SDK (`client`: an AsyncClient): seconds from the call to
+    the first chunk with tokens, None if none came; the stream is read to its end."""
+    t0, first = time.perf_counter(), None
+    async for chunk in client.generate(MODEL_NAME, list(prompt), max_tokens=OUT_LEN, ignore_eos=True, timeout_s=30.0):
+        if first is None and chunk.token_ids:
+            first = time.perf_counter() - t0
+    return first
+
+
 async def node_ttfts(node, n: int) -> tuple[list[float], list[float]]:
     """TTFTs (s) of `n` requests sent straight to the worker's gRPC API and `n` through the router, alternately
     (the first two of each kind dropped)."""
@@ -148,12 +158,7 @@ async def node_ttfts(node, n: int) -> tuple[list[float], list[float]]:
                 t = await direct.ttft_s(p)
                 (worker_t if i >= 4 else []).append(t)
             else:
-                t0 = time.perf_counter()
-                first = None
-                async for chunk in client.generate(MODEL_NAME, list(p), max_tokens=OUT_LEN, ignore_eos=True,
-                                                   timeout_s=30.0):
-                    if first is None and chunk.token_ids:
-                        first = time.perf_counter() - t0
+                first = await router_ttft_s(client, p)
                 (router_t if i >= 4 else []).append(first)
             await asyncio.sleep(GAP_S)
     finally:

@@ -97,7 +97,7 @@ async def together_ttfts(port: int, node, n: int, paths: tuple[str, ...] = PATHS
     of `paths`). The first two rounds are dropped; each round's TTFTs are kept together (index i of every list)."""
     import aiohttp
     from bench_vllm_vs_octoserve import Req, _vllm_one
-    from ttft_layers import GAP_S, MODEL_NAME, OUT_LEN, DirectWorker, prompts
+    from ttft_layers import GAP_S, OUT_LEN, DirectWorker, prompts, router_ttft_s
 
     from octoserve.client import AsyncClient
 
@@ -117,11 +117,7 @@ async def together_ttfts(port: int, node, n: int, paths: tuple[str, ...] = PATHS
                 elif path == "worker":
                     t = await direct.ttft_s(p)
                 else:
-                    t0, t = time.perf_counter(), None
-                    async for chunk in client.generate(MODEL_NAME, list(p), max_tokens=OUT_LEN, ignore_eos=True,
-                                                       timeout_s=30.0):
-                        if t is None and chunk.token_ids:
-                            t = time.perf_counter() - t0
+                    t = await router_ttft_s(client, p)
                 if i >= 2 * k:
                     if t is None:
                         raise RuntimeError(f"{path} request {i} streamed no token")

@@ -245,7 +245,7 @@ class TestColocated:
         assert len({tuple(r) for r in reference}) == len(PROMPTS)  # the tiny model is not degenerate
         assert all(len(set(r)) > MAX_TOKENS // 2 for r in reference)
 
-    async def test_the_warm_up_times_four_prompts_and_keeps_the_last_three(self, colocated):
+    async def test_the_warm_up_runs_four_prompts_each_prefill_timed_whole(self, colocated):
         # The step log keeps every step since start: the warm-up's come first, a 256-token prefill and three
         # one-token decodes per prompt, one prompt after another.
         warm_up = list(colocated.step_log)[:16]

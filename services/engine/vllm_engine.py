@@ -62,8 +62,8 @@ DEADLINE_BUCKET_MS = 10.0
 _TIMED_STEPS_KEPT = 15
 # An idle engine's timings this old are dropped (the router then predicts from its cost model until steps are timed
 # again): a refused request runs no step, so estimates from a slow spell of the host would otherwise refuse the
-# requests that would measure the engine anew for as long as they are kept. Short, because the gpu check's dry
-# run on a CI machine saw a warm-up timed while the machine was busy refuse every request that followed.
+# requests that would measure the engine anew for as long as they are kept. Short: a shared host's slow spells last
+# seconds, and after 5 s without a step the cost model's prediction is the better guess.
 _TIMINGS_STALE_S = 5.0
 _WARMUP_RUNS_KEPT = 3  # warm-up prompts whose steps are kept, after one whose steps are not
 _MIN_PREFILL_TOKENS_FOR_RATE = 16  # smaller prefill chunks are dominated by per-step overhead
